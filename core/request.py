@@ -1,0 +1,167 @@
+"""`Request`, its status machine and finish reasons (vLLM v1 `request.py`)."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Callable, Optional
+
+from core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Order matters: every status after PREEMPTED is a finished one."""
+    WAITING = enum.auto()
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    WAITING_FOR_STREAMING_REQ = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+    FINISHED_REPETITION = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> Optional["FinishReason"]:
+        return _FINISHED_REASON_MAP.get(status)
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    REPETITION = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+_FINISHED_REASON_MAP = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_REPETITION: FinishReason.REPETITION,
+}
+
+BlockHasher = Callable[["Request"], list[bytes]]
+
+
+class Request:
+    __slots__ = (
+        "request_id", "client_index", "priority", "arrival_time", "sampling_params", "max_tokens",
+        "prompt_token_ids", "num_prompt_tokens", "_output_token_ids", "_all_token_ids", "status",
+        "num_computed_tokens", "block_hashes", "_block_hasher", "cache_salt", "lora_request",
+        "skip_reading_prefix_cache", "stop_reason", "num_preemptions", "is_prefill_chunk",
+        "num_output_placeholders", "num_in_flight_tokens", "num_stale_output_tokens",
+        "num_cached_tokens", "parent_id", "events", "__weakref__",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+        block_hasher: Optional[BlockHasher] = None,
+        lora_request: Any = None,
+        client_index: int = 0,
+        parent_id: Optional[str] = None,
+    ) -> None:
+        if sampling_params is None:
+            raise ValueError("sampling_params: a Request needs SamplingParams")
+        if sampling_params.max_tokens is None:
+            raise ValueError(f"max_tokens: request {request_id} has max_tokens=None; the front end "
+                             "must set it (max_model_len - prompt_len) before scheduling")
+        self.request_id = request_id
+        self.client_index = client_index
+        self.priority = priority
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.sampling_params = sampling_params
+        self.max_tokens = sampling_params.max_tokens
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        self.skip_reading_prefix_cache = bool(sampling_params.skip_reading_prefix_cache)
+        self.stop_reason: Optional[int | str] = None
+        self.num_preemptions = 0
+        self.is_prefill_chunk = False
+        self.num_output_placeholders = 0  # async scheduling: tokens sampled but not yet returned
+        self.num_in_flight_tokens = 0
+        self.num_stale_output_tokens = 0
+        self.num_cached_tokens = -1  # prefix hit at first admission
+        self.parent_id = parent_id
+        self.events: list[tuple[str, float]] = []
+        self.block_hashes: list[bytes] = []
+        self._block_hasher = block_hasher
+        if block_hasher is not None:
+            self.block_hashes.extend(block_hasher(self))
+
+    # -- tokens ------------------------------------------------------------------------------
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            self._output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            new = self._block_hasher(self)
+            if new:
+                self.block_hashes.extend(new)
+
+    # -- status ------------------------------------------------------------------------------
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> Optional[FinishReason]:
+        return _FINISHED_REASON_MAP.get(self.status)
+
+    def __lt__(self, other: "Request") -> bool:
+        """Priority-queue order: priority, then arrival time, then id (vLLM)."""
+        if self.priority != other.priority:
+            return self.priority < other.priority
+        if self.arrival_time != other.arrival_time:
+            return self.arrival_time < other.arrival_time
+        if self.request_id != other.request_id:
+            return self.request_id < other.request_id
+        return id(self) < id(other)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,482 @@
+"""The scheduler: vLLM 0.33.0's `Scheduler.schedule()` / `update_from_output()` (spec sections 2-3).
+
+There is no prefill or decode phase: each request has `num_computed_tokens` (C) and `num_tokens` (N)
+and every step hands out tokens so that C catches up. Running requests first (admission order), then
+waiting ones (only in a step without preemption). `async_scheduling=True` adds vLLM's one-step
+run-ahead: output placeholders for tokens sampled but not yet returned (spec 2.10).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from core.config import CacheConfig, SchedulerConfig
+from core.hashing import get_hash_fn_by_name, get_request_block_hasher
+from core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from core.kv_sizing import cdiv
+from core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                          SchedulerOutput)
+from core.request import Request, RequestStatus
+from core.request_queue import SchedulingPolicy, create_request_queue
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_skipped_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    num_preempted_reqs: int = 0  # preemptions since the previous make_stats()
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """0.33 order: EOS, stop token ids, length caps, then the min_tokens gate (spec 3.1)."""
+    sp = request.sampling_params
+    last = request._output_token_ids[-1]
+    if last == sp._eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if sp.stop_token_ids and last in sp.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    if len(request._all_token_ids) >= max_model_len or len(request._output_token_ids) >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+class UnservableRequestError(ValueError):
+    """A request that could never fit the KV pool (vLLM would block its queue forever)."""
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 log_stats: bool = True) -> None:
+        if cache_config.num_gpu_blocks is None:
+            raise ValueError("num_gpu_blocks: the KV pool size must be known before building the scheduler")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_active_reqs = scheduler_config.max_num_active_seqs or scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_scheduled_tokens
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.policy = scheduler_config.scheduling_policy
+        self.async_scheduling = scheduler_config.async_scheduling
+        self.log_stats = log_stats
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks=cache_config.num_gpu_blocks, block_size=cache_config.block_size,
+            max_model_len=self.max_model_len, enable_caching=cache_config.enable_prefix_caching,
+            watermark=scheduler_config.watermark, log_stats=log_stats)
+        self.block_hasher = None
+        if cache_config.enable_prefix_caching:
+            self.block_hasher = get_request_block_hasher(
+                cache_config.block_size, get_hash_fn_by_name(cache_config.prefix_caching_hash_algo))
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.deferred_waiting: set[str] = set()
+        self.finished_req_ids: set[str] = set()
+        self.reset_preempted_req_ids: set[str] = set()
+        self.current_step = 0
+        self.num_preemptions_total = 0
+        self._num_preempted_since_stats = 0
+
+    # -- requests in and out -----------------------------------------------------------------
+    def check_servable(self, request: Request) -> None:
+        """Reject a request that can never be served, instead of blocking the queue (spec 8.4)."""
+        usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
+        if request.num_prompt_tokens == 0:
+            raise UnservableRequestError(f"prompt: request {request.request_id} has an empty prompt")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise UnservableRequestError(
+                f"prompt: request {request.request_id} has {request.num_prompt_tokens} prompt tokens, "
+                f"max_model_len is {self.max_model_len} (the prompt plus at least one output token must fit)")
+        longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        if cdiv(longest, self.block_size) > usable:
+            raise UnservableRequestError(
+                f"prompt: request {request.request_id} can grow to {longest} tokens "
+                f"({request.num_prompt_tokens} prompt + up to {request.max_tokens} output), needing "
+                f"{cdiv(longest, self.block_size)} KV blocks, but the pool has only {usable} usable blocks "
+                f"of {self.block_size} tokens ({usable * self.block_size} tokens)")
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: duplicate request id {request.request_id!r}")
+        self.check_servable(request)
+        if self.block_hasher is not None and request._block_hasher is None:
+            request._block_hasher = self.block_hasher
+            request.block_hashes = self.block_hasher(request)
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: Optional[str | Iterable[str]],
+                        finished_status: RequestStatus) -> list[Request]:
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status: {finished_status!r} is not a finished status")
+        if request_ids is None:
+            request_ids = list(self.requests)
+        elif isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        running_to_remove, waiting_to_remove, finished = set(), [], []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                running_to_remove.add(rid)
+            else:
+                waiting_to_remove.append(request)
+                self.deferred_waiting.discard(rid)
+            finished.append(request)
+        if running_to_remove:
+            self.running = [r for r in self.running if r.request_id not in running_to_remove]
+        if waiting_to_remove:
+            self.waiting.remove_requests(waiting_to_remove)
+        for request in finished:
+            request.status = finished_status
+            self._free_request(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # -- counters ----------------------------------------------------------------------------
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    # -- schedule ----------------------------------------------------------------------------
+    def _long_prefill_threshold(self) -> int:
+        cfg = self.scheduler_config
+        num_eligible = len(self.running) + len(self.waiting)
+        threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+        if threshold > 0 and cfg.long_prefill_token_threshold_adaptive:
+            threshold = max(threshold, self.max_num_batched_tokens // num_eligible)
+        return threshold
+
+    def schedule(self) -> SchedulerOutput:
+        self.current_step += 1
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_scheduled_tokens
+        input_budget = self.max_num_batched_tokens
+        threshold = self._long_prefill_threshold()
+        priority = self.policy == SchedulingPolicy.PRIORITY
+        max_model_len = self.max_model_len
+        block_size = self.block_size
+        caching = kv.enable_caching
+        req_to_blocks = kv.req_to_blocks
+        num_cached_block = kv.num_cached_block
+
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        preempted_reqs: list[Request] = []
+        req_to_new_blocks: dict[str, list] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+
+        # Pass 1: running requests, in admission order.
+        running = self.running
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            if input_budget <= 0:
+                break
+            computed = request.num_computed_tokens
+            placeholders = request.num_output_placeholders
+            if placeholders and computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
+                req_index += 1  # the step in flight already produces its last token
+                continue
+            n = len(request._all_token_ids) + placeholders - computed
+            if 0 < threshold < n:
+                n = threshold
+            if n > token_budget:
+                n = token_budget
+            if n > input_budget:
+                n = input_budget
+            if n > max_model_len - computed - 1:
+                n = max_model_len - computed - 1
+            if n <= 0:
+                req_index += 1
+                continue
+
+            rid = request.request_id
+            blocks = req_to_blocks.get(rid)
+            if blocks is not None and computed + n <= len(blocks) * block_size:
+                new_blocks = []  # fast path: the request's blocks already hold these slots
+                if caching:
+                    full = min(computed + n, len(request._all_token_ids), len(request.block_hashes) * block_size)
+                    if full // block_size > num_cached_block.get(rid, 0):
+                        kv.cache_blocks(request, full)
+            else:
+                while True:
+                    new_blocks = kv.allocate_slots(request, n)
+                    if new_blocks is not None:
+                        break
+                    if priority:
+                        victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+                        victim_index = running.index(victim)
+                        del running[victim_index]
+                        if victim_index < req_index:
+                            req_index -= 1
+                        victim_tokens = num_scheduled_tokens.pop(victim.request_id, None)
+                        if victim_tokens is not None:  # un-schedule a victim scheduled earlier this step
+                            scheduled_running_reqs.remove(victim)
+                            req_to_new_blocks.pop(victim.request_id, None)
+                            token_budget += victim_tokens
+                            input_budget += victim_tokens
+                    else:
+                        victim = running.pop()
+                    self._preempt_request(victim)
+                    preempted_reqs.append(victim)
+                    if victim is request:
+                        break
+                if new_blocks is None:
+                    if priority and request.status == RequestStatus.PREEMPTED:
+                        continue
+                    break
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[rid] = new_blocks
+            num_scheduled_tokens[rid] = n
+            token_budget -= n
+            input_budget -= n
+            req_index += 1
+
+        # Pass 2: waiting requests, only in a step without preemption.
+        if not preempted_reqs:
+            self._schedule_waiting(threshold, token_budget, input_budget, scheduled_new_reqs,
+                                   scheduled_resumed_reqs, req_to_new_blocks, num_scheduled_tokens)
+
+        return self._finalise(scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs,
+                              preempted_reqs, req_to_new_blocks, num_scheduled_tokens)
+
+    def _schedule_waiting(self, threshold: int, token_budget: int, input_budget: int,
+                          scheduled_new_reqs: list[Request], scheduled_resumed_reqs: list[Request],
+                          req_to_new_blocks: dict, num_scheduled_tokens: dict[str, int]) -> None:
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        chunked = self.scheduler_config.enable_chunked_prefill
+        reserve_full = self.scheduler_config.scheduler_reserve_full_isl
+        while token_budget > 0:
+            if not waiting or input_budget <= 0:
+                break
+            if len(self.running) >= self.max_num_active_reqs:
+                break
+            request = waiting.peek_request()
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                num_computed = num_hit
+            else:
+                hit_blocks, num_hit, num_computed = [], 0, request.num_computed_tokens
+            n = request.num_tokens - num_computed
+            request_budget = min(token_budget, input_budget)
+            if 0 < threshold < n:
+                n = threshold
+            if not chunked and n > request_budget:
+                break  # no skipping ahead: strict head-of-line
+            n = min(n, request_budget)
+            assert n > 0
+            new_blocks = kv.allocate_slots(request, n, num_hit, hit_blocks,
+                                           full_sequence_must_fit=reserve_full,
+                                           has_scheduled_reqs=bool(self.running))
+            if new_blocks is None:
+                break  # the waiting pass never preempts
+            kv.record_prefix_cache_stats(request, num_hit)
+            waiting.pop_request()
+            self.deferred_waiting.discard(request.request_id)
+            self.running.append(request)
+            if request.status == RequestStatus.WAITING:
+                scheduled_new_reqs.append(request)
+            elif request.status == RequestStatus.PREEMPTED:
+                scheduled_resumed_reqs.append(request)
+            else:
+                raise RuntimeError(f"Invalid request status: {request.status}")
+            req_to_new_blocks[request.request_id] = kv.get_blocks(request.request_id)
+            num_scheduled_tokens[request.request_id] = n
+            token_budget -= n
+            input_budget -= n
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+
+    def _finalise(self, scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs,
+                  preempted_reqs, req_to_new_blocks, num_scheduled_tokens) -> SchedulerOutput:
+        total = sum(num_scheduled_tokens.values())
+        assert total <= self.max_num_scheduled_tokens
+        assert len(self.running) <= self.max_num_running_reqs
+        new_reqs_data = [
+            NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                           sampling_params=r.sampling_params,
+                           block_ids=[b.block_id for b in req_to_new_blocks[r.request_id]],
+                           num_computed_tokens=r.num_computed_tokens)
+            for r in scheduled_new_reqs
+        ]
+        cached = CachedRequestData()
+        for r in scheduled_running_reqs:
+            blocks = req_to_new_blocks[r.request_id]
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+            cached.num_output_tokens.append(len(r._output_token_ids) + r.num_output_placeholders)
+        for r in scheduled_resumed_reqs:
+            rid = r.request_id
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append([b.block_id for b in req_to_new_blocks[rid]])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+            cached.num_output_tokens.append(len(r._output_token_ids))
+            cached.resumed_req_ids.add(rid)
+            cached.all_token_ids[rid] = list(r._all_token_ids)
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,  # insertion order = scheduling order
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.reset_preempted_req_ids,
+            step=self.current_step - 1,
+            preempted_order=[r.request_id for r in preempted_reqs],
+        )
+        self._update_after_schedule(out)
+        return out
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        requests = self.requests
+        before = out.num_computed_before
+        async_sched = self.async_scheduling
+        for rid, n in out.num_scheduled_tokens.items():
+            request = requests[rid]
+            before[rid] = request.num_computed_tokens
+            request.num_computed_tokens += n
+            request.num_in_flight_tokens += n
+            request.is_prefill_chunk = (request.num_computed_tokens
+                                        < len(request._all_token_ids) + request.num_output_placeholders)
+            if async_sched and not request.is_prefill_chunk:
+                request.num_output_placeholders += 1
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
+
+    def _preempt_request(self, request: Request) -> None:
+        assert request.status == RequestStatus.RUNNING, f"preempting a non-running request {request}"
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_stale_output_tokens += request.num_output_placeholders
+        request.num_output_placeholders = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._num_preempted_since_stats += 1
+        self.waiting.prepend_request(request)
+        self.reset_preempted_req_ids.add(request.request_id)
+
+    # -- update ------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        stopped_running: set[str] = set()
+        stopped_preempted: list[Request] = []
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        requests = self.requests
+        max_model_len = self.max_model_len
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(rid)
+            if request is None or request.is_finished():
+                continue  # finished or aborted while the step was executing
+            request.num_in_flight_tokens -= n
+            i = index.get(rid)
+            generated = sampled[i] if i is not None else ()
+            stopped = False
+            new_token_ids = generated
+            if generated:
+                status_before = request.status
+                new_token_ids, stopped = self._update_request_with_output(request, generated, max_model_len)
+                if self.async_scheduling:
+                    self._update_async_bookkeeping(request, len(generated), stopped)
+            if stopped:
+                self._free_request(request)
+                if status_before == RequestStatus.RUNNING:
+                    stopped_running.add(rid)
+                else:
+                    stopped_preempted.append(request)
+            plp = prompt_logprobs.get(rid) if prompt_logprobs else None
+            if new_token_ids or stopped or plp is not None:
+                outputs.append(EngineCoreOutput(
+                    request_id=rid, new_token_ids=list(new_token_ids),
+                    finish_reason=request.get_finished_reason() if stopped else None,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=(logprobs[i][:len(new_token_ids)] if logprobs is not None and i is not None
+                                  and logprobs[i] is not None else None),
+                    new_prompt_logprobs=plp,
+                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+        if stopped_running:
+            self.running = [r for r in self.running if r.request_id not in stopped_running]
+        if stopped_preempted:
+            self.waiting.remove_requests(stopped_preempted)
+        return outputs
+
+    def _update_async_bookkeeping(self, request: Request, num_generated: int, stopped: bool) -> None:
+        """Returned tokens replace placeholders (or stale ones of a preempted request); only KV known
+        to be written (computed minus in flight) is cached."""
+        stale = min(request.num_stale_output_tokens, num_generated)
+        request.num_stale_output_tokens -= stale
+        request.num_output_placeholders -= num_generated - stale
+        if not stopped and request.status == RequestStatus.RUNNING:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+
+    @staticmethod
+    def _update_request_with_output(request: Request, generated, max_model_len: int):
+        for k, token in enumerate(generated, start=1):
+            request.append_output_token_ids(token)
+            if check_stop(request, max_model_len):
+                surplus = len(generated) - k
+                if surplus:
+                    request.num_computed_tokens -= surplus
+                return generated[:k], True
+        return generated, False
+
+    # -- stats and maintenance ---------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) - len(self.deferred_waiting),
+            num_skipped_waiting_reqs=len(self.deferred_waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_stats=kv.make_prefix_cache_stats() or PrefixCacheStats(),
+            num_preempted_reqs=self._num_preempted_since_stats,
+        )
+        self._num_preempted_since_stats = 0
+        return stats
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        if reset_running_requests:
+            while self.running:
+                request = self.running.pop()
+                self._preempt_request(request)
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not ok:
+            raise RuntimeError("Failed to reset the prefix cache after preempting all running requests")
+        return ok
