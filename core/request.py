@@ -62,7 +62,7 @@ class Request:
         "num_computed_tokens", "block_hashes", "_block_hasher", "cache_salt", "lora_request",
         "skip_reading_prefix_cache", "stop_reason", "num_preemptions", "is_prefill_chunk",
         "num_output_placeholders", "num_in_flight_tokens", "num_stale_output_tokens",
-        "num_cached_tokens", "parent_id", "events", "__weakref__",
+        "num_cached_tokens", "parent_id", "events", "_next_hash_at", "_hash_block_size", "__weakref__",
     )
 
     def __init__(
@@ -74,6 +74,7 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         block_hasher: Optional[BlockHasher] = None,
+        hash_block_size: int = 16,
         lora_request: Any = None,
         client_index: int = 0,
         parent_id: Optional[str] = None,
@@ -108,9 +109,18 @@ class Request:
         self.parent_id = parent_id
         self.events: list[tuple[str, float]] = []
         self.block_hashes: list[bytes] = []
-        self._block_hasher = block_hasher
+        self._block_hasher: Optional[BlockHasher] = None
+        self._hash_block_size = hash_block_size
+        self._next_hash_at = 1 << 62
         if block_hasher is not None:
-            self.block_hashes.extend(block_hasher(self))
+            self.set_block_hasher(block_hasher, hash_block_size)
+
+    def set_block_hasher(self, block_hasher: BlockHasher, block_size: int) -> None:
+        """Attach the prefix-cache hasher and hash every full block known so far."""
+        self._block_hasher = block_hasher
+        self._hash_block_size = block_size
+        self.block_hashes = block_hasher(self)
+        self._next_hash_at = (len(self.block_hashes) + 1) * block_size
 
     # -- tokens ------------------------------------------------------------------------------
     @property
@@ -140,10 +150,9 @@ class Request:
         else:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
-        if self._block_hasher is not None:
-            new = self._block_hasher(self)
-            if new:
-                self.block_hashes.extend(new)
+        if len(self._all_token_ids) >= self._next_hash_at:  # a block just became full
+            self.block_hashes.extend(self._block_hasher(self))
+            self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
 
     # -- status ------------------------------------------------------------------------------
     def is_finished(self) -> bool:

@@ -110,8 +110,7 @@ class Scheduler:
             raise ValueError(f"request_id: duplicate request id {request.request_id!r}")
         self.check_servable(request)
         if self.block_hasher is not None and request._block_hasher is None:
-            request._block_hasher = self.block_hasher
-            request.block_hashes = self.block_hasher(request)
+            request.set_block_hasher(self.block_hasher, self.block_size)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
 
@@ -222,10 +221,8 @@ class Scheduler:
             blocks = req_to_blocks.get(rid)
             if blocks is not None and computed + n <= len(blocks) * block_size:
                 new_blocks = []  # fast path: the request's blocks already hold these slots
-                if caching:
-                    full = min(computed + n, len(request._all_token_ids), len(request.block_hashes) * block_size)
-                    if full // block_size > num_cached_block.get(rid, 0):
-                        kv.cache_blocks(request, full)
+                if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
+                    kv.cache_blocks(request, min(computed + n, len(request._all_token_ids)))
             else:
                 while True:
                     new_blocks = kv.allocate_slots(request, n)
@@ -324,28 +321,28 @@ class Scheduler:
         assert total <= self.max_num_scheduled_tokens
         assert len(self.running) <= self.max_num_running_reqs
         new_reqs_data = [
-            NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                           sampling_params=r.sampling_params,
-                           block_ids=[b.block_id for b in req_to_new_blocks[r.request_id]],
-                           num_computed_tokens=r.num_computed_tokens)
+            NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
+                           [b.block_id for b in req_to_new_blocks[r.request_id]], r.num_computed_tokens)
             for r in scheduled_new_reqs
         ]
         cached = CachedRequestData()
+        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        computed_list, output_list = cached.num_computed_tokens, cached.num_output_tokens
         for r in scheduled_running_reqs:
-            blocks = req_to_new_blocks[r.request_id]
-            cached.req_ids.append(r.request_id)
-            cached.new_block_ids.append([b.block_id for b in blocks] if blocks else None)
-            cached.num_computed_tokens.append(r.num_computed_tokens)
-            cached.num_output_tokens.append(len(r._output_token_ids) + r.num_output_placeholders)
+            rid = r.request_id
+            blocks = req_to_new_blocks[rid]
+            req_ids.append(rid)
+            new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+            computed_list.append(r.num_computed_tokens)
+            output_list.append(len(r._output_token_ids) + r.num_output_placeholders)
         for r in scheduled_resumed_reqs:
             rid = r.request_id
-            cached.req_ids.append(rid)
-            cached.new_block_ids.append([b.block_id for b in req_to_new_blocks[rid]])
-            cached.num_computed_tokens.append(r.num_computed_tokens)
-            cached.num_output_tokens.append(len(r._output_token_ids))
+            req_ids.append(rid)
+            new_block_ids.append([b.block_id for b in req_to_new_blocks[rid]])
+            computed_list.append(r.num_computed_tokens)
+            output_list.append(len(r._output_token_ids))
             cached.resumed_req_ids.add(rid)
             cached.all_token_ids[rid] = list(r._all_token_ids)
-
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
@@ -356,22 +353,25 @@ class Scheduler:
             step=self.current_step - 1,
             preempted_order=[r.request_id for r in preempted_reqs],
         )
-        self._update_after_schedule(out)
+        self._update_after_schedule(out, scheduled_running_reqs, scheduled_new_reqs, scheduled_resumed_reqs)
         return out
 
-    def _update_after_schedule(self, out: SchedulerOutput) -> None:
-        requests = self.requests
+    def _update_after_schedule(self, out: SchedulerOutput, *scheduled_lists: list[Request]) -> None:
+        """Advance C optimistically; in async mode a sampling chunk gets an output placeholder."""
         before = out.num_computed_before
+        nst = out.num_scheduled_tokens
         async_sched = self.async_scheduling
-        for rid, n in out.num_scheduled_tokens.items():
-            request = requests[rid]
-            before[rid] = request.num_computed_tokens
-            request.num_computed_tokens += n
-            request.num_in_flight_tokens += n
-            request.is_prefill_chunk = (request.num_computed_tokens
-                                        < len(request._all_token_ids) + request.num_output_placeholders)
-            if async_sched and not request.is_prefill_chunk:
-                request.num_output_placeholders += 1
+        for scheduled in scheduled_lists:
+            for request in scheduled:
+                n = nst[request.request_id]
+                computed = request.num_computed_tokens
+                before[request.request_id] = computed
+                request.num_computed_tokens = computed = computed + n
+                request.num_in_flight_tokens += n
+                request.is_prefill_chunk = is_chunk = (
+                    computed < len(request._all_token_ids) + request.num_output_placeholders)
+                if async_sched and not is_chunk:
+                    request.num_output_placeholders += 1
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
 
@@ -400,36 +400,44 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
         requests = self.requests
         max_model_len = self.max_model_len
+        async_sched = self.async_scheduling
+        preempted_status = RequestStatus.PREEMPTED
+        running_status = RequestStatus.RUNNING
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
-            if request is None or request.is_finished():
+            if request is None or request.status > preempted_status:
                 continue  # finished or aborted while the step was executing
             request.num_in_flight_tokens -= n
             i = index.get(rid)
             generated = sampled[i] if i is not None else ()
+            plp = prompt_logprobs.get(rid) if prompt_logprobs else None
+            if not generated and plp is None:
+                continue  # a non-final prefill chunk samples nothing
             stopped = False
+            status_before = request.status
             new_token_ids = generated
             if generated:
-                status_before = request.status
-                new_token_ids, stopped = self._update_request_with_output(request, generated, max_model_len)
-                if self.async_scheduling:
+                if len(generated) == 1:
+                    request.append_output_token_ids(generated[0])
+                    stopped = check_stop(request, max_model_len)
+                else:
+                    new_token_ids, stopped = self._update_request_with_output(request, generated, max_model_len)
+                if async_sched:
                     self._update_async_bookkeeping(request, len(generated), stopped)
             if stopped:
                 self._free_request(request)
-                if status_before == RequestStatus.RUNNING:
+                if status_before == running_status:
                     stopped_running.add(rid)
                 else:
                     stopped_preempted.append(request)
-            plp = prompt_logprobs.get(rid) if prompt_logprobs else None
-            if new_token_ids or stopped or plp is not None:
-                outputs.append(EngineCoreOutput(
-                    request_id=rid, new_token_ids=list(new_token_ids),
-                    finish_reason=request.get_finished_reason() if stopped else None,
-                    stop_reason=request.stop_reason,
-                    new_logprobs=(logprobs[i][:len(new_token_ids)] if logprobs is not None and i is not None
-                                  and logprobs[i] is not None else None),
-                    new_prompt_logprobs=plp,
-                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+            outputs.append(EngineCoreOutput(
+                rid, new_token_ids if type(new_token_ids) is list else list(new_token_ids),
+                request.get_finished_reason() if stopped else None,
+                request.stop_reason,
+                (logprobs[i][:len(new_token_ids)] if logprobs is not None and i is not None
+                 and logprobs[i] is not None else None),
+                plp,
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0))
         if stopped_running:
             self.running = [r for r in self.running if r.request_id not in stopped_running]
         if stopped_preempted:

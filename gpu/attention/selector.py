@@ -1,0 +1,35 @@
+"""Pick the attention backend: `auto` prefers flash-attn where it can run, else torch-paged."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gpu.attention.backend import AttentionBackend
+from gpu.attention.flash_attn import FlashAttnBackend, flash_attn_unsupported_reason
+from gpu.attention.torch_paged import TorchPagedAttention
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "torch-paged", "flash-attn")
+
+
+def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int,
+                             head_dim: int, torch_paged_mode: str = "batched") -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: unknown backend {name!r} (allowed: {ATTENTION_BACKENDS})")
+    reason = flash_attn_unsupported_reason(device, dtype, block_size, head_dim)
+    if name == "flash-attn":
+        if reason is not None:
+            raise ValueError(f"attention_backend: 'flash-attn' cannot run here: {reason}")
+        backend: AttentionBackend = FlashAttnBackend()
+    elif name == "torch-paged" or reason is not None:
+        backend = TorchPagedAttention(torch_paged_mode)
+        if name == "auto":
+            logger.info("attention backend: torch-paged (%s; flash-attn not used: %s)",
+                        torch_paged_mode, reason)
+            return backend
+    else:
+        backend = FlashAttnBackend()
+    logger.info("attention backend: %s", backend.name)
+    return backend

@@ -1,0 +1,88 @@
+"""Our own Llama / Qwen2 / Qwen3 decoder over a flattened, paged batch.
+
+`forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, hidden]`;
+`compute_logits(hidden [N, hidden]) -> [N, vocab]` in float32. q/k/v and gate/up are packed
+(`qkv_proj`, `gate_up_proj`); `gpu.loader` packs HF checkpoints into them.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from gpu.attention.backend import AttentionBackend
+from gpu.models.config import DecoderConfig
+from gpu.models.layers import RMSNorm, SwiGLU
+from gpu.models.rope import RotaryEmbedding
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = [rotary]  # shared; a list keeps it out of this module's state dict
+        self.backend: Optional[AttentionBackend] = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                attn_metadata: Any) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        assert self.backend is not None, "attention backend not set (call DecoderLM.set_attention_backend)"
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                attn_metadata: Any) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: DecoderConfig, max_positions: int, hf_config: Optional[Any] = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, hf_config)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                attn_metadata: Any) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()

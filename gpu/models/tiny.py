@@ -1,0 +1,113 @@
+"""Built-in tiny models with seeded random weights (`tiny-llama`, `tiny-qwen2`, `tiny-qwen3`).
+
+Each is a real transformers config + `save_pretrained` checkpoint plus a tiny byte-level BPE
+tokenizer (trained with `tokenizers` on a built-in text, ChatML template), so HF transformers can
+load the same directory as an oracle.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+TINY_VOCAB_SIZE = 320
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+EOS_TOKEN_ID = 2
+PAD_TOKEN_ID = 0
+TINY_BUILD_VERSION = 1
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+
+_TEXT = """\
+The scheduler decides which requests run in each step. A request arrives with a prompt, waits in a
+queue, is admitted when blocks of the key-value cache are free, and then produces one token per step
+until it reaches its maximum length or emits the end-of-sequence token. Long prompts are split into
+chunks so that decodes keep flowing. When memory runs out, the newest request is preempted and its
+blocks are freed; later it is resumed and its tokens are computed again. Prefix caching lets a new
+request reuse the blocks of an earlier one that shares the same first tokens.
+What is the capital of France? The capital of France is Paris. What is the capital of Italy? Rome.
+Hello! How are you today? I am fine, thank you. Please write a short poem about the sea and the sky.
+The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ?
+"""
+
+_COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+               rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID)
+
+
+def _llama() -> Any:
+    from transformers import LlamaConfig  # noqa: PLC0415
+    # llama3 rope scaling with a short original context so every frequency band is exercised
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    return LlamaConfig(**_COMMON, rope_parameters=rope, tie_word_embeddings=False)
+
+
+def _qwen2() -> Any:
+    from transformers import Qwen2Config  # noqa: PLC0415
+    return Qwen2Config(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                       tie_word_embeddings=True)
+
+
+def _qwen3() -> Any:
+    from transformers import Qwen3Config  # noqa: PLC0415
+    return Qwen3Config(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                       tie_word_embeddings=True)
+
+
+TINY_MODELS: dict[str, Callable[[], Any]] = {"tiny-llama": _llama, "tiny-qwen2": _qwen2,
+                                             "tiny-qwen3": _qwen3}
+TINY_SEEDS = {"tiny-llama": 0, "tiny-qwen2": 1, "tiny-qwen3": 2}
+
+
+def train_tiny_tokenizer() -> Any:
+    """A byte-level BPE of exactly `TINY_VOCAB_SIZE` tokens wrapped in `PreTrainedTokenizerFast`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, min_frequency=1,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_TEXT.splitlines(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHATML_TEMPLATE)
+    if len(fast) != TINY_VOCAB_SIZE:
+        raise RuntimeError(f"tiny tokenizer: trained {len(fast)} tokens, expected {TINY_VOCAB_SIZE}")
+    return fast
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Seeded weights with O(1) activations (HF's 0.02 init gives near-flat logits and greedy ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():  # deterministic order; tied weights appear once
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+def build_tiny_model(name: str, out_dir: Path) -> None:
+    """Write config.json, model.safetensors, generation_config.json and the tokenizer into out_dir."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    cfg = TINY_MODELS[name]()
+    cfg.dtype = "float32"
+    torch.manual_seed(TINY_SEEDS[name])
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize(model, TINY_SEEDS[name])
+    model.generation_config.eos_token_id = EOS_TOKEN_ID
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    model.save_pretrained(out_dir)
+    train_tiny_tokenizer().save_pretrained(out_dir)
+    (out_dir / "servetwin_builtin.json").write_text(json.dumps({"name": name, "version": TINY_BUILD_VERSION}))

@@ -1,0 +1,217 @@
+"""Predict one engine step's duration from the batch composition.
+
+A step is a list of rows, one per scheduled request: `q` = tokens scheduled this step, `s` = tokens
+already computed before the step (prefix-cache hits and earlier chunks included), `samples` = the
+chunk reaches the request's last known token (so the LM head and sampler run for it).
+
+Notation (per tensor-parallel rank): L layers, d hidden, V vocab, dh head dim,
+Hq = ceil(H/tp) query heads, Hk = ceil(H_kv/tp) KV heads, b bytes per element, P = dense peak
+FLOP/s for the model dtype, W = memory bandwidth, Wl = interconnect bandwidth, lat = collective
+latency, M = matmul weights of one layer (q, k, v, o, gate, up, down). Rows split by shape into
+prefill rows (q > 1) and decode rows (q = 1). T = scheduled tokens; T' = T padded up to the next
+CUDA-graph size when graphs are on and the step is decode-only (every q = 1) and T fits a graph;
+R = rows that sample. Every term is a roofline of the kernels it stands for (they run one after
+another, so their times add):
+
+    linear       = max(2*T'*L*M/tp / P,  L*params_layer*b/tp / W)         weights read once per step
+    attn_prefill = max(L*4*Hq*dh*(sum q*s + (sum q^2 + sum q)/2) / P,      causal chunk after prefix
+                       L*2*Hk*dh*b*(sum (s+q) + sum q) / W)                KV read + KV write
+    attn_decode  = max(L*4*Hq*dh*sum(s+1) / P,  L*2*Hk*dh*b*(sum (s+1) + n_dec) / W)
+    lm_head      = max(2*R*d*V/tp / P,  (V*d*b + R*V*4)/tp / W)            one row per sampling row
+    comm         = 2L*(lat + 2(tp-1)/tp * T'*d*b / Wl)                      two ring all-reduces/layer
+                   + [R > 0] * (lat + (tp-1)/tp * R*V*b / Wl)               logits all-gather
+                   (0 when tp = 1)
+    layer        = L if the step runs eagerly, 0 when it replays a CUDA graph
+    step = 1, req = number of rows, token = T, ipc_step = [ipc], ipc_req = [ipc] * rows
+
+    t_step = sum_k c_k * basis_k          (c_k >= 0, from `HardwareSpec.coefficients`)
+
+With every roofline multiplier c = 1 this is the ideal datasheet roofline plus fixed overheads;
+`sim.calibration.fit_coefficients` fits the c_k by non-negative least squares from measured steps.
+Sums over rows (never means) keep skewed batches right.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from core.outputs import SchedulerOutput, StepTiming
+from sim.coefficients import BASIS_TERMS, CostCoefficients
+from sim.hardware import HardwareSpec, load_hardware
+from sim.model_spec import ModelSpec, load_model_spec
+
+PREPARE_TERMS = ("step", "req", "token", "ipc_step", "ipc_req")
+SAMPLE_TERMS = ("lm_head",)
+LOGITS_BYTES = 4  # logits are materialised in fp32 for sampling
+
+
+def default_cuda_graph_sizes(max_size: int = 512) -> list[int]:
+    """vLLM's default capture sizes: 1, 2, 4, then every 8 up to 256, then every 16 up to max."""
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_size + 1, 16))
+    return [s for s in sizes if s <= max_size]
+
+
+@dataclass(slots=True, frozen=True)
+class RowShape:
+    q: int  # tokens scheduled this step
+    s: int  # tokens computed before the step
+    samples: bool = True
+
+
+@dataclass(slots=True, frozen=True)
+class StepSummary:
+    """Per-step sums over rows; prefill = rows with q > 1, decode = rows with q == 1."""
+    num_reqs: int = 0
+    num_tokens: int = 0
+    num_sampling: int = 0
+    prefill_reqs: int = 0
+    prefill_sum_q: int = 0
+    prefill_sum_q2: int = 0
+    prefill_sum_q_s: int = 0
+    prefill_sum_kv: int = 0  # sum of (s + q)
+    decode_reqs: int = 0
+    decode_sum_kv: int = 0  # sum of (s + 1)
+
+    @property
+    def uniform_decode(self) -> bool:
+        return self.num_reqs > 0 and self.prefill_reqs == 0
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Any]) -> "StepSummary":
+        """Rows are `RowShape`s, `(q, s, samples)` tuples or `core.runner_state.ScheduledRow`s."""
+        acc = dict(num_reqs=0, num_tokens=0, num_sampling=0, prefill_reqs=0, prefill_sum_q=0,
+                   prefill_sum_q2=0, prefill_sum_q_s=0, prefill_sum_kv=0, decode_reqs=0,
+                   decode_sum_kv=0)
+        for row in rows:
+            q, s, samples = _row_values(row)
+            if q < 1 or s < 0:
+                raise ValueError(f"step row: need q >= 1 and s >= 0, got q={q}, s={s}")
+            acc["num_reqs"] += 1
+            acc["num_tokens"] += q
+            acc["num_sampling"] += int(bool(samples))
+            if q == 1:
+                acc["decode_reqs"] += 1
+                acc["decode_sum_kv"] += s + 1
+            else:
+                acc["prefill_reqs"] += 1
+                acc["prefill_sum_q"] += q
+                acc["prefill_sum_q2"] += q * q
+                acc["prefill_sum_q_s"] += q * s
+                acc["prefill_sum_kv"] += s + q
+        return cls(**acc)
+
+
+def _row_values(row: Any) -> tuple[int, int, bool]:
+    if isinstance(row, RowShape):
+        return row.q, row.s, row.samples
+    if hasattr(row, "num_scheduled"):  # core.runner_state.ScheduledRow
+        return row.num_scheduled, row.num_computed_before, row.samples
+    q, s, *rest = row
+    return int(q), int(s), bool(rest[0]) if rest else True
+
+
+class CostModel:
+    def __init__(self, model: ModelSpec | str, hw: HardwareSpec | str, tp: int = 1,
+                 cuda_graphs: Optional[bool] = None, graph_sizes: Optional[Sequence[int]] = None,
+                 ipc: bool = False, coefficients: Optional[CostCoefficients] = None) -> None:
+        self.model = load_model_spec(model)
+        self.hw = load_hardware(hw)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp: must be an integer >= 1, got {tp!r}")
+        if self.model.num_heads % tp:
+            raise ValueError(f"tp: {tp} must divide the number of attention heads "
+                             f"({self.model.num_heads})")
+        if tp > 1 and self.hw.interconnect_bandwidth <= 0:
+            raise ValueError(f"tp: {tp} needs an interconnect, but hardware {self.hw.name!r} has "
+                             "interconnect_bandwidth 0")
+        if cuda_graphs is None:
+            cuda_graphs = self.hw.device_type == "cuda"
+        if cuda_graphs and self.hw.device_type != "cuda":
+            raise ValueError(f"cuda_graphs: hardware {self.hw.name!r} is not a CUDA device")
+        sizes = sorted(set(graph_sizes)) if graph_sizes is not None else default_cuda_graph_sizes()
+        if cuda_graphs and (not sizes or sizes[0] < 1):
+            raise ValueError(f"graph_sizes: must be positive integers, got {graph_sizes!r}")
+        self.tp = tp
+        self.cuda_graphs = bool(cuda_graphs)
+        self.graph_sizes: list[int] = sizes if self.cuda_graphs else []
+        self.ipc = bool(ipc)
+        self.coefficients = coefficients if coefficients is not None else self.hw.coefficients
+
+    # -- shape helpers -------------------------------------------------------------------------
+    def padded_tokens(self, step: StepSummary) -> tuple[int, bool]:
+        """(tokens the forward runs on, whether it replays a CUDA graph)."""
+        if self.cuda_graphs and step.uniform_decode and step.num_tokens <= self.graph_sizes[-1]:
+            i = bisect.bisect_left(self.graph_sizes, step.num_tokens)
+            return self.graph_sizes[i], True
+        return step.num_tokens, False
+
+    @staticmethod
+    def summarize(step: StepSummary | Iterable[Any]) -> StepSummary:
+        return step if isinstance(step, StepSummary) else StepSummary.from_rows(step)
+
+    # -- the model -----------------------------------------------------------------------------
+    def basis(self, step: StepSummary | Iterable[Any]) -> dict[str, float]:
+        """Basis terms of the step (see the module docstring); keys are `BASIS_TERMS`."""
+        st = self.summarize(step)
+        m, hw, tp = self.model, self.hw, self.tp
+        L, d, V, dh, b = m.num_layers, m.hidden_size, m.vocab_size, m.head_dim, m.dtype_bytes
+        peak, bw = hw.peak_flops(m.dtype), hw.memory_bandwidth
+        hq, hk = -(-m.num_heads // tp), -(-m.num_kv_heads // tp)
+        t_pad, graph = self.padded_tokens(st)
+        out = dict.fromkeys(BASIS_TERMS, 0.0)
+        out["step"] = 1.0
+        out["ipc_step"] = 1.0 if self.ipc else 0.0
+        if st.num_reqs == 0:
+            return out
+        out["req"] = float(st.num_reqs)
+        out["token"] = float(st.num_tokens)
+        out["ipc_req"] = float(st.num_reqs) if self.ipc else 0.0
+        out["layer"] = 0.0 if graph else float(L)
+        out["linear"] = max(2.0 * t_pad * L * m.layer_matmul_params / tp / peak,
+                            L * m.layer_params * b / tp / bw)
+        pairs = st.prefill_sum_q_s + (st.prefill_sum_q2 + st.prefill_sum_q) / 2.0
+        out["attn_prefill"] = max(L * 4.0 * hq * dh * pairs / peak,
+                                  L * 2.0 * hk * dh * b * (st.prefill_sum_kv + st.prefill_sum_q) / bw)
+        out["attn_decode"] = max(L * 4.0 * hq * dh * st.decode_sum_kv / peak,
+                                 L * 2.0 * hk * dh * b * (st.decode_sum_kv + st.decode_reqs) / bw)
+        r = st.num_sampling
+        if r:
+            out["lm_head"] = max(2.0 * r * d * V / tp / peak,
+                                 (V * d * b + r * V * LOGITS_BYTES) / tp / bw)
+        if tp > 1:
+            link, lat = hw.interconnect_bandwidth, hw.interconnect_latency_s
+            frac = (tp - 1) / tp
+            out["comm"] = 2 * L * (lat + 2.0 * frac * t_pad * d * b / link)
+            if r:
+                out["comm"] += lat + frac * r * V * b / link
+        return out
+
+    def predict(self, step: StepSummary | Iterable[Any]) -> StepTiming:
+        st = self.summarize(step)
+        terms = self.basis(st)
+        c = self.coefficients
+        part = {k: c.for_term(k) * v for k, v in terms.items()}
+        prepare = sum(part[k] for k in PREPARE_TERMS)
+        sample = sum(part[k] for k in SAMPLE_TERMS)
+        forward = sum(v for k, v in part.items() if k not in PREPARE_TERMS and k not in SAMPLE_TERMS)
+        return StepTiming(duration_s=prepare + forward + sample, prepare_s=prepare,
+                          forward_s=forward, sample_s=sample,
+                          padded_batch_size=self.padded_tokens(st)[0])
+
+    def predict_from_scheduler_output(self, so: SchedulerOutput,
+                                      rows: Optional[Iterable[Any]] = None) -> StepTiming:
+        """Predict from a `SchedulerOutput` and its runner rows (`RunnerState.update(so)`).
+
+        Without `rows`, `s` comes from `so.num_computed_before` and every request is assumed to
+        sample (the LM head then runs on one row per request, as vLLM's runner computes it).
+        """
+        if rows is None:
+            missing = [rid for rid in so.num_scheduled_tokens if rid not in so.num_computed_before]
+            if missing:
+                raise ValueError(f"scheduler_output.num_computed_before: no entry for {missing[0]!r}; "
+                                 "pass the runner rows instead")
+            rows = [RowShape(q, so.num_computed_before[rid], True)
+                    for rid, q in so.num_scheduled_tokens.items()]
+        return self.predict(rows)

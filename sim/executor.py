@@ -1,0 +1,77 @@
+"""`SimExecutor`: executes a `SchedulerOutput` with fake tokens and a predicted step duration.
+
+Tokens follow `core.executor.FakeExecutor`'s rule (row r of step k samples `(7k + r) % 1000 + 10`),
+so a simulated run produces the same tokens as the recorded oracle. A request never samples EOS
+(a fake token that happens to equal `eos_token_id` is moved to the next id) unless its forced output
+length is reached: with `output_lengths[request_id] = n`, the n-th output token is `eos_token_id`
+(the scheduler then stops it, provided its sampling params carry that EOS id). Otherwise requests
+finish by `max_tokens`. The timing is `CostModel.predict` of the step's rows; the host clock is
+never read.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Optional
+
+from core.outputs import ModelRunnerOutput, SchedulerOutput, StepTiming
+from core.runner_state import RunnerState
+from sim.cost_model import CostModel, StepSummary
+from sim.hardware import HardwareSpec
+from sim.model_spec import ModelSpec
+
+
+def fake_token(step: int, row: int) -> int:
+    """The oracle's deterministic token rule (same as `core.executor.FakeExecutor`)."""
+    return (step * 7 + row) % 1000 + 10
+
+
+class SimExecutor:
+    def __init__(self, model: ModelSpec | str = "tiny-llama", hardware: HardwareSpec | str = "cpu",
+                 tp: int = 1, cuda_graphs: Optional[bool] = None,
+                 graph_sizes: Optional[Sequence[int]] = None, ipc: bool = False,
+                 eos_token_id: Optional[int] = None,
+                 output_lengths: Optional[Mapping[str, int]] = None,
+                 cost_model: Optional[CostModel] = None) -> None:
+        self.cost_model = cost_model or CostModel(model, hardware, tp=tp, cuda_graphs=cuda_graphs,
+                                                  graph_sizes=graph_sizes, ipc=ipc)
+        self.state = RunnerState()
+        self.eos_token_id = eos_token_id
+        self.output_lengths: dict[str, int] = {}
+        for rid, n in (output_lengths or {}).items():
+            self.set_output_length(rid, n)
+        self.last_summary: Optional[StepSummary] = None
+
+    def set_output_length(self, request_id: str, n: int) -> None:
+        """Force EOS as the `n`-th output token of `request_id`."""
+        if self.eos_token_id is None:
+            raise ValueError("output_lengths: forcing EOS needs eos_token_id")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"output_lengths[{request_id!r}]: must be an integer >= 1, got {n!r}")
+        self.output_lengths[request_id] = n
+
+    def _token(self, step: int, row: int, req_id: str, num_outputs_before: int) -> int:
+        forced = self.output_lengths.get(req_id)
+        if forced is not None and num_outputs_before + 1 >= forced:
+            return self.eos_token_id  # type: ignore[return-value]
+        tok = fake_token(step, row)
+        return tok + 1 if tok == self.eos_token_id else tok
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        rows = self.state.update(scheduler_output)
+        for rid in scheduler_output.finished_req_ids:
+            self.output_lengths.pop(rid, None)
+        step = scheduler_output.step
+        summary = StepSummary.from_rows(rows)  # before sampling: `row.samples` reads the token count
+        self.last_summary = summary
+        sampled: list[list[int]] = []
+        for r, row in enumerate(rows):
+            if row.samples:
+                tok = self._token(step, r, row.req_id, len(row.state.output_token_ids))
+                sampled.append([tok])
+                self.state.append_sampled(row.req_id, [tok])
+            else:
+                sampled.append([])
+        timing: StepTiming = self.cost_model.predict(summary)
+        ids = [row.req_id for row in rows]
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                                 sampled_token_ids=sampled, timing=timing)

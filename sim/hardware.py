@@ -1,0 +1,115 @@
+"""`HardwareSpec`: one accelerator's peaks, memory, interconnect and cost-model coefficients.
+
+Load a preset by name or a YAML file by path with `load_hardware(name_or_path)`; write one with
+`save_hardware`. A YAML file has the fields of `HardwareSpec` (`coefficients` and `provenance` are
+mappings) and may start from a preset with `base: <preset name>`, in which case only the fields it
+gives are replaced (coefficients are merged field by field). Unknown fields are errors naming them.
+Provenance is free-form but conventionally holds: source, calibrated, date, device, versions,
+samples, residuals.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from core.kv_sizing import dtype_bytes
+from sim.coefficients import CostCoefficients
+from sim.hardware_presets import HARDWARE_PRESETS
+from sim.validate import check_keys, check_mapping, non_negative, one_of, positive
+
+
+@dataclass(slots=True)
+class HardwareSpec:
+    name: str
+    device_type: str  # "cuda" | "cpu"
+    peak_flops_bf16: float  # dense bf16/fp16 FLOP/s
+    peak_flops_fp32: float
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: int
+    interconnect_bandwidth: float = 0.0  # bytes/s per direction per device (tensor parallel)
+    interconnect_latency_s: float = 0.0  # per collective
+    coefficients: CostCoefficients = field(default_factory=CostCoefficients)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak for the model's compute dtype (1-byte dtypes use the bf16 peak)."""
+        return self.peak_flops_fp32 if dtype_bytes(dtype) == 4 else self.peak_flops_bf16
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["coefficients"] = self.coefficients.to_dict()
+        out["provenance"] = copy.deepcopy(self.provenance)
+        return out
+
+
+HARDWARE_FIELDS = tuple(f.name for f in fields(HardwareSpec))
+
+
+def hardware_from_dict(cfg: Mapping[str, Any], path: str = "hardware") -> HardwareSpec:
+    """Build and validate a `HardwareSpec` from a mapping (optionally `base: <preset>`)."""
+    cfg = check_mapping(cfg, path)
+    check_keys(cfg, HARDWARE_FIELDS + ("base",), path)
+    merged: dict[str, Any] = {}
+    if "base" in cfg:
+        base = cfg["base"]
+        one_of(base, HARDWARE_PRESETS, f"{path}.base")
+        merged = copy.deepcopy(HARDWARE_PRESETS[base])
+    base_coeffs = (CostCoefficients.from_dict(merged["coefficients"], f"{path}.coefficients")
+                   if "coefficients" in merged else None)
+    for key, value in cfg.items():
+        if key != "base":
+            merged[key] = value
+    for key in ("name", "device_type", "peak_flops_bf16", "peak_flops_fp32", "memory_bandwidth",
+                "memory_bytes"):
+        if key not in merged:
+            raise ValueError(f"{path}.{key}: required field is missing")
+    if not isinstance(merged["name"], str) or not merged["name"]:
+        raise ValueError(f"{path}.name: must be a non-empty string, got {merged['name']!r}")
+    provenance = check_mapping(merged.get("provenance", {}), f"{path}.provenance")
+    return HardwareSpec(
+        name=merged["name"],
+        device_type=one_of(merged["device_type"], ("cuda", "cpu"), f"{path}.device_type"),
+        peak_flops_bf16=positive(merged["peak_flops_bf16"], f"{path}.peak_flops_bf16"),
+        peak_flops_fp32=positive(merged["peak_flops_fp32"], f"{path}.peak_flops_fp32"),
+        memory_bandwidth=positive(merged["memory_bandwidth"], f"{path}.memory_bandwidth"),
+        memory_bytes=int(positive(merged["memory_bytes"], f"{path}.memory_bytes")),
+        interconnect_bandwidth=non_negative(merged.get("interconnect_bandwidth", 0.0),
+                                            f"{path}.interconnect_bandwidth"),
+        interconnect_latency_s=non_negative(merged.get("interconnect_latency_s", 0.0),
+                                            f"{path}.interconnect_latency_s"),
+        coefficients=CostCoefficients.from_dict(merged.get("coefficients", {}),
+                                                f"{path}.coefficients", base=base_coeffs),
+        provenance=copy.deepcopy(dict(provenance)),
+    )
+
+
+def load_hardware(name_or_path: str | Path | HardwareSpec) -> HardwareSpec:
+    """A preset name (`h100-sxm`, `h200`, `a100-80g`, `l40s`, `cpu`) or a YAML file path."""
+    if isinstance(name_or_path, HardwareSpec):
+        return name_or_path
+    key = str(name_or_path)
+    if key in HARDWARE_PRESETS:
+        return hardware_from_dict(HARDWARE_PRESETS[key], f"hardware[{key}]")
+    path = Path(key)
+    if not path.is_file():
+        raise ValueError(f"hardware: {key!r} is neither a preset ({', '.join(HARDWARE_PRESETS)}) "
+                         "nor an existing YAML file")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"hardware: {path} is not valid YAML: {exc}") from None
+    return hardware_from_dict(data if data is not None else {}, "hardware")
+
+
+def save_hardware(hw: HardwareSpec, path: str | Path) -> Path:
+    """Write `hw` (coefficients and provenance included) as YAML that `load_hardware` reads back."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(hw.to_dict(), f, sort_keys=False)
+    return path
