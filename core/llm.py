@@ -1,0 +1,161 @@
+"""`LLM`: offline generation like vLLM's, over an engine-core client."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from core.engine_args import EngineArgs
+from core.engine_client import InprocClient
+from core.input_processor import InputProcessor, PromptType
+from core.output_processor import OutputProcessor
+from core.parallel_sampling import fan_out
+from core.request_output import RequestOutput
+from core.sampling_params import SamplingParams
+
+
+def load_tokenizer(path: Optional[str]) -> Any:
+    if path is None:
+        return None
+    import os  # noqa: PLC0415
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    """Input processing, fan-out, the engine-core client and output processing, in the caller."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.client = self._make_client(args)
+        info = self.client.config
+        self.num_gpu_blocks = info.num_gpu_blocks
+        self.max_model_len = info.max_model_len
+        tok_path = args.tokenizer or info.model_path
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(tok_path)
+        self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size,
+                                              info.eos_token_ids, args.max_logprobs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @staticmethod
+    def _make_client(args: EngineArgs):
+        if args.multiprocess:
+            from core.mp_client import SyncMPClient  # noqa: PLC0415
+
+            return SyncMPClient(args)
+        return InprocClient(args)
+
+    def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams],
+                    arrival_time: Optional[float] = None, priority: int = 0) -> str:
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        processed = self.input_processor.process(prompt, params)
+        children = fan_out(request_id, processed.params)
+        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, children,
+                                          arrival_time)
+        for cid, child_params in children:
+            self.client.add_request(cid, processed.prompt_token_ids, child_params, arrival_time=arrival_time,
+                                    priority=priority, parent_id=request_id if len(children) > 1 else None)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        ids = self.output_processor.abort(request_id)
+        if ids:
+            self.client.abort_requests(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.client.get_output()
+        if not outputs and self.output_processor.has_unfinished() and not self.client.has_work():
+            raise RuntimeError("engine has no work but requests are unfinished (lost requests)")
+        results, to_abort = self.output_processor.process_outputs(outputs)
+        if to_abort:
+            self.client.abort_requests(to_abort)
+        return results
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+
+class LLM:
+    """`LLM(model=..., backend="torch"|"sim", **engine_args).generate(prompts, params)`."""
+
+    def __init__(self, model: str = "tiny-llama", backend: str = "torch", **engine_args: Any) -> None:
+        self.args = EngineArgs.from_kwargs(model=model, backend=backend, **engine_args)
+        self.llm_engine = LLMEngine(self.args)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params_list)} params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(engine.add_request(None, prompt, params))
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=len(ids), desc="Processed prompts")
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[rid] for rid in ids]
+
+    def chat(self, messages: Union[list[dict[str, str]], list[list[dict[str, str]]]],
+             sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = False,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("messages: chat needs a tokenizer (skip_tokenizer_init=True was given)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+                   for conv in conversations]
+        encoded = [{"prompt": p, "prompt_token_ids": list(tok.encode(p, add_special_tokens=False))}
+                   for p in prompts]
+        return self.generate(encoded, sampling_params, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.client.utility("reset_prefix_cache")
+
+    def close(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

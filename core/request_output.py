@@ -1,0 +1,40 @@
+"""vLLM-shaped results: `RequestOutput` with one `CompletionOutput` per sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[list[dict[int, float]]] = None  # per token: {token id: logprob}
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | ...
+    stop_reason: Optional[int | str] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float = 0.0
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    extra: dict[str, Any] = field(default_factory=dict)
