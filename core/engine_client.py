@@ -1,4 +1,6 @@
-"""Engine-core clients. `InprocClient` runs the `EngineCore` in the caller's process."""
+"""Engine-core clients. `InprocClient` runs the `EngineCore` in the caller's process;
+`core.mp_client.SyncMPClient` / `AsyncMPClient` run it in a separate process (ZMQ + msgspec).
+`EngineCoreClient.make_client` picks one, like vLLM."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -15,7 +17,35 @@ class EngineDeadError(RuntimeError):
     """The engine-core process died; pending and later calls fail with this instead of hanging."""
 
 
-class InprocClient:
+class EngineCoreClient:
+    """What `LLMEngine` / `AsyncLLM` need from an engine core, wherever it runs."""
+
+    config: Any
+
+    @staticmethod
+    def make_client(multiprocess_mode: bool, asyncio_mode: bool, args: EngineArgs,
+                    **kwargs: Any) -> "EngineCoreClient":
+        """vLLM's choice: asyncio needs the multi-process client; otherwise sync MP or in-process."""
+        if asyncio_mode and not multiprocess_mode:
+            raise NotImplementedError("Running EngineCore in asyncio without multiprocessing is not "
+                                      "supported (use multiprocess_mode=True).")
+        if multiprocess_mode:
+            from core import mp_client  # noqa: PLC0415
+
+            cls = mp_client.AsyncMPClient if asyncio_mode else mp_client.SyncMPClient
+            return cls(args, **kwargs)
+        if kwargs:
+            raise ValueError(f"{sorted(kwargs)[0]}: only the multi-process clients take this option")
+        return InprocClient(args)
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raise a ValueError naming the field if `params` cannot be used with this client."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InprocClient(EngineCoreClient):
     def __init__(self, args: EngineArgs) -> None:
         self.engine_core, self.info = create_engine_core(args)
         self.last_step: Optional[StepResult] = None

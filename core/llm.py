@@ -1,11 +1,20 @@
-"""`LLM`: offline generation like vLLM's, over an engine-core client."""
+"""`LLM`: offline generation like vLLM's, over an engine-core client.
+
+By default the `EngineCore` runs in its own process (`multiprocess=True`, like vLLM's
+`VLLM_ENABLE_V1_MULTIPROCESSING=1`); `multiprocess=False` (or the environment variable
+`SERVETWIN_ENABLE_MULTIPROCESSING=0`) keeps it in the caller's process. The engine process is shut
+down by `close()`, by leaving a `with LLM(...)` block, when the `LLM` is garbage-collected and at
+interpreter exit.
+"""
 from __future__ import annotations
 
 import itertools
+import os
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 from core.engine_args import EngineArgs
-from core.engine_client import InprocClient
+from core.engine_client import EngineCoreClient
 from core.input_processor import InputProcessor, PromptType
 from core.output_processor import OutputProcessor
 from core.parallel_sampling import fan_out
@@ -13,9 +22,18 @@ from core.request_output import RequestOutput
 from core.sampling_params import SamplingParams
 
 
-def load_tokenizer(path: Optional[str]) -> Any:
+def multiprocess_default() -> bool:
+    return os.environ.get("SERVETWIN_ENABLE_MULTIPROCESSING", "1").strip().lower() not in ("0", "false", "no")
+
+
+def load_tokenizer(path: Optional[str], vocab_size: Optional[int] = None) -> Any:
+    """A Hugging Face tokenizer from `path`; "toy" gives the `ToyTokenizer` (fake / sim backends)."""
     if path is None:
         return None
+    if path == "toy":
+        from core.toy_tokenizer import ToyTokenizer  # noqa: PLC0415
+
+        return ToyTokenizer(vocab_size or 1024)
     import os  # noqa: PLC0415
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,24 +52,25 @@ class LLMEngine:
         self.num_gpu_blocks = info.num_gpu_blocks
         self.max_model_len = info.max_model_len
         tok_path = args.tokenizer or info.model_path
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(tok_path)
+        try:
+            self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(tok_path, info.vocab_size)
+        except BaseException:
+            self.client.shutdown()
+            raise
         self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size,
                                               info.eos_token_ids, args.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     @staticmethod
-    def _make_client(args: EngineArgs):
-        if args.multiprocess:
-            from core.mp_client import SyncMPClient  # noqa: PLC0415
-
-            return SyncMPClient(args)
-        return InprocClient(args)
+    def _make_client(args: EngineArgs) -> EngineCoreClient:
+        return EngineCoreClient.make_client(bool(args.multiprocess), False, args)
 
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams],
                     arrival_time: Optional[float] = None, priority: int = 0) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
         processed = self.input_processor.process(prompt, params)
+        self.client.validate_params(processed.params)
         children = fan_out(request_id, processed.params)
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, children,
                                           arrival_time)
@@ -85,8 +104,11 @@ class LLM:
     """`LLM(model=..., backend="torch"|"sim", **engine_args).generate(prompts, params)`."""
 
     def __init__(self, model: str = "tiny-llama", backend: str = "torch", **engine_args: Any) -> None:
+        engine_args.setdefault("multiprocess", multiprocess_default())
         self.args = EngineArgs.from_kwargs(model=model, backend=backend, **engine_args)
         self.llm_engine = LLMEngine(self.args)
+        # garbage collection and interpreter exit (weakref.finalize runs atexit too) stop the engine
+        self._finalizer = weakref.finalize(self, self.llm_engine.client.shutdown)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -130,6 +152,15 @@ class LLM:
                         finished[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+        except BaseException:
+            # Ctrl-C, a refused request or a dead engine: drop what is left of this call
+            for rid in ids:
+                if rid not in finished:
+                    try:
+                        engine.abort_request(rid)
+                    except Exception:  # noqa: BLE001 - the engine may be dead
+                        engine.output_processor.abort(rid)
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -151,8 +182,13 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.client.utility("reset_prefix_cache")
 
+    def get_stats(self) -> dict[str, Any]:
+        """Scheduler state from the engine core (running / waiting requests, KV usage, preemptions)."""
+        return self.llm_engine.client.utility("get_stats")
+
     def close(self) -> None:
-        self.llm_engine.shutdown()
+        """Stop the engine (its process, in multi-process mode). Safe to call more than once."""
+        self._finalizer()
 
     def __enter__(self) -> "LLM":
         return self

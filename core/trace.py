@@ -24,7 +24,8 @@ STEP_COLUMNS = [
     "sum_q2", "sum_q_kv", "sum_kv", "max_kv", "num_running", "num_waiting", "num_preempted", "num_finished",
     "kv_free_blocks", "kv_usage", "prefix_queries", "prefix_hits",
 ]
-STEP_REQUEST_COLUMNS = ["run", "backend", "step", "request_id", "num_tokens", "num_computed_before", "phase"]
+STEP_REQUEST_COLUMNS = ["run", "backend", "step", "request_id", "num_tokens", "num_computed_before", "phase",
+                        "samples"]
 REQUEST_COLUMNS = [
     "run", "backend", "request_id", "parent_id", "arrival_s", "first_scheduled_s", "first_token_s",
     "finish_s", "prompt_tokens", "cached_tokens", "output_tokens", "num_preemptions", "finish_reason",
@@ -95,6 +96,11 @@ class TraceRecorder:
 
     def _record_scheduled(self, result: StepResult, t_start: float, t_end: float) -> None:
         so, stats = result.scheduled, result.stats
+        if so.total_num_scheduled_tokens == 0:
+            return  # an empty step that only reports finished requests: nothing ran
+        mro = result.model_output
+        sampling = ({rid for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
+                    if mro is not None else set())
         details = compute_iteration_details(so)
         ctx = context_request_ids(so) if self.record_step_requests else ()
         before = so.num_computed_before
@@ -111,7 +117,7 @@ class TraceRecorder:
                 trace.first_scheduled_s = t_start
             if self.record_step_requests:
                 self.step_requests.append((self.run, self.backend, so.step, rid, q, before[rid],
-                                           "context" if rid in ctx else "generation"))
+                                           "context" if rid in ctx else "generation", rid in sampling))
         for new in so.scheduled_new_reqs:
             trace = self.requests.get(new.req_id)
             if trace is not None and trace.num_preemptions == 0:

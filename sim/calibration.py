@@ -4,7 +4,11 @@
 `A` is `CostModel.basis(step_i)` and `t_i` the measured duration. `weighting="relative"` divides
 each row by `t_i` (minimises relative error, so short decode steps count as much as long prefills).
 Terms whose column is zero in every row are not identified by the data: they are reported in
-`unidentified` and keep their previous value in `FitResult.to_coefficients(base)`.
+`unidentified` and keep their previous value in `FitResult.to_coefficients(base)`. Collinear
+terms make the coefficients non-unique (predictions stay fine): `rank` below the number of fitted
+terms, or a huge `condition_number`, says so. A common case: when every step's LM head is
+weight-read bound and every request samples, `lm_head` is affine in `step` and `req`; steps with
+partial prefills (rows that do not sample) and large decode batches separate them.
 
 NNLS is Lawson & Hanson's active-set algorithm ("Solving Least Squares Problems", 1974, ch. 23) in
 numpy, on column-normalised data; scipy is not required.
@@ -64,6 +68,8 @@ class FitResult:
     coefficients: dict[str, float]  # fitted terms only: {term: c}
     unidentified: list[str]  # terms with an all-zero column (left out of the fit)
     n_samples: int
+    rank: int  # numerical rank of the (normalised) design; < len(coefficients): not unique
+    condition_number: float
     weighting: str
     rmse_s: float
     mae_s: float
@@ -81,7 +87,8 @@ class FitResult:
         return CostCoefficients(**values)
 
     def stats(self) -> dict[str, Any]:
-        return {"samples": self.n_samples, "weighting": self.weighting, "rmse_s": self.rmse_s,
+        return {"samples": self.n_samples, "weighting": self.weighting, "rank": self.rank,
+                "condition_number": self.condition_number, "rmse_s": self.rmse_s,
                 "mae_s": self.mae_s, "mean_abs_rel_err": self.mean_abs_rel_err,
                 "median_abs_rel_err": self.median_abs_rel_err,
                 "p90_abs_rel_err": self.p90_abs_rel_err, "max_abs_rel_err": self.max_abs_rel_err,
@@ -109,7 +116,11 @@ def fit_coefficients(basis_rows: Sequence[Mapping[str, float]], measured_s: Sequ
     wts = 1.0 / t if weighting == "relative" else np.ones_like(t)
     Aw, tw = A_used * wts[:, None], t * wts
     scale = np.linalg.norm(Aw, axis=0)
-    c_scaled, _ = nnls(Aw / scale, tw)
+    An = Aw / scale
+    c_scaled, _ = nnls(An, tw)
+    sv = np.linalg.svd(An, compute_uv=False)
+    rank = int(np.sum(sv > sv[0] * max(An.shape) * np.finfo(float).eps)) if sv.size else 0
+    cond = float(sv[0] / sv[-1]) if sv.size and sv[-1] > 0 else float("inf")
     c = c_scaled / scale
     fitted = {k: float(v) for k, v in zip([k for k, u in zip(terms, used) if u], c)}
     pred = A_used @ c
@@ -117,7 +128,8 @@ def fit_coefficients(basis_rows: Sequence[Mapping[str, float]], measured_s: Sequ
     rel = np.abs(res) / t
     ss_tot = float(np.sum((t - t.mean()) ** 2))
     return FitResult(
-        coefficients=fitted, unidentified=unidentified, n_samples=len(t), weighting=weighting,
+        coefficients=fitted, unidentified=unidentified, n_samples=len(t), rank=rank,
+        condition_number=cond, weighting=weighting,
         rmse_s=float(np.sqrt(np.mean(res ** 2))), mae_s=float(np.mean(np.abs(res))),
         mean_abs_rel_err=float(rel.mean()), median_abs_rel_err=float(np.median(rel)),
         p90_abs_rel_err=float(np.quantile(rel, 0.9)), max_abs_rel_err=float(rel.max()),

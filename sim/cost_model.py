@@ -29,6 +29,13 @@ another, so their times add):
 With every roofline multiplier c = 1 this is the ideal datasheet roofline plus fixed overheads;
 `sim.calibration.fit_coefficients` fits the c_k by non-negative least squares from measured steps.
 Sums over rows (never means) keep skewed batches right.
+
+Monotonicity: more requests, longer cached contexts and longer chunks never lower the prediction
+of an eager step, and larger decode batches never lower it under CUDA graphs. Exceptions, both
+by design: (1) turning a decode row (q = 1) into a 2-token chunk moves its KV read into the
+prefill phase, where a compute-bound prefill hides it; (2) adding a chunk to a padded decode
+batch makes it run eagerly and unpadded, so the padding's GEMM work disappears (while the `layer`
+launch term appears).
 """
 from __future__ import annotations
 
@@ -81,29 +88,41 @@ class StepSummary:
     @classmethod
     def from_rows(cls, rows: Iterable[Any]) -> "StepSummary":
         """Rows are `RowShape`s, `(q, s, samples)` tuples or `core.runner_state.ScheduledRow`s."""
-        acc = dict(num_reqs=0, num_tokens=0, num_sampling=0, prefill_reqs=0, prefill_sum_q=0,
-                   prefill_sum_q2=0, prefill_sum_q_s=0, prefill_sum_kv=0, decode_reqs=0,
-                   decode_sum_kv=0)
+        qs: list[int] = []
+        ss: list[int] = []
+        num_sampling = 0
         for row in rows:
             q, s, samples = _row_values(row)
+            qs.append(q)
+            ss.append(s)
+            num_sampling += bool(samples)
+        return cls.from_lists(qs, ss, num_sampling)
+
+    @classmethod
+    def from_lists(cls, qs: Sequence[int], ss: Sequence[int], num_sampling: int) -> "StepSummary":
+        """From per-row scheduled tokens `qs`, computed-before tokens `ss` and the sampling count."""
+        p_reqs = p_q = p_q2 = p_qs = p_kv = d_reqs = d_s = 0
+        for q, s in zip(qs, ss):
             if q < 1 or s < 0:
                 raise ValueError(f"step row: need q >= 1 and s >= 0, got q={q}, s={s}")
-            acc["num_reqs"] += 1
-            acc["num_tokens"] += q
-            acc["num_sampling"] += int(bool(samples))
             if q == 1:
-                acc["decode_reqs"] += 1
-                acc["decode_sum_kv"] += s + 1
+                d_reqs += 1
+                d_s += s
             else:
-                acc["prefill_reqs"] += 1
-                acc["prefill_sum_q"] += q
-                acc["prefill_sum_q2"] += q * q
-                acc["prefill_sum_q_s"] += q * s
-                acc["prefill_sum_kv"] += s + q
-        return cls(**acc)
+                p_reqs += 1
+                p_q += q
+                p_q2 += q * q
+                p_qs += q * s
+                p_kv += s + q
+        return cls(num_reqs=len(qs), num_tokens=p_q + d_reqs, num_sampling=num_sampling,
+                   prefill_reqs=p_reqs, prefill_sum_q=p_q, prefill_sum_q2=p_q2,
+                   prefill_sum_q_s=p_qs, prefill_sum_kv=p_kv, decode_reqs=d_reqs,
+                   decode_sum_kv=d_s + d_reqs)
 
 
 def _row_values(row: Any) -> tuple[int, int, bool]:
+    if isinstance(row, tuple):
+        return int(row[0]), int(row[1]), bool(row[2]) if len(row) > 2 else True
     if isinstance(row, RowShape):
         return row.q, row.s, row.samples
     if hasattr(row, "num_scheduled"):  # core.runner_state.ScheduledRow

@@ -5,8 +5,8 @@ so a simulated run produces the same tokens as the recorded oracle. A request ne
 (a fake token that happens to equal `eos_token_id` is moved to the next id) unless its forced output
 length is reached: with `output_lengths[request_id] = n`, the n-th output token is `eos_token_id`
 (the scheduler then stops it, provided its sampling params carry that EOS id). Otherwise requests
-finish by `max_tokens`. The timing is `CostModel.predict` of the step's rows; the host clock is
-never read.
+finish by `max_tokens`. The timing is `CostModel.predict` of the step's rows (0 s for an empty
+`SchedulerOutput`, which vLLM's runner returns at once); the host clock is never read.
 """
 from __future__ import annotations
 
@@ -49,29 +49,41 @@ class SimExecutor:
             raise ValueError(f"output_lengths[{request_id!r}]: must be an integer >= 1, got {n!r}")
         self.output_lengths[request_id] = n
 
-    def _token(self, step: int, row: int, req_id: str, num_outputs_before: int) -> int:
-        forced = self.output_lengths.get(req_id)
-        if forced is not None and num_outputs_before + 1 >= forced:
-            return self.eos_token_id  # type: ignore[return-value]
-        tok = fake_token(step, row)
-        return tok + 1 if tok == self.eos_token_id else tok
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         rows = self.state.update(scheduler_output)
+        forced_lengths = self.output_lengths
         for rid in scheduler_output.finished_req_ids:
-            self.output_lengths.pop(rid, None)
-        step = scheduler_output.step
-        summary = StepSummary.from_rows(rows)  # before sampling: `row.samples` reads the token count
-        self.last_summary = summary
+            forced_lengths.pop(rid, None)
+        eos = self.eos_token_id
+        base = scheduler_output.step * 7
         sampled: list[list[int]] = []
+        qs: list[int] = []
+        ss: list[int] = []
+        num_sampling = 0
         for r, row in enumerate(rows):
-            if row.samples:
-                tok = self._token(step, r, row.req_id, len(row.state.output_token_ids))
-                sampled.append([tok])
-                self.state.append_sampled(row.req_id, [tok])
-            else:
+            q, s, state = row.num_scheduled, row.num_computed_before, row.state
+            qs.append(q)
+            ss.append(s)
+            tokens = state.token_ids
+            if s + q < len(tokens):  # a partial prefill samples nothing (ScheduledRow.samples)
                 sampled.append([])
-        timing: StepTiming = self.cost_model.predict(summary)
+                continue
+            num_sampling += 1
+            forced = forced_lengths.get(row.req_id) if forced_lengths else None
+            if forced is not None and len(tokens) - state.num_prompt_tokens + 1 >= forced:
+                tok = eos
+            else:
+                tok = (base + r) % 1000 + 10  # fake_token(step, r)
+                if tok == eos:
+                    tok += 1
+            sampled.append([tok])
+            tokens.append(tok)  # RunnerState.append_sampled
+        summary = StepSummary.from_lists(qs, ss, num_sampling)
+        self.last_summary = summary
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            timing = StepTiming(duration_s=0.0)  # vLLM's runner returns at once: nothing runs
+        else:
+            timing = self.cost_model.predict(summary)
         ids = [row.req_id for row in rows]
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                                  sampled_token_ids=sampled, timing=timing)

@@ -1,0 +1,320 @@
+"""The EngineCore process: builds the executor, sizes the KV cache, then runs the busy loop.
+
+Started by `core.mp_client` with the multiprocessing *spawn* context; its only arguments are the
+picklable `EngineArgs`, the two ZMQ addresses and a few loop options. Start-up: build the engine
+(`create_engine_core`), then send one `EngineConfig` (the ready message with the final
+`num_gpu_blocks`, `max_model_len`, vocab size, EOS ids, model path) or a `StartupErrorMsg` with the
+exception text, and exit.
+
+Busy loop (like vLLM's `EngineCoreProc.run_busy_loop`): take every input waiting on the input socket
+(add / abort / utility / shutdown), run one `EngineCore.step()` while there is work, send the step's
+`EngineCoreOutput`s with the scheduler stats, and when the engine runs out of work send an idle
+marker carrying the number of the last input message processed (the synchronous client uses it to
+know that no more output can come). With nothing to do it blocks on the input socket, waking every
+0.5 s to check that its parent is still alive (it exits when the parent is gone, so an engine never
+outlives its front end).
+
+Paced (simulated-time) mode, used to serve a `sim` backend in "real time": every step's duration is
+the executor's prediction `ModelRunnerOutput.timing.duration_s`. Simulated time is mapped onto wall
+time from the moment the engine became ready, `wall = t_ready + sim * time_scale`. A step starts at
+`max(end of the previous step, simulated now)` (the engine idles in simulated time only while it has
+nothing to do) and its outputs are released once the wall clock reaches the mapped end of the step -
+never earlier; if the host falls behind (a step took longer to compute than its mapped duration) they
+are released as soon as they are ready and the step counts as late (`get_stats` -> `paced_late_steps`).
+With async scheduling the outputs of step k are processed one step later but are still released at
+step k's end time.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from collections import deque
+from typing import Any, Optional
+
+PARENT_CHECK_INTERVAL_S = 0.5
+IDLE_STATS_INTERVAL_S = 0.1
+IPC_PROFILE_LEN = 20000
+
+
+class EngineCoreProc:
+    def __init__(self, engine_core: Any, info: Any, args: Any, input_addr: str, output_addr: str,
+                 parent_pid: int, pace: bool = False, time_scale: float = 1.0) -> None:
+        import zmq  # noqa: PLC0415
+
+        from core import mp_messages as m  # noqa: PLC0415
+
+        self.m = m
+        self.zmq = zmq
+        self.engine = engine_core
+        self.info = info
+        self.args = args
+        self.parent_pid = parent_pid
+        self.pace = pace
+        self.time_scale = float(time_scale)
+        self.ctx = zmq.Context(io_threads=1)
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.LINGER, 2000)
+        self.output.connect(output_addr)
+        self.encoder = m.encoder()
+        self.decoder = m.input_decoder()
+        self.input_seq = -1  # number of the last input message processed
+        self.running = True
+        # totals for /metrics
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.num_steps = 0
+        # pacing
+        self.t_ready = time.monotonic()
+        self.sim_clock = 0.0
+        self.step_end_sim: dict[int, float] = {}
+        self.late_steps = 0
+        self.max_late_s = 0.0
+        # IPC profile: (num outputs, seconds spent encoding+sending) per step, and input decode time
+        self.ipc_profile: deque[tuple[int, float]] = deque(maxlen=IPC_PROFILE_LEN)
+        self.input_time_s = 0.0
+        self.input_msgs = 0
+
+    # -- messages ---------------------------------------------------------------------------------
+    def send(self, msg: Any) -> None:
+        self.output.send(self.encoder.encode(msg), copy=False)
+
+    def send_ready(self) -> None:
+        info = self.info
+        self.t_ready = time.monotonic()
+        self.send(self.m.EngineConfig(
+            num_gpu_blocks=int(info.num_gpu_blocks), max_model_len=int(info.max_model_len),
+            vocab_size=None if info.vocab_size is None else int(info.vocab_size),
+            eos_token_ids=[int(t) for t in (info.eos_token_ids or [])],
+            model_path=None if info.model_path is None else str(info.model_path),
+            block_size=int(self.args.block_size), backend=str(self.args.backend), pid=os.getpid(),
+            paced=self.pace, time_scale=self.time_scale))
+
+    def handle_inputs(self, block_ms: int) -> list[Any]:
+        """Process every waiting input message (waiting up to `block_ms` for the first one)."""
+        errors: list[Any] = []
+        sock = self.input
+        if block_ms and not sock.poll(block_ms):
+            return errors
+        t0 = time.perf_counter()
+        zmq_again = self.zmq.Again
+        noblock = self.zmq.NOBLOCK
+        while True:
+            try:
+                frame = sock.recv(noblock, copy=False)
+            except zmq_again:
+                break
+            msg = self.decoder.decode(frame.buffer)
+            self.input_seq += 1
+            self.input_msgs += 1
+            self.handle_input(msg, errors)
+        self.input_time_s += time.perf_counter() - t0
+        return errors
+
+    def handle_input(self, msg: Any, errors: list[Any]) -> None:
+        m = self.m
+        if type(msg) is m.AddRequestMsg:
+            from core.request import Request  # noqa: PLC0415
+
+            try:
+                self.engine.add_request(Request(msg.request_id, msg.prompt_token_ids, m.decode_params(msg.params),
+                                                arrival_time=msg.arrival_time, priority=msg.priority,
+                                                cache_salt=msg.cache_salt, parent_id=msg.parent_id))
+            except ValueError as e:  # unservable / duplicate request: report it, keep serving
+                errors.append(m.RequestErrorMsg(msg.request_id, type(e).__name__, str(e)))
+        elif type(msg) is m.AbortMsg:
+            self.engine.abort_requests(msg.request_ids)
+        elif type(msg) is m.UtilityMsg:
+            self.handle_utility(msg)
+        elif type(msg) is m.ShutdownMsg:
+            self.running = False
+
+    def handle_utility(self, msg: Any) -> None:
+        from core.engine_client import call_utility  # noqa: PLC0415
+
+        m = self.m
+        try:
+            if msg.name == "get_ipc_profile":
+                result: Any = {"steps": list(self.ipc_profile), "input_time_s": self.input_time_s,
+                               "input_msgs": self.input_msgs}
+            elif msg.name == "clear_ipc_profile":
+                self.ipc_profile.clear()
+                self.input_time_s, self.input_msgs = 0.0, 0
+                result = True
+            else:
+                result = call_utility(self.engine, msg.name, *msg.args)
+                if msg.name == "get_stats":
+                    result = dict(result, num_steps=self.num_steps, prefix_cache_queries=self.prefix_queries,
+                                  prefix_cache_hits=self.prefix_hits, paced=self.pace,
+                                  paced_late_steps=self.late_steps, paced_max_late_s=self.max_late_s,
+                                  sim_time_s=self.sim_clock)
+            self.send(m.UtilityResultMsg(msg.call_id, result))
+        except Exception as e:  # noqa: BLE001 - the caller gets the error text
+            self.send(m.UtilityResultMsg(msg.call_id, None, f"{type(e).__name__}: {e}", type(e).__name__))
+
+    def stats(self) -> Any:
+        sched = self.engine.scheduler
+        kv = sched.kv_cache_manager
+        return self.m.EngineStats(len(sched.running), len(sched.waiting), kv.usage, kv.num_free_blocks,
+                                  self.prefix_queries, self.prefix_hits, sched.num_preemptions_total,
+                                  self.num_steps)
+
+    # -- pacing -------------------------------------------------------------------------------------
+    def _sim_now(self) -> float:
+        return (time.monotonic() - self.t_ready) / self.time_scale
+
+    def _pace(self, result: Any) -> tuple[float, float]:
+        """Advance simulated time for the scheduled step; wait until the processed step's end."""
+        so = result.scheduled
+        if so is not None and so.total_num_scheduled_tokens > 0:
+            timing = result.model_output.timing if result.model_output is not None else None
+            duration = timing.duration_s if timing is not None else 0.0
+            start = max(self.sim_clock, self._sim_now())
+            self.sim_clock = start + max(0.0, float(duration))
+            self.step_end_sim[so.step] = self.sim_clock
+        if result.processed is None:
+            return 0.0, self.sim_clock
+        end = self.step_end_sim.pop(result.processed.step, None)
+        if end is None:
+            return 0.0, self.sim_clock
+        release_at = self.t_ready + end * self.time_scale
+        now = time.monotonic()
+        late = now - release_at
+        if late > 1e-3:
+            self.late_steps += 1
+            self.max_late_s = max(self.max_late_s, late)
+        while now < release_at:
+            time.sleep(release_at - now)
+            now = time.monotonic()
+        return release_at, end
+
+    # -- loop ---------------------------------------------------------------------------------------
+    def parent_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    def run(self) -> None:
+        m = self.m
+        engine = self.engine
+        busy = False
+        last_parent_check = time.monotonic()
+        last_stats = 0.0
+        perf = time.perf_counter
+        while self.running:
+            if engine.has_work():
+                errors = self.handle_inputs(0)
+            else:
+                if busy:
+                    busy = False
+                    self.send(m.OutputsMsg([], self.stats(), idle_seq=self.input_seq))
+                errors = self.handle_inputs(int(PARENT_CHECK_INTERVAL_S * 1000))
+                if errors and not engine.has_work():  # only refused requests arrived
+                    self.send(m.OutputsMsg([], self.stats(), idle_seq=self.input_seq, errors=errors))
+                    errors = []
+            if not self.running:
+                break
+            now = time.monotonic()
+            if now - last_parent_check > PARENT_CHECK_INTERVAL_S:
+                last_parent_check = now
+                if not self.parent_alive():
+                    break
+            if not engine.has_work():
+                if errors:
+                    self.send(m.OutputsMsg([], self.stats(), idle_seq=self.input_seq, errors=errors))
+                continue
+            busy = True
+            result = engine.step()
+            self.num_steps += 1
+            st = result.stats
+            if st is not None:
+                pcs = st.prefix_cache_stats
+                self.prefix_queries += pcs.queries
+                self.prefix_hits += pcs.hits
+            release_at = sim_t = 0.0
+            if self.pace:
+                release_at, sim_t = self._pace(result)
+            if result.outputs or errors or now - last_stats > IDLE_STATS_INTERVAL_S:
+                t0 = perf()
+                idle = -1 if engine.has_work() else self.input_seq
+                self.send(m.OutputsMsg(result.outputs, self.stats(), idle, errors or None, release_at, sim_t))
+                self.ipc_profile.append((len(result.outputs), perf() - t0))
+                last_stats = now
+                if idle >= 0:
+                    busy = False
+
+    def close(self) -> None:
+        for sock in (self.input, self.output):
+            try:
+                sock.close()
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            self.ctx.term()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_engine_core(args: Any, input_addr: str, output_addr: str, parent_pid: int,
+                    pace: bool = False, time_scale: float = 1.0,
+                    fake_step_time_s: Optional[float] = None) -> None:
+    """Entry point of the spawned EngineCore process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides; it shuts us down
+
+    def _term(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        import setproctitle  # type: ignore  # noqa: PLC0415
+
+        setproctitle.setproctitle(f"servetwin::EngineCore({args.backend})")
+    except ImportError:
+        pass
+    proc: Optional[EngineCoreProc] = None
+    try:
+        from core.engine_factory import create_engine_core  # noqa: PLC0415
+
+        try:
+            engine, info = create_engine_core(args)
+            if fake_step_time_s is not None and args.backend == "fake":
+                info.executor.step_time_s = float(fake_step_time_s)
+        except BaseException as e:  # noqa: BLE001 - report any start-up failure to the parent
+            _send_startup_error(output_addr, e)
+            sys.exit(1)
+        proc = EngineCoreProc(engine, info, args, input_addr, output_addr, parent_pid, pace=pace,
+                              time_scale=time_scale)
+        proc.send_ready()
+        try:
+            proc.run()
+        except Exception as e:  # noqa: BLE001
+            from core import mp_messages as m  # noqa: PLC0415
+
+            proc.send(m.EngineErrorMsg(type(e).__name__, str(e), traceback.format_exc()))
+            raise
+    finally:
+        if proc is not None:
+            close = getattr(proc.engine.executor, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001
+                    pass
+            proc.close()
+
+
+def _send_startup_error(output_addr: str, e: BaseException) -> None:
+    import zmq  # noqa: PLC0415
+
+    from core import mp_messages as m  # noqa: PLC0415
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.connect(output_addr)
+    sock.send(m.encoder().encode(m.StartupErrorMsg(type(e).__name__, str(e), traceback.format_exc())))
+    sock.close()
+    ctx.term()

@@ -1,0 +1,199 @@
+"""Serving metrics in Prometheus text format with vLLM's metric names (no prometheus_client needed).
+
+Engine-side values come from the `EngineStats` attached to the engine core's outputs (gauges: running /
+waiting requests, KV-cache usage; counters kept as totals in the engine: prefix-cache queries and
+hits, preemptions). Request latencies are measured in the front end when outputs arrive, like vLLM:
+TTFT = first token - arrival, ITL = time between consecutive outputs of a request, E2E = finish -
+arrival, all on the front end's monotonic clock (with a paced `sim` backend they follow simulated
+time mapped onto the wall clock). Counter samples get prometheus_client's `_total` suffix.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# vLLM's bucket boundaries (v1/metrics/loggers.py)
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "+Inf" if v > 0 else "-Inf"
+        return repr(v)
+    return f"{float(v)!r}"
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    body = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                    for k, v in labels.items())
+    return "{" + body + "}"
+
+
+class Histogram:
+    def __init__(self, buckets: list[float]) -> None:
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
+        self.sum += v
+        self.count += 1
+
+    def render(self, name: str, labels: dict[str, str]) -> list[str]:
+        lines = []
+        cum = 0
+        for bound, c in zip(self.bounds + [math.inf], self.counts):
+            cum += c
+            lines.append(f"{name}_bucket{_labels(dict(labels, le=_fmt(float(bound))))} {_fmt(float(cum))}")
+        lines.append(f"{name}_count{_labels(labels)} {_fmt(float(self.count))}")
+        lines.append(f"{name}_sum{_labels(labels)} {_fmt(self.sum)}")
+        return lines
+
+
+@dataclass(slots=True)
+class _ReqTimes:
+    arrival: float
+    prompt_tokens: int
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    num_tokens: int = 0
+
+
+class ServingMetrics:
+    """Aggregates engine stats and per-request latencies; `render()` gives the /metrics text."""
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model_name": model_name, "engine": "0"}
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: dict[str, int] = {}
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self._reqs: dict[str, _ReqTimes] = {}
+
+    # -- engine side --------------------------------------------------------------------------------
+    def update_engine(self, stats: Any) -> None:
+        self.num_running = stats.num_running
+        self.num_waiting = stats.num_waiting
+        self.kv_cache_usage = stats.kv_cache_usage
+        self.prefix_queries = max(self.prefix_queries, stats.prefix_cache_queries)
+        self.prefix_hits = max(self.prefix_hits, stats.prefix_cache_hits)
+        self.num_preemptions = max(self.num_preemptions, stats.num_preemptions)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def on_arrival(self, request_id: str, prompt_tokens: int, t: Optional[float] = None) -> None:
+        self._reqs[request_id] = _ReqTimes(time.monotonic() if t is None else t, prompt_tokens)
+
+    def on_output(self, out: Any, now: float) -> None:
+        rt = self._reqs.get(out.request_id)
+        if rt is None:
+            return
+        n = sum(len(c.token_ids) for c in out.outputs)
+        if n > rt.num_tokens:
+            if rt.first_token is None:
+                rt.first_token = now
+                self.ttft.observe(now - rt.arrival)
+            else:
+                self.itl.observe(now - rt.last_token)
+            rt.last_token = now
+            self.generation_tokens += n - rt.num_tokens
+            rt.num_tokens = n
+        if out.finished:
+            del self._reqs[out.request_id]
+            self.e2e.observe(now - rt.arrival)
+            self.prompt_tokens += rt.prompt_tokens
+            for c in out.outputs:
+                reason = c.finish_reason or "abort"
+                self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def on_abort(self, request_id: str, num_children: int = 1) -> None:
+        rt = self._reqs.pop(request_id, None)
+        if rt is not None:
+            self.prompt_tokens += rt.prompt_tokens
+            self.finished["abort"] = self.finished.get("abort", 0) + num_children
+
+    # -- exposition ---------------------------------------------------------------------------------
+    def render(self) -> str:
+        lb = self.labels
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, value: float, labels: Optional[dict] = None) -> None:
+            sample = f"{name}_total" if kind == "counter" else name
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            out.append(f"{sample}{_labels(labels or lb)} {_fmt(float(value))}")
+
+        metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+               self.num_running)
+        metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+               self.num_waiting)
+        metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+               self.kv_cache_usage)
+        metric("vllm:prefix_cache_queries", "counter",
+               "Prefix cache queries, in terms of number of queried tokens.", self.prefix_queries)
+        metric("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+               self.prefix_hits)
+        metric("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.",
+               self.num_preemptions)
+        metric("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", self.prompt_tokens)
+        metric("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
+               self.generation_tokens)
+        out.append("# HELP vllm:request_success Count of successfully processed requests.")
+        out.append("# TYPE vllm:request_success counter")
+        for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):
+            out.append(f"vllm:request_success_total{_labels(dict(lb, finished_reason=reason))} "
+                       f"{_fmt(float(self.finished.get(reason, 0)))}")
+        for name, help_, hist in (
+                ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
+                ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.itl),
+                ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self.e2e)):
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} histogram")
+            out.extend(hist.render(name, lb))
+        return "\n".join(out) + "\n"
+
+
+def parse_prometheus_text(text: str) -> dict[str, float]:
+    """`{sample name with labels: value}` from exposition text (for tests and quick checks)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        values[name] = float(value)
+    return values
+
+
+def sample(values: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of samples called `name` whose labels include `labels`."""
+    total, found = 0.0, False
+    for key, v in values.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{val}"' in rest for k, val in labels.items()):
+            total += v
+            found = True
+    if not found:
+        raise KeyError(name)
+    return total

@@ -1,0 +1,149 @@
+"""Arrival processes: when requests reach the engine.
+
+Open-loop processes (`Offline`, `Poisson`, `Gamma`, `TraceArrivals`) fix every arrival time in
+advance (`times(n, rng)`; the workload builder writes them into `WorkloadRequest.arrival_s`) and
+replay them in the simulation. `ClosedLoop` needs completion feedback: each of N clients submits a
+request, waits for it to finish, thinks, and submits the next; arrival times are set at run time.
+
+Every process exposes `process(env, requests, submit, rng)`, a SimPy generator the simulation loop
+starts; `submit(request)` hands a request to the engine and returns an event that fires when the
+request finishes. Open-loop processes submit requests with equal arrival times in input order,
+without yielding in between.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+import simpy
+
+from sim.trace_file import TraceRecord, load_trace
+from sim.validate import check_keys, check_mapping, int_at_least, non_negative, one_of, positive
+
+if TYPE_CHECKING:
+    from sim.workload import WorkloadRequest
+
+Submit = Callable[["WorkloadRequest"], simpy.Event]
+
+
+@runtime_checkable
+class ArrivalProcess(Protocol):
+    closed_loop: bool
+
+    def process(self, env: simpy.Environment, requests: Sequence["WorkloadRequest"], submit: Submit,
+                rng: np.random.Generator) -> Generator[simpy.Event, Any, None]: ...
+
+
+class _OpenLoop:
+    closed_loop = False
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        raise NotImplementedError
+
+    def process(self, env: simpy.Environment, requests: Sequence["WorkloadRequest"], submit: Submit,
+                rng: np.random.Generator) -> Generator[simpy.Event, Any, None]:
+        """Submit each request at its `arrival_s` (requests must be sorted by it)."""
+        for req in requests:
+            delay = req.arrival_s - env.now
+            if delay > 0:
+                yield env.timeout(delay)
+            elif delay < 0 and not np.isclose(delay, 0.0):
+                raise ValueError(f"arrivals: request {req.request_id} arrives at {req.arrival_s} s, "
+                                 f"before the previous one (requests must be sorted by arrival_s)")
+            submit(req)
+
+
+@dataclass(slots=True, frozen=True)
+class Offline(_OpenLoop):
+    """Every request at t = 0."""
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.zeros(n)
+
+
+@dataclass(slots=True, frozen=True)
+class Poisson(_OpenLoop):
+    """Exponential inter-arrival gaps with mean 1/rate; the first request arrives after one gap."""
+    rate: float
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.cumsum(rng.exponential(1.0 / self.rate, size=n))
+
+
+@dataclass(slots=True, frozen=True)
+class Gamma(_OpenLoop):
+    """Gamma inter-arrival gaps: mean 1/rate, coefficient of variation cv (cv = 1 is Poisson)."""
+    rate: float
+    cv: float
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        shape = 1.0 / (self.cv * self.cv)
+        return np.cumsum(rng.gamma(shape, 1.0 / (self.rate * shape), size=n))
+
+
+@dataclass(slots=True, frozen=True)
+class TraceArrivals(_OpenLoop):
+    """Arrival times (and lengths, used by the workload builder) from a trace file."""
+    path: str
+    records: tuple[TraceRecord, ...]
+
+    def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.array([r.arrival_s for r in self.records[:n]], dtype=float)
+
+
+@dataclass(slots=True, frozen=True)
+class ClosedLoop:
+    """N clients; each submits, waits for completion, thinks (fixed or exponential), repeats."""
+    clients: int
+    think_time_s: float = 0.0
+    think: str = "fixed"  # "fixed" | "exponential"
+    closed_loop = True
+
+    def process(self, env: simpy.Environment, requests: Sequence["WorkloadRequest"], submit: Submit,
+                rng: np.random.Generator) -> Generator[simpy.Event, Any, None]:
+        """Start the clients (client 0 first) and return when every request has been submitted."""
+        queue = iter(requests)
+        clients = [env.process(self._client(env, queue, submit, rng)) for _ in range(self.clients)]
+        yield env.all_of(clients)
+
+    def _client(self, env: simpy.Environment, queue: Any, submit: Submit,
+                rng: np.random.Generator) -> Generator[simpy.Event, Any, None]:
+        for req in queue:
+            req.arrival_s = env.now
+            yield submit(req)
+            think = self.think_time_s
+            if self.think == "exponential" and think > 0:
+                think = float(rng.exponential(think))
+            if think > 0:
+                yield env.timeout(think)
+
+
+ARRIVAL_TYPES = ("offline", "poisson", "gamma", "closed_loop", "trace")
+
+
+def parse_arrival(cfg: Any, path: str = "workload.arrival") -> ArrivalProcess:
+    """Build an arrival process from `{type: ..., ...}` with errors naming the field path."""
+    if cfg is None:
+        return Offline()
+    cfg = check_mapping(cfg, path)
+    kind = one_of(cfg.get("type"), ARRIVAL_TYPES, f"{path}.type")
+    if kind == "offline":
+        check_keys(cfg, {"type"}, path)
+        return Offline()
+    if kind == "poisson":
+        check_keys(cfg, {"type", "rate"}, path, required=["rate"])
+        return Poisson(positive(cfg["rate"], f"{path}.rate"))
+    if kind == "gamma":
+        check_keys(cfg, {"type", "rate", "cv"}, path, required=["rate", "cv"])
+        return Gamma(positive(cfg["rate"], f"{path}.rate"), positive(cfg["cv"], f"{path}.cv"))
+    if kind == "closed_loop":
+        check_keys(cfg, {"type", "clients", "think_time_s", "think"}, path, required=["clients"])
+        return ClosedLoop(int_at_least(cfg["clients"], 1, f"{path}.clients"),
+                          non_negative(cfg.get("think_time_s", 0.0), f"{path}.think_time_s"),
+                          one_of(cfg.get("think", "fixed"), ("fixed", "exponential"),
+                                 f"{path}.think"))
+    check_keys(cfg, {"type", "path"}, path, required=["path"])
+    records = load_trace(cfg["path"], f"{path}.path")
+    return TraceArrivals(str(cfg["path"]), tuple(records))

@@ -1,0 +1,228 @@
+"""The simulation loop: SimPy processes for arrivals and for the engine, in simulated time only.
+
+The engine process drives the shared `core.engine_core.EngineCore` (its scheduler does async
+scheduling itself when configured) with a `SimExecutor`: each engine step that runs a batch takes
+the batch's predicted duration (`ModelRunnerOutput.timing.duration_s`); nothing reads the host
+clock. Batches run back to back: the next step starts when the previous one ends, or when the next
+request arrives at an idle engine.
+
+Order of events at one simulated time t (defined here, not left to event creation order):
+1. the step that ends at t completes: its outputs are processed (sync mode; in async mode the
+   previous batch's outputs are processed when the next step is scheduled, also at t) and every
+   workload request whose sequences have all finished fires its completion event;
+2. arrivals at t: open-loop arrivals in input order; closed-loop clients whose request completed
+   at t and have no think time submit their next request (in completion order);
+3. the next engine step starts at t: every request submitted at or before t is added to the engine
+   in submission order, then the step is scheduled.
+Step 3 waits on an event of priority `STEP_START_PRIORITY`, after SimPy's URGENT (0) and NORMAL (1)
+events at the same time, so everything of steps 1-2 (including events they cause at t) goes first.
+
+Time stamps follow `core.trace`: a token's time is the end of the step that computed it; a request
+completes at the end of the step that produced its last token.
+"""
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import simpy
+
+from core.engine_core import EngineCore, StepResult
+from core.parallel_sampling import fan_out
+from core.request import Request
+from core.sampling_params import SamplingParams
+from core.scheduler import UnservableRequestError
+from core.trace import TraceRecorder
+from sim.arrivals import ArrivalProcess
+from sim.workload import WorkloadRequest, build_workload, rng_streams
+
+STEP_START_PRIORITY = 2  # after simpy.events.URGENT (0) and NORMAL (1)
+DEFAULT_EOS_TOKEN_ID = 0  # fake tokens are >= 10, so 0 appears only where forced
+MAX_IDLE_ITERATIONS = 3  # engine iterations without progress before the loop waits or gives up
+
+
+def step_start_event(env: simpy.Environment) -> simpy.Event:
+    """An event at `env.now` processed after every URGENT/NORMAL event at the same time."""
+    event = simpy.Event(env)
+    event._ok = True  # what Event.succeed() sets, but scheduled with our own priority
+    event._value = None
+    env.schedule(event, priority=STEP_START_PRIORITY)
+    return event
+
+
+@dataclass(slots=True)
+class SimResult:
+    recorder: TraceRecorder
+    end_time_s: float
+    num_steps: int  # engine steps that ran a batch
+    completion_s: dict[str, float] = field(default_factory=dict)  # workload request -> finish
+    rejected: dict[str, str] = field(default_factory=dict)  # workload request -> reason
+    unfinished: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Pending:
+    request: WorkloadRequest
+    done: simpy.Event
+    remaining: int = 0
+
+
+class Simulation:
+    def __init__(self, engine: EngineCore, requests: Sequence[WorkloadRequest],
+                 arrival: ArrivalProcess, *, rng: Optional[np.random.Generator] = None,
+                 run: str = "sim", eos_token_id: int = DEFAULT_EOS_TOKEN_ID,
+                 max_time_s: Optional[float] = None, record_step_requests: bool = True) -> None:
+        self.env = simpy.Environment()
+        self.engine = engine
+        self.requests = list(requests)
+        self.arrival = arrival
+        self.rng = rng if rng is not None else np.random.default_rng(0)
+        self.max_time_s = max_time_s
+        self.recorder = TraceRecorder(run, "sim", record_step_requests=record_step_requests)
+        self.eos_token_id = eos_token_id
+        self._inbox: list[_Pending] = []
+        self._by_child: dict[str, _Pending] = {}
+        self._wake: Optional[simpy.Event] = None
+        self._arrivals_done = False
+        self._t_end: dict[int, float] = {}
+        self.result = SimResult(self.recorder, 0.0, 0)
+
+    # -- submission ------------------------------------------------------------------------------
+    def submit(self, request: WorkloadRequest) -> simpy.Event:
+        """Hand a request to the engine (added at the next step start); fires when it completes."""
+        pending = _Pending(request, self.env.event())
+        self._inbox.append(pending)
+        self._poke()
+        return pending.done
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _admit(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for pending in inbox:
+            wreq = pending.request
+            params = SamplingParams(max_tokens=wreq.max_tokens, n=wreq.n,
+                                    ignore_eos=wreq.eos_at is None)
+            if wreq.eos_at is not None:
+                params.update_from_generation_config(self._forcing_eos_id())
+            children = fan_out(wreq.request_id, params)
+            reqs = [Request(cid, wreq.prompt_token_ids, p, arrival_time=wreq.arrival_s,
+                            priority=wreq.priority,
+                            parent_id=wreq.request_id if wreq.n > 1 else None)
+                    for cid, p in children]
+            try:
+                for req in reqs:
+                    self.engine.scheduler.check_servable(req)
+            except UnservableRequestError as exc:
+                self.result.rejected[wreq.request_id] = str(exc)
+                pending.done.succeed()
+                continue
+            pending.remaining = len(reqs)
+            for req in reqs:
+                if wreq.eos_at is not None:
+                    self.engine.executor.set_output_length(req.request_id, wreq.eos_at)
+                self.engine.add_request(req)
+                self.recorder.on_arrival(req, wreq.arrival_s)
+                self._by_child[req.request_id] = pending
+
+    def _forcing_eos_id(self) -> int:
+        ex = self.engine.executor
+        if not hasattr(ex, "set_output_length"):
+            raise ValueError("workload: requests with a forced EOS (finish: eos) need the SimExecutor")
+        if ex.eos_token_id is None:
+            ex.eos_token_id = self.eos_token_id
+        return ex.eos_token_id
+
+    # -- processes -------------------------------------------------------------------------------
+    def _arrivals(self) -> Generator[simpy.Event, Any, None]:
+        yield from self.arrival.process(self.env, self.requests, self.submit, self.rng)
+        self._arrivals_done = True
+        self._poke()
+
+    def _complete(self, result: StepResult, t: float) -> None:
+        for out in result.outputs:
+            if out.finish_reason is None:
+                continue
+            pending = self._by_child.pop(out.request_id, None)
+            if pending is None:
+                continue
+            pending.remaining -= 1
+            if pending.remaining == 0:
+                self.result.completion_s[pending.request.request_id] = t
+                pending.done.succeed()
+
+    def _engine(self) -> Generator[simpy.Event, Any, None]:
+        env, engine = self.env, self.engine
+        idle = 0
+        while True:
+            if not self._inbox and (not engine.has_work() or idle >= MAX_IDLE_ITERATIONS):
+                if self._arrivals_done:
+                    if engine.has_work():
+                        raise RuntimeError(
+                            f"simulation stalled at t={env.now:.6f}s: the engine holds requests but "
+                            "schedules nothing and no more requests will arrive")
+                    return
+                self._wake = env.event()
+                yield self._wake
+                idle = 0
+            yield step_start_event(env)
+            self._admit()
+            if not engine.has_work():
+                continue
+            t0 = env.now
+            result = engine.step()
+            so = result.scheduled
+            duration = 0.0
+            if so is not None:
+                timing = result.model_output.timing if result.model_output is not None else None
+                duration = timing.duration_s if timing is not None else 0.0
+                self._t_end[so.step] = t0 + duration
+                if so.total_num_scheduled_tokens > 0:
+                    self.result.num_steps += 1
+            self.recorder.on_step(result, t0, t0 + duration)
+            progressed = (so is not None and so.total_num_scheduled_tokens > 0) or bool(result.outputs)
+            idle = 0 if progressed else idle + 1
+            t_done = self._t_end.pop(result.processed.step) if result.processed is not None else t0
+            if t_done <= t0:
+                self._complete(result, t_done)  # async: the previous batch, finished at t0
+            if duration > 0:
+                yield env.timeout(duration)
+            if t_done > t0:
+                self._complete(result, t_done)
+
+    def run(self) -> SimResult:
+        self.env.process(self._arrivals())
+        self.env.process(self._engine())
+        if self.max_time_s is not None:
+            self.env.run(until=self.max_time_s)
+        else:
+            self.env.run()
+        self.result.end_time_s = float(self.env.now)
+        done = set(self.result.completion_s) | set(self.result.rejected)
+        self.result.unfinished = [r.request_id for r in self.requests if r.request_id not in done]
+        return self.result
+
+
+def simulate(engine: EngineCore, requests: Sequence[WorkloadRequest], arrival: ArrivalProcess,
+             **kwargs: Any) -> SimResult:
+    """Run `requests` through `engine` (an `EngineCore` over a `SimExecutor`) in simulated time."""
+    return Simulation(engine, requests, arrival, **kwargs).run()
+
+
+def simulate_workload(engine_args: Any, workload: Mapping[str, Any], run: str = "sim",
+                      **kwargs: Any) -> SimResult:
+    """Build the engine from `core.engine_args.EngineArgs` (backend "sim") and run a workload config."""
+    from core.engine_args import EngineArgs  # noqa: PLC0415
+    from core.engine_factory import create_engine_core  # noqa: PLC0415
+
+    args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs.from_kwargs(**engine_args)
+    if args.backend != "sim":
+        raise ValueError(f"backend: simulate_workload needs backend 'sim', got {args.backend!r}")
+    engine, info = create_engine_core(args)
+    spec, requests = build_workload(workload, vocab_size=info.vocab_size)
+    return simulate(engine, requests, spec.arrival, rng=rng_streams(spec.seed)["runtime"], run=run,
+                    **kwargs)

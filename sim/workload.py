@@ -1,0 +1,258 @@
+"""Synthetic and trace-driven workloads: the requests a simulation (or a real run) serves.
+
+A workload config (all fields optional except where noted):
+
+    workload:
+      seed: 0
+      num_requests: 1000            # required unless prefix groups or a trace fix it
+      vocab_size: 32000             # defaults to the model's vocabulary when built for a model
+      prompt_len: {type: lognormal, mean: 512, cv: 1.0}   # see sim.lengths
+      output_len: 128
+      max_prompt_tokens: 8192       # caps (clip) on the drawn lengths
+      max_output_tokens: 2048
+      n: 1                          # parallel sampling
+      priority: 0                   # or a list of priorities drawn uniformly
+      finish: max_tokens            # or "eos": max_tokens = max_output_tokens, EOS forced at the
+                                    #   drawn output length (WorkloadRequest.eos_at)
+      prefix:                       # shared-prefix groups; replaces prompt_len
+        groups: 256
+        per_group: 4
+        prefix_tokens: 8192
+        suffix_len: 200             # length distribution, 0 allowed
+        order: grouped              # grouped | interleaved | shuffled
+      arrival: {type: poisson, rate: 4.0}   # see sim.arrivals
+
+Determinism: one `numpy.random.SeedSequence(seed)` is split into independent streams for tokens,
+lengths, arrivals, order and priorities, so changing the arrival process does not change prompts.
+Prompts are token ids: a group's prefix is the same list for all its members (equal block hashes),
+and different groups differ from their first token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from sim.arrivals import ArrivalProcess, Offline, TraceArrivals, parse_arrival
+from sim.lengths import Fixed, LengthDist, parse_length_dist
+from sim.trace_file import TraceRecord
+from sim.validate import as_int, check_keys, check_mapping, int_at_least, one_of
+
+_STREAMS = ("tokens", "lengths", "arrivals", "order", "priority", "runtime")
+
+
+@dataclass(slots=True)
+class WorkloadRequest:
+    request_id: str
+    arrival_s: float
+    prompt_token_ids: list[int]
+    max_tokens: int
+    n: int = 1
+    priority: int = 0
+    group: Optional[int] = None
+    eos_at: Optional[int] = None  # force EOS as this output token (None: finish by max_tokens)
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixGroups:
+    groups: int
+    per_group: int
+    prefix_tokens: int
+    suffix_len: LengthDist
+    order: str = "grouped"  # grouped | interleaved | shuffled
+
+
+@dataclass(slots=True)
+class WorkloadSpec:
+    num_requests: Optional[int] = None
+    prompt_len: LengthDist = field(default_factory=lambda: Fixed(128))
+    output_len: LengthDist = field(default_factory=lambda: Fixed(128))
+    prefix: Optional[PrefixGroups] = None
+    n: int = 1
+    priority: tuple[int, ...] = (0,)
+    max_prompt_tokens: Optional[int] = None
+    max_output_tokens: Optional[int] = None
+    finish: str = "max_tokens"
+    vocab_size: int = 32000
+    seed: int = 0
+    arrival: ArrivalProcess = field(default_factory=Offline)
+
+    @classmethod
+    def from_dict(cls, cfg: Any, path: str = "workload",
+                  vocab_size: Optional[int] = None) -> "WorkloadSpec":
+        cfg = check_mapping(cfg, path)
+        check_keys(cfg, {"seed", "num_requests", "vocab_size", "prompt_len", "output_len",
+                         "max_prompt_tokens", "max_output_tokens", "n", "priority", "finish",
+                         "prefix", "arrival"}, path)
+        spec = cls()
+        spec.seed = int_at_least(cfg.get("seed", 0), 0, f"{path}.seed")
+        spec.vocab_size = int_at_least(cfg.get("vocab_size", vocab_size or 32000), 2,
+                                       f"{path}.vocab_size")
+        spec.arrival = parse_arrival(cfg.get("arrival"), f"{path}.arrival")
+        is_trace = isinstance(spec.arrival, TraceArrivals)
+        if "num_requests" in cfg:
+            spec.num_requests = int_at_least(cfg["num_requests"], 1, f"{path}.num_requests")
+        for key in ("max_prompt_tokens", "max_output_tokens"):
+            if cfg.get(key) is not None:
+                setattr(spec, key, int_at_least(cfg[key], 1, f"{path}.{key}"))
+        spec.n = int_at_least(cfg.get("n", 1), 1, f"{path}.n")
+        prio = cfg.get("priority", 0)
+        prios = prio if isinstance(prio, (list, tuple)) else [prio]
+        if not prios:
+            raise ValueError(f"{path}.priority: must be an integer or a non-empty list")
+        spec.priority = tuple(as_int(p, f"{path}.priority") for p in prios)
+        spec.finish = one_of(cfg.get("finish", "max_tokens"), ("max_tokens", "eos"),
+                             f"{path}.finish")
+        if spec.finish == "eos" and spec.max_output_tokens is None:
+            raise ValueError(f"{path}.max_output_tokens: required when finish is 'eos' "
+                             "(it becomes every request's max_tokens)")
+        if is_trace:
+            for key in ("prompt_len", "output_len", "prefix"):
+                if key in cfg:
+                    raise ValueError(f"{path}.{key}: not allowed with a trace arrival "
+                                     "(the trace gives the lengths)")
+            return spec
+        if "output_len" in cfg:
+            spec.output_len = parse_length_dist(cfg["output_len"], f"{path}.output_len")
+        if "prefix" in cfg:
+            if "prompt_len" in cfg:
+                raise ValueError(f"{path}.prompt_len: not allowed with prefix groups "
+                                 f"(use {path}.prefix.suffix_len)")
+            spec.prefix = _parse_prefix(cfg["prefix"], f"{path}.prefix", spec.vocab_size)
+            total = spec.prefix.groups * spec.prefix.per_group
+            if spec.num_requests is not None and spec.num_requests != total:
+                raise ValueError(f"{path}.num_requests: {spec.num_requests} disagrees with "
+                                 f"prefix.groups * prefix.per_group = {total}")
+            spec.num_requests = total
+            if spec.max_prompt_tokens is not None and spec.prefix.prefix_tokens >= spec.max_prompt_tokens:
+                raise ValueError(f"{path}.prefix.prefix_tokens: {spec.prefix.prefix_tokens} leaves "
+                                 f"no room under max_prompt_tokens {spec.max_prompt_tokens}")
+        else:
+            if "prompt_len" in cfg:
+                spec.prompt_len = parse_length_dist(cfg["prompt_len"], f"{path}.prompt_len")
+            if spec.num_requests is None:
+                raise ValueError(f"{path}.num_requests: required field is missing")
+        return spec
+
+
+def _parse_prefix(cfg: Any, path: str, vocab_size: int) -> PrefixGroups:
+    cfg = check_mapping(cfg, path)
+    check_keys(cfg, {"groups", "per_group", "prefix_tokens", "suffix_len", "order"}, path,
+               required=["groups", "per_group", "prefix_tokens"])
+    groups = int_at_least(cfg["groups"], 1, f"{path}.groups")
+    if groups > vocab_size:
+        raise ValueError(f"{path}.groups: {groups} groups cannot all start with a different token "
+                         f"in a vocabulary of {vocab_size}")
+    return PrefixGroups(
+        groups=groups,
+        per_group=int_at_least(cfg["per_group"], 1, f"{path}.per_group"),
+        prefix_tokens=int_at_least(cfg["prefix_tokens"], 1, f"{path}.prefix_tokens"),
+        suffix_len=parse_length_dist(cfg.get("suffix_len", 0), f"{path}.suffix_len", min_value=0),
+        order=one_of(cfg.get("order", "grouped"), ("grouped", "interleaved", "shuffled"),
+                     f"{path}.order"),
+    )
+
+
+def rng_streams(seed: int) -> dict[str, np.random.Generator]:
+    """Independent generators per purpose, all derived from `seed`."""
+    children = np.random.SeedSequence(seed).spawn(len(_STREAMS))
+    return {name: np.random.default_rng(ss) for name, ss in zip(_STREAMS, children)}
+
+
+def _cap(x: np.ndarray, cap: Optional[int]) -> np.ndarray:
+    return np.minimum(x, cap) if cap is not None else x
+
+
+def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-") -> list[WorkloadRequest]:
+    """All requests of the workload, sorted by arrival (closed-loop: arrival_s = 0 until issued)."""
+    rng = rng_streams(spec.seed)
+    if isinstance(spec.arrival, TraceArrivals):
+        records = spec.arrival.records[:spec.num_requests] if spec.num_requests else spec.arrival.records
+        prompts, outputs, groups = _trace_prompts(list(records), spec, rng["tokens"])
+    elif spec.prefix is not None:
+        prompts, groups = _group_prompts(spec, rng["tokens"], rng["lengths"], rng["order"])
+        outputs = spec.output_len.sample(rng["lengths"], len(prompts))
+    else:
+        n = spec.num_requests or 0
+        lens = _cap(spec.prompt_len.sample(rng["lengths"], n), spec.max_prompt_tokens)
+        prompts = [rng["tokens"].integers(0, spec.vocab_size, size=int(k)).tolist() for k in lens]
+        outputs = spec.output_len.sample(rng["lengths"], n)
+        groups = [None] * n
+    count = len(prompts)
+    outputs = _cap(np.asarray(outputs, dtype=np.int64), spec.max_output_tokens)
+    prios = rng["priority"].choice(np.asarray(spec.priority), size=count)
+    times = (np.zeros(count) if spec.arrival.closed_loop
+             else spec.arrival.times(count, rng["arrivals"]))
+    requests = []
+    for i in range(count):
+        out = int(outputs[i])
+        eos = spec.finish == "eos"
+        requests.append(WorkloadRequest(
+            request_id=f"{id_prefix}{i}", arrival_s=float(times[i]), prompt_token_ids=prompts[i],
+            max_tokens=int(spec.max_output_tokens) if eos else out, n=spec.n,
+            priority=int(prios[i]), group=groups[i], eos_at=out if eos else None))
+    return requests
+
+
+def _group_prompts(spec: WorkloadSpec, tok: np.random.Generator, lens: np.random.Generator,
+                   order_rng: np.random.Generator) -> tuple[list[list[int]], list[Optional[int]]]:
+    pg = spec.prefix
+    assert pg is not None
+    first = tok.permutation(spec.vocab_size)[:pg.groups]
+    prefixes = []
+    for g in range(pg.groups):
+        rest = tok.integers(0, spec.vocab_size, size=pg.prefix_tokens - 1)
+        prefixes.append([int(first[g])] + rest.tolist())
+    suffix_cap = (spec.max_prompt_tokens - pg.prefix_tokens
+                  if spec.max_prompt_tokens is not None else None)
+    suffixes = _cap(pg.suffix_len.sample(lens, pg.groups * pg.per_group), suffix_cap)
+    if pg.order == "grouped":
+        pairs = [(g, m) for g in range(pg.groups) for m in range(pg.per_group)]
+    else:
+        pairs = [(g, m) for m in range(pg.per_group) for g in range(pg.groups)]
+        if pg.order == "shuffled":
+            pairs = [pairs[i] for i in order_rng.permutation(len(pairs))]
+    prompts, groups = [], []
+    for i, (g, _m) in enumerate(pairs):
+        suffix = tok.integers(0, spec.vocab_size, size=int(suffixes[i])).tolist()
+        prompts.append(prefixes[g] + suffix)
+        groups.append(g)
+    return prompts, groups
+
+
+def _trace_prompts(records: list[TraceRecord], spec: WorkloadSpec, tok: np.random.Generator
+                   ) -> tuple[list[list[int]], list[int], list[Optional[int]]]:
+    """Prompts for trace records: members of a prefix group share the group's leading tokens."""
+    group_ids: dict[str, int] = {}
+    group_len: dict[str, int] = {}
+    for r in records:
+        if r.prefix_group is not None:
+            group_ids.setdefault(r.prefix_group, len(group_ids))
+            group_len[r.prefix_group] = max(group_len.get(r.prefix_group, 0), r.prefix_tokens)
+    if len(group_ids) > spec.vocab_size:
+        raise ValueError(f"workload.arrival.path: {len(group_ids)} prefix groups cannot all start "
+                         f"with a different token in a vocabulary of {spec.vocab_size}")
+    first = tok.permutation(spec.vocab_size)[:max(1, len(group_ids))]
+    shared = {}
+    for name, gid in group_ids.items():
+        rest = tok.integers(0, spec.vocab_size, size=max(0, group_len[name] - 1)).tolist()
+        shared[name] = ([int(first[gid])] + rest) if group_len[name] > 0 else []
+    prompts, outputs, groups = [], [], []
+    for r in records:
+        prefix = shared[r.prefix_group][:r.prefix_tokens] if r.prefix_group is not None else []
+        plen = r.prompt_tokens if spec.max_prompt_tokens is None else min(r.prompt_tokens,
+                                                                          spec.max_prompt_tokens)
+        plen = max(plen, len(prefix))
+        suffix = tok.integers(0, spec.vocab_size, size=plen - len(prefix)).tolist()
+        prompts.append(prefix + suffix)
+        outputs.append(r.output_tokens)
+        groups.append(group_ids[r.prefix_group] if r.prefix_group is not None else None)
+    return prompts, outputs, groups
+
+
+def build_workload(cfg: Any, vocab_size: Optional[int] = None, path: str = "workload",
+                   id_prefix: str = "req-") -> tuple[WorkloadSpec, list[WorkloadRequest]]:
+    """Parse a workload config and generate its requests."""
+    spec = WorkloadSpec.from_dict(cfg, path, vocab_size=vocab_size)
+    return spec, generate_requests(spec, id_prefix)

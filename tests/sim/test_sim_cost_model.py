@@ -1,0 +1,214 @@
+"""Cost model: hand-computed rooflines, monotonicity, CUDA-graph padding, tensor parallelism."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from core.runner_state import RunnerState
+from sim.coefficients import BASIS_TERMS, CostCoefficients
+from sim.cost_model import CostModel, RowShape, StepSummary, default_cuda_graph_sizes
+from sim.model_spec import PRESETS
+
+H100_BW, H100_PEAK = 3.35e12, 989.4e12
+# llama-3.1-8b: d 4096, 32 layers, 32 heads, 8 KV heads, head dim 128, FFN 14336, vocab 128256.
+L8_MATMUL = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # 218,103,808 per layer
+L8_LAYER = L8_MATMUL + 2 * 4096
+
+
+def test_llama_8b_layer_counts_used_below():
+    m = PRESETS["llama-3.1-8b"]
+    assert (m.layer_matmul_params, m.layer_params) == (L8_MATMUL, L8_LAYER)
+
+
+def test_pure_decode_on_h100_is_bandwidth_bound():
+    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    b = cm.basis([RowShape(q=1, s=1000)])
+    assert b["linear"] == pytest.approx(32 * L8_LAYER * 2 / H100_BW)  # weights read once
+    assert b["lm_head"] == pytest.approx((128256 * 4096 * 2 + 128256 * 4) / H100_BW)
+    # KV of 1001 tokens read plus one token written, 32 layers x 8 heads x 128 x K/V x bf16
+    assert b["attn_decode"] == pytest.approx(32 * 2 * 8 * 128 * 2 * (1001 + 1) / H100_BW)
+    t = cm.predict([RowShape(q=1, s=1000)]).duration_s
+    weights_over_bw = PRESETS["llama-3.1-8b"].weight_bytes / H100_BW  # ~4.8 ms
+    assert weights_over_bw <= t <= 1.3 * weights_over_bw
+
+
+def test_8k_prefill_on_h100_is_compute_bound():
+    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    n = 8192
+    b = cm.basis([RowShape(q=n, s=0)])
+    linear_flops = 2 * n * 32 * L8_MATMUL
+    attn_flops = 32 * 4 * 32 * 128 * (n * (n + 1) / 2)
+    assert b["linear"] == pytest.approx(linear_flops / H100_PEAK)
+    assert b["attn_prefill"] == pytest.approx(attn_flops / H100_PEAK)
+    t = cm.predict([RowShape(q=n, s=0)]).duration_s
+    flops_over_peak = (linear_flops + attn_flops + 2 * 4096 * 128256) / H100_PEAK  # ~134 ms
+    assert flops_over_peak <= t <= 1.05 * flops_over_peak
+
+
+def test_prefill_after_cached_prefix_attends_to_it():
+    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    cold = cm.basis([RowShape(q=512, s=0)])["attn_prefill"]
+    warm = cm.basis([RowShape(q=512, s=8192)])["attn_prefill"]
+    assert warm == pytest.approx(cold * (512 * 8192 + 512 * 513 / 2) / (512 * 513 / 2))
+
+
+def test_prediction_is_the_linear_combination_of_the_basis():
+    cm = CostModel("qwen3-8b", "a100-80g", tp=2)
+    rows = [RowShape(300, 4000, True), RowShape(1, 50, True), RowShape(1, 9000, True),
+            RowShape(700, 0, False)]
+    b = cm.basis(rows)
+    assert set(b) == set(BASIS_TERMS)
+    c = cm.coefficients
+    timing = cm.predict(rows)
+    assert timing.duration_s == pytest.approx(sum(c.for_term(k) * v for k, v in b.items()))
+    assert timing.duration_s == pytest.approx(timing.prepare_s + timing.forward_s + timing.sample_s)
+    assert timing.sample_s == pytest.approx(c.c_lm_head * b["lm_head"])
+
+
+def test_sums_not_means_skewed_chunks_cost_more():
+    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    even = cm.basis([RowShape(1000, 0), RowShape(1000, 0)])["attn_prefill"]
+    skew = cm.basis([RowShape(1900, 0), RowShape(100, 0)])["attn_prefill"]
+    assert skew > 1.5 * even  # sum q^2: 3.62e6 vs 2.0e6
+    # decode attention is linear in each kv length: only the sum matters
+    d1 = cm.basis([RowShape(1, 100), RowShape(1, 1900)])["attn_decode"]
+    d2 = cm.basis([RowShape(1, 1000), RowShape(1, 1000)])["attn_decode"]
+    assert d1 == pytest.approx(d2)
+
+
+def test_lm_head_runs_only_for_sampling_rows():
+    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    assert cm.basis([RowShape(512, 0, samples=False)])["lm_head"] == 0.0
+    one = cm.basis([RowShape(512, 0, True)])["lm_head"]
+    many = cm.basis([RowShape(1, 10, True)] * 2000)["lm_head"]
+    assert many > one > 0
+
+
+rows_strategy = st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 20000), st.booleans()),
+                         min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=rows_strategy, extra=st.tuples(st.integers(1, 3000), st.integers(0, 20000)),
+       which=st.integers(0, 39), grow=st.integers(1, 500), model=st.sampled_from(
+           ["llama-3.1-8b", "qwen3-0.6b", "llama-3.1-70b"]), tp=st.sampled_from([1, 2, 4]))
+def test_monotone_in_work_without_graphs(rows, extra, which, grow, model, tp):
+    cm = CostModel(model, "h100-sxm", tp=tp, cuda_graphs=False)
+    base = cm.predict(rows).duration_s
+    # one more request
+    assert cm.predict(rows + [(extra[0], extra[1], True)]).duration_s >= base
+    # a longer cached context
+    i = which % len(rows)
+    q, s, smp = rows[i]
+    longer_ctx = rows[:i] + [(q, s + grow, smp)] + rows[i + 1:]
+    assert cm.predict(longer_ctx).duration_s >= base
+    # more tokens in a chunk of the same phase (q > 1 stays > 1)
+    if q > 1:
+        more = rows[:i] + [(q + grow, s, smp)] + rows[i + 1:]
+        assert cm.predict(more).duration_s >= base
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 600), s=st.integers(0, 5000))
+def test_decode_batches_monotone_with_graphs(n, s):
+    cm = CostModel("llama-3.1-8b", "h100-sxm", cuda_graphs=True)
+    assert cm.predict([RowShape(1, s)] * (n + 1)).duration_s >= cm.predict([RowShape(1, s)] * n).duration_s
+
+
+def test_cuda_graph_padding_of_decode_batches():
+    cm = CostModel("llama-3.1-8b", "h100-sxm", cuda_graphs=True)
+    assert cm.graph_sizes == default_cuda_graph_sizes(512)
+    assert cm.graph_sizes[:5] == [1, 2, 4, 8, 16] and cm.graph_sizes[-1] == 512
+    three = cm.predict([RowShape(1, 100)] * 3)
+    assert three.padded_batch_size == 4
+    b3 = cm.basis([RowShape(1, 100)] * 3)
+    assert b3["layer"] == 0.0  # graph replay: no per-layer launches
+    assert b3["token"] == 3.0  # host-side work is on real tokens
+    # 300 decodes pad to 304; at that size the GEMMs are compute-bound on an H100
+    b300 = cm.basis([RowShape(1, 100)] * 300)
+    assert cm.predict([RowShape(1, 100)] * 300).padded_batch_size == 304
+    assert b300["linear"] == pytest.approx(2 * 304 * 32 * L8_MATMUL / H100_PEAK)
+    # above the largest captured size, and mixed batches, run eagerly and unpadded
+    assert cm.predict([RowShape(1, 100)] * 513).padded_batch_size == 513
+    assert cm.basis([RowShape(1, 100)] * 513)["layer"] == 32.0
+    mixed = [RowShape(1, 100)] * 3 + [RowShape(5, 0)]
+    assert cm.predict(mixed).padded_batch_size == 8
+    assert cm.basis(mixed)["layer"] == 32.0
+
+
+def test_graphs_off_and_custom_sizes():
+    off = CostModel("llama-3.1-8b", "h100-sxm", cuda_graphs=False)
+    assert off.predict([RowShape(1, 100)] * 3).padded_batch_size == 3
+    assert off.basis([RowShape(1, 100)] * 3)["layer"] == 32.0
+    custom = CostModel("llama-3.1-8b", "h100-sxm", graph_sizes=[8, 1])
+    assert custom.predict([RowShape(1, 100)] * 3).padded_batch_size == 8
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        CostModel("tiny-llama", "cpu", cuda_graphs=True)
+    assert CostModel("tiny-llama", "cpu").cuda_graphs is False
+
+
+def test_tensor_parallel_terms():
+    rows = [RowShape(1, 100)] * 64
+    tp1 = CostModel("llama-3.1-70b", "h100-sxm", tp=1, cuda_graphs=False).basis(rows)
+    tp4 = CostModel("llama-3.1-70b", "h100-sxm", tp=4, cuda_graphs=False).basis(rows)
+    assert tp1["comm"] == 0.0
+    lat, link = 8e-6, 450e9
+    expected = (2 * 80 * (lat + 2 * 0.75 * 64 * 8192 * 2 / link)
+                + lat + 0.75 * 64 * 128256 * 2 / link)
+    assert tp4["comm"] == pytest.approx(expected)
+    assert tp4["linear"] == pytest.approx(tp1["linear"] / 4)  # memory-bound: weights split
+    # 8 KV heads: beyond tp=8 they are replicated, so per-rank KV traffic stops shrinking
+    tp8 = CostModel("llama-3.1-70b", "h100-sxm", tp=8).basis(rows)["attn_decode"]
+    tp16 = CostModel("llama-3.1-70b", "h100-sxm", tp=16).basis(rows)["attn_decode"]
+    assert tp16 == pytest.approx(tp8)
+    with pytest.raises(ValueError, match="tp: 3 must divide"):
+        CostModel("llama-3.1-8b", "h100-sxm", tp=3)
+    with pytest.raises(ValueError, match="interconnect"):
+        CostModel("tiny-llama", "cpu", tp=2)
+
+
+def test_ipc_terms_default_off():
+    rows = [RowShape(1, 10)] * 5
+    off = CostModel("qwen3-0.6b", "h100-sxm").basis(rows)
+    on = CostModel("qwen3-0.6b", "h100-sxm", ipc=True).basis(rows)
+    assert off["ipc_step"] == off["ipc_req"] == 0.0
+    assert (on["ipc_step"], on["ipc_req"]) == (1.0, 5.0)
+    coeffs = CostCoefficients(c_ipc_step=1e-3, c_ipc_req=1e-4)
+    cm = CostModel("qwen3-0.6b", "h100-sxm", ipc=True, coefficients=coeffs)
+    assert cm.predict(rows).prepare_s == pytest.approx(1e-3 + 5e-4)
+
+
+def test_empty_step_costs_only_the_step_overhead():
+    cm = CostModel("tiny-llama", "cpu")
+    b = cm.basis([])
+    assert b["step"] == 1.0 and sum(b.values()) == 1.0
+    assert cm.predict([]).duration_s == pytest.approx(cm.coefficients.c_step)
+
+
+def test_predict_from_scheduler_output_matches_rows():
+    cm = CostModel("tiny-llama", "cpu")
+    state = RunnerState()
+    so0 = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", list(range(40)), None, [1, 2, 3], 0),
+                            NewRequestData("b", list(range(20)), None, [4, 5], 16)],
+        scheduled_cached_reqs=CachedRequestData(), num_scheduled_tokens={"a": 24, "b": 4},
+        total_num_scheduled_tokens=28, finished_req_ids=set(), preempted_req_ids=set(), step=0,
+        num_computed_before={"a": 0, "b": 16})
+    rows = state.update(so0)
+    expected = cm.predict([RowShape(24, 0, False), RowShape(4, 16, True)])
+    assert cm.predict_from_scheduler_output(so0, rows) == expected
+    # without rows every request is taken to sample
+    assert cm.predict_from_scheduler_output(so0) == cm.predict([RowShape(24, 0), RowShape(4, 16)])
+    so0.num_computed_before.pop("b")
+    with pytest.raises(ValueError, match="num_computed_before"):
+        cm.predict_from_scheduler_output(so0)
+
+
+def test_step_summary_sums():
+    s = StepSummary.from_rows([(3, 10, True), (1, 7, True), (5, 0, False)])
+    assert (s.num_reqs, s.num_tokens, s.num_sampling) == (3, 9, 2)
+    assert (s.prefill_reqs, s.prefill_sum_q, s.prefill_sum_q2, s.prefill_sum_q_s,
+            s.prefill_sum_kv) == (2, 8, 34, 30, 18)
+    assert (s.decode_reqs, s.decode_sum_kv) == (1, 8)
+    with pytest.raises(ValueError, match="q >= 1"):
+        StepSummary.from_rows([(0, 1, True)])

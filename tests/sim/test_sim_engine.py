@@ -1,0 +1,148 @@
+"""The SimPy engine loop: event order at equal times, closed loops, async scheduling, determinism."""
+import time
+
+import numpy as np
+import pytest
+
+from core.config import CacheConfig, SchedulerConfig
+from core.engine_core import EngineCore
+from sim.arrivals import ClosedLoop, Offline
+from sim.coefficients import CostCoefficients
+from sim.cost_model import CostModel
+from sim.engine import Simulation, simulate, simulate_workload
+from sim.executor import SimExecutor
+from sim.workload import WorkloadRequest
+
+ONE_SECOND_STEPS = CostCoefficients(c_step=1.0, c_linear=0.0, c_attn_prefill=0.0, c_attn_decode=0.0,
+                                    c_lm_head=0.0, c_comm=0.0)
+
+
+def _engine(async_scheduling=False, coefficients=ONE_SECOND_STEPS, blocks=200, max_model_len=512):
+    cm = CostModel("tiny-llama", "cpu", coefficients=coefficients)
+    return EngineCore(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16,
+                                      max_model_len=max_model_len, async_scheduling=async_scheduling),
+                      CacheConfig(num_gpu_blocks=blocks, block_size=16), SimExecutor(cost_model=cm))
+
+
+def _req(rid, t, prompt_len=8, max_tokens=3, **kw):
+    """A request whose prompt starts with a token of its own (no accidental prefix sharing)."""
+    first = 1 + sum(map(ord, rid)) * 7 % 250
+    return WorkloadRequest(rid, t, [first] + list(range(prompt_len - 1)), max_tokens, **kw)
+
+
+def test_arrival_at_a_step_end_joins_the_next_step():
+    reqs = [_req("a", 0.0), _req("c", 0.5),
+            _req("b", 1.0)]
+    res = simulate(_engine(), reqs, Offline())  # open-loop replay of the given arrival_s
+    frames = res.recorder.frames()
+    steps = frames["steps"]
+    assert steps.t_start_s.tolist()[:2] == [0.0, 1.0]
+    assert steps.annotation.tolist()[:2] == ["execute_context_1(8)_generation_0(0)",
+                                              "execute_context_2(16)_generation_1(1)"]
+    r = frames["requests"].set_index("request_id")
+    assert r.loc["b", "queue_s"] == 0.0 and r.loc["c", "queue_s"] == 0.5  # both start at t=1
+    assert r.loc["a", "ttft_s"] == 1.0 and r.loc["b", "ttft_s"] == 1.0
+    assert res.completion_s == {"a": 3.0, "c": 4.0, "b": 4.0}
+    assert res.end_time_s == 4.0 and res.num_steps == 4
+
+
+def test_closed_loop_zero_think_submits_before_the_next_step_starts():
+    reqs = [_req(f"r{i}", 0.0, max_tokens=2) for i in range(3)]
+    res = simulate(_engine(), reqs, ClosedLoop(clients=1))
+    assert [r.arrival_s for r in reqs] == [0.0, 2.0, 4.0]
+    steps = res.recorder.frames()["steps"]
+    busy = steps[steps.total_tokens > 0]
+    assert busy.t_start_s.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # no idle gap
+    # the scheduler's last, empty step only tells the runner about the finished request: not a row
+    assert len(steps) == 6 and (steps.total_tokens > 0).all()
+    assert res.end_time_s == 6.0 and res.completion_s == {"r0": 2.0, "r1": 4.0, "r2": 6.0}
+
+
+def test_idle_engine_waits_for_the_next_arrival():
+    reqs = [_req("a", 0.0, max_tokens=1), _req("b", 10.0, max_tokens=1)]
+    res = simulate(_engine(), reqs, Offline())
+    steps = res.recorder.frames()["steps"]
+    assert steps[steps.total_tokens > 0].t_start_s.tolist() == [0.0, 10.0]
+    assert res.completion_s == {"a": 1.0, "b": 11.0}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_time_is_the_sum_of_predicted_step_durations(async_scheduling):
+    engine = _engine(async_scheduling, coefficients=None)
+    reqs = [WorkloadRequest(f"q{i}", 0.0, list(np.random.default_rng(i).integers(0, 256, 40 + 7 * i)),
+                            5 + i) for i in range(12)]
+    res = simulate(engine, reqs, Offline())
+    steps = res.recorder.frames()["steps"]
+    busy = steps[steps.total_tokens > 0]
+    assert res.end_time_s == pytest.approx(busy.duration_s.sum())
+    assert np.allclose(busy.t_start_s.to_numpy()[1:], busy.t_end_s.to_numpy()[:-1])
+    req = res.recorder.frames()["requests"].set_index("request_id")
+    assert req.output_tokens.to_dict() == {f"q{i}": 5 + i for i in range(12)}
+    assert len(res.completion_s) == 12 and not res.unfinished
+
+
+def test_async_and_sync_finish_the_same_work():
+    reqs = lambda: [_req(f"x{i}", 0.1 * i, prompt_len=20 + i, max_tokens=4 + i % 3)
+                    for i in range(10)]
+    sync = simulate(_engine(False), reqs(), Offline())
+    asyn = simulate(_engine(True), reqs(), Offline())
+    tok = lambda r: r.recorder.frames()["requests"].set_index("request_id").output_tokens.to_dict()
+    assert tok(sync) == tok(asyn) and set(sync.completion_s) == set(asyn.completion_s)
+
+
+def test_parallel_sampling_and_forced_eos():
+    reqs = [WorkloadRequest("p", 0.0, list(range(1, 30)), max_tokens=50, n=3, eos_at=4)]
+    res = simulate(_engine(), reqs, Offline())
+    rows = res.recorder.frames()["requests"]
+    assert sorted(rows.request_id) == ["0_p", "1_p", "2_p"] and set(rows.parent_id) == {"p"}
+    assert set(rows.finish_reason) == {"stop"} and set(rows.output_tokens) == {4}
+    assert res.completion_s == {"p": 4.0}
+
+
+def test_unservable_request_is_rejected_and_the_rest_run():
+    reqs = [_req("long", 0.0, prompt_len=600), _req("ok", 0.0)]
+    res = simulate(_engine(max_model_len=512), reqs, ClosedLoop(clients=1))
+    assert list(res.rejected) == ["long"] and "max_model_len" in res.rejected["long"]
+    assert list(res.completion_s) == ["ok"] and not res.unfinished
+
+
+def test_max_time_leaves_requests_unfinished():
+    reqs = [_req(f"u{i}", 0.0, max_tokens=20) for i in range(3)]
+    res = Simulation(_engine(), reqs, Offline(), max_time_s=5.0).run()
+    assert res.end_time_s == 5.0 and res.unfinished == ["u0", "u1", "u2"]
+
+
+def test_runs_are_deterministic_and_never_read_the_host_clock(monkeypatch):
+    args = {"backend": "sim", "model": "qwen3-0.6b", "hardware": "h200", "max_num_seqs": 16,
+            "num_gpu_blocks": 400, "max_model_len": 4096}
+    workload = {"seed": 5, "num_requests": 40,
+                "prefix": None, "output_len": {"type": "uniform", "low": 2, "high": 30},
+                "prompt_len": {"type": "lognormal", "mean": 200, "cv": 1.0}, "n": 2,
+                "arrival": {"type": "closed_loop", "clients": 4, "think_time_s": 0.01,
+                            "think": "exponential"}}
+    workload.pop("prefix")
+    first = simulate_workload(args, workload)
+
+    def boom(*_a, **_k):
+        raise AssertionError("host clock read")
+    for name in ("time", "perf_counter", "monotonic", "time_ns", "perf_counter_ns", "monotonic_ns"):
+        monkeypatch.setattr(time, name, boom)
+    second = simulate_workload(args, workload)
+    monkeypatch.undo()
+    a, b = first.recorder.frames(), second.recorder.frames()
+    for table in ("steps", "requests", "step_requests"):
+        assert a[table].equals(b[table]), table
+    assert first.end_time_s == second.end_time_s > 0
+    assert len(first.completion_s) == 40
+
+
+def test_prefix_sharing_workload_hits_the_cache():
+    args = {"backend": "sim", "model": "llama-3.1-8b", "hardware": "h100-sxm", "max_num_seqs": 64,
+            "max_model_len": 4096}
+    wl = {"seed": 0, "prefix": {"groups": 4, "per_group": 4, "prefix_tokens": 1024, "suffix_len": 64},
+          "output_len": 8, "arrival": {"type": "poisson", "rate": 20}}
+    res = simulate_workload(args, wl)
+    req = res.recorder.frames()["requests"]
+    # the first member of each group computes the prefix; the other three reuse its 64 blocks
+    assert sorted(req.cached_tokens.tolist()) == [0] * 4 + [1024] * 12
+    assert len(res.completion_s) == 16

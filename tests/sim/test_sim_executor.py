@@ -1,0 +1,93 @@
+"""SimExecutor: FakeExecutor's tokens, forced EOS, predicted timing, no host clock."""
+import time
+
+import pytest
+
+from core.executor import Executor, FakeExecutor, make_executor
+from core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from sim.cost_model import CostModel, RowShape
+from sim.executor import SimExecutor, fake_token
+
+
+def _outputs():
+    """Step 0: 'a' (10-token prompt) fully, 'b' (40 tokens) a 16-token chunk. Step 1: 'a' decodes,
+    'b' finishes its prompt. Step 2: both decode."""
+    so0 = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", list(range(100, 110)), None, [1], 0),
+                            NewRequestData("b", list(range(200, 240)), None, [2, 3, 4], 0)],
+        scheduled_cached_reqs=CachedRequestData(), num_scheduled_tokens={"a": 10, "b": 16},
+        total_num_scheduled_tokens=26, finished_req_ids=set(), preempted_req_ids=set(), step=0,
+        num_computed_before={"a": 0, "b": 0})
+    so1 = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(req_ids=["a", "b"], new_block_ids=[None, None],
+                                                num_computed_tokens=[10, 16],
+                                                num_output_tokens=[1, 0]),
+        num_scheduled_tokens={"a": 1, "b": 24}, total_num_scheduled_tokens=25,
+        finished_req_ids=set(), preempted_req_ids=set(), step=1,
+        num_computed_before={"a": 10, "b": 16})
+    so2 = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(req_ids=["a", "b"], new_block_ids=[None, None],
+                                                num_computed_tokens=[11, 40],
+                                                num_output_tokens=[2, 1]),
+        num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2,
+        finished_req_ids=set(), preempted_req_ids=set(), step=2,
+        num_computed_before={"a": 11, "b": 40})
+    return [so0, so1, so2]
+
+
+def test_implements_the_executor_protocol_and_is_found_by_name():
+    assert isinstance(SimExecutor(), Executor)
+    ex = make_executor("sim", model="tiny-llama", hardware="cpu")
+    assert isinstance(ex, SimExecutor)
+
+
+def test_tokens_match_fake_executor_and_timing_matches_cost_model():
+    sim, fake = SimExecutor(model="llama-3.1-8b", hardware="h100-sxm"), FakeExecutor()
+    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    expected_rows = [
+        [RowShape(10, 0, True), RowShape(16, 0, False)],
+        [RowShape(1, 10, True), RowShape(24, 16, True)],
+        [RowShape(1, 11, True), RowShape(1, 40, True)],
+    ]
+    for so, rows in zip(_outputs(), expected_rows):
+        out = sim.execute_model(so)
+        ref = fake.execute_model(so)
+        assert out.sampled_token_ids == ref.sampled_token_ids
+        assert out.req_ids == ref.req_ids and out.req_id_to_index == ref.req_id_to_index
+        assert out.timing == cm.predict(rows)
+        assert out.timing.duration_s > 0
+    assert out.timing.padded_batch_size == 2  # decode-only step on a CUDA device
+
+
+def test_forced_eos_at_output_length():
+    sim = SimExecutor(eos_token_id=2, output_lengths={"a": 2})
+    toks = [sim.execute_model(so).sampled_token_ids for so in _outputs()[:2]]
+    assert toks[0][0] == [fake_token(0, 0)] and toks[1][0] == [2]  # 2nd output of 'a' is EOS
+    assert toks[1][1] == [fake_token(1, 1)]  # 'b' is not forced
+
+
+def test_fake_token_equal_to_eos_is_moved_off_it():
+    eos = fake_token(0, 0)
+    sim = SimExecutor(eos_token_id=eos)
+    out = sim.execute_model(_outputs()[0])
+    assert out.sampled_token_ids[0] == [eos + 1]
+
+
+def test_output_lengths_need_an_eos_id():
+    with pytest.raises(ValueError, match="eos_token_id"):
+        SimExecutor(output_lengths={"a": 3})
+    with pytest.raises(ValueError, match=r"output_lengths\['a'\]"):
+        SimExecutor(eos_token_id=2, output_lengths={"a": 0})
+
+
+def test_never_reads_the_host_clock(monkeypatch):
+    def boom(*_a, **_k):
+        raise AssertionError("host clock read")
+    sim = SimExecutor(model="qwen3-0.6b", hardware="h200")
+    for name in ("time", "perf_counter", "monotonic", "time_ns", "perf_counter_ns", "monotonic_ns",
+                 "process_time"):
+        monkeypatch.setattr(time, name, boom)
+    for so in _outputs():
+        assert sim.execute_model(so).timing.duration_s > 0

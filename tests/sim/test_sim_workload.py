@@ -1,0 +1,160 @@
+"""Workloads: determinism, shared prefixes, caps, traces, validation errors."""
+import json
+
+import pytest
+
+from sim.arrivals import ClosedLoop, Poisson
+from sim.workload import WorkloadSpec, build_workload, generate_requests
+
+BASE = {"seed": 3, "num_requests": 50, "prompt_len": {"type": "uniform", "low": 5, "high": 60},
+        "output_len": {"type": "lognormal", "mean": 30, "cv": 0.8},
+        "arrival": {"type": "poisson", "rate": 10}}
+
+
+def test_same_seed_same_requests_different_seed_different():
+    _, a = build_workload(BASE, vocab_size=1000)
+    _, b = build_workload(BASE, vocab_size=1000)
+    _, c = build_workload({**BASE, "seed": 4}, vocab_size=1000)
+    assert a == b
+    assert [r.prompt_token_ids for r in a] != [r.prompt_token_ids for r in c]
+    assert [r.request_id for r in a] == [f"req-{i}" for i in range(50)]
+    assert all(0 <= t < 1000 for r in a for t in r.prompt_token_ids)
+    assert all(5 <= len(r.prompt_token_ids) <= 60 for r in a)
+
+
+def test_changing_the_arrival_process_keeps_the_prompts():
+    _, a = build_workload(BASE, vocab_size=1000)
+    _, b = build_workload({**BASE, "arrival": {"type": "gamma", "rate": 3, "cv": 2}}, vocab_size=1000)
+    assert [r.prompt_token_ids for r in a] == [r.prompt_token_ids for r in b]
+    assert [r.max_tokens for r in a] == [r.max_tokens for r in b]
+    assert [r.arrival_s for r in a] != [r.arrival_s for r in b]
+    times = [r.arrival_s for r in a]
+    assert times == sorted(times) and times[0] > 0
+
+
+def test_shared_prefix_groups_hash_equal_and_differ_from_the_first_token():
+    cfg = {"seed": 0, "prefix": {"groups": 20, "per_group": 4, "prefix_tokens": 64,
+                                 "suffix_len": {"type": "uniform", "low": 0, "high": 30}},
+           "output_len": 8}
+    spec, reqs = build_workload(cfg, vocab_size=50)
+    assert spec.num_requests == 80 and len(reqs) == 80
+    by_group = {}
+    for r in reqs:
+        by_group.setdefault(r.group, []).append(r.prompt_token_ids)
+    assert sorted(by_group) == list(range(20))
+    firsts = set()
+    for prompts in by_group.values():
+        assert len(prompts) == 4
+        assert all(p[:64] == prompts[0][:64] for p in prompts)
+        firsts.add(prompts[0][0])
+    assert len(firsts) == 20  # every group starts with its own token
+    # grouped order: the members of a group are consecutive
+    assert [r.group for r in reqs[:8]] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_prefix_orders():
+    cfg = {"prefix": {"groups": 3, "per_group": 2, "prefix_tokens": 16, "order": "interleaved"},
+           "output_len": 4}
+    _, reqs = build_workload(cfg, vocab_size=100)
+    assert [r.group for r in reqs] == [0, 1, 2, 0, 1, 2]
+    assert all(len(r.prompt_token_ids) == 16 for r in reqs)  # suffix_len defaults to 0
+    cfg["prefix"]["order"] = "shuffled"
+    _, shuffled = build_workload(cfg, vocab_size=100)
+    assert sorted(r.group for r in shuffled) == [0, 0, 1, 1, 2, 2]
+
+
+def test_caps_n_priority_and_eos_finish():
+    cfg = {"num_requests": 200, "prompt_len": {"type": "normal", "mean": 100, "std": 200},
+           "output_len": {"type": "lognormal", "mean": 100, "sigma": 1.5},
+           "max_prompt_tokens": 150, "max_output_tokens": 120, "n": 3, "priority": [0, 5]}
+    _, reqs = build_workload(cfg, vocab_size=500)
+    lens = [len(r.prompt_token_ids) for r in reqs]
+    assert min(lens) >= 1 and max(lens) == 150
+    assert max(r.max_tokens for r in reqs) == 120 and min(r.max_tokens for r in reqs) >= 1
+    assert {r.n for r in reqs} == {3} and {r.priority for r in reqs} == {0, 5}
+    assert all(r.eos_at is None for r in reqs)
+    _, eos = build_workload({**cfg, "finish": "eos"}, vocab_size=500)
+    assert {r.max_tokens for r in eos} == {120}
+    assert [r.eos_at for r in eos] == [r.max_tokens for r in reqs]
+
+
+def test_closed_loop_requests_have_no_times_yet():
+    spec, reqs = build_workload({"num_requests": 5, "arrival": {"type": "closed_loop", "clients": 2}},
+                                vocab_size=100)
+    assert isinstance(spec.arrival, ClosedLoop) and all(r.arrival_s == 0.0 for r in reqs)
+
+
+def test_workload_spec_defaults_and_direct_use():
+    spec = WorkloadSpec(num_requests=3, arrival=Poisson(2.0), vocab_size=64)
+    reqs = generate_requests(spec, id_prefix="x")
+    assert [r.request_id for r in reqs] == ["x0", "x1", "x2"]
+    assert all(len(r.prompt_token_ids) == 128 and r.max_tokens == 128 for r in reqs)
+
+
+def test_trace_csv_and_jsonl(tmp_path):
+    csv_path = tmp_path / "t.csv"
+    csv_path.write_text("arrival_s,prompt_tokens,output_tokens,prefix_group,prefix_tokens\n"
+                        "0.5,40,7,job1,32\n0.1,20,3,,\n0.5,50,9,job1,16\n2.0,33,1,job2,32\n")
+    spec, reqs = build_workload({"arrival": {"type": "trace", "path": str(csv_path)}},
+                                vocab_size=300)
+    assert [r.arrival_s for r in reqs] == [0.1, 0.5, 0.5, 2.0]  # sorted, ties in file order
+    assert [len(r.prompt_token_ids) for r in reqs] == [20, 40, 50, 33]
+    assert [r.max_tokens for r in reqs] == [3, 7, 9, 1]
+    a, b, c = reqs[1].prompt_token_ids, reqs[2].prompt_token_ids, reqs[3].prompt_token_ids
+    assert a[:16] == b[:16] and a[:32] != b[:32]  # b shares only its 16 prefix tokens
+    assert a[0] != c[0]  # different groups differ from the first token
+    assert reqs[0].group is None and reqs[1].group == reqs[2].group != reqs[3].group
+    jl = tmp_path / "t.jsonl"
+    jl.write_text("\n".join(json.dumps(d) for d in [
+        {"arrival_time": 1.0, "prompt_len": 5, "output_len": 2},
+        {"timestamp": 0.0, "input_length": 6, "output_length": 4}]) + "\n")
+    _, reqs = build_workload({"arrival": {"type": "trace", "path": str(jl)}, "num_requests": 1},
+                             vocab_size=300)
+    assert len(reqs) == 1 and len(reqs[0].prompt_token_ids) == 6 and reqs[0].arrival_s == 0.0
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"num_requests": 5, "arrival": {"type": "poisson", "rate": -1}},
+     "workload.arrival.rate: must be > 0, got -1"),
+    ({"num_requests": 5, "arrival": {"type": "gamma", "rate": 1}},
+     "workload.arrival.cv: required field is missing"),
+    ({"num_requests": 5, "arrival": {"type": "bursty"}}, "workload.arrival.type: must be one of"),
+    ({"num_requests": 5, "arrival": {"type": "closed_loop", "clients": 0}},
+     "workload.arrival.clients: must be >= 1"),
+    ({"num_requests": 5, "arrival": {"type": "trace", "path": "/no/such.csv"}},
+     "workload.arrival.path: trace file not found"),
+    ({"num_requests": 0}, "workload.num_requests: must be >= 1"),
+    ({}, "workload.num_requests: required field is missing"),
+    ({"num_requests": 5, "prompt_len": {"type": "zipf"}}, "workload.prompt_len.type"),
+    ({"num_requests": 5, "prompt_len": {"type": "uniform", "low": 9, "high": 3}},
+     "workload.prompt_len.high: must be >= 9"),
+    ({"num_requests": 5, "output_len": {"type": "lognormal", "mean": 5}},
+     "workload.output_len: give exactly one of 'sigma' or 'cv'"),
+    ({"num_requests": 5, "prompt_lens": 5}, "workload.prompt_lens: unknown field"),
+    ({"prefix": {"groups": 2, "per_group": 2}}, "workload.prefix.prefix_tokens: required"),
+    ({"prefix": {"groups": 300, "per_group": 1, "prefix_tokens": 4}}, "workload.prefix.groups"),
+    ({"num_requests": 3, "prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
+     "workload.num_requests: 3 disagrees"),
+    ({"prompt_len": 4, "prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
+     "workload.prompt_len: not allowed with prefix groups"),
+    ({"max_prompt_tokens": 4, "prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
+     "workload.prefix.prefix_tokens: 4 leaves no room"),
+    ({"num_requests": 5, "finish": "eos"}, "workload.max_output_tokens: required"),
+    ({"num_requests": 5, "n": 0}, "workload.n: must be >= 1"),
+])
+def test_validation_errors_name_the_field(cfg, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        build_workload(cfg, vocab_size=256)
+
+
+def test_trace_errors_name_file_line_and_field(tmp_path):
+    p = tmp_path / "bad.csv"
+    p.write_text("arrival_s,prompt_tokens,output_tokens\n0,10,5\n1,x,5\n")
+    with pytest.raises(ValueError, match=r"bad\.csv:3\.prompt_tokens: must be an integer"):
+        build_workload({"arrival": {"type": "trace", "path": str(p)}})
+    p.write_text("arrival_s,prompt_tokens\n0,10\n")
+    with pytest.raises(ValueError, match=r"bad\.csv:2\.output_tokens: required field is missing"):
+        build_workload({"arrival": {"type": "trace", "path": str(p)}})
+    p.write_text("arrival_s,prompt_tokens,output_tokens\n0,10,5\n")
+    with pytest.raises(ValueError, match="workload.prompt_len: not allowed with a trace"):
+        build_workload({"arrival": {"type": "trace", "path": str(p)}, "prompt_len": 3})
