@@ -4,23 +4,24 @@ A workload config (all fields optional except where noted):
 
     workload:
       seed: 0
-      num_requests: 1000            # required unless prefix groups or a trace fix it
+      requests: 1000            # required unless prefix groups or a trace fix it
       vocab_size: 32000             # defaults to the model's vocabulary when built for a model
-      prompt_len: {type: lognormal, mean: 512, cv: 1.0}   # see sim.lengths
-      output_len: 128
+      prompt_tokens: {type: lognormal, mean: 512, cv: 1.0}   # see sim.lengths
+      output_tokens: 128
       max_prompt_tokens: 8192       # caps (clip) on the drawn lengths
       max_output_tokens: 2048
       n: 1                          # parallel sampling
       priority: 0                   # or a list of priorities drawn uniformly
       finish: max_tokens            # or "eos": max_tokens = max_output_tokens, EOS forced at the
                                     #   drawn output length (WorkloadRequest.eos_at)
-      prefix:                       # shared-prefix groups; replaces prompt_len
+      shared_prefix:                # shared-prefix groups; replaces prompt_tokens
         groups: 256
         per_group: 4
         prefix_tokens: 8192
-        suffix_len: 200             # length distribution, 0 allowed
+        suffix_tokens: 200             # length distribution, 0 allowed
         order: grouped              # grouped | interleaved | shuffled
       arrival: {type: poisson, rate: 4.0}   # see sim.arrivals
+      file: trace.jsonl             # shorthand for arrival: {type: trace, path: trace.jsonl}
 
 Determinism: one `numpy.random.SeedSequence(seed)` is split into independent streams for tokens,
 lengths, arrivals, order and priorities, so changing the arrival process does not change prompts.
@@ -59,16 +60,16 @@ class PrefixGroups:
     groups: int
     per_group: int
     prefix_tokens: int
-    suffix_len: LengthDist
+    suffix_tokens: LengthDist
     order: str = "grouped"  # grouped | interleaved | shuffled
 
 
 @dataclass(slots=True)
 class WorkloadSpec:
-    num_requests: Optional[int] = None
-    prompt_len: LengthDist = field(default_factory=lambda: Fixed(128))
-    output_len: LengthDist = field(default_factory=lambda: Fixed(128))
-    prefix: Optional[PrefixGroups] = None
+    requests: Optional[int] = None
+    prompt_tokens: LengthDist = field(default_factory=lambda: Fixed(128))
+    output_tokens: LengthDist = field(default_factory=lambda: Fixed(128))
+    shared_prefix: Optional[PrefixGroups] = None
     n: int = 1
     priority: tuple[int, ...] = (0,)
     max_prompt_tokens: Optional[int] = None
@@ -82,17 +83,22 @@ class WorkloadSpec:
     def from_dict(cls, cfg: Any, path: str = "workload",
                   vocab_size: Optional[int] = None) -> "WorkloadSpec":
         cfg = check_mapping(cfg, path)
-        check_keys(cfg, {"seed", "num_requests", "vocab_size", "prompt_len", "output_len",
+        check_keys(cfg, {"seed", "requests", "vocab_size", "prompt_tokens", "output_tokens",
                          "max_prompt_tokens", "max_output_tokens", "n", "priority", "finish",
-                         "prefix", "arrival"}, path)
+                         "shared_prefix", "arrival", "file"}, path)
+        if "file" in cfg:
+            if "arrival" in cfg:
+                raise ValueError(f"{path}.file: give either file (a trace) or arrival, not both")
+            cfg = {**cfg, "arrival": {"type": "trace", "path": cfg["file"]}}
+            cfg.pop("file")
         spec = cls()
         spec.seed = int_at_least(cfg.get("seed", 0), 0, f"{path}.seed")
         spec.vocab_size = int_at_least(cfg.get("vocab_size", vocab_size or 32000), 2,
                                        f"{path}.vocab_size")
         spec.arrival = parse_arrival(cfg.get("arrival"), f"{path}.arrival")
         is_trace = isinstance(spec.arrival, TraceArrivals)
-        if "num_requests" in cfg:
-            spec.num_requests = int_at_least(cfg["num_requests"], 1, f"{path}.num_requests")
+        if "requests" in cfg:
+            spec.requests = int_at_least(cfg["requests"], 1, f"{path}.requests")
         for key in ("max_prompt_tokens", "max_output_tokens"):
             if cfg.get(key) is not None:
                 setattr(spec, key, int_at_least(cfg[key], 1, f"{path}.{key}"))
@@ -108,37 +114,37 @@ class WorkloadSpec:
             raise ValueError(f"{path}.max_output_tokens: required when finish is 'eos' "
                              "(it becomes every request's max_tokens)")
         if is_trace:
-            for key in ("prompt_len", "output_len", "prefix"):
+            for key in ("prompt_tokens", "output_tokens", "shared_prefix"):
                 if key in cfg:
                     raise ValueError(f"{path}.{key}: not allowed with a trace arrival "
                                      "(the trace gives the lengths)")
             return spec
-        if "output_len" in cfg:
-            spec.output_len = parse_length_dist(cfg["output_len"], f"{path}.output_len")
-        if "prefix" in cfg:
-            if "prompt_len" in cfg:
-                raise ValueError(f"{path}.prompt_len: not allowed with prefix groups "
-                                 f"(use {path}.prefix.suffix_len)")
-            spec.prefix = _parse_prefix(cfg["prefix"], f"{path}.prefix", spec.vocab_size)
-            total = spec.prefix.groups * spec.prefix.per_group
-            if spec.num_requests is not None and spec.num_requests != total:
-                raise ValueError(f"{path}.num_requests: {spec.num_requests} disagrees with "
-                                 f"prefix.groups * prefix.per_group = {total}")
-            spec.num_requests = total
-            if spec.max_prompt_tokens is not None and spec.prefix.prefix_tokens >= spec.max_prompt_tokens:
-                raise ValueError(f"{path}.prefix.prefix_tokens: {spec.prefix.prefix_tokens} leaves "
+        if "output_tokens" in cfg:
+            spec.output_tokens = parse_length_dist(cfg["output_tokens"], f"{path}.output_tokens")
+        if "shared_prefix" in cfg:
+            if "prompt_tokens" in cfg:
+                raise ValueError(f"{path}.prompt_tokens: not allowed with prefix groups "
+                                 f"(use {path}.shared_prefix.suffix_tokens)")
+            spec.shared_prefix = _parse_prefix(cfg["shared_prefix"], f"{path}.shared_prefix", spec.vocab_size)
+            total = spec.shared_prefix.groups * spec.shared_prefix.per_group
+            if spec.requests is not None and spec.requests != total:
+                raise ValueError(f"{path}.requests: {spec.requests} disagrees with "
+                                 f"shared_prefix.groups * shared_prefix.per_group = {total}")
+            spec.requests = total
+            if spec.max_prompt_tokens is not None and spec.shared_prefix.prefix_tokens >= spec.max_prompt_tokens:
+                raise ValueError(f"{path}.shared_prefix.prefix_tokens: {spec.shared_prefix.prefix_tokens} leaves "
                                  f"no room under max_prompt_tokens {spec.max_prompt_tokens}")
         else:
-            if "prompt_len" in cfg:
-                spec.prompt_len = parse_length_dist(cfg["prompt_len"], f"{path}.prompt_len")
-            if spec.num_requests is None:
-                raise ValueError(f"{path}.num_requests: required field is missing")
+            if "prompt_tokens" in cfg:
+                spec.prompt_tokens = parse_length_dist(cfg["prompt_tokens"], f"{path}.prompt_tokens")
+            if spec.requests is None:
+                raise ValueError(f"{path}.requests: required field is missing")
         return spec
 
 
 def _parse_prefix(cfg: Any, path: str, vocab_size: int) -> PrefixGroups:
     cfg = check_mapping(cfg, path)
-    check_keys(cfg, {"groups", "per_group", "prefix_tokens", "suffix_len", "order"}, path,
+    check_keys(cfg, {"groups", "per_group", "prefix_tokens", "suffix_tokens", "order"}, path,
                required=["groups", "per_group", "prefix_tokens"])
     groups = int_at_least(cfg["groups"], 1, f"{path}.groups")
     if groups > vocab_size:
@@ -148,7 +154,7 @@ def _parse_prefix(cfg: Any, path: str, vocab_size: int) -> PrefixGroups:
         groups=groups,
         per_group=int_at_least(cfg["per_group"], 1, f"{path}.per_group"),
         prefix_tokens=int_at_least(cfg["prefix_tokens"], 1, f"{path}.prefix_tokens"),
-        suffix_len=parse_length_dist(cfg.get("suffix_len", 0), f"{path}.suffix_len", min_value=0),
+        suffix_tokens=parse_length_dist(cfg.get("suffix_tokens", 0), f"{path}.suffix_tokens", min_value=0),
         order=one_of(cfg.get("order", "grouped"), ("grouped", "interleaved", "shuffled"),
                      f"{path}.order"),
     )
@@ -168,16 +174,16 @@ def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-") -> list[Workl
     """All requests of the workload, sorted by arrival (closed-loop: arrival_s = 0 until issued)."""
     rng = rng_streams(spec.seed)
     if isinstance(spec.arrival, TraceArrivals):
-        records = spec.arrival.records[:spec.num_requests] if spec.num_requests else spec.arrival.records
+        records = spec.arrival.records[:spec.requests] if spec.requests else spec.arrival.records
         prompts, outputs, groups = _trace_prompts(list(records), spec, rng["tokens"])
-    elif spec.prefix is not None:
+    elif spec.shared_prefix is not None:
         prompts, groups = _group_prompts(spec, rng["tokens"], rng["lengths"], rng["order"])
-        outputs = spec.output_len.sample(rng["lengths"], len(prompts))
+        outputs = spec.output_tokens.sample(rng["lengths"], len(prompts))
     else:
-        n = spec.num_requests or 0
-        lens = _cap(spec.prompt_len.sample(rng["lengths"], n), spec.max_prompt_tokens)
+        n = spec.requests or 0
+        lens = _cap(spec.prompt_tokens.sample(rng["lengths"], n), spec.max_prompt_tokens)
         prompts = [rng["tokens"].integers(0, spec.vocab_size, size=int(k)).tolist() for k in lens]
-        outputs = spec.output_len.sample(rng["lengths"], n)
+        outputs = spec.output_tokens.sample(rng["lengths"], n)
         groups = [None] * n
     count = len(prompts)
     outputs = _cap(np.asarray(outputs, dtype=np.int64), spec.max_output_tokens)
@@ -197,7 +203,7 @@ def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-") -> list[Workl
 
 def _group_prompts(spec: WorkloadSpec, tok: np.random.Generator, lens: np.random.Generator,
                    order_rng: np.random.Generator) -> tuple[list[list[int]], list[Optional[int]]]:
-    pg = spec.prefix
+    pg = spec.shared_prefix
     assert pg is not None
     first = tok.permutation(spec.vocab_size)[:pg.groups]
     prefixes = []
@@ -206,7 +212,7 @@ def _group_prompts(spec: WorkloadSpec, tok: np.random.Generator, lens: np.random
         prefixes.append([int(first[g])] + rest.tolist())
     suffix_cap = (spec.max_prompt_tokens - pg.prefix_tokens
                   if spec.max_prompt_tokens is not None else None)
-    suffixes = _cap(pg.suffix_len.sample(lens, pg.groups * pg.per_group), suffix_cap)
+    suffixes = _cap(pg.suffix_tokens.sample(lens, pg.groups * pg.per_group), suffix_cap)
     if pg.order == "grouped":
         pairs = [(g, m) for g in range(pg.groups) for m in range(pg.per_group)]
     else:

@@ -24,10 +24,10 @@ def _engine(async_scheduling=False, coefficients=ONE_SECOND_STEPS, blocks=200, m
                       CacheConfig(num_gpu_blocks=blocks, block_size=16), SimExecutor(cost_model=cm))
 
 
-def _req(rid, t, prompt_len=8, max_tokens=3, **kw):
+def _req(rid, t, prompt_tokens=8, max_tokens=3, **kw):
     """A request whose prompt starts with a token of its own (no accidental prefix sharing)."""
     first = 1 + sum(map(ord, rid)) * 7 % 250
-    return WorkloadRequest(rid, t, [first] + list(range(prompt_len - 1)), max_tokens, **kw)
+    return WorkloadRequest(rid, t, [first] + list(range(prompt_tokens - 1)), max_tokens, **kw)
 
 
 def test_arrival_at_a_step_end_joins_the_next_step():
@@ -82,7 +82,7 @@ def test_time_is_the_sum_of_predicted_step_durations(async_scheduling):
 
 
 def test_async_and_sync_finish_the_same_work():
-    reqs = lambda: [_req(f"x{i}", 0.1 * i, prompt_len=20 + i, max_tokens=4 + i % 3)
+    reqs = lambda: [_req(f"x{i}", 0.1 * i, prompt_tokens=20 + i, max_tokens=4 + i % 3)
                     for i in range(10)]
     sync = simulate(_engine(False), reqs(), Offline())
     asyn = simulate(_engine(True), reqs(), Offline())
@@ -100,7 +100,7 @@ def test_parallel_sampling_and_forced_eos():
 
 
 def test_unservable_request_is_rejected_and_the_rest_run():
-    reqs = [_req("long", 0.0, prompt_len=600), _req("ok", 0.0)]
+    reqs = [_req("long", 0.0, prompt_tokens=600), _req("ok", 0.0)]
     res = simulate(_engine(max_model_len=512), reqs, ClosedLoop(clients=1))
     assert list(res.rejected) == ["long"] and "max_model_len" in res.rejected["long"]
     assert list(res.completion_s) == ["ok"] and not res.unfinished
@@ -115,12 +115,12 @@ def test_max_time_leaves_requests_unfinished():
 def test_runs_are_deterministic_and_never_read_the_host_clock(monkeypatch):
     args = {"backend": "sim", "model": "qwen3-0.6b", "hardware": "h200", "max_num_seqs": 16,
             "num_gpu_blocks": 400, "max_model_len": 4096}
-    workload = {"seed": 5, "num_requests": 40,
-                "prefix": None, "output_len": {"type": "uniform", "low": 2, "high": 30},
-                "prompt_len": {"type": "lognormal", "mean": 200, "cv": 1.0}, "n": 2,
+    workload = {"seed": 5, "requests": 40,
+                "shared_prefix": None, "output_tokens": {"type": "uniform", "low": 2, "high": 30},
+                "prompt_tokens": {"type": "lognormal", "mean": 200, "cv": 1.0}, "n": 2,
                 "arrival": {"type": "closed_loop", "clients": 4, "think_time_s": 0.01,
                             "think": "exponential"}}
-    workload.pop("prefix")
+    workload.pop("shared_prefix")
     first = simulate_workload(args, workload)
 
     def boom(*_a, **_k):
@@ -139,8 +139,8 @@ def test_runs_are_deterministic_and_never_read_the_host_clock(monkeypatch):
 def test_prefix_sharing_workload_hits_the_cache():
     args = {"backend": "sim", "model": "llama-3.1-8b", "hardware": "h100-sxm", "max_num_seqs": 64,
             "max_model_len": 4096}
-    wl = {"seed": 0, "prefix": {"groups": 4, "per_group": 4, "prefix_tokens": 1024, "suffix_len": 64},
-          "output_len": 8, "arrival": {"type": "poisson", "rate": 20}}
+    wl = {"seed": 0, "shared_prefix": {"groups": 4, "per_group": 4, "prefix_tokens": 1024, "suffix_tokens": 64},
+          "output_tokens": 8, "arrival": {"type": "poisson", "rate": 20}}
     res = simulate_workload(args, wl)
     req = res.recorder.frames()["requests"]
     # the first member of each group computes the prefix; the other three reuse its 64 blocks

@@ -6,8 +6,8 @@ import pytest
 from sim.arrivals import ClosedLoop, Poisson
 from sim.workload import WorkloadSpec, build_workload, generate_requests
 
-BASE = {"seed": 3, "num_requests": 50, "prompt_len": {"type": "uniform", "low": 5, "high": 60},
-        "output_len": {"type": "lognormal", "mean": 30, "cv": 0.8},
+BASE = {"seed": 3, "requests": 50, "prompt_tokens": {"type": "uniform", "low": 5, "high": 60},
+        "output_tokens": {"type": "lognormal", "mean": 30, "cv": 0.8},
         "arrival": {"type": "poisson", "rate": 10}}
 
 
@@ -33,11 +33,11 @@ def test_changing_the_arrival_process_keeps_the_prompts():
 
 
 def test_shared_prefix_groups_hash_equal_and_differ_from_the_first_token():
-    cfg = {"seed": 0, "prefix": {"groups": 20, "per_group": 4, "prefix_tokens": 64,
-                                 "suffix_len": {"type": "uniform", "low": 0, "high": 30}},
-           "output_len": 8}
+    cfg = {"seed": 0, "shared_prefix": {"groups": 20, "per_group": 4, "prefix_tokens": 64,
+                                 "suffix_tokens": {"type": "uniform", "low": 0, "high": 30}},
+           "output_tokens": 8}
     spec, reqs = build_workload(cfg, vocab_size=50)
-    assert spec.num_requests == 80 and len(reqs) == 80
+    assert spec.requests == 80 and len(reqs) == 80
     by_group = {}
     for r in reqs:
         by_group.setdefault(r.group, []).append(r.prompt_token_ids)
@@ -53,19 +53,19 @@ def test_shared_prefix_groups_hash_equal_and_differ_from_the_first_token():
 
 
 def test_prefix_orders():
-    cfg = {"prefix": {"groups": 3, "per_group": 2, "prefix_tokens": 16, "order": "interleaved"},
-           "output_len": 4}
+    cfg = {"shared_prefix": {"groups": 3, "per_group": 2, "prefix_tokens": 16, "order": "interleaved"},
+           "output_tokens": 4}
     _, reqs = build_workload(cfg, vocab_size=100)
     assert [r.group for r in reqs] == [0, 1, 2, 0, 1, 2]
-    assert all(len(r.prompt_token_ids) == 16 for r in reqs)  # suffix_len defaults to 0
-    cfg["prefix"]["order"] = "shuffled"
+    assert all(len(r.prompt_token_ids) == 16 for r in reqs)  # suffix_tokens defaults to 0
+    cfg["shared_prefix"]["order"] = "shuffled"
     _, shuffled = build_workload(cfg, vocab_size=100)
     assert sorted(r.group for r in shuffled) == [0, 0, 1, 1, 2, 2]
 
 
 def test_caps_n_priority_and_eos_finish():
-    cfg = {"num_requests": 200, "prompt_len": {"type": "normal", "mean": 100, "std": 200},
-           "output_len": {"type": "lognormal", "mean": 100, "sigma": 1.5},
+    cfg = {"requests": 200, "prompt_tokens": {"type": "normal", "mean": 100, "std": 200},
+           "output_tokens": {"type": "lognormal", "mean": 100, "sigma": 1.5},
            "max_prompt_tokens": 150, "max_output_tokens": 120, "n": 3, "priority": [0, 5]}
     _, reqs = build_workload(cfg, vocab_size=500)
     lens = [len(r.prompt_token_ids) for r in reqs]
@@ -79,13 +79,13 @@ def test_caps_n_priority_and_eos_finish():
 
 
 def test_closed_loop_requests_have_no_times_yet():
-    spec, reqs = build_workload({"num_requests": 5, "arrival": {"type": "closed_loop", "clients": 2}},
+    spec, reqs = build_workload({"requests": 5, "arrival": {"type": "closed_loop", "clients": 2}},
                                 vocab_size=100)
     assert isinstance(spec.arrival, ClosedLoop) and all(r.arrival_s == 0.0 for r in reqs)
 
 
 def test_workload_spec_defaults_and_direct_use():
-    spec = WorkloadSpec(num_requests=3, arrival=Poisson(2.0), vocab_size=64)
+    spec = WorkloadSpec(requests=3, arrival=Poisson(2.0), vocab_size=64)
     reqs = generate_requests(spec, id_prefix="x")
     assert [r.request_id for r in reqs] == ["x0", "x1", "x2"]
     assert all(len(r.prompt_token_ids) == 128 and r.max_tokens == 128 for r in reqs)
@@ -106,41 +106,41 @@ def test_trace_csv_and_jsonl(tmp_path):
     assert reqs[0].group is None and reqs[1].group == reqs[2].group != reqs[3].group
     jl = tmp_path / "t.jsonl"
     jl.write_text("\n".join(json.dumps(d) for d in [
-        {"arrival_time": 1.0, "prompt_len": 5, "output_len": 2},
+        {"arrival_time": 1.0, "prompt_tokens": 5, "output_tokens": 2},
         {"timestamp": 0.0, "input_length": 6, "output_length": 4}]) + "\n")
-    _, reqs = build_workload({"arrival": {"type": "trace", "path": str(jl)}, "num_requests": 1},
+    _, reqs = build_workload({"arrival": {"type": "trace", "path": str(jl)}, "requests": 1},
                              vocab_size=300)
     assert len(reqs) == 1 and len(reqs[0].prompt_token_ids) == 6 and reqs[0].arrival_s == 0.0
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"num_requests": 5, "arrival": {"type": "poisson", "rate": -1}},
+    ({"requests": 5, "arrival": {"type": "poisson", "rate": -1}},
      "workload.arrival.rate: must be > 0, got -1"),
-    ({"num_requests": 5, "arrival": {"type": "gamma", "rate": 1}},
+    ({"requests": 5, "arrival": {"type": "gamma", "rate": 1}},
      "workload.arrival.cv: required field is missing"),
-    ({"num_requests": 5, "arrival": {"type": "bursty"}}, "workload.arrival.type: must be one of"),
-    ({"num_requests": 5, "arrival": {"type": "closed_loop", "clients": 0}},
+    ({"requests": 5, "arrival": {"type": "bursty"}}, "workload.arrival.type: must be one of"),
+    ({"requests": 5, "arrival": {"type": "closed_loop", "clients": 0}},
      "workload.arrival.clients: must be >= 1"),
-    ({"num_requests": 5, "arrival": {"type": "trace", "path": "/no/such.csv"}},
+    ({"requests": 5, "arrival": {"type": "trace", "path": "/no/such.csv"}},
      "workload.arrival.path: trace file not found"),
-    ({"num_requests": 0}, "workload.num_requests: must be >= 1"),
-    ({}, "workload.num_requests: required field is missing"),
-    ({"num_requests": 5, "prompt_len": {"type": "zipf"}}, "workload.prompt_len.type"),
-    ({"num_requests": 5, "prompt_len": {"type": "uniform", "low": 9, "high": 3}},
-     "workload.prompt_len.high: must be >= 9"),
-    ({"num_requests": 5, "output_len": {"type": "lognormal", "mean": 5}},
-     "workload.output_len: give exactly one of 'sigma' or 'cv'"),
-    ({"num_requests": 5, "prompt_lens": 5}, "workload.prompt_lens: unknown field"),
-    ({"prefix": {"groups": 2, "per_group": 2}}, "workload.prefix.prefix_tokens: required"),
-    ({"prefix": {"groups": 300, "per_group": 1, "prefix_tokens": 4}}, "workload.prefix.groups"),
-    ({"num_requests": 3, "prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
-     "workload.num_requests: 3 disagrees"),
-    ({"prompt_len": 4, "prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
-     "workload.prompt_len: not allowed with prefix groups"),
-    ({"max_prompt_tokens": 4, "prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
-     "workload.prefix.prefix_tokens: 4 leaves no room"),
-    ({"num_requests": 5, "finish": "eos"}, "workload.max_output_tokens: required"),
-    ({"num_requests": 5, "n": 0}, "workload.n: must be >= 1"),
+    ({"requests": 0}, "workload.requests: must be >= 1"),
+    ({}, "workload.requests: required field is missing"),
+    ({"requests": 5, "prompt_tokens": {"type": "zipf"}}, "workload.prompt_tokens.type"),
+    ({"requests": 5, "prompt_tokens": {"type": "uniform", "low": 9, "high": 3}},
+     "workload.prompt_tokens.high: must be >= 9"),
+    ({"requests": 5, "output_tokens": {"type": "lognormal", "mean": 5}},
+     "workload.output_tokens: give exactly one of 'sigma' or 'cv'"),
+    ({"requests": 5, "prompt_lens": 5}, "workload.prompt_lens: unknown field"),
+    ({"shared_prefix": {"groups": 2, "per_group": 2}}, "workload.shared_prefix.prefix_tokens: required"),
+    ({"shared_prefix": {"groups": 300, "per_group": 1, "prefix_tokens": 4}}, "workload.shared_prefix.groups"),
+    ({"requests": 3, "shared_prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
+     "workload.requests: 3 disagrees"),
+    ({"prompt_tokens": 4, "shared_prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
+     "workload.prompt_tokens: not allowed with prefix groups"),
+    ({"max_prompt_tokens": 4, "shared_prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
+     "workload.shared_prefix.prefix_tokens: 4 leaves no room"),
+    ({"requests": 5, "finish": "eos"}, "workload.max_output_tokens: required"),
+    ({"requests": 5, "n": 0}, "workload.n: must be >= 1"),
 ])
 def test_validation_errors_name_the_field(cfg, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
@@ -156,5 +156,5 @@ def test_trace_errors_name_file_line_and_field(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.csv:2\.output_tokens: required field is missing"):
         build_workload({"arrival": {"type": "trace", "path": str(p)}})
     p.write_text("arrival_s,prompt_tokens,output_tokens\n0,10,5\n")
-    with pytest.raises(ValueError, match="workload.prompt_len: not allowed with a trace"):
-        build_workload({"arrival": {"type": "trace", "path": str(p)}, "prompt_len": 3})
+    with pytest.raises(ValueError, match="workload.prompt_tokens: not allowed with a trace"):
+        build_workload({"arrival": {"type": "trace", "path": str(p)}, "prompt_tokens": 3})
