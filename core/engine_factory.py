@@ -34,8 +34,9 @@ def _torch_executor(args: EngineArgs) -> ExecutorInfo:
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                        seed=args.seed, profile_dir=args.profile_dir)
+    path = getattr(ex, "model_path", None) or getattr(getattr(ex, "model_info", None), "path", None)
     return ExecutorInfo(ex, ex.num_gpu_blocks, ex.max_model_len, ex.vocab_size, list(ex.eos_token_ids or []),
-                        str(getattr(ex, "model_path", "") or "") or None)
+                        str(path) if path else None)
 
 
 def _sim_executor(args: EngineArgs) -> ExecutorInfo:

@@ -102,7 +102,7 @@ class _Resources:
             if proc.is_alive():
                 proc.kill()
                 proc.join(2.0)
-        elif proc is not None:
+        elif proc is not None and proc.pid is not None:
             proc.join(0.1)
         if self.monitor is not None and self.monitor is not threading.current_thread():
             self.monitor.join(1.0)

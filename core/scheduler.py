@@ -464,6 +464,101 @@ class Scheduler:
                 return generated[:k], True
         return generated, False
 
+    # -- exact fast-forward of steady decode steps (simulator speed) ---------------------------
+    def steady_decode_steps(self, limit: int) -> int:
+        """How many of the next steps (at most `limit`) are certain to schedule exactly one token for
+        every running request, in running order, with no admission, preemption, allocation failure or
+        length-capped finish. 0 when the state is not a steady decode (sync scheduling only).
+
+        EOS and stop tokens depend on the sampled tokens: ruling them out is the caller's job.
+        """
+        running = self.running
+        if (limit <= 0 or self.async_scheduling or self.waiting or not running or self.finished_req_ids
+                or self.reset_preempted_req_ids):
+            return 0
+        num = len(running)
+        if num > self.max_num_scheduled_tokens or num > self.max_num_batched_tokens:
+            return 0
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        caching = kv.enable_caching
+        k = limit
+        for r in running:
+            n_tok = len(r._all_token_ids)
+            computed = r.num_computed_tokens
+            if n_tok - computed != 1 or r.num_output_placeholders:
+                return 0
+            if caching and kv.num_cached_block.get(r.request_id, 0) < min(computed, len(r.block_hashes) * bs) // bs:
+                return 0  # registration lags: let a normal step catch it up
+            remaining = min(r.max_tokens - len(r._output_token_ids), self.max_model_len - n_tok)
+            if remaining - 1 < k:
+                k = remaining - 1
+                if k <= 0:
+                    return 0
+        free = kv.num_free_blocks
+        req_to_blocks = kv.req_to_blocks
+
+        def blocks_needed(steps: int) -> int:
+            return sum(max(0, cdiv(r.num_computed_tokens + steps, bs) - len(req_to_blocks[r.request_id]))
+                       for r in running)
+
+        if blocks_needed(k) > free:
+            lo, hi = 0, k  # largest steps with blocks_needed(steps) <= free
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if blocks_needed(mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        return k
+
+    def fast_forward_decode(self, k: int, tokens: list[list[int]]) -> list[int]:
+        """Apply `k` steady decode steps at once (see `steady_decode_steps`); `tokens[i]` are the k
+        tokens sampled for `running[i]`. Block allocation and prefix-cache registration happen in the
+        exact step-by-step order (step, then running order), so the state equals k normal steps.
+        Returns the number of free blocks after each step's scheduling."""
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        caching = kv.enable_caching
+        running = self.running
+        req_to_blocks = kv.req_to_blocks
+        events: list[tuple[int, int, int]] = []  # (window step, row, 0 = allocate / 1 = cache)
+        starts = []
+        for row, r in enumerate(running):
+            c0 = r.num_computed_tokens
+            starts.append(c0)
+            j = len(req_to_blocks[r.request_id]) * bs - c0
+            while j < k:
+                events.append((j, row, 0))
+                j += bs
+            if caching:
+                j = (bs - (c0 + 1) % bs) % bs
+                while j < k:
+                    events.append((j, row, 1))
+                    j += bs
+        for r, toks in zip(running, tokens):
+            r.append_output_token_ids(toks)
+        events.sort()
+        allocs = [0] * k
+        pool = kv.block_pool
+        for j, row, kind in events:
+            r = running[row]
+            if kind == 0:
+                req_to_blocks[r.request_id].extend(pool.get_new_blocks(1))
+                allocs[j] += 1
+            else:
+                kv.cache_blocks(r, starts[row] + j + 1)
+        for r, c0 in zip(running, starts):
+            r.num_computed_tokens = c0 + k
+        self.current_step += k
+        free = pool.get_num_free_blocks() + sum(allocs)
+        out = []
+        for a in allocs:
+            free -= a
+            out.append(free)
+        return out
+
     # -- stats and maintenance ---------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

@@ -161,6 +161,35 @@ class TraceRecorder:
                 if row is not None:
                     row["num_finished"] += 1
 
+    def on_decode_window(self, first_step: int, t_starts: list[float], t_ends: list[float], req_ids: list[str],
+                         computed_before: list[int], free_after: list[int], num_gpu_blocks: int) -> None:
+        """Rows for k fast-forwarded steady decode steps (the same rows k normal steps would give)."""
+        num = len(req_ids)
+        sum_c = sum(computed_before)
+        max_c = max(computed_before)
+        annotation = f"execute_context_0(0)_generation_{num}({num})"
+        usable = num_gpu_blocks - 1
+        for j, (t0, t1, free) in enumerate(zip(t_starts, t_ends, free_after)):
+            kv_sum = sum_c + num * (j + 1)
+            self.steps.append({
+                "run": self.run, "backend": self.backend, "step": first_step + j, "t_start_s": t0,
+                "t_end_s": t1, "duration_s": t1 - t0, "num_reqs": num, "num_context_reqs": 0,
+                "num_context_tokens": 0, "num_generation_reqs": num, "num_generation_tokens": num,
+                "total_tokens": num, "annotation": annotation, "sum_q2": num, "sum_q_kv": kv_sum,
+                "sum_kv": kv_sum, "max_kv": max_c + j + 1, "num_running": num, "num_waiting": 0,
+                "num_preempted": 0, "num_finished": 0, "kv_free_blocks": free,
+                "kv_usage": (1.0 - free / usable) if usable > 0 else 0.0, "prefix_queries": 0, "prefix_hits": 0})
+            if self.record_step_requests:
+                step = first_step + j
+                self.step_requests.extend((self.run, self.backend, step, rid, 1, c + j, "generation", True)
+                                          for rid, c in zip(req_ids, computed_before))
+        k = len(t_ends)
+        for rid in req_ids:
+            trace = self.requests.get(rid)
+            if trace is not None:
+                trace.token_times.extend(t_ends)
+                trace.output_tokens += k
+
     def on_abort(self, request_id: str, t: float) -> None:
         trace = self.requests.get(request_id)
         if trace is not None and trace.finish_reason is None:

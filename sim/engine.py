@@ -36,6 +36,7 @@ from core.sampling_params import SamplingParams
 from core.scheduler import UnservableRequestError
 from core.trace import TraceRecorder
 from sim.arrivals import ArrivalProcess
+from sim.fast_forward import fast_forward
 from sim.workload import WorkloadRequest, build_workload, rng_streams
 
 STEP_START_PRIORITY = 2  # after simpy.events.URGENT (0) and NORMAL (1)
@@ -73,13 +74,15 @@ class Simulation:
     def __init__(self, engine: EngineCore, requests: Sequence[WorkloadRequest],
                  arrival: ArrivalProcess, *, rng: Optional[np.random.Generator] = None,
                  run: str = "sim", eos_token_id: int = DEFAULT_EOS_TOKEN_ID,
-                 max_time_s: Optional[float] = None, record_step_requests: bool = True) -> None:
+                 max_time_s: Optional[float] = None, record_step_requests: bool = True,
+                 fast_forward: bool = True) -> None:
         self.env = simpy.Environment()
         self.engine = engine
         self.requests = list(requests)
         self.arrival = arrival
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.max_time_s = max_time_s
+        self.fast_forward = fast_forward
         self.recorder = TraceRecorder(run, "sim", record_step_requests=record_step_requests)
         self.eos_token_id = eos_token_id
         self._inbox: list[_Pending] = []
@@ -173,6 +176,12 @@ class Simulation:
             self._admit()
             if not engine.has_work():
                 continue
+            if self.fast_forward:
+                k, t_end = fast_forward(engine, self.recorder, env.now, env.peek())
+                if k:
+                    self.result.num_steps += k
+                    yield env.timeout(t_end - env.now)
+                    continue
             t0 = env.now
             result = engine.step()
             so = result.scheduled

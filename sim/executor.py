@@ -87,3 +87,42 @@ class SimExecutor:
         ids = [row.req_id for row in rows]
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                                  sampled_token_ids=sampled, timing=timing)
+
+    # -- exact fast-forward of steady decode steps -----------------------------------------------
+    def eos_free_steps(self, req_ids: Sequence[str], limit: int) -> int:
+        """Steps (<= limit) in which none of `req_ids` can sample a forced EOS."""
+        if not self.output_lengths:
+            return limit
+        k = limit
+        for rid in req_ids:
+            forced = self.output_lengths.get(rid)
+            if forced is not None:
+                state = self.state.requests[rid]
+                outputs = len(state.token_ids) - state.num_prompt_tokens
+                k = min(k, forced - outputs - 1)  # the forced EOS is output number `forced`
+        return max(k, 0)
+
+    def fast_forward(self, req_ids: Sequence[str], first_step: int, k: int) -> list[list[int]]:
+        """Tokens of `k` decode steps starting at engine step `first_step` (row = position in
+        `req_ids`), appended to the runner state exactly as `execute_model` would."""
+        eos = self.eos_token_id
+        out = []
+        requests = self.state.requests
+        for row, rid in enumerate(req_ids):
+            toks = [((first_step + j) * 7 + row) % 1000 + 10 for j in range(k)]
+            if eos is not None and eos in toks:
+                toks = [t + 1 if t == eos else t for t in toks]
+            state = requests[rid]
+            state.token_ids.extend(toks)
+            state.num_computed_tokens += k
+            out.append(toks)
+        return out
+
+    def decode_step_durations(self, num_reqs: int, sum_kv_before: int, k: int) -> list[float]:
+        """Predicted durations of `k` pure-decode steps of `num_reqs` rows whose computed tokens sum to
+        `sum_kv_before` at the first step (each step adds `num_reqs`)."""
+        predict = self.cost_model.predict
+        return [predict(StepSummary(num_reqs=num_reqs, num_tokens=num_reqs, num_sampling=num_reqs,
+                                    decode_reqs=num_reqs,
+                                    decode_sum_kv=sum_kv_before + num_reqs * (j + 1))).duration_s
+                for j in range(k)]
