@@ -11,9 +11,10 @@ write the same tables with the same metric boundaries (`core.trace`).
   A request that arrives while a step runs joins before the next step (it waits, as in vLLM); its
   recorded arrival is its `arrival_s`, so the wait counts in its queue time and TTFT.
 
-Requests get `SamplingParams(max_tokens, ignore_eos=True, temperature=0, n, seed)`, so output
-lengths match the simulator's (a request with a forced EOS position `eos_at` uses it as max_tokens);
-`n > 1` fans out into `core.parallel_sampling` children.
+Requests get `SamplingParams(max_tokens, ignore_eos=True, temperature=0)`, so output lengths match
+the simulator's (a request with a forced EOS position `eos_at` uses it as max_tokens). `n > 1` fans
+out into `core.parallel_sampling` children; greedy sampling forbids n > 1 (as in vLLM), so those use
+temperature 1 with `seed` (child i gets seed + i: reproducible, and the children differ).
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _make_requests(wreq: Any, seed: Optional[int]) -> list[Request]:
     n = int(getattr(wreq, "n", 1) or 1)
     eos_at = getattr(wreq, "eos_at", None)
     max_tokens = int(eos_at) if eos_at is not None else int(wreq.max_tokens)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, n=n, seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0 if n == 1 else 1.0, n=n,
+                            seed=seed)
     return [Request(cid, list(wreq.prompt_token_ids), p, arrival_time=float(wreq.arrival_s),
                     priority=int(getattr(wreq, "priority", 0) or 0),
                     parent_id=wreq.request_id if n > 1 else None)

@@ -86,6 +86,7 @@ class Simulation:
         self.recorder = TraceRecorder(run, "sim", record_step_requests=record_step_requests)
         self.eos_token_id = eos_token_id
         self._inbox: list[_Pending] = []
+        self._seq = -1
         self._by_child: dict[str, _Pending] = {}
         self._wake: Optional[simpy.Event] = None
         self._arrivals_done = False
@@ -113,7 +114,9 @@ class Simulation:
             if wreq.eos_at is not None:
                 params.update_from_generation_config(self._forcing_eos_id())
             children = fan_out(wreq.request_id, params)
-            reqs = [Request(cid, wreq.prompt_token_ids, p, arrival_time=wreq.arrival_s,
+            # distinct arrival stamps in submission order (vLLM's wall-clock stamps never tie; the
+            # priority policy breaks ties by arrival time)
+            reqs = [Request(cid, wreq.prompt_token_ids, p, arrival_time=wreq.arrival_s + self._next_seq() * 1e-9,
                             priority=wreq.priority,
                             parent_id=wreq.request_id if wreq.n > 1 else None)
                     for cid, p in children]
@@ -131,6 +134,10 @@ class Simulation:
                 self.engine.add_request(req)
                 self.recorder.on_arrival(req, wreq.arrival_s)
                 self._by_child[req.request_id] = pending
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
 
     def _forcing_eos_id(self) -> int:
         ex = self.engine.executor

@@ -175,8 +175,8 @@ PRESETS: dict[str, ModelSpec] = {
                               vocab_size=49152, tie_word_embeddings=True,
                               max_position_embeddings=8192),
     "tiny-llama": ModelSpec("tiny-llama", num_layers=2, hidden_size=64, num_heads=4,
-                            num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
-                            tie_word_embeddings=False, dtype="float32"),
+                            num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=320,
+                            tie_word_embeddings=False, dtype="float32", max_position_embeddings=4096),
 }
 
 ALIASES: dict[str, str] = {

@@ -46,7 +46,7 @@ def test_smollm2_and_tiny_llama_shapes():
     t = PRESETS["tiny-llama"]
     assert (t.vocab_size, t.hidden_size, t.intermediate_size, t.num_layers, t.num_heads,
             t.num_kv_heads, t.head_dim, t.dtype, t.tie_word_embeddings) == (
-        256, 64, 128, 2, 4, 2, 16, "float32", False)
+        320, 64, 128, 2, 4, 2, 16, "float32", False)
 
 
 def test_from_hf_config_directory_matches_preset(tmp_path):

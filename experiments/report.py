@@ -1,0 +1,201 @@
+"""`report.md` of a run: config, summary table per backend, key observations, plots."""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import yaml
+
+TOP_N = 10
+
+
+def fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        if v == 0:
+            return "0"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def md_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+SUMMARY_ROWS = [
+    ("requests", "requests"), ("completed", "completed"), ("rejected", "rejected (never servable)"),
+    ("num_steps", "engine steps"), ("wall_s", "wall time (s)"), ("simulated_s", "simulated time (s)"),
+    ("duration_s", "makespan (s, run timeline)"), ("throughput_tok_s", "throughput (prompt+output tok/s)"),
+    ("output_tok_s", "output tok/s"), ("request_throughput_s", "requests/s"),
+]
+DIST_ROWS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"), ("queue_s", "queue")]
+TAIL_ROWS = [
+    ("preemptions", "preemptions"), ("prefix_hit_rate", "prefix hit rate"), ("prompt_tokens", "prompt tokens"),
+    ("cached_tokens", "cached prompt tokens (first admission)"),
+    ("prefill_tokens_computed", "prefill tokens computed (sum of context tokens)"),
+    ("prefill_saving_x", "prompt tokens / prefill computed"), ("output_tokens", "output tokens"),
+    ("num_gpu_blocks", "KV blocks (num_gpu_blocks)"), ("block_size", "block size"),
+    ("max_model_len", "max_model_len"), ("kv_peak_usage", "peak KV usage"), ("max_running", "max running"),
+    ("max_waiting", "max waiting"),
+]
+
+
+def summary_table(summaries: dict[str, dict]) -> str:
+    backends = list(summaries)
+    rows = []
+    for key, label in SUMMARY_ROWS:
+        rows.append([label] + [summaries[b].get(key) for b in backends])
+    for key, label in DIST_ROWS:
+        for stat in ("mean", "p50", "p90", "p99"):
+            rows.append([f"{label} {stat} (s)"] + [(summaries[b].get(key) or {}).get(stat) for b in backends])
+    for key, label in TAIL_ROWS:
+        rows.append([label] + [summaries[b].get(key) for b in backends])
+    return md_table(["metric"] + backends, rows)
+
+
+def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> list[str]:
+    from experiments.plots import step_phase  # noqa: PLC0415
+
+    obs: list[str] = []
+    for backend, s in summaries.items():
+        st = frames[backend]["steps"] if backend in frames else None
+        head = f"**{backend}**"
+        if s.get("interrupted"):
+            obs.append(f"{head}: INTERRUPTED - the tables hold the steps recorded before Ctrl-C.")
+        if st is None or not len(st):
+            obs.append(f"{head}: no step ran.")
+            continue
+        first = st.iloc[0]
+        obs.append(f"{head}: step 0 ran `{first.annotation}` ({int(first.total_tokens):,} tokens); "
+                   f"{int(first.num_running)} running and {int(first.num_waiting)} waiting after scheduling it.")
+        blocks, bs = s["num_gpu_blocks"], s["block_size"]
+        pool = s.get("kv_pool") or {}
+        src = ""
+        if exp.engine.get("num_gpu_blocks") is not None:
+            src = " (num_gpu_blocks given in the config)"
+        elif pool:
+            src = (f" (sized like the engine: {pool.get('available_kv_bytes', 0) / 2**30:.2f} GiB for KV after "
+                   f"{pool.get('weight_bytes', 0) / 2**30:.2f} GiB weights, {pool.get('bytes_per_block', 0):,} "
+                   "bytes per block)")
+        obs.append(f"{head}: KV pool {blocks:,} blocks x {bs} tokens = {blocks * bs:,} tokens{src}; peak usage "
+                   f"{100 * (s['kv_peak_usage'] or 0):.1f}%, fewest free blocks {s['kv_min_free_blocks']:,}.")
+        pre_steps = int((st.num_preempted > 0).sum())
+        obs.append(f"{head}: {s['preemptions']} preemptions" + (f" in {pre_steps} steps" if pre_steps else "")
+                   + f"; at most {s['max_running']} running and {s['max_waiting']} waiting.")
+        if s["prefill_tokens_computed"]:
+            saving = s["prefill_saving_x"]
+            line = (f"{head}: prefill computed {s['prefill_tokens_computed']:,} tokens for {s['prompt_tokens']:,} "
+                    "prompt tokens" + (f" ({saving:.2f}x less work than the prompts)" if saving > 1.005
+                                       else " (no saving)" if saving > 0.995
+                                       else f" ({1 / saving:.2f}x the prompts: recomputation after preemption)"))
+            if s.get("prefix_hit_rate") is not None:
+                line += f", prefix-cache hit rate {100 * s['prefix_hit_rate']:.1f}%"
+            obs.append(line + ".")
+            ctx = st[st.num_context_reqs > 0]
+            near = ctx[ctx.num_context_tokens <= ctx.num_context_reqs * bs]
+            if len(near):
+                ex = ", ".join(f"`{a}`" for a in near.annotation.head(3))
+                obs.append(f"{head}: {len(near)} steps carry only near-total prefix hits (at most one block of "
+                           f"new prompt per context request), e.g. {ex}.")
+        phase = step_phase(st)
+        parts = []
+        for name in ("prefill only", "mixed", "decode only"):
+            m = phase == name
+            if m.any():
+                parts.append(f"{name}: {int(m.sum())} steps, mean {1e3 * float(st.duration_s[m].mean()):.3g} ms")
+        obs.append(f"{head}: step time by phase - " + "; ".join(parts) + ".")
+        if s.get("sim_speedup_x"):
+            obs.append(f"{head}: simulated {s['simulated_s']:.3f} s in {s['wall_s']:.2f} s of host time "
+                       f"({s['sim_speedup_x']:.1f}x real time).")
+    if "sim" in summaries and "torch" in summaries:
+        a, b = summaries["sim"], summaries["torch"]
+        if a["duration_s"] and b["duration_s"]:
+            obs.append(f"torch measured makespan / sim predicted makespan = {b['duration_s'] / a['duration_s']:.3g} "
+                       f"({b['duration_s']:.3f} s vs {a['duration_s']:.3f} s; the sim's step times come from the "
+                       f"`{exp.hardware if isinstance(exp.hardware, str) else 'inline'}` hardware cost model, "
+                       "uncalibrated unless its provenance says otherwise).")
+        sa, sb = frames["sim"]["steps"], frames["torch"]["steps"]
+        if len(sa) and len(sb):
+            n = min(len(sa), len(sb))
+            same = int((sa.annotation.iloc[:n].to_numpy() == sb.annotation.iloc[:n].to_numpy()).sum())
+            note = "" if combined_offline(exp) else "; online arrivals land at different steps"
+            obs.append(f"scheduling: {same} of the first {n} steps have the same annotation in sim and torch "
+                       f"({len(sa)} vs {len(sb)} steps in all{note}).")
+    return obs
+
+
+def combined_offline(exp) -> bool:
+    arrival = exp.workload.get("arrival")
+    return (arrival is None and "file" not in exp.workload) or (isinstance(arrival, dict)
+                                                               and arrival.get("type") == "offline")
+
+
+def annotation_histogram(frames: dict[str, dict], top_n: int = TOP_N) -> str:
+    parts = []
+    for backend, fr in frames.items():
+        st = fr["steps"]
+        if not len(st):
+            continue
+        counts = st.annotation.value_counts().head(top_n)
+        mean_ms = st.groupby("annotation").duration_s.mean() * 1e3
+        rows = [[f"`{a}`", int(c), float(mean_ms[a])] for a, c in counts.items()]
+        parts.append(f"**{backend}** ({st.annotation.nunique():,} distinct annotations in {len(st):,} steps)\n\n"
+                     + md_table(["annotation", "steps", "mean duration (ms)"], rows))
+    return "\n\n".join(parts)
+
+
+def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, dict],
+                 itls: dict[str, list], plots: bool = True) -> str:
+    summaries = combined["backends"]
+    plot_paths: dict[str, Optional[str]] = {}
+    if plots and frames:
+        from experiments.plots import all_run_plots  # noqa: PLC0415
+
+        plot_paths = all_run_plots(frames, itls, out_dir)
+    w = combined.get("workload", {})
+    lines = [f"# {exp.name}", ""]
+    if exp.description:
+        lines += [exp.description.strip(), ""]
+    if combined.get("interrupted"):
+        lines += ["**Interrupted (Ctrl-C): the files hold what finished before the interrupt.**", ""]
+    lines += ["## Config", "", "```yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False).rstrip(), "```", ""]
+    if w.get("requests"):
+        lines += ["## Workload", "",
+                  f"{w['requests']:,} requests ({w['sequences']:,} sequences), arrival `{w.get('arrival')}`, "
+                  f"last arrival at {w['last_arrival_s']:.3f} s; prompt tokens mean {w['prompt_tokens_mean']:.1f} "
+                  f"(min {w['prompt_tokens_min']}, max {w['prompt_tokens_max']}, total {w['prompt_tokens_total']:,}); "
+                  f"output tokens mean {w['output_tokens_mean']:.1f} (total {w['output_tokens_total']:,}).", ""]
+    lines += ["## Summary", "", summary_table(summaries) if summaries else "(no backend ran)", "",
+              "Throughput counts prompt + output tokens of completed sequences over the makespan (from t = 0 "
+              "to the end of the last step); latencies follow `core.trace` (a token's time is the end of the "
+              "step that computed it). The sim's times are simulated, torch's are measured.", "",
+              "## Key observations", ""]
+    lines += [f"- {o}" for o in _observations(exp, summaries, frames)] + [""]
+    lines += [f"## Most frequent step annotations (top {TOP_N})", "", annotation_histogram(frames), ""]
+    if plot_paths:
+        lines += ["## Plots", ""]
+        titles = {"latency_cdf": "Latency CDFs", "timeline": "Running / waiting and KV usage over time",
+                  "step_time": "Step duration vs scheduled tokens (by phase)"}
+        for key, path in plot_paths.items():
+            if path:
+                lines += [f"### {titles.get(key, key)}", "", f"![{key}]({os.path.basename(path)})", ""]
+    lines += ["## Files", "", "- `summary.json` (all backends), `config.yaml` (validated config)"]
+    for b in summaries:
+        lines.append(f"- `{b}/`: `steps.parquet`, `step_requests.parquet`, `requests.parquet`, "
+                     "`trace.json` (open in Perfetto), `summary.json`")
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path

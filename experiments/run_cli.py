@@ -1,0 +1,91 @@
+"""`servetwin run` and `servetwin sweep` (registered by `experiments.cli`)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="experiment YAML (see experiments/configs/*.yaml)")
+    p.add_argument("-o", "--output", help="output folder (default: runs/<name>)")
+    p.add_argument("--backend", choices=["sim", "torch"], action="append",
+                   help="run only this backend (repeatable); overrides the config's `backends`")
+    p.add_argument("--requests", type=int, metavar="N",
+                   help="override the number of requests (shared-prefix workloads: N // per_group groups; "
+                        "file/scenario workloads: the first N)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config field by its dotted path, e.g. --set engine.max_num_seqs=64 "
+                        "(value parsed as YAML; repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def _load(args: argparse.Namespace):
+    from experiments.schema import load_config  # noqa: PLC0415
+
+    overrides = list(args.overrides)
+    if args.backend:
+        overrides.append(f"backends=[{', '.join(args.backend)}]")
+    if args.no_plots:
+        overrides.append("output.plots=false")
+    notes: list[str] = []
+    exp = load_config(args.config, overrides=overrides, requests=args.requests, notes=notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    return exp
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from experiments.runner import run_experiment  # noqa: PLC0415
+
+    exp = _load(args)
+    out = args.output or os.path.join("runs", exp.name)
+    if exp.sweep:
+        print(f"note: {args.config} has a sweep grid; `servetwin run` runs its base values only "
+              "(use `servetwin sweep` for the grid)", file=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        combined = run_experiment(exp, out, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"interrupted: partial results written to {out}/ (summary.json has \"interrupted\": true)",
+              file=sys.stderr)
+        raise
+    for backend, s in combined["backends"].items():
+        ttft = s["ttft_s"]["p50"]
+        print(f"{backend}: {s['completed']}/{s['requests']} requests in {s['duration_s']:.3f}s "
+              f"({'simulated' if backend == 'sim' else 'measured'}), throughput {s['throughput_tok_s'] or 0:,.0f} tok/s, "
+              f"TTFT p50 {ttft if ttft is None else f'{ttft * 1e3:.1f} ms'}, {s['preemptions']} preemptions")
+    print(f"wrote {out}/ (report.md, summary.json, <backend>/ tables) in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from experiments.sweep import run_sweep  # noqa: PLC0415
+
+    exp = _load(args)
+    out = args.output or os.path.join("runs", exp.name)
+    t0 = time.perf_counter()
+    try:
+        df = run_sweep(exp, out, jobs=args.jobs, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"interrupted: the table of finished points is in {out}/sweep.csv", file=sys.stderr)
+        raise
+    bad = df[df.status != "ok"]
+    print(f"wrote {out}/sweep.csv, sweep.md ({len(df)} rows, {len(bad)} not ok) in {time.perf_counter() - t0:.1f}s")
+    return 1 if len(bad) else 0
+
+
+def register(subparsers) -> None:
+    r = subparsers.add_parser("run", help="run an experiment YAML on its backends (sim, torch)",
+                              description="Run an experiment config: writes trace tables (Parquet), "
+                                          "trace.json (Perfetto), summary.json, report.md and plots.")
+    _common(r)
+    r.set_defaults(func=_cmd_run)
+    s = subparsers.add_parser("sweep", help="run the grid in an experiment's `sweep:` (parallel workers)",
+                              description="Run every combination of the config's `sweep:` lists, each in its "
+                                          "own subfolder, then write sweep.csv, sweep.md and comparison plots.")
+    _common(s)
+    s.add_argument("-j", "--jobs", type=int, default=1, help="parallel worker processes (default 1)")
+    s.set_defaults(func=_cmd_sweep)

@@ -1,0 +1,283 @@
+"""`servetwin run`: one experiment config through its backends, then tables, summary, report and plots.
+
+Layout under the output folder DIR:
+
+    DIR/config.yaml                 the validated config (paths resolved)
+    DIR/summary.json                {"name", "interrupted", "workload", "backends": {backend: summary}}
+    DIR/report.md                   config, summary table, observations, plots
+    DIR/latency_cdf.png, timeline.png, step_time.png
+    DIR/<backend>/steps.parquet, step_requests.parquet, requests.parquet, trace.json, summary.json
+
+Backend "sim" runs `sim.engine.Simulation` (simulated time; the KV pool is sized by
+`core.engine_factory` -> `sim.kv_pool`); backend "torch" runs `core.realtime.run_realtime` over the
+`TorchExecutor` (wall-clock time). Both get the same request list. Ctrl-C stops the current backend,
+writes what it recorded (summary marked `"interrupted": true`) and skips the remaining backends.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from experiments.schema import ConfigError, ExperimentConfig
+from experiments.workloads import build_requests, workload_summary
+
+LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
+
+
+@dataclass
+class BackendRun:
+    backend: str
+    recorder: Any
+    info: Any
+    wall_s: float
+    simulated_s: Optional[float]
+    num_requests: int
+    completed: int
+    rejected: dict[str, str] = field(default_factory=dict)
+    interrupted: bool = False
+    error: Optional[str] = None
+
+
+def _progress_bar(enabled: bool, total: int, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+
+
+def create_engine(exp: ExperimentConfig, backend: str):
+    from core.engine_factory import create_engine_core  # noqa: PLC0415
+
+    args = exp.engine_args(backend)
+    try:
+        return create_engine_core(args)
+    except ValueError as e:
+        from experiments.schema import ENGINE_FIELDS  # noqa: PLC0415
+
+        msg = str(e)
+        head = msg.split(":", 1)[0]
+        if head in ENGINE_FIELDS:
+            raise ConfigError(f"engine.{msg} [{backend} backend]") from None
+        if msg.startswith(("engine", "model", "hardware", "workload")):
+            raise ConfigError(f"{msg} [{backend} backend]") from None
+        raise ConfigError(f"engine: {msg} [{backend} backend]") from None
+
+
+def _run_sim(exp: ExperimentConfig, engine, info, requests, arrival, rng, bar) -> BackendRun:
+    from sim.engine import Simulation  # noqa: PLC0415
+
+    class _ProgressSimulation(Simulation):
+        def _complete(self, result, t):  # count completed workload requests for the progress bar
+            before = len(self.result.completion_s)
+            super()._complete(result, t)
+            if bar is not None and len(self.result.completion_s) > before:
+                bar.update(len(self.result.completion_s) - before)
+
+        def _admit(self):
+            before = len(self.result.rejected)
+            super()._admit()
+            if bar is not None and len(self.result.rejected) > before:
+                bar.update(len(self.result.rejected) - before)
+
+    sim = _ProgressSimulation(engine, requests, arrival, rng=rng, run=exp.name,
+                              record_step_requests=exp.output["step_requests"])
+    t0 = time.perf_counter()
+    interrupted = False
+    try:
+        sim.run()
+    except KeyboardInterrupt:
+        interrupted = True
+    wall = time.perf_counter() - t0
+    return BackendRun("sim", sim.recorder, info, wall, float(sim.env.now), len(requests),
+                      len(sim.result.completion_s), dict(sim.result.rejected), interrupted)
+
+
+def _run_torch(exp: ExperimentConfig, engine, info, requests, arrival, bar) -> BackendRun:
+    from core.realtime import run_realtime  # noqa: PLC0415
+    from core.trace import TraceRecorder  # noqa: PLC0415
+    from sim.arrivals import Offline  # noqa: PLC0415
+
+    recorder = TraceRecorder(exp.name, "torch", record_step_requests=exp.output["step_requests"])
+    rejected: dict[str, str] = {}
+    done: list[str] = []
+    t0 = time.perf_counter()
+    interrupted = False
+    try:
+        run_realtime(engine, requests, recorder, offline=isinstance(arrival, Offline), progress=bar,
+                     seed=exp.seed, rejected=rejected, on_complete=lambda rid, t: done.append(rid))
+    except KeyboardInterrupt:
+        interrupted = True
+    wall = time.perf_counter() - t0
+    close = getattr(engine.executor, "close", None)
+    if callable(close):
+        close()
+    return BackendRun("torch", recorder, info, wall, None, len(requests), len(done), rejected, interrupted)
+
+
+# -- summaries ----------------------------------------------------------------------------------
+def _clean(values) -> np.ndarray:
+    arr = np.asarray([v for v in values if v is not None], dtype=float)
+    return arr[np.isfinite(arr)] if arr.size else arr
+
+
+def dist_stats(values) -> dict[str, Optional[float]]:
+    arr = _clean(values)
+    if arr.size == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "count": 0}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
+            "count": int(arr.size)}
+
+
+def _nz(x: float) -> Optional[float]:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str, Any]:
+    steps, reqs = frames["steps"], frames["requests"]
+    finished = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")]
+    duration = float(steps.t_end_s.max()) if len(steps) else 0.0
+    prompt_done = int(finished.prompt_tokens.sum())
+    output_done = int(finished.output_tokens.sum())
+    queries = int(steps.prefix_queries.sum()) if len(steps) else 0
+    hits = int(steps.prefix_hits.sum()) if len(steps) else 0
+    prefill = int(steps.num_context_tokens.sum()) if len(steps) else 0
+    prompt_total = int(reqs.prompt_tokens.sum()) if len(reqs) else 0
+
+    def per_s(x: float) -> Optional[float]:
+        return x / duration if duration > 0 else None
+
+    info = run.info
+    kv_pool = None
+    pool = getattr(info.executor, "kv_pool", None)
+    if pool is not None and hasattr(pool, "to_dict"):
+        kv_pool = pool.to_dict()
+    out: dict[str, Any] = {
+        "run": exp.name, "backend": run.backend, "interrupted": run.interrupted,
+        "requests": run.num_requests, "sequences": int(len(reqs)), "completed": run.completed,
+        "completed_sequences": int(len(finished)), "rejected": len(run.rejected),
+        "wall_s": run.wall_s, "simulated_s": run.simulated_s, "duration_s": duration,
+        "sim_speedup_x": (run.simulated_s / run.wall_s) if run.simulated_s and run.wall_s > 0 else None,
+        "num_steps": int(len(steps)),
+        "throughput_tok_s": per_s(prompt_done + output_done),
+        "output_tok_s": per_s(output_done),
+        "computed_tok_s": per_s(float(steps.total_tokens.sum())) if len(steps) else None,
+        "request_throughput_s": per_s(run.completed),
+        "ttft_s": dist_stats(reqs.ttft_s), "tpot_s": dist_stats(reqs.tpot_s),
+        "itl_s": dist_stats(run.recorder.itls()), "e2e_s": dist_stats(reqs.e2e_s),
+        "queue_s": dist_stats(reqs.queue_s),
+        "step_duration_s": dist_stats(steps.duration_s) if len(steps) else dist_stats([]),
+        "preemptions": int(reqs.num_preemptions.sum()) if len(reqs) else 0,
+        "prefix_queries": queries, "prefix_hits": hits,
+        "prefix_hit_rate": (hits / queries) if queries else None,
+        "prompt_tokens": prompt_total,
+        "cached_tokens": int(reqs.cached_tokens.sum()) if len(reqs) else 0,
+        "prefill_tokens_computed": prefill,
+        "prefill_saving_x": (prompt_total / prefill) if prefill else None,
+        "output_tokens": int(reqs.output_tokens.sum()) if len(reqs) else 0,
+        "num_gpu_blocks": int(info.num_gpu_blocks), "block_size": int(exp.engine_args(run.backend).block_size),
+        "max_model_len": int(info.max_model_len),
+        "kv_peak_usage": _nz(float(steps.kv_usage.max())) if len(steps) else None,
+        "kv_min_free_blocks": int(steps.kv_free_blocks.min()) if len(steps) else None,
+        "max_running": int(steps.num_running.max()) if len(steps) else 0,
+        "max_waiting": int(steps.num_waiting.max()) if len(steps) else 0,
+        "step0_annotation": str(steps.annotation.iloc[0]) if len(steps) else None,
+        "kv_pool": kv_pool,
+    }
+    if run.rejected:
+        out["rejected_examples"] = dict(list(run.rejected.items())[:5])
+    if run.error:
+        out["error"] = run.error
+    return out
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def write_json(path: str, data: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=_json_default)
+    os.replace(tmp, path)
+
+
+# -- the run ------------------------------------------------------------------------------------
+def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
+                   log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Run every backend of `exp`, write everything under `out_dir`; returns the combined summary.
+
+    On KeyboardInterrupt the files of what ran are written and the interrupt is re-raised."""
+    import yaml  # noqa: PLC0415
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+    engines = {}
+    for backend in exp.backends:  # build every engine first: bad engine settings fail before any run
+        t0 = time.perf_counter()
+        engines[backend] = create_engine(exp, backend)
+        info = engines[backend][1]
+        log(f"[{backend}] engine ready in {time.perf_counter() - t0:.1f}s: {info.num_gpu_blocks} KV blocks, "
+            f"max_model_len {info.max_model_len}")
+    vocabs = [info.vocab_size for _, info in engines.values() if info.vocab_size]
+    requests, arrival, rng = build_requests(exp, min(vocabs) if vocabs else None)
+    wsum = workload_summary(requests)
+    wsum["arrival"] = type(arrival).__name__
+    runs: dict[str, BackendRun] = {}
+    frames: dict[str, dict] = {}
+    summaries: dict[str, dict] = {}
+    interrupted = False
+    for backend in exp.backends:
+        engine, info = engines[backend]
+        reqs = [dataclasses.replace(r) for r in requests]  # closed loops rewrite arrival_s
+        bar = _progress_bar(progress, len(reqs), f"{exp.name} [{backend}]")
+        try:
+            if backend == "sim":
+                run = _run_sim(exp, engine, info, reqs, arrival, rng, bar)
+            else:
+                run = _run_torch(exp, engine, info, reqs, arrival, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        runs[backend] = run
+        bdir = os.path.join(out_dir, backend)
+        run.recorder.write(bdir)
+        frames[backend] = run.recorder.frames()
+        summaries[backend] = summarize(run, frames[backend], exp)
+        write_json(os.path.join(bdir, "summary.json"), summaries[backend])
+        s = summaries[backend]
+        timing = (f"{s['simulated_s']:.3f}s simulated in {s['wall_s']:.3f}s wall" if backend == "sim"
+                  else f"{s['wall_s']:.2f}s wall")
+        log(f"[{backend}] {s['completed']}/{s['requests']} requests, {s['num_steps']} steps, {timing}"
+            + (" (INTERRUPTED)" if run.interrupted else ""))
+        engines[backend] = None  # free the engine (torch weights, KV cache) before the next backend
+        if run.interrupted:
+            interrupted = True
+            break
+    combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
+                "workload": wsum, "backends": summaries}
+    write_json(os.path.join(out_dir, "summary.json"), combined)
+    from experiments.report import write_report  # noqa: PLC0415
+
+    write_report(exp, out_dir, combined, frames, {b: r.recorder.itls() for b, r in runs.items()},
+                 plots=exp.output["plots"])
+    if interrupted:
+        raise KeyboardInterrupt
+    return combined

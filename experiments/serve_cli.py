@@ -1,0 +1,85 @@
+"""`servetwin serve`: the OpenAI-compatible server (`core.entrypoints.openai_server`).
+
+    servetwin serve --model tiny-llama --backend torch --port 8000
+    servetwin serve --model llama-3.1-8b --backend sim --hardware h100 --time-scale 0.1
+
+Every `EngineArgs` field is an option (`--max-num-seqs 64`, `--no-enable-prefix-caching`, ...).
+With `--backend sim` the engine is paced: outputs are released when simulated time reaches each
+step's predicted end (`--time-scale` wall seconds per simulated second; `--no-pace` turns it off).
+With the `fake` and `sim` backends the text side uses the built-in toy tokenizer unless
+`--tokenizer` / `--skip-tokenizer-init` is given.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from typing import Any
+
+_OWN = {"model", "backend", "multiprocess"}
+
+
+def _arg_type(field: Any) -> Any:
+    ann = str(field.type)
+    for name, typ in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if ann == name or ann == f"Optional[{name}]" or ann.startswith(f"{name} |") or ann.endswith(f"| {name}"):
+            return typ
+    return str
+
+
+def register(subparsers: Any) -> None:
+    from core.engine_args import EngineArgs  # noqa: PLC0415
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-llama", help="model name or path (default: tiny-llama)")
+    p.add_argument("--backend", choices=["torch", "sim", "fake"], default="torch", help="executor (default: torch)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="paced mode: wall seconds per simulated second (default 1.0; 0.1 = 10x faster)")
+    p.add_argument("--pace", action=argparse.BooleanOptionalAction, default=None,
+                   help="release outputs at the predicted step end times (default: on for --backend sim)")
+    p.add_argument("--fake-step-time", type=float, default=None,
+                   help="fake backend: constant step duration in seconds (paced like sim when --pace)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    eng = p.add_argument_group("engine arguments (vLLM names)")
+    for f in fields(EngineArgs):
+        if f.name in _OWN:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is MISSING else f.default
+        typ = _arg_type(f)
+        if typ is bool:
+            eng.add_argument(flag, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                             help=f"(default: {default})")
+        else:
+            eng.add_argument(flag, dest=f"engine_{f.name}", type=typ, default=None, help=f"(default: {default})")
+    p.set_defaults(func=_cmd_serve)
+
+
+def engine_args_from(ns: argparse.Namespace) -> Any:
+    from core.engine_args import EngineArgs  # noqa: PLC0415
+
+    kwargs = {k[len("engine_"):]: v for k, v in vars(ns).items() if k.startswith("engine_") and v is not None}
+    if ns.backend in ("fake", "sim") and "tokenizer" not in kwargs and not kwargs.get("skip_tokenizer_init"):
+        kwargs["tokenizer"] = "toy"
+    return EngineArgs.from_kwargs(model=ns.model, backend=ns.backend, multiprocess=True, **kwargs)
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from core.entrypoints.openai_server import run_server  # noqa: PLC0415
+
+    if not ns.time_scale > 0:
+        raise ValueError(f"time_scale: must be > 0, got {ns.time_scale}")
+    if not 0 < ns.port < 65536:
+        raise ValueError(f"port: must be in [1, 65535], got {ns.port}")
+    args = engine_args_from(ns)
+    print(f"servetwin serve: {args.backend} backend, model {args.model!r} on http://{ns.host}:{ns.port} "
+          "(the engine loads in the background; GET /health turns 200 when it is ready)", flush=True)
+    run_server(args, host=ns.host, port=ns.port, served_model_name=ns.served_model_name, pace=ns.pace,
+               time_scale=ns.time_scale, fake_step_time_s=ns.fake_step_time, log_level=ns.log_level)
+    return 0
+
+
+__all__ = ["register", "engine_args_from"]

@@ -1,0 +1,41 @@
+"""Shared helpers of the experiments tests (tiny configs, YAML files, CLI calls)."""
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "experiments" / "configs"
+SCENARIOS = ROOT / "experiments" / "scenarios"
+CORE_DATA = ROOT / "tests" / "core" / "data"
+
+TINY_SIM = {
+    "name": "tiny",
+    "seed": 0,
+    "model": "tiny-llama",
+    "hardware": "cpu",
+    "backends": ["sim"],
+    "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "enable_chunked_prefill": True,
+               "enable_prefix_caching": True, "block_size": 16, "num_gpu_blocks": 64, "max_model_len": 256},
+    "workload": {"requests": 6, "arrival": {"type": "offline"},
+                 "prompt_tokens": {"type": "uniform", "low": 10, "high": 40},
+                 "output_tokens": {"type": "uniform", "low": 3, "high": 8}},
+}
+
+
+def tiny(**changes) -> dict:
+    cfg = copy.deepcopy(TINY_SIM)
+    for key, value in changes.items():
+        node = cfg
+        parts = key.split("__")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return cfg
+
+
+def write_yaml(path: pathlib.Path, data: dict) -> pathlib.Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -1,0 +1,140 @@
+"""Experiment YAML validation: every error names the YAML path of the bad field, before anything runs."""
+import pytest
+from exptest_helpers import CONFIGS, tiny, write_yaml
+
+from experiments.cli import main
+from experiments.schema import ConfigError, expand_sweep, load_config, validate_config
+
+
+def _err(cfg) -> str:
+    with pytest.raises(ConfigError) as exc:
+        validate_config(cfg)
+    return str(exc.value)
+
+
+def test_unknown_engine_key_suggests_the_right_name():
+    msg = _err(tiny(engine__max_num_seq=8))
+    assert msg.startswith("engine.max_num_seq: unknown key (did you mean max_num_seqs?)")
+    assert "max_num_batched_tokens" in msg  # lists what is allowed
+
+
+def test_unknown_top_level_and_workload_keys():
+    assert _err(tiny(backend=["sim"])).startswith("backend: unknown key (did you mean backends?)")
+    cfg = tiny()
+    cfg["workload"]["prompt_len"] = 32
+    assert _err(cfg).startswith("workload.prompt_len: unknown key (did you mean prompt_tokens?)")
+    cfg = tiny(workload__shared_prefix={"groups": 2, "per_group": 2, "prefix_tokens": 32, "suffix_len": 4})
+    del cfg["workload"]["prompt_tokens"]
+    assert _err(cfg).startswith("workload.shared_prefix.suffix_len: unknown key (did you mean suffix_tokens?)")
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("engine__max_num_seqs", "x", "engine.max_num_seqs: must be an integer >= 1, got 'x'"),
+    ("engine__max_num_seqs", 0, "engine.max_num_seqs: must be an integer >= 1, got 0"),
+    ("engine__enable_prefix_caching", "yes", "engine.enable_prefix_caching: must be true or false, got 'yes'"),
+    ("engine__gpu_memory_utilization", 1.5, "engine.gpu_memory_utilization: must be a number in (0.0, 1.0]"),
+    ("engine__policy", "lifo", "engine.policy: must be one of 'fcfs', 'priority', got 'lifo'"),
+    ("engine__dtype", "int3", "engine.dtype: must be one of"),
+    ("engine__device", "tpu", "engine.device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    ("seed", -1, "seed: must be an integer >= 0, got -1"),
+    ("backends", ["sim", "gpu"], "backends[1]: must be one of 'sim', 'torch', got 'gpu'"),
+    ("hardware", "tpu-v9", "hardware: 'tpu-v9' is neither a preset"),
+    ("model", "no-such-model", "model: unknown model 'no-such-model'"),
+    ("workload__requests", 0, "workload.requests: must be >= 1, got 0"),
+    ("workload__prompt_tokens", {"type": "zipf"}, "workload.prompt_tokens.type: must be one of"),
+    ("workload__output_tokens", {"type": "uniform", "low": 5}, "workload.output_tokens.high: required"),
+])
+def test_bad_values_name_their_path(key, value, expected):
+    assert _err(tiny(**{key: value})).startswith(expected)
+
+
+@pytest.mark.parametrize("arrival,expected", [
+    ({"type": "poison", "rate": 2}, "workload.arrival.type: must be one of 'offline', 'poisson'"),
+    ({"type": "poisson"}, "workload.arrival.rate: required field is missing"),
+    ({"type": "poisson", "rate": -1}, "workload.arrival.rate: must be > 0, got -1"),
+    ({"type": "gamma", "rate": 2, "cv": 1, "burst": 3}, "workload.arrival.burst: unknown field"),
+    ({"type": "trace", "path": "/nonexistent/trace.csv"}, "workload.arrival.path: file not found"),
+])
+def test_bad_arrival_names_its_path(arrival, expected):
+    assert _err(tiny(workload__arrival=arrival)).startswith(expected)
+
+
+def test_closed_loop_is_refused_for_the_torch_backend():
+    cfg = tiny(backends=["sim", "torch"], workload__arrival={"type": "closed_loop", "clients": 2})
+    assert _err(cfg).startswith("workload.arrival.type: 'closed_loop' is only supported by the sim backend")
+    validate_config(tiny(workload__arrival={"type": "closed_loop", "clients": 2}))  # fine for sim alone
+
+
+def test_engine_cross_checks_run_before_anything():
+    # the simulator sizes nothing here (num_gpu_blocks given): 64 blocks cannot hold 2048 tokens
+    msg = _err(tiny(engine__max_model_len=2048))
+    assert msg.startswith("engine.max_model_len: 2048 tokens need 128 blocks")
+    msg = _err(tiny(engine__enable_chunked_prefill=False))  # budget 64 < max_model_len 256
+    assert msg.startswith("engine.max_num_batched_tokens: 64 is smaller than max_model_len (256)")
+
+
+@pytest.mark.parametrize("sweep,expected", [
+    ({"engine.max_num_seq": [2, 4]}, "sweep.engine.max_num_seq: unknown key (did you mean max_num_seqs?)"),
+    ({"engin.max_num_seqs": [2]}, "sweep.engin.max_num_seqs: unknown top-level key 'engin' (did you mean engine?)"),
+    ({"engine.max_num_seqs": []}, "sweep.engine.max_num_seqs: must be a non-empty list of values"),
+    ({"engine.max_num_seqs": 4}, "sweep.engine.max_num_seqs: must be a non-empty list of values, got 4"),
+    ({"engine..x": [1]}, "sweep.engine..x: must be a dotted key"),
+    ({"workload.prompt_len": [8]}, "sweep.workload.prompt_len: unknown key (did you mean prompt_tokens?)"),
+])
+def test_bad_sweep_keys_name_their_path(sweep, expected):
+    assert _err(tiny(sweep=sweep)).startswith(expected)
+
+
+def test_every_point_of_the_grid_is_validated():
+    exp = validate_config(tiny(sweep={"engine.max_num_seqs": [2, 0]}))
+    with pytest.raises(ConfigError) as exc:
+        expand_sweep(exp)
+    assert str(exc.value).startswith("sweep.engine.max_num_seqs[1]: value 0 gives an invalid config: "
+                                     "engine.max_num_seqs: must be an integer >= 1, got 0")
+    exp = validate_config(tiny(sweep={"workload.arrival.type": ["offline", "poisson"]}))
+    with pytest.raises(ConfigError) as exc:
+        expand_sweep(exp)  # poisson without a rate
+    assert "workload.arrival.rate: required field is missing" in str(exc.value)
+    exp = validate_config(tiny(sweep={"engine.max_num_seqs": [2, 4], "engine.enable_prefix_caching": [True, False]}))
+    points = expand_sweep(exp)
+    assert [p.name for p in points] == [
+        "max_num_seqs=2__enable_prefix_caching=true", "max_num_seqs=2__enable_prefix_caching=false",
+        "max_num_seqs=4__enable_prefix_caching=true", "max_num_seqs=4__enable_prefix_caching=false"]
+    assert points[3].raw["engine"]["max_num_seqs"] == 4 and points[3].raw["engine"]["enable_prefix_caching"] is False
+    assert "sweep" not in points[0].raw
+
+
+def test_cli_reports_the_path_and_exits_2(tmp_path, capsys):
+    path = write_yaml(tmp_path / "bad.yaml", tiny(engine__max_num_seqs="x"))
+    assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "servetwin run: error: engine.max_num_seqs: must be an integer >= 1, got 'x'" in err
+    assert not (tmp_path / "out").exists()  # nothing ran
+    assert main(["run", str(tmp_path / "good.yaml"), "--no-progress"]) == 2
+    assert "config: file not found" in capsys.readouterr().err
+    good = write_yaml(tmp_path / "good.yaml", tiny())
+    assert main(["run", str(good), "--set", "engine.max_num_seqs=-3", "--no-progress"]) == 2
+    assert "engine.max_num_seqs: must be an integer >= 1, got -3" in capsys.readouterr().err
+
+
+def test_shipped_configs_validate():
+    names = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+    assert {"default.yaml", "seed_production_example.yaml", "reward_prefix_caching.yaml",
+            "bench_h100_llama8b.yaml"} <= set(names)
+    for name in names:
+        exp = load_config(CONFIGS / name)
+        if exp.sweep:
+            assert len(expand_sweep(exp)) >= 2
+    default = load_config(CONFIGS / "default.yaml")
+    assert default.backends == ["sim", "torch"] and default.model == "tiny-llama"
+    bench = load_config(CONFIGS / "bench_h100_llama8b.yaml")
+    assert bench.workload["requests"] == 10000 and bench.workload["arrival"]["type"] == "poisson"
+
+
+def test_requests_override_keeps_shared_prefix_groups_whole():
+    notes = []
+    exp = load_config(CONFIGS / "reward_prefix_caching.yaml", requests=32, notes=notes)
+    assert exp.workload["shared_prefix"]["groups"] == 8 and exp.workload["shared_prefix"]["per_group"] == 4
+    assert notes and "8 groups x 4" in notes[0]
+    exp = load_config(CONFIGS / "default.yaml", requests=3)
+    assert exp.workload["requests"] == 3
