@@ -17,9 +17,9 @@ One call, for `[num_reqs, vocab]` logits (the last position of each sampling req
    `q` from their own generator, the others from the default generator.
 9. Top-K logprobs (K = max requested in the batch), the sampled token's logprob and its rank.
 
-This is vLLM's order. Unlike the order sketched in the brief, penalties come *after* the logits
-processors, min-p *before* top-k/top-p, and "processed_logprobs" for random rows include
-temperature, min-p and top-k/top-p (vLLM's documented meaning of "processed").
+This is vLLM v1's order: penalties come *after* the logits processors, min-p *before* top-k/top-p,
+and "processed_logprobs" for random rows include temperature, min-p and top-k/top-p (vLLM's
+documented meaning of "processed": after all processing, temperature and top-k/top-p included).
 """
 from __future__ import annotations
 
@@ -104,20 +104,55 @@ def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor],
                       p: Optional[torch.Tensor]) -> torch.Tensor:
-    """Top-k then top-p. Top-p drops a token when the tokens ranked above it already hold >= p of
-    the mass; the most likely token always stays."""
-    if p is None:
-        return logits if k is None else apply_top_k_only(logits, k)
-    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    """Top-k, then top-p over the survivors. Top-p drops a token when the tokens ranked above it
+    already hold >= p of the mass (vLLM: ascending cumulative mass <= 1 - p); the most likely token
+    always stays. May edit `logits` in place."""
     if k is not None:
-        kth_index = (logits.shape[1] - k.clamp(1, logits.shape[1])).unsqueeze(1)
-        kth = logits_sort.gather(1, kth_index)
-        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+        logits = apply_top_k_only(logits, k)
+    if p is None:
+        return logits
+    return apply_top_p(logits, p)
+
+
+_TOP_P_CANDIDATES = 1024
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor,
+                num_candidates: Optional[int] = None) -> torch.Tensor:
+    """Top-p. On CPU it first tries the `num_candidates` best tokens of each row (a partial top-k
+    instead of a full-vocabulary sort); if some row's nucleus does not fit, it sorts everything."""
+    num_candidates = _TOP_P_CANDIDATES if num_candidates is None else num_candidates
+    if logits.device.type == "cpu" and num_candidates < logits.shape[1]:
+        out = _top_p_from_candidates(logits, p, num_candidates)
+        if out is not None:
+            return out
+    return _top_p_sorted(logits, p)
+
+
+def _top_p_sorted(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
     cum_probs = logits_sort.softmax(dim=-1).cumsum(dim=-1)
     top_p_mask = cum_probs <= 1.0 - p.unsqueeze(1)
     top_p_mask[:, -1] = False
     logits_sort.masked_fill_(top_p_mask, float("-inf"))
     return logits.scatter_(1, logits_idx, logits_sort)
+
+
+def _top_p_from_candidates(logits: torch.Tensor, p: torch.Tensor,
+                           num_candidates: int) -> Optional[torch.Tensor]:
+    """Same mask as `_top_p_sorted` (up to float rounding) when every nucleus lies within the top
+    `num_candidates`; None otherwise. Rows with p >= 1 are left as they are."""
+    values, indices = logits.topk(num_candidates, dim=-1)  # sorted, best first
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    mass_above = probs.cumsum(dim=-1) - probs
+    keep = mass_above < p.unsqueeze(1)
+    keep[:, 0] = True
+    active = p < 1.0
+    if bool((keep[:, -1] & active).any()):
+        return None  # some nucleus may reach past the candidates
+    values.masked_fill_(~keep, float("-inf"))
+    out = torch.full_like(logits, float("-inf")).scatter_(1, indices, values)
+    return torch.where(active.unsqueeze(1), out, logits)
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -164,7 +199,7 @@ class Sampler:
         sampled, processed_logprobs = self.sample(logits, md)
         if not wants_logprobs:
             return SamplerOutput(sampled, None)
-        logprobs = _merge_logprobs(raw_logprobs, processed_logprobs, md.processed_logprobs)
+        logprobs = _merge_logprobs(raw_logprobs, processed_logprobs, md.processed_logprobs_mask)
         return SamplerOutput(sampled, gather_logprobs(logprobs, md.max_num_logprobs, sampled))
 
     @staticmethod
@@ -180,7 +215,7 @@ class Sampler:
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Returns (sampled ids int64, processed logprobs or None)."""
-        wants_processed = md.processed_logprobs is not None
+        wants_processed = md.processed_logprobs_mask is not None
         greedy_sampled = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy_sampled, compute_logprobs(logits) if wants_processed else None
@@ -271,7 +306,7 @@ def compute_prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence[int
 
 __all__ = [
     "LogprobsTensors", "Sampler", "SamplerOutput", "SamplingMetadata", "apply_min_p",
-    "apply_penalties", "apply_temperature", "apply_top_k_only", "apply_top_k_top_p",
+    "apply_penalties", "apply_temperature", "apply_top_k_only", "apply_top_k_top_p", "apply_top_p",
     "compute_logprobs", "compute_prompt_logprobs", "gather_logprobs", "logprobs_tensors_to_list",
     "random_sample", "to_logprobs_list",
 ]

@@ -57,7 +57,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row index -> generator, seeded random rows only
     max_num_logprobs: Optional[int]  # K: max requested across the batch (-1 resolved); None if none
     num_logprobs: list[Optional[int]]  # per row, -1 resolved to vocab_size
-    processed_logprobs: Optional[torch.Tensor]  # [B] bool: row wants processed logprobs; None if none
+    processed_logprobs_mask: Optional[torch.Tensor]  # [B] bool: rows wanting processed logprobs
     any_raw_logprobs: bool  # some row requested logprobs in "raw_logprobs" mode
     no_penalties: bool
     presence_penalties: torch.Tensor  # [B] float32
@@ -109,7 +109,7 @@ class SamplingMetadata:
             generators=_seeded_generators(params, generators),
             max_num_logprobs=max(requested) if requested else None,
             num_logprobs=num_logprobs,
-            processed_logprobs=torch.tensor(processed, device=device) if any(processed) else None,
+            processed_logprobs_mask=torch.tensor(processed, device=device) if any(processed) else None,
             any_raw_logprobs=any_raw,
             output_token_ids=output_token_ids,
             logitsprocs=logitsprocs,

@@ -70,7 +70,7 @@ class FlashAttnBackend:
                        for_cuda_graph: bool = False) -> FlashAttnMetadata:
         seq_lens = common.seq_lens
         cu_k = torch.zeros(common.num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
-        torch.cumsum(seq_lens, 0, out=cu_k[1:])
+        cu_k[1:] = torch.cumsum(seq_lens, 0, dtype=torch.int32)
         return FlashAttnMetadata(
             slot_mapping=common.slot_mapping,
             num_actual_tokens=common.num_actual_tokens,

@@ -14,17 +14,26 @@ logger = logging.getLogger(__name__)
 ATTENTION_BACKENDS = ("auto", "torch-paged", "flash-attn")
 
 
+def default_torch_paged_mode(device: torch.device) -> str:
+    """Measured (benchmarks/torch_paged_attention.py): on the CPU one SDPA per request ("loop") is as
+    fast or faster than padded groups; on CUDA the batched groups avoid per-request kernel launches."""
+    return "batched" if device.type == "cuda" else "loop"
+
+
 def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int,
-                             head_dim: int, torch_paged_mode: str = "batched") -> AttentionBackend:
+                             head_dim: int, num_heads: int, num_kv_heads: int,
+                             torch_paged_mode: str = "auto") -> AttentionBackend:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: unknown backend {name!r} (allowed: {ATTENTION_BACKENDS})")
+    if torch_paged_mode == "auto":
+        torch_paged_mode = default_torch_paged_mode(device)
     reason = flash_attn_unsupported_reason(device, dtype, block_size, head_dim)
     if name == "flash-attn":
         if reason is not None:
             raise ValueError(f"attention_backend: 'flash-attn' cannot run here: {reason}")
         backend: AttentionBackend = FlashAttnBackend()
     elif name == "torch-paged" or reason is not None:
-        backend = TorchPagedAttention(torch_paged_mode)
+        backend = TorchPagedAttention(torch_paged_mode, num_heads // num_kv_heads)
         if name == "auto":
             logger.info("attention backend: torch-paged (%s; flash-attn not used: %s)",
                         torch_paged_mode, reason)

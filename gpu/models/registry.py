@@ -60,6 +60,7 @@ def _build_atomically(dest: Path, build: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         build(tmp)
+        tmp.chmod(0o755)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)

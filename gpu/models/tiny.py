@@ -101,6 +101,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 def build_tiny_model(name: str, out_dir: Path) -> None:
     """Write config.json, model.safetensors, generation_config.json and the tokenizer into out_dir."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+    hf_logging.disable_progress_bar()
     cfg = TINY_MODELS[name]()
     cfg.dtype = "float32"
     torch.manual_seed(TINY_SEEDS[name])

@@ -16,10 +16,14 @@ from gpu.sampler import (
     SamplerOutput,
     apply_min_p,
     apply_penalties,
+    apply_top_k_only,
     apply_top_k_top_p,
+    apply_top_p,
     compute_prompt_logprobs,
     gather_logprobs,
     to_logprobs_list,
+    _top_p_from_candidates,
+    _top_p_sorted,
 )
 from gpu.sampling_metadata import SamplingMetadata, make_generator, token_counts
 
@@ -98,12 +102,15 @@ def test_empty_batch():
 
 # -- exponential race and seeds ---------------------------------------------------------------------
 
-def test_random_sample_follows_the_distribution():
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 1.7])
+def test_random_sample_follows_the_distribution(temperature):
+    """Rows with logits T * log(q) and temperature T must be sampled from q."""
     torch.manual_seed(1)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0])
     rows = 6000
-    logits = probs.log().expand(rows, -1).clone()
-    tokens = sampler(logits, metadata([sp(temperature=1.0)] * rows, vocab=6)).sampled_token_ids
+    logits = (probs.log() * temperature).expand(rows, -1).clone()
+    params = [sp(temperature=temperature)] * rows
+    tokens = sampler(logits, metadata(params, vocab=6)).sampled_token_ids
     freq = torch.bincount(tokens, minlength=6).double() / rows
     assert freq[4] == 0 and freq[5] == 0  # zero-probability tokens never win the race
     sigma = (probs.double() * (1 - probs.double()) / rows).sqrt()
@@ -188,16 +195,36 @@ def test_top_k_mask(row, k):
 
 
 @settings(max_examples=80, deadline=None)
-@given(row_values, st.integers(1, 30), st.floats(0.05, 1.0))
-def test_top_k_top_p_mask(row, k, p):
+@given(row_values, st.integers(1, 30), st.floats(0.05, 1.0), st.integers(1, 6))
+def test_top_k_top_p_mask(row, k, p, num_candidates):
     k = min(k, len(row))
-    out = apply_top_k_top_p(torch.tensor([row]), torch.tensor([k]), torch.tensor([p]))
-    kept = (out > NEG_INF)[0].tolist()
     expected = _ref_top_p(row, _ref_top_k(row, k), p)
-    assert kept[row.index(max(row))]  # the most likely token always stays
-    for got, want in zip(kept, expected):
-        if want is not None:
-            assert got == want
+    full_sort = apply_top_k_top_p(torch.tensor([row]), torch.tensor([k]), torch.tensor([p]))
+    # the partial-top-k path (falls back to the full sort when the nucleus may not fit)
+    partial = apply_top_p(apply_top_k_only(torch.tensor([row]), torch.tensor([k])), torch.tensor([p]),
+                          num_candidates=min(num_candidates, len(row) - 1))
+    for out in (full_sort, partial):
+        kept = (out > NEG_INF)[0].tolist()
+        assert kept[row.index(max(row))]  # the most likely token always stays
+        for got, want in zip(kept, expected):
+            if want is not None:
+                assert got == want
+
+
+def test_top_p_candidate_path_matches_full_sort():
+    gen = torch.Generator().manual_seed(10)
+    peaked = torch.randn(16, 4096, generator=gen) * 4.0  # small nuclei
+    flat = torch.randn(4, 4096, generator=gen) * 0.1  # nuclei of thousands of tokens
+    p = torch.tensor([0.5, 0.9, 0.95, 1.0] * 4)
+    assert _top_p_from_candidates(peaked.clone(), p, 256) is not None
+    assert _top_p_from_candidates(flat.clone(), p[:4], 256) is None
+    for logits, pp in ((peaked, p), (flat, p[:4])):
+        fast = apply_top_p(logits.clone(), pp, num_candidates=256)
+        ref = _top_p_sorted(logits.clone(), pp)
+        kept_fast, kept_ref = fast > NEG_INF, ref > NEG_INF
+        assert torch.equal(fast[kept_fast], logits[kept_fast])
+        assert torch.equal(kept_fast[pp < 1.0], kept_ref[pp < 1.0])
+        assert kept_fast[pp == 1.0].all()
 
 
 @settings(max_examples=80, deadline=None)
@@ -211,6 +238,20 @@ def test_min_p_mask(row, min_p):
         if abs(probs[i] - threshold) > 1e-6:
             assert bool(kept[i]) == bool(probs[i] >= threshold)
     assert kept[int(probs.argmax())]
+
+
+def test_top_p_keeps_at_least_the_most_likely_token():
+    torch.manual_seed(9)
+    logits = torch.randn(32, 50)
+    out = apply_top_k_top_p(logits.clone(), None, torch.full((32,), 1e-9))
+    kept = out > NEG_INF
+    assert kept.sum(dim=1).tolist() == [1] * 32
+    assert torch.equal(kept.float().argmax(dim=1), logits.argmax(dim=1))
+
+
+def test_top_k_keeps_ties_at_the_kth_value():
+    out = apply_top_k_top_p(torch.tensor([[1.0, 0.0, 0.0, 0.0, -1.0]]), torch.tensor([2]), None)
+    assert (out > NEG_INF).tolist() == [[True, True, True, True, False]]
 
 
 def test_rows_without_filters_are_untouched_in_a_filtered_batch():

@@ -1,0 +1,237 @@
+"""`TorchExecutor`: the real backend behind `core.executor.Executor`.
+
+One `execute_model(scheduler_output)` = RunnerState update -> flattened inputs (prefill chunks and
+decodes together) -> one forward over the paged KV cache -> logits at each request's last scheduled
+token -> sampler for the rows whose chunk reaches their last known token. Decode-only batches replay
+a CUDA graph on CUDA unless `enforce_eager`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from core.kv_sizing import KVCacheSpec, check_or_fit_max_model_len
+from core.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput, StepTiming
+from core.runner_state import RunnerState, ScheduledRow
+from gpu.attention import CommonAttentionMetadata, select_attention_backend
+from gpu.cuda_graphs import CudaGraphRunner, default_capture_sizes
+from gpu.input_batch import InputBatch, build_block_table, prepare_inputs, to_device
+from gpu.kv_cache import allocate_kv_caches, cpu_num_blocks, cuda_num_blocks
+from gpu.loader import load_model
+from gpu.models.registry import ModelInfo, load_tokenizer, resolve_model
+from gpu.step_profiling import StepProfiler, StepTimer, step_annotation
+from gpu.step_sampler import StepSampler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' requested but torch.cuda.is_available() is False")
+    return dev
+
+
+def resolve_dtype(dtype: Optional[str | torch.dtype], device: torch.device, hf_config: Any) -> torch.dtype:
+    """None / "auto": float32 on the CPU; on CUDA the checkpoint's dtype when it is 16-bit, else
+    bfloat16 (vLLM's rule for float32 checkpoints). Otherwise the named dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        cfg = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "")
+        ckpt = _DTYPES.get(cfg.replace("torch.", ""))
+        return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+    try:
+        return _DTYPES[str(dtype)]
+    except KeyError:
+        raise ValueError(f"dtype: unknown dtype {dtype!r} (allowed: {sorted(_DTYPES)} or 'auto')") from None
+
+
+class TorchExecutor:
+    def __init__(self, model: str = "tiny-llama", dtype: Optional[str] = None, device: str = "auto",
+                 block_size: int = 16, num_gpu_blocks: Optional[int] = None,
+                 kv_cache_memory_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.92,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
+                 max_model_len: Optional[int] = None, enforce_eager: bool = False,
+                 attention_backend: str = "auto", seed: int = 0, profile_dir: Optional[str] = None,
+                 torch_paged_mode: str = "auto", cuda_graph_sizes: Optional[list[int]] = None,
+                 keep_logits: bool = False) -> None:
+        torch.manual_seed(seed)
+        self.device = resolve_device(device)
+        self.model_info: ModelInfo = resolve_model(model)
+        self.dtype = resolve_dtype(dtype, self.device, self.model_info.hf_config)
+        self.block_size = block_size
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        cfg = self.model_info.decoder_config
+        derived_max_len = cfg.max_position_embeddings
+        if max_model_len is not None and max_model_len > derived_max_len:
+            raise ValueError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
+                             f"({derived_max_len})")
+        want_len = derived_max_len if max_model_len in (None, -1) else max_model_len
+        self.model = load_model(self.model_info, self.dtype, self.device, max_positions=want_len)
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = list(self.model_info.eos_token_ids)
+        self.kv_spec = KVCacheSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                   head_size=cfg.head_dim, dtype=str(self.dtype).replace("torch.", ""),
+                                   block_size=block_size)
+        self.attn_backend = select_attention_backend(attention_backend, self.device, self.dtype, block_size,
+                                                     cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                                     torch_paged_mode)
+        self.model.set_attention_backend(self.attn_backend)
+        if self.device.type == "cuda":
+            n = cuda_num_blocks(self.kv_spec, num_gpu_blocks, kv_cache_memory_bytes, self.device,
+                                gpu_memory_utilization,
+                                lambda: self._dummy_forward(min(max_num_batched_tokens, want_len)))
+        else:
+            n = cpu_num_blocks(self.kv_spec, num_gpu_blocks, kv_cache_memory_bytes)
+        self.max_model_len = check_or_fit_max_model_len(n, self.kv_spec, -1 if max_model_len == -1 else want_len,
+                                                        derived_max_len)
+        self.num_gpu_blocks = n
+        self.pad_block_id = n  # the extra block past the scheduler's pool
+        self.kv_caches = allocate_kv_caches(self.kv_spec, n, self.dtype, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d", n, block_size,
+                    n * self.kv_spec.bytes_per_block / 2**20, self.kv_spec.dtype, self.max_model_len)
+        self.graph_runner: Optional[CudaGraphRunner] = None
+        if self.device.type == "cuda" and not enforce_eager:
+            sizes = cuda_graph_sizes or default_capture_sizes(max_num_seqs)
+            self.graph_runner = CudaGraphRunner(self.model, self.attn_backend, self.kv_caches, block_size,
+                                                self.pad_block_id, self.max_model_len, self.device, sizes)
+            self.graph_runner.capture()
+        self.state = RunnerState()
+        self.sampler = StepSampler(self.device, self.vocab_size)
+        self.profiler = StepProfiler(profile_dir, self.device)
+        self.keep_logits = keep_logits
+        self.last_logits: dict[str, torch.Tensor] = {}
+        self._tokenizer: Any = None
+
+    # -- public helpers ------------------------------------------------------------------------
+    @property
+    def attention_backend_name(self) -> str:
+        return self.attn_backend.name
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_info)
+        return self._tokenizer
+
+    def close(self) -> None:
+        """Write the chrome trace (when `profile_dir` is set)."""
+        self.profiler.close()
+
+    # -- one step ------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        so = scheduler_output
+        self.sampler.forget(list(so.finished_req_ids))
+        rows = self.state.update(so)
+        if not rows:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                     timing=StepTiming(duration_s=0.0))
+        new_ids = {r.req_id for r in so.scheduled_new_reqs}
+        with self.profiler.step(step_annotation(rows, new_ids)), torch.inference_mode():
+            return self._execute(rows, so)
+
+    def _common_metadata(self, batch: InputBatch, slot_mapping: torch.Tensor) -> CommonAttentionMetadata:
+        dev = self.device
+        return CommonAttentionMetadata(
+            num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens, max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len, block_size=self.block_size,
+            query_start_loc=to_device(batch.query_start_loc, dev), seq_lens=to_device(batch.seq_lens, dev),
+            block_table=to_device(batch.block_table, dev), slot_mapping=slot_mapping,
+            query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens)
+
+    def _execute(self, rows: list[ScheduledRow], so: SchedulerOutput) -> ModelRunnerOutput:
+        timer = StepTimer(self.device)
+        timer.mark()
+        batch = prepare_inputs(rows, self.block_size, self.pad_block_id)
+        input_ids = to_device(batch.input_ids, self.device)
+        positions = to_device(batch.positions, self.device)
+        use_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
+        if not use_graph:
+            slot_mapping = to_device(batch.slot_mapping, self.device)
+            attn_meta = self.attn_backend.build_metadata(self._common_metadata(batch, slot_mapping))
+        timer.mark()
+        if use_graph:
+            hidden, padded = self.graph_runner.run(batch, input_ids, positions)
+            last_hidden = hidden
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, attn_meta)
+            padded = batch.num_tokens
+            last_hidden = hidden[to_device(batch.logits_indices, self.device)]
+        logits = self.model.compute_logits(last_hidden)
+        timer.mark()
+
+        sample_idx = [i for i, r in enumerate(rows) if r.samples]
+        sampled = [[] for _ in rows]
+        logprobs: Optional[list[Optional[list[Logprobs]]]] = None
+        if sample_idx:
+            sel = logits if len(sample_idx) == len(rows) else logits[torch.tensor(sample_idx, device=self.device)]
+            tokens, lps = self.sampler.sample([rows[i] for i in sample_idx], sel)
+            if lps is not None and any(lp is not None for lp in lps):
+                logprobs = [None] * len(rows)
+                for j, i in enumerate(sample_idx):
+                    logprobs[i] = None if lps[j] is None else [lps[j]]
+            for j, i in enumerate(sample_idx):
+                sampled[i] = [tokens[j]]
+        prompt_logprobs = self._prompt_logprobs(rows, batch, hidden, so) if not use_graph else {}
+        timer.mark()
+        timing = timer.timing(padded)
+
+        if self.keep_logits:
+            self.last_logits = {r.req_id: logits[i].detach().float().cpu() for i, r in enumerate(rows)}
+        for r, toks in zip(rows, sampled):
+            if toks:
+                self.state.append_sampled(r.req_id, toks)
+        req_ids = batch.req_ids
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                 sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs_dict=prompt_logprobs, timing=timing)
+
+    def _prompt_logprobs(self, rows: list[ScheduledRow], batch: InputBatch, hidden: torch.Tensor,
+                         so: SchedulerOutput) -> dict[str, list[Optional[Logprobs]]]:
+        out: dict[str, list[Optional[Logprobs]]] = {}
+        resumed = so.scheduled_cached_reqs.resumed_req_ids
+        qsl = batch.query_start_loc
+        for i, r in enumerate(rows):
+            if r.req_id in resumed or not self.sampler.wants_prompt_logprobs(r):
+                continue
+            chunk_logits = self.model.compute_logits(hidden[int(qsl[i]):int(qsl[i + 1])])
+            out[r.req_id] = self.sampler.prompt_logprobs(r, chunk_logits)
+        return out
+
+    # -- memory profiling (CUDA) ---------------------------------------------------------------
+    @torch.inference_mode()
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One forward of `num_tokens` tokens (one request) on a throwaway cache, plus the logits of
+        `max_num_seqs` rows: the activation peak the KV budget must leave room for."""
+        B, dev = self.block_size, self.device
+        nb = -(-num_tokens // B)
+        spec = self.kv_spec
+        caches = allocate_kv_caches(spec, nb, self.dtype, dev)
+        positions = np.arange(num_tokens, dtype=np.int64)
+        block_table = build_block_table([list(range(nb))], np.array([nb]), nb)
+        qsl = np.array([0, num_tokens], dtype=np.int32)
+        seq_lens = np.array([num_tokens], dtype=np.int32)
+        common = CommonAttentionMetadata(
+            num_reqs=1, num_actual_tokens=num_tokens, max_query_len=num_tokens, max_seq_len=num_tokens,
+            block_size=B, query_start_loc=to_device(qsl, dev), seq_lens=to_device(seq_lens, dev),
+            block_table=to_device(block_table, dev), slot_mapping=to_device(positions, dev),
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        meta = self.attn_backend.build_metadata(common)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        hidden = self.model(ids, to_device(positions, dev), caches, meta)
+        idx = torch.arange(min(self.max_num_seqs, num_tokens), device=dev)
+        logits = self.model.compute_logits(hidden[idx])
+        torch.softmax(logits, dim=-1)
+        del caches, hidden, logits
