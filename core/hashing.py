@@ -84,4 +84,5 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256) -> Calla
             start = end
         return new_hashes
 
+    request_block_hasher.block_size = block_size  # type: ignore[attr-defined]
     return request_block_hasher

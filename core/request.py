@@ -74,7 +74,7 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         block_hasher: Optional[BlockHasher] = None,
-        hash_block_size: int = 16,
+        hash_block_size: Optional[int] = None,
         lora_request: Any = None,
         client_index: int = 0,
         parent_id: Optional[str] = None,
@@ -110,13 +110,17 @@ class Request:
         self.events: list[tuple[str, float]] = []
         self.block_hashes: list[bytes] = []
         self._block_hasher: Optional[BlockHasher] = None
-        self._hash_block_size = hash_block_size
+        self._hash_block_size = 0
         self._next_hash_at = 1 << 62
         if block_hasher is not None:
             self.set_block_hasher(block_hasher, hash_block_size)
 
-    def set_block_hasher(self, block_hasher: BlockHasher, block_size: int) -> None:
+    def set_block_hasher(self, block_hasher: BlockHasher, block_size: Optional[int] = None) -> None:
         """Attach the prefix-cache hasher and hash every full block known so far."""
+        if block_size is None:
+            block_size = getattr(block_hasher, "block_size", None)
+        if not block_size:
+            raise ValueError("hash_block_size: unknown for this block hasher; pass hash_block_size")
         self._block_hasher = block_hasher
         self._hash_block_size = block_size
         self.block_hashes = block_hasher(self)
