@@ -68,9 +68,10 @@ class AsyncLLM:
     def __init__(self, args: EngineArgs, *, pace: Optional[bool] = None, time_scale: float = 1.0,
                  fake_step_time_s: Optional[float] = None, startup_timeout_s: Optional[float] = None,
                  model_name: Optional[str] = None) -> None:
-        from core.llm import load_tokenizer  # noqa: PLC0415
+        from core.llm import load_tokenizer, prewarm_tokenizer_import  # noqa: PLC0415
 
         self.args = args
+        prewarm_tokenizer_import(args)
         self.pace = (args.backend == "sim") if pace is None else bool(pace)
         kwargs: dict[str, Any] = {"pace": self.pace, "time_scale": time_scale, "fake_step_time_s": fake_step_time_s}
         if startup_timeout_s is not None:
@@ -145,9 +146,10 @@ class AsyncLLM:
         self.collectors[request_id] = collector
         self.metrics.on_arrival(request_id, len(processed.prompt_token_ids), now)
         try:
-            for cid, child_params in children:
-                self.client.add_request(cid, processed.prompt_token_ids, child_params, priority=priority,
-                                        parent_id=request_id if len(children) > 1 else None)
+            with self.client.batched():  # all n children reach the engine together
+                for cid, child_params in children:
+                    self.client.add_request(cid, processed.prompt_token_ids, child_params, priority=priority,
+                                            parent_id=request_id if len(children) > 1 else None)
         except BaseException:
             self.abort(request_id)
             raise
@@ -197,6 +199,8 @@ class AsyncLLM:
                 msg = await client.get_output_async()
                 if msg.stats is not None:
                     metrics.update_engine(msg.stats)
+                if msg.sim_time_s:
+                    metrics.sim_time_s = msg.sim_time_s
                 outputs = msg.outputs
                 for start in range(0, len(outputs), OUTPUT_CHUNK):
                     if start:

@@ -3,7 +3,8 @@
 `EngineCoreClient.make_client` picks one, like vLLM."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 from core.engine_args import EngineArgs
 from core.engine_core import EngineCore, StepResult
@@ -40,6 +41,11 @@ class EngineCoreClient:
 
     def validate_params(self, params: SamplingParams) -> None:
         """Raise a ValueError naming the field if `params` cannot be used with this client."""
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Adds / aborts inside the block reach the engine together (in-process: they already do)."""
+        yield
 
     def shutdown(self) -> None:
         pass

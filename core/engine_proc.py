@@ -16,13 +16,14 @@ outlives its front end).
 
 Paced (simulated-time) mode, used to serve a `sim` backend in "real time": every step's duration is
 the executor's prediction `ModelRunnerOutput.timing.duration_s`. Simulated time is mapped onto wall
-time from the moment the engine became ready, `wall = t_ready + sim * time_scale`. A step starts at
-`max(end of the previous step, simulated now)` (the engine idles in simulated time only while it has
-nothing to do) and its outputs are released once the wall clock reaches the mapped end of the step -
-never earlier; if the host falls behind (a step took longer to compute than its mapped duration) they
-are released as soon as they are ready and the step counts as late (`get_stats` -> `paced_late_steps`).
-With async scheduling the outputs of step k are processed one step later but are still released at
-step k's end time.
+time from the moment the engine became ready, `wall = t_ready + sim * time_scale`. While the engine has
+work its steps follow each other back to back in simulated time (step k+1 starts at step k's end, so
+host overhead between steps is not added to the cost model's prediction); the first step after an idle
+period starts at `max(end of the previous step, simulated now)`. A step's outputs are released once the
+wall clock reaches the mapped end of the step - never earlier; if the host falls behind (computing a
+step took longer than its mapped duration) they are released as soon as they are ready and the step
+counts as late (`get_stats` -> `paced_late_steps`, `paced_max_late_s`). With async scheduling the
+outputs of step k are processed one step later but are still released at step k's end time.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class EngineCoreProc:
         self.output.connect(output_addr)
         self.encoder = m.encoder()
         self.decoder = m.input_decoder()
+        self._EVENTS, self._POLLIN = zmq.EVENTS, zmq.POLLIN
         self.input_seq = -1  # number of the last input message processed
         self.running = True
         # totals for /metrics
@@ -72,17 +74,19 @@ class EngineCoreProc:
         # pacing
         self.t_ready = time.monotonic()
         self.sim_clock = 0.0
+        self.sim_busy = 0.0
         self.step_end_sim: dict[int, float] = {}
         self.late_steps = 0
         self.max_late_s = 0.0
-        # IPC profile: (num outputs, seconds spent encoding+sending) per step, and input decode time
-        self.ipc_profile: deque[tuple[int, float]] = deque(maxlen=IPC_PROFILE_LEN)
+        # IPC profile per step that sent outputs: (num outputs, seconds encoding + sending them, seconds
+        # checking / reading the input socket before the step); plus the total input-handling time
+        self.ipc_profile: deque[tuple[int, float, float]] = deque(maxlen=IPC_PROFILE_LEN)
         self.input_time_s = 0.0
         self.input_msgs = 0
 
     # -- messages ---------------------------------------------------------------------------------
     def send(self, msg: Any) -> None:
-        self.output.send(self.encoder.encode(msg), copy=False)
+        self.output.send(self.encoder.encode(msg))
 
     def send_ready(self) -> None:
         info = self.info
@@ -99,7 +103,10 @@ class EngineCoreProc:
         """Process every waiting input message (waiting up to `block_ms` for the first one)."""
         errors: list[Any] = []
         sock = self.input
-        if block_ms and not sock.poll(block_ms):
+        if block_ms:
+            if not sock.poll(block_ms):
+                return errors
+        elif not sock.get(self._EVENTS) & self._POLLIN:  # cheap check, no exception, on every busy step
             return errors
         t0 = time.perf_counter()
         zmq_again = self.zmq.Again
@@ -131,6 +138,9 @@ class EngineCoreProc:
             self.engine.abort_requests(msg.request_ids)
         elif type(msg) is m.UtilityMsg:
             self.handle_utility(msg)
+        elif type(msg) is m.BatchMsg:
+            for sub in msg.msgs:
+                self.handle_input(sub, errors)
         elif type(msg) is m.ShutdownMsg:
             self.running = False
 
@@ -152,7 +162,7 @@ class EngineCoreProc:
                     result = dict(result, num_steps=self.num_steps, prefix_cache_queries=self.prefix_queries,
                                   prefix_cache_hits=self.prefix_hits, paced=self.pace,
                                   paced_late_steps=self.late_steps, paced_max_late_s=self.max_late_s,
-                                  sim_time_s=self.sim_clock)
+                                  sim_time_s=self.sim_clock, sim_busy_s=self.sim_busy)
             self.send(m.UtilityResultMsg(msg.call_id, result))
         except Exception as e:  # noqa: BLE001 - the caller gets the error text
             self.send(m.UtilityResultMsg(msg.call_id, None, f"{type(e).__name__}: {e}", type(e).__name__))
@@ -162,20 +172,24 @@ class EngineCoreProc:
         kv = sched.kv_cache_manager
         return self.m.EngineStats(len(sched.running), len(sched.waiting), kv.usage, kv.num_free_blocks,
                                   self.prefix_queries, self.prefix_hits, sched.num_preemptions_total,
-                                  self.num_steps)
+                                  self.num_steps, self.sim_busy)
 
     # -- pacing -------------------------------------------------------------------------------------
     def _sim_now(self) -> float:
         return (time.monotonic() - self.t_ready) / self.time_scale
 
-    def _pace(self, result: Any) -> tuple[float, float]:
-        """Advance simulated time for the scheduled step; wait until the processed step's end."""
+    def _pace(self, result: Any, sim_now: Optional[float]) -> tuple[float, float]:
+        """Advance simulated time by the scheduled step's predicted duration and wait until the processed
+        step's end. `sim_now` (simulated time when the step was scheduled) is given only after the engine
+        was idle: a busy engine's steps follow each other back to back in simulated time, so host-side
+        overhead between steps is not added on top of the cost model's prediction."""
         so = result.scheduled
         if so is not None and so.total_num_scheduled_tokens > 0:
             timing = result.model_output.timing if result.model_output is not None else None
             duration = timing.duration_s if timing is not None else 0.0
-            start = max(self.sim_clock, self._sim_now())
+            start = self.sim_clock if sim_now is None else max(self.sim_clock, sim_now)
             self.sim_clock = start + max(0.0, float(duration))
+            self.sim_busy += max(0.0, float(duration))
             self.step_end_sim[so.step] = self.sim_clock
         if result.processed is None:
             return 0.0, self.sim_clock
@@ -194,6 +208,12 @@ class EngineCoreProc:
         return release_at, end
 
     # -- loop ---------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        """Requests to run or batches in flight. Finished ids alone don't count: they ride along with the
+        next real step (the in-process `LLM` stops stepping at the same point, so both modes run
+        exactly the same sequence of steps)."""
+        return self.engine.scheduler.has_unfinished_requests() or bool(self.engine.batch_queue)
+
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
 
@@ -205,14 +225,17 @@ class EngineCoreProc:
         last_stats = 0.0
         perf = time.perf_counter
         while self.running:
-            if engine.has_work():
+            if self.has_work():
+                t_in0 = perf()
                 errors = self.handle_inputs(0)
+                t_in = perf() - t_in0
             else:
+                t_in = 0.0
                 if busy:
                     busy = False
                     self.send(m.OutputsMsg([], self.stats(), idle_seq=self.input_seq))
                 errors = self.handle_inputs(int(PARENT_CHECK_INTERVAL_S * 1000))
-                if errors and not engine.has_work():  # only refused requests arrived
+                if errors and not self.has_work():  # only refused requests arrived
                     self.send(m.OutputsMsg([], self.stats(), idle_seq=self.input_seq, errors=errors))
                     errors = []
             if not self.running:
@@ -222,10 +245,11 @@ class EngineCoreProc:
                 last_parent_check = now
                 if not self.parent_alive():
                     break
-            if not engine.has_work():
+            if not self.has_work():
                 if errors:
                     self.send(m.OutputsMsg([], self.stats(), idle_seq=self.input_seq, errors=errors))
                 continue
+            sim_now = self._sim_now() if (self.pace and not busy) else None
             busy = True
             result = engine.step()
             self.num_steps += 1
@@ -236,12 +260,12 @@ class EngineCoreProc:
                 self.prefix_hits += pcs.hits
             release_at = sim_t = 0.0
             if self.pace:
-                release_at, sim_t = self._pace(result)
+                release_at, sim_t = self._pace(result, sim_now)
             if result.outputs or errors or now - last_stats > IDLE_STATS_INTERVAL_S:
                 t0 = perf()
-                idle = -1 if engine.has_work() else self.input_seq
+                idle = -1 if self.has_work() else self.input_seq
                 self.send(m.OutputsMsg(result.outputs, self.stats(), idle, errors or None, release_at, sim_t))
-                self.ipc_profile.append((len(result.outputs), perf() - t0))
+                self.ipc_profile.append((len(result.outputs), perf() - t0, t_in))
                 last_stats = now
                 if idle >= 0:
                     busy = False

@@ -26,6 +26,22 @@ def multiprocess_default() -> bool:
     return os.environ.get("SERVETWIN_ENABLE_MULTIPROCESSING", "1").strip().lower() not in ("0", "false", "no")
 
 
+def prewarm_tokenizer_import(args: EngineArgs) -> None:
+    """Import transformers in a background thread while the engine process starts (they overlap)."""
+    if not args.multiprocess or args.skip_tokenizer_init or args.tokenizer == "toy" or args.backend != "torch":
+        return
+    import threading  # noqa: PLC0415
+
+    def _import() -> None:
+        try:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            import transformers  # noqa: F401, PLC0415
+        except Exception:  # noqa: BLE001 - load_tokenizer reports problems later
+            pass
+
+    threading.Thread(target=_import, name="tokenizer-import", daemon=True).start()
+
+
 def load_tokenizer(path: Optional[str], vocab_size: Optional[int] = None) -> Any:
     """A Hugging Face tokenizer from `path`; "toy" gives the `ToyTokenizer` (fake / sim backends)."""
     if path is None:
@@ -47,6 +63,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
+        prewarm_tokenizer_import(args)
         self.client = self._make_client(args)
         info = self.client.config
         self.num_gpu_blocks = info.num_gpu_blocks
@@ -74,9 +91,17 @@ class LLMEngine:
         children = fan_out(request_id, processed.params)
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, children,
                                           arrival_time)
-        for cid, child_params in children:
-            self.client.add_request(cid, processed.prompt_token_ids, child_params, arrival_time=arrival_time,
-                                    priority=priority, parent_id=request_id if len(children) > 1 else None)
+        added: list[str] = []
+        try:
+            for cid, child_params in children:
+                self.client.add_request(cid, processed.prompt_token_ids, child_params, arrival_time=arrival_time,
+                                        priority=priority, parent_id=request_id if len(children) > 1 else None)
+                added.append(cid)
+        except BaseException:
+            self.output_processor.abort(request_id)
+            if added:
+                self.client.abort_requests(added)
+            raise
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -88,7 +113,13 @@ class LLMEngine:
         return self.output_processor.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.client.get_output()
+        try:
+            outputs = self.client.get_output()
+        except ValueError as e:  # the engine process refused a request (EngineRequestError)
+            rid = getattr(e, "request_id", None)
+            if rid is not None and rid not in self.output_processor.children:
+                return []  # a request this front end already dropped (e.g. after Ctrl-C)
+            raise
         if not outputs and self.output_processor.has_unfinished() and not self.client.has_work():
             raise RuntimeError("engine has no work but requests are unfinished (lost requests)")
         results, to_abort = self.output_processor.process_outputs(outputs)
@@ -128,13 +159,14 @@ class LLM:
                 raise ValueError(f"sampling_params: got {len(params_list)} params for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = []
-        try:
-            for prompt, params in zip(prompts, params_list):
-                ids.append(engine.add_request(None, prompt, params))
-        except Exception:
-            for rid in ids:
-                engine.abort_request(rid)
-            raise
+        with engine.client.batched():  # the engine sees all prompts at once, as in-process
+            try:
+                for prompt, params in zip(prompts, params_list):
+                    ids.append(engine.add_request(None, prompt, params))
+            except Exception:
+                for rid in ids:
+                    engine.abort_request(rid)
+                raise
         return self._run_engine(ids, use_tqdm)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -83,6 +83,9 @@ class ServingMetrics:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_preemptions = 0
+        self.num_steps = 0
+        self.sim_time_s = 0.0  # paced mode: simulated time at the end of the latest released step
+        self.sim_busy_s = 0.0  # paced mode: total predicted duration of the engine's steps
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
@@ -99,6 +102,8 @@ class ServingMetrics:
         self.prefix_queries = max(self.prefix_queries, stats.prefix_cache_queries)
         self.prefix_hits = max(self.prefix_hits, stats.prefix_cache_hits)
         self.num_preemptions = max(self.num_preemptions, stats.num_preemptions)
+        self.num_steps = max(self.num_steps, stats.num_steps)
+        self.sim_busy_s = max(self.sim_busy_s, stats.sim_busy_s)
 
     # -- requests -----------------------------------------------------------------------------------
     def on_arrival(self, request_id: str, prompt_tokens: int, t: Optional[float] = None) -> None:
@@ -158,6 +163,11 @@ class ServingMetrics:
         metric("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", self.prompt_tokens)
         metric("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
                self.generation_tokens)
+        metric("servetwin:engine_steps", "counter", "Engine steps run by the engine core.", self.num_steps)
+        metric("servetwin:simulated_time_seconds", "gauge",
+               "Paced (sim) mode: simulated time at the end of the latest released step.", self.sim_time_s)
+        metric("servetwin:simulated_busy_seconds", "counter",
+               "Paced (sim) mode: total predicted duration of the engine's steps.", self.sim_busy_s)
         out.append("# HELP vllm:request_success Count of successfully processed requests.")
         out.append("# TYPE vllm:request_success counter")
         for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):

@@ -20,6 +20,7 @@ The child also exits by itself when its parent process disappears.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -30,7 +31,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import zmq
 import zmq.asyncio
@@ -74,10 +75,12 @@ class _Resources:
         self.stop_r: Optional[int] = None
         self.stop_w: Optional[int] = None
         self.monitor: Optional[threading.Thread] = None
-        self.on_dead: list[Any] = []
         self.lock = threading.Lock()
+        self.owner_pid = os.getpid()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        if os.getpid() != self.owner_pid:
+            return  # a forked copy of the front end: the engine and the sockets belong to the parent
         with self.lock:
             if self.closed:
                 return
@@ -147,11 +150,6 @@ def _monitor(res: _Resources) -> None:
         sock.close()
     except Exception:  # noqa: BLE001 - the client may be closing concurrently
         pass
-    for cb in list(res.on_dead):
-        try:
-            cb()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 class MPClientBase(EngineCoreClient):
@@ -167,6 +165,7 @@ class MPClientBase(EngineCoreClient):
         self.decoder = m.output_decoder()
         self._call_ids = itertools.count()
         self._sent_seq = -1  # number of the last input message sent
+        self._batch: Optional[list[Any]] = None
         res = self._res = _Resources()
         self._finalizer = weakref.finalize(self, res.shutdown)
         try:
@@ -254,8 +253,25 @@ class MPClientBase(EngineCoreClient):
 
     def _send(self, msg: Any) -> None:
         self._check_alive()
+        if self._batch is not None and isinstance(msg, (m.AddRequestMsg, m.AbortMsg)):
+            self._batch.append(msg)
+            return
         self._res.input_socket.send(self.encoder.encode(msg), copy=False)
         self._sent_seq += 1
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Send the adds / aborts made inside the block as one message (nesting joins the outer batch)."""
+        if self._batch is not None:
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            msgs, self._batch = self._batch, None
+            if msgs and not self._res.dead and not self._res.closed:
+                self._send(msgs[0] if len(msgs) == 1 else m.BatchMsg(msgs))
 
     def _on_engine_error(self, msg: Any) -> None:
         res = self._res
@@ -286,6 +302,7 @@ class SyncMPClient(MPClientBase):
         super().__init__(args, **kwargs)
         self._pending: deque[list[EngineCoreOutput]] = deque()
         self._utility_results: dict[int, Any] = {}
+        self._errors: list[m.RequestErrorMsg] = []  # requests the engine refused, raised by get_output
         self._idle_seq = -1
         self.last_stats: Optional[m.EngineStats] = None
 
@@ -312,18 +329,23 @@ class SyncMPClient(MPClientBase):
             if msg.outputs:
                 self._pending.append(msg.outputs)
             if msg.errors:
-                err = msg.errors[0]
-                raise EngineRequestError(err.request_id, err.message)
+                self._errors.extend(msg.errors)
         elif isinstance(msg, m.UtilityResultMsg):
             self._utility_results[msg.call_id] = msg
 
     def get_output(self) -> list[EngineCoreOutput]:
         """The next batch of outputs; [] once the engine has no work for anything sent so far."""
         while not self._pending:
+            self._raise_request_error()
             if self._idle_seq >= self._sent_seq:
                 return []
             self._dispatch(self._recv_one())
         return self._pending.popleft()
+
+    def _raise_request_error(self) -> None:
+        if self._errors:
+            err = self._errors.pop(0)
+            raise EngineRequestError(err.request_id, err.message)
 
     def has_work(self) -> bool:
         return bool(self._pending) or self._idle_seq < self._sent_seq

@@ -139,7 +139,13 @@ class ShutdownMsg(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-InputMsg = Union[AddRequestMsg, AbortMsg, UtilityMsg, ShutdownMsg]
+class BatchMsg(msgspec.Struct, tag="batch", array_like=True):
+    """Several adds / aborts sent as one message (e.g. all prompts of one `LLM.generate` call), so the
+    engine sees them together - exactly like the in-process client, which adds them all before stepping."""
+    msgs: list[Union[AddRequestMsg, AbortMsg]]
+
+
+InputMsg = Union[AddRequestMsg, AbortMsg, UtilityMsg, ShutdownMsg, BatchMsg]
 
 
 # -- engine -> client ----------------------------------------------------------------------------
@@ -188,6 +194,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    sim_busy_s: float = 0.0  # paced mode: total predicted duration of the steps run so far
 
 
 class RequestErrorMsg(msgspec.Struct, array_like=True):

@@ -155,8 +155,11 @@ class Request:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
         if len(self._all_token_ids) >= self._next_hash_at:  # a block just became full
-            self.block_hashes.extend(self._block_hasher(self))
-            self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
+            self.hash_new_blocks()
+
+    def hash_new_blocks(self) -> None:
+        self.block_hashes.extend(self._block_hasher(self))
+        self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
 
     # -- status ------------------------------------------------------------------------------
     def is_finished(self) -> bool:

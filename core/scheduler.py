@@ -418,7 +418,12 @@ class Scheduler:
             new_token_ids = generated
             if generated:
                 if len(generated) == 1:
-                    request.append_output_token_ids(generated[0])
+                    token = generated[0]
+                    request._output_token_ids.append(token)
+                    all_ids = request._all_token_ids
+                    all_ids.append(token)
+                    if len(all_ids) >= request._next_hash_at:
+                        request.hash_new_blocks()
                     stopped = check_stop(request, max_model_len)
                 else:
                     new_token_ids, stopped = self._update_request_with_output(request, generated, max_model_len)
@@ -447,11 +452,16 @@ class Scheduler:
     def _update_async_bookkeeping(self, request: Request, num_generated: int, stopped: bool) -> None:
         """Returned tokens replace placeholders (or stale ones of a preempted request); only KV known
         to be written (computed minus in flight) is cached."""
-        stale = min(request.num_stale_output_tokens, num_generated)
-        request.num_stale_output_tokens -= stale
-        request.num_output_placeholders -= num_generated - stale
-        if not stopped and request.status == RequestStatus.RUNNING:
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+        if request.num_stale_output_tokens:
+            stale = min(request.num_stale_output_tokens, num_generated)
+            request.num_stale_output_tokens -= stale
+            num_generated -= stale
+        request.num_output_placeholders -= num_generated
+        kv = self.kv_cache_manager
+        if not stopped and kv.enable_caching and request.status == RequestStatus.RUNNING:
+            known = request.num_computed_tokens - request.num_in_flight_tokens
+            if known >= (kv.num_cached_block.get(request.request_id, 0) + 1) * self.block_size:
+                kv.cache_blocks(request, known)
 
     @staticmethod
     def _update_request_with_output(request: Request, generated, max_model_len: int):

@@ -98,30 +98,30 @@ class TraceRecorder:
         so, stats = result.scheduled, result.stats
         if so.total_num_scheduled_tokens == 0:
             return  # an empty step that only reports finished requests: nothing ran
-        mro = result.model_output
-        sampling = ({rid for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
-                    if mro is not None else set())
         details = compute_iteration_details(so)
-        ctx = context_request_ids(so) if self.record_step_requests else ()
         before = so.num_computed_before
-        sum_q2 = sum_q_kv = sum_kv = max_kv = 0
-        for rid, q in so.num_scheduled_tokens.items():
-            kv = before[rid] + q
-            sum_q2 += q * q
-            sum_q_kv += q * kv
-            sum_kv += kv
-            if kv > max_kv:
-                max_kv = kv
-            trace = self.requests.get(rid)
-            if trace is not None and trace.first_scheduled_s is None:
-                trace.first_scheduled_s = t_start
-            if self.record_step_requests:
-                self.step_requests.append((self.run, self.backend, so.step, rid, q, before[rid],
-                                           "context" if rid in ctx else "generation", rid in sampling))
-        for new in so.scheduled_new_reqs:
+        nst = so.num_scheduled_tokens
+        qs = list(nst.values())
+        kvs = [before[rid] + q for rid, q in nst.items()]
+        sum_q2 = sum(q * q for q in qs)
+        sum_q_kv = sum(q * kv for q, kv in zip(qs, kvs))
+        sum_kv = sum(kvs)
+        max_kv = max(kvs)
+        if self.record_step_requests:
+            mro = result.model_output
+            sampling = ({rid for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
+                        if mro is not None else set())
+            ctx = context_request_ids(so)
+            self.step_requests.extend(
+                (self.run, self.backend, so.step, rid, q, before[rid], "context" if rid in ctx else "generation",
+                 rid in sampling) for rid, q in nst.items())
+        for new in so.scheduled_new_reqs:  # only a new request can be scheduled for the first time
             trace = self.requests.get(new.req_id)
-            if trace is not None and trace.num_preemptions == 0:
-                trace.cached_tokens = new.num_computed_tokens
+            if trace is not None:
+                if trace.first_scheduled_s is None:
+                    trace.first_scheduled_s = t_start
+                if trace.num_preemptions == 0:
+                    trace.cached_tokens = new.num_computed_tokens
         for rid in so.preempted_order:
             trace = self.requests.get(rid)
             if trace is not None:

@@ -71,6 +71,7 @@ class _Common(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     priority: StrictInt = 0
+    return_tokens_as_token_ids: StrictBool = False  # vLLM extension: logprob tokens as "token_id:<id>"
 
 
 class CompletionRequest(_Common):
@@ -132,10 +133,11 @@ def bad_request_from(e: Exception, default_param: Optional[str] = None,
 def bad_request_from_validation(e: ValidationError) -> APIError:
     err = e.errors()[0]
     loc = [str(x) for x in err.get("loc", ())]
-    # drop pydantic's union-branch names (e.g. "str", "list[int]") from the location
-    fields = [x for x in loc if not (("[" in x) or x in ("str", "int", "float", "bool", "dict", "list"))]
-    param = ".".join(fields) if fields else (loc[0] if loc else None)
-    return APIError(f"{param}: {err.get('msg', 'invalid value')} (got {err.get('input')!r})", param)
+    param = loc[0] if loc else None  # the request's top-level field (pydantic adds union branches, indices)
+    where = ".".join(loc)
+    got = repr(err.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    return APIError(f"{param}: {err.get('msg', 'invalid value')} (at {where}, got {got})", param)
 
 
 # -- the server state ---------------------------------------------------------------------------------
@@ -353,8 +355,9 @@ class OpenAIServing:
                 base_id: str, aliases: Optional[dict[str, str]] = None) -> list[Any]:
         collectors = []
         try:
-            for i, prompt in enumerate(prompts):
-                collectors.append(engine.add_request(f"{base_id}-{i}", prompt, params, priority=priority))
+            with engine.client.batched():  # every prompt of the request reaches the engine together
+                for i, prompt in enumerate(prompts):
+                    collectors.append(engine.add_request(f"{base_id}-{i}", prompt, params, priority=priority))
         except ValueError as e:
             for c in collectors:
                 engine.abort(c.request_id)
@@ -427,7 +430,8 @@ class OpenAIServing:
                 completion_tokens += len(c.token_ids)
                 lp = None
                 if req.logprobs is not None:
-                    lp = _completion_logprobs(tok, c.token_ids, c.logprobs or [], req.logprobs, 0,
+                    lp = _completion_logprobs(None if req.return_tokens_as_token_ids else tok, c.token_ids,
+                                              c.logprobs or [], req.logprobs, 0,
                                               self._echo_logprob_prefix(final) if req.echo else None)
                 choices.append({"index": i * req.n + c.index, "text": echo + c.text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -463,7 +467,8 @@ class OpenAIServing:
                     lp = None
                     if req.logprobs is not None:
                         prefix = self._echo_logprob_prefix(out) if (first and req.echo) else None
-                        lp = _completion_logprobs(tok, new_ids, (c.logprobs or [])[n_tok:], req.logprobs,
+                        lp = _completion_logprobs(None if req.return_tokens_as_token_ids else tok, new_ids,
+                                                  (c.logprobs or [])[n_tok:], req.logprobs,
                                                   text_offset.get(key, 0), prefix)
                         if lp["tokens"]:
                             text_offset[key] = lp["text_offset"][-1] + len(lp["tokens"][-1])
@@ -539,6 +544,14 @@ class OpenAIServing:
                                      media_type="text/event-stream")
         return await _unless_disconnected(request, self._chat_full(req, outputs, request_id, created, model, tok))
 
+    @staticmethod
+    def _chat_echo(req: ChatCompletionRequest) -> str:
+        """vLLM's chat `echo`: prepend the last message when it is the assistant's (a continuation)."""
+        last = req.messages[-1]
+        if not req.echo or last.role != "assistant" or not isinstance(last.content, str):
+            return ""
+        return last.content
+
     def _chat_logprobs(self, tok: Any, token_ids: list[int], logprobs: list[dict[int, float]],
                        top_n: int) -> dict[str, Any]:
         content = []
@@ -561,10 +574,12 @@ class OpenAIServing:
         assert final is not None
         choices = []
         completion_tokens = 0
+        echo = self._chat_echo(req)
         for c in final.outputs:
             completion_tokens += len(c.token_ids)
-            lp = self._chat_logprobs(tok, c.token_ids, c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+            lp_tok = None if req.return_tokens_as_token_ids else tok
+            lp = self._chat_logprobs(lp_tok, c.token_ids, c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": echo + c.text},
                             "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         p = len(final.prompt_token_ids)
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
@@ -585,8 +600,8 @@ class OpenAIServing:
                          "choices": choices})
 
         try:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(req.n)])
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": self._chat_echo(req)},
+                          "logprobs": None, "finish_reason": None} for i in range(req.n)])
             async for _, out in outputs:
                 prompt_tokens = len(out.prompt_token_ids)
                 choices = []
@@ -599,7 +614,8 @@ class OpenAIServing:
                         continue
                     lp = None
                     if req.logprobs:
-                        lp = self._chat_logprobs(tok, new_ids, (c.logprobs or [])[n_tok:], req.top_logprobs or 0)
+                        lp = self._chat_logprobs(None if req.return_tokens_as_token_ids else tok, new_ids,
+                                                 (c.logprobs or [])[n_tok:], req.top_logprobs or 0)
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                     if c.finish_reason is not None:
                         finished.add(c.index)
