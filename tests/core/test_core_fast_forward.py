@@ -1,0 +1,91 @@
+"""`Scheduler.steady_decode_steps` / `fast_forward_decode` leave exactly the state of k normal steps."""
+from __future__ import annotations
+
+import pytest
+
+from core.outputs import ModelRunnerOutput
+
+from coretest_utils import check_block_accounting, create_scheduler, make_request, step
+
+
+def _build(block_size, caching, prompts, max_tokens, num_blocks):
+    s = create_scheduler(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
+                         max_num_batched_tokens=256, max_model_len=256)
+    for i, p in enumerate(prompts):
+        s.add_request(make_request(f"r{i}", p, max_tokens=max_tokens, arrival_time=float(i)))
+    step(s)  # all prefills in one step -> steady decode
+    return s
+
+
+def _state(s):
+    kv = s.kv_cache_manager
+    pool = kv.block_pool
+    table = {k: (sorted(v) if isinstance(v, dict) else [v.block_id])
+             for k, v in pool.cached_block_hash_to_block._cache.items()}
+    return dict(
+        running=[(r.request_id, r.num_computed_tokens, list(r.all_token_ids), list(r.block_hashes))
+                 for r in s.running],
+        blocks={rid: [b.block_id for b in bl] for rid, bl in kv.req_to_blocks.items()},
+        cached=dict(kv.num_cached_block),
+        free=[b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        pool=[(b.ref_cnt, b.block_hash) for b in pool.blocks],
+        table=table,
+        step=s.current_step,
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("tight", [True, False])
+def test_fast_forward_equals_step_by_step(block_size, caching, tight):
+    # tight: each request alone fits (51 tokens), all three together do not -> window cut by blocks
+    num_blocks = -(-51 // block_size) + 2 if tight else 200
+    shared = list(range(9))
+    prompts = [shared + [1, 2], shared + [3], [7] * 5]
+    fast = _build(block_size, caching, prompts, 40, num_blocks)
+    slow = _build(block_size, caching, prompts, 40, num_blocks)
+    assert _state(fast) == _state(slow)
+    k = fast.steady_decode_steps(30)
+    assert k == slow.steady_decode_steps(30)
+    if not tight:
+        assert k == 30  # plenty of blocks: limited only by `limit`
+    else:
+        assert 0 < k < 30  # cut where the free blocks run out
+    if k == 0:
+        return
+    rows = [r.request_id for r in fast.running]
+    tokens = [[100 + 7 * j + i for j in range(k)] for i in range(len(rows))]
+    free_after = fast.fast_forward_decode(k, tokens)
+    observed = []
+    for j in range(k):
+        so = slow.schedule()
+        assert list(so.num_scheduled_tokens.items()) == [(rid, 1) for rid in rows]
+        assert not so.preempted_order and not so.scheduled_new_reqs
+        observed.append(slow.kv_cache_manager.num_free_blocks)
+        out = ModelRunnerOutput(rows, {r: i for i, r in enumerate(rows)}, [[tokens[i][j]] for i in range(len(rows))])
+        outs = slow.update_from_output(so, out)
+        assert all(o.finish_reason is None for o in outs)
+    assert free_after == observed
+    assert _state(fast) == _state(slow)
+    check_block_accounting(fast.kv_cache_manager)
+
+
+def test_not_steady_when_waiting_or_async():
+    s = create_scheduler(num_blocks=100, block_size=4)
+    s.add_request(make_request("a", [1] * 5, max_tokens=10))
+    assert s.steady_decode_steps(10) == 0  # nothing running yet
+    step(s)
+    assert s.steady_decode_steps(10) > 0
+    s.add_request(make_request("b", [2] * 5, max_tokens=10))
+    assert s.steady_decode_steps(10) == 0  # a waiting request could be admitted
+    a = create_scheduler(num_blocks=100, block_size=4, async_scheduling=True)
+    a.add_request(make_request("a", [1] * 5, max_tokens=10))
+    step(a)
+    assert a.steady_decode_steps(10) == 0
+
+
+def test_steady_window_stops_before_length_cap():
+    s = create_scheduler(num_blocks=100, block_size=4)
+    s.add_request(make_request("a", [1] * 5, max_tokens=6))
+    step(s)  # 1 output; 5 more allowed, the last one finishes the request
+    assert s.steady_decode_steps(100) == 4
