@@ -69,7 +69,8 @@ class EngineCore:
             pso, pmro = self.batch_queue.pop()
             result.processed = pso
             result.outputs = scheduler.update_from_output(pso, pmro)
-        self.step_counter += 1
+        if result.scheduled is not None or result.processed is not None:
+            self.step_counter += 1  # a call with nothing to do is not a step
         return result
 
     def drain(self) -> list[StepResult]:
