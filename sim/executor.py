@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from typing import Optional
 
 from core.outputs import ModelRunnerOutput, SchedulerOutput, StepTiming
-from core.runner_state import RunnerState
 from sim.cost_model import CostModel, StepSummary
 from sim.hardware import HardwareSpec
 from sim.model_spec import ModelSpec
@@ -34,7 +33,8 @@ class SimExecutor:
                  cost_model: Optional[CostModel] = None) -> None:
         self.cost_model = cost_model or CostModel(model, hardware, tp=tp, cuda_graphs=cuda_graphs,
                                                   graph_sizes=graph_sizes, ipc=ipc)
-        self.state = RunnerState()
+        self.num_tokens: dict[str, int] = {}  # prompt + sampled tokens, as the runner knows them
+        self.num_prompt_tokens: dict[str, int] = {}
         self.eos_token_id = eos_token_id
         self.output_lengths: dict[str, int] = {}
         for rid, n in (output_lengths or {}).items():
@@ -49,42 +49,56 @@ class SimExecutor:
             raise ValueError(f"output_lengths[{request_id!r}]: must be an integer >= 1, got {n!r}")
         self.output_lengths[request_id] = n
 
+    def _update_token_counts(self, so: SchedulerOutput) -> None:
+        """The runner's view of each request's known tokens (prompt + sampled), from the output."""
+        counts, prompts = self.num_tokens, self.num_prompt_tokens
+        for rid in so.finished_req_ids:
+            counts.pop(rid, None)
+            prompts.pop(rid, None)
+            self.output_lengths.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            counts[new.req_id] = prompts[new.req_id] = len(new.prompt_token_ids)
+        cached = so.scheduled_cached_reqs
+        for rid in cached.resumed_req_ids:
+            counts[rid] = len(cached.all_token_ids[rid])
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        rows = self.state.update(scheduler_output)
+        so = scheduler_output
+        self._update_token_counts(so)
+        counts = self.num_tokens
+        before = so.num_computed_before
         forced_lengths = self.output_lengths
-        for rid in scheduler_output.finished_req_ids:
-            forced_lengths.pop(rid, None)
         eos = self.eos_token_id
-        base = scheduler_output.step * 7
+        base = so.step * 7
         sampled: list[list[int]] = []
         qs: list[int] = []
         ss: list[int] = []
         num_sampling = 0
-        for r, row in enumerate(rows):
-            q, s, state = row.num_scheduled, row.num_computed_before, row.state
+        for r, (rid, q) in enumerate(so.num_scheduled_tokens.items()):
+            s = before[rid]
             qs.append(q)
             ss.append(s)
-            tokens = state.token_ids
-            if s + q < len(tokens):  # a partial prefill samples nothing (ScheduledRow.samples)
+            n_tok = counts[rid]
+            if s + q < n_tok:  # a partial prefill samples nothing
                 sampled.append([])
                 continue
             num_sampling += 1
-            forced = forced_lengths.get(row.req_id) if forced_lengths else None
-            if forced is not None and len(tokens) - state.num_prompt_tokens + 1 >= forced:
+            forced = forced_lengths.get(rid) if forced_lengths else None
+            if forced is not None and n_tok - self.num_prompt_tokens[rid] + 1 >= forced:
                 tok = eos
             else:
                 tok = (base + r) % 1000 + 10  # fake_token(step, r)
                 if tok == eos:
                     tok += 1
             sampled.append([tok])
-            tokens.append(tok)  # RunnerState.append_sampled
+            counts[rid] = n_tok + 1
         summary = StepSummary.from_lists(qs, ss, num_sampling)
         self.last_summary = summary
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        if so.total_num_scheduled_tokens == 0:
             timing = StepTiming(duration_s=0.0)  # vLLM's runner returns at once: nothing runs
         else:
             timing = self.cost_model.predict(summary)
-        ids = [row.req_id for row in rows]
+        ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                                  sampled_token_ids=sampled, timing=timing)
 
@@ -97,24 +111,21 @@ class SimExecutor:
         for rid in req_ids:
             forced = self.output_lengths.get(rid)
             if forced is not None:
-                state = self.state.requests[rid]
-                outputs = len(state.token_ids) - state.num_prompt_tokens
+                outputs = self.num_tokens[rid] - self.num_prompt_tokens[rid]
                 k = min(k, forced - outputs - 1)  # the forced EOS is output number `forced`
         return max(k, 0)
 
     def fast_forward(self, req_ids: Sequence[str], first_step: int, k: int) -> list[list[int]]:
         """Tokens of `k` decode steps starting at engine step `first_step` (row = position in
-        `req_ids`), appended to the runner state exactly as `execute_model` would."""
+        `req_ids`), counted in the runner view exactly as `execute_model` would."""
         eos = self.eos_token_id
         out = []
-        requests = self.state.requests
+        counts = self.num_tokens
         for row, rid in enumerate(req_ids):
             toks = [((first_step + j) * 7 + row) % 1000 + 10 for j in range(k)]
             if eos is not None and eos in toks:
                 toks = [t + 1 if t == eos else t for t in toks]
-            state = requests[rid]
-            state.token_ids.extend(toks)
-            state.num_computed_tokens += k
+            counts[rid] += k
             out.append(toks)
         return out
 
