@@ -29,6 +29,8 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/scheduler_overhead.py
 	$(BIN)/python benchmarks/sim_speed.py
+	$(BIN)/python benchmarks/ipc_overhead.py
+	$(BIN)/python benchmarks/backend_throughput.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
