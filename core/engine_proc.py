@@ -328,6 +328,17 @@ def run_engine_core(args: Any, input_addr: str, output_addr: str, parent_pid: in
                 except Exception:  # noqa: BLE001
                     pass
             proc.close()
+            if not proc.parent_alive():
+                _remove_socket_dir(input_addr)  # the front end died and cannot clean up its temp dir
+
+
+def _remove_socket_dir(addr: str) -> None:
+    import shutil  # noqa: PLC0415
+
+    if addr.startswith("ipc://"):
+        d = os.path.dirname(addr[len("ipc://"):])
+        if os.path.basename(d).startswith("servetwin-engine-"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _send_startup_error(output_addr: str, e: BaseException) -> None:

@@ -1,0 +1,39 @@
+"""`servetwin serve` command line: options, engine-argument mapping, start-up errors."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from experiments.cli import build_parser
+from experiments.serve_cli import engine_args_from
+from frontend_utils import PY, REPO, free_port
+
+
+def test_serve_help_lists_server_and_engine_options(capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--model", "--backend", "--host", "--port", "--time-scale", "--max-num-seqs",
+                "--enable-prefix-caching", "--num-gpu-blocks", "--async-scheduling"):
+        assert opt in out, opt
+
+
+def test_engine_arguments_are_mapped_with_vllm_names():
+    ns = build_parser().parse_args(["serve", "--backend", "sim", "--model", "qwen3-8b", "--max-num-seqs", "7",
+                                    "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+                                    "--hardware", "h100-sxm", "--time-scale", "0.1"])
+    args = engine_args_from(ns)
+    assert (args.backend, args.model, args.max_num_seqs, args.enable_prefix_caching) == ("sim", "qwen3-8b", 7, False)
+    assert args.gpu_memory_utilization == 0.5 and args.hardware == "h100-sxm" and args.multiprocess
+    assert args.tokenizer == "toy" and ns.time_scale == 0.1  # fake / sim answer text through the toy tokenizer
+    ns = build_parser().parse_args(["serve", "--backend", "torch"])
+    assert engine_args_from(ns).tokenizer is None
+
+
+def test_engine_startup_error_exits_with_the_message():
+    res = subprocess.run([PY, "-m", "experiments.cli", "serve", "--backend", "fake", "--policy", "bogus",
+                          "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "servetwin serve: error: policy: must be 'fcfs' or 'priority'" in res.stderr
