@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gpu.models.config import DecoderConfig  # noqa: E402
-from gpu.models.spec import ModelSpec, spec_from_hf_config  # noqa: E402
+from core.model_spec import ModelSpec  # noqa: E402
 from gpu.models.tiny import TINY_BUILD_VERSION, TINY_MODELS, build_tiny_model  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ def resolve_model(name_or_path: str) -> ModelInfo:
         path=path,
         hf_config=hf_config,
         decoder_config=DecoderConfig.from_hf(hf_config),
-        spec=spec_from_hf_config(hf_config),
+        spec=ModelSpec.from_hf_config(path, name=str(name_or_path)),
         eos_token_ids=read_eos_token_ids(path, hf_config),
         has_tokenizer=any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")),
     )

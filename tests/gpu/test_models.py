@@ -24,7 +24,7 @@ def test_tiny_models_resolve_with_tokenizer_and_spec(name):
             spec.intermediate_size, spec.vocab_size) == (2, 64, 4, 2, 16, 128, TINY_VOCAB_SIZE)
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=torch.float32, local_files_only=True)
-    assert spec.num_params == sum(p.numel() for p in hf.parameters())
+    assert spec.num_parameters == sum(p.numel() for p in hf.parameters())
     assert spec.tie_word_embeddings == (name != "tiny-llama")
     assert info.decoder_config.qkv_bias == (name == "tiny-qwen2")
     assert info.decoder_config.qk_norm == (name == "tiny-qwen3")
@@ -112,5 +112,5 @@ def test_unsupported_architecture_is_rejected():
 def test_model_spec_numbers_for_simulator():
     spec = model_spec("tiny-qwen3")
     d = spec.to_dict()
-    assert d["num_params"] == spec.num_params and d["num_kv_heads"] == 2
+    assert d["num_parameters"] == spec.num_parameters and d["num_kv_heads"] == 2
     assert spec.kv_bytes_per_token(2) == 2 * 2 * 2 * 16 * 2
