@@ -1,7 +1,7 @@
 """KV blocks, the O(1) free-block queue, the hash->block map and the `BlockPool` (vLLM 0.33 placement)."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from core.hashing import make_block_hash_with_group_id
 
@@ -25,41 +25,71 @@ class KVCacheBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """Doubly-linked list threaded through the blocks; head = next to be reused or evicted."""
+    """Doubly-linked list threaded through the blocks; head = next to be reused or evicted.
 
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self.num_free_blocks = len(blocks)
+    Blocks never handed out yet can stay virtual: `fresh` is a range of block ids that sits, in id
+    order, where a marker node is in the list (vLLM's queue starts as every block in id order, so
+    never-used blocks are always one contiguous run). `make_block(id)` materialises one when it
+    reaches the head, so a pool of millions of blocks costs nothing until it is used.
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock], fresh: range = range(0),
+                 make_block: Optional[Callable[[int], KVCacheBlock]] = None) -> None:
         self.fake_head = KVCacheBlock(-1)
         self.fake_tail = KVCacheBlock(-1)
+        self._marker = KVCacheBlock(-2)
+        self._fresh_next, self._fresh_end = fresh.start, fresh.stop
+        self._make_block = make_block
+        nodes = list(blocks) + ([self._marker] if len(fresh) else [])
+        self.num_free_blocks = len(blocks) + len(fresh)
         prev = self.fake_head
-        for b in blocks:
+        for b in nodes:
             prev.next_free_block = b
             b.prev_free_block = prev
             prev = b
         prev.next_free_block = self.fake_tail
         self.fake_tail.prev_free_block = prev
 
+    def _take_fresh(self) -> KVCacheBlock:
+        block = self._make_block(self._fresh_next)
+        self._fresh_next += 1
+        if self._fresh_next == self._fresh_end:  # the virtual run is used up: drop its marker
+            marker = self._marker
+            marker.prev_free_block.next_free_block = marker.next_free_block
+            marker.next_free_block.prev_free_block = marker.prev_free_block
+            marker.prev_free_block = marker.next_free_block = None
+        self.num_free_blocks -= 1
+        return block
+
     def popleft(self) -> KVCacheBlock:
         first = self.fake_head.next_free_block
         if first is self.fake_tail or first is None:
             raise ValueError("No free blocks available")
+        if first is self._marker:
+            return self._take_fresh()
         self._unlink(first)
         return first
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} available")
-        out = []
-        cur = self.fake_head.next_free_block
-        for _ in range(n):
-            out.append(cur)
-            nxt = cur.next_free_block
-            cur.prev_free_block = cur.next_free_block = None
-            cur = nxt
-        self.fake_head.next_free_block = cur
-        cur.prev_free_block = self.fake_head
-        self.num_free_blocks -= n
-        return out
+        return [self.popleft() for _ in range(n)]
+
+    def expand_fresh(self) -> None:
+        """Materialise every virtual block in place (inspection helpers)."""
+        marker = self._marker
+        if marker.prev_free_block is None:
+            return
+        prev, nxt = marker.prev_free_block, marker.next_free_block
+        for i in range(self._fresh_next, self._fresh_end):
+            b = self._make_block(i)
+            prev.next_free_block = b
+            b.prev_free_block = prev
+            prev = b
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        marker.prev_free_block = marker.next_free_block = None
+        self._fresh_next = self._fresh_end
 
     def _unlink(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
@@ -100,6 +130,7 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        self.expand_fresh()
         out = []
         cur = self.fake_head.next_free_block
         while cur is not self.fake_tail:
@@ -158,11 +189,22 @@ class BlockPool:
             raise ValueError(f"num_gpu_blocks: need at least 2 blocks (one is the null block), got {num_gpu_blocks}")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self._blocks: list[KVCacheBlock] = []  # materialised blocks; _blocks[i].block_id == i
+        self.free_block_queue = FreeKVCacheBlockQueue([], range(num_gpu_blocks), self._new_block)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+
+    def _new_block(self, block_id: int) -> KVCacheBlock:
+        block = KVCacheBlock(block_id)
+        self._blocks.append(block)
+        return block
+
+    @property
+    def blocks(self) -> list[KVCacheBlock]:
+        """Every block, by id (materialises the never-used ones; meant for inspection)."""
+        self.free_block_queue.expand_fresh()
+        return self._blocks
 
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> Optional[list[KVCacheBlock]]:
         out = []
@@ -235,7 +277,7 @@ class BlockPool:
         if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
             return False
         self.cached_block_hash_to_block.clear()
-        for b in self.blocks:
+        for b in self._blocks:  # never-used blocks have no hash
             b.reset_hash()
         return True
 
