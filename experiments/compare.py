@@ -1,0 +1,657 @@
+"""`servetwin compare`: one workload on the simulator (predicted) and the torch backend (measured).
+
+Both backends get the same request list, engine settings, KV pool (`num_gpu_blocks` and
+`max_model_len` are taken from the torch engine and given to the simulator) and model dtype (the
+simulator's model spec uses the dtype the torch backend really runs). The simulator's hardware is the
+calibration file (`--calibration`, else the config's `hardware:`).
+
+Offline (every request at t = 0) both backends must schedule identical step sequences (same requests,
+same token counts, same computed-before counts, same preemptions) in every measured repeat: otherwise
+`CompositionMismatch` names the first differing step and nothing is scored. Then each step's predicted
+duration is paired with its measured one.
+
+Online (open-loop arrivals in wall time on the torch backend; the simulator replays the same arrival
+times) decisions may diverge because timing differs. The share of steps whose composition is
+identical at the same position is reported, request-latency percentiles are compared, and the
+per-step error is the cost model's prediction for each *measured* step's own composition.
+
+Errors are in percent: `abs_pct = |predicted - measured| / measured * 100`; `*_signed_pct_error` keep
+the sign (positive: the simulator predicts more). With `--repeats N` the torch backend runs N times
+(one warm-up run first, not scored): the headline step errors pool every (step, repeat) pair, the
+makespan / latency / throughput errors use the median over repeats of the measured value, and
+`noise` gives the same metrics measured-vs-measured between repeats (machine noise: the floor no
+model can beat).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from experiments.calibrate import load_average, set_torch_threads, step_phase_class, step_rows
+from experiments.schema import ConfigError, ExperimentConfig, load_yaml, validate_config
+
+PHASES = ("prefill", "decode", "mixed")
+CONTENDED_BELOW = 0.9
+TARGETS = {"step_p50": 5.0, "step_p90": 15.0, "makespan": 3.0, "e2e_p50": 5.0}
+LATENCIES = (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2e", "e2e_s"))
+
+
+class CompositionMismatch(ValueError):
+    """Offline step sequences of the two backends differ."""
+
+
+# -- config ---------------------------------------------------------------------------------------
+def load_compare_config(path: str, calibration: Optional[str] = None, overrides: Optional[list[str]] = None,
+                        requests: Optional[int] = None) -> ExperimentConfig:
+    """The experiment config with backends [sim, torch] and, if given, `hardware: <calibration>`."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from experiments.schema import apply_requests_override, parse_override, set_dotted  # noqa: PLC0415
+
+    p = Path(path)
+    raw = load_yaml(p)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: {p} must hold a mapping at the top level")
+    for text in overrides or []:
+        key, value = parse_override(text)
+        set_dotted(raw, key, value)
+    if requests is not None:
+        apply_requests_override(raw, requests)
+    if calibration is not None:
+        cal = Path(calibration).expanduser()
+        if not cal.is_file():
+            raise ConfigError(f"--calibration: file not found: {calibration}")
+        raw["hardware"] = str(cal.resolve())
+    raw["backends"] = ["sim", "torch"]
+    raw.pop("sweep", None)
+    import re  # noqa: PLC0415
+
+    return validate_config(raw, p.parent, default_name=re.sub(r"[^A-Za-z0-9._+=-]", "-", p.stem))
+
+
+def calibration_info(exp: ExperimentConfig) -> tuple[str, dict[str, Any]]:
+    """(the hardware used: file path or preset name, its provenance)."""
+    from sim.hardware import hardware_from_dict, load_hardware  # noqa: PLC0415
+
+    hw = exp.hardware
+    spec = hardware_from_dict(hw, "hardware") if isinstance(hw, dict) else load_hardware(hw)
+    label = hw if isinstance(hw, str) else f"inline mapping ({spec.name})"
+    return label, dict(spec.provenance or {})
+
+
+# -- engines ----------------------------------------------------------------------------------------
+def build_torch_engine(exp: ExperimentConfig):
+    from experiments.runner import create_engine  # noqa: PLC0415
+
+    return create_engine(exp, "torch")
+
+
+def sim_engine_args(exp: ExperimentConfig, torch_info) -> Any:
+    """The simulator's engine args: the config's, with the torch engine's pool, length and dtype."""
+    args = exp.engine_args("sim")
+    ex = torch_info.executor
+    dtype = str(getattr(ex, "dtype", "auto")).replace("torch.", "")
+    return dataclasses.replace(args, num_gpu_blocks=int(torch_info.num_gpu_blocks),
+                               max_model_len=int(torch_info.max_model_len), dtype=dtype,
+                               enforce_eager=args.enforce_eager or getattr(ex, "graph_runner", None) is None)
+
+
+def build_sim_engine(exp: ExperimentConfig, torch_info):
+    from core.engine_factory import create_engine_core  # noqa: PLC0415
+
+    args = sim_engine_args(exp, torch_info)
+    try:
+        return create_engine_core(args)
+    except ValueError as e:
+        raise ConfigError(f"engine: {e} [sim backend]") from None
+
+
+def _reset_executor(ex) -> None:
+    """Forget every request the executor's runner state holds (between repeats on one executor)."""
+    from core.runner_state import RunnerState  # noqa: PLC0415
+
+    state = getattr(ex, "state", None)
+    if state is None:
+        return
+    sampler = getattr(ex, "sampler", None)
+    if sampler is not None and hasattr(sampler, "forget"):
+        sampler.forget(list(state.requests))
+    ex.state = RunnerState()
+
+
+def warm_up(exp: ExperimentConfig, info, requests, n: int = 4, max_tokens: int = 4) -> float:
+    """A short unscored run of the first `n` prompts on a throwaway engine over the same executor."""
+    from core.engine_factory import create_engine_core  # noqa: PLC0415
+    from core.request import Request  # noqa: PLC0415
+    from core.sampling_params import SamplingParams  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    engine, _ = create_engine_core(exp.engine_args("torch"), info=info)
+    for i, r in enumerate(requests[:n]):
+        engine.add_request(Request(f"__warmup{i}", list(r.prompt_token_ids),
+                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+                                   arrival_time=0.0))
+    while engine.has_work():
+        engine.step()
+    _reset_executor(info.executor)
+    return time.perf_counter() - t0
+
+
+def cpu_timed(engine, cpu_s: dict[int, float]) -> None:
+    """Record the process CPU time of every engine step that scheduled work (`cpu_s[step]`): with one
+    torch thread, CPU time well below the step's wall time means other processes took the core."""
+    step = engine.step
+
+    def timed_step(*args, **kwargs):
+        c0 = time.process_time()
+        result = step(*args, **kwargs)
+        if result.scheduled is not None:
+            cpu_s[result.scheduled.step] = time.process_time() - c0
+        return result
+
+    engine.step = timed_step
+
+
+def calibration_probe(exp: ExperimentConfig, info, cost_model, repeats: int = 2) -> dict[str, Any]:
+    """A few fixed designed steps (single prefills of 32/128/256 tokens, decode batches of 4 and 8) on the
+    torch executor, scored with the simulator's cost model: how far the machine is, right now, from the
+    state it was calibrated in (a signed median near 0: as fast as then). Not part of the scored runs."""
+    from core.engine_factory import create_engine_core  # noqa: PLC0415
+    from core.trace import TraceRecorder  # noqa: PLC0415
+    from experiments.calibrate import CalibrationDesign, run_design  # noqa: PLC0415
+
+    tokens = info.num_gpu_blocks * exp.engine_args("torch").block_size
+    kv = max(16, min(128, tokens // 32))
+    design = CalibrationDesign(prefill_chunks=[c for c in (32, 128, 256) if c < tokens // 4], prefill_prefixes=[0],
+                               prefill_batches=[], partial_prefills=[], decode_batches=[4, 8], decode_kv=[kv],
+                               decode_steps=4, decode_shared=[], mixed=[], repeats=repeats, decode_repeats=1,
+                               max_num_batched_tokens=256, max_num_seqs=8, num_gpu_blocks=info.num_gpu_blocks)
+    args = dataclasses.replace(exp.engine_args("torch"), max_num_batched_tokens=256, max_num_seqs=8,
+                               enable_chunked_prefill=True, enable_prefix_caching=True)
+    _reset_executor(info.executor)
+    engine, _ = create_engine_core(args, info=info)
+    recorder = TraceRecorder("probe", "torch")
+    run_design(engine, recorder, design, info.vocab_size or 256, seed=99, warmup=False)
+    _reset_executor(info.executor)
+    frames = recorder.frames()
+    pred = predicted_durations(frames, cost_model)
+    meas = frames["steps"].duration_s.to_numpy(dtype=float)
+    signed = (pred - meas) / meas * 100.0
+    ok = np.isfinite(signed)
+    return {"steps": int(ok.sum()), "signed_pct_error_median": float(np.median(signed[ok])) if ok.any() else None,
+            "abs_pct_error": pct_stats(np.abs(signed[ok])),
+            "definition": "the calibrated cost model on fixed probe steps measured just before the scored runs; "
+                          "the signed median is the machine's drift since calibration (+: now faster than "
+                          "predicted) plus the model's own error on these shapes"}
+
+
+def run_torch(exp: ExperimentConfig, info, requests, offline: bool, run_name: str):
+    """One measured run; returns (recorder, wall seconds, rejected, per-step CPU seconds)."""
+    from core.engine_factory import create_engine_core  # noqa: PLC0415
+    from core.realtime import run_realtime  # noqa: PLC0415
+    from core.trace import TraceRecorder  # noqa: PLC0415
+
+    _reset_executor(info.executor)
+    engine, _ = create_engine_core(exp.engine_args("torch"), info=info)
+    cpu_s: dict[int, float] = {}
+    cpu_timed(engine, cpu_s)
+    recorder = TraceRecorder(run_name, "torch")
+    rejected: dict[str, str] = {}
+    reqs = [dataclasses.replace(r) for r in requests]
+    t0 = time.perf_counter()
+    run_realtime(engine, reqs, recorder, offline=offline, seed=exp.seed, rejected=rejected)
+    return recorder, time.perf_counter() - t0, rejected, cpu_s
+
+
+def run_sim(exp: ExperimentConfig, engine, requests, arrival, rng, run_name: str):
+    from sim.engine import Simulation  # noqa: PLC0415
+
+    sim = Simulation(engine, [dataclasses.replace(r) for r in requests], arrival, rng=rng, run=run_name,
+                     record_step_requests=True)
+    t0 = time.perf_counter()
+    sim.run()
+    return sim.recorder, time.perf_counter() - t0, dict(sim.result.rejected)
+
+
+# -- step composition ---------------------------------------------------------------------------------
+def step_signatures(frames: dict) -> list[tuple[int, tuple, int]]:
+    """Per recorded step: (step number, sorted (request, tokens, computed before) rows, preemptions)."""
+    steps, sr = frames["steps"], frames["step_requests"]
+    rows: dict[int, list[tuple[str, int, int]]] = {}
+    for step, rid, q, s in zip(sr.step.to_numpy(), sr.request_id.to_numpy(), sr.num_tokens.to_numpy(),
+                               sr.num_computed_before.to_numpy()):
+        rows.setdefault(int(step), []).append((str(rid), int(q), int(s)))
+    return [(int(step), tuple(sorted(rows.get(int(step), []))), int(npre))
+            for step, npre in zip(steps.step.to_numpy(), steps.num_preempted.to_numpy())]
+
+
+def _describe(sig: Optional[tuple], annotation: Optional[str]) -> str:
+    if sig is None:
+        return "no step (the run had ended)"
+    step, rows, npre = sig
+    shown = ", ".join(f"{rid}:{q}@{s}" for rid, q, s in rows[:8]) + (" ..." if len(rows) > 8 else "")
+    return f"engine step {step} {annotation or ''} [{shown}] preempted={npre}"
+
+
+def first_difference(sim_frames: dict, torch_frames: dict) -> Optional[tuple[int, str]]:
+    """None when the step sequences are identical, else (index, message naming the first differing step)."""
+    a, b = step_signatures(sim_frames), step_signatures(torch_frames)
+    ann_a = sim_frames["steps"].annotation.tolist()
+    ann_b = torch_frames["steps"].annotation.tolist()
+    for i in range(max(len(a), len(b))):
+        sa = a[i] if i < len(a) else None
+        sb = b[i] if i < len(b) else None
+        if sa != sb:
+            return i, (f"step sequences differ at recorded step #{i}: sim ran "
+                       f"{_describe(sa, ann_a[i] if i < len(ann_a) else None)}; torch ran "
+                       f"{_describe(sb, ann_b[i] if i < len(ann_b) else None)} "
+                       "(rows are request:tokens@computed_before)")
+    return None
+
+
+def identical_share(sim_frames: dict, torch_frames: dict) -> tuple[float, Optional[int]]:
+    """(share of positions with identical step composition over the longer sequence, first divergent index)."""
+    a, b = step_signatures(sim_frames), step_signatures(torch_frames)
+    n = max(len(a), len(b))
+    if n == 0:
+        return 1.0, None
+    same = [i < len(a) and i < len(b) and a[i][1:] == b[i][1:] for i in range(n)]
+    first = next((i for i, s in enumerate(same) if not s), None)
+    return float(sum(same)) / n, first
+
+
+# -- metrics --------------------------------------------------------------------------------------------
+def pct_stats(abs_pct: np.ndarray) -> dict[str, Any]:
+    a = np.asarray(abs_pct, dtype=float)
+    a = a[np.isfinite(a)]
+    if a.size == 0:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "max": None, "count": 0}
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(a.mean()),
+            "max": float(a.max()), "count": int(a.size)}
+
+
+def signed_pct(pred: float, meas: float) -> Optional[float]:
+    if pred is None or meas is None or not (math.isfinite(pred) and math.isfinite(meas)) or meas == 0:
+        return None
+    return (pred - meas) / meas * 100.0
+
+
+def _abs(x: Optional[float]) -> Optional[float]:
+    return None if x is None else abs(x)
+
+
+def phases_of(steps) -> np.ndarray:
+    return np.array([step_phase_class(int(c), int(g)) for c, g in
+                     zip(steps.num_context_reqs.to_numpy(), steps.num_generation_reqs.to_numpy())])
+
+
+def makespan(frames: dict) -> float:
+    st = frames["steps"]
+    return float(st.t_end_s.max()) if len(st) else 0.0
+
+
+def throughput(frames: dict) -> Optional[float]:
+    reqs = frames["requests"]
+    done = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")]
+    span = makespan(frames)
+    return float(done.prompt_tokens.sum() + done.output_tokens.sum()) / span if span > 0 else None
+
+
+def latency_percentiles(frames: dict) -> dict[str, dict[str, Optional[float]]]:
+    out = {}
+    reqs = frames["requests"]
+    for name, col in LATENCIES:
+        v = reqs[col].to_numpy(dtype=float)
+        v = v[np.isfinite(v)]
+        if v.size:
+            p50, p90, p99 = np.percentile(v, [50, 90, 99])
+            out[name] = {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(v.mean())}
+        else:
+            out[name] = {"p50": None, "p90": None, "p99": None, "mean": None}
+    return out
+
+
+def predicted_durations(frames: dict, cost_model) -> np.ndarray:
+    """The cost model's prediction for each recorded step's own composition (NaN where it has no rows)."""
+    from sim.cost_model import StepSummary  # noqa: PLC0415
+
+    nums, rows, _, _ = step_rows(frames["steps"], frames["step_requests"])
+    pred = {n: cost_model.predict(StepSummary.from_lists(qs, ss, ns)).duration_s for n, (qs, ss, ns) in zip(nums, rows)}
+    return np.array([pred.get(int(s), np.nan) for s in frames["steps"].step.to_numpy()])
+
+
+def _median(values: list[Optional[float]]) -> Optional[float]:
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    return float(np.median(v)) if v else None
+
+
+def _pairwise_noise(values: list[Optional[float]]) -> Optional[dict[str, float]]:
+    """|a - b| / b * 100 over ordered pairs of repeats (both orders): machine noise of one metric."""
+    v = [x for x in values if x is not None and math.isfinite(x) and x != 0]
+    if len(v) < 2:
+        return None
+    d = [abs(a - b) / b * 100.0 for a, b in itertools.permutations(v, 2)]
+    return {"mean": float(np.mean(d)), "max": float(np.max(d)), "pairs": len(d) // 2}
+
+
+def _pooled_step_noise(measured: np.ndarray) -> Optional[dict[str, Any]]:
+    """Per-step |m_i - m_j| / m_j over every ordered pair of repeats (measured: steps x repeats)."""
+    if measured.shape[1] < 2:
+        return None
+    d = [np.abs(measured[:, i] - measured[:, j]) / measured[:, j] * 100.0
+         for i, j in itertools.permutations(range(measured.shape[1]), 2)]
+    return pct_stats(np.concatenate(d))
+
+
+# -- the comparison -------------------------------------------------------------------------------------
+def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: Optional[int] = None,
+            plots: bool = True, config_path: Optional[str] = None, retry_contended: int = 0,
+            max_contended_share: float = 0.05, probe_steps: bool = True,
+            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
+    """Run the comparison, write comparison.json / comparison.md / plots / tables; returns the JSON dict.
+
+    Raises `CompositionMismatch` (offline) after writing the traces and a comparison.json marked
+    `identical_composition: false`.
+
+    `retry_contended`: a measured repeat in which more than `max_contended_share` of the steps lost
+    their CPU to other processes (see `contention`) is run again, at most this many times in all;
+    the discarded attempts are listed in `discarded_repeats` (default 0: every repeat counts)."""
+    from experiments.runner import write_json  # noqa: PLC0415
+    from experiments.workloads import build_requests  # noqa: PLC0415
+
+    if repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
+    os.makedirs(out_dir, exist_ok=True)
+    import yaml  # noqa: PLC0415
+
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+    cal_label, cal_prov = calibration_info(exp)
+    if threads is None and isinstance(cal_prov.get("torch_threads"), int):
+        threads = int(cal_prov["torch_threads"])
+    nthreads = set_torch_threads(threads)
+    cal_model = cal_prov.get("model")
+    notes: list[str] = []
+    if cal_prov.get("calibrated") and cal_model:
+        from sim.model_spec import load_model_spec  # noqa: PLC0415
+
+        try:
+            same = load_model_spec(cal_model).name == load_model_spec(exp.model).name
+        except ValueError:
+            same = str(cal_model) == str(exp.model)
+        if not same:
+            notes.append(f"the calibration was fitted for model {cal_model!r}, this config runs {exp.model!r}")
+    elif not cal_prov.get("calibrated"):
+        notes.append(f"hardware {cal_label!r} is not a calibration (uncalibrated coefficients)")
+    for n in notes:
+        log(f"compare: warning: {n}")
+    load_before = load_average()
+    t0 = time.perf_counter()
+    torch_engine, tinfo = build_torch_engine(exp)
+    del torch_engine  # each run builds its own EngineCore over this executor
+    ex = tinfo.executor
+    log(f"compare: torch engine ready in {time.perf_counter() - t0:.1f}s ({tinfo.num_gpu_blocks} KV blocks, "
+        f"dtype {str(getattr(ex, 'dtype', '?')).replace('torch.', '')}, "
+        f"attention {getattr(ex, 'attention_backend_name', '?')}, {nthreads} torch threads)")
+    run_dtype = str(getattr(ex, "dtype", "")).replace("torch.", "")
+    if cal_prov.get("calibrated") and cal_prov.get("dtype") and cal_prov["dtype"] != run_dtype:
+        notes.append(f"the calibration was measured in {cal_prov['dtype']}, the torch backend runs {run_dtype}")
+        log(f"compare: warning: {notes[-1]}")
+    sim_engine, sinfo = build_sim_engine(exp, tinfo)
+    cost_model = sinfo.executor.cost_model
+    requests, arrival, rng = build_requests(exp, tinfo.vocab_size)
+    from sim.arrivals import Offline  # noqa: PLC0415
+
+    offline = isinstance(arrival, Offline)
+    sim_rec, sim_wall, sim_rej = run_sim(exp, sim_engine, requests, arrival, rng, exp.name)
+    sim_frames = sim_rec.frames()
+    log(f"compare: sim {len(sim_frames['steps'])} steps, {makespan(sim_frames):.3f}s simulated in {sim_wall:.2f}s")
+    warm_s = warm_up(exp, tinfo, requests)
+    probe = calibration_probe(exp, tinfo, cost_model) if probe_steps else None
+    if probe:
+        log(f"compare: calibration probe: {probe['steps']} steps, signed median error "
+            f"{probe['signed_pct_error_median']:+.2f}%")
+    torch_frames: list[dict] = []
+    torch_walls: list[float] = []
+    discarded: list[dict[str, Any]] = []
+    while len(torch_frames) < repeats:
+        rec, wall, _, cpu_s = run_torch(exp, tinfo, requests, offline, exp.name)
+        fr = rec.frames()
+        st = fr["steps"]
+        st["cpu_s"] = [cpu_s.get(int(k), np.nan) for k in st.step.to_numpy()]
+        st["cpu_share"] = st.cpu_s / (st.duration_s * nthreads)
+        contended = float(np.mean(st.cpu_share.to_numpy(dtype=float) < CONTENDED_BELOW)) if len(st) else 0.0
+        r = len(torch_frames)
+        if contended > max_contended_share and len(discarded) < retry_contended:
+            discarded.append({"attempt": r + len(discarded) + 1, "contended_step_share": contended,
+                              "makespan_s": makespan(fr), "load_average": load_average()})
+            log(f"compare: torch repeat {r + 1}/{repeats}: {contended * 100:.0f}% of the steps lost their CPU to "
+                f"other processes; discarded, running it again ({len(discarded)}/{retry_contended})")
+            continue
+        torch_frames.append(fr)
+        torch_walls.append(wall)
+        log(f"compare: torch repeat {r + 1}/{repeats}: {len(st)} steps, {makespan(fr):.3f}s measured, "
+            f"{contended * 100:.0f}% contended steps")
+    load_after = load_average()
+    close = getattr(ex, "close", None)
+    if callable(close):
+        close()
+    # tables (torch_rN folders of an earlier comparison in the same folder go first)
+    import glob  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    for old in glob.glob(os.path.join(out_dir, "torch_r*")):
+        shutil.rmtree(old, ignore_errors=True)
+    sim_rec.write(os.path.join(out_dir, "sim"))
+    for r, fr in enumerate(torch_frames):
+        d = os.path.join(out_dir, "torch" if r == 0 else f"torch_r{r}")
+        os.makedirs(d, exist_ok=True)
+        for name, df in fr.items():  # the standard trace schema (the CPU columns go to steps_paired)
+            df = df.drop(columns=["cpu_s", "cpu_share"], errors="ignore")
+            df.to_parquet(os.path.join(d, f"{name}.parquet"), index=False)
+    base = {
+        "mode": "offline" if offline else "online",
+        "workload": {"requests": len(requests), "arrival": type(arrival).__name__}, "name": exp.name, "config": config_path,
+        "model": exp.model, "calibration": cal_label,
+        "calibration_provenance": {k: cal_prov.get(k) for k in ("source", "calibrated", "date", "device", "model",
+                                                                "dtype", "attention_backend", "cuda_graphs",
+                                                                "torch_threads", "samples", "versions")
+                                   if k in cal_prov},
+        "repeats": repeats, "torch_threads": nthreads, "units": "percent (abs_pct = |pred - meas| / meas * 100)",
+        "load_average": {"before": load_before, "after": load_after}, "notes": notes,
+        "num_gpu_blocks": int(tinfo.num_gpu_blocks), "max_model_len": int(tinfo.max_model_len),
+        "dtype": str(getattr(ex, "dtype", "")).replace("torch.", ""),
+        "attention_backend": getattr(ex, "attention_backend_name", None),
+        "wall_s": {"sim": sim_wall, "torch": torch_walls, "torch_warmup": warm_s},
+        "targets": TARGETS, "discarded_repeats": discarded, "calibration_probe": probe,
+        "retry_contended": {"retries": retry_contended, "max_contended_share": max_contended_share},
+    }
+    if offline:
+        for r, fr in enumerate(torch_frames):
+            diff = first_difference(sim_frames, fr)
+            if diff is not None:
+                idx, msg = diff
+                msg = (f"offline composition mismatch (torch repeat {r + 1}/{repeats}): {msg}")
+                result = dict(base, identical_composition=False, identical_step_share=identical_share(sim_frames, fr)[0],
+                              first_differing_step=idx, error=msg)
+                write_json(os.path.join(out_dir, "comparison.json"), result)
+                raise CompositionMismatch(msg)
+    result = _score(base, exp, sim_frames, torch_frames, cost_model, offline)
+    paired = result.pop("_paired")
+    paired.to_parquet(os.path.join(out_dir, "steps_paired.parquet"), index=False)
+    plot_paths = {}
+    if plots:
+        from experiments.compare_plots import comparison_plots  # noqa: PLC0415
+
+        plot_paths = comparison_plots(sim_frames, torch_frames, paired, out_dir)
+    result["plots"] = {k: os.path.basename(v) for k, v in plot_paths.items() if v}
+    write_json(os.path.join(out_dir, "comparison.json"), result)
+    from experiments.compare_report import write_comparison_md  # noqa: PLC0415
+
+    write_comparison_md(result, exp, out_dir)
+    return result
+
+
+def _score(base: dict, exp, sim_frames: dict, torch_frames: list[dict], cost_model, offline: bool) -> dict:
+    import pandas as pd  # noqa: PLC0415
+
+    R = len(torch_frames)
+    res = dict(base)
+    # per-step pairs
+    if offline:
+        pred = sim_frames["steps"].duration_s.to_numpy(dtype=float)
+        meas = np.stack([fr["steps"].duration_s.to_numpy(dtype=float) for fr in torch_frames], axis=1)
+        st = torch_frames[0]["steps"]
+        res["identical_composition"] = True
+        res["identical_step_share"] = 1.0
+        res["first_divergent_step"] = None
+        res["step_error_basis"] = "sim step vs the torch step at the same position (identical composition)"
+        repeat_of = None
+    else:
+        preds, meas_list, phase_list, rep_list = [], [], [], []
+        shares, firsts = [], []
+        for r, fr in enumerate(torch_frames):
+            p = predicted_durations(fr, cost_model)
+            preds.append(p)
+            meas_list.append(fr["steps"].duration_s.to_numpy(dtype=float))
+            rep_list.append(np.full(len(p), r))
+            share, first = identical_share(sim_frames, fr)
+            shares.append(share)
+            firsts.append(first)
+        res["identical_composition"] = all(s == 1.0 for s in shares)
+        res["identical_step_share"] = float(np.mean(shares))
+        res["identical_step_share_per_repeat"] = shares
+        res["first_divergent_step"] = firsts[0]
+        res["step_error_basis"] = ("cost model prediction for each measured torch step's own composition "
+                                   "(decisions diverge online, so steps are not paired with the sim's)")
+        pred = np.concatenate(preds)
+        meas = np.concatenate(meas_list)[:, None]
+        st = pd.concat([fr["steps"] for fr in torch_frames], ignore_index=True)
+        repeat_of = np.concatenate(rep_list)
+    phase = phases_of(st)
+    abs_pct = np.abs(pred[:, None] - meas) / meas * 100.0  # steps x repeats (online: x 1)
+    res["steps"] = int(len(pred))
+    res["step_counts"] = {"sim": int(len(sim_frames["steps"])), "torch": [int(len(fr["steps"])) for fr in torch_frames]}
+    res["step_abs_pct_error"] = pct_stats(abs_pct.ravel())
+    res["step_signed_pct_error_mean"] = float(np.nanmean((pred[:, None] - meas) / meas * 100.0)) if len(pred) else None
+    res["by_phase"] = {}
+    for ph in PHASES:
+        m = phase == ph
+        if m.any():
+            stats = pct_stats(abs_pct[m].ravel())
+            stats["signed_mean"] = float(np.nanmean(((pred[:, None] - meas) / meas * 100.0)[m]))
+            stats["share_of_measured_time"] = float(meas[m].sum() / meas.sum())
+            res["by_phase"][ph] = stats
+    if offline and R > 1:
+        med = np.median(meas, axis=1)
+        res["step_abs_pct_error_vs_median_of_repeats"] = pct_stats(np.abs(pred - med) / med * 100.0)
+    # makespan, throughput, latencies
+    pred_span = makespan(sim_frames)
+    spans = [makespan(fr) for fr in torch_frames]
+    meas_span = _median(spans)
+    res["makespan_s"] = {"predicted": pred_span, "measured": meas_span, "measured_per_repeat": spans}
+    res["makespan_signed_pct_error"] = signed_pct(pred_span, meas_span)
+    res["makespan_pct_error"] = _abs(res["makespan_signed_pct_error"])
+    busy = [float(fr["steps"].duration_s.sum()) for fr in torch_frames]
+    res["torch_time_between_steps_share"] = (None if not meas_span else
+                                             float(np.median([(s - b) / s for s, b in zip(spans, busy) if s > 0])))
+    pred_tp = throughput(sim_frames)
+    tps = [throughput(fr) for fr in torch_frames]
+    res["throughput_tok_s"] = {"predicted": pred_tp, "measured": _median(tps), "measured_per_repeat": tps}
+    res["throughput_signed_pct_error"] = signed_pct(pred_tp, _median(tps))
+    res["throughput_pct_error"] = _abs(res["throughput_signed_pct_error"])
+    pred_lat = latency_percentiles(sim_frames)
+    meas_lat_reps = [latency_percentiles(fr) for fr in torch_frames]
+    res["latency_s"] = {}
+    for name, _ in LATENCIES:
+        m = {q: _median([ml[name][q] for ml in meas_lat_reps]) for q in ("p50", "p90", "p99", "mean")}
+        res["latency_s"][name] = {"predicted": pred_lat[name], "measured": m,
+                                  "measured_per_repeat": [ml[name] for ml in meas_lat_reps]}
+        signed = {q: signed_pct(pred_lat[name][q], m[q]) for q in ("p50", "p90", "p99")}
+        res[f"{name}_signed_pct_error"] = signed
+        res[f"{name}_pct_error"] = {q: _abs(v) for q, v in signed.items()}
+    if offline:  # per-request pairs (same requests, same decisions)
+        sreq = sim_frames["requests"][["request_id", "e2e_s"]]
+        e2e = []
+        for fr in torch_frames:
+            j = sreq.merge(fr["requests"][["request_id", "e2e_s"]], on="request_id", suffixes=("_sim", "_torch"))
+            e2e.append(np.abs(j.e2e_s_sim - j.e2e_s_torch) / j.e2e_s_torch * 100.0)
+        res["request_e2e_abs_pct_error"] = pct_stats(np.concatenate([x.to_numpy(dtype=float) for x in e2e]))
+    # noise: measured vs measured between repeats
+    if R > 1:
+        noise: dict[str, Any] = {"repeats": R}
+        if offline:
+            noise["step_abs_pct_error"] = _pooled_step_noise(meas)
+            for ph in PHASES:
+                m = phase == ph
+                if m.any():
+                    noise.setdefault("by_phase", {})[ph] = _pooled_step_noise(meas[m])
+        noise["makespan_pct_error"] = _pairwise_noise(spans)
+        noise["throughput_pct_error"] = _pairwise_noise(tps)
+        for name, _ in LATENCIES:
+            noise[f"{name}_pct_error"] = {q: _pairwise_noise([ml[name][q] for ml in meas_lat_reps])
+                                          for q in ("p50", "p90", "p99")}
+        res["noise"] = noise
+    else:
+        res["noise"] = None
+    # per repeat headline figures
+    per = []
+    for r, fr in enumerate(torch_frames):
+        if offline:
+            a = abs_pct[:, r]
+        else:
+            a = abs_pct[repeat_of == r, 0]
+        lat = latency_percentiles(fr)
+        per.append({"repeat": r + 1, "step_abs_pct_error": pct_stats(a),
+                    "makespan_signed_pct_error": signed_pct(pred_span, spans[r]),
+                    "e2e_p50_signed_pct_error": signed_pct(pred_lat["e2e"]["p50"], lat["e2e"]["p50"]),
+                    "throughput_signed_pct_error": signed_pct(pred_tp, tps[r])})
+    res["per_repeat"] = per
+    e2e50 = res["e2e_pct_error"]["p50"]
+    res["meets_targets"] = {
+        "step_p50": res["step_abs_pct_error"]["p50"] is not None and res["step_abs_pct_error"]["p50"] <= TARGETS["step_p50"],
+        "step_p90": res["step_abs_pct_error"]["p90"] is not None and res["step_abs_pct_error"]["p90"] <= TARGETS["step_p90"],
+        "makespan": res["makespan_pct_error"] is not None and res["makespan_pct_error"] <= TARGETS["makespan"],
+        "e2e_p50": e2e50 is not None and e2e50 <= TARGETS["e2e_p50"],
+    }
+    # the paired table (one row per measured step and repeat)
+    rows = {"repeat": (np.repeat(np.arange(1, R + 1)[None, :], len(pred), axis=0).ravel() if offline
+                       else repeat_of + 1),
+            "step": (np.repeat(st.step.to_numpy()[:, None], R, axis=1).ravel() if offline else st.step.to_numpy()),
+            "annotation": (np.repeat(st.annotation.to_numpy()[:, None], R, axis=1).ravel() if offline
+                           else st.annotation.to_numpy()),
+            "phase": np.repeat(phase[:, None], R, axis=1).ravel() if offline else phase,
+            "total_tokens": (np.repeat(st.total_tokens.to_numpy()[:, None], R, axis=1).ravel() if offline
+                             else st.total_tokens.to_numpy()),
+            "num_reqs": (np.repeat(st.num_reqs.to_numpy()[:, None], R, axis=1).ravel() if offline
+                         else st.num_reqs.to_numpy()),
+            "t_start_s": (np.concatenate([fr["steps"].t_start_s.to_numpy() for fr in torch_frames]) if not offline
+                          else np.stack([fr["steps"].t_start_s.to_numpy() for fr in torch_frames], axis=1).ravel()),
+            "predicted_s": np.repeat(pred[:, None], R, axis=1).ravel() if offline else pred,
+            "measured_s": meas.ravel() if offline else meas[:, 0]}
+    rows["cpu_share"] = (np.stack([fr["steps"].cpu_share.to_numpy(dtype=float) for fr in torch_frames], axis=1).ravel()
+                         if offline else np.concatenate([fr["steps"].cpu_share.to_numpy(dtype=float)
+                                                         for fr in torch_frames]))
+    paired = pd.DataFrame(rows)
+    paired["signed_pct_error"] = (paired.predicted_s - paired.measured_s) / paired.measured_s * 100.0
+    paired["abs_pct_error"] = paired.signed_pct_error.abs()
+    share = paired.cpu_share.to_numpy(dtype=float)
+    full = share >= CONTENDED_BELOW
+    res["contention"] = {
+        "definition": (f"cpu_share = process CPU time of the step / (wall time x torch threads); a step with "
+                       f"cpu_share < {CONTENDED_BELOW} lost its core to other processes for part of the step"),
+        "median_cpu_share": float(np.nanmedian(share)) if share.size else None,
+        "contended_step_share": float(np.mean(~full)) if share.size else None,
+        "step_abs_pct_error_uncontended": pct_stats(paired.abs_pct_error.to_numpy()[full]),
+    }
+    res["_paired"] = paired
+    return res

@@ -1,0 +1,151 @@
+"""Shared helpers for the integration tests: run one workload through the sim and the torch backend,
+compare their traces and check the scheduler invariants on every step row."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import pandas as pd
+
+from core.engine_args import EngineArgs
+from core.engine_factory import create_engine_core
+from core.iteration import parse_annotation
+from core.trace import TraceRecorder
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# the step columns that are scheduling decisions (everything but run/backend and the clock)
+STEP_DECISION_COLUMNS = [
+    "step", "num_reqs", "num_context_reqs", "num_context_tokens", "num_generation_reqs",
+    "num_generation_tokens", "total_tokens", "annotation", "sum_q2", "sum_q_kv", "sum_kv", "max_kv",
+    "num_running", "num_waiting", "num_preempted", "num_finished", "kv_free_blocks", "kv_usage",
+    "prefix_queries", "prefix_hits",
+]
+STEP_REQUEST_DECISION_COLUMNS = ["step", "request_id", "num_tokens", "num_computed_before", "phase", "samples"]
+REQUEST_DECISION_COLUMNS = ["request_id", "parent_id", "prompt_tokens", "cached_tokens", "output_tokens",
+                            "num_preemptions", "finish_reason"]
+
+
+@dataclass
+class Scenario:
+    """Engine settings (EngineArgs names) and the workload, in offline order."""
+    engine: dict[str, Any]
+    requests: list[Any] = field(default_factory=list)  # sim.workload.WorkloadRequest, arrival_s == 0
+
+    def engine_args(self, backend: str) -> EngineArgs:
+        kw = dict(self.engine)
+        if backend == "torch":
+            kw.update(device="cpu", dtype="float32")
+        return EngineArgs.from_kwargs(model="tiny-llama", backend=backend, **kw)
+
+
+def run_sim(scenario: Scenario, fast_forward: bool = True) -> tuple[dict[str, pd.DataFrame], Any]:
+    from sim.arrivals import Offline  # noqa: PLC0415
+    from sim.engine import Simulation  # noqa: PLC0415
+
+    engine, info = create_engine_core(scenario.engine_args("sim"))
+    sim = Simulation(engine, [replace(r) for r in scenario.requests], Offline(), run="twin",
+                     fast_forward=fast_forward)
+    result = sim.run()
+    assert not result.rejected, result.rejected
+    assert not result.unfinished, result.unfinished
+    return sim.recorder.frames(), info
+
+
+def run_torch(scenario: Scenario) -> tuple[dict[str, pd.DataFrame], Any]:
+    from core.realtime import run_realtime  # noqa: PLC0415
+
+    engine, info = create_engine_core(scenario.engine_args("torch"))
+    recorder = TraceRecorder("twin", "torch")
+    rejected: dict[str, str] = {}
+    run_realtime(engine, [replace(r) for r in scenario.requests], recorder, offline=True, rejected=rejected)
+    assert not rejected, rejected
+    return recorder.frames(), info
+
+
+def _decisions(frames: dict[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    steps = frames["steps"][STEP_DECISION_COLUMNS].reset_index(drop=True)
+    sreq = (frames["step_requests"][STEP_REQUEST_DECISION_COLUMNS]
+            .sort_values(["step", "request_id"], kind="stable").reset_index(drop=True))
+    reqs = (frames["requests"][REQUEST_DECISION_COLUMNS]
+            .sort_values("request_id", kind="stable").reset_index(drop=True))
+    return steps, sreq, reqs
+
+
+def first_difference(a: pd.DataFrame, b: pd.DataFrame) -> str:
+    if len(a) != len(b):
+        return f"row counts differ: sim {len(a)} vs torch {len(b)}"
+    for i in range(len(a)):
+        ra, rb = a.iloc[i].to_dict(), b.iloc[i].to_dict()
+        if ra != rb:
+            diff = {k: (ra[k], rb.get(k)) for k in ra if ra[k] != rb.get(k)}
+            return f"row {i}: {diff} (sim, torch); sim row {ra}"
+    return "no difference"
+
+
+def assert_same_decisions(fs: dict[str, pd.DataFrame], ft: dict[str, pd.DataFrame]) -> None:
+    for name, a, b in zip(("steps", "step_requests", "requests"), _decisions(fs), _decisions(ft)):
+        assert a.equals(b), f"{name} differ between sim and torch: {first_difference(a, b)}"
+
+
+def check_step_invariants(frames: dict[str, pd.DataFrame], *, max_num_batched_tokens: int, max_num_seqs: int,
+                          num_gpu_blocks: int, max_model_len: int,
+                          expected_outputs: Optional[dict[str, int]] = None) -> None:
+    """Every step row and every request row of one trace obeys the scheduler's limits and the schema."""
+    steps, sreq, reqs = frames["steps"], frames["step_requests"], frames["requests"]
+    assert len(steps) > 0
+    assert steps.step.is_unique and steps.step.is_monotonic_increasing
+    usable = num_gpu_blocks - 1
+    per_step = {s: g for s, g in sreq.groupby("step")}
+    for row in steps.itertuples(index=False):
+        where = f"step {row.step} ({row.backend}): {row._asdict()}"
+        assert 0 < row.total_tokens <= max_num_batched_tokens, where
+        assert row.num_running <= max_num_seqs and row.num_reqs <= max_num_seqs, where
+        assert row.num_reqs <= row.num_running, where  # everything scheduled is running
+        assert row.num_context_tokens + row.num_generation_tokens == row.total_tokens, where
+        assert row.num_context_reqs + row.num_generation_reqs == row.num_reqs, where
+        # one token per decode (a request resumed after preemption recomputes as "generation")
+        assert row.num_generation_tokens >= row.num_generation_reqs, where
+        assert 0 <= row.kv_free_blocks <= usable, where
+        assert abs(row.kv_usage - (1.0 - row.kv_free_blocks / usable)) < 1e-9, where
+        assert 0 <= row.prefix_hits <= row.prefix_queries, where
+        assert 0 < row.max_kv <= row.sum_kv and row.max_kv <= max_model_len, where
+        assert row.sum_q2 <= row.sum_q_kv, where  # q <= kv for every request
+        ann = parse_annotation(row.annotation)
+        assert (ann.num_ctx_requests, ann.num_ctx_tokens, ann.num_generation_requests,
+                ann.num_generation_tokens) == (row.num_context_reqs, row.num_context_tokens,
+                                               row.num_generation_reqs, row.num_generation_tokens), where
+        g = per_step[row.step]
+        q = g.num_tokens
+        kv = g.num_computed_before + g.num_tokens
+        assert len(g) == row.num_reqs and g.request_id.is_unique, where
+        assert int(q.sum()) == row.total_tokens, where
+        assert int((q * q).sum()) == row.sum_q2 and int((q * kv).sum()) == row.sum_q_kv, where
+        assert int(kv.sum()) == row.sum_kv and int(kv.max()) == row.max_kv, where
+        ctx = g[g.phase == "context"]
+        assert len(ctx) == row.num_context_reqs and int(ctx.num_tokens.sum()) == row.num_context_tokens, where
+    assert set(per_step) == set(steps.step)
+    # per request: computed tokens grow chunk by chunk, restarting only after a preemption
+    prompt_len = dict(zip(reqs.request_id, reqs.prompt_tokens))
+    preemptions = dict(zip(reqs.request_id, reqs.num_preemptions))
+    for rid, g in sreq.sort_values("step", kind="stable").groupby("request_id"):
+        done, restarts = None, 0
+        for r in g.itertuples(index=False):
+            if done is not None and r.num_computed_before != done:
+                assert r.num_computed_before < done, (rid, r)
+                restarts += 1
+            done = r.num_computed_before + r.num_tokens
+            if preemptions[rid] > 0:
+                continue  # recomputation after a preemption may be chunked in either phase
+            if r.phase == "generation":
+                assert r.num_tokens == 1 and r.samples, (rid, r)
+            else:
+                # a prefill chunk samples exactly when it reaches the end of the prompt
+                assert r.samples == (done == prompt_len[rid]), (rid, r)
+        assert restarts <= preemptions[rid], (rid, restarts, preemptions[rid])
+    assert int(steps.num_preempted.sum()) == int(reqs.num_preemptions.sum())
+    assert int(steps.num_finished.sum()) == len(reqs)
+    assert (reqs.finish_reason == "length").all(), reqs
+    if expected_outputs is not None:
+        assert dict(zip(reqs.request_id, reqs.output_tokens)) == expected_outputs
