@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -580,7 +581,8 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
         "residuals": res, "design": design_dict,
         "load_average": {"before": load_before, "after": load_average()},
         "calibration_wall_s": round(time.perf_counter() - t_begin, 1),
-        "command": " ".join(["servetwin"] + sys.argv[1:]) if sys.argv and "servetwin" in sys.argv[0] else None,
+        "command": ("servetwin " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+                    if len(sys.argv) > 1 and sys.argv[1] == "calibrate" else None),
     }
     provenance.update(extra)
     doc = calibration_document(base, cal, provenance)

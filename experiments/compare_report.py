@@ -70,11 +70,11 @@ def write_comparison_md(res: dict[str, Any], exp, out_dir: str) -> str:
     ns = noise.get("step_abs_pct_error") or {}
     L += ["## Headline figures", ""]
     rows = [
-        ["per-step |error| p50", _p(s["p50"]), f"<= {res['targets']['step_p50']}%", _ok(res["meets_targets"]["step_p50"]),
+        ["per-step abs. error p50", _p(s["p50"]), f"<= {res['targets']['step_p50']}%", _ok(res["meets_targets"]["step_p50"]),
          _p(ns.get("p50"))],
-        ["per-step |error| p90", _p(s["p90"]), f"<= {res['targets']['step_p90']}%", _ok(res["meets_targets"]["step_p90"]),
+        ["per-step abs. error p90", _p(s["p90"]), f"<= {res['targets']['step_p90']}%", _ok(res["meets_targets"]["step_p90"]),
          _p(ns.get("p90"))],
-        ["per-step |error| mean", _p(s["mean"]), "", "", _p(ns.get("mean"))],
+        ["per-step abs. error mean", _p(s["mean"]), "", "", _p(ns.get("mean"))],
         ["makespan error", _signed(res["makespan_signed_pct_error"]), f"<= {res['targets']['makespan']}%",
          _ok(res["meets_targets"]["makespan"]), _p((noise.get("makespan_pct_error") or {}).get("mean"))],
         ["throughput error", _signed(res["throughput_signed_pct_error"]), "", "",

@@ -184,10 +184,11 @@ class Simulation:
             if not engine.has_work():
                 continue
             if self.fast_forward:
-                k, t_end = fast_forward(engine, self.recorder, env.now, env.peek())
-                if k:
-                    self.result.num_steps += k
-                    yield env.timeout(t_end - env.now)
+                durations = fast_forward(engine, self.recorder, env.now, env.peek())
+                if durations:
+                    self.result.num_steps += len(durations)
+                    for d in durations:
+                        yield env.timeout(d)
                     continue
             t0 = env.now
             result = engine.step()

@@ -16,20 +16,21 @@ from core.trace import TraceRecorder
 MAX_WINDOW = 4096
 
 
-def fast_forward(engine: EngineCore, recorder: TraceRecorder, t0: float, t_limit: float) -> tuple[int, float]:
-    """Returns (steps fast-forwarded, time at the end of the last one); (0, t0) when not applicable."""
+def fast_forward(engine: EngineCore, recorder: TraceRecorder, t0: float, t_limit: float) -> list[float]:
+    """Returns the durations of the steps fast-forwarded ([] when not applicable). The caller advances
+    its clock by each one in turn, so times add up exactly as they do step by step."""
     scheduler = engine.scheduler
     executor = engine.executor
     if engine.batch_queue or not hasattr(executor, "fast_forward"):
-        return 0, t0
+        return []
     running = scheduler.running
     ids = [r.request_id for r in running]
     k = scheduler.steady_decode_steps(MAX_WINDOW)
     if k < 2:
-        return 0, t0
+        return []
     k = executor.eos_free_steps(ids, k)
     if k < 2:
-        return 0, t0
+        return []
     starts = [r.num_computed_tokens for r in running]
     durations = executor.decode_step_durations(len(ids), sum(starts), k)
     t_starts, t_ends, t = [], [], t0
@@ -41,11 +42,11 @@ def fast_forward(engine: EngineCore, recorder: TraceRecorder, t0: float, t_limit
         t_ends.append(t)
     k = len(t_starts)
     if k < 2:
-        return 0, t0
+        return []
     first_step = engine.step_counter
     tokens = executor.fast_forward(ids, first_step, k)
     free_after = scheduler.fast_forward_decode(k, tokens)
     engine.step_counter += k
     recorder.on_decode_window(first_step, t_starts, t_ends, ids, starts, free_after,
                               scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
-    return k, t_ends[-1]
+    return durations[:k]

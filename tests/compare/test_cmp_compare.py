@@ -59,7 +59,7 @@ def test_offline_compare_identical_steps_and_all_keys(offline_run):
                  "latency_cdf.png", "steps_paired.parquet", "torch/steps.parquet", "torch_r1/steps.parquet"):
         assert (out / name).is_file(), name
     md = (out / "comparison.md").read_text()
-    assert "per-step |error| p50" in md and "Identical in every repeat: **True**" in md
+    assert "per-step abs. error p50" in md and "Identical in every repeat: **True**" in md
 
 
 def test_offline_pairs_match_the_traces_and_the_calibration(offline_run):
