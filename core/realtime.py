@@ -18,6 +18,7 @@ temperature 1 with `seed` (child i gets seed + i: reproducible, and the children
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -67,6 +68,7 @@ def run_realtime(engine: EngineCore, requests: Sequence[Any], recorder: TraceRec
     t0 = clock()
     nxt = 0
     idle = 0
+    seq = itertools.count()
 
     def admit(now: float) -> None:
         nonlocal nxt
@@ -86,7 +88,9 @@ def run_realtime(engine: EngineCore, requests: Sequence[Any], recorder: TraceRec
                 continue
             remaining[wreq.request_id] = len(reqs)
             for req in reqs:
-                req.arrival_time = arrival
+                # distinct stamps in submission order, as sim.engine gives them (vLLM's wall-clock
+                # stamps never tie; the priority policy breaks ties by arrival time)
+                req.arrival_time = arrival + next(seq) * 1e-9
                 engine.add_request(req)
                 recorder.on_arrival(req, arrival)
                 parent_of[req.request_id] = wreq.request_id

@@ -148,12 +148,6 @@ def test_sim_fast_forward_does_not_change_the_trace():
     assert_same_decisions(fast, slow)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/realtime.py offline mode stamps every request with arrival_time 0.0, so under the priority "
-    "policy equal-priority requests tie: the preemption victim max(running, key=(priority, arrival_time)) "
-    "becomes the OLDEST running request (first maximum) and the waiting heap falls back to request-id "
-    "order; sim.engine stamps arrival_s + seq*1e-9 (like vLLM's distinct wall-clock stamps) and preempts "
-    "the newest. Torch and sim traces then differ."))
 def test_priority_policy_with_equal_priorities_matches_between_backends():
     _warm_model()
     rng = np.random.default_rng(1)
