@@ -15,7 +15,8 @@ Systems:
    call with one `SamplingParams(temperature=0, ignore_eos=True, max_tokens=o_i)` per request.
 2. HF `generate` with padded static batching: requests are grouped - sorted by output length
    (longest first) and cut into batches of B = servetwin's max_num_seqs - so each batch's
-   `max_new_tokens` (its longest request) wastes little; prompts are left-padded
+   `max_new_tokens` (its longest request) wastes little (`--hf-grouping input` keeps request order
+   instead, a naive static batcher); prompts are left-padded
    (attention_mask), EOS is disabled (`generation_config.eos_token_id = None`, so no masking and no
    stopping) and every output is truncated to its request's length. Output tokens counted are the
    requested ones only; the wasted ones cost time but are not credited. attn_implementation="sdpa"
@@ -25,6 +26,12 @@ Systems:
    per-request max_new_tokens is why `generate_batch` - one max_new_tokens for all - is not used),
    max_requests_per_batch = B. Skipped with a message if the installed transformers lacks it or it
    fails.
+
+Timing: wall time of the generation only; the process CPU time (all threads) over the same span is
+printed too, and
+"x by cpu s" compares CPU seconds - on a shared machine other jobs inflate wall time (OpenMP threads
+spin at barriers when the cores are oversubscribed), so run it when `uptime` shows a quiet machine
+and compare the load averages printed beside each system.
 
 Equality: for greedy decoding the token ids of every request are compared with servetwin's; the
 fraction of requests that match exactly and the mean position of the first difference are printed
@@ -70,13 +77,13 @@ def run_servetwin(args, prompts, olens) -> dict[str, Any]:
     warm = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)]
     llm.generate([prompts[0][:32]], warm)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in olens]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     stats = llm.get_stats()
     llm.close()
-    return {"name": "servetwin (torch backend)", "wall_s": wall, "load_s": load_s, "tokens": tokens,
+    return {"name": "servetwin (torch backend)", "wall_s": wall, "cpu_s": cpu, "load_s": load_s, "tokens": tokens,
             "extra": f"max_num_seqs={args.batch_size}, {blocks} KV blocks, "
                      f"max_model_len={max_model_len}, preemptions={stats.get('num_preemptions')}"}
 
@@ -116,19 +123,24 @@ def run_hf_generate(args, prompts, olens, pad_id: int) -> dict[str, Any]:
         return [out[row, width:width + olens[i]].tolist() for row, i in enumerate(idx)]
 
     batch_generate([0])  # warm-up (small)
-    order = sorted(range(len(prompts)), key=lambda i: (-olens[i], i))
+    if args.hf_grouping == "length":
+        order = sorted(range(len(prompts)), key=lambda i: (-olens[i], i))
+    else:  # "input": batches in request order, as a naive static batcher would
+        order = list(range(len(prompts)))
     batches = [order[k:k + args.batch_size] for k in range(0, len(order), args.batch_size)]
     tokens: list[Optional[list[int]]] = [None] * len(prompts)
     generated = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for idx in batches:
         for i, toks in zip(idx, batch_generate(idx)):
             tokens[i] = toks
         generated += len(idx) * max(olens[i] for i in idx)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     del model
-    return {"name": "HF generate (padded batches)", "wall_s": wall, "load_s": load_s, "tokens": tokens,
-            "extra": f"batch={args.batch_size}, grouped by output length, left padding, "
+    return {"name": "HF generate (padded batches)", "wall_s": wall, "cpu_s": cpu, "load_s": load_s, "tokens": tokens,
+            "extra": f"batch={args.batch_size}, "
+                     + ("grouped by output length" if args.hf_grouping == "length" else "batches in input order")
+                     + ", left padding, "
                      f"{generated} tokens generated for {sum(olens)} requested "
                      f"({generated / sum(olens) - 1:.1%} waste)"}
 
@@ -169,14 +181,14 @@ def run_hf_continuous(args, prompts, olens) -> dict[str, Any]:
 
     try:
         run([prompts[0][:32]], [4], "warm")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tokens = run(prompts, olens, "req")
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     except Exception as e:  # noqa: BLE001 - report why, keep the other results
         return {"name": "HF continuous batching", "skipped": f"failed on this machine: {type(e).__name__}: {e}"}
     attn = getattr(model.config, "_attn_implementation", "?")
     del model
-    return {"name": "HF continuous batching", "wall_s": wall, "load_s": load_s, "tokens": tokens,
+    return {"name": "HF continuous batching", "wall_s": wall, "cpu_s": cpu, "load_s": load_s, "tokens": tokens,
             "extra": f"max_requests_per_batch={args.batch_size}, attention {attn}"}
 
 
@@ -206,6 +218,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--num-gpu-blocks", type=int, default=None, help="servetwin KV pool (default: fits a full batch)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--hf-grouping", choices=["length", "input"], default="length",
+                    help="HF generate batches: sorted by output length (default, the stronger baseline) or in "
+                         "input order (each batch runs to its longest request)")
     ap.add_argument("--cb-attn", default="sdpa", help="attn_implementation for HF continuous batching")
     ap.add_argument("--skip", action="append", default=[], choices=["hf", "cb"])
     ap.add_argument("--json", default=None, help="write the figures to this file")
@@ -228,10 +243,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def timed(fn, *a) -> dict[str, Any]:
         """Run one system; note the load average around it (other jobs on a shared machine skew it)."""
-        load0, cpu0 = os.getloadavg()[0], time.process_time()
+        load0 = os.getloadavg()[0]
         r = fn(*a)
         r["load"] = (load0, os.getloadavg()[0])
-        r["cpu_s"] = time.process_time() - cpu0
         msg = f"skipped: {r['skipped']}" if "skipped" in r else f"done in {r['wall_s']:.1f}s"
         print(f"  {r['name']} {msg} (load average {load0:.2f} -> {r['load'][1]:.2f})", flush=True)
         return r
@@ -250,7 +264,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         assert [len(t) for t in r["tokens"]] == olens, f"{r['name']}: output lengths differ from the requested ones"
         r["tok_s"] = out_tokens / r["wall_s"]
     print()
-    print(f"{'system':32s} {'wall s':>8s} {'out tok/s':>10s} {'servetwin x':>12s}  greedy ids equal to servetwin")
+    print(f"{'system':32s} {'wall s':>8s} {'out tok/s':>10s} {'servetwin x':>12s} {'cpu s':>8s} "
+          f"{'x by cpu s':>10s}  greedy ids equal to servetwin")
     summary: dict[str, Any] = {"requests": len(prompts), "output_tokens": out_tokens,
                                "prompt_tokens": sum(map(len, prompts)), "batch_size": args.batch_size,
                                "threads": torch.get_num_threads(), "systems": {}}
@@ -265,11 +280,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                                        + ("" if eq["mean_first_diff"] is None
                                           else f", first difference at {eq['mean_first_diff']:.0%} "
                                                "of the output on average where they differ"))
-        print(f"{r['name']:32s} {r['wall_s']:8.1f} {r['tok_s']:10.1f} {ratio:11.2f}x  {eq_s}")
+        cpu_ratio = r["cpu_s"] / ref["cpu_s"]
+        print(f"{r['name']:32s} {r['wall_s']:8.1f} {r['tok_s']:10.1f} {ratio:11.2f}x {r['cpu_s']:8.1f} "
+              f"{cpu_ratio:9.2f}x  {eq_s}")
         print(f"{'':32s} ({r['extra']}; model load {r['load_s']:.1f}s untimed; "
               f"load average {r['load'][0]:.2f} -> {r['load'][1]:.2f})")
         summary["systems"][r["name"]] = {"wall_s": r["wall_s"], "output_tok_s": r["tok_s"],
-                                         "servetwin_speedup": ratio, "equality": eq, "notes": r["extra"],
+                                         "servetwin_speedup": ratio, "cpu_s": r["cpu_s"],
+                                         "servetwin_speedup_by_cpu_time": cpu_ratio, "equality": eq, "notes": r["extra"],
                                          "load_average": r["load"]}
     targets = {"HF generate (padded batches)": 2.0, "HF continuous batching": 1.0}
     print()

@@ -74,8 +74,7 @@ def scenarios(draw) -> Scenario:
                                max_size=min(room, 40)))
         prompt = prefix + suffix
         out = draw(st.integers(1, min(24, max_model_len - len(prompt))))
-        # n > 1 only under fcfs: children share one priority and arrival (see the xfail test below)
-        n = draw(st.sampled_from([1, 1, 1, 2])) if policy == "fcfs" else 1
+        n = draw(st.sampled_from([1, 1, 1, 2]))  # n > 1: children share one priority and arrival
         requests.append(WorkloadRequest(f"r{i}", 0.0, prompt, out, n=n))
     # an arrival pattern (all at once, Poisson-like gaps or bursts) fixes only the offline order
     pattern = draw(st.sampled_from(["together", "gaps", "bursts"]))
@@ -85,10 +84,9 @@ def scenarios(draw) -> Scenario:
         times = np.cumsum(gaps)
         order = sorted(range(num_requests), key=lambda i: (int(times[i]), i))
         requests = [requests[i] for i in order]
-    if policy == "priority":  # distinct priorities: the heap order and the victim are unambiguous
-        prios = draw(st.permutations(list(range(num_requests))))
-        for r, p in zip(requests, prios):
-            r.priority = p
+    if policy == "priority":  # few levels, so equal priorities (ties broken by arrival order) are common
+        for r in requests:
+            r.priority = draw(st.integers(0, 2))
     return Scenario(engine, requests)
 
 
@@ -149,6 +147,9 @@ def test_sim_fast_forward_does_not_change_the_trace():
 
 
 def test_priority_policy_with_equal_priorities_matches_between_backends():
+    """Regression (fixed in core/realtime.py): offline torch runs stamped every request with arrival 0.0,
+    so equal-priority ties picked the oldest running request as the preemption victim where the sim
+    (and vLLM's distinct wall-clock stamps) pick the newest."""
     _warm_model()
     rng = np.random.default_rng(1)
     reqs = [WorkloadRequest(f"r{i}", 0.0, rng.integers(0, VOCAB, 40).tolist(), 40) for i in range(3)]
@@ -159,3 +160,33 @@ def test_priority_policy_with_equal_priorities_matches_between_backends():
     ft, _ = run_torch(sc)
     assert fs["steps"].num_preempted.sum() > 0  # the tie matters only when someone is preempted
     assert_same_decisions(fs, ft)
+
+
+def _one_token_last_chunk_scenario() -> Scenario:
+    """Budget 5: step 0 prefills a (3 tokens) and 2 of b's 3; step 1 runs a's first decode and b's LAST
+    prompt token - a one-token prefill chunk, i.e. a context request, not a decode."""
+    engine = dict(block_size=8, max_model_len=64, num_gpu_blocks=9, enable_chunked_prefill=True,
+                  max_num_batched_tokens=5, max_num_seqs=2, enable_prefix_caching=False)
+    return Scenario(engine, [WorkloadRequest("a", 0.0, [5, 6, 7], 4), WorkloadRequest("b", 0.0, [1, 2, 3], 4)])
+
+
+def test_one_token_last_prefill_chunk_is_context_in_torch_and_step_by_step_sim():
+    step_by_step, _ = run_sim(_one_token_last_chunk_scenario(), fast_forward=False)
+    _warm_model()
+    ft, _ = run_torch(_one_token_last_chunk_scenario())
+    for frames in (step_by_step, ft):
+        assert frames["steps"].annotation.iloc[1] == "execute_context_1(1)_generation_1(1)"
+    assert_same_decisions(step_by_step, ft)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "sim fast-forward treats a one-token final prefill chunk as a decode: core.scheduler."
+    "Scheduler.steady_decode_steps only checks len(_all_token_ids) - num_computed_tokens == 1, so a request "
+    "with 0 output tokens whose last prompt token is left (chunked prefill) enters the decode window and "
+    "sim.fast_forward -> TraceRecorder.on_decode_window records it as phase 'generation' (annotation "
+    "execute_context_0(0)_generation_2(2) instead of execute_context_1(1)_generation_1(1), and the step's "
+    "duration comes from decode_step_durations). Same tokens scheduled, different trace rows / cost."))
+def test_sim_fast_forward_matches_step_by_step_on_a_one_token_last_prefill_chunk():
+    fast, _ = run_sim(_one_token_last_chunk_scenario(), fast_forward=True)
+    slow, _ = run_sim(_one_token_last_chunk_scenario(), fast_forward=False)
+    assert_same_decisions(fast, slow)
