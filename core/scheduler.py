@@ -496,8 +496,8 @@ class Scheduler:
         for r in running:
             n_tok = len(r._all_token_ids)
             computed = r.num_computed_tokens
-            if n_tok - computed != 1 or r.num_output_placeholders:
-                return 0
+            if n_tok - computed != 1 or r.num_output_placeholders or not r._output_token_ids:
+                return 0  # not a decode (a 1-token last prefill chunk is a context request)
             if caching and kv.num_cached_block.get(r.request_id, 0) < min(computed, len(r.block_hashes) * bs) // bs:
                 return 0  # registration lags: let a normal step catch it up
             remaining = min(r.max_tokens - len(r._output_token_ids), self.max_model_len - n_tok)

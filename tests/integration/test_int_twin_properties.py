@@ -179,13 +179,6 @@ def test_one_token_last_prefill_chunk_is_context_in_torch_and_step_by_step_sim()
     assert_same_decisions(step_by_step, ft)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sim fast-forward treats a one-token final prefill chunk as a decode: core.scheduler."
-    "Scheduler.steady_decode_steps only checks len(_all_token_ids) - num_computed_tokens == 1, so a request "
-    "with 0 output tokens whose last prompt token is left (chunked prefill) enters the decode window and "
-    "sim.fast_forward -> TraceRecorder.on_decode_window records it as phase 'generation' (annotation "
-    "execute_context_0(0)_generation_2(2) instead of execute_context_1(1)_generation_1(1), and the step's "
-    "duration comes from decode_step_durations). Same tokens scheduled, different trace rows / cost."))
 def test_sim_fast_forward_matches_step_by_step_on_a_one_token_last_prefill_chunk():
     fast, _ = run_sim(_one_token_last_chunk_scenario(), fast_forward=True)
     slow, _ = run_sim(_one_token_last_chunk_scenario(), fast_forward=False)
