@@ -82,6 +82,7 @@ class TraceRecorder:
         self.step_requests: list[tuple] = []
         self.requests: dict[str, RequestTrace] = {}
         self._step_rows: dict[int, dict[str, Any]] = {}  # step -> row, until its output is processed
+        self._carried_preemptions = 0  # made in steps that scheduled nothing (no row of their own)
 
     def on_arrival(self, request: Request, arrival_s: float) -> None:
         self.requests[request.request_id] = RequestTrace(
@@ -96,8 +97,15 @@ class TraceRecorder:
 
     def _record_scheduled(self, result: StepResult, t_start: float, t_end: float) -> None:
         so, stats = result.scheduled, result.stats
+        for rid in so.preempted_order:
+            trace = self.requests.get(rid)
+            if trace is not None:
+                trace.num_preemptions += 1
         if so.total_num_scheduled_tokens == 0:
-            return  # an empty step that only reports finished requests: nothing ran
+            # nothing ran, so no row; a preemption made while scheduling it (async scheduling can
+            # preempt and then find nothing runnable) is carried to the next row
+            self._carried_preemptions += len(so.preempted_order)
+            return
         details = compute_iteration_details(so)
         before = so.num_computed_before
         nst = so.num_scheduled_tokens
@@ -122,10 +130,8 @@ class TraceRecorder:
                     trace.first_scheduled_s = t_start
                 if trace.num_preemptions == 0:
                     trace.cached_tokens = new.num_computed_tokens
-        for rid in so.preempted_order:
-            trace = self.requests.get(rid)
-            if trace is not None:
-                trace.num_preemptions += 1
+        num_preempted = len(so.preempted_order) + self._carried_preemptions
+        self._carried_preemptions = 0
         pcs = stats.prefix_cache_stats
         row = {
             "run": self.run, "backend": self.backend, "step": so.step, "t_start_s": t_start, "t_end_s": t_end,
@@ -136,7 +142,7 @@ class TraceRecorder:
             "total_tokens": so.total_num_scheduled_tokens, "annotation": details.annotation,
             "sum_q2": sum_q2, "sum_q_kv": sum_q_kv, "sum_kv": sum_kv, "max_kv": max_kv,
             "num_running": stats.num_running_reqs, "num_waiting": stats.num_waiting_reqs,
-            "num_preempted": len(so.preempted_order), "num_finished": 0,
+            "num_preempted": num_preempted, "num_finished": 0,
             "kv_free_blocks": stats.num_free_blocks, "kv_usage": stats.kv_cache_usage,
             "prefix_queries": pcs.queries + pcs.preempted_queries, "prefix_hits": pcs.hits + pcs.preempted_hits,
         }
@@ -177,12 +183,13 @@ class TraceRecorder:
                 "num_context_tokens": 0, "num_generation_reqs": num, "num_generation_tokens": num,
                 "total_tokens": num, "annotation": annotation, "sum_q2": num, "sum_q_kv": kv_sum,
                 "sum_kv": kv_sum, "max_kv": max_c + j + 1, "num_running": num, "num_waiting": 0,
-                "num_preempted": 0, "num_finished": 0, "kv_free_blocks": free,
+                "num_preempted": self._carried_preemptions if j == 0 else 0, "num_finished": 0, "kv_free_blocks": free,
                 "kv_usage": (1.0 - free / usable) if usable > 0 else 0.0, "prefix_queries": 0, "prefix_hits": 0})
             if self.record_step_requests:
                 step = first_step + j
                 self.step_requests.extend((self.run, self.backend, step, rid, 1, c + j, "generation", True)
                                           for rid, c in zip(req_ids, computed_before))
+        self._carried_preemptions = 0
         k = len(t_ends)
         for rid in req_ids:
             trace = self.requests.get(rid)
