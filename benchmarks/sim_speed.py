@@ -4,11 +4,16 @@ steps per second and requests per second.
 Target: >= 1000x real time; below 200x is reported as a failure. For scale, Vidur 0.0.26 manages
 about 15x on a similar workload on this machine class. Options run the same workload in sync
 scheduling (where the exact decode fast-forward applies) and with the fast-forward off.
-Usage: python benchmarks/sim_speed.py [--requests N] [--variants]
+`--breakdown` also runs the same requests (arrivals, prompts) with one output token each - the
+per-request and per-step floor (admission, prefix hashing, prefill, completion, one engine step per
+arrival) - and splits the wall time into that floor and the per-row cost of decode steps.
+
+Usage: python benchmarks/sim_speed.py [--requests N] [--variants] [--breakdown]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -24,12 +29,15 @@ from sim.engine import Simulation  # noqa: E402
 from sim.workload import build_workload, rng_streams  # noqa: E402
 
 
-def run_once(cfg: dict, requests: int, async_scheduling: bool, fast_forward: bool) -> dict:
+def run_once(cfg: dict, requests: int, async_scheduling: bool, fast_forward: bool,
+             max_tokens: int | None = None) -> dict:
     engine_kw = dict(cfg["engine"], async_scheduling=async_scheduling)
     args = EngineArgs.from_kwargs(model=cfg["model"], backend="sim", hardware=cfg["hardware"],
                                   skip_tokenizer_init=True, **engine_kw)
     engine, info = create_engine_core(args)
     spec, reqs = build_workload(dict(cfg["workload"], requests=requests), vocab_size=info.vocab_size)
+    if max_tokens is not None:
+        reqs = [dataclasses.replace(r, max_tokens=max_tokens) for r in reqs]
     sim = Simulation(engine, reqs, spec.arrival, rng=rng_streams(spec.seed)["runtime"],
                      record_step_requests=False, fast_forward=fast_forward)
     t0 = time.perf_counter()
@@ -37,6 +45,7 @@ def run_once(cfg: dict, requests: int, async_scheduling: bool, fast_forward: boo
     wall = time.perf_counter() - t0
     return {"simulated_s": res.end_time_s, "wall_s": wall, "steps": res.num_steps,
             "completed": len(res.completion_s), "x": res.end_time_s / wall,
+            "rows": sum(row["num_reqs"] for row in sim.recorder.steps),
             "steps_per_s": res.num_steps / wall, "req_per_s": len(res.completion_s) / wall}
 
 
@@ -45,6 +54,8 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "experiments/configs/bench_h100_llama8b.yaml"))
     ap.add_argument("--requests", type=int, default=None, help="override workload.requests")
     ap.add_argument("--variants", action="store_true", help="also sync scheduling, with and without fast-forward")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also the one-output-token floor run and the wall-time split")
     args = ap.parse_args()
     cfg = yaml.safe_load(open(args.config))
     n = args.requests or cfg["workload"]["requests"]
@@ -53,12 +64,34 @@ def main() -> None:
         cases += [("sync + fast-forward", False, True), ("sync, step by step", False, False)]
     print(f"{cfg['name']}: {n} requests, {cfg['model']} on {cfg['hardware']}")
     print(f"{'case':<22}{'simulated s':>12}{'wall s':>9}{'x real time':>13}{'steps/s':>10}{'req/s':>9}")
+    results = []
     for label, async_sched, ff in cases:
         r = run_once(cfg, n, async_sched, ff)
+        results.append(r)
         verdict = "" if r["x"] >= 1000 else ("  (below the 1000x target)" if r["x"] >= 200
                                              else "  (FAILURE: below 200x)")
         print(f"{label:<22}{r['simulated_s']:>12.1f}{r['wall_s']:>9.2f}{r['x']:>13.1f}"
               f"{r['steps_per_s']:>10.0f}{r['req_per_s']:>9.0f}{verdict}")
+    if args.breakdown:
+        breakdown(cfg, n, results[0])
+
+
+def breakdown(cfg: dict, n: int, full: dict) -> None:
+    """Wall time = floor (same requests, 1 output token) + the rows of the decode steps."""
+    async_sched = bool(cfg["engine"].get("async_scheduling", False))
+    floor = run_once(cfg, n, async_sched, True, max_tokens=1)
+    extra_rows = full["rows"] - floor["rows"]
+    per_row_us = (full["wall_s"] - floor["wall_s"]) / extra_rows * 1e6 if extra_rows > 0 else float("nan")
+    share = 1 - floor["wall_s"] / full["wall_s"]
+    print(f"\nbreakdown (as configured): {full['steps']} steps, {full['rows']:,} batch rows "
+          f"(request-steps), {full['completed']} requests")
+    print(f"  floor run (same arrivals and prompts, 1 output token each): {floor['wall_s']:.2f} s wall, "
+          f"{floor['steps']} steps, {floor['rows']:,} rows -> {floor['wall_s'] / n * 1e6:.0f} us per request "
+          "(admission, hashing, prefill, completion, its steps)")
+    print(f"  decode rows: {per_row_us:.2f} us per additional row, {share * 100:.0f}% of the wall time")
+    print(f"  ceiling if decode rows cost nothing: {full['simulated_s'] / floor['wall_s']:.0f}x real time; "
+          f"1000x needs the whole run in {full['simulated_s'] / 1000 * 1e3:.0f} ms, "
+          f"i.e. {full['simulated_s'] / 1000 / n * 1e6:.0f} us per request all included")
 
 
 if __name__ == "__main__":

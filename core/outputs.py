@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import msgspec
+
 
 @dataclass(slots=True)
 class NewRequestData:
@@ -85,8 +87,9 @@ class ModelRunnerOutput:
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct):
+    """One request's new tokens from one step (a msgspec Struct: built once per request per step,
+    where a dataclass's Python `__init__` showed in simulator profiles)."""
     request_id: str
     new_token_ids: list[int]
     finish_reason: Optional[int] = None  # core.request.FinishReason

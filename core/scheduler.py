@@ -317,7 +317,11 @@ class Scheduler:
 
     def _finalise(self, scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs,
                   preempted_reqs, req_to_new_blocks, num_scheduled_tokens) -> SchedulerOutput:
-        total = sum(num_scheduled_tokens.values())
+        """Build the `SchedulerOutput` (from the state before this step) and advance C optimistically
+        (vLLM's `_update_after_schedule`): running, then new, then resumed requests; in async mode a
+        sampling chunk gets an output placeholder."""
+        nst = num_scheduled_tokens
+        total = sum(nst.values())
         assert total <= self.max_num_scheduled_tokens
         assert len(self.running) <= self.max_num_running_reqs
         new_reqs_data = [
@@ -325,16 +329,27 @@ class Scheduler:
                            [b.block_id for b in req_to_new_blocks[r.request_id]], r.num_computed_tokens)
             for r in scheduled_new_reqs
         ]
+        async_sched = self.async_scheduling
+        before: dict[str, int] = {}
         cached = CachedRequestData()
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         computed_list, output_list = cached.num_computed_tokens, cached.num_output_tokens
-        for r in scheduled_running_reqs:
+        for r in scheduled_running_reqs:  # collect and advance in one pass (the hot loop)
             rid = r.request_id
             blocks = req_to_new_blocks[rid]
+            computed = r.num_computed_tokens
+            placeholders = r.num_output_placeholders
             req_ids.append(rid)
             new_block_ids.append([b.block_id for b in blocks] if blocks else None)
-            computed_list.append(r.num_computed_tokens)
-            output_list.append(len(r._output_token_ids) + r.num_output_placeholders)
+            computed_list.append(computed)
+            output_list.append(len(r._output_token_ids) + placeholders)
+            n = nst[rid]
+            before[rid] = computed
+            r.num_computed_tokens = computed = computed + n
+            r.num_in_flight_tokens += n
+            r.is_prefill_chunk = is_chunk = computed < len(r._all_token_ids) + placeholders
+            if async_sched and not is_chunk:
+                r.num_output_placeholders = placeholders + 1
         for r in scheduled_resumed_reqs:
             rid = r.request_id
             req_ids.append(rid)
@@ -346,22 +361,15 @@ class Scheduler:
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled_tokens,  # insertion order = scheduling order
+            num_scheduled_tokens=nst,  # insertion order = scheduling order
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.reset_preempted_req_ids,
             step=self.current_step - 1,
+            num_computed_before=before,
             preempted_order=[r.request_id for r in preempted_reqs],
         )
-        self._update_after_schedule(out, scheduled_running_reqs, scheduled_new_reqs, scheduled_resumed_reqs)
-        return out
-
-    def _update_after_schedule(self, out: SchedulerOutput, *scheduled_lists: list[Request]) -> None:
-        """Advance C optimistically; in async mode a sampling chunk gets an output placeholder."""
-        before = out.num_computed_before
-        nst = out.num_scheduled_tokens
-        async_sched = self.async_scheduling
-        for scheduled in scheduled_lists:
+        for scheduled in (scheduled_new_reqs, scheduled_resumed_reqs):
             for request in scheduled:
                 n = nst[request.request_id]
                 computed = request.num_computed_tokens
@@ -374,6 +382,7 @@ class Scheduler:
                     request.num_output_placeholders += 1
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
+        return out
 
     def _preempt_request(self, request: Request) -> None:
         assert request.status == RequestStatus.RUNNING, f"preempting a non-running request {request}"
@@ -401,6 +410,10 @@ class Scheduler:
         requests = self.requests
         max_model_len = self.max_model_len
         async_sched = self.async_scheduling
+        kv = self.kv_cache_manager
+        caching = kv.enable_caching
+        num_cached_block = kv.num_cached_block
+        block_size = self.block_size
         preempted_status = RequestStatus.PREEMPTED
         running_status = RequestStatus.RUNNING
         for rid, n in scheduler_output.num_scheduled_tokens.items():
@@ -417,18 +430,31 @@ class Scheduler:
             status_before = request.status
             new_token_ids = generated
             if generated:
-                if len(generated) == 1:
+                if len(generated) == 1:  # the hot path: check_stop and the async bookkeeping inlined
                     token = generated[0]
-                    request._output_token_ids.append(token)
+                    out_ids = request._output_token_ids
+                    out_ids.append(token)
                     all_ids = request._all_token_ids
                     all_ids.append(token)
                     if len(all_ids) >= request._next_hash_at:
                         request.hash_new_blocks()
-                    stopped = check_stop(request, max_model_len)
+                    sp = request.sampling_params
+                    if (token == sp._eos_token_id or (sp.stop_token_ids and token in sp.stop_token_ids)
+                            or len(all_ids) >= max_model_len or len(out_ids) >= request.max_tokens):
+                        stopped = check_stop(request, max_model_len)
+                    if async_sched:
+                        if request.num_stale_output_tokens:
+                            self._update_async_bookkeeping(request, 1, stopped)
+                        else:
+                            request.num_output_placeholders -= 1
+                            if caching and not stopped and status_before == running_status:
+                                known = request.num_computed_tokens - request.num_in_flight_tokens
+                                if known >= (num_cached_block.get(rid, 0) + 1) * block_size:
+                                    kv.cache_blocks(request, known)
                 else:
                     new_token_ids, stopped = self._update_request_with_output(request, generated, max_model_len)
-                if async_sched:
-                    self._update_async_bookkeeping(request, len(generated), stopped)
+                    if async_sched:
+                        self._update_async_bookkeeping(request, len(generated), stopped)
             if stopped:
                 self._free_request(request)
                 if status_before == running_status:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from core.engine_core import StepResult
-from core.iteration import compute_iteration_details, context_request_ids
+from core.iteration import IterationDetails, context_request_ids
 from core.request import Request
 
 STEP_COLUMNS = [
@@ -106,20 +106,25 @@ class TraceRecorder:
             # preempt and then find nothing runnable) is carried to the next row
             self._carried_preemptions += len(so.preempted_order)
             return
-        details = compute_iteration_details(so)
         before = so.num_computed_before
         nst = so.num_scheduled_tokens
-        qs = list(nst.values())
-        kvs = [before[rid] + q for rid, q in nst.items()]
-        sum_q2 = sum(q * q for q in qs)
-        sum_q_kv = sum(q * kv for q, kv in zip(qs, kvs))
-        sum_kv = sum(kvs)
-        max_kv = max(kvs)
+        ctx = context_request_ids(so)
+        n_ctx = t_ctx = sum_q2 = sum_q_kv = sum_kv = max_kv = 0
+        for rid, q in nst.items():  # one pass (hot): batch composition and the attention sums
+            kv = before[rid] + q
+            if rid in ctx:
+                n_ctx += 1
+                t_ctx += q
+            sum_q2 += q * q
+            sum_q_kv += q * kv
+            sum_kv += kv
+            if kv > max_kv:
+                max_kv = kv
+        details = IterationDetails(n_ctx, t_ctx, len(nst) - n_ctx, so.total_num_scheduled_tokens - t_ctx)
         if self.record_step_requests:
             mro = result.model_output
             sampling = ({rid for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
                         if mro is not None else set())
-            ctx = context_request_ids(so)
             self.step_requests.extend(
                 (self.run, self.backend, so.step, rid, q, before[rid], "context" if rid in ctx else "generation",
                  rid in sampling) for rid, q in nst.items())
@@ -152,15 +157,20 @@ class TraceRecorder:
     def _record_processed(self, result: StepResult) -> None:
         row = self._step_rows.pop(result.processed.step, None)
         t_token = row["t_end_s"] if row is not None else None
+        requests = self.requests
         for out in result.outputs:
-            trace = self.requests.get(out.request_id)
+            trace = requests.get(out.request_id)
             if trace is None:
                 continue
-            if out.new_token_ids and t_token is not None:
+            num_new = len(out.new_token_ids)
+            if num_new and t_token is not None:
                 if trace.first_token_s is None:
                     trace.first_token_s = t_token
-                trace.token_times.extend([t_token] * len(out.new_token_ids))
-                trace.output_tokens += len(out.new_token_ids)
+                if num_new == 1:
+                    trace.token_times.append(t_token)
+                else:
+                    trace.token_times.extend([t_token] * num_new)
+                trace.output_tokens += num_new
             if out.finish_reason is not None:
                 trace.finish_reason = str(out.finish_reason)
                 trace.finish_s = t_token

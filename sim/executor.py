@@ -67,39 +67,50 @@ class SimExecutor:
         self._update_token_counts(so)
         counts = self.num_tokens
         before = so.num_computed_before
-        forced_lengths = self.output_lengths
+        forced_lengths = self.output_lengths or None
         eos = self.eos_token_id
         base = so.step * 7
         sampled: list[list[int]] = []
-        qs: list[int] = []
-        ss: list[int] = []
-        num_sampling = 0
-        for r, (rid, q) in enumerate(so.num_scheduled_tokens.items()):
+        append = sampled.append
+        p_reqs = p_q = p_q2 = p_qs = p_kv = d_reqs = d_s = num_sampling = 0
+        r = -1
+        for rid, q in so.num_scheduled_tokens.items():  # one pass: tokens and the step's sums
+            r += 1
             s = before[rid]
-            qs.append(q)
-            ss.append(s)
+            if q == 1:
+                d_reqs += 1
+                d_s += s
+            else:
+                p_reqs += 1
+                p_q += q
+                p_q2 += q * q
+                p_qs += q * s
+                p_kv += s + q
             n_tok = counts[rid]
             if s + q < n_tok:  # a partial prefill samples nothing
-                sampled.append([])
+                append([])
                 continue
             num_sampling += 1
-            forced = forced_lengths.get(rid) if forced_lengths else None
+            forced = forced_lengths.get(rid) if forced_lengths is not None else None
             if forced is not None and n_tok - self.num_prompt_tokens[rid] + 1 >= forced:
                 tok = eos
             else:
                 tok = (base + r) % 1000 + 10  # fake_token(step, r)
                 if tok == eos:
                     tok += 1
-            sampled.append([tok])
+            append([tok])
             counts[rid] = n_tok + 1
-        summary = StepSummary.from_lists(qs, ss, num_sampling)
+        summary = StepSummary(num_reqs=r + 1, num_tokens=p_q + d_reqs, num_sampling=num_sampling,
+                              prefill_reqs=p_reqs, prefill_sum_q=p_q, prefill_sum_q2=p_q2,
+                              prefill_sum_q_s=p_qs, prefill_sum_kv=p_kv, decode_reqs=d_reqs,
+                              decode_sum_kv=d_s + d_reqs)
         self.last_summary = summary
         if so.total_num_scheduled_tokens == 0:
             timing = StepTiming(duration_s=0.0)  # vLLM's runner returns at once: nothing runs
         else:
             timing = self.cost_model.predict(summary)
         ids = list(so.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index=dict(zip(ids, range(len(ids)))),
                                  sampled_token_ids=sampled, timing=timing)
 
     # -- exact fast-forward of steady decode steps -----------------------------------------------
