@@ -2,8 +2,9 @@
 steps per second and requests per second.
 
 Target: >= 1000x real time; below 200x is reported as a failure. For scale, Vidur 0.0.26 manages
-about 15x on a similar workload on this machine class. Options run the same workload in sync
-scheduling (where the exact decode fast-forward applies) and with the fast-forward off.
+about 15x on a similar workload on this machine class. The simulator runs steady decodes implicitly
+(core/lazy_decode.py, exact); `--variants` also runs without them, and in sync scheduling with the
+decode fast-forward (sim/fast_forward.py) and step by step.
 `--breakdown` also runs the same requests (arrivals, prompts) with one output token each - the
 per-request and per-step floor (admission, prefix hashing, prefill, completion, one engine step per
 arrival) - and splits the wall time into that floor and the per-row cost of decode steps.
@@ -30,7 +31,7 @@ from sim.workload import build_workload, rng_streams  # noqa: E402
 
 
 def run_once(cfg: dict, requests: int, async_scheduling: bool, fast_forward: bool,
-             max_tokens: int | None = None) -> dict:
+             max_tokens: int | None = None, lazy_decode: bool = True) -> dict:
     engine_kw = dict(cfg["engine"], async_scheduling=async_scheduling)
     args = EngineArgs.from_kwargs(model=cfg["model"], backend="sim", hardware=cfg["hardware"],
                                   skip_tokenizer_init=True, **engine_kw)
@@ -39,7 +40,7 @@ def run_once(cfg: dict, requests: int, async_scheduling: bool, fast_forward: boo
     if max_tokens is not None:
         reqs = [dataclasses.replace(r, max_tokens=max_tokens) for r in reqs]
     sim = Simulation(engine, reqs, spec.arrival, rng=rng_streams(spec.seed)["runtime"],
-                     record_step_requests=False, fast_forward=fast_forward)
+                     record_step_requests=False, fast_forward=fast_forward, lazy_decode=lazy_decode)
     t0 = time.perf_counter()
     res = sim.run()
     wall = time.perf_counter() - t0
@@ -59,14 +60,17 @@ def main() -> None:
     args = ap.parse_args()
     cfg = yaml.safe_load(open(args.config))
     n = args.requests or cfg["workload"]["requests"]
-    cases = [("as configured", bool(cfg["engine"].get("async_scheduling", False)), True)]
+    async_cfg = bool(cfg["engine"].get("async_scheduling", False))
+    cases = [("as configured", async_cfg, True, True)]
     if args.variants:
-        cases += [("sync + fast-forward", False, True), ("sync, step by step", False, False)]
+        cases += [("  no implicit decodes", async_cfg, True, False),
+                  ("sync", False, True, True), ("sync + fast-forward", False, True, False),
+                  ("sync, step by step", False, False, False)]
     print(f"{cfg['name']}: {n} requests, {cfg['model']} on {cfg['hardware']}")
     print(f"{'case':<22}{'simulated s':>12}{'wall s':>9}{'x real time':>13}{'steps/s':>10}{'req/s':>9}")
     results = []
-    for label, async_sched, ff in cases:
-        r = run_once(cfg, n, async_sched, ff)
+    for label, async_sched, ff, lazy in cases:
+        r = run_once(cfg, n, async_sched, ff, lazy_decode=lazy)
         results.append(r)
         verdict = "" if r["x"] >= 1000 else ("  (below the 1000x target)" if r["x"] >= 200
                                              else "  (FAILURE: below 200x)")

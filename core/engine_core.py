@@ -24,6 +24,7 @@ class StepResult:
     stats: Optional[SchedulerStats] = None  # right after `scheduled` was built
     processed: Optional[SchedulerOutput] = None
     outputs: list[EngineCoreOutput] = field(default_factory=list)
+    lazy_flushed: Optional[list] = None  # core.lazy_decode.LazyFlush: tokens of earlier implicit steps
 
     @property
     def finished(self) -> list[EngineCoreOutput]:
@@ -56,6 +57,8 @@ class EngineCore:
         if scheduler.has_requests():
             so = scheduler.schedule()
             so.step = self.step_counter if step_index is None else step_index
+            if scheduler.lazy is not None and scheduler.lazy.flushed:
+                result.lazy_flushed = scheduler.lazy.take_flushed()
             result.scheduled = so
             result.stats = scheduler.make_stats()
             mro = self.executor.execute_model(so)

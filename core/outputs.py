@@ -50,6 +50,8 @@ class SchedulerOutput:
     # per scheduled request, computed tokens *before* this step and whether the chunk samples.
     num_computed_before: dict[str, int] = field(default_factory=dict)
     preempted_order: list[str] = field(default_factory=list)
+    scheduler_step: int = 0  # the scheduler's own step index (`step` is renumbered by the engine)
+    lazy: Any = None  # core.lazy_decode.LazyStep: implicit decode rows (simulator only), else None
 
     @property
     def is_empty(self) -> bool:

@@ -15,6 +15,7 @@ from core.config import CacheConfig, SchedulerConfig
 from core.hashing import get_hash_fn_by_name, get_request_block_hasher
 from core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from core.kv_sizing import cdiv
+from core.lazy_decode import LazyDecodes, LazyFlush, LazyTokenSource
 from core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                           SchedulerOutput)
 from core.request import Request, RequestStatus
@@ -47,6 +48,10 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
+
+
+def _running_seq(request: Request) -> int:
+    return request.running_seq
 
 
 class UnservableRequestError(ValueError):
@@ -86,6 +91,9 @@ class Scheduler:
         self.current_step = 0
         self.num_preemptions_total = 0
         self._num_preempted_since_stats = 0
+        self._running_seq = 0
+        self._last_updated_step = -1  # scheduler step of the last output processed
+        self.lazy: Optional[LazyDecodes] = None  # implicit steady decodes (simulator speed), off by default
 
     # -- requests in and out -----------------------------------------------------------------
     def check_servable(self, request: Request) -> None:
@@ -123,10 +131,15 @@ class Scheduler:
         elif isinstance(request_ids, str):
             request_ids = (request_ids,)
         running_to_remove, waiting_to_remove, finished = set(), [], []
+        lazy = self.lazy
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None or request.is_finished():
                 continue
+            if lazy is not None:
+                if rid in lazy.members:
+                    lazy.materialise(lazy.members[rid], self.current_step, self._last_updated_step)
+                lazy.forget(rid)
             if request.status == RequestStatus.RUNNING:
                 running_to_remove.add(rid)
             else:
@@ -173,6 +186,13 @@ class Scheduler:
         return threshold
 
     def schedule(self) -> SchedulerOutput:
+        if self.lazy is not None:
+            so = self._schedule_lazy()
+            if so is not None:
+                return so
+        return self._schedule()
+
+    def _schedule(self) -> SchedulerOutput:
         self.current_step += 1
         kv = self.kv_cache_manager
         token_budget = self.max_num_scheduled_tokens
@@ -265,6 +285,119 @@ class Scheduler:
         return self._finalise(scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs,
                               preempted_reqs, req_to_new_blocks, num_scheduled_tokens)
 
+    # -- implicit steady decodes (core/lazy_decode.py) -----------------------------------------
+    def enable_lazy_decode(self, source: LazyTokenSource) -> None:
+        """Schedule steady decodes implicitly (exact; for executors that implement `source`)."""
+        self.lazy = LazyDecodes(source, self.block_size, self.max_model_len, self.async_scheduling,
+                                self.kv_cache_manager.enable_caching)
+
+    def flush_lazy(self) -> list[LazyFlush]:
+        """Materialise every member (between steps); returns every flush not yet taken."""
+        if self.lazy is None:
+            return []
+        self._materialise_all()
+        return self.lazy.take_flushed()
+
+    def _materialise_all(self) -> None:
+        lazy = self.lazy
+        for m in list(lazy.members.values()):
+            lazy.nonmembers[m.request.request_id] = lazy.materialise(m, self.current_step, self._last_updated_step)
+
+    def _schedule_lazy(self) -> Optional[SchedulerOutput]:
+        """A step with implicit members, or None (after materialising them all) when the normal code
+        could clip or preempt someone this step."""
+        lazy = self.lazy
+        step = self.current_step
+        kv = self.kv_cache_manager
+        req_to_blocks = kv.req_to_blocks
+        num_cached_block = kv.num_cached_block
+        for m in lazy.due(step):  # members with an event take the normal path this step
+            r = lazy.materialise(m, step, self._last_updated_step)
+            lazy.nonmembers[r.request_id] = r
+        if not lazy.members:
+            lazy.nonmembers = {r.request_id: r for r in self.running}
+        k = len(lazy.members)
+        threshold = self._long_prefill_threshold()
+        eager = sorted(lazy.nonmembers.values(), key=_running_seq)
+        demand, blocks_needed = self._running_demand(eager, threshold)
+        if (k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)
+                or blocks_needed > kv.block_pool.free_block_queue.num_free_blocks):
+            self._materialise_all()  # their flushes stay queued for the engine
+            return None
+
+        self.current_step += 1
+        token_budget = self.max_num_scheduled_tokens - k
+        input_budget = self.max_num_batched_tokens - k
+        max_model_len = self.max_model_len
+        block_size = self.block_size
+        caching = kv.enable_caching
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        req_to_new_blocks: dict[str, list] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+        # The running pass of `_schedule` over the non-members, in running order. The checks above
+        # guarantee no budget clips anyone and every allocation succeeds (so there is no preemption).
+        # A decode row whose KV work (a new block, a block registered) was its only event goes
+        # implicit for this very step once that work is done.
+        for request in eager:
+            n = self._running_tokens(request, threshold, max_model_len)
+            if n <= 0:
+                continue
+            rid = request.request_id
+            computed = request.num_computed_tokens
+            blocks = req_to_blocks.get(rid)
+            if blocks is not None and computed + n <= len(blocks) * block_size:
+                new_blocks = []
+                if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
+                    kv.cache_blocks(request, min(computed + n, len(request._all_token_ids)))
+            else:
+                new_blocks = kv.allocate_slots(request, n)
+                if new_blocks is None:
+                    raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
+            token_budget -= n
+            input_budget -= n
+            if n == 1 and lazy.try_join(request, step, len(req_to_blocks[rid]), num_cached_block.get(rid, 0)):
+                del lazy.nonmembers[rid]
+                continue
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[rid] = new_blocks
+            num_scheduled_tokens[rid] = n
+        self._schedule_waiting(threshold, token_budget, input_budget, scheduled_new_reqs,
+                               scheduled_resumed_reqs, req_to_new_blocks, num_scheduled_tokens)
+        lazy_step = lazy.step_aggregates(step)
+        so = self._finalise(scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs, [],
+                            req_to_new_blocks, num_scheduled_tokens)
+        if lazy_step is not None:
+            so.total_num_scheduled_tokens += lazy_step.num_reqs
+            so.lazy = lazy_step
+        return so
+
+    @staticmethod
+    def _running_tokens(request: Request, threshold: int, max_model_len: int) -> int:
+        """Tokens the running pass gives `request` when no budget binds (0: it is skipped)."""
+        computed = request.num_computed_tokens
+        placeholders = request.num_output_placeholders
+        if placeholders and computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
+            return 0
+        n = len(request._all_token_ids) + placeholders - computed
+        if 0 < threshold < n:
+            n = threshold
+        return min(n, max_model_len - computed - 1)
+
+    def _running_demand(self, requests: list[Request], threshold: int) -> tuple[int, int]:
+        """Tokens and new KV blocks the running pass would give `requests` with unlimited budget."""
+        tokens = blocks = 0
+        bs = self.block_size
+        req_to_blocks = self.kv_cache_manager.req_to_blocks
+        for r in requests:
+            n = self._running_tokens(r, threshold, self.max_model_len)
+            if n > 0:
+                tokens += n
+                held = req_to_blocks.get(r.request_id)
+                blocks += max(0, cdiv(r.num_computed_tokens + n, bs) - (len(held) if held else 0))
+        return tokens, blocks
+
     def _schedule_waiting(self, threshold: int, token_budget: int, input_budget: int,
                           scheduled_new_reqs: list[Request], scheduled_resumed_reqs: list[Request],
                           req_to_new_blocks: dict, num_scheduled_tokens: dict[str, int]) -> None:
@@ -300,6 +433,10 @@ class Scheduler:
             waiting.pop_request()
             self.deferred_waiting.discard(request.request_id)
             self.running.append(request)
+            self._running_seq += 1
+            request.running_seq = self._running_seq
+            if self.lazy is not None:
+                self.lazy.nonmembers[request.request_id] = request
             if request.status == RequestStatus.WAITING:
                 scheduled_new_reqs.append(request)
             elif request.status == RequestStatus.PREEMPTED:
@@ -366,6 +503,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.reset_preempted_req_ids,
             step=self.current_step - 1,
+            scheduler_step=self.current_step - 1,
             num_computed_before=before,
             preempted_order=[r.request_id for r in preempted_reqs],
         )
@@ -416,13 +554,18 @@ class Scheduler:
         block_size = self.block_size
         preempted_status = RequestStatus.PREEMPTED
         running_status = RequestStatus.RUNNING
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
+        items = scheduler_output.num_scheduled_tokens.items()
+        lazy = self.lazy
+        pending = None
+        if lazy is not None and lazy.pending_update:
+            items, pending = self._merge_pending_outputs(scheduler_output, lazy)
+        for rid, n in items:
             request = requests.get(rid)
             if request is None or request.status > preempted_status:
                 continue  # finished or aborted while the step was executing
             request.num_in_flight_tokens -= n
             i = index.get(rid)
-            generated = sampled[i] if i is not None else ()
+            generated = sampled[i] if i is not None else (pending.get(rid, ()) if pending else ())
             plp = prompt_logprobs.get(rid) if prompt_logprobs else None
             if not generated and plp is None:
                 continue  # a non-final prefill chunk samples nothing
@@ -471,9 +614,26 @@ class Scheduler:
                 request.num_cached_tokens if request.num_cached_tokens > 0 else 0))
         if stopped_running:
             self.running = [r for r in self.running if r.request_id not in stopped_running]
+            if lazy is not None:
+                for rid in stopped_running:
+                    lazy.forget(rid)
         if stopped_preempted:
             self.waiting.remove_requests(stopped_preempted)
+        self._last_updated_step = scheduler_output.scheduler_step
         return outputs
+
+    def _merge_pending_outputs(self, so: SchedulerOutput, lazy: LazyDecodes):
+        """This output's rows plus the members materialised since it was scheduled (async: their
+        token of this step is still to be applied), in running order like a normal step's rows."""
+        pending = {r.request_id: [token] for r, token in lazy.pending_update}
+        lazy.pending_update = []
+        requests = self.requests
+
+        def running_order(item: tuple[str, int]) -> int:
+            r = requests.get(item[0])
+            return r.running_seq if r is not None else -1
+        items = sorted([*so.num_scheduled_tokens.items(), *((rid, 1) for rid in pending)], key=running_order)
+        return items, pending
 
     def _update_async_bookkeeping(self, request: Request, num_generated: int, stopped: bool) -> None:
         """Returned tokens replace placeholders (or stale ones of a preempted request); only KV known
@@ -510,7 +670,7 @@ class Scheduler:
         """
         running = self.running
         if (limit <= 0 or self.async_scheduling or self.waiting or not running or self.finished_req_ids
-                or self.reset_preempted_req_ids):
+                or self.reset_preempted_req_ids or self.lazy is not None):
             return 0
         num = len(running)
         if num > self.max_num_scheduled_tokens or num > self.max_num_batched_tokens:
@@ -612,6 +772,8 @@ class Scheduler:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         if reset_running_requests:
+            if self.lazy is not None:
+                self._materialise_all()
             while self.running:
                 request = self.running.pop()
                 self._preempt_request(request)

@@ -83,6 +83,7 @@ class TraceRecorder:
         self.requests: dict[str, RequestTrace] = {}
         self._step_rows: dict[int, dict[str, Any]] = {}  # step -> row, until its output is processed
         self._carried_preemptions = 0  # made in steps that scheduled nothing (no row of their own)
+        self._t_end_by_step: dict[int, float] = {}  # scheduler step -> t_end, for steps with implicit rows
 
     def on_arrival(self, request: Request, arrival_s: float) -> None:
         self.requests[request.request_id] = RequestTrace(
@@ -90,6 +91,8 @@ class TraceRecorder:
 
     def on_step(self, result: StepResult, t_start: float, t_end: float) -> None:
         so = result.scheduled
+        if result.lazy_flushed:
+            self.on_lazy_flush(result.lazy_flushed)
         if so is not None:
             self._record_scheduled(result, t_start, t_end)
         if result.processed is not None:
@@ -120,7 +123,17 @@ class TraceRecorder:
             sum_kv += kv
             if kv > max_kv:
                 max_kv = kv
-        details = IterationDetails(n_ctx, t_ctx, len(nst) - n_ctx, so.total_num_scheduled_tokens - t_ctx)
+        num_reqs = len(nst)
+        lazy = so.lazy
+        if lazy is not None:  # implicit decode rows (core/lazy_decode.py): q = 1 after s tokens
+            num_reqs += lazy.num_reqs
+            sum_q2 += lazy.num_reqs
+            kv_lazy = lazy.sum_computed_before + lazy.num_reqs
+            sum_q_kv += kv_lazy
+            sum_kv += kv_lazy
+            max_kv = max(max_kv, lazy.max_computed_before + 1)
+            self._t_end_by_step[so.scheduler_step] = t_end
+        details = IterationDetails(n_ctx, t_ctx, num_reqs - n_ctx, so.total_num_scheduled_tokens - t_ctx)
         if self.record_step_requests:
             mro = result.model_output
             sampling = ({rid for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
@@ -140,7 +153,7 @@ class TraceRecorder:
         pcs = stats.prefix_cache_stats
         row = {
             "run": self.run, "backend": self.backend, "step": so.step, "t_start_s": t_start, "t_end_s": t_end,
-            "duration_s": t_end - t_start, "num_reqs": len(so.num_scheduled_tokens),
+            "duration_s": t_end - t_start, "num_reqs": num_reqs,
             "num_context_reqs": details.num_ctx_requests, "num_context_tokens": details.num_ctx_tokens,
             "num_generation_reqs": details.num_generation_requests,
             "num_generation_tokens": details.num_generation_tokens,
@@ -206,6 +219,17 @@ class TraceRecorder:
             if trace is not None:
                 trace.token_times.extend(t_ends)
                 trace.output_tokens += k
+
+    def on_lazy_flush(self, flushes: list) -> None:
+        """Tokens of implicit steps (core.lazy_decode.LazyFlush), applied when the request was
+        materialised: each token's time is its step's end, as for any other token."""
+        t_end = self._t_end_by_step
+        for f in flushes:
+            trace = self.requests.get(f.request_id)
+            if trace is None:
+                continue
+            trace.token_times.extend([t_end[s] for s in range(f.first_step, f.first_step + f.num_tokens)])
+            trace.output_tokens += f.num_tokens
 
     def on_abort(self, request_id: str, t: float) -> None:
         trace = self.requests.get(request_id)

@@ -75,15 +75,22 @@ class Simulation:
                  arrival: ArrivalProcess, *, rng: Optional[np.random.Generator] = None,
                  run: str = "sim", eos_token_id: int = DEFAULT_EOS_TOKEN_ID,
                  max_time_s: Optional[float] = None, record_step_requests: bool = True,
-                 fast_forward: bool = True) -> None:
+                 fast_forward: bool = True, lazy_decode: bool = True) -> None:
         self.env = simpy.Environment()
         self.engine = engine
         self.requests = list(requests)
         self.arrival = arrival
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.max_time_s = max_time_s
-        self.fast_forward = fast_forward
         self.recorder = TraceRecorder(run, "sim", record_step_requests=record_step_requests)
+        # Implicit steady decodes (core/lazy_decode.py): exact, and they make the per-request step rows
+        # implicit, so only without `step_requests`; they replace the (sync-only) decode fast-forward.
+        ex = engine.executor
+        self.lazy_decode = bool(lazy_decode and not record_step_requests and hasattr(ex, "lazy_tokens")
+                                and getattr(ex, "token_rule", None) == "request")
+        if self.lazy_decode:
+            engine.scheduler.enable_lazy_decode(ex)
+        self.fast_forward = fast_forward and not self.lazy_decode
         self.eos_token_id = eos_token_id
         self._inbox: list[_Pending] = []
         self._seq = -1
@@ -219,6 +226,8 @@ class Simulation:
         else:
             self.env.run()
         self.result.end_time_s = float(self.env.now)
+        if self.lazy_decode:  # tokens of requests still running when the run was cut
+            self.recorder.on_lazy_flush(self.engine.scheduler.flush_lazy())
         done = set(self.result.completion_s) | set(self.result.rejected)
         self.result.unfinished = [r.request_id for r in self.requests if r.request_id not in done]
         return self.result

@@ -1,15 +1,21 @@
 """`SimExecutor`: executes a `SchedulerOutput` with fake tokens and a predicted step duration.
 
-Tokens follow `core.executor.FakeExecutor`'s rule (row r of step k samples `(7k + r) % 1000 + 10`),
-so a simulated run produces the same tokens as the recorded oracle. A request never samples EOS
-(a fake token that happens to equal `eos_token_id` is moved to the next id) unless its forced output
-length is reached: with `output_lengths[request_id] = n`, the n-th output token is `eos_token_id`
-(the scheduler then stops it, provided its sampling params carry that EOS id). Otherwise requests
-finish by `max_tokens`. The timing is `CostModel.predict` of the step's rows (0 s for an empty
-`SchedulerOutput`, which vLLM's runner returns at once); the host clock is never read.
+Token rules (`token_rule`):
+- "request" (default): the k-th output token of a request is `(7k + salt) % 1000 + 10`, with a salt
+  from the request id - a function of the request alone, so the tokens of steps the scheduler runs
+  implicitly (`core/lazy_decode.py`) can be produced late, and batch composition never changes them;
+- "oracle": `core.executor.FakeExecutor`'s rule (row r of step k samples `(7k + r) % 1000 + 10`), the
+  tokens of the recorded vLLM oracle (no implicit decodes with this rule).
+A request never samples EOS (a fake token that happens to equal `eos_token_id` is moved to the next
+id) unless its forced output length is reached: with `output_lengths[request_id] = n`, the n-th
+output token is `eos_token_id` (the scheduler then stops it, provided its sampling params carry that
+EOS id). Otherwise requests finish by `max_tokens`. The timing is `CostModel.predict` of the step's
+rows, implicit ones included (0 s for an empty `SchedulerOutput`, which vLLM's runner returns at
+once); the host clock is never read.
 """
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
@@ -19,9 +25,21 @@ from sim.hardware import HardwareSpec
 from sim.model_spec import ModelSpec
 
 
+TOKEN_RULES = ("request", "oracle")
+
+
 def fake_token(step: int, row: int) -> int:
     """The oracle's deterministic token rule (same as `core.executor.FakeExecutor`)."""
     return (step * 7 + row) % 1000 + 10
+
+
+def request_token_salt(request_id: str) -> int:
+    return zlib.crc32(request_id.encode()) % 1000
+
+
+def request_token(salt: int, k: int) -> int:
+    """The "request" rule: the k-th output token (k from 0) of a request with this salt."""
+    return (7 * k + salt) % 1000 + 10
 
 
 class SimExecutor:
@@ -30,11 +48,15 @@ class SimExecutor:
                  graph_sizes: Optional[Sequence[int]] = None, ipc: bool = False,
                  eos_token_id: Optional[int] = None,
                  output_lengths: Optional[Mapping[str, int]] = None,
-                 cost_model: Optional[CostModel] = None) -> None:
+                 cost_model: Optional[CostModel] = None, token_rule: str = "request") -> None:
+        if token_rule not in TOKEN_RULES:
+            raise ValueError(f"token_rule: unknown rule {token_rule!r} (allowed: {', '.join(TOKEN_RULES)})")
         self.cost_model = cost_model or CostModel(model, hardware, tp=tp, cuda_graphs=cuda_graphs,
                                                   graph_sizes=graph_sizes, ipc=ipc)
+        self.token_rule = token_rule
         self.num_tokens: dict[str, int] = {}  # prompt + sampled tokens, as the runner knows them
         self.num_prompt_tokens: dict[str, int] = {}
+        self.salts: dict[str, int] = {}  # the "request" rule's salt per request
         self.eos_token_id = eos_token_id
         self.output_lengths: dict[str, int] = {}
         for rid, n in (output_lengths or {}).items():
@@ -55,9 +77,11 @@ class SimExecutor:
         for rid in so.finished_req_ids:
             counts.pop(rid, None)
             prompts.pop(rid, None)
+            self.salts.pop(rid, None)
             self.output_lengths.pop(rid, None)
         for new in so.scheduled_new_reqs:
             counts[new.req_id] = prompts[new.req_id] = len(new.prompt_token_ids)
+            self.salts[new.req_id] = request_token_salt(new.req_id)
         cached = so.scheduled_cached_reqs
         for rid in cached.resumed_req_ids:
             counts[rid] = len(cached.all_token_ids[rid])
@@ -70,9 +94,15 @@ class SimExecutor:
         forced_lengths = self.output_lengths or None
         eos = self.eos_token_id
         base = so.step * 7
+        salts = self.salts if self.token_rule == "request" else None
+        prompts = self.num_prompt_tokens
         sampled: list[list[int]] = []
         append = sampled.append
         p_reqs = p_q = p_q2 = p_qs = p_kv = d_reqs = d_s = num_sampling = 0
+        lazy = so.lazy
+        if lazy is not None:  # implicit decode rows: one token each, counted by `lazy_tokens`
+            d_reqs = num_sampling = lazy.num_reqs
+            d_s = lazy.sum_computed_before
         r = -1
         for rid, q in so.num_scheduled_tokens.items():  # one pass: tokens and the step's sums
             r += 1
@@ -92,15 +122,19 @@ class SimExecutor:
                 continue
             num_sampling += 1
             forced = forced_lengths.get(rid) if forced_lengths is not None else None
-            if forced is not None and n_tok - self.num_prompt_tokens[rid] + 1 >= forced:
+            if forced is not None and n_tok - prompts[rid] + 1 >= forced:
                 tok = eos
             else:
-                tok = (base + r) % 1000 + 10  # fake_token(step, r)
+                if salts is not None:
+                    tok = (7 * (n_tok - prompts[rid]) + salts[rid]) % 1000 + 10  # request_token
+                else:
+                    tok = (base + r) % 1000 + 10  # fake_token(step, r)
                 if tok == eos:
                     tok += 1
             append([tok])
             counts[rid] = n_tok + 1
-        summary = StepSummary(num_reqs=r + 1, num_tokens=p_q + d_reqs, num_sampling=num_sampling,
+        summary = StepSummary(num_reqs=r + 1 + (lazy.num_reqs if lazy is not None else 0),
+                              num_tokens=p_q + d_reqs, num_sampling=num_sampling,
                               prefill_reqs=p_reqs, prefill_sum_q=p_q, prefill_sum_q2=p_q2,
                               prefill_sum_q_s=p_qs, prefill_sum_kv=p_kv, decode_reqs=d_reqs,
                               decode_sum_kv=d_s + d_reqs)
@@ -126,9 +160,35 @@ class SimExecutor:
                 k = min(k, forced - outputs - 1)  # the forced EOS is output number `forced`
         return max(k, 0)
 
+    # -- implicit steady decodes (core.lazy_decode.LazyTokenSource) ---------------------------------
+    def lazy_eligible(self, request) -> bool:
+        """Whether `request` may run implicitly: its tokens depend on it alone and it can only stop
+        by length (no forced EOS, no stop token ids, no EOS id its tokens could hit)."""
+        if self.token_rule != "request" or request.request_id in self.output_lengths:
+            return False
+        sp = request.sampling_params
+        if sp.stop_token_ids:
+            return False
+        eos = sp._eos_token_id
+        return eos is None or eos == self.eos_token_id or not 10 <= eos <= 1011
+
+    def lazy_tokens(self, request_id: str, n: int) -> list[int]:
+        """The next `n` tokens of `request_id` (the "request" rule), counted in the runner view."""
+        n_tok = self.num_tokens[request_id]
+        k0 = n_tok - self.num_prompt_tokens[request_id]
+        salt = self.salts[request_id]
+        toks = [(7 * k + salt) % 1000 + 10 for k in range(k0, k0 + n)]
+        eos = self.eos_token_id
+        if eos is not None and eos in toks:
+            toks = [t + 1 if t == eos else t for t in toks]
+        self.num_tokens[request_id] = n_tok + n
+        return toks
+
     def fast_forward(self, req_ids: Sequence[str], first_step: int, k: int) -> list[list[int]]:
         """Tokens of `k` decode steps starting at engine step `first_step` (row = position in
         `req_ids`), counted in the runner view exactly as `execute_model` would."""
+        if self.token_rule == "request":
+            return [self.lazy_tokens(rid, k) for rid in req_ids]
         eos = self.eos_token_id
         out = []
         counts = self.num_tokens

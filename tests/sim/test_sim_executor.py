@@ -44,7 +44,7 @@ def test_implements_the_executor_protocol_and_is_found_by_name():
 
 
 def test_tokens_match_fake_executor_and_timing_matches_cost_model():
-    sim, fake = SimExecutor(model="llama-3.1-8b", hardware="h100-sxm"), FakeExecutor()
+    sim, fake = SimExecutor(model="llama-3.1-8b", hardware="h100-sxm", token_rule="oracle"), FakeExecutor()
     cm = CostModel("llama-3.1-8b", "h100-sxm")
     expected_rows = [
         [RowShape(10, 0, True), RowShape(16, 0, False)],
@@ -62,7 +62,7 @@ def test_tokens_match_fake_executor_and_timing_matches_cost_model():
 
 
 def test_forced_eos_at_output_length():
-    sim = SimExecutor(eos_token_id=2, output_lengths={"a": 2})
+    sim = SimExecutor(eos_token_id=2, output_lengths={"a": 2}, token_rule="oracle")
     toks = [sim.execute_model(so).sampled_token_ids for so in _outputs()[:2]]
     assert toks[0][0] == [fake_token(0, 0)] and toks[1][0] == [2]  # 2nd output of 'a' is EOS
     assert toks[1][1] == [fake_token(1, 1)]  # 'b' is not forced
@@ -70,7 +70,7 @@ def test_forced_eos_at_output_length():
 
 def test_fake_token_equal_to_eos_is_moved_off_it():
     eos = fake_token(0, 0)
-    sim = SimExecutor(eos_token_id=eos)
+    sim = SimExecutor(eos_token_id=eos, token_rule="oracle")
     out = sim.execute_model(_outputs()[0])
     assert out.sampled_token_ids[0] == [eos + 1]
 
@@ -91,3 +91,20 @@ def test_never_reads_the_host_clock(monkeypatch):
         monkeypatch.setattr(time, name, boom)
     for so in _outputs():
         assert sim.execute_model(so).timing.duration_s > 0
+
+
+def test_request_token_rule_depends_on_the_request_only():
+    from sim.executor import request_token, request_token_salt  # noqa: PLC0415
+    sim = SimExecutor()
+    outs = [sim.execute_model(so).sampled_token_ids for so in _outputs()]
+    salt_a, salt_b = request_token_salt("a"), request_token_salt("b")
+    assert outs[0][0] == [request_token(salt_a, 0)] and outs[1][0] == [request_token(salt_a, 1)]
+    assert outs[1][1] == [request_token(salt_b, 0)] and outs[2][1] == [request_token(salt_b, 1)]
+    # the tokens of implicit steps come from the same rule, and advance the runner's count
+    assert sim.lazy_tokens("a", 3) == [request_token(salt_a, k) for k in (3, 4, 5)]
+    assert sim.num_tokens["a"] - sim.num_prompt_tokens["a"] == 6
+
+
+def test_unknown_token_rule_names_the_field():
+    with pytest.raises(ValueError, match="token_rule"):
+        SimExecutor(token_rule="random")

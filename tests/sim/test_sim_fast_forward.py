@@ -6,6 +6,7 @@ from core.engine_args import EngineArgs
 from core.engine_factory import create_engine_core
 from sim.engine import Simulation
 from sim.workload import build_workload, rng_streams
+from sim_helpers import assert_same_block_pool, small_workload
 
 
 def _run(engine_kw: dict, workload: dict, fast: bool):
@@ -37,14 +38,7 @@ def test_fast_forward_trace_equals_step_by_step(caching, block_size, num_blocks,
     engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max(64, max_num_seqs), max_model_len=-1,
                      policy=policy)
-    workload = {"requests": requests, "seed": seed, "output_tokens": {"type": "uniform", "low": 1, "high": out_hi},
-                "arrival": {"type": "offline"} if rate is None else {"type": "poisson", "rate": rate}}
-    if shared:
-        workload.pop("requests")
-        workload["shared_prefix"] = {"groups": max(1, requests // 3), "per_group": 3, "prefix_tokens": 20,
-                                     "suffix_tokens": {"type": "uniform", "low": 0, "high": prompt_hi}}
-    else:
-        workload["prompt_tokens"] = {"type": "uniform", "low": 1, "high": prompt_hi}
+    workload = small_workload(requests, seed, out_hi, prompt_hi, rate, shared)
     slow, slow_engine = _run(engine_kw, workload, fast=False)
     fast, fast_engine = _run(engine_kw, workload, fast=True)
     a, b = slow.recorder.frames(), fast.recorder.frames()
@@ -53,11 +47,7 @@ def test_fast_forward_trace_equals_step_by_step(caching, block_size, num_blocks,
                                       check_exact=False, rtol=1e-9, atol=1e-12, obj=name)
     assert slow.completion_s == fast.completion_s and slow.rejected == fast.rejected
     assert slow.num_steps == fast.num_steps
-    # identical final block state, block ids included
-    sp, fp = slow_engine.scheduler.kv_cache_manager.block_pool, fast_engine.scheduler.kv_cache_manager.block_pool
-    assert [b.block_id for b in sp.free_block_queue.get_all_free_blocks()] == \
-           [b.block_id for b in fp.free_block_queue.get_all_free_blocks()]
-    assert [b.block_hash for b in sp.blocks] == [b.block_hash for b in fp.blocks]
+    assert_same_block_pool(slow_engine, fast_engine)
 
 
 def test_fast_forward_actually_skips_steps():

@@ -1,0 +1,200 @@
+"""Implicit steady decodes: the simulator's exact shortcut for per-row work (O(events) per step).
+
+A running request in steady decode (one token per step, no stop token it could sample, no forced
+EOS) changes in a fully predictable way from step to step: C and the output grow by one. While such
+a request - a *member* - has no event, the scheduler schedules it *implicitly*: it is counted in the
+step's aggregates (`SchedulerOutput.lazy`: rows, sum and max of computed tokens) but not listed in
+`num_scheduled_tokens`, not touched by `update_from_output`, and produces no `EngineCoreOutput`.
+
+A member's next event is the first step at which the normal code could do anything but "+1 token":
+it needs a new block, a block of it becomes full (prefix-cache registration), or it reaches its
+length cap. Events are computed when the request joins (conservatively: an event too early only
+costs speed). At its event step - or whenever anything else needs its exact state - a member is
+*materialised*: the deferred steps are applied at once (C, in-flight counters, the tokens from the
+executor's per-request token rule, block hashes), and the request takes the normal path: its row of
+the running pass does the KV work (allocation, prefix-cache registration) in running order, and if
+that was all, it joins again for this very step (`try_join` after the KV work) instead of being listed.
+
+Budget and KV checks at the start of every step guarantee that the normal code would schedule every
+member one token without clipping or preemption; when they fail, every member is materialised first
+and the step runs the normal code. So decisions, block ids and times equal the step-by-step run
+(tests/sim/test_sim_lazy_decode.py checks traces for equality with Hypothesis). Only the simulator
+turns this on (`Simulation(lazy_decode=True)`, when per-request step rows are not recorded): the rows
+of `step_requests` and the per-token outputs of a front end need every row listed.
+
+Step indices here are the scheduler's own (`SchedulerOutput.scheduler_step`). In async scheduling the
+output of a member's last implicit step is still pending when it is materialised: its token is
+produced then and applied by the next `update_from_output`, in running order (`pending_update`).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from core.request import Request, RequestStatus
+
+
+class LazyTokenSource(Protocol):
+    """The executor side: which requests may go implicit and the tokens they sample meanwhile."""
+
+    def lazy_eligible(self, request: Request) -> bool: ...
+
+    def lazy_tokens(self, request_id: str, n: int) -> list[int]: ...
+
+
+@dataclass(slots=True)
+class LazyStep:
+    """The implicit rows of one step: each a decode row (q = 1) after `s` computed tokens."""
+    num_reqs: int
+    sum_computed_before: int
+    max_computed_before: int
+
+
+@dataclass(slots=True)
+class LazyFlush:
+    """Tokens of `num_tokens` implicit steps starting at scheduler step `first_step`, applied late."""
+    request_id: str
+    first_step: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class _Member:
+    request: Request
+    first_step: int  # its first implicit step
+    offset: int  # C at the first implicit step minus that step: C(step) = offset + step
+    event: int  # first step at which it must be materialised
+    seq: int
+
+
+class LazyDecodes:
+    def __init__(self, source: LazyTokenSource, block_size: int, max_model_len: int,
+                 async_scheduling: bool, caching: bool) -> None:
+        self.source = source
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.async_scheduling = async_scheduling
+        self.caching = caching
+        self.members: dict[str, _Member] = {}
+        self.nonmembers: dict[str, Request] = {}  # running requests that are not members (valid with members)
+        self.sum_offset = 0
+        self._events: list[tuple[int, int, str]] = []  # (event step, seq, request id), lazily deleted
+        self._offsets: list[tuple[int, int, str]] = []  # (-offset, seq, request id): the max C
+        self._seq = 0
+        self.flushed: list[LazyFlush] = []
+        self.pending_update: list[tuple[Request, int]] = []  # async: (request, token of the pending step)
+        self._eligible: dict[str, bool] = {}  # the source's verdict per running request
+
+    # -- joining -----------------------------------------------------------------------------------
+    def try_join(self, r: Request, step: int, kv_blocks: int, num_cached_blocks: int) -> bool:
+        """Make `r` a member from `step` on if it is a steady decode (one token per step, nothing in
+        flight but its last step's output) whose first event is at least a step away."""
+        if r.status != RequestStatus.RUNNING or r.num_stale_output_tokens or not r._output_token_ids:
+            return False  # (a one-token last prefill chunk looks like a decode but is a context row)
+        c = r.num_computed_tokens
+        n_tok = len(r._all_token_ids)
+        if self.async_scheduling:
+            if c != n_tok or r.num_output_placeholders != 1 or r.num_in_flight_tokens != 1:
+                return False
+        elif c != n_tok - 1 or r.num_output_placeholders or r.num_in_flight_tokens:
+            return False
+        rid = r.request_id
+        ok = self._eligible.get(rid)
+        if ok is None:
+            ok = self._eligible[rid] = self.source.lazy_eligible(r)
+        if not ok:
+            return False
+        bs = self.block_size
+        offset = kv_blocks * bs - c  # the step that needs a new block
+        if self.caching:
+            if self.async_scheduling:
+                # the output in flight is applied normally and registers every block full by then
+                by_then = c // bs
+                if by_then > num_cached_blocks:
+                    num_cached_blocks = by_then
+            full = (num_cached_blocks + 1) * bs - 1 - c  # a block becomes full
+            if full < offset:
+                offset = full
+        last = r.max_tokens - len(r._output_token_ids) - 1  # the last token
+        if last < offset:
+            offset = last
+        cap = self.max_model_len - 2 - c
+        if cap < offset:
+            offset = cap
+        if offset < 1:
+            return False
+        self.join(r, step, step + offset)
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """`request_id` left the running list."""
+        self.nonmembers.pop(request_id, None)
+        self._eligible.pop(request_id, None)
+
+    def join(self, r: Request, step: int, event: int) -> None:
+        self._seq += 1
+        offset = r.num_computed_tokens - step
+        m = _Member(r, step, offset, event, self._seq)
+        self.members[r.request_id] = m
+        self.sum_offset += offset
+        heapq.heappush(self._events, (event, m.seq, r.request_id))
+        heapq.heappush(self._offsets, (-offset, m.seq, r.request_id))
+        if len(self._offsets) > 4 * len(self.members) + 1024:  # drop the entries of past members
+            self._offsets = [(-m.offset, m.seq, rid) for rid, m in self.members.items()]
+            heapq.heapify(self._offsets)
+
+    # -- leaving -----------------------------------------------------------------------------------
+    def due(self, step: int) -> list[_Member]:
+        """Members whose event is at or before `step`, in no particular order."""
+        out = []
+        events, members = self._events, self.members
+        while events and events[0][0] <= step:
+            _, seq, rid = heapq.heappop(events)
+            m = members.get(rid)
+            if m is not None and m.seq == seq:
+                out.append(m)
+        return out
+
+    def materialise(self, m: _Member, next_step: int, last_updated: int) -> Request:
+        """Apply the member's deferred steps: schedule effects of steps [first, next_step), output
+        effects of steps [first, last_updated]; an async member's pending output is queued."""
+        r = m.request
+        del self.members[r.request_id]
+        self.sum_offset -= m.offset
+        n_sched = next_step - m.first_step
+        n_out = max(0, min(n_sched, last_updated + 1 - m.first_step))
+        pending = n_sched - n_out
+        r.num_computed_tokens += n_sched
+        tokens = self.source.lazy_tokens(r.request_id, n_out + pending)
+        if pending:
+            r.num_in_flight_tokens += pending
+            r.num_output_placeholders += pending
+            self.pending_update.append((r, tokens.pop()))
+        if n_out:
+            r.append_output_token_ids(tokens)
+            self.flushed.append(LazyFlush(r.request_id, m.first_step, n_out))
+        return r
+
+    def max_offset(self) -> int:
+        """max over members of C(step) - step (for the step's largest KV length)."""
+        offsets, members = self._offsets, self.members
+        while True:
+            neg, seq, rid = offsets[0]
+            m = members.get(rid)
+            if m is not None and m.seq == seq:
+                return -neg
+            heapq.heappop(offsets)
+
+    def step_aggregates(self, step: int) -> Optional[LazyStep]:
+        k = len(self.members)
+        if not k:
+            return None
+        return LazyStep(k, self.sum_offset + k * step, self.max_offset() + step)
+
+    def take_flushed(self) -> list[LazyFlush]:
+        out, self.flushed = self.flushed, []
+        return out
+
+
+__all__ = ["LazyDecodes", "LazyFlush", "LazyStep", "LazyTokenSource"]

@@ -1,0 +1,101 @@
+"""Implicit steady decodes (core/lazy_decode.py) give exactly the trace of the normal step-by-step run:
+every step row, every request row, completion times and the final block pool (ids and hashes)."""
+import pandas as pd
+from hypothesis import given, settings, strategies as st
+
+from core.engine_args import EngineArgs
+from core.engine_factory import create_engine_core
+from sim.engine import Simulation
+from sim.workload import build_workload, rng_streams
+from sim_helpers import assert_same_block_pool, small_workload
+
+
+def _run(engine_kw: dict, workload: dict, lazy: bool, max_time_s=None):
+    args = EngineArgs.from_kwargs(model="tiny-llama", backend="sim", hardware="h100-sxm",
+                                  skip_tokenizer_init=True, **engine_kw)
+    engine, info = create_engine_core(args)
+    spec, requests = build_workload(workload, vocab_size=info.vocab_size)
+    sim = Simulation(engine, requests, spec.arrival, rng=rng_streams(spec.seed)["runtime"], fast_forward=False,
+                     record_step_requests=False, lazy_decode=lazy, max_time_s=max_time_s)
+    assert sim.lazy_decode == lazy
+    return sim.run(), engine
+
+
+def _assert_same_run(engine_kw: dict, workload: dict, max_time_s=None) -> None:
+    eager, eager_engine = _run(engine_kw, workload, lazy=False, max_time_s=max_time_s)
+    lazy, lazy_engine = _run(engine_kw, workload, lazy=True, max_time_s=max_time_s)
+    a, b = eager.recorder.frames(), lazy.recorder.frames()
+    for name in ("steps", "requests"):
+        pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
+                                      check_exact=True, obj=name)
+    assert eager.recorder.itls() == lazy.recorder.itls()
+    assert eager.completion_s == lazy.completion_s and eager.rejected == lazy.rejected
+    assert eager.num_steps == lazy.num_steps
+    assert_same_block_pool(eager_engine, lazy_engine)
+    assert eager_engine.scheduler.num_preemptions_total == lazy_engine.scheduler.num_preemptions_total
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    async_scheduling=st.booleans(),
+    caching=st.booleans(),
+    chunked=st.booleans(),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    num_blocks=st.integers(12, 400),
+    max_num_seqs=st.integers(1, 12),
+    budget=st.sampled_from([8, 16, 64, 256]),
+    threshold=st.sampled_from([0, 4, 24]),
+    rate=st.sampled_from([None, 5.0, 50.0, 400.0]),
+    requests=st.integers(1, 14),
+    prompt_hi=st.integers(2, 60),
+    out_hi=st.integers(1, 60),
+    shared=st.booleans(),
+    n=st.sampled_from([1, 1, 2]),
+    finish=st.sampled_from(["max_tokens", "max_tokens", "eos"]),
+    seed=st.integers(0, 1000),
+    policy=st.sampled_from(["fcfs", "priority"]),
+)
+def test_implicit_decodes_trace_equals_step_by_step(async_scheduling, caching, chunked, block_size, num_blocks,
+                                                    max_num_seqs, budget, threshold, rate, requests, prompt_hi,
+                                                    out_hi, shared, n, finish, seed, policy):
+    max_model_len = min(96, (num_blocks - 1) * block_size)
+    engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
+                     max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max(budget, max_num_seqs) if chunked else 128,
+                     enable_chunked_prefill=chunked, long_prefill_token_threshold=min(threshold, max_model_len),
+                     max_model_len=max_model_len, policy=policy, async_scheduling=async_scheduling)
+    workload = small_workload(requests, seed, out_hi, prompt_hi, rate, shared, n=n, finish=finish,
+                              max_output_tokens=out_hi, priority=[0, 1, 2])
+    _assert_same_run(engine_kw, workload)
+
+
+def test_a_run_cut_short_flushes_the_implicit_tokens():
+    engine_kw = dict(enable_prefix_caching=True, num_gpu_blocks=500, max_num_seqs=8, max_model_len=512,
+                     async_scheduling=True)
+    workload = {"requests": 8, "seed": 1, "prompt_tokens": 20, "output_tokens": 300, "arrival": {"type": "offline"}}
+    _assert_same_run(engine_kw, workload, max_time_s=0.05)
+
+
+def test_implicit_decodes_replace_most_rows():
+    """In a steady batch, most decode rows are implicit (not listed in the SchedulerOutput)."""
+    engine_kw = dict(enable_prefix_caching=True, num_gpu_blocks=500, max_num_seqs=8, max_model_len=512,
+                     async_scheduling=True)
+    workload = {"requests": 8, "seed": 1, "prompt_tokens": 20, "output_tokens": 200, "arrival": {"type": "offline"}}
+    args = EngineArgs.from_kwargs(model="tiny-llama", backend="sim", hardware="h100-sxm",
+                                  skip_tokenizer_init=True, **engine_kw)
+    engine, info = create_engine_core(args)
+    spec, requests = build_workload(workload, vocab_size=info.vocab_size)
+    listed = implicit = 0
+    orig = engine.scheduler.schedule
+
+    def count():
+        nonlocal listed, implicit
+        so = orig()
+        listed += len(so.num_scheduled_tokens)
+        implicit += so.lazy.num_reqs if so.lazy is not None else 0
+        return so
+    engine.scheduler.schedule = count
+    res = Simulation(engine, requests, spec.arrival, record_step_requests=False).run()
+    assert len(res.completion_s) == 8
+    assert implicit > 4 * listed
+    assert listed + implicit == 8 * 200  # every request is a row in every step until its last token
