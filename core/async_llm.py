@@ -23,7 +23,7 @@ from typing import Any, AsyncGenerator, Optional
 
 from core.engine_args import EngineArgs
 from core.engine_client import EngineCoreClient, EngineDeadError
-from core.input_processor import InputProcessor, PromptType
+from core.input_processor import InputProcessor, PromptType, check_priority
 from core.metrics import ServingMetrics
 from core.mp_client import EngineRequestError
 from core.output_processor import OutputProcessor
@@ -68,7 +68,7 @@ class AsyncLLM:
     def __init__(self, args: EngineArgs, *, pace: Optional[bool] = None, time_scale: float = 1.0,
                  fake_step_time_s: Optional[float] = None, startup_timeout_s: Optional[float] = None,
                  model_name: Optional[str] = None) -> None:
-        from core.llm import load_tokenizer, prewarm_tokenizer_import  # noqa: PLC0415
+        from core.llm import load_tokenizer, prewarm_tokenizer_import, tokenizer_path  # noqa: PLC0415
 
         self.args = args
         prewarm_tokenizer_import(args)
@@ -79,14 +79,14 @@ class AsyncLLM:
         self.client = EngineCoreClient.make_client(True, True, args, **kwargs)
         try:
             info = self.config = self.client.config
-            tok_path = args.tokenizer or info.model_path
-            self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(tok_path, info.vocab_size)
+            self.tokenizer = load_tokenizer(tokenizer_path(args, info.model_path), info.vocab_size)
         except BaseException:
             self.client.shutdown()
             raise
         self.max_model_len = info.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size,
-                                              info.eos_token_ids, args.max_logprobs)
+                                              info.eos_token_ids, args.max_logprobs,
+                                              logprobs_backend=args.backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = ServingMetrics(model_name or args.model)
         self.collectors: dict[str, RequestCollector] = {}
@@ -136,6 +136,7 @@ class AsyncLLM:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.collectors:
             raise ValueError(f"request_id: duplicate request id {request_id!r}")
+        check_priority(priority, self.args.policy)
         processed = self.input_processor.process(prompt, params)
         self.client.validate_params(processed.params)
         children = fan_out(request_id, processed.params)

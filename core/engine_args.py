@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -55,6 +56,16 @@ class EngineArgs:
             raise ValueError(f"backend: must be 'torch', 'sim' or 'fake', got {args.backend!r}")
         if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {args.tensor_parallel_size!r}")
+        if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+            raise ValueError(f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
+        if (not isinstance(args.max_logprobs, int) or isinstance(args.max_logprobs, bool)
+                or args.max_logprobs < -1):
+            raise ValueError(f"max_logprobs: must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")
+        if args.num_gpu_blocks_override is not None:
+            CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override)  # raises naming num_gpu_blocks
+        # the KV-cache settings fail here, before any executor divides by a zero block size or
+        # reports a bad block count as "no available memory"
+        args.cache_config()
         return args
 
     def default_max_num_batched_tokens(self, max_model_len: int) -> int:

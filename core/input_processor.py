@@ -7,6 +7,16 @@ from typing import Any, Optional, Union
 from core.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
+NO_LOGPROBS_BACKENDS = ("fake", "sim")
+
+
+def check_priority(priority: Any, policy: str) -> None:
+    """vLLM refuses a request priority the scheduler would ignore (policy 'fcfs')."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority: must be an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"priority: got {priority} but the engine schedules {policy!r}; priorities need "
+                         "policy='priority' (servetwin serve --policy priority)")
 
 
 @dataclass(slots=True)
@@ -18,12 +28,16 @@ class ProcessedPrompt:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: Optional[int],
-                 eos_token_ids: Optional[list[int]] = None, max_logprobs: int = 20) -> None:
+                 eos_token_ids: Optional[list[int]] = None, max_logprobs: int = 20,
+                 logprobs_backend: Optional[str] = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids or []
         self.max_logprobs = max_logprobs
+        # the `fake` and `sim` executors sample fake tokens without logits: asking them for logprobs
+        # is refused rather than answered with empty lists
+        self.no_logprobs_backend = logprobs_backend if logprobs_backend in NO_LOGPROBS_BACKENDS else None
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
@@ -35,8 +49,9 @@ class InputProcessor:
                 raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init=True "
-                                 "serves only token-id prompts)")
+                raise ValueError("prompt: text prompts need a tokenizer and this engine has none "
+                                 "(skip_tokenizer_init=True, or a model without tokenizer files): give token "
+                                 "ids, or a tokenizer=...")
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
@@ -61,6 +76,11 @@ class InputProcessor:
             raise ValueError(f"prompt: the prompt is {len(ids)} tokens long; max_model_len is "
                              f"{self.max_model_len} and at least one output token must fit")
         params = (params or SamplingParams()).clone()
+        if self.no_logprobs_backend is not None:
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(params, name) is not None:
+                    raise ValueError(f"{name}: the {self.no_logprobs_backend} backend samples fake tokens and "
+                                     "computes no logprobs (use the torch backend)")
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
             if params.min_tokens > params.max_tokens:

@@ -14,8 +14,8 @@ import weakref
 from typing import Any, Optional, Sequence, Union
 
 from core.engine_args import EngineArgs
-from core.engine_client import EngineCoreClient
-from core.input_processor import InputProcessor, PromptType
+from core.engine_client import EngineCoreClient, EngineDeadError
+from core.input_processor import InputProcessor, PromptType, check_priority
 from core.output_processor import OutputProcessor
 from core.parallel_sampling import fan_out
 from core.request_output import RequestOutput
@@ -40,6 +40,19 @@ def prewarm_tokenizer_import(args: EngineArgs) -> None:
             pass
 
     threading.Thread(target=_import, name="tokenizer-import", daemon=True).start()
+
+
+def tokenizer_path(args: EngineArgs, model_path: Optional[str]) -> Optional[str]:
+    """The tokenizer the front end loads: `tokenizer`, else the model's own; the `fake` and `sim`
+    backends have no vocabulary and get the toy tokenizer (as `servetwin serve` gives them), so text
+    prompts, chat and stop strings work there too. None with `skip_tokenizer_init`."""
+    if args.skip_tokenizer_init:
+        return None
+    if args.tokenizer is not None:
+        return args.tokenizer
+    if model_path is None and args.backend in ("fake", "sim"):
+        return "toy"
+    return model_path
 
 
 def load_tokenizer(path: Optional[str], vocab_size: Optional[int] = None) -> Any:
@@ -68,14 +81,14 @@ class LLMEngine:
         info = self.client.config
         self.num_gpu_blocks = info.num_gpu_blocks
         self.max_model_len = info.max_model_len
-        tok_path = args.tokenizer or info.model_path
         try:
-            self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(tok_path, info.vocab_size)
+            self.tokenizer = load_tokenizer(tokenizer_path(args, info.model_path), info.vocab_size)
         except BaseException:
             self.client.shutdown()
             raise
         self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size,
-                                              info.eos_token_ids, args.max_logprobs)
+                                              info.eos_token_ids, args.max_logprobs,
+                                              logprobs_backend=args.backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -85,6 +98,7 @@ class LLMEngine:
 
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams],
                     arrival_time: Optional[float] = None, priority: int = 0) -> str:
+        check_priority(priority, self.args.policy)
         request_id = request_id if request_id is not None else str(next(self._ids))
         processed = self.input_processor.process(prompt, params)
         self.client.validate_params(processed.params)
@@ -144,19 +158,33 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise EngineDeadError("LLM was closed")
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+        self._check_open()
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts: must be a string, a list of token ids, a dict, or a list of those, got "
+                             f"{type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, (list, tuple)):
+                raise ValueError("sampling_params: must be a SamplingParams or a list of them, got "
+                                 f"{type(sampling_params).__name__}")
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params_list)} params for {len(prompts)} prompts")
+        for i, params in enumerate(params_list):
+            if params is not None and not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params[{i}]: must be a SamplingParams, got {type(params).__name__}")
         engine = self.llm_engine
         ids = []
         with engine.client.batched():  # the engine sees all prompts at once, as in-process
@@ -201,6 +229,7 @@ class LLM:
     def chat(self, messages: Union[list[dict[str, str]], list[list[dict[str, str]]]],
              sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = False,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
+        self._check_open()
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("messages: chat needs a tokenizer (skip_tokenizer_init=True was given)")
@@ -212,10 +241,12 @@ class LLM:
         return self.generate(encoded, sampling_params, use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
+        self._check_open()
         return self.llm_engine.client.utility("reset_prefix_cache")
 
     def get_stats(self) -> dict[str, Any]:
         """Scheduler state from the engine core (running / waiting requests, KV usage, preemptions)."""
+        self._check_open()
         return self.llm_engine.client.utility("get_stats")
 
     def close(self) -> None:

@@ -223,6 +223,8 @@ class MPClientBase(EngineCoreClient):
                     detail = EngineStartupError(f"EngineCore process failed to start:\n{msg.traceback}")
                     if msg.exc_type == "ValueError":
                         raise ValueError(msg.message) from detail
+                    if msg.exc_type == "FileNotFoundError":  # e.g. an unknown model name or path
+                        raise FileNotFoundError(msg.message) from detail
                     raise EngineStartupError(f"EngineCore process failed to start: {msg.exc_type}: "
                                              f"{msg.message}\n{msg.traceback}")
                 continue

@@ -90,12 +90,13 @@ class OutputProcessor:
             stopped_by_string = child.detok.update(out.new_token_ids)
             kept = len(child.detok.token_ids) - n_before
             if child.logprobs is not None and out.new_logprobs:
-                for lp in out.new_logprobs[:kept]:
+                # the sampled token is the output token itself (`Logprobs.sampled_rank` is its rank in
+                # the vocabulary, 1-based as in vLLM, not an index into `token_ids`)
+                for tid, lp in zip(out.new_token_ids[:kept], out.new_logprobs[:kept]):
                     d = logprobs_to_dict(lp)
                     child.logprobs.append(d)
-                    sampled = lp.token_ids[lp.sampled_rank] if lp.token_ids else None
-                    if sampled is not None:
-                        child.cumulative_logprob += d[sampled]
+                    if tid in d:
+                        child.cumulative_logprob += d[tid]
             if stopped_by_string:
                 child.finish_reason = str(FinishReason.STOP)
                 child.stop_reason = child.detok.stop_reason

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -10,6 +11,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from core.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
+    if args.output not in (None, "-") and os.path.isdir(args.output):
+        raise ValueError(f"-o/--output: {args.output} is a folder; give the JSONL file to write")
     if args.output in (None, "-"):
         write_replay(scenario, sys.stdout)
     else:
@@ -50,12 +53,28 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as e:
-        print(f"servetwin {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:  # bad input: a field, a file or a model that is not there
+        print(f"servetwin {args.command}: error: {_message(e)}", file=sys.stderr)
         return 2
+    except OSError as e:  # an output that cannot be written (permissions, disk full, ...)
+        print(f"servetwin {args.command}: error: {_message(e)}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        from core.mp_client import EngineStartupError  # noqa: PLC0415
+
+        if not isinstance(e, EngineStartupError):
+            raise
+        print(f"servetwin {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"servetwin {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        return f"{e.filename}: {e.strerror}"  # not "[Errno 20] Not a directory: ..."
+    return str(e)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@ import time
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from experiments.compare import CompositionMismatch, compare, load_compare_config  # noqa: PLC0415
+    from experiments.schema import check_output_dir  # noqa: PLC0415
 
     exp = load_compare_config(args.config, calibration=args.calibration, overrides=args.overrides,
                               requests=args.requests)
     out = args.output or os.path.join("runs", f"compare-{exp.name}")
+    check_output_dir(out)
     t0 = time.perf_counter()
     try:
         res = compare(exp, out, repeats=args.repeats, threads=args.threads, plots=not args.no_plots,
@@ -39,9 +41,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from experiments.calibrate import calibrate  # noqa: PLC0415
+    from experiments.schema import check_output_dir, check_output_file  # noqa: PLC0415
 
     if args.backend != "torch":
         raise ValueError(f"--backend: only 'torch' is measured, got {args.backend!r}")
+    for flag, value, low in (("--repeats", args.repeats, 1), ("--threads", args.threads, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag}: must be >= {low}, got {value}")
+    if not args.no_trim and not args.trim > 0:
+        raise ValueError(f"--trim: must be > 0, got {args.trim} (--no-trim keeps every sample)")
+    check_output_file(args.output)  # before minutes of measuring, not after
+    if args.trace_dir:
+        check_output_dir(args.trace_dir, "--trace-dir")
     calibrate(args.model, args.output, device=args.device, dtype=args.dtype, threads=args.threads,
               design=args.design, repeats=args.repeats, base=args.base, weighting=args.weighting,
               trim=None if args.no_trim else args.trim, from_run=args.from_run, trace_dir=args.trace_dir,

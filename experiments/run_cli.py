@@ -39,9 +39,16 @@ def _load(args: argparse.Namespace):
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from experiments.runner import run_experiment  # noqa: PLC0415
+    from experiments.schema import BACKENDS, check_output_dir  # noqa: PLC0415
 
     exp = _load(args)
     out = args.output or os.path.join("runs", exp.name)
+    check_output_dir(out)
+    stale = [b for b in BACKENDS if b not in exp.backends and os.path.isdir(os.path.join(out, b))]
+    if stale:
+        print(f"note: {out}/ already holds {', '.join(f'{b}/' for b in stale)} from an earlier run; this run "
+              f"rewrites only {', '.join(f'{b}/' for b in exp.backends)}, summary.json and report.md",
+              file=sys.stderr)
     if exp.sweep:
         print(f"note: {args.config} has a sweep grid; `servetwin run` runs its base values only "
               "(use `servetwin sweep` for the grid)", file=sys.stderr)
@@ -57,15 +64,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"{backend}: {s['completed']}/{s['requests']} requests in {s['duration_s']:.3f}s "
               f"({'simulated' if backend == 'sim' else 'measured'}), throughput {s['throughput_tok_s'] or 0:,.0f} tok/s, "
               f"TTFT p50 {ttft if ttft is None else f'{ttft * 1e3:.1f} ms'}, {s['preemptions']} preemptions")
+        if s.get("rejected"):  # never servable (e.g. longer than max_model_len): say so, not just "0/N"
+            rid, why = next(iter((s.get("rejected_examples") or {"?": "?"}).items()))
+            print(f"warning: {backend}: {s['rejected']} of {s['requests']} requests were rejected as never "
+                  f"servable, e.g. {rid}: {why}", file=sys.stderr)
     print(f"wrote {out}/ (report.md, summary.json, <backend>/ tables) in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    from experiments.schema import check_output_dir  # noqa: PLC0415
     from experiments.sweep import run_sweep  # noqa: PLC0415
 
     exp = _load(args)
     out = args.output or os.path.join("runs", exp.name)
+    check_output_dir(out)
     t0 = time.perf_counter()
     try:
         df = run_sweep(exp, out, jobs=args.jobs, progress=not args.no_progress)

@@ -60,6 +60,9 @@ def create_engine(exp: ExperimentConfig, backend: str):
     args = exp.engine_args(backend)
     try:
         return create_engine_core(args)
+    except FileNotFoundError as e:  # the torch loader: an unknown model name or a missing model path
+        msg = str(e)
+        raise ConfigError(f"{msg if msg.startswith('model') else f'model: {msg}'} [{backend} backend]") from None
     except ValueError as e:
         from experiments.schema import ENGINE_FIELDS  # noqa: PLC0415
 

@@ -530,6 +530,37 @@ def expand_sweep(exp: ExperimentConfig) -> list[SweepPoint]:
 
 
 # -- loading ------------------------------------------------------------------------------------
+def check_output_file(path: str | Path, flag: str = "-o/--output") -> None:
+    """Fail before any work when the output file cannot be written: it is a folder, or a file sits
+    where one of its folders should be."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"{flag}: {path} is a folder; give the file to write")
+    parent = p.parent
+    if parent.exists() and not parent.is_dir():
+        raise ConfigError(f"{flag}: cannot create {path}: {parent} is a file, not a folder")
+    check_output_dir(parent, flag)
+
+
+def check_output_dir(path: str | Path, flag: str = "-o/--output") -> None:
+    """Fail before any work when the output folder cannot be a folder (a file is in the way) or the
+    nearest existing folder above it is not writable. An existing folder is fine: files are replaced."""
+    import os  # noqa: PLC0415
+
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag}: {path} exists and is not a folder")
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(f"{flag}: cannot create {path}: {probe} is a file, not a folder")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag}: cannot write to {probe} (permission denied)")
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """`dotted.key=value` with a YAML value (`--set engine.max_num_seqs=64`)."""
     if "=" not in text:
@@ -562,13 +593,35 @@ def apply_requests_override(raw: dict[str, Any], n: int) -> Optional[str]:
     return None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last one
+    silently, so a second `engine:` block would drop the first without a word)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: keys after it override the merged ones, as YAML intends
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # the base class reports unhashable keys
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {seen[key].start_mark.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> Any:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config: file not found: {p}")
     with open(p, encoding="utf-8") as f:
         try:
-            return yaml.safe_load(f)
+            return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as e:
             raise ConfigError(f"config: {p} is not valid YAML: {e}") from None
 

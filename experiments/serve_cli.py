@@ -1,7 +1,7 @@
 """`servetwin serve`: the OpenAI-compatible server (`core.entrypoints.openai_server`).
 
     servetwin serve --model tiny-llama --backend torch --port 8000
-    servetwin serve --model llama-3.1-8b --backend sim --hardware h100 --time-scale 0.1
+    servetwin serve --model llama-3.1-8b --backend sim --hardware h100-sxm --time-scale 0.1
 
 Every `EngineArgs` field is an option (`--max-num-seqs 64`, `--no-enable-prefix-caching`, ...).
 With `--backend sim` the engine is paced: outputs are released when simulated time reaches each
@@ -67,6 +67,23 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     return EngineArgs.from_kwargs(model=ns.model, backend=ns.backend, multiprocess=True, **kwargs)
 
 
+def check_listen(host: str, port: int) -> None:
+    """Raise `ValueError` naming --host / --port when the server could not listen there."""
+    import socket  # noqa: PLC0415
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"host: cannot resolve {host!r} ({e.strerror})") from None
+    family, type_, proto, _, addr = infos[0]
+    with socket.socket(family, type_, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from core.entrypoints.openai_server import run_server  # noqa: PLC0415
 
@@ -75,6 +92,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     if not 0 < ns.port < 65536:
         raise ValueError(f"port: must be in [1, 65535], got {ns.port}")
     args = engine_args_from(ns)
+    check_listen(ns.host, ns.port)  # before the engine loads (minutes for a big model), not after
     print(f"servetwin serve: {args.backend} backend, model {args.model!r} on http://{ns.host}:{ns.port} "
           "(the engine loads in the background; GET /health turns 200 when it is ready)", flush=True)
     run_server(args, host=ns.host, port=ns.port, served_model_name=ns.served_model_name, pace=ns.pace,
@@ -82,4 +100,4 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "engine_args_from"]
+__all__ = ["register", "engine_args_from", "check_listen"]

@@ -92,6 +92,12 @@ def _value(v: Any) -> Any:
     return v if isinstance(v, (int, float, str, bool)) or v is None else json.dumps(v)
 
 
+def _point_backends(point: SweepPoint, exp: ExperimentConfig) -> list[str]:
+    """The backends one point runs: the config's, unless `backends` itself is swept."""
+    backends = point.raw.get("backends", exp.backends)
+    return [backends] if isinstance(backends, str) else list(backends)
+
+
 def _rows(point: SweepPoint, result: dict[str, Any], backends: list[str], out_dir: str) -> list[dict]:
     rows = []
     summaries = (result.get("summary") or {}).get("backends", {})
@@ -135,7 +141,8 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
-    log(f"sweep {exp.name}: {len(points)} points x {exp.backends}, {min(jobs, len(points))} worker(s)")
+    all_backends = list(dict.fromkeys(b for p in points for b in _point_backends(p, exp)))
+    log(f"sweep {exp.name}: {len(points)} points x {all_backends}, {min(jobs, len(points))} worker(s)")
     results: dict[str, dict] = {}
     interrupted = False
     bar = None
@@ -206,7 +213,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     rows = []
     for point in points:
         result = results.get(point.name, {"status": "not run"})
-        rows.extend(_rows(point, result, exp.backends, out_dir))
+        rows.extend(_rows(point, result, _point_backends(point, exp), out_dir))
     df = pd.DataFrame(rows)
     df.to_csv(os.path.join(out_dir, "sweep.csv"), index=False)
     plot = None
@@ -229,7 +236,7 @@ def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str],
     if interrupted:
         lines += ["**Interrupted (Ctrl-C): points marked 'interrupted' or 'not run' are incomplete.**", ""]
     lines += ["Swept: " + ", ".join(f"`{k}` in `{json.dumps(exp.sweep[k])}`" for k in keys) + "; backends: "
-              + ", ".join(exp.backends) + ".", ""]
+              + ", ".join(dict.fromkeys(df.backend)) + ".", ""]
     cols = ["point"] + keys + ["backend"] + MD_COLUMNS
     lines += ["## Results", "", md_table(cols, df[cols].values.tolist()), ""]
     ok = df[df.status == "ok"]

@@ -1,9 +1,11 @@
 """`SimExecutor`: executes a `SchedulerOutput` with fake tokens and a predicted step duration.
 
 Token rules (`token_rule`):
-- "request" (default): the k-th output token of a request is `(7k + salt) % 1000 + 10`, with a salt
-  from the request id - a function of the request alone, so the tokens of steps the scheduler runs
-  implicitly (`core/lazy_decode.py`) can be produced late, and batch composition never changes them;
+- "request" (default): the k-th output token of a request is `(7k + salt) % M + 10` (M = 1000, less
+  for a vocabulary under 1010 ids), the salt a function of the request alone (`request_token_salt`:
+  the prompt when greedy, prompt and seed when seeded, else the request id) - so the tokens of steps
+  the scheduler runs implicitly (`core/lazy_decode.py`) can be produced late, batch composition never
+  changes them, and equal greedy prompts give equal outputs as with a real model;
 - "oracle": `core.executor.FakeExecutor`'s rule (row r of step k samples `(7k + r) % 1000 + 10`), the
   tokens of the recorded vLLM oracle (no implicit decodes with this rule).
 A request never samples EOS (a fake token that happens to equal `eos_token_id` is moved to the next
@@ -16,8 +18,9 @@ once); the host clock is never read.
 from __future__ import annotations
 
 import zlib
+from array import array
 from collections.abc import Mapping, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from core.outputs import ModelRunnerOutput, SchedulerOutput, StepTiming
 from sim.cost_model import CostModel, StepSummary
@@ -26,6 +29,7 @@ from sim.model_spec import ModelSpec
 
 
 TOKEN_RULES = ("request", "oracle")
+GREEDY_TEMPERATURE = 1e-5  # core.sampling_params: below this, sampling is greedy
 
 
 def fake_token(step: int, row: int) -> int:
@@ -33,13 +37,23 @@ def fake_token(step: int, row: int) -> int:
     return (step * 7 + row) % 1000 + 10
 
 
-def request_token_salt(request_id: str) -> int:
-    return zlib.crc32(request_id.encode()) % 1000
+def request_token_salt(request_id: str, prompt_token_ids: Optional[Sequence[int]] = None,
+                       params: Any = None) -> int:
+    """What a request's fake tokens depend on, like a real model's: greedy decoding - the prompt
+    (equal prompts give equal outputs, so their full output blocks hash equal); seeded sampling - the
+    prompt and the seed (reproducible); otherwise the request id."""
+    if params is not None and prompt_token_ids is not None:
+        prompt = array("q", prompt_token_ids).tobytes()
+        if params.temperature < GREEDY_TEMPERATURE:
+            return zlib.crc32(prompt)
+        if params.seed is not None:
+            return zlib.crc32(prompt + str(params.seed).encode())
+    return zlib.crc32(request_id.encode())
 
 
-def request_token(salt: int, k: int) -> int:
+def request_token(salt: int, k: int, modulus: int = 1000) -> int:
     """The "request" rule: the k-th output token (k from 0) of a request with this salt."""
-    return (7 * k + salt) % 1000 + 10
+    return (7 * k + salt) % modulus + 10
 
 
 class SimExecutor:
@@ -54,6 +68,8 @@ class SimExecutor:
         self.cost_model = cost_model or CostModel(model, hardware, tp=tp, cuda_graphs=cuda_graphs,
                                                   graph_sizes=graph_sizes, ipc=ipc)
         self.token_rule = token_rule
+        # the "request" rule's tokens stay inside the model's vocabulary: ids 10 .. 10 + modulus - 1
+        self.token_modulus = max(1, min(1000, self.cost_model.model.vocab_size - 10))
         self.num_tokens: dict[str, int] = {}  # prompt + sampled tokens, as the runner knows them
         self.num_prompt_tokens: dict[str, int] = {}
         self.salts: dict[str, int] = {}  # the "request" rule's salt per request
@@ -81,7 +97,7 @@ class SimExecutor:
             self.output_lengths.pop(rid, None)
         for new in so.scheduled_new_reqs:
             counts[new.req_id] = prompts[new.req_id] = len(new.prompt_token_ids)
-            self.salts[new.req_id] = request_token_salt(new.req_id)
+            self.salts[new.req_id] = request_token_salt(new.req_id, new.prompt_token_ids, new.sampling_params)
         cached = so.scheduled_cached_reqs
         for rid in cached.resumed_req_ids:
             counts[rid] = len(cached.all_token_ids[rid])
@@ -95,6 +111,7 @@ class SimExecutor:
         eos = self.eos_token_id
         base = so.step * 7
         salts = self.salts if self.token_rule == "request" else None
+        modulus = self.token_modulus
         prompts = self.num_prompt_tokens
         sampled: list[list[int]] = []
         append = sampled.append
@@ -126,7 +143,7 @@ class SimExecutor:
                 tok = eos
             else:
                 if salts is not None:
-                    tok = (7 * (n_tok - prompts[rid]) + salts[rid]) % 1000 + 10  # request_token
+                    tok = (7 * (n_tok - prompts[rid]) + salts[rid]) % modulus + 10  # request_token
                 else:
                     tok = (base + r) % 1000 + 10  # fake_token(step, r)
                 if tok == eos:
@@ -170,14 +187,15 @@ class SimExecutor:
         if sp.stop_token_ids:
             return False
         eos = sp._eos_token_id
-        return eos is None or eos == self.eos_token_id or not 10 <= eos <= 1011
+        return eos is None or eos == self.eos_token_id or not 10 <= eos <= self.token_modulus + 10
 
     def lazy_tokens(self, request_id: str, n: int) -> list[int]:
         """The next `n` tokens of `request_id` (the "request" rule), counted in the runner view."""
         n_tok = self.num_tokens[request_id]
         k0 = n_tok - self.num_prompt_tokens[request_id]
         salt = self.salts[request_id]
-        toks = [(7 * k + salt) % 1000 + 10 for k in range(k0, k0 + n)]
+        modulus = self.token_modulus
+        toks = [(7 * k + salt) % modulus + 10 for k in range(k0, k0 + n)]
         eos = self.eos_token_id
         if eos is not None and eos in toks:
             toks = [t + 1 if t == eos else t for t in toks]

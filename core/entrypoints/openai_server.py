@@ -155,6 +155,10 @@ class ServerState:
     async def start_engine(self) -> None:
         try:
             engine = await asyncio.to_thread(AsyncLLM, self.args, model_name=self.model_name, **self.engine_kwargs)
+        except asyncio.CancelledError:
+            if self.closing:  # the server stopped while the engine was loading: not a start-up failure
+                return
+            raise
         except BaseException as e:  # noqa: BLE001
             self.startup_error = e
             logger.error("engine start-up failed: %s: %s", type(e).__name__, e)
@@ -351,6 +355,25 @@ class OpenAIServing:
         if model is not None and model not in (self.state.model_name, self.state.args.model):
             raise APIError(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
 
+    def _tokenize(self, engine: AsyncLLM, prompts: list[Any], params: SamplingParams, max_tokens_param: str,
+                  aliases: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+        """Tokenise every prompt and check that prompt + max_tokens fits max_model_len: a 400 like vLLM's
+        server (the offline `LLM` caps the output at max_model_len instead)."""
+        out = []
+        for prompt in prompts:
+            try:
+                text, ids = engine.input_processor.tokenize(prompt)
+            except ValueError as e:
+                raise bad_request_from(e, "prompt", aliases) from None
+            max_len = engine.max_model_len
+            if params.max_tokens is not None and 0 < len(ids) < max_len and len(ids) + params.max_tokens > max_len:
+                raise APIError(f"{max_tokens_param}: '{max_tokens_param}' is too large: {params.max_tokens}. This "
+                               f"model's maximum context length is {max_len} tokens and your request has "
+                               f"{len(ids)} input tokens ({params.max_tokens} > {max_len} - {len(ids)}).",
+                               max_tokens_param)
+            out.append({"prompt": text, "prompt_token_ids": ids})
+        return out
+
     def _submit(self, engine: AsyncLLM, prompts: list[Any], params: SamplingParams, priority: int,
                 base_id: str, aliases: Optional[dict[str, str]] = None) -> list[Any]:
         collectors = []
@@ -386,6 +409,7 @@ class OpenAIServing:
         prompts = _completion_prompts(req)
         prompt_lps = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = _common_params(req, req.max_tokens, req.logprobs, prompt_lps, self.state.args.max_logprobs)
+        prompts = self._tokenize(engine, prompts, params, "max_tokens")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         collectors = self._submit(engine, prompts, params, req.priority, request_id)
         created = int(time.time())
@@ -529,9 +553,11 @@ class OpenAIServing:
             ids = list(tok.encode(text, add_special_tokens=False))
         except Exception as e:  # noqa: BLE001 - template errors are the caller's
             raise APIError(f"messages: cannot apply the chat template: {e}", "messages") from None
+        prompts = self._tokenize(engine, [{"prompt": text, "prompt_token_ids": ids}], params,
+                                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+                                 {"prompt": "messages"})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        collectors = self._submit(engine, [{"prompt": text, "prompt_token_ids": ids}], params, req.priority,
-                                  request_id, {"prompt": "messages"})
+        collectors = self._submit(engine, prompts, params, req.priority, request_id, {"prompt": "messages"})
         created = int(time.time())
         model = req.model or self.state.model_name
         merged = _merge([engine.stream(c) for c in collectors])

@@ -37,3 +37,22 @@ def test_engine_startup_error_exits_with_the_message():
                           "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert "servetwin serve: error: policy: must be 'fcfs' or 'priority'" in res.stderr
+
+
+def test_a_port_in_use_or_a_bad_host_fails_before_the_engine_loads():
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        res = subprocess.run([PY, "-m", "experiments.cli", "serve", "--backend", "torch", "--port", str(port)],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert f"servetwin serve: error: port: cannot listen on 127.0.0.1:{port}" in res.stderr
+    assert time.monotonic() - t0 < 30  # no model load first (it used to load the engine, then exit 3)
+    res = subprocess.run([PY, "-m", "experiments.cli", "serve", "--backend", "fake", "--host", "256.1.1.1",
+                          "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "servetwin serve: error: host: cannot resolve '256.1.1.1'" in res.stderr

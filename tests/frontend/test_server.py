@@ -200,6 +200,42 @@ def test_bad_requests_do_not_hurt_the_server(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_max_tokens_beyond_the_context_is_a_400_like_vllm(server, client):
+    # max_model_len 4096: "a b" is 2 toy tokens, so 4094 output tokens fit and 4095 do not
+    err = _bad(lambda: client.completions.create(model=MODEL, prompt="a b", max_tokens=4095))
+    assert err["param"] == "max_tokens"
+    assert "'max_tokens' is too large: 4095" in err["message"] and "(4095 > 4096 - 2)" in err["message"]
+    err = _bad(lambda: client.completions.create(model=MODEL, prompt=["a", "a b c"], max_tokens=4094, stream=True))
+    assert err["param"] == "max_tokens"  # any prompt of a batch; before any stream starts
+    msgs = [{"role": "user", "content": "x"}]
+    err = _bad(lambda: client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=10**6))
+    assert err["param"] == "max_completion_tokens"
+    err = _bad(lambda: client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10**6))
+    assert err["param"] == "max_tokens"
+    long_prompt = [1] * 4090
+    r = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=6)  # fits exactly
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    err = _bad(lambda: client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=7))
+    assert err["param"] == "max_tokens"
+    wait_idle(server)
+
+
+def test_logprobs_on_a_backend_without_logits_are_a_400(server, client):
+    err = _bad(lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=1))
+    assert err["param"] == "logprobs" and "fake backend" in err["message"]
+    err = _bad(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                      max_tokens=2, logprobs=True))
+    assert err["param"] == "logprobs"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_priority_under_fcfs_is_a_400_like_vllm(server, client):
+    err = _bad(lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"priority": 3}))
+    assert err["param"] == "priority" and "policy='priority'" in err["message"]
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"priority": 0})
+    assert r.choices[0].finish_reason == "length"
+
+
 def test_metrics_follow_the_traffic(server, client):
     before = wait_idle(server)
     prompt = [7] * 40  # 2 full blocks of 16 tokens: the second request hits the prefix cache

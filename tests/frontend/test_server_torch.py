@@ -84,3 +84,21 @@ def test_logprobs_are_consistent_with_greedy_choice(client):
                                        temperature=0, logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_sampled_logprobs_keep_the_server_alive(server, client):
+    """Random sampling picks tokens outside the top-k: the front end used to read the sampled token at
+    `token_ids[sampled_rank]` (a vocabulary rank), raise IndexError and kill the server for good."""
+    import httpx
+
+    for seed in range(4):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=seed,
+                                      logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens == 8
+        for tok, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[tok] == tok_lp and tok_lp <= 0.0  # the sampled token's own logprob
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                       temperature=1.0, seed=1, logprobs=True, top_logprobs=1, n=2)
+    assert len(r.choices) == 2 and sum(len(c.logprobs.content) for c in r.choices) == r.usage.completion_tokens
+    assert httpx.get(server.url + "/health").status_code == 200

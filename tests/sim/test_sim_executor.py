@@ -95,9 +95,11 @@ def test_never_reads_the_host_clock(monkeypatch):
 
 def test_request_token_rule_depends_on_the_request_only():
     from sim.executor import request_token, request_token_salt  # noqa: PLC0415
-    sim = SimExecutor()
-    outs = [sim.execute_model(so).sampled_token_ids for so in _outputs()]
-    salt_a, salt_b = request_token_salt("a"), request_token_salt("b")
+    sim = SimExecutor(model="llama-3.1-8b")
+    sos = _outputs()
+    outs = [sim.execute_model(so).sampled_token_ids for so in sos]
+    new = {r.req_id: r for r in sos[0].scheduled_new_reqs}
+    salt_a, salt_b = (request_token_salt(rid, new[rid].prompt_token_ids, new[rid].sampling_params) for rid in "ab")
     assert outs[0][0] == [request_token(salt_a, 0)] and outs[1][0] == [request_token(salt_a, 1)]
     assert outs[1][1] == [request_token(salt_b, 0)] and outs[2][1] == [request_token(salt_b, 1)]
     # the tokens of implicit steps come from the same rule, and advance the runner's count
@@ -108,3 +110,21 @@ def test_request_token_rule_depends_on_the_request_only():
 def test_unknown_token_rule_names_the_field():
     with pytest.raises(ValueError, match="token_rule"):
         SimExecutor(token_rule="random")
+
+
+def test_request_token_salt_follows_the_sampling_mode():
+    from core.sampling_params import SamplingParams  # noqa: PLC0415
+    from sim.executor import request_token_salt  # noqa: PLC0415
+    greedy, seeded, rand = SamplingParams(temperature=0), SamplingParams(seed=3), SamplingParams()
+    assert request_token_salt("x", [1, 2], greedy) == request_token_salt("y", [1, 2], greedy)
+    assert request_token_salt("x", [1, 2], greedy) != request_token_salt("x", [1, 3], greedy)
+    assert request_token_salt("x", [1, 2], seeded) == request_token_salt("y", [1, 2], SamplingParams(seed=3))
+    assert request_token_salt("x", [1, 2], seeded) != request_token_salt("x", [1, 2], SamplingParams(seed=4))
+    assert request_token_salt("x", [1, 2], rand) != request_token_salt("y", [1, 2], rand)
+
+
+def test_request_rule_tokens_stay_inside_a_small_vocabulary():
+    sim = SimExecutor(model="tiny-llama")  # vocabulary of 320 ids
+    toks = [t for so in _outputs() for row in sim.execute_model(so).sampled_token_ids for t in row]
+    toks += sim.lazy_tokens("a", 400)
+    assert toks and all(10 <= t < 320 for t in toks)

@@ -1,0 +1,137 @@
+"""Command-line failure modes a first-time user hits: each is a one-line error (exit 2) naming what is
+wrong, found before any work is done - never a traceback."""
+import json
+
+import pytest
+from exptest_helpers import SCENARIOS, tiny, write_yaml
+
+from experiments.cli import main
+
+
+def _torch_available() -> bool:
+    try:
+        import gpu.executor  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    f = tmp_path / "taken"
+    f.write_text("not a folder")
+    return f
+
+
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_output_that_is_a_file_is_a_clear_error(tmp_path, a_file, capsys, command):
+    cfg = tiny(sweep={"engine.max_num_seqs": [2, 4]})
+    path = write_yaml(tmp_path / "c.yaml", cfg)
+    assert main([command, str(path), "-o", str(a_file), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"servetwin {command}: error: -o/--output: {a_file} exists and is not a folder" in err
+    assert main([command, str(path), "-o", str(a_file / "sub" / "dir"), "--no-progress"]) == 2
+    assert f"{a_file} is a file, not a folder" in capsys.readouterr().err
+    assert a_file.read_text() == "not a folder"
+
+
+def test_compare_output_that_is_a_file_is_a_clear_error(tmp_path, a_file, capsys):
+    path = write_yaml(tmp_path / "c.yaml", tiny())
+    assert main(["compare", str(path), "-o", str(a_file), "--no-plots"]) == 2
+    assert "servetwin compare: error: -o/--output:" in capsys.readouterr().err
+
+
+def test_replay_output_errors_are_clear(tmp_path, a_file, capsys):
+    scenario = str(SCENARIOS / "a_production_shaped.json")
+    assert main(["replay", scenario, "-o", str(tmp_path)]) == 2
+    assert "servetwin replay: error: -o/--output: " in capsys.readouterr().err
+    assert main(["replay", scenario, "-o", str(tmp_path / "missing" / "out.jsonl")]) == 2
+    assert main(["replay", scenario, "-o", str(a_file / "out.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Not a directory" in err
+
+
+@pytest.mark.skipif(not _torch_available(), reason="torch backend (gpu.executor) not importable")
+def test_unknown_torch_model_is_a_clear_error(tmp_path, capsys):
+    path = write_yaml(tmp_path / "c.yaml", tiny(model="no-such-model-xyz", backends=["torch"]))
+    assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "servetwin run: error: model: 'no-such-model-xyz' is neither a built-in model" in err
+    assert "[torch backend]" in err and "Traceback" not in err
+
+
+def test_requests_that_are_all_rejected_are_reported(tmp_path, capsys):
+    cfg = tiny(workload__prompt_tokens=300, workload__requests=3)  # max_model_len is 256
+    path = write_yaml(tmp_path / "c.yaml", cfg)
+    assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress", "--no-plots"]) == 0
+    captured = capsys.readouterr()
+    assert "sim: 0/3 requests" in captured.out
+    assert "warning: sim: 3 of 3 requests were rejected as never servable" in captured.err
+    assert "max_model_len is 256" in captured.err
+
+
+def test_run_notes_a_backend_folder_left_by_an_earlier_run(tmp_path, capsys):
+    path = write_yaml(tmp_path / "c.yaml", tiny())
+    out = tmp_path / "out"
+    (out / "torch").mkdir(parents=True)
+    assert main(["run", str(path), "-o", str(out), "--no-progress", "--no-plots"]) == 0
+    assert "already holds torch/ from an earlier run" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not _torch_available(), reason="torch backend (gpu.executor) not importable")
+def test_sweep_over_backends_reports_each_points_own_backends(tmp_path, capsys):
+    cfg = tiny(sweep={"backends": [["sim"], ["torch"]]}, engine__device="cpu", workload__requests=2)
+    path = write_yaml(tmp_path / "c.yaml", cfg)
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "-o", str(out), "--no-progress", "--no-plots"]) == 0
+    assert "2 points x ['sim', 'torch']" in capsys.readouterr().err
+    import pandas as pd
+
+    df = pd.read_csv(out / "sweep.csv")
+    assert list(zip(df.point, df.backend, df.status)) == [("backends=sim", "sim", "ok"),
+                                                          ("backends=torch", "torch", "ok")]
+    assert (df.completed == 2).all()
+    summary = json.loads((out / "backends=torch" / "summary.json").read_text())
+    assert list(summary["backends"]) == ["torch"]
+
+
+def test_a_key_given_twice_is_an_error_not_silently_dropped(tmp_path, capsys):
+    path = tmp_path / "dup.yaml"
+    path.write_text("model: tiny-llama\nhardware: cpu\nengine: {max_num_seqs: 2}\n"
+                    "workload: {requests: 2, prompt_tokens: 8, output_tokens: 2}\nengine: {block_size: 32}\n")
+    assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is not valid YAML: duplicate key 'engine' (first given on line 3)" in err and "line 5" in err
+    assert not (tmp_path / "out").exists()
+    # YAML merge keys still work (an override after `<<` is not a duplicate)
+    path.write_text("model: tiny-llama\nhardware: cpu\nbase: &b {max_num_seqs: 2, block_size: 16}\n"
+                    "engine: {<<: *b, max_num_seqs: 4}\nworkload: {requests: 2, prompt_tokens: 8, output_tokens: 2}\n")
+    from experiments.schema import ConfigError, load_yaml
+
+    assert load_yaml(path)["engine"] == {"max_num_seqs": 4, "block_size": 16}
+    with pytest.raises(ConfigError, match="base: unknown key"):
+        from experiments.schema import load_config
+
+        load_config(path)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--repeats", "0"], "--repeats: must be >= 1, got 0"),  # was accepted: a fit on decode steps only
+    (["--threads", "0"], "--threads: must be >= 1, got 0"),
+    (["--trim", "0"], "--trim: must be > 0"),
+])
+def test_calibrate_rejects_bad_numbers_before_measuring(tmp_path, capsys, extra, message):
+    out = tmp_path / "c.yaml"
+    assert main(["calibrate", "--model", "tiny-llama", "--design", "quick", "-o", str(out), *extra]) == 2
+    assert f"servetwin calibrate: error: {message}" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_calibrate_output_problems_are_found_before_measuring(tmp_path, a_file, capsys):
+    assert main(["calibrate", "--model", "tiny-llama", "-o", str(tmp_path)]) == 2
+    assert f"-o/--output: {tmp_path} is a folder; give the file to write" in capsys.readouterr().err
+    assert main(["calibrate", "--model", "tiny-llama", "-o", str(a_file / "c.yaml")]) == 2
+    assert f"{a_file} is a file, not a folder" in capsys.readouterr().err
+    out = str(tmp_path / "c.yaml")
+    assert main(["calibrate", "--model", "tiny-llama", "-o", out, "--trace-dir", str(a_file)]) == 2
+    assert "--trace-dir: " in capsys.readouterr().err
