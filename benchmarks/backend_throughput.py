@@ -12,7 +12,11 @@ generation is timed (model loading is not).
 
 Systems:
 1. servetwin: `LLM(model, backend="torch", multiprocess=False, max_num_seqs=B)`, one `generate`
-   call with one `SamplingParams(temperature=0, ignore_eos=True, max_tokens=o_i)` per request.
+   call with one `SamplingParams(temperature=0, ignore_eos=True, max_tokens=o_i)` per request, in the
+   workload's order (first come, first served: no use of the known output lengths). On the CPU in
+   float32 its decode rows use the native kernels of `gpu/cpu_kernels.py` (paged decode attention,
+   small-batch linear, greedy argmax; built with the system C compiler on first use, untimed);
+   `--no-cpu-kernels` runs the pure-torch path instead (SERVETWIN_CPU_KERNELS=0).
 2. HF `generate` with padded static batching: requests are grouped - sorted by output length
    (longest first) and cut into batches of B = servetwin's max_num_seqs - so each batch's
    `max_new_tokens` (its longest request) wastes little (`--hf-grouping input` keeps request order
@@ -83,9 +87,11 @@ def run_servetwin(args, prompts, olens) -> dict[str, Any]:
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     stats = llm.get_stats()
     llm.close()
+    from gpu.cpu_kernels import decode_kernel  # noqa: PLC0415 - in-process executor: the same module state
+    kernels = "native CPU kernels" if decode_kernel() is not None else "no native CPU kernels (pure torch)"
     return {"name": "servetwin (torch backend)", "wall_s": wall, "cpu_s": cpu, "load_s": load_s, "tokens": tokens,
             "extra": f"max_num_seqs={args.batch_size}, {blocks} KV blocks, "
-                     f"max_model_len={max_model_len}, preemptions={stats.get('num_preemptions')}"}
+                     f"max_model_len={max_model_len}, preemptions={stats.get('num_preemptions')}, {kernels}"}
 
 
 def load_hf(model_name: str, attn: str):
@@ -223,12 +229,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "input order (each batch runs to its longest request)")
     ap.add_argument("--cb-attn", default="sdpa", help="attn_implementation for HF continuous batching")
     ap.add_argument("--skip", action="append", default=[], choices=["hf", "cb"])
+    ap.add_argument("--no-cpu-kernels", action="store_true",
+                    help="servetwin without its native CPU kernels (SERVETWIN_CPU_KERNELS=0): the pure-torch path")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
     args.min_output = min(args.min_output, args.max_output)
     args.min_prompt = min(args.min_prompt, args.max_prompt)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.no_cpu_kernels:
+        os.environ["SERVETWIN_CPU_KERNELS"] = "0"  # read when the kernels are first needed (executor start)
 
     from gpu.models.registry import resolve_model  # noqa: PLC0415
 

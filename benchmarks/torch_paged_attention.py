@@ -1,8 +1,12 @@
-"""Time the two torch-paged attention variants (batched groups vs one SDPA per request).
+"""Time the torch-paged attention modes against each other, interleaved: "batched" (padded groups),
+"split" (one SDPA per prefill chunk; the decodes in one call of the native CPU kernel of
+`gpu/cpu_kernels.py` on a float32 CPU, else in padded buckets) and "loop" (one SDPA per request).
 
-    python benchmarks/torch_paged_attention.py [--device cuda] [--dtype bfloat16]
+    python benchmarks/torch_paged_attention.py [--device cuda] [--dtype bfloat16] [--threads N]
 
 Head layout of SmolLM2-135M (9 heads, 3 KV heads, head dim 64), block size 16, random block tables.
+Each time includes the per-step planning (`build_metadata`). Set SERVETWIN_CPU_KERNELS=0 to time
+"split" without the kernel.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from gpu.attention import CommonAttentionMetadata, TorchPagedAttention
 from gpu.input_batch import build_block_table
 
 H, HKV, D, B = 9, 3, 64, 16
+MODES = ("batched", "split", "loop")
 
 
 def make_case(q_lens, seq_lens, device, dtype, seed=0):
@@ -46,7 +51,8 @@ def make_case(q_lens, seq_lens, device, dtype, seed=0):
 
 
 def bench(modes, case, device, reps):
-    """Median time per call of each mode, the modes interleaved (robust to a noisy shared machine)."""
+    """Median and minimum time per call of each mode, the modes interleaved in a rotating order (robust to
+    a noisy shared machine and to one mode's allocations slowing the next)."""
     common, (q, k, v), (kc, vc) = case
     backends = {m: TorchPagedAttention(m, H // HKV) for m in modes}
 
@@ -58,12 +64,13 @@ def bench(modes, case, device, reps):
         return out
     times = {m: [] for m in modes}
     outs = {m: once(be) for m, be in backends.items()}
-    for _ in range(reps):
-        for m, be in backends.items():
+    order = list(backends)
+    for rep in range(reps):
+        for m in order[rep % len(order):] + order[:rep % len(order)]:  # rotated: no mode always runs after another
             t = time.perf_counter()
-            once(be)
+            once(backends[m])
             times[m].append(time.perf_counter() - t)
-    return {m: float(np.median(t)) for m, t in times.items()}, outs
+    return {m: (float(np.median(t)), float(np.min(t))) for m, t in times.items()}, outs
 
 
 def main() -> None:
@@ -71,23 +78,30 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rng = np.random.default_rng(1)
     cases = {
+        "decode x16 (kv 300-800)": ([1] * 16, rng.integers(300, 800, 16).tolist()),
         "decode x32 (kv 100-1000)": ([1] * 32, rng.integers(100, 1000, 32).tolist()),
         "decode x128 (kv 100-1000)": ([1] * 128, rng.integers(100, 1000, 128).tolist()),
         "mixed: 2 chunks of 256 + 30 decodes": ([256, 256] + [1] * 30,
                                                [256, 768] + rng.integers(100, 1000, 30).tolist()),
         "prefill x8 (64-512)": (q := rng.integers(64, 512, 8).tolist(), q),
+        "prefill x16 (32-512) + 0 decodes": (q := rng.integers(32, 512, 16).tolist(), q),
+        "2 chunks after a prefix + 14 decodes": ([200, 64] + [1] * 14,
+                                                 [456, 320] + rng.integers(300, 800, 14).tolist()),
     }
     for name, (ql, sl) in cases.items():
         case = make_case(ql, sl, device, dtype)
-        times, outs = bench(("batched", "loop"), case, device, args.reps)
-        tb, tl = times["batched"], times["loop"]
-        err = (outs["batched"].float() - outs["loop"].float()).abs().max().item()
-        print(f"{name:40s} batched {tb * 1e3:8.2f} ms   loop {tl * 1e3:8.2f} ms (median)   "
-              f"speedup x{tl / tb:5.2f}   max|diff| {err:.1e}")
+        times, outs = bench(MODES, case, device, args.reps)
+        err = max((outs[m].float() - outs["loop"].float()).abs().max().item() for m in MODES)
+        cols = "   ".join(f"{m} {times[m][0] * 1e3:7.2f} ({times[m][1] * 1e3:7.2f}) ms" for m in MODES)
+        print(f"{name:38s} {cols}   loop/split x{times['loop'][0] / times['split'][0]:5.2f}   "
+              f"max|diff| vs loop {err:.1e}")
 
 
 if __name__ == "__main__":

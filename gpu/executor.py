@@ -161,22 +161,31 @@ class TorchExecutor:
         if not use_graph:
             slot_mapping = to_device(batch.slot_mapping, self.device)
             attn_meta = self.attn_backend.build_metadata(self._common_metadata(batch, slot_mapping))
+        sample_idx = [i for i, r in enumerate(rows) if r.samples]
+        # LM-head rows: every request's last token with keep_logits (tests read them all), else only
+        # the requests that sample this step (a partial prefill chunk needs no logits)
+        logit_rows = list(range(len(rows))) if self.keep_logits else sample_idx
         timer.mark()
         if use_graph:
             hidden, padded = self.graph_runner.run(batch, input_ids, positions)
-            last_hidden = hidden
+            last_hidden = hidden if len(logit_rows) == len(rows) else hidden[torch.tensor(logit_rows, device=self.device)]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, attn_meta)
             padded = batch.num_tokens
-            last_hidden = hidden[to_device(batch.logits_indices, self.device)]
-        logits = self.model.compute_logits(last_hidden)
+            if len(logit_rows) == len(rows) == batch.num_tokens:  # one token per row: every token's hidden
+                last_hidden = hidden
+            else:
+                idx = batch.logits_indices if len(logit_rows) == len(rows) else batch.logits_indices[logit_rows]
+                last_hidden = hidden[to_device(idx, self.device)] if len(idx) else None
+        logits = self.model.compute_logits(last_hidden) if last_hidden is not None else None
         timer.mark()
 
-        sample_idx = [i for i, r in enumerate(rows) if r.samples]
         sampled = [[] for _ in rows]
         logprobs: Optional[list[Optional[list[Logprobs]]]] = None
         if sample_idx:
-            sel = logits if len(sample_idx) == len(rows) else logits[torch.tensor(sample_idx, device=self.device)]
+            assert logits is not None
+            sel = (logits if len(logit_rows) == len(sample_idx)
+                   else logits[torch.tensor(sample_idx, device=self.device)])
             tokens, lps = self.sampler.sample([rows[i] for i in sample_idx], sel)
             if lps is not None and any(lp is not None for lp in lps):
                 logprobs = [None] * len(rows)

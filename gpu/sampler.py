@@ -3,7 +3,8 @@
 One call, for `[num_reqs, vocab]` logits (the last position of each sampling request):
 
 1. Raw logprobs = log_softmax(logits) if any row asked for logprobs in "raw_logprobs" mode.
-2. Logits to float32 (a copy: the caller's tensor is never modified).
+2. Logits to float32 (a copy, so the caller's tensor is never modified; skipped when every row is
+   greedy and no penalty or active processor edits the logits: that path never writes to them).
 3. Non-argmax-invariant logits processors, in order: min-tokens (stop ids and EOS -> -inf while
    `len(output) < min_tokens`), logit bias, per-request callables, then custom ones.
 4. Penalties: repetition (tokens seen in prompt or output: positive logits divided, negative
@@ -29,6 +30,9 @@ from typing import Optional, Sequence
 import torch
 
 from core.outputs import Logprobs
+from gpu.cpu_kernels import greedy_argmax
+from gpu.logits_processors import (AdapterLogitsProcessor, LogitBiasLogitsProcessor, LogitsProcessor,
+                                   MinTokensLogitsProcessor)
 from gpu.sampling_metadata import _SAMPLING_EPS, SamplingMetadata, resolve_num_logprobs
 
 
@@ -194,7 +198,11 @@ class Sampler:
             return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device), None)
         wants_logprobs = md.max_num_logprobs is not None
         raw_logprobs = compute_logprobs(logits) if wants_logprobs and md.any_raw_logprobs else None
-        logits = logits.to(torch.float32, copy=True)
+        if md.all_greedy and md.no_penalties and not _edits_logits(md.logitsprocs.non_argmax_invariant):
+            # greedy, nothing edits the logits (the greedy path is in-place free): no float32 copy
+            logits = logits.to(torch.float32)
+        else:
+            logits = logits.to(torch.float32, copy=True)
         logits = self.apply_logits_processors(logits, md)
         sampled, processed_logprobs = self.sample(logits, md)
         if not wants_logprobs:
@@ -216,7 +224,7 @@ class Sampler:
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Returns (sampled ids int64, processed logprobs or None)."""
         wants_processed = md.processed_logprobs_mask is not None
-        greedy_sampled = None if md.all_random else logits.argmax(dim=-1)
+        greedy_sampled = None if md.all_random else greedy_argmax(logits)
         if md.all_greedy:
             return greedy_sampled, compute_logprobs(logits) if wants_processed else None
         logits = apply_temperature(logits, md.temperature, md.all_random)
@@ -230,6 +238,22 @@ class Sampler:
         if greedy_sampled is None:
             return random_sampled, processed
         return torch.where(md.temperature < _SAMPLING_EPS, greedy_sampled, random_sampled), processed
+
+
+def _edits_logits(procs: Sequence[LogitsProcessor]) -> bool:
+    """Whether any of these processors would change the logits this step (unknown kinds: assume so)."""
+    for proc in procs:
+        if isinstance(proc, MinTokensLogitsProcessor):
+            active = bool(proc.min_toks)
+        elif isinstance(proc, LogitBiasLogitsProcessor):
+            active = bool(proc.biases)
+        elif isinstance(proc, AdapterLogitsProcessor):
+            active = bool(proc.req_info)
+        else:
+            active = True
+        if active:
+            return True
+    return False
 
 
 def _merge_logprobs(raw: Optional[torch.Tensor], processed: Optional[torch.Tensor],

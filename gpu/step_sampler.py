@@ -1,6 +1,10 @@
 """Glue between the executor's rows and the sampler (`gpu/sampler.py`): sampling metadata,
 per-request seeded generators, logprobs and prompt logprobs as `core.outputs.Logprobs`.
 
+A step whose sampling rows are all plain greedy (`is_plain_greedy`: no logprobs, penalties, logit
+bias, per-request processors or pending min_tokens) skips the metadata and the sampler: its tokens
+are the argmax of the float32 logits, which is what the sampler returns for such rows.
+
 If `gpu/sampler.py` is absent a minimal greedy / temperature sampler is used (no penalties,
 top-k/p or logprobs).
 """
@@ -13,11 +17,13 @@ import torch
 
 from core.outputs import Logprobs
 from core.runner_state import ScheduledRow
-from core.sampling_params import SamplingParams
+from core.sampling_params import SamplingParams, SamplingType
+from gpu.cpu_kernels import greedy_argmax
 
 logger = logging.getLogger(__name__)
 
 try:
+    from gpu.logits_processors import _logit_bias_of
     from gpu.sampler import Sampler, compute_prompt_logprobs, to_logprobs_list
     from gpu.sampling_metadata import SamplingMetadata, make_generator
     HAVE_SAMPLER = True
@@ -27,11 +33,28 @@ except ModuleNotFoundError as e:  # only a missing module; a broken sampler must
     HAVE_SAMPLER = False
 
 _GREEDY = SamplingParams(temperature=0.0)
+_EPS = 1e-5
 
 
 def _params(row: ScheduledRow) -> SamplingParams:
     p = row.state.sampling_params
     return _GREEDY if p is None else p
+
+
+def is_plain_greedy(row: ScheduledRow) -> bool:
+    """Greedy with nothing that could change the argmax or ask for more than the token: no logprobs,
+    no penalties, no logit bias, no per-request logits processors, min_tokens reached. For such
+    rows the sampler's answer is exactly `logits.argmax(-1)` (its processors and penalties are
+    no-ops, and greedy sampling is the argmax of the float32 logits)."""
+    p = _params(row)
+    if p.sampling_type != SamplingType.GREEDY or p.logprobs is not None or p.logits_processors:
+        return False
+    if abs(p.presence_penalty) >= _EPS or abs(p.frequency_penalty) >= _EPS or abs(p.repetition_penalty - 1.0) >= _EPS:
+        return False
+    st = row.state
+    if p.min_tokens and len(st.token_ids) - st.num_prompt_tokens < p.min_tokens:
+        return False
+    return not HAVE_SAMPLER or _logit_bias_of(p) is None
 
 
 class StepSampler:
@@ -62,6 +85,8 @@ class StepSampler:
         """Sample one token per row (rows = the requests that sample this step, logits row-aligned)."""
         if not rows:
             return [], None
+        if all(is_plain_greedy(r) for r in rows):  # fast path: no metadata, no copy, no softmax
+            return greedy_argmax(logits).tolist(), None
         gens = {i: g for i, r in enumerate(rows) if (g := self._generator(r)) is not None}
         if self.sampler is None:
             return self._fallback(rows, logits, gens), None

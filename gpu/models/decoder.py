@@ -13,7 +13,7 @@ from torch import nn
 
 from gpu.attention.backend import AttentionBackend
 from gpu.models.config import DecoderConfig
-from gpu.models.layers import RMSNorm, SwiGLU
+from gpu.models.layers import RMSNorm, SwiGLU, linear
 from gpu.models.rope import RotaryEmbedding
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -36,16 +36,20 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary[0](positions, q, k)
+        else:  # rotate q and k together: [T, H + Hkv, D]
+            qk = self.rotary[0].rotate_qk(
+                positions, qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim))
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         assert self.backend is not None, "attention backend not set (call DecoderLM.set_attention_backend)"
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        return linear(o.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -59,7 +63,7 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))  # x is this layer's own tensor
 
 
 class DecoderLM(nn.Module):
@@ -78,6 +82,7 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 attn_metadata: Any) -> torch.Tensor:
+        self.rotary.new_forward()
         x = self.embed_tokens(input_ids)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(positions, x, kv, attn_metadata)
@@ -85,4 +90,4 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        return linear(hidden, w).float()

@@ -1,9 +1,29 @@
-"""Building blocks: RMSNorm (HF numerics: normalise in float32) and the SwiGLU MLP (packed gate/up)."""
+"""Building blocks: RMSNorm (HF numerics: normalise in float32), the SwiGLU MLP (packed gate/up) and
+`linear`, which sends decode-sized float32 products on the CPU to the native small-M kernel."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gpu.cpu_kernels import small_m_linear_kernel
+
+# Rows up to which `linear` uses the native kernel (measured, 2 threads, SmolLM2-135M's shapes:
+# x1.6-1.9 at 4-13 rows, x1.4 at 16, x1.2 at 24-32, parity at 48, MKL ahead from ~64 and at 1 row).
+SMALL_M_MAX = 48
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear`; 2-D float32 CPU inputs of 2..SMALL_M_MAX rows (outside autograd) go to the native
+    kernel (`gpu.cpu_kernels.small_m_linear`: same product, another summation order) when it builds."""
+    if (x.dim() == 2 and 2 <= x.shape[0] <= SMALL_M_MAX and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.is_contiguous()
+            and (bias is None or bias.dtype == torch.float32) and not torch.is_grad_enabled()
+            and (kernel := small_m_linear_kernel()) is not None):
+        return kernel(x.contiguous(), weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -14,6 +34,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # the fused op computes exactly the lines below in float32 (one call instead of six)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -29,5 +52,5 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)

@@ -58,6 +58,7 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = cos.shape[1]
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        self._step_cache: Optional[tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor]] = None
 
     def _compute_cache(self, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq, scaling = compute_inv_freq(self.rope, self.head_dim, self.hf_config)
@@ -72,6 +73,7 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._compute_cache(self.max_positions)
         self.cos_cache = cos.to(self.cos_cache.device)
         self.sin_cache = sin.to(self.sin_cache.device)
+        self._step_cache = None
 
     @property
     def max_positions(self) -> int:
@@ -80,9 +82,30 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D]; positions: [T]."""
-        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
-        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
+        cos, sin = self._cos_sin(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def new_forward(self) -> None:
+        """Forget the previous forward's cos/sin (called at the start of every model forward, so a
+        CUDA-graph capture records the lookup even when its warm-up ran with the same tensor)."""
+        self._step_cache = None
+
+    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """q and k in one call: `qk` is `[T, H + Hkv, D]` (q heads, then k heads); the same
+        elementwise rotation as `forward`, over both at once."""
+        cos, sin = self._cos_sin(positions, qk.dtype)
+        return self._rotate(qk, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of `positions`, looked up once per forward and shared by every layer (the
+        cache holds a reference to the positions tensor, so `is` cannot match a recycled object)."""
+        c = self._step_cache
+        if c is not None and c[0] is positions and c[1] == dtype:
+            return c[2], c[3]
+        cos = self.cos_cache[positions].to(dtype)[:, None, :]
+        sin = self.sin_cache[positions].to(dtype)[:, None, :]
+        self._step_cache = (positions, dtype, cos, sin)
+        return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == self.head_dim:

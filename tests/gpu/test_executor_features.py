@@ -138,3 +138,24 @@ def test_dtype_resolution():
     assert resolve_dtype("float16", cpu, fp32) == torch.float16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int4", cpu, fp32)
+
+
+def test_lm_head_only_for_sampling_rows_gives_the_same_tokens():
+    """Without keep_logits the LM head runs only on rows that sample (a partial prefill chunk needs
+    none); the tokens equal those of an executor that computes every row's logits."""
+    def run(keep: bool) -> list[list[list[int]]]:
+        ex = ex_(keep_logits=keep)
+        a, b, c = prompt(30, 1), prompt(9, 2), prompt(20, 3)
+        outs = [ex.execute_model(step(0, new=[NewRequestData("a", a, GREEDY, [1, 2], 0),
+                                              NewRequestData("b", b, GREEDY, [3], 0)],
+                                      num_scheduled={"a": 12, "b": 9}))]  # a: partial chunk
+        outs.append(ex.execute_model(step(1, new=[NewRequestData("c", c, GREEDY, [4, 5], 0)],
+                                          cached=CachedRequestData(["a", "b"], [None, None], [12, 9], [0, 0]),
+                                          num_scheduled={"a": 18, "b": 1, "c": 7})))  # c: partial
+        outs.append(ex.execute_model(step(2, cached=CachedRequestData(["a", "b", "c"], [None] * 3, [30, 10, 7],
+                                                                       [0, 0, 0]),
+                                          num_scheduled={"a": 1, "b": 1, "c": 13})))
+        return [o.sampled_token_ids for o in outs]
+    with_all, only_sampling = run(True), run(False)
+    assert with_all == only_sampling
+    assert only_sampling[0][0] == [] and only_sampling[1][2] == [] and all(only_sampling[2])

@@ -18,10 +18,12 @@ from core.request import Request
 from core.sampling_params import SamplingParams
 from backend_helpers import GREEDY, check_step_logits, make_executor, oracle, step
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def test_hand_built_steps_match_hf(name):
-    """Chunked prefill, a prefix hit on another request's blocks, decodes, preempt + resume."""
-    ex, orc = make_executor(name), oracle(name)
+@pytest.mark.parametrize("name,mode", [("tiny-llama", "batched"), ("tiny-qwen2", "batched"), ("tiny-qwen3", "batched"),
+                                       ("tiny-llama", "split"), ("tiny-qwen3", "split")])
+def test_hand_built_steps_match_hf(name, mode):
+    """Chunked prefill, a prefix hit on another request's blocks, decodes, preempt + resume ("split":
+    the CPU default, decodes through the native kernel when it builds)."""
+    ex, orc = make_executor(name, torch_paged_mode=mode), oracle(name)
     rng = random.Random(7)
     pa = [rng.randrange(3, 320) for _ in range(40)]
     pb = [rng.randrange(3, 320) for _ in range(23)]
@@ -67,7 +69,8 @@ def test_hand_built_steps_match_hf(name):
     assert [len(outputs[r]) for r in "ABCD"] == [5, 4, 5, 4]
 
 
-@pytest.mark.parametrize("name,mode", [("tiny-llama", "loop"), ("tiny-qwen3", "loop"), ("tiny-qwen3", "batched")])
+@pytest.mark.parametrize("name,mode", [("tiny-llama", "loop"), ("tiny-qwen3", "loop"), ("tiny-qwen3", "batched"),
+                                       ("tiny-llama", "split"), ("tiny-qwen3", "split")])
 def test_engine_core_mixed_batches_match_hf(name, mode):
     """The real scheduler: small token budget (chunks), staggered arrivals sharing a prefix (hits),
     a small KV pool (preemptions); every row of every step checked against HF."""
@@ -124,9 +127,9 @@ def test_greedy_generation_equals_hf_generate(name, async_scheduling):
         assert got[f"g{i}"] == orc.generate_greedy(p, n_new), f"prompt {i} (len {len(p)})"
 
 
-def test_loop_and_batched_attention_agree():
+def test_loop_batched_and_split_attention_agree():
     outs = {}
-    for mode in ("batched", "loop"):
+    for mode in ("batched", "loop", "split"):
         ex = make_executor("tiny-qwen3", torch_paged_mode=mode)
         rng = random.Random(5)
         new = [NewRequestData(f"q{i}", [rng.randrange(3, 320) for _ in range(n)], GREEDY, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i], 0)
@@ -137,3 +140,4 @@ def test_loop_and_batched_attention_agree():
         outs[mode] = dict(ex.last_logits)
     for rid in outs["batched"]:
         torch.testing.assert_close(outs["batched"][rid], outs["loop"][rid], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs["split"][rid], outs["loop"][rid], atol=1e-5, rtol=1e-5)

@@ -449,3 +449,70 @@ def test_prompt_logprobs_whole_prompt_and_chunks_agree():
               + compute_prompt_logprobs(logits[5:], prompt, 2, start_pos=5))
     assert chunks == whole
     assert compute_prompt_logprobs(logits[:1], [3], 1) == [None]
+
+
+# -- the executor's greedy fast path (gpu/step_sampler.py) -------------------------------------------
+
+def _rows(params, outputs_len=0):
+    from core.runner_state import CachedRequestState, ScheduledRow
+    rows = []
+    for i, p in enumerate(params):
+        st = CachedRequestState(f"r{i}", [5, 6, 7] + [1] * outputs_len, 3, [0], p)
+        rows.append(ScheduledRow(f"r{i}", st, len(st.token_ids) - 1, 1))
+    return rows
+
+
+def test_plain_greedy_detection():
+    from gpu.step_sampler import is_plain_greedy
+    plain = SamplingParams(temperature=0.0)
+    assert is_plain_greedy(_rows([plain])[0])
+    not_plain = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, extra_args={"logit_bias": {3: 5.0}}),
+        SamplingParams(temperature=0.0, logits_processors=[lambda out, row: row]),
+        SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[2]),
+    ]
+    for p in not_plain:
+        assert not is_plain_greedy(_rows([p])[0]), p
+    # min_tokens already reached: the min-tokens processor would do nothing
+    assert is_plain_greedy(_rows([SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2])], 2)[0])
+
+
+@given(st.integers(1, 9), st.integers(2, 300), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_greedy_fast_path_equals_the_general_sampler(num_reqs, vocab, seed):
+    """All-plain-greedy batches skip the metadata and the sampler; the tokens are the same (ties too)."""
+    from gpu.step_sampler import StepSampler
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_reqs, vocab, generator=g)
+    logits[:, ::7] = logits.max()  # ties: argmax must pick the first, as the sampler's does
+    params = [SamplingParams(temperature=0.0) for _ in range(num_reqs)]
+    rows = _rows(params)
+    fast, lps = StepSampler(torch.device("cpu"), vocab).sample(rows, logits.clone())
+    md = SamplingMetadata.from_requests(params, [[] for _ in rows], [[5, 6, 7] for _ in rows], {}, vocab)
+    assert fast == sampler(logits.clone(), md).sampled_token_ids.tolist() and lps is None
+
+
+def test_greedy_rows_mixed_with_others_take_the_general_path():
+    from gpu.step_sampler import StepSampler
+    logits = torch.tensor([[0.0, 1.0, 0.5], [2.0, 0.0, 1.9]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, extra_args={"logit_bias": {2: 1.0}})]
+    toks, _ = StepSampler(torch.device("cpu"), 3).sample(_rows(params), logits)
+    assert toks == [1, 2]  # the bias flips row 1's argmax: the fast path must not have been taken
+
+
+def test_greedy_sampler_does_not_copy_when_nothing_edits_the_logits():
+    """The general sampler's all-greedy path skips the float32 copy yet never edits the caller's logits."""
+    logits = torch.randn(3, 11)
+    before = logits.clone()
+    md = metadata([SamplingParams(temperature=0.0)] * 3, vocab=11)
+    out = sampler(logits, md)
+    assert torch.equal(logits, before) and out.sampled_token_ids.tolist() == before.argmax(-1).tolist()
+    md = metadata([SamplingParams(temperature=0.0, logprobs=2, logprobs_mode="processed_logprobs")] * 3, vocab=11)
+    out = sampler(logits, md)
+    assert torch.equal(logits, before)
+    torch.testing.assert_close(out.logprobs.logprobs[:, 0], before.log_softmax(-1).gather(1, out.sampled_token_ids[:, None])[:, 0])
