@@ -99,9 +99,13 @@ class StepSummary:
         return cls.from_lists(qs, ss, num_sampling)
 
     @classmethod
-    def from_lists(cls, qs: Sequence[int], ss: Sequence[int], num_sampling: int) -> "StepSummary":
-        """From per-row scheduled tokens `qs`, computed-before tokens `ss` and the sampling count."""
-        p_reqs = p_q = p_q2 = p_qs = p_kv = d_reqs = d_s = 0
+    def from_lists(cls, qs: Sequence[int], ss: Sequence[int], num_sampling: int,
+                   implicit_decodes: int = 0, implicit_sum_s: int = 0) -> "StepSummary":
+        """From per-row scheduled tokens `qs`, computed-before tokens `ss` and the sampling count, plus
+        `implicit_decodes` sampling decode rows given only by their sum of `s` (core/lazy_decode.py)."""
+        p_reqs = p_q = p_q2 = p_qs = p_kv = 0
+        d_reqs, d_s = implicit_decodes, implicit_sum_s
+        num_sampling += implicit_decodes
         for q, s in zip(qs, ss):
             if q < 1 or s < 0:
                 raise ValueError(f"step row: need q >= 1 and s >= 0, got q={q}, s={s}")
@@ -114,7 +118,7 @@ class StepSummary:
                 p_q2 += q * q
                 p_qs += q * s
                 p_kv += s + q
-        return cls(num_reqs=len(qs), num_tokens=p_q + d_reqs, num_sampling=num_sampling,
+        return cls(num_reqs=len(qs) + implicit_decodes, num_tokens=p_q + d_reqs, num_sampling=num_sampling,
                    prefill_reqs=p_reqs, prefill_sum_q=p_q, prefill_sum_q2=p_q2,
                    prefill_sum_q_s=p_qs, prefill_sum_kv=p_kv, decode_reqs=d_reqs,
                    decode_sum_kv=d_s + d_reqs)

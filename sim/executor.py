@@ -115,24 +115,13 @@ class SimExecutor:
         prompts = self.num_prompt_tokens
         sampled: list[list[int]] = []
         append = sampled.append
-        p_reqs = p_q = p_q2 = p_qs = p_kv = d_reqs = d_s = num_sampling = 0
-        lazy = so.lazy
-        if lazy is not None:  # implicit decode rows: one token each, counted by `lazy_tokens`
-            d_reqs = num_sampling = lazy.num_reqs
-            d_s = lazy.sum_computed_before
+        qs = list(so.num_scheduled_tokens.values())
+        ss = [before[rid] for rid in so.num_scheduled_tokens]
+        num_sampling = 0
         r = -1
-        for rid, q in so.num_scheduled_tokens.items():  # one pass: tokens and the step's sums
+        for rid, q in so.num_scheduled_tokens.items():
             r += 1
-            s = before[rid]
-            if q == 1:
-                d_reqs += 1
-                d_s += s
-            else:
-                p_reqs += 1
-                p_q += q
-                p_q2 += q * q
-                p_qs += q * s
-                p_kv += s + q
+            s = ss[r]
             n_tok = counts[rid]
             if s + q < n_tok:  # a partial prefill samples nothing
                 append([])
@@ -150,11 +139,10 @@ class SimExecutor:
                     tok += 1
             append([tok])
             counts[rid] = n_tok + 1
-        summary = StepSummary(num_reqs=r + 1 + (lazy.num_reqs if lazy is not None else 0),
-                              num_tokens=p_q + d_reqs, num_sampling=num_sampling,
-                              prefill_reqs=p_reqs, prefill_sum_q=p_q, prefill_sum_q2=p_q2,
-                              prefill_sum_q_s=p_qs, prefill_sum_kv=p_kv, decode_reqs=d_reqs,
-                              decode_sum_kv=d_s + d_reqs)
+        lazy = so.lazy  # implicit decode rows (core/lazy_decode.py): one sampled token each
+        summary = StepSummary.from_lists(qs, ss, num_sampling,
+                                         implicit_decodes=lazy.num_reqs if lazy is not None else 0,
+                                         implicit_sum_s=lazy.sum_computed_before if lazy is not None else 0)
         self.last_summary = summary
         if so.total_num_scheduled_tokens == 0:
             timing = StepTiming(duration_s=0.0)  # vLLM's runner returns at once: nothing runs
