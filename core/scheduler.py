@@ -220,19 +220,11 @@ class Scheduler:
             if input_budget <= 0:
                 break
             computed = request.num_computed_tokens
-            placeholders = request.num_output_placeholders
-            if placeholders and computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
-                req_index += 1  # the step in flight already produces its last token
-                continue
-            n = len(request._all_token_ids) + placeholders - computed
-            if 0 < threshold < n:
-                n = threshold
+            n = self._running_tokens(request, threshold, max_model_len)
             if n > token_budget:
                 n = token_budget
             if n > input_budget:
                 n = input_budget
-            if n > max_model_len - computed - 1:
-                n = max_model_len - computed - 1
             if n <= 0:
                 req_index += 1
                 continue
@@ -319,7 +311,7 @@ class Scheduler:
         k = len(lazy.members)
         threshold = self._long_prefill_threshold()
         eager = sorted(lazy.nonmembers.values(), key=_running_seq)
-        demand, blocks_needed = self._running_demand(eager, threshold)
+        rows, demand, blocks_needed = self._running_demand(eager, threshold)
         if (k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)
                 or blocks_needed > kv.block_pool.free_block_queue.num_free_blocks):
             self._materialise_all()  # their flushes stay queued for the engine
@@ -340,10 +332,7 @@ class Scheduler:
         # guarantee no budget clips anyone and every allocation succeeds (so there is no preemption).
         # A decode row whose KV work (a new block, a block registered) was its only event goes
         # implicit for this very step once that work is done.
-        for request in eager:
-            n = self._running_tokens(request, threshold, max_model_len)
-            if n <= 0:
-                continue
+        for request, n in rows:
             rid = request.request_id
             computed = request.num_computed_tokens
             blocks = req_to_blocks.get(rid)
@@ -375,7 +364,7 @@ class Scheduler:
 
     @staticmethod
     def _running_tokens(request: Request, threshold: int, max_model_len: int) -> int:
-        """Tokens the running pass gives `request` when no budget binds (0: it is skipped)."""
+        """Tokens the running pass gives `request` before the step budgets cap them (0: skipped)."""
         computed = request.num_computed_tokens
         placeholders = request.num_output_placeholders
         if placeholders and computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
@@ -385,18 +374,22 @@ class Scheduler:
             n = threshold
         return min(n, max_model_len - computed - 1)
 
-    def _running_demand(self, requests: list[Request], threshold: int) -> tuple[int, int]:
-        """Tokens and new KV blocks the running pass would give `requests` with unlimited budget."""
+    def _running_demand(self, requests: list[Request],
+                        threshold: int) -> tuple[list[tuple[Request, int]], int, int]:
+        """The rows `(request, tokens)` the running pass would schedule with unlimited budget, their
+        tokens and the new KV blocks they need."""
+        rows = []
         tokens = blocks = 0
         bs = self.block_size
         req_to_blocks = self.kv_cache_manager.req_to_blocks
         for r in requests:
             n = self._running_tokens(r, threshold, self.max_model_len)
             if n > 0:
+                rows.append((r, n))
                 tokens += n
                 held = req_to_blocks.get(r.request_id)
                 blocks += max(0, cdiv(r.num_computed_tokens + n, bs) - (len(held) if held else 0))
-        return tokens, blocks
+        return rows, tokens, blocks
 
     def _schedule_waiting(self, threshold: int, token_budget: int, input_budget: int,
                           scheduled_new_reqs: list[Request], scheduled_resumed_reqs: list[Request],
