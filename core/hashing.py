@@ -69,17 +69,21 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256) -> Calla
     """Closure returning the hashes of the request's full blocks not hashed yet (incremental)."""
 
     def request_block_hasher(request: Any) -> list[bytes]:
-        start = len(request.block_hashes) * block_size
+        hashes = request.block_hashes
+        start = len(hashes) * block_size
         tokens = request.all_token_ids
         num_tokens = len(tokens)
         if start + block_size > num_tokens:
             return []
-        prev = request.block_hashes[-1] if request.block_hashes else None
+        prev = hashes[-1] if hashes else NONE_HASH
         new_hashes = []
+        # extra keys: LoRA in every block, the cache salt only in the block at token 0
+        lora_keys = (generate_block_hash_extra_keys(request, 1)
+                     if getattr(request, "lora_request", None) is not None else None)
         while start + block_size <= num_tokens:
             end = start + block_size
-            extra = generate_block_hash_extra_keys(request, start)
-            prev = hash_block_tokens(hash_fn, prev, tokens[start:end], extra)
+            extra = generate_block_hash_extra_keys(request, start) if start == 0 else lora_keys
+            prev = hash_fn((prev, tuple(tokens[start:end]), extra))  # = hash_block_tokens(...)
             new_hashes.append(prev)
             start = end
         return new_hashes

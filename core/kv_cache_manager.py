@@ -125,12 +125,28 @@ class KVCacheManager:
             self.block_pool.touch(hits)
             req_blocks.extend(hits)
             self.num_cached_block[rid] = len(req_blocks)
-        num_new_blocks = cdiv(need_slots, self.block_size) - len(req_blocks)
+        return self._grow(request, req_blocks, need_slots, min(total_computed + num_new_tokens, request.num_tokens))
+
+    def allocate_running_slots(self, request: Request, num_new_tokens: int,
+                               computed: Optional[int] = None) -> list[KVCacheBlock]:
+        """`allocate_slots(request, num_new_tokens)` for a running request (it holds blocks, no new
+        prefix hits) whose new blocks the caller already knows to be free: the same effects, no checks.
+        `computed` overrides `request.num_computed_tokens` (an implicit decode's C, core/lazy_decode.py)."""
+        if computed is None:
+            computed = request.num_computed_tokens
+        need_slots = min(computed + num_new_tokens, self.max_model_len)
+        return self._grow(request, self.req_to_blocks[request.request_id], need_slots,
+                          min(computed + num_new_tokens, len(request._all_token_ids)))
+
+    def _grow(self, request: Request, req_blocks: list[KVCacheBlock], need_slots: int,
+              num_known_tokens: int) -> list[KVCacheBlock]:
+        """Give the request blocks for `need_slots` slots and register its full blocks."""
+        num_new_blocks = -(-need_slots // self.block_size) - len(req_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         if new_blocks:
             req_blocks.extend(new_blocks)
         if self.enable_caching:
-            self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+            self.cache_blocks(request, num_known_tokens)
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

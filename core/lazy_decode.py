@@ -9,11 +9,13 @@ step's aggregates (`SchedulerOutput.lazy`: rows, sum and max of computed tokens)
 A member's next event is the first step at which the normal code could do anything but "+1 token":
 it needs a new block, a block of it becomes full (prefix-cache registration), or it reaches its
 length cap. Events are computed when the request joins (conservatively: an event too early only
-costs speed). At its event step - or whenever anything else needs its exact state - a member is
-*materialised*: the deferred steps are applied at once (C, in-flight counters, the tokens from the
-executor's per-request token rule, block hashes), and the request takes the normal path: its row of
-the running pass does the KV work (allocation, prefix-cache registration) in running order, and if
-that was all, it joins again for this very step (`try_join` after the KV work) instead of being listed.
+costs speed). At a KV event (a new block, a block registered) the member stays implicit: its
+outputs so far are applied (the tokens from the executor's per-request token rule, so the block
+hashes exist) and its row of the running pass does the KV work in running order with its implicit C,
+then its next event is set (`advance`). At its terminal event (the last token, the length cap) - or
+whenever anything else needs its exact state - a member is *materialised*: the deferred steps are
+applied at once (C, in-flight counters, tokens, block hashes) and the request takes the normal path
+(and may join again after its row's KV work, `try_join`).
 
 Budget and KV checks at the start of every step guarantee that the normal code would schedule every
 member one token without clipping or preemption; when they fail, every member is materialised first
@@ -24,7 +26,10 @@ of `step_requests` and the per-token outputs of a front end need every row liste
 
 Step indices here are the scheduler's own (`SchedulerOutput.scheduler_step`). In async scheduling the
 output of a member's last implicit step is still pending when it is materialised: its token is
-produced then and applied by the next `update_from_output`, in running order (`pending_update`).
+produced then and applied by the next `update_from_output`, in running order (`pending_update`) -
+unless the request joins again in the same step: then that output stays implicit too (the member's
+outputs start a step before its schedule effects, `out_from = first_step - 1`), since applying it
+would only append the token (it cannot stop the request, complete a block or register one).
 """
 from __future__ import annotations
 
@@ -64,8 +69,11 @@ class _Member:
     request: Request
     first_step: int  # its first implicit step
     offset: int  # C at the first implicit step minus that step: C(step) = offset + step
-    event: int  # first step at which it must be materialised
+    event: int  # its next event: a KV event (handled in place) or `terminal`
+    terminal: int  # first step at which it must be materialised (last token, length cap)
     seq: int
+    out_from: int  # its first step whose output is not applied (first_step, or one less)
+    carry: list[int]  # tokens already drawn from the source for steps out_from.. (at most one)
 
 
 class LazyDecodes:
@@ -83,7 +91,8 @@ class LazyDecodes:
         self._offsets: list[tuple[int, int, str]] = []  # (-offset, seq, request id): the max C
         self._seq = 0
         self.flushed: list[LazyFlush] = []
-        self.pending_update: list[tuple[Request, int]] = []  # async: (request, token of the pending step)
+        # async: request id -> (request, token of its pending step), made by `materialise`
+        self.pending_update: dict[str, tuple[Request, int]] = {}
         self._eligible: dict[str, bool] = {}  # the source's verdict per running request
 
     # -- joining -----------------------------------------------------------------------------------
@@ -105,6 +114,23 @@ class LazyDecodes:
             ok = self._eligible[rid] = self.source.lazy_eligible(r)
         if not ok:
             return False
+        terminal = min(r.max_tokens - len(r._output_token_ids) - 1,  # the last token
+                       self.max_model_len - 2 - c)  # the length cap
+        offset = min(self._kv_offset(c, kv_blocks, num_cached_blocks), terminal)
+        if offset < 1:
+            return False
+        pending = self.pending_update.pop(rid, None) if self.pending_update else None
+        if pending is None:
+            self.join(r, step, step + offset, step + terminal)
+        else:  # materialised this step: its pending output stays implicit (undo what it set up)
+            r.num_in_flight_tokens -= 1
+            r.num_output_placeholders -= 1
+            self.join(r, step, step + offset, step + terminal, out_from=step - 1, carry=[pending[1]])
+        return True
+
+    def _kv_offset(self, c: int, kv_blocks: int, num_cached_blocks: int) -> int:
+        """Steps from now (C = c, holding `kv_blocks`, `num_cached_blocks` registered) to the
+        request's next KV event."""
         bs = self.block_size
         offset = kv_blocks * bs - c  # the step that needs a new block
         if self.caching:
@@ -113,29 +139,53 @@ class LazyDecodes:
                 by_then = c // bs
                 if by_then > num_cached_blocks:
                     num_cached_blocks = by_then
-            full = (num_cached_blocks + 1) * bs - 1 - c  # a block becomes full
-            if full < offset:
-                offset = full
-        last = r.max_tokens - len(r._output_token_ids) - 1  # the last token
-        if last < offset:
-            offset = last
-        cap = self.max_model_len - 2 - c
-        if cap < offset:
-            offset = cap
-        if offset < 1:
+            # A block becomes full. In async scheduling, when it is the last block held, the
+            # allocation of the next block (a step later) registers it: nothing happens for it in
+            # between (its update still lacks the KV written by the step in flight), so that
+            # allocation is its event.
+            if not (self.async_scheduling and kv_blocks == num_cached_blocks + 1):
+                full = (num_cached_blocks + 1) * bs - 1 - c
+                if full < offset:
+                    offset = full
+        return offset
+
+    def advance(self, m: _Member, step: int, kv_blocks: int, num_cached_blocks: int) -> bool:
+        """After the member's KV event at `step` (done in place): set its next event, or False when
+        it cannot stay implicit past this step (the caller then materialises it)."""
+        event = min(step + self._kv_offset(m.offset + step, kv_blocks, num_cached_blocks), m.terminal)
+        if event <= step:
             return False
-        self.join(r, step, step + offset)
+        m.event = event
+        heapq.heappush(self._events, (event, m.seq, m.request.request_id))
         return True
+
+    def apply_outputs(self, m: _Member, last_updated: int) -> None:
+        """Apply the member's outputs up to step `last_updated` (its tokens and block hashes) and
+        keep it implicit."""
+        n = last_updated + 1 - m.out_from
+        if n <= 0:
+            return
+        r = m.request
+        rid = r.request_id
+        tokens = self.source.lazy_tokens(rid, n - len(m.carry))
+        if m.carry:
+            tokens = m.carry + tokens
+            m.carry = []
+        r.append_output_token_ids(tokens)
+        self.flushed.append(LazyFlush(rid, m.out_from, n))
+        m.out_from = last_updated + 1
 
     def forget(self, request_id: str) -> None:
         """`request_id` left the running list."""
         self.nonmembers.pop(request_id, None)
         self._eligible.pop(request_id, None)
 
-    def join(self, r: Request, step: int, event: int) -> None:
+    def join(self, r: Request, step: int, event: int, terminal: int, out_from: Optional[int] = None,
+             carry: Optional[list[int]] = None) -> None:
         self._seq += 1
         offset = r.num_computed_tokens - step
-        m = _Member(r, step, offset, event, self._seq)
+        m = _Member(r, step, offset, event, terminal, self._seq, step if out_from is None else out_from,
+                    carry or [])
         self.members[r.request_id] = m
         self.sum_offset += offset
         heapq.heappush(self._events, (event, m.seq, r.request_id))
@@ -157,23 +207,26 @@ class LazyDecodes:
         return out
 
     def materialise(self, m: _Member, next_step: int, last_updated: int) -> Request:
-        """Apply the member's deferred steps: schedule effects of steps [first, next_step), output
-        effects of steps [first, last_updated]; an async member's pending output is queued."""
+        """Apply the member's deferred steps: schedule effects of steps [first_step, next_step),
+        output effects of steps [out_from, last_updated]; an async member's pending output is queued."""
         r = m.request
-        del self.members[r.request_id]
+        rid = r.request_id
+        del self.members[rid]
         self.sum_offset -= m.offset
-        n_sched = next_step - m.first_step
-        n_out = max(0, min(n_sched, last_updated + 1 - m.first_step))
-        pending = n_sched - n_out
-        r.num_computed_tokens += n_sched
-        tokens = self.source.lazy_tokens(r.request_id, n_out + pending)
+        n_owed = next_step - m.out_from  # outputs of steps out_from .. next_step - 1
+        n_out = max(0, min(n_owed, last_updated + 1 - m.out_from))
+        pending = n_owed - n_out
+        r.num_computed_tokens += next_step - m.first_step
+        tokens = self.source.lazy_tokens(rid, n_owed - len(m.carry))
+        if m.carry:
+            tokens = m.carry + tokens
         if pending:
             r.num_in_flight_tokens += pending
             r.num_output_placeholders += pending
-            self.pending_update.append((r, tokens.pop()))
+            self.pending_update[rid] = (r, tokens.pop())
         if n_out:
             r.append_output_token_ids(tokens)
-            self.flushed.append(LazyFlush(r.request_id, m.first_step, n_out))
+            self.flushed.append(LazyFlush(rid, m.out_from, n_out))
         return r
 
     def max_offset(self) -> int:

@@ -54,6 +54,10 @@ def _running_seq(request: Request) -> int:
     return request.running_seq
 
 
+def _row_running_seq(row: tuple[Request, int]) -> int:
+    return row[0].running_seq
+
+
 class UnservableRequestError(ValueError):
     """A request that could never fit the KV pool (vLLM would block its queue forever)."""
 
@@ -303,15 +307,27 @@ class Scheduler:
         kv = self.kv_cache_manager
         req_to_blocks = kv.req_to_blocks
         num_cached_block = kv.num_cached_block
-        for m in lazy.due(step):  # members with an event take the normal path this step
-            r = lazy.materialise(m, step, self._last_updated_step)
-            lazy.nonmembers[r.request_id] = r
+        block_size = self.block_size
+        last_updated = self._last_updated_step
+        in_place = {}  # request id -> member with a KV event this step (its row does the KV work)
+        for m in lazy.due(step):
+            if m.event < m.terminal:
+                in_place[m.request.request_id] = m
+            else:  # the last token or the length cap: the normal path
+                r = lazy.materialise(m, step, last_updated)
+                lazy.nonmembers[r.request_id] = r
         if not lazy.members:
             lazy.nonmembers = {r.request_id: r for r in self.running}
         k = len(lazy.members)
         threshold = self._long_prefill_threshold()
         eager = sorted(lazy.nonmembers.values(), key=_running_seq)
         rows, demand, blocks_needed = self._running_demand(eager, threshold)
+        if in_place:  # one token each, counted in k; a new block when C fills the blocks held
+            for rid, m in in_place.items():
+                if m.offset + step >= len(req_to_blocks[rid]) * block_size:
+                    blocks_needed += 1
+            rows += [(m.request, 1) for m in in_place.values()]
+            rows.sort(key=_row_running_seq)
         if (k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)
                 or blocks_needed > kv.block_pool.free_block_queue.num_free_blocks):
             self._materialise_all()  # their flushes stay queued for the engine
@@ -321,7 +337,6 @@ class Scheduler:
         token_budget = self.max_num_scheduled_tokens - k
         input_budget = self.max_num_batched_tokens - k
         max_model_len = self.max_model_len
-        block_size = self.block_size
         caching = kv.enable_caching
         scheduled_new_reqs: list[Request] = []
         scheduled_resumed_reqs: list[Request] = []
@@ -334,21 +349,35 @@ class Scheduler:
         # implicit for this very step once that work is done.
         for request, n in rows:
             rid = request.request_id
-            computed = request.num_computed_tokens
+            m = in_place.get(rid) if in_place else None
+            if m is None:
+                computed = request.num_computed_tokens
+            else:  # its tokens (and so its block hashes) up to date, its C implicit
+                lazy.apply_outputs(m, last_updated)
+                computed = m.offset + step
             blocks = req_to_blocks.get(rid)
             if blocks is not None and computed + n <= len(blocks) * block_size:
                 new_blocks = []
                 if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
                     kv.cache_blocks(request, min(computed + n, len(request._all_token_ids)))
+            elif blocks is not None:  # the KV check above guarantees these blocks are free
+                new_blocks = kv.allocate_running_slots(request, n, computed)
             else:
                 new_blocks = kv.allocate_slots(request, n)
                 if new_blocks is None:
                     raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
-            token_budget -= n
-            input_budget -= n
-            if n == 1 and lazy.try_join(request, step, len(req_to_blocks[rid]), num_cached_block.get(rid, 0)):
-                del lazy.nonmembers[rid]
-                continue
+            if m is not None:  # its token is in k already
+                if lazy.advance(m, step, len(req_to_blocks[rid]), num_cached_block.get(rid, 0)):
+                    continue
+                lazy.materialise(m, step, last_updated)  # listed after all
+                lazy.nonmembers[rid] = request
+            else:
+                token_budget -= n
+                input_budget -= n
+                if n == 1 and lazy.try_join(request, step, len(req_to_blocks[rid]),
+                                            num_cached_block.get(rid, 0)):
+                    del lazy.nonmembers[rid]
+                    continue
             scheduled_running_reqs.append(request)
             req_to_new_blocks[rid] = new_blocks
             num_scheduled_tokens[rid] = n
@@ -618,8 +647,8 @@ class Scheduler:
     def _merge_pending_outputs(self, so: SchedulerOutput, lazy: LazyDecodes):
         """This output's rows plus the members materialised since it was scheduled (async: their
         token of this step is still to be applied), in running order like a normal step's rows."""
-        pending = {r.request_id: [token] for r, token in lazy.pending_update}
-        lazy.pending_update = []
+        pending = {rid: [token] for rid, (_, token) in lazy.pending_update.items()}
+        lazy.pending_update = {}
         requests = self.requests
 
         def running_order(item: tuple[str, int]) -> int:

@@ -83,7 +83,7 @@ class TraceRecorder:
         self.requests: dict[str, RequestTrace] = {}
         self._step_rows: dict[int, dict[str, Any]] = {}  # step -> row, until its output is processed
         self._carried_preemptions = 0  # made in steps that scheduled nothing (no row of their own)
-        self._t_end_by_step: dict[int, float] = {}  # scheduler step -> t_end, for steps with implicit rows
+        self._t_end_by_step: list[Optional[float]] = []  # [scheduler step] -> t_end, for steps with implicit rows
 
     def on_arrival(self, request: Request, arrival_s: float) -> None:
         self.requests[request.request_id] = RequestTrace(
@@ -132,7 +132,10 @@ class TraceRecorder:
             sum_q_kv += kv_lazy
             sum_kv += kv_lazy
             max_kv = max(max_kv, lazy.max_computed_before + 1)
-            self._t_end_by_step[so.scheduler_step] = t_end
+            ends, step = self._t_end_by_step, so.scheduler_step
+            if len(ends) <= step:
+                ends.extend([None] * (step + 1 - len(ends)))
+            ends[step] = t_end
         details = IterationDetails(n_ctx, t_ctx, num_reqs - n_ctx, so.total_num_scheduled_tokens - t_ctx)
         if self.record_step_requests:
             mro = result.model_output
@@ -228,7 +231,10 @@ class TraceRecorder:
             trace = self.requests.get(f.request_id)
             if trace is None:
                 continue
-            trace.token_times.extend([t_end[s] for s in range(f.first_step, f.first_step + f.num_tokens)])
+            times = t_end[f.first_step:f.first_step + f.num_tokens]
+            if len(times) != f.num_tokens or None in times:
+                raise RuntimeError(f"trace: implicit tokens of {f.request_id!r} in steps with no recorded end")
+            trace.token_times.extend(times)
             trace.output_tokens += f.num_tokens
 
     def on_abort(self, request_id: str, t: float) -> None:

@@ -49,8 +49,6 @@ from sim.coefficients import BASIS_TERMS, CostCoefficients
 from sim.hardware import HardwareSpec, load_hardware
 from sim.model_spec import ModelSpec, load_model_spec
 
-PREPARE_TERMS = ("step", "req", "token", "ipc_step", "ipc_req")
-SAMPLE_TERMS = ("lm_head",)
 LOGITS_BYTES = 4  # logits are materialised in fp32 for sampling
 
 
@@ -161,6 +159,8 @@ class CostModel:
         self.graph_sizes: list[int] = sizes if self.cuda_graphs else []
         self.ipc = bool(ipc)
         self.coefficients = coefficients if coefficients is not None else self.hw.coefficients
+        self._const_key: Optional[tuple] = None
+        self._const: tuple = ()
 
     # -- shape helpers -------------------------------------------------------------------------
     def padded_tokens(self, step: StepSummary) -> tuple[int, bool]:
@@ -175,53 +175,64 @@ class CostModel:
         return step if isinstance(step, StepSummary) else StepSummary.from_rows(step)
 
     # -- the model -----------------------------------------------------------------------------
+    def _constants(self) -> tuple:
+        """The per-step constant factors of the formula (model, hardware and tp are fixed)."""
+        key = (id(self.model), id(self.hw), self.tp)
+        if self._const_key != key:
+            m, hw, tp = self.model, self.hw, self.tp
+            L, d, V, dh, b = m.num_layers, m.hidden_size, m.vocab_size, m.head_dim, m.dtype_bytes
+            peak, bw = hw.peak_flops(m.dtype), hw.memory_bandwidth
+            hq, hk = -(-m.num_heads // tp), -(-m.num_kv_heads // tp)
+            self._const = (L, d, V, dh, b, peak, bw, hq, hk, tp, m.layer_matmul_params, m.layer_params,
+                           hw.interconnect_bandwidth, hw.interconnect_latency_s)
+            self._const_key = key
+        return self._const
+
+    def _terms(self, st: StepSummary) -> tuple[float, ...]:
+        """Basis values in `BASIS_TERMS` order (one implementation, used by `basis` and `predict`)."""
+        ipc = 1.0 if self.ipc else 0.0
+        if st.num_reqs == 0:
+            return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, ipc, 0.0)
+        L, d, V, dh, b, peak, bw, hq, hk, tp, matmul_params, layer_params, link, lat = self._constants()
+        t_pad, graph = self.padded_tokens(st)
+        linear = max(2.0 * t_pad * L * matmul_params / tp / peak, L * layer_params * b / tp / bw)
+        pairs = st.prefill_sum_q_s + (st.prefill_sum_q2 + st.prefill_sum_q) / 2.0
+        attn_prefill = max(L * 4.0 * hq * dh * pairs / peak,
+                           L * 2.0 * hk * dh * b * (st.prefill_sum_kv + st.prefill_sum_q) / bw)
+        attn_decode = max(L * 4.0 * hq * dh * st.decode_sum_kv / peak,
+                          L * 2.0 * hk * dh * b * (st.decode_sum_kv + st.decode_reqs) / bw)
+        r = st.num_sampling
+        lm_head = max(2.0 * r * d * V / tp / peak, (V * d * b + r * V * LOGITS_BYTES) / tp / bw) if r else 0.0
+        comm = 0.0
+        if tp > 1:
+            frac = (tp - 1) / tp
+            comm = 2 * L * (lat + 2.0 * frac * t_pad * d * b / link)
+            if r:
+                comm += lat + frac * r * V * b / link
+        reqs = float(st.num_reqs)
+        return (1.0, reqs, float(st.num_tokens), 0.0 if graph else float(L), linear, attn_prefill,
+                attn_decode, lm_head, comm, ipc, reqs if self.ipc else 0.0)
+
     def basis(self, step: StepSummary | Iterable[Any]) -> dict[str, float]:
         """Basis terms of the step (see the module docstring); keys are `BASIS_TERMS`."""
-        st = self.summarize(step)
-        m, hw, tp = self.model, self.hw, self.tp
-        L, d, V, dh, b = m.num_layers, m.hidden_size, m.vocab_size, m.head_dim, m.dtype_bytes
-        peak, bw = hw.peak_flops(m.dtype), hw.memory_bandwidth
-        hq, hk = -(-m.num_heads // tp), -(-m.num_kv_heads // tp)
-        t_pad, graph = self.padded_tokens(st)
-        out = dict.fromkeys(BASIS_TERMS, 0.0)
-        out["step"] = 1.0
-        out["ipc_step"] = 1.0 if self.ipc else 0.0
-        if st.num_reqs == 0:
-            return out
-        out["req"] = float(st.num_reqs)
-        out["token"] = float(st.num_tokens)
-        out["ipc_req"] = float(st.num_reqs) if self.ipc else 0.0
-        out["layer"] = 0.0 if graph else float(L)
-        out["linear"] = max(2.0 * t_pad * L * m.layer_matmul_params / tp / peak,
-                            L * m.layer_params * b / tp / bw)
-        pairs = st.prefill_sum_q_s + (st.prefill_sum_q2 + st.prefill_sum_q) / 2.0
-        out["attn_prefill"] = max(L * 4.0 * hq * dh * pairs / peak,
-                                  L * 2.0 * hk * dh * b * (st.prefill_sum_kv + st.prefill_sum_q) / bw)
-        out["attn_decode"] = max(L * 4.0 * hq * dh * st.decode_sum_kv / peak,
-                                 L * 2.0 * hk * dh * b * (st.decode_sum_kv + st.decode_reqs) / bw)
-        r = st.num_sampling
-        if r:
-            out["lm_head"] = max(2.0 * r * d * V / tp / peak,
-                                 (V * d * b + r * V * LOGITS_BYTES) / tp / bw)
-        if tp > 1:
-            link, lat = hw.interconnect_bandwidth, hw.interconnect_latency_s
-            frac = (tp - 1) / tp
-            out["comm"] = 2 * L * (lat + 2.0 * frac * t_pad * d * b / link)
-            if r:
-                out["comm"] += lat + frac * r * V * b / link
-        return out
+        return dict(zip(BASIS_TERMS, self._terms(self.summarize(step))))
 
     def predict(self, step: StepSummary | Iterable[Any]) -> StepTiming:
-        st = self.summarize(step)
-        terms = self.basis(st)
+        st = step if type(step) is StepSummary else self.summarize(step)
+        (step_, req, token, layer, linear, attn_prefill, attn_decode, lm_head, comm,
+         ipc_step, ipc_req) = self._terms(st)
         c = self.coefficients
-        part = {k: c.for_term(k) * v for k, v in terms.items()}
-        prepare = sum(part[k] for k in PREPARE_TERMS)
-        sample = sum(part[k] for k in SAMPLE_TERMS)
-        forward = sum(v for k, v in part.items() if k not in PREPARE_TERMS and k not in SAMPLE_TERMS)
+        prepare = (c.c_step * step_ + c.c_req * req + c.c_token * token + c.c_ipc_step * ipc_step
+                   + c.c_ipc_req * ipc_req)
+        forward = (c.c_layer * layer + c.c_linear * linear + c.c_attn_prefill * attn_prefill
+                   + c.c_attn_decode * attn_decode + c.c_comm * comm)
+        sample = c.c_lm_head * lm_head
+        if self.cuda_graphs:
+            padded = self.padded_tokens(st)[0]
+        else:
+            padded = st.num_tokens
         return StepTiming(duration_s=prepare + forward + sample, prepare_s=prepare,
-                          forward_s=forward, sample_s=sample,
-                          padded_batch_size=self.padded_tokens(st)[0])
+                          forward_s=forward, sample_s=sample, padded_batch_size=padded)
 
     def predict_from_scheduler_output(self, so: SchedulerOutput,
                                       rows: Optional[Iterable[Any]] = None) -> StepTiming:

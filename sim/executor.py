@@ -17,6 +17,7 @@ once); the host clock is never read.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from array import array
 from collections.abc import Mapping, Sequence
@@ -70,6 +71,8 @@ class SimExecutor:
         self.token_rule = token_rule
         # the "request" rule's tokens stay inside the model's vocabulary: ids 10 .. 10 + modulus - 1
         self.token_modulus = max(1, min(1000, self.cost_model.model.vocab_size - 10))
+        self._inv7 = pow(7, -1, self.token_modulus) if math.gcd(7, self.token_modulus) == 1 else None
+        self._cycle: list[int] = []
         self.num_tokens: dict[str, int] = {}  # prompt + sampled tokens, as the runner knows them
         self.num_prompt_tokens: dict[str, int] = {}
         self.salts: dict[str, int] = {}  # the "request" rule's salt per request
@@ -181,14 +184,26 @@ class SimExecutor:
         """The next `n` tokens of `request_id` (the "request" rule), counted in the runner view."""
         n_tok = self.num_tokens[request_id]
         k0 = n_tok - self.num_prompt_tokens[request_id]
-        salt = self.salts[request_id]
-        modulus = self.token_modulus
-        toks = [(7 * k + salt) % modulus + 10 for k in range(k0, k0 + n)]
+        toks = self._request_tokens(self.salts[request_id], k0, n)
         eos = self.eos_token_id
         if eos is not None and eos in toks:
             toks = [t + 1 if t == eos else t for t in toks]
         self.num_tokens[request_id] = n_tok + n
         return toks
+
+    def _request_tokens(self, salt: int, k0: int, n: int) -> list[int]:
+        """`request_token(salt, k)` for k in [k0, k0 + n). With 7 invertible mod the modulus, the
+        sequence is one cycle P[j] = 7j mod M + 10 entered at j0 = k0 + salt / 7: a list slice."""
+        modulus = self.token_modulus
+        inv7 = self._inv7
+        if inv7 is None:
+            return [(7 * k + salt) % modulus + 10 for k in range(k0, k0 + n)]
+        cycle = self._cycle
+        if len(cycle) < modulus + n:
+            reps = -(-(modulus + n) // modulus)
+            cycle = self._cycle = [7 * j % modulus + 10 for j in range(modulus)] * reps
+        j0 = (k0 + salt * inv7) % modulus
+        return cycle[j0:j0 + n]
 
     def fast_forward(self, req_ids: Sequence[str], first_step: int, k: int) -> list[list[int]]:
         """Tokens of `k` decode steps starting at engine step `first_step` (row = position in

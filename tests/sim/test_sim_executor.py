@@ -128,3 +128,20 @@ def test_request_rule_tokens_stay_inside_a_small_vocabulary():
     toks = [t for so in _outputs() for row in sim.execute_model(so).sampled_token_ids for t in row]
     toks += sim.lazy_tokens("a", 400)
     assert toks and all(10 <= t < 320 for t in toks)
+
+
+@pytest.mark.parametrize("modulus", [1000, 310, 70, 1])
+def test_implicit_token_slices_equal_the_request_rule(modulus):
+    """`lazy_tokens` reads the rule's cycle as a list slice; with 7 not invertible (modulus 70) it
+    computes each token. Both equal `request_token` for every start and length."""
+    from sim.executor import request_token  # noqa: PLC0415
+
+    ex = SimExecutor(model="tiny-llama")
+    ex.token_modulus = modulus
+    ex._inv7 = pow(7, -1, modulus) if modulus % 7 else None
+    ex._cycle = []
+    for salt in (0, 3, 999_999_937):
+        for k0 in (0, 1, 17, 2500):
+            for n in (0, 1, 16, 1500):
+                assert ex._request_tokens(salt, k0, n) == [request_token(salt, k, modulus)
+                                                           for k in range(k0, k0 + n)]

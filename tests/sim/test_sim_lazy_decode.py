@@ -1,5 +1,7 @@
 """Implicit steady decodes (core/lazy_decode.py) give exactly the trace of the normal step-by-step run:
 every step row, every request row, completion times and the final block pool (ids and hashes)."""
+import os
+
 import pandas as pd
 from hypothesis import given, settings, strategies as st
 
@@ -8,6 +10,9 @@ from core.engine_factory import create_engine_core
 from sim.engine import Simulation
 from sim.workload import build_workload, rng_streams
 from sim_helpers import assert_same_block_pool, small_workload
+
+# more examples for a thorough local check: SERVETWIN_LAZY_EXAMPLES=1500
+EXAMPLES = int(os.environ.get("SERVETWIN_LAZY_EXAMPLES", "60"))
 
 
 def _run(engine_kw: dict, workload: dict, lazy: bool, max_time_s=None):
@@ -35,7 +40,7 @@ def _assert_same_run(engine_kw: dict, workload: dict, max_time_s=None) -> None:
     assert eager_engine.scheduler.num_preemptions_total == lazy_engine.scheduler.num_preemptions_total
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(
     async_scheduling=st.booleans(),
     caching=st.booleans(),
