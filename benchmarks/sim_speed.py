@@ -9,7 +9,10 @@ decode fast-forward (sim/fast_forward.py) and step by step.
 per-request and per-step floor (admission, prefix hashing, prefill, completion, one engine step per
 arrival) - and splits the wall time into that floor and the per-row cost of decode steps.
 
-Usage: python benchmarks/sim_speed.py [--requests N] [--variants] [--breakdown]
+`--bounds` times, alone, the prefix-cache block hashes vLLM's state holds (one sha256 per full block)
+plus one SimPy event and one cost-model prediction per step, and prints the speed that work caps.
+
+Usage: python benchmarks/sim_speed.py [--requests N] [--variants] [--breakdown] [--bounds]
 """
 from __future__ import annotations
 
@@ -50,14 +53,16 @@ def run_once(cfg: dict, requests: int, async_scheduling: bool, fast_forward: boo
             "steps_per_s": res.num_steps / wall, "req_per_s": len(res.completion_s) / wall}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "experiments/configs/bench_h100_llama8b.yaml"))
     ap.add_argument("--requests", type=int, default=None, help="override workload.requests")
     ap.add_argument("--variants", action="store_true", help="also sync scheduling, with and without fast-forward")
     ap.add_argument("--breakdown", action="store_true",
                     help="also the one-output-token floor run and the wall-time split")
-    args = ap.parse_args()
+    ap.add_argument("--bounds", action="store_true",
+                    help="also time vLLM's block hashes and the per-step minimum alone")
+    args = ap.parse_args(argv)
     cfg = yaml.safe_load(open(args.config))
     n = args.requests or cfg["workload"]["requests"]
     async_cfg = bool(cfg["engine"].get("async_scheduling", False))
@@ -78,6 +83,8 @@ def main() -> None:
               f"{r['steps_per_s']:>10.0f}{r['req_per_s']:>9.0f}{verdict}")
     if args.breakdown:
         breakdown(cfg, n, results[0])
+    if args.bounds:
+        bounds(cfg, n, results[0])
 
 
 def breakdown(cfg: dict, n: int, full: dict) -> None:
@@ -96,6 +103,51 @@ def breakdown(cfg: dict, n: int, full: dict) -> None:
     print(f"  ceiling if decode rows cost nothing: {full['simulated_s'] / floor['wall_s']:.0f}x real time; "
           f"1000x needs the whole run in {full['simulated_s'] / 1000 * 1e3:.0f} ms, "
           f"i.e. {full['simulated_s'] / 1000 / n * 1e6:.0f} us per request all included")
+
+
+def bounds(cfg: dict, n: int, full: dict) -> None:
+    """Time, on this machine, alone: the prefix-cache block hashes that keeping vLLM's state exactly
+    takes (every full block of every request hashed, as vLLM does, with its default `sha256`: SHA-256
+    of the pickled (parent, tokens, extra) tuple) and, per engine step, one SimPy event and one
+    cost-model prediction. (A simulator could skip hashes no lookup can ever match - computing a
+    block's hash only when a request with the same first block arrives - at the price of state that
+    no longer equals vLLM's; servetwin does not.)"""
+    import simpy  # noqa: PLC0415
+
+    from core.hashing import hash_block_tokens, sha256  # noqa: PLC0415
+    from sim.cost_model import CostModel, StepSummary  # noqa: PLC0415
+
+    block_size = int(cfg["engine"].get("block_size", 16))
+    _, reqs = build_workload(dict(cfg["workload"], requests=n), vocab_size=128_000)
+    num_hashes = sum((len(r.prompt_token_ids) + r.max_tokens) // block_size for r in reqs)
+    tokens = list(range(1000, 1000 + block_size))
+    t0 = time.perf_counter()
+    parent = None
+    for _ in range(num_hashes):
+        parent = hash_block_tokens(sha256, parent, tokens)
+    t_hash = time.perf_counter() - t0
+
+    steps = full["steps"]
+    cm = CostModel(cfg["model"], cfg["hardware"])
+    env = simpy.Environment()
+    summary = StepSummary(num_reqs=100, num_tokens=100, num_sampling=100, decode_reqs=100, decode_sum_kv=40_000)
+
+    def engine():
+        for _ in range(steps):
+            yield env.timeout(cm.predict(summary).duration_s)
+
+    env.process(engine())
+    t0 = time.perf_counter()
+    env.run()
+    t_step = time.perf_counter() - t0
+    sim_s = full["simulated_s"]
+    print("\nbounds (vLLM's block hashes + the per-step minimum, timed alone on this machine):")
+    print(f"  block hashes: {num_hashes:,} (one per full block of each request's final tokens) in "
+          f"{t_hash:.3f} s ({t_hash / num_hashes * 1e6:.2f} us each)")
+    print(f"  per step, one SimPy event + one cost-model prediction: {steps:,} steps in {t_step:.3f} s")
+    print(f"  => at most {sim_s / (t_hash + t_step):.0f}x real time even if everything else were free; "
+          f"the hashes alone use {t_hash / (sim_s / 1000) * 100:.0f}% of the 1000x budget "
+          f"({sim_s / 1000 * 1e3:.0f} ms); as configured the run spends {full['wall_s']:.2f} s")
 
 
 if __name__ == "__main__":
