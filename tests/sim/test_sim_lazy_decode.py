@@ -3,6 +3,7 @@ every step row, every request row, completion times and the final block pool (id
 import os
 
 import pandas as pd
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from core.engine_args import EngineArgs
@@ -104,3 +105,27 @@ def test_implicit_decodes_replace_most_rows():
     assert len(res.completion_s) == 8
     assert implicit > 4 * listed
     assert listed + implicit == 8 * 200  # every request is a row in every step until its last token
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_block_boundaries_are_handled_in_place(async_scheduling, monkeypatch):
+    """A member crossing block boundaries (a new block, a block registered) stays implicit: it is
+    materialised about once (its last token), not once per block, and listed only around its prefill
+    and its end - with a trace equal to the step-by-step run."""
+    from core.lazy_decode import LazyDecodes  # noqa: PLC0415
+
+    engine_kw = dict(enable_prefix_caching=True, num_gpu_blocks=600, max_num_seqs=8, max_model_len=512,
+                     async_scheduling=async_scheduling, block_size=16)
+    workload = {"requests": 8, "seed": 2, "prompt_tokens": 40, "output_tokens": 300, "arrival": {"type": "offline"}}
+    counts = {"materialise": 0, "advance": 0}
+    for name in counts:
+        orig = getattr(LazyDecodes, name)
+
+        def wrapped(self, *a, _orig=orig, _name=name):
+            counts[_name] += 1
+            return _orig(self, *a)
+        monkeypatch.setattr(LazyDecodes, name, wrapped)
+    _assert_same_run(engine_kw, workload)
+    # each lazy run crosses ~300/16 boundaries per request in place; materialised ~once per request
+    assert counts["advance"] >= 8 * 300 // 16 - 8 * 2
+    assert counts["materialise"] <= 8 * 2
