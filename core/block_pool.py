@@ -194,6 +194,9 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # sum over blocks of (ref_cnt - 1) where ref_cnt >= 1: reads of a block beyond its first when
+        # every holder reads its blocks (a step's rows sharing prefix blocks; kept for the cost model)
+        self.num_shared_refs = 0
 
     def _new_block(self, block_id: int) -> KVCacheBlock:
         block = KVCacheBlock(block_id)
@@ -259,8 +262,13 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         queue = self.free_block_queue
         for b in blocks:
-            if b.ref_cnt == 0 and not b.is_null:
+            if b.is_null:
+                b.ref_cnt += 1
+                continue
+            if b.ref_cnt == 0:
                 queue.remove(b)
+            else:
+                self.num_shared_refs += 1
             b.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -271,7 +279,9 @@ class BlockPool:
             if b.is_null:
                 continue
             b.ref_cnt -= 1
-            if b.ref_cnt == 0:
+            if b.ref_cnt:
+                self.num_shared_refs -= 1
+            else:
                 if b.block_hash is not None and self.enable_caching:
                     evict_last.append(b)
                 else:

@@ -51,6 +51,9 @@ class SchedulerOutput:
     num_computed_before: dict[str, int] = field(default_factory=dict)
     preempted_order: list[str] = field(default_factory=list)
     scheduler_step: int = 0  # the scheduler's own step index (`step` is renumbered by the engine)
+    # KV tokens of blocks held by more than one request, counted once per extra holder: block_size x
+    # sum of (ref_cnt - 1) over held blocks after scheduling (prefix-cache sharing, for the cost model)
+    shared_kv_tokens: int = 0
     lazy: Any = None  # core.lazy_decode.LazyStep: implicit decode rows (simulator only), else None
 
     @property

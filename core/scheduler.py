@@ -528,6 +528,7 @@ class Scheduler:
             scheduler_step=self.current_step - 1,
             num_computed_before=before,
             preempted_order=[r.request_id for r in preempted_reqs],
+            shared_kv_tokens=self.kv_cache_manager.block_pool.num_shared_refs * self.block_size,
         )
         for scheduled in (scheduled_new_reqs, scheduled_resumed_reqs):
             for request in scheduled:

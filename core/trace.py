@@ -22,7 +22,7 @@ STEP_COLUMNS = [
     "run", "backend", "step", "t_start_s", "t_end_s", "duration_s", "num_reqs", "num_context_reqs",
     "num_context_tokens", "num_generation_reqs", "num_generation_tokens", "total_tokens", "annotation",
     "sum_q2", "sum_q_kv", "sum_kv", "max_kv", "num_running", "num_waiting", "num_preempted", "num_finished",
-    "kv_free_blocks", "kv_usage", "prefix_queries", "prefix_hits",
+    "kv_free_blocks", "kv_usage", "prefix_queries", "prefix_hits", "shared_kv_tokens",
 ]
 STEP_REQUEST_COLUMNS = ["run", "backend", "step", "request_id", "num_tokens", "num_computed_before", "phase",
                         "samples"]
@@ -166,6 +166,7 @@ class TraceRecorder:
             "num_preempted": num_preempted, "num_finished": 0,
             "kv_free_blocks": stats.num_free_blocks, "kv_usage": stats.kv_cache_usage,
             "prefix_queries": pcs.queries + pcs.preempted_queries, "prefix_hits": pcs.hits + pcs.preempted_hits,
+            "shared_kv_tokens": so.shared_kv_tokens,
         }
         self.steps.append(row)
         self._step_rows[so.step] = row
@@ -194,7 +195,8 @@ class TraceRecorder:
                     row["num_finished"] += 1
 
     def on_decode_window(self, first_step: int, t_starts: list[float], t_ends: list[float], req_ids: list[str],
-                         computed_before: list[int], free_after: list[int], num_gpu_blocks: int) -> None:
+                         computed_before: list[int], free_after: list[int], num_gpu_blocks: int,
+                         shared_kv_tokens: int = 0) -> None:
         """Rows for k fast-forwarded steady decode steps (the same rows k normal steps would give)."""
         num = len(req_ids)
         sum_c = sum(computed_before)
@@ -210,7 +212,8 @@ class TraceRecorder:
                 "total_tokens": num, "annotation": annotation, "sum_q2": num, "sum_q_kv": kv_sum,
                 "sum_kv": kv_sum, "max_kv": max_c + j + 1, "num_running": num, "num_waiting": 0,
                 "num_preempted": self._carried_preemptions if j == 0 else 0, "num_finished": 0, "kv_free_blocks": free,
-                "kv_usage": (1.0 - free / usable) if usable > 0 else 0.0, "prefix_queries": 0, "prefix_hits": 0})
+                "kv_usage": (1.0 - free / usable) if usable > 0 else 0.0, "prefix_queries": 0, "prefix_hits": 0,
+                "shared_kv_tokens": shared_kv_tokens})
             if self.record_step_requests:
                 step = first_step + j
                 self.step_requests.extend((self.run, self.backend, step, rid, 1, c + j, "generation", True)

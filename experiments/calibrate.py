@@ -89,7 +89,7 @@ DESIGNS: dict[str, CalibrationDesign] = {
         prefill_chunks=[16, 48, 96, 192, 320, 512], prefill_prefixes=[0, 256, 768],
         prefill_batches=[(2, 64), (4, 32), (8, 16), (4, 128)], partial_prefills=[96],
         decode_batches=[1, 2, 4, 8, 16, 32], decode_kv=[32, 256, 640], decode_steps=4,
-        decode_shared=[(8, 256), (32, 512)],
+        decode_shared=[(4, 256), (8, 256), (16, 384), (32, 512)],
         mixed=[(1, 128, 64), (2, 256, 128), (4, 128, 32), (4, 256, 192), (8, 128, 96), (8, 512, 256),
                (12, 256, 160), (16, 128, 128), (16, 384, 32), (2, 768, 384)],
         repeats=2, decode_repeats=1, max_num_batched_tokens=512, max_num_seqs=64, num_gpu_blocks=2048),
@@ -249,10 +249,12 @@ def step_phase_class(num_context_reqs: int, num_generation_reqs: int) -> str:
     return "prefill" if num_context_reqs else "decode"
 
 
-def step_rows(steps, step_requests) -> tuple[list[int], list[tuple[list[int], list[int], int]], np.ndarray,
-                                             list[str]]:
-    """(step numbers, per step (qs, ss, number of sampling rows), measured durations, phase classes) from
-    trace tables (steps without rows or with a non-positive duration are skipped)."""
+def step_rows(steps, step_requests) -> tuple[list[int], list[Any], np.ndarray, list[str]]:
+    """(step numbers, per step its `sim.cost_model.StepSummary` (rows' q and s, sampling rows, shared KV
+    tokens), measured durations, phase classes) from trace tables (steps without rows or with a
+    non-positive duration are skipped; traces written before `shared_kv_tokens` existed count 0)."""
+    from sim.cost_model import StepSummary  # noqa: PLC0415
+
     if len(step_requests) == 0:
         raise ValueError("calibrate: the trace has no step_requests rows (record_step_requests was off)")
     by_step: dict[int, tuple[list[int], list[int], list[int]]] = {}
@@ -262,14 +264,16 @@ def step_rows(steps, step_requests) -> tuple[list[int], list[tuple[list[int], li
         e[0].append(int(q))
         e[1].append(int(s))
         e[2][0] += bool(smp)
+    shared = (steps.shared_kv_tokens.to_numpy() if "shared_kv_tokens" in steps.columns
+              else np.zeros(len(steps), dtype=int))
     numbers, rows, durations, phases = [], [], [], []
-    for step, dur, nc, ng in zip(steps.step.to_numpy(), steps.duration_s.to_numpy(),
-                                 steps.num_context_reqs.to_numpy(), steps.num_generation_reqs.to_numpy()):
+    for step, dur, nc, ng, sh in zip(steps.step.to_numpy(), steps.duration_s.to_numpy(),
+                                     steps.num_context_reqs.to_numpy(), steps.num_generation_reqs.to_numpy(), shared):
         e = by_step.get(int(step))
         if e is None or not dur > 0:
             continue
         numbers.append(int(step))
-        rows.append((e[0], e[1], e[2][0]))
+        rows.append(StepSummary.from_lists(e[0], e[1], e[2][0], shared_kv=int(sh)))
         durations.append(float(dur))
         phases.append(step_phase_class(int(nc), int(ng)))
     return numbers, rows, np.asarray(durations), phases
@@ -314,12 +318,11 @@ def fit_from_tables(steps, step_requests, cost_model, weighting: str = "relative
     `exclude_steps`: step numbers left out of the fit from the start (e.g. steps that lost their CPU
     to other processes); their residuals still count in `all_samples`."""
     from sim.calibration import fit_coefficients  # noqa: PLC0415
-    from sim.cost_model import StepSummary  # noqa: PLC0415
 
     nums, rows, t, phases = step_rows(steps, step_requests)
     if len(rows) < 3:
         raise ValueError(f"calibrate: only {len(rows)} measured steps; need at least 3")
-    basis = [cost_model.basis(StepSummary.from_lists(qs, ss, ns)) for qs, ss, ns in rows]
+    basis = [cost_model.basis(summary) for summary in rows]
     terms = list(terms) if terms is not None else fit_terms(cost_model)
     A = np.array([[b[k] for k in terms] for b in basis])
     excluded = np.array([n in (exclude_steps or ()) for n in nums], dtype=bool)

@@ -322,10 +322,8 @@ def latency_percentiles(frames: dict) -> dict[str, dict[str, Optional[float]]]:
 
 def predicted_durations(frames: dict, cost_model) -> np.ndarray:
     """The cost model's prediction for each recorded step's own composition (NaN where it has no rows)."""
-    from sim.cost_model import StepSummary  # noqa: PLC0415
-
     nums, rows, _, _ = step_rows(frames["steps"], frames["step_requests"])
-    pred = {n: cost_model.predict(StepSummary.from_lists(qs, ss, ns)).duration_s for n, (qs, ss, ns) in zip(nums, rows)}
+    pred = {n: cost_model.predict(summary).duration_s for n, summary in zip(nums, rows)}
     return np.array([pred.get(int(s), np.nan) for s in frames["steps"].step.to_numpy()])
 
 

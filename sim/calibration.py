@@ -81,9 +81,13 @@ class FitResult:
     residuals_s: list[float] = field(default_factory=list)  # predicted - measured, per row
 
     def to_coefficients(self, base: Optional[CostCoefficients] = None) -> CostCoefficients:
+        """Fitted terms replace `base`'s; a term the data could not identify keeps `base`'s value,
+        except `attn_shared`, which then takes `attn_decode`'s fit (no evidence that shared reads differ)."""
         values = (base or CostCoefficients()).to_dict()
         for term, c in self.coefficients.items():
             values[f"c_{term}"] = c
+        if "attn_shared" not in self.coefficients and "attn_decode" in self.coefficients:
+            values["c_attn_shared"] = self.coefficients["attn_decode"]
         return CostCoefficients(**values)
 
     def stats(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ The predicted step time is `sum(c_k * basis_k for k in BASIS_TERMS)`; `basis_k` 
 | `linear`       | roofline seconds of the dense layers               | 1 / efficiency             |
 | `attn_prefill` | roofline seconds of attention for q > 1 rows       | 1 / efficiency             |
 | `attn_decode`  | roofline seconds of attention for q = 1 rows       | 1 / efficiency             |
+| `attn_shared`  | bandwidth seconds of KV reads of shared blocks     | 1 / efficiency             |
 | `lm_head`      | roofline seconds of the LM head + logits           | 1 / efficiency             |
 | `comm`         | tensor-parallel collective seconds                 | 1 / efficiency             |
 | `ipc_step`     | 1 with a multi-process front end, else 0           | s per step                 |
@@ -20,12 +21,12 @@ The predicted step time is `sum(c_k * basis_k for k in BASIS_TERMS)`; `basis_k` 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from sim.validate import check_keys, check_mapping, non_negative
 
 BASIS_TERMS: tuple[str, ...] = ("step", "req", "token", "layer", "linear", "attn_prefill",
-                                "attn_decode", "lm_head", "comm", "ipc_step", "ipc_req")
+                                "attn_decode", "attn_shared", "lm_head", "comm", "ipc_step", "ipc_req")
 
 
 @dataclass(slots=True)
@@ -37,12 +38,15 @@ class CostCoefficients:
     c_linear: float = 1.0
     c_attn_prefill: float = 1.0
     c_attn_decode: float = 1.0
+    c_attn_shared: Optional[float] = None  # None: the same as c_attn_decode
     c_lm_head: float = 1.0
     c_comm: float = 1.0
     c_ipc_step: float = 0.0
     c_ipc_req: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.c_attn_shared is None:
+            self.c_attn_shared = self.c_attn_decode
         for f in fields(self):
             setattr(self, f.name, non_negative(getattr(self, f.name), f"coefficients.{f.name}"))
 
@@ -71,5 +75,8 @@ class CostCoefficients:
         values = base.to_dict() if base is not None else cls().to_dict()
         for key, value in cfg.items():
             values[key] = non_negative(value, f"{path}.{key}")
+        if "c_attn_decode" in cfg and "c_attn_shared" not in cfg:
+            # written before shared reads had a term of their own: they cost what any KV read costs
+            values["c_attn_shared"] = values["c_attn_decode"]
         return cls(**values)
 

@@ -15,8 +15,9 @@ another, so their times add):
 
     linear       = max(2*T'*L*M/tp / P,  L*params_layer*b/tp / W)         weights read once per step
     attn_prefill = max(L*4*Hq*dh*(sum q*s + (sum q^2 + sum q)/2) / P,      causal chunk after prefix
-                       L*2*Hk*dh*b*(sum (s+q) + sum q) / W)                KV read + KV write
-    attn_decode  = max(L*4*Hq*dh*sum(s+1) / P,  L*2*Hk*dh*b*(sum (s+1) + n_dec) / W)
+                       L*2*Hk*dh*b*(sum (s+q) - S_pre + sum q) / W)        KV read + KV write
+    attn_decode  = max(L*4*Hq*dh*sum(s+1) / P,  L*2*Hk*dh*b*(sum (s+1) - S_dec + n_dec) / W)
+    attn_shared  = L*2*Hk*dh*b*(S_dec + S_pre) / W                          shared prefix blocks
     lm_head      = max(2*R*d*V/tp / P,  (V*d*b + R*V*4)/tp / W)            one row per sampling row
     comm         = 2L*(lat + 2(tp-1)/tp * T'*d*b / Wl)                      two ring all-reduces/layer
                    + [R > 0] * (lat + (tp-1)/tp * R*V*b / Wl)               logits all-gather
@@ -25,6 +26,13 @@ another, so their times add):
     step = 1, req = number of rows, token = T, ipc_step = [ipc], ipc_req = [ipc] * rows
 
     t_step = sum_k c_k * basis_k          (c_k >= 0, from `HardwareSpec.coefficients`)
+
+S = `shared_kv` tokens: KV of blocks that several scheduled requests hold (prefix-cache hits), counted
+once per extra holder (`SchedulerOutput.shared_kv_tokens`). Every row still reads them, but after
+the first read they may come from a cache (CPU caches, a GPU's L2), so their bytes have a term of
+their own; they are taken from the decode rows' reads first (S_dec = min(S, sum (s+1))), the rest
+from the prefill rows' cached prefixes (S_pre <= sum s). With c_attn_shared = c_attn_decode (and a
+memory-bound step) this equals pricing every read alike.
 
 With every roofline multiplier c = 1 this is the ideal datasheet roofline plus fixed overheads;
 `sim.calibration.fit_coefficients` fits the c_k by non-negative least squares from measured steps.
@@ -40,6 +48,7 @@ launch term appears).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -78,6 +87,7 @@ class StepSummary:
     prefill_sum_kv: int = 0  # sum of (s + q)
     decode_reqs: int = 0
     decode_sum_kv: int = 0  # sum of (s + 1)
+    shared_kv: int = 0  # KV tokens of blocks several rows hold, once per extra holder
 
     @property
     def uniform_decode(self) -> bool:
@@ -98,9 +108,10 @@ class StepSummary:
 
     @classmethod
     def from_lists(cls, qs: Sequence[int], ss: Sequence[int], num_sampling: int,
-                   implicit_decodes: int = 0, implicit_sum_s: int = 0) -> "StepSummary":
+                   implicit_decodes: int = 0, implicit_sum_s: int = 0, shared_kv: int = 0) -> "StepSummary":
         """From per-row scheduled tokens `qs`, computed-before tokens `ss` and the sampling count, plus
-        `implicit_decodes` sampling decode rows given only by their sum of `s` (core/lazy_decode.py)."""
+        `implicit_decodes` sampling decode rows given only by their sum of `s` (core/lazy_decode.py)
+        and the step's `shared_kv` tokens."""
         p_reqs = p_q = p_q2 = p_qs = p_kv = 0
         d_reqs, d_s = implicit_decodes, implicit_sum_s
         num_sampling += implicit_decodes
@@ -119,7 +130,7 @@ class StepSummary:
         return cls(num_reqs=len(qs) + implicit_decodes, num_tokens=p_q + d_reqs, num_sampling=num_sampling,
                    prefill_reqs=p_reqs, prefill_sum_q=p_q, prefill_sum_q2=p_q2,
                    prefill_sum_q_s=p_qs, prefill_sum_kv=p_kv, decode_reqs=d_reqs,
-                   decode_sum_kv=d_s + d_reqs)
+                   decode_sum_kv=d_s + d_reqs, shared_kv=shared_kv)
 
 
 def _row_values(row: Any) -> tuple[int, int, bool]:
@@ -192,15 +203,18 @@ class CostModel:
         """Basis values in `BASIS_TERMS` order (one implementation, used by `basis` and `predict`)."""
         ipc = 1.0 if self.ipc else 0.0
         if st.num_reqs == 0:
-            return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, ipc, 0.0)
+            return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, ipc, 0.0)
         L, d, V, dh, b, peak, bw, hq, hk, tp, matmul_params, layer_params, link, lat = self._constants()
         t_pad, graph = self.padded_tokens(st)
         linear = max(2.0 * t_pad * L * matmul_params / tp / peak, L * layer_params * b / tp / bw)
         pairs = st.prefill_sum_q_s + (st.prefill_sum_q2 + st.prefill_sum_q) / 2.0
+        shared_dec = min(st.shared_kv, st.decode_sum_kv)
+        shared_pre = min(st.shared_kv - shared_dec, st.prefill_sum_kv - st.prefill_sum_q)
         attn_prefill = max(L * 4.0 * hq * dh * pairs / peak,
-                           L * 2.0 * hk * dh * b * (st.prefill_sum_kv + st.prefill_sum_q) / bw)
+                           L * 2.0 * hk * dh * b * (st.prefill_sum_kv - shared_pre + st.prefill_sum_q) / bw)
         attn_decode = max(L * 4.0 * hq * dh * st.decode_sum_kv / peak,
-                          L * 2.0 * hk * dh * b * (st.decode_sum_kv + st.decode_reqs) / bw)
+                          L * 2.0 * hk * dh * b * (st.decode_sum_kv - shared_dec + st.decode_reqs) / bw)
+        attn_shared = L * 2.0 * hk * dh * b * (shared_dec + shared_pre) / bw
         r = st.num_sampling
         lm_head = max(2.0 * r * d * V / tp / peak, (V * d * b + r * V * LOGITS_BYTES) / tp / bw) if r else 0.0
         comm = 0.0
@@ -211,7 +225,7 @@ class CostModel:
                 comm += lat + frac * r * V * b / link
         reqs = float(st.num_reqs)
         return (1.0, reqs, float(st.num_tokens), 0.0 if graph else float(L), linear, attn_prefill,
-                attn_decode, lm_head, comm, ipc, reqs if self.ipc else 0.0)
+                attn_decode, attn_shared, lm_head, comm, ipc, reqs if self.ipc else 0.0)
 
     def basis(self, step: StepSummary | Iterable[Any]) -> dict[str, float]:
         """Basis terms of the step (see the module docstring); keys are `BASIS_TERMS`."""
@@ -219,13 +233,13 @@ class CostModel:
 
     def predict(self, step: StepSummary | Iterable[Any]) -> StepTiming:
         st = step if type(step) is StepSummary else self.summarize(step)
-        (step_, req, token, layer, linear, attn_prefill, attn_decode, lm_head, comm,
+        (step_, req, token, layer, linear, attn_prefill, attn_decode, attn_shared, lm_head, comm,
          ipc_step, ipc_req) = self._terms(st)
         c = self.coefficients
         prepare = (c.c_step * step_ + c.c_req * req + c.c_token * token + c.c_ipc_step * ipc_step
                    + c.c_ipc_req * ipc_req)
         forward = (c.c_layer * layer + c.c_linear * linear + c.c_attn_prefill * attn_prefill
-                   + c.c_attn_decode * attn_decode + c.c_comm * comm)
+                   + c.c_attn_decode * attn_decode + c.c_attn_shared * attn_shared + c.c_comm * comm)
         sample = c.c_lm_head * lm_head
         if self.cuda_graphs:
             padded = self.padded_tokens(st)[0]
@@ -248,4 +262,4 @@ class CostModel:
                                  "pass the runner rows instead")
             rows = [RowShape(q, so.num_computed_before[rid], True)
                     for rid, q in so.num_scheduled_tokens.items()]
-        return self.predict(rows)
+        return self.predict(dataclasses.replace(StepSummary.from_rows(rows), shared_kv=so.shared_kv_tokens))

@@ -145,7 +145,8 @@ class SimExecutor:
         lazy = so.lazy  # implicit decode rows (core/lazy_decode.py): one sampled token each
         summary = StepSummary.from_lists(qs, ss, num_sampling,
                                          implicit_decodes=lazy.num_reqs if lazy is not None else 0,
-                                         implicit_sum_s=lazy.sum_computed_before if lazy is not None else 0)
+                                         implicit_sum_s=lazy.sum_computed_before if lazy is not None else 0,
+                                         shared_kv=so.shared_kv_tokens)
         self.last_summary = summary
         if so.total_num_scheduled_tokens == 0:
             timing = StepTiming(duration_s=0.0)  # vLLM's runner returns at once: nothing runs
@@ -221,11 +222,12 @@ class SimExecutor:
             out.append(toks)
         return out
 
-    def decode_step_durations(self, num_reqs: int, sum_kv_before: int, k: int) -> list[float]:
+    def decode_step_durations(self, num_reqs: int, sum_kv_before: int, k: int,
+                              shared_kv: int = 0) -> list[float]:
         """Predicted durations of `k` pure-decode steps of `num_reqs` rows whose computed tokens sum to
-        `sum_kv_before` at the first step (each step adds `num_reqs`)."""
+        `sum_kv_before` at the first step (each step adds `num_reqs`), `shared_kv` shared tokens."""
         predict = self.cost_model.predict
         return [predict(StepSummary(num_reqs=num_reqs, num_tokens=num_reqs, num_sampling=num_reqs,
-                                    decode_reqs=num_reqs,
-                                    decode_sum_kv=sum_kv_before + num_reqs * (j + 1))).duration_s
+                                    decode_reqs=num_reqs, decode_sum_kv=sum_kv_before + num_reqs * (j + 1),
+                                    shared_kv=shared_kv)).duration_s
                 for j in range(k)]

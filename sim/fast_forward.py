@@ -32,7 +32,9 @@ def fast_forward(engine: EngineCore, recorder: TraceRecorder, t0: float, t_limit
     if k < 2:
         return []
     starts = [r.num_computed_tokens for r in running]
-    durations = executor.decode_step_durations(len(ids), sum(starts), k)
+    pool = scheduler.kv_cache_manager.block_pool
+    shared_kv = pool.num_shared_refs * scheduler.block_size  # no block is shared or freed in the window
+    durations = executor.decode_step_durations(len(ids), sum(starts), k, shared_kv)
     t_starts, t_ends, t = [], [], t0
     for d in durations:
         if t >= t_limit:
@@ -47,6 +49,6 @@ def fast_forward(engine: EngineCore, recorder: TraceRecorder, t0: float, t_limit
     tokens = executor.fast_forward(ids, first_step, k)
     free_after = scheduler.fast_forward_decode(k, tokens)
     engine.step_counter += k
-    recorder.on_decode_window(first_step, t_starts, t_ends, ids, starts, free_after,
-                              scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
+    recorder.on_decode_window(first_step, t_starts, t_ends, ids, starts, free_after, pool.num_gpu_blocks,
+                              shared_kv)
     return durations[:k]

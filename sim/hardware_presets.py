@@ -26,7 +26,7 @@ _UNCALIBRATED_GPU = {
 # detokenize), 10 us per request, ~20 us per layer when the step runs eagerly (kernel launches).
 _GPU_PLACEHOLDER_COEFFICIENTS = {
     "c_step": 5.0e-4, "c_req": 1.0e-5, "c_token": 0.0, "c_layer": 2.0e-5,
-    "c_linear": 1.0, "c_attn_prefill": 1.0, "c_attn_decode": 1.0, "c_lm_head": 1.0, "c_comm": 1.0,
+    "c_linear": 1.0, "c_attn_prefill": 1.0, "c_attn_decode": 1.0, "c_attn_shared": 1.0, "c_lm_head": 1.0, "c_comm": 1.0,
     "c_ipc_step": 0.0, "c_ipc_req": 0.0,
 }
 
@@ -71,7 +71,7 @@ HARDWARE_PRESETS: dict[str, dict[str, Any]] = {
         "interconnect_bandwidth": 0.0, "interconnect_latency_s": 0.0,
         "coefficients": {
             "c_step": 1.0e-3, "c_req": 5.0e-5, "c_token": 1.0e-6, "c_layer": 1.5e-4,
-            "c_linear": 1.0, "c_attn_prefill": 1.0, "c_attn_decode": 1.0, "c_lm_head": 1.0,
+            "c_linear": 1.0, "c_attn_prefill": 1.0, "c_attn_decode": 1.0, "c_attn_shared": 1.0, "c_lm_head": 1.0,
             "c_comm": 1.0, "c_ipc_step": 0.0, "c_ipc_req": 0.0,
         },
         "provenance": {

@@ -1,6 +1,8 @@
 """`servetwin calibrate`: fitting on synthetic step times through the CLI path, a real quick run, --from-run."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -15,7 +17,7 @@ from sim.model_spec import load_model_spec
 
 # the "true" machine of the synthetic test (tiny-llama, fp32, the cpu preset's peaks)
 TRUTH = {"c_step": 2.0e-3, "c_req": 1.5e-4, "c_token": 8.0e-6, "c_linear": 3.0, "c_attn_prefill": 2.0,
-         "c_attn_decode": 4.0, "c_lm_head": 1.5}
+         "c_attn_decode": 4.0, "c_attn_shared": 1.0, "c_lm_head": 1.5}
 PROVENANCE_FIELDS = ("source", "calibrated", "date", "device", "versions", "model", "dtype", "attention_backend",
                      "cuda_graphs", "torch_threads", "samples", "residuals", "design", "measured")
 
@@ -35,7 +37,8 @@ def _synthetic_step(noise: float, outliers: dict[int, float]):
         if so is not None and so.total_num_scheduled_tokens:
             sampled = {rid for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
             rows = [(q, so.num_computed_before[rid], rid in sampled) for rid, q in so.num_scheduled_tokens.items()]
-            dur = truth.predict(StepSummary.from_rows(rows)).duration_s * (1 + noise * rng.standard_normal())
+            summary = dataclasses.replace(StepSummary.from_rows(rows), shared_kv=so.shared_kv_tokens)
+            dur = truth.predict(summary).duration_s * (1 + noise * rng.standard_normal())
             slow = outliers.get(state["k"], 1.0) if self.recorder is not None else 1.0
             state["k"] += self.recorder is not None
             self.cpu_s[so.step] = dur  # a slowed step lost its CPU meanwhile: its CPU time stays
@@ -60,7 +63,7 @@ def test_calibrate_cli_recovers_synthetic_coefficients(tmp_path, monkeypatch):
     res = hw.provenance["residuals"]
     # exact data: the fit reproduces every step and recovers the identified coefficients
     assert res["all_samples"]["max_abs_rel_err"] < 1e-6
-    for name in ("c_step", "c_req", "c_token", "c_attn_prefill", "c_attn_decode"):
+    for name in ("c_step", "c_req", "c_token", "c_attn_prefill", "c_attn_decode", "c_attn_shared"):
         assert getattr(fitted, name) == pytest.approx(TRUTH[name], rel=1e-3), name
     assert fitted.c_layer == 0.0  # eager CPU: folded into c_step, not left at the preset's placeholder
     # predictions with the written file equal the truth on shapes outside the design

@@ -146,6 +146,8 @@ def check_block_accounting(kv: KVCacheManager) -> None:
     assert len(walked) == pool.get_num_free_blocks()
     held = sum(1 for b in pool.blocks if not b.is_null and b.ref_cnt > 0)
     assert pool.get_num_free_blocks() + held + 1 == pool.num_gpu_blocks
+    # extra holders of shared blocks, kept incrementally for the cost model
+    assert pool.num_shared_refs == sum(b.ref_cnt - 1 for b in pool.blocks if not b.is_null and b.ref_cnt > 1)
     # hash map <-> block hashes
     table = pool.cached_block_hash_to_block._cache
     in_map = set()

@@ -54,6 +54,7 @@ def test_prefill_worked_example():
     assert ids(new) == [5]
     assert kv.get_block_ids("1") == [1, 2, 3, 5]
     assert [kv.block_pool.blocks[i].ref_cnt for i in range(1, 6)] == [2, 2, 2, 1, 1]
+    assert kv.block_pool.num_shared_refs == 3  # three blocks, one extra holder each
     check_block_accounting(kv)
 
     kv.free(req0)

@@ -20,7 +20,7 @@ STEP_DECISION_COLUMNS = [
     "step", "num_reqs", "num_context_reqs", "num_context_tokens", "num_generation_reqs",
     "num_generation_tokens", "total_tokens", "annotation", "sum_q2", "sum_q_kv", "sum_kv", "max_kv",
     "num_running", "num_waiting", "num_preempted", "num_finished", "kv_free_blocks", "kv_usage",
-    "prefix_queries", "prefix_hits",
+    "prefix_queries", "prefix_hits", "shared_kv_tokens",
 ]
 STEP_REQUEST_DECISION_COLUMNS = ["step", "request_id", "num_tokens", "num_computed_before", "phase", "samples"]
 REQUEST_DECISION_COLUMNS = ["request_id", "parent_id", "prompt_tokens", "cached_tokens", "output_tokens",

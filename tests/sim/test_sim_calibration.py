@@ -1,10 +1,12 @@
 """NNLS and the coefficient fit."""
+import dataclasses
+
 import numpy as np
 import pytest
 
 from sim.calibration import calibrated_hardware, fit_coefficients, nnls
 from sim.coefficients import CostCoefficients
-from sim.cost_model import CostModel, RowShape
+from sim.cost_model import CostModel, RowShape, StepSummary
 from sim.hardware import load_hardware, save_hardware
 
 
@@ -36,8 +38,10 @@ def _synthetic_steps(seed=1, n=300):
     steps = []
     for _ in range(n):
         kind = rng.integers(0, 3)
-        if kind == 0:
-            steps.append([RowShape(1, int(s)) for s in rng.integers(10, 8000, rng.integers(1, 513))])
+        if kind == 0:  # some decode batches share prefix blocks
+            summary = StepSummary.from_rows([RowShape(1, int(s)) for s in rng.integers(10, 8000, rng.integers(1, 513))])
+            shared = int(rng.integers(0, summary.decode_sum_kv // 2)) if rng.integers(0, 2) else 0
+            steps.append(dataclasses.replace(summary, shared_kv=shared))
         elif kind == 1:
             steps.append([RowShape(int(rng.integers(16, 8192)), int(rng.integers(0, 4096)),
                                    bool(rng.integers(0, 2)))])
@@ -49,15 +53,15 @@ def _synthetic_steps(seed=1, n=300):
 
 def test_fit_recovers_known_coefficients():
     truth = CostCoefficients(c_step=8e-4, c_req=2e-5, c_token=0.0, c_layer=3e-5, c_linear=1.4,
-                             c_attn_prefill=1.9, c_attn_decode=1.2, c_lm_head=1.1, c_comm=1.5)
+                             c_attn_prefill=1.9, c_attn_decode=1.2, c_attn_shared=0.4, c_lm_head=1.1, c_comm=1.5)
     cm = CostModel("llama-3.1-8b", "h100-sxm", tp=2, cuda_graphs=True, coefficients=truth)
     steps = _synthetic_steps()
     rows = [cm.basis(s) for s in steps]
     exact = [cm.predict(s).duration_s for s in steps]
     fit = fit_coefficients(rows, exact)
     assert fit.unidentified == ["ipc_step", "ipc_req"]
-    assert fit.rank == 9  # step, req, token, layer, linear, attn x2, lm_head, comm
-    for term in ("step", "req", "layer", "linear", "attn_prefill", "attn_decode", "lm_head", "comm"):
+    assert fit.rank == 10  # step, req, token, layer, linear, attn x3, lm_head, comm
+    for term in ("step", "req", "layer", "linear", "attn_prefill", "attn_decode", "attn_shared", "lm_head", "comm"):
         assert fit.coefficients[term] == pytest.approx(truth.for_term(term), rel=1e-4), term
     assert fit.coefficients["token"] == pytest.approx(0.0, abs=1e-9)
     assert fit.max_abs_rel_err < 1e-6 and fit.r2 > 0.999999
@@ -68,8 +72,8 @@ def test_fit_recovers_known_coefficients():
     noisy = [t * (1 + 0.01 * rng.normal()) for t in exact]
     for weighting in ("absolute", "relative"):
         nfit = fit_coefficients(rows, noisy, weighting=weighting)
-        for term in ("linear", "attn_prefill", "attn_decode"):
-            assert nfit.coefficients[term] == pytest.approx(truth.for_term(term), rel=0.05), term
+        for term in ("linear", "attn_prefill", "attn_decode"):  # (attn_shared shares decode steps' shape)
+            assert nfit.coefficients[term] == pytest.approx(truth.for_term(term), rel=0.1), term
         refit = CostModel("llama-3.1-8b", "h100-sxm", tp=2, coefficients=nfit.to_coefficients())
         errs = [abs(refit.predict(s).duration_s - t) / t for s, t in zip(steps, exact)]
         assert np.median(errs) < 0.01
@@ -114,3 +118,22 @@ def test_collinear_terms_are_reported_by_rank():
     fit = fit_coefficients(rows, [1e-3 + 2e-5 * r for r in (1, 5, 50, 200)])
     assert len(fit.coefficients) == 3 and fit.rank == 2
     assert fit.max_abs_rel_err < 1e-6  # predictions are still exact
+
+
+def test_unidentified_shared_reads_take_the_decode_fit():
+    """No step with shared prefix blocks: `attn_shared` cannot be fitted and is priced like any KV read."""
+    rows = [{"step": 1.0, "attn_decode": x} for x in (0.001, 0.002, 0.004)]
+    fit = fit_coefficients(rows, [0.0013, 0.0021, 0.0037], terms=["step", "attn_decode", "attn_shared"])
+    assert fit.unidentified == ["attn_shared"]
+    merged = fit.to_coefficients(CostCoefficients())
+    assert merged.c_attn_shared == merged.c_attn_decode == pytest.approx(fit.coefficients["attn_decode"])
+
+
+def test_hardware_files_without_a_shared_coefficient_keep_their_predictions(tmp_path):
+    """A calibration written before `c_attn_shared` existed prices shared reads like decode reads."""
+    path = tmp_path / "old.yaml"
+    path.write_text("base: cpu\ncoefficients: {c_attn_decode: 14.0, c_step: 0.05}\n")
+    hw = load_hardware(str(path))
+    assert hw.coefficients.c_attn_shared == 14.0
+    assert CostCoefficients(c_attn_decode=3.0).c_attn_shared == 3.0
+    assert CostCoefficients(c_attn_decode=3.0, c_attn_shared=0.5).c_attn_shared == 0.5

@@ -1,4 +1,6 @@
 """Cost model: hand-computed rooflines, monotonicity, CUDA-graph padding, tensor parallelism."""
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -212,3 +214,45 @@ def test_step_summary_sums():
     assert (s.decode_reqs, s.decode_sum_kv) == (1, 8)
     with pytest.raises(ValueError, match="q >= 1"):
         StepSummary.from_rows([(0, 1, True)])
+
+
+def test_shared_prefix_reads_have_their_own_term():
+    """Shared KV tokens move from the decode (then prefill) bytes to `attn_shared`; priced alike they
+    change nothing on a memory-bound step, priced lower they cost exactly the difference."""
+    rows = [RowShape(1, 1000)] * 8 + [RowShape(64, 512)]
+    plain = StepSummary.from_rows(rows)
+    shared = dataclasses.replace(plain, shared_kv=6000)
+    per_token = 32 * 2 * 8 * 128 * 2 / H100_BW  # llama-3.1-8b KV bytes per token / bandwidth
+    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    b0, b1 = cm.basis(plain), cm.basis(shared)
+    assert b0["attn_shared"] == 0.0
+    assert b1["attn_shared"] == pytest.approx(6000 * per_token)
+    assert b0["attn_decode"] - b1["attn_decode"] == pytest.approx(6000 * per_token)  # 8 x 1001 >= 6000
+    assert cm.predict(shared).duration_s == pytest.approx(cm.predict(plain).duration_s)
+    # more shared tokens than the decode rows read: the rest comes off the prefill rows' prefixes (512)
+    over = dataclasses.replace(plain, shared_kv=8308)
+    b2 = cm.basis(over)
+    assert b2["attn_shared"] == pytest.approx((8008 + 300) * per_token)
+    cheap = CostModel("llama-3.1-8b", "h100-sxm",
+                      coefficients=dataclasses.replace(cm.coefficients, c_attn_shared=0.25))
+    saved = cm.predict(shared).duration_s - cheap.predict(shared).duration_s
+    assert saved == pytest.approx(0.75 * 6000 * per_token)
+
+
+def test_the_scheduler_reports_shared_kv_tokens():
+    """Two requests with a common 48-token prefix: 3 blocks with two holders each."""
+    from core.config import CacheConfig, SchedulerConfig  # noqa: PLC0415
+    from core.request import Request  # noqa: PLC0415
+    from core.sampling_params import SamplingParams  # noqa: PLC0415
+    from core.scheduler import Scheduler  # noqa: PLC0415
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256),
+                      CacheConfig(block_size=16, num_gpu_blocks=64, enable_prefix_caching=True))
+    common = list(range(100, 148))
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    sched.add_request(Request("a", common + [1, 2, 3], sp, arrival_time=0.0))
+    so = sched.schedule()
+    assert so.shared_kv_tokens == 0
+    sched.add_request(Request("b", common + [4, 5], sp, arrival_time=1.0))
+    so = sched.schedule()
+    assert so.shared_kv_tokens == 3 * 16
