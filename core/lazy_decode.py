@@ -74,6 +74,7 @@ class _Member:
     seq: int
     out_from: int  # its first step whose output is not applied (first_step, or one less)
     carry: list[int]  # tokens already drawn from the source for steps out_from.. (at most one)
+    flush_from: int  # its first step whose token the trace has not been told of (<= out_from)
 
 
 class LazyDecodes:
@@ -171,8 +172,7 @@ class LazyDecodes:
         if m.carry:
             tokens = m.carry + tokens
             m.carry = []
-        r.append_output_token_ids(tokens)
-        self.flushed.append(LazyFlush(rid, m.out_from, n))
+        r.append_output_token_ids(tokens)  # (the trace hears of these tokens at materialisation)
         m.out_from = last_updated + 1
 
     def forget(self, request_id: str) -> None:
@@ -184,8 +184,8 @@ class LazyDecodes:
              carry: Optional[list[int]] = None) -> None:
         self._seq += 1
         offset = r.num_computed_tokens - step
-        m = _Member(r, step, offset, event, terminal, self._seq, step if out_from is None else out_from,
-                    carry or [])
+        out_from = step if out_from is None else out_from
+        m = _Member(r, step, offset, event, terminal, self._seq, out_from, carry or [], out_from)
         self.members[r.request_id] = m
         self.sum_offset += offset
         heapq.heappush(self._events, (event, m.seq, r.request_id))
@@ -226,7 +226,9 @@ class LazyDecodes:
             self.pending_update[rid] = (r, tokens.pop())
         if n_out:
             r.append_output_token_ids(tokens)
-            self.flushed.append(LazyFlush(rid, m.out_from, n_out))
+        n_told = m.out_from + n_out - m.flush_from  # applied in place before, and now
+        if n_told:
+            self.flushed.append(LazyFlush(rid, m.flush_from, n_told))
         return r
 
     def max_offset(self) -> int:

@@ -562,7 +562,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        stopped_running: set[str] = set()
+        stopped_running: list[Request] = []
         stopped_preempted: list[Request] = []
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
@@ -624,7 +624,7 @@ class Scheduler:
             if stopped:
                 self._free_request(request)
                 if status_before == running_status:
-                    stopped_running.add(rid)
+                    stopped_running.append(request)
                 else:
                     stopped_preempted.append(request)
             outputs.append(EngineCoreOutput(
@@ -636,10 +636,15 @@ class Scheduler:
                 plp,
                 request.num_cached_tokens if request.num_cached_tokens > 0 else 0))
         if stopped_running:
-            self.running = [r for r in self.running if r.request_id not in stopped_running]
+            if len(stopped_running) <= 4:  # (list.remove finds a request by identity, in C)
+                for request in stopped_running:
+                    self.running.remove(request)
+            else:
+                stopped = set(map(id, stopped_running))
+                self.running = [r for r in self.running if id(r) not in stopped]
             if lazy is not None:
-                for rid in stopped_running:
-                    lazy.forget(rid)
+                for request in stopped_running:
+                    lazy.forget(request.request_id)
         if stopped_preempted:
             self.waiting.remove_requests(stopped_preempted)
         self._last_updated_step = scheduler_output.scheduler_step
