@@ -2,8 +2,10 @@
 compare their traces and check the scheduler invariants on every step row."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Optional
 
 import pandas as pd
@@ -38,6 +40,17 @@ class Scenario:
         if backend == "torch":
             kw.update(device="cpu", dtype="float32")
         return EngineArgs.from_kwargs(model="tiny-llama", backend=backend, **kw)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_benchmark(name: str) -> Any:
+    """Import `benchmarks/<name>.py` (a script, not a package module) as a module."""
+    spec = importlib.util.spec_from_file_location(f"servetwin_bench_{name}", BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def run_sim(scenario: Scenario, fast_forward: bool = True) -> tuple[dict[str, pd.DataFrame], Any]:

@@ -1,24 +1,16 @@
 """benchmarks/backend_throughput.py runs end to end (scaled down, tiny-llama) and reports every system."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "backend_throughput.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("servetwin_backend_throughput", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from inttest_helpers import load_benchmark
 
 
 def test_backend_throughput_script_small(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = _load().main(["--model", "tiny-llama", "--requests", "4", "--min-prompt", "8", "--max-prompt", "40",
-                       "--min-output", "4", "--max-output", "12", "--batch-size", "2", "--json", str(out)])
+    rc = load_benchmark("backend_throughput").main([
+        "--model", "tiny-llama", "--requests", "4", "--min-prompt", "8", "--max-prompt", "40",
+        "--min-output", "4", "--max-output", "12", "--batch-size", "2", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "servetwin (torch backend)" in text and "HF generate (padded batches)" in text

@@ -1,22 +1,13 @@
 """benchmarks/sim_speed.py runs end to end (scaled down) with every section (no speed is asserted)."""
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_speed.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("servetwin_sim_speed", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from inttest_helpers import load_benchmark
 
 
 def test_sim_speed_script_small(capsys):
-    _load().main(["--requests", "40", "--variants", "--breakdown", "--bounds"])
+    load_benchmark("sim_speed").main(["--requests", "40", "--variants", "--breakdown", "--bounds"])
     text = capsys.readouterr().out
     for label in ("as configured", "no implicit decodes", "sync + fast-forward", "sync, step by step"):
         row = re.search(rf"^\s*{re.escape(label)}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", text, re.M)
