@@ -135,15 +135,11 @@ class LazyDecodes:
         bs = self.block_size
         offset = kv_blocks * bs - c  # the step that needs a new block
         if self.caching:
-            if self.async_scheduling:
-                # the output in flight is applied normally and registers every block full by then
-                by_then = c // bs
-                if by_then > num_cached_blocks:
-                    num_cached_blocks = by_then
-            # A block becomes full. In async scheduling, when it is the last block held, the
-            # allocation of the next block (a step later) registers it: nothing happens for it in
-            # between (its update still lacks the KV written by the step in flight), so that
-            # allocation is its event.
+            # A block becomes full (after the row's KV work every block full of known tokens is
+            # registered: c // bs <= num_cached_blocks). In async scheduling, when it is the last
+            # block held, the allocation of the next block (a step later) registers it: nothing
+            # happens for it in between (its update still lacks the KV written by the step in
+            # flight), so that allocation is its event.
             if not (self.async_scheduling and kv_blocks == num_cached_blocks + 1):
                 full = (num_cached_blocks + 1) * bs - 1 - c
                 if full < offset:
