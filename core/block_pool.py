@@ -238,13 +238,8 @@ class BlockPool:
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
                              f"({self.free_block_queue.num_free_blocks} free)")
-        if num_blocks == 1:  # the common case (a decode crossing a block boundary)
-            b = self.free_block_queue.popleft()
-            if b.block_hash is not None:
-                self._maybe_evict_cached_block(b)
-            b.ref_cnt = 1
-            return [b]
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        queue = self.free_block_queue  # (one block: the common case, a decode crossing a boundary)
+        blocks = [queue.popleft()] if num_blocks == 1 else queue.popleft_n(num_blocks)
         for b in blocks:
             if b.block_hash is not None:
                 self._maybe_evict_cached_block(b)
