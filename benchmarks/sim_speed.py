@@ -112,6 +112,8 @@ def bounds(cfg: dict, n: int, full: dict) -> None:
     cost-model prediction. (A simulator could skip hashes no lookup can ever match - computing a
     block's hash only when a request with the same first block arrives - at the price of state that
     no longer equals vLLM's; servetwin does not.)"""
+    import pickle  # noqa: PLC0415
+
     import simpy  # noqa: PLC0415
 
     from core.hashing import hash_block_tokens, sha256  # noqa: PLC0415
@@ -126,6 +128,11 @@ def bounds(cfg: dict, n: int, full: dict) -> None:
     for _ in range(num_hashes):
         parent = hash_block_tokens(sha256, parent, tokens)
     t_hash = time.perf_counter() - t0
+    key = (parent, tuple(tokens), None)  # what every hash serialises first, whatever the hash function
+    t0 = time.perf_counter()
+    for _ in range(num_hashes):
+        pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)
+    t_pickle = time.perf_counter() - t0
 
     steps = full["steps"]
     cm = CostModel(cfg["model"], cfg["hardware"])
@@ -143,7 +150,8 @@ def bounds(cfg: dict, n: int, full: dict) -> None:
     sim_s = full["simulated_s"]
     print("\nbounds (vLLM's block hashes + the per-step minimum, timed alone on this machine):")
     print(f"  block hashes: {num_hashes:,} (one per full block of each request's final tokens) in "
-          f"{t_hash:.3f} s ({t_hash / num_hashes * 1e6:.2f} us each)")
+          f"{t_hash:.3f} s ({t_hash / num_hashes * 1e6:.2f} us each); the pickling alone (also under vLLM's "
+          f"xxhash option) {t_pickle:.3f} s = {t_pickle / (full['simulated_s'] / 1000) * 100:.0f}% of the 1000x budget")
     print(f"  per step, one SimPy event + one cost-model prediction: {steps:,} steps in {t_step:.3f} s")
     print(f"  => at most {sim_s / (t_hash + t_step):.0f}x real time even if everything else were free; "
           f"the hashes alone use {t_hash / (sim_s / 1000) * 100:.0f}% of the 1000x budget "
