@@ -170,8 +170,12 @@ class CostModel:
         self.graph_sizes: list[int] = sizes if self.cuda_graphs else []
         self.ipc = bool(ipc)
         self.coefficients = coefficients if coefficients is not None else self.hw.coefficients
-        self._const_key: Optional[tuple] = None
-        self._const: tuple = ()
+        m, hw = self.model, self.hw
+        # the formula's per-step constants (model, hardware and tp are fixed from here on)
+        self._const = (m.num_layers, m.hidden_size, m.vocab_size, m.head_dim, m.dtype_bytes,
+                       hw.peak_flops(m.dtype), hw.memory_bandwidth, -(-m.num_heads // tp),
+                       -(-m.num_kv_heads // tp), tp, m.layer_matmul_params, m.layer_params,
+                       hw.interconnect_bandwidth, hw.interconnect_latency_s)
 
     # -- shape helpers -------------------------------------------------------------------------
     def padded_tokens(self, step: StepSummary) -> tuple[int, bool]:
@@ -186,25 +190,13 @@ class CostModel:
         return step if isinstance(step, StepSummary) else StepSummary.from_rows(step)
 
     # -- the model -----------------------------------------------------------------------------
-    def _constants(self) -> tuple:
-        """The per-step constant factors of the formula (model, hardware and tp are fixed)."""
-        key = (id(self.model), id(self.hw), self.tp)
-        if self._const_key != key:
-            m, hw, tp = self.model, self.hw, self.tp
-            L, d, V, dh, b = m.num_layers, m.hidden_size, m.vocab_size, m.head_dim, m.dtype_bytes
-            peak, bw = hw.peak_flops(m.dtype), hw.memory_bandwidth
-            hq, hk = -(-m.num_heads // tp), -(-m.num_kv_heads // tp)
-            self._const = (L, d, V, dh, b, peak, bw, hq, hk, tp, m.layer_matmul_params, m.layer_params,
-                           hw.interconnect_bandwidth, hw.interconnect_latency_s)
-            self._const_key = key
-        return self._const
-
-    def _terms(self, st: StepSummary) -> tuple[float, ...]:
-        """Basis values in `BASIS_TERMS` order (one implementation, used by `basis` and `predict`)."""
+    def _terms(self, st: StepSummary) -> tuple[tuple[float, ...], int]:
+        """(basis values in `BASIS_TERMS` order, padded tokens): one implementation, used by `basis`
+        and `predict`."""
         ipc = 1.0 if self.ipc else 0.0
         if st.num_reqs == 0:
-            return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, ipc, 0.0)
-        L, d, V, dh, b, peak, bw, hq, hk, tp, matmul_params, layer_params, link, lat = self._constants()
+            return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, ipc, 0.0), 0
+        L, d, V, dh, b, peak, bw, hq, hk, tp, matmul_params, layer_params, link, lat = self._const
         t_pad, graph = self.padded_tokens(st)
         linear = max(2.0 * t_pad * L * matmul_params / tp / peak, L * layer_params * b / tp / bw)
         pairs = st.prefill_sum_q_s + (st.prefill_sum_q2 + st.prefill_sum_q) / 2.0
@@ -225,26 +217,23 @@ class CostModel:
                 comm += lat + frac * r * V * b / link
         reqs = float(st.num_reqs)
         return (1.0, reqs, float(st.num_tokens), 0.0 if graph else float(L), linear, attn_prefill,
-                attn_decode, attn_shared, lm_head, comm, ipc, reqs if self.ipc else 0.0)
+                attn_decode, attn_shared, lm_head, comm, ipc, reqs if self.ipc else 0.0), t_pad
 
     def basis(self, step: StepSummary | Iterable[Any]) -> dict[str, float]:
         """Basis terms of the step (see the module docstring); keys are `BASIS_TERMS`."""
-        return dict(zip(BASIS_TERMS, self._terms(self.summarize(step))))
+        return dict(zip(BASIS_TERMS, self._terms(self.summarize(step))[0]))
 
     def predict(self, step: StepSummary | Iterable[Any]) -> StepTiming:
         st = step if type(step) is StepSummary else self.summarize(step)
+        terms, padded = self._terms(st)
         (step_, req, token, layer, linear, attn_prefill, attn_decode, attn_shared, lm_head, comm,
-         ipc_step, ipc_req) = self._terms(st)
+         ipc_step, ipc_req) = terms
         c = self.coefficients
         prepare = (c.c_step * step_ + c.c_req * req + c.c_token * token + c.c_ipc_step * ipc_step
                    + c.c_ipc_req * ipc_req)
         forward = (c.c_layer * layer + c.c_linear * linear + c.c_attn_prefill * attn_prefill
                    + c.c_attn_decode * attn_decode + c.c_attn_shared * attn_shared + c.c_comm * comm)
         sample = c.c_lm_head * lm_head
-        if self.cuda_graphs:
-            padded = self.padded_tokens(st)[0]
-        else:
-            padded = st.num_tokens
         return StepTiming(duration_s=prepare + forward + sample, prepare_s=prepare,
                           forward_s=forward, sample_s=sample, padded_batch_size=padded)
 
