@@ -69,7 +69,7 @@ def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
 
 # -- the three systems ---------------------------------------------------------------------------------
 def run_servetwin(args, prompts, olens) -> dict[str, Any]:
-    from core import LLM, SamplingParams  # noqa: PLC0415
+    from servetwin.core import LLM, SamplingParams  # noqa: PLC0415
 
     longest = max(len(p) + o for p, o in zip(prompts, olens))
     max_model_len = max(1024, -(-longest // 16) * 16)
@@ -87,7 +87,7 @@ def run_servetwin(args, prompts, olens) -> dict[str, Any]:
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     stats = llm.get_stats()
     llm.close()
-    from gpu.cpu_kernels import decode_kernel  # noqa: PLC0415 - in-process executor: the same module state
+    from servetwin.gpu.cpu_kernels import decode_kernel  # noqa: PLC0415 - in-process executor: the same module state
     kernels = "native CPU kernels" if decode_kernel() is not None else "no native CPU kernels (pure torch)"
     return {"name": "servetwin (torch backend)", "wall_s": wall, "cpu_s": cpu, "load_s": load_s, "tokens": tokens,
             "extra": f"max_num_seqs={args.batch_size}, {blocks} KV blocks, "
@@ -97,7 +97,7 @@ def run_servetwin(args, prompts, olens) -> dict[str, Any]:
 def load_hf(model_name: str, attn: str):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from gpu.models.registry import resolve_model  # noqa: PLC0415
+    from servetwin.gpu.models.registry import resolve_model  # noqa: PLC0415
 
     path = resolve_model(model_name).path
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn,
@@ -240,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.no_cpu_kernels:
         os.environ["SERVETWIN_CPU_KERNELS"] = "0"  # read when the kernels are first needed (executor start)
 
-    from gpu.models.registry import resolve_model  # noqa: PLC0415
+    from servetwin.gpu.models.registry import resolve_model  # noqa: PLC0415
 
     info = resolve_model(args.model)
     vocab = info.decoder_config.vocab_size

@@ -2,7 +2,7 @@
 
 Many small `LLM.generate` calls (1, 2, 4 or 8 prompts; 1-4 output tokens) with `multiprocess=False` and
 `multiprocess=True`, same model and engine arguments, interleaved so drift hits both alike. Backends:
-`fake` always, `torch` with `tiny-llama` when `gpu.executor` imports (`--backends` to choose).
+`fake` always, `torch` with `tiny-llama` when `servetwin.gpu.executor` imports (`--backends` to choose).
 
 Printed per backend:
 - per-call time of both clients (median over the calls of each shape), the per-call overhead
@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 # thread oversubscription, not the process boundary. The engine process inherits this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from core.llm import LLM  # noqa: E402
-from core.sampling_params import SamplingParams  # noqa: E402
+from servetwin.core.engine.llm import LLM  # noqa: E402
+from servetwin.core.sampling_params import SamplingParams  # noqa: E402
 
 SHAPES = [(k, m) for k in (1, 2, 4, 8) for m in (1, 2, 3, 4)]
 OUT = ROOT / "experiments" / "calibrations" / "ipc_overhead.yaml"
@@ -58,7 +58,7 @@ def backend_available(backend: str) -> bool:
     if backend == "fake":
         return True
     try:
-        __import__("gpu.executor")
+        __import__("servetwin.gpu.executor")
     except Exception:  # noqa: BLE001
         return False
     return True
@@ -169,7 +169,7 @@ def save(results: dict, reps: int) -> None:
                         + ("a real model: steps take milliseconds, so every send also wakes the idle ZMQ I/O "
                            "thread; the fake backend's hot loop pays less, see measurements" if source == "torch"
                            else "the torch backend was not available") +
-                        "). Merge `coefficients` into a hardware spec's coefficients (sim.coefficients names)."),
+                        "). Merge `coefficients` into a hardware spec's coefficients (servetwin.sim.coefficients names)."),
         "source_backend": source,
         "coefficients": {"c_ipc_step": c_step, "c_ipc_req": c_req},
         "c_ipc_step_s": c_step,

@@ -64,7 +64,7 @@ def main() -> int:
     configs = sorted(glob.glob(os.path.join(ROOT, "experiments", "configs", "compare_*.yaml")))
     if args.only:
         configs = [c for c in configs if os.path.splitext(os.path.basename(c))[0] in args.only]
-    cli = [sys.executable, "-m", "experiments.cli"]
+    cli = [sys.executable, "-m", "servetwin.experiments.cli"]
 
     def run_all(calibration: str, tag: str) -> list[str]:
         rows = []

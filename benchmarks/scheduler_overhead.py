@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
-from core.outputs import ModelRunnerOutput  # noqa: E402
+from servetwin.core import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig  # noqa: E402
+from servetwin.core.outputs import ModelRunnerOutput  # noqa: E402
 
 VLLM_REFERENCE_US = {16: (330, 420), 256: (4700, 5900), 1024: (21000, 25000)}
 

@@ -27,10 +27,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.engine_args import EngineArgs  # noqa: E402
-from core.engine_factory import create_engine_core  # noqa: E402
-from sim.engine import Simulation  # noqa: E402
-from sim.workload import build_workload, rng_streams  # noqa: E402
+from servetwin.core.engine.engine_args import EngineArgs  # noqa: E402
+from servetwin.core.engine.engine_factory import create_engine_core  # noqa: E402
+from servetwin.sim.engine import Simulation  # noqa: E402
+from servetwin.sim.workload import build_workload, rng_streams  # noqa: E402
 
 
 def run_once(cfg: dict, requests: int, async_scheduling: bool, fast_forward: bool,
@@ -116,8 +116,8 @@ def bounds(cfg: dict, n: int, full: dict) -> None:
 
     import simpy  # noqa: PLC0415
 
-    from core.hashing import hash_block_tokens, sha256  # noqa: PLC0415
-    from sim.cost_model import CostModel, StepSummary  # noqa: PLC0415
+    from servetwin.core.kv_cache.hashing import hash_block_tokens, sha256  # noqa: PLC0415
+    from servetwin.sim.cost_model import CostModel, StepSummary  # noqa: PLC0415
 
     block_size = int(cfg["engine"].get("block_size", 16))
     _, reqs = build_workload(dict(cfg["workload"], requests=n), vocab_size=128_000)

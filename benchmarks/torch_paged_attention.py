@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from gpu.attention import CommonAttentionMetadata, TorchPagedAttention
-from gpu.input_batch import build_block_table
+from servetwin.gpu.attention import CommonAttentionMetadata, TorchPagedAttention
+from servetwin.gpu.input_batch import build_block_table
 
 H, HKV, D, B = 9, 3, 64, 16
 MODES = ("batched", "split", "loop")

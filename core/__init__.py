@@ -1,12 +1,12 @@
 """servetwin core: the vLLM-v1-identical scheduler, KV block manager, engine core and front end.
 
-Pure Python: never imports torch or simpy. Backends are found by name with a lazy import.
+Pure Python: never imports torch or simpy. Backends are found by name through the `servetwin.executors` entry points.
 """
-from core.config import CacheConfig, SchedulerConfig
-from core.engine_core import EngineCore
-from core.request import FinishReason, Request, RequestStatus
-from core.sampling_params import SamplingParams
-from core.scheduler import Scheduler
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.engine.engine_core import EngineCore
+from servetwin.core.request import FinishReason, Request, RequestStatus
+from servetwin.core.sampling_params import SamplingParams
+from servetwin.core.sched.scheduler import Scheduler
 
 __all__ = ["CacheConfig", "SchedulerConfig", "EngineCore", "FinishReason", "Request", "RequestStatus",
            "SamplingParams", "Scheduler", "LLM"]
@@ -14,6 +14,6 @@ __all__ = ["CacheConfig", "SchedulerConfig", "EngineCore", "FinishReason", "Requ
 
 def __getattr__(name: str):
     if name == "LLM":
-        from core.llm import LLM  # noqa: PLC0415
+        from servetwin.core.engine.llm import LLM  # noqa: PLC0415
         return LLM
-    raise AttributeError(f"module 'core' has no attribute {name!r}")
+    raise AttributeError(f"module 'servetwin.core' has no attribute {name!r}")

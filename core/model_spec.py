@@ -1,7 +1,7 @@
 """`ModelSpec`: the shape of a dense decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral family).
 
 Built from a Hugging Face `config.json` (or a model directory holding one); the simulator adds
-presets (`sim.model_spec`), the torch backend reads it off the model it loads. The parameter count is computed from the shape, never stored:
+presets (`servetwin.sim.model_spec`), the torch backend reads it off the model it loads. The parameter count is computed from the shape, never stored:
 
     embed  = V*d                                   (token embedding)
     layer  = d*(H*dh) + 2*d*(Hkv*dh) + (H*dh)*d     (q, k, v, o projections)
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from core.kv_sizing import KVCacheSpec, dtype_bytes
+from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, dtype_bytes
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -5,7 +5,7 @@ import enum
 import time
 from typing import Any, Callable, Optional
 
-from core.sampling_params import SamplingParams
+from servetwin.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -23,7 +23,7 @@ not hit all repeats of one shape; a warm-up pass of each kind runs first and is 
 Every step's process CPU time is recorded too: a step whose CPU time is below 0.9 x its wall time x
 the torch threads lost its core to another process (a shared machine) and is left out of the fit.
 
-The fit is `sim.calibration.fit_coefficients` (NNLS on `CostModel.basis`, relative weighting by
+The fit is `servetwin.sim.calibration.fit_coefficients` (NNLS on `CostModel.basis`, relative weighting by
 default: it minimises per-step percentage error). Terms that are constant or zero on this backend
 are left out (`layer` on the CPU, where every step runs eagerly: it is `step` times L; `comm` and
 `ipc_*`). Steps slowed by machine noise (other processes) are outliers in relative error: after a
@@ -32,7 +32,7 @@ from the median are dropped and the fit is repeated; how many were dropped, and 
 all samples, are recorded next to those of the samples used.
 
 The output is a hardware YAML file (`base: <preset>` plus the preset's peak / bandwidth fields, the
-fitted `coefficients` and a `provenance` record) that `sim.hardware.load_hardware` and an
+fitted `coefficients` and a `provenance` record) that `servetwin.sim.hardware.load_hardware` and an
 experiment's `hardware:` field accept.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from sim.coefficients import BASIS_TERMS
+from servetwin.sim.coefficients import BASIS_TERMS
 
 CONTENDED_BELOW = 0.9
 MEASURED_QUANTITY = ("wall time of one EngineCore.step() (schedule + execute_model + update_from_output), "
@@ -122,8 +122,8 @@ class _Driver:
         return [int(x) for x in self.rng.integers(3, self.vocab, size=n)]
 
     def add(self, prompt: list[int], max_tokens: int, tag: str) -> str:
-        from core.request import Request  # noqa: PLC0415
-        from core.sampling_params import SamplingParams  # noqa: PLC0415
+        from servetwin.core.request import Request  # noqa: PLC0415
+        from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
 
         self.n += 1
         rid = f"cal{self.n}-{tag}"
@@ -250,10 +250,10 @@ def step_phase_class(num_context_reqs: int, num_generation_reqs: int) -> str:
 
 
 def step_rows(steps, step_requests) -> tuple[list[int], list[Any], np.ndarray, list[str]]:
-    """(step numbers, per step its `sim.cost_model.StepSummary` (rows' q and s, sampling rows, shared KV
+    """(step numbers, per step its `servetwin.sim.cost_model.StepSummary` (rows' q and s, sampling rows, shared KV
     tokens), measured durations, phase classes) from trace tables (steps without rows or with a
     non-positive duration are skipped; traces written before `shared_kv_tokens` existed count 0)."""
-    from sim.cost_model import StepSummary  # noqa: PLC0415
+    from servetwin.sim.cost_model import StepSummary  # noqa: PLC0415
 
     if len(step_requests) == 0:
         raise ValueError("calibrate: the trace has no step_requests rows (record_step_requests was off)")
@@ -300,7 +300,7 @@ def _rel_stats(rel: np.ndarray) -> dict[str, Any]:
 
 @dataclass
 class CalibrationFit:
-    fit: Any  # sim.calibration.FitResult on the samples used
+    fit: Any  # servetwin.sim.calibration.FitResult on the samples used
     terms: list[str]
     used: np.ndarray  # bool mask over all samples
     rel_all: np.ndarray  # relative residuals (pred - meas) / meas on all samples
@@ -317,7 +317,7 @@ def fit_from_tables(steps, step_requests, cost_model, weighting: str = "relative
 
     `exclude_steps`: step numbers left out of the fit from the start (e.g. steps that lost their CPU
     to other processes); their residuals still count in `all_samples`."""
-    from sim.calibration import fit_coefficients  # noqa: PLC0415
+    from servetwin.sim.calibration import fit_coefficients  # noqa: PLC0415
 
     nums, rows, t, phases = step_rows(steps, step_requests)
     if len(rows) < 3:
@@ -420,7 +420,7 @@ def default_base(device: str) -> str:
 def calibration_document(base: str, cal: CalibrationFit, provenance: dict[str, Any],
                          name: Optional[str] = None) -> dict[str, Any]:
     """The YAML document: `base`, the preset's fields (self-contained), coefficients, provenance."""
-    from sim.hardware import load_hardware  # noqa: PLC0415
+    from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
 
     hw = load_hardware(base)
     coeffs = cal.fit.to_coefficients(hw.coefficients).to_dict()
@@ -448,7 +448,7 @@ def write_calibration(path: str, doc: dict[str, Any], header: str = "") -> str:
         if header:
             f.write("".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()))
         f.write(text)
-    from sim.hardware import load_hardware  # noqa: PLC0415
+    from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
 
     load_hardware(path)  # what we wrote must read back
     return path
@@ -488,10 +488,10 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
     """Run (or read) measured steps, fit, write the calibration YAML; returns the document."""
     import pandas as pd  # noqa: PLC0415
 
-    from core.trace import TraceRecorder  # noqa: PLC0415
-    from sim.cost_model import CostModel  # noqa: PLC0415
-    from sim.hardware import load_hardware  # noqa: PLC0415
-    from sim.model_spec import load_model_spec  # noqa: PLC0415
+    from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
+    from servetwin.sim.cost_model import CostModel  # noqa: PLC0415
+    from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
+    from servetwin.sim.model_spec import load_model_spec  # noqa: PLC0415
 
     t_begin = time.perf_counter()
     load_before = load_average()
@@ -518,8 +518,8 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
         extra["note"] = ("fitted on an existing run's torch trace: device, threads and load of that run are "
                          "not known here")
     else:
-        from core.engine_args import EngineArgs  # noqa: PLC0415
-        from core.engine_factory import create_engine_core  # noqa: PLC0415
+        from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
+        from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
 
         if isinstance(design, str) and design not in DESIGNS:
             raise ValueError(f"--design: unknown design {design!r} (allowed: {', '.join(DESIGNS)})")

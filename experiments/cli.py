@@ -7,8 +7,8 @@ import sys
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from core.replay import write_replay
-    from core.scenario import load_scenario
+    from servetwin.core.testbed.replay import write_replay
+    from servetwin.core.testbed.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
     if args.output not in (None, "-") and os.path.isdir(args.output):
@@ -40,7 +40,7 @@ def _extra_commands():
     import importlib
 
     out = []
-    for mod in ("experiments.run_cli", "experiments.compare_cli", "experiments.serve_cli"):
+    for mod in ("servetwin.experiments.run_cli", "servetwin.experiments.compare_cli", "servetwin.experiments.serve_cli"):
         try:
             out.append(importlib.import_module(mod).register)
         except ModuleNotFoundError as e:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"servetwin {args.command}: error: {_message(e)}", file=sys.stderr)
         return 1
     except RuntimeError as e:
-        from core.mp_client import EngineStartupError  # noqa: PLC0415
+        from servetwin.core.engine.mp_client import EngineStartupError  # noqa: PLC0415
 
         if not isinstance(e, EngineStartupError):
             raise

@@ -35,8 +35,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from experiments.calibrate import load_average, set_torch_threads, step_phase_class, step_rows
-from experiments.schema import ConfigError, ExperimentConfig, load_yaml, validate_config
+from servetwin.experiments.calibrate import load_average, set_torch_threads, step_phase_class, step_rows
+from servetwin.experiments.schema import ConfigError, ExperimentConfig, load_yaml, validate_config
 
 PHASES = ("prefill", "decode", "mixed")
 CONTENDED_BELOW = 0.9
@@ -54,7 +54,7 @@ def load_compare_config(path: str, calibration: Optional[str] = None, overrides:
     """The experiment config with backends [sim, torch] and, if given, `hardware: <calibration>`."""
     from pathlib import Path  # noqa: PLC0415
 
-    from experiments.schema import apply_requests_override, parse_override, set_dotted  # noqa: PLC0415
+    from servetwin.experiments.schema import apply_requests_override, parse_override, set_dotted  # noqa: PLC0415
 
     p = Path(path)
     raw = load_yaml(p)
@@ -79,7 +79,7 @@ def load_compare_config(path: str, calibration: Optional[str] = None, overrides:
 
 def calibration_info(exp: ExperimentConfig) -> tuple[str, dict[str, Any]]:
     """(the hardware used: file path or preset name, its provenance)."""
-    from sim.hardware import hardware_from_dict, load_hardware  # noqa: PLC0415
+    from servetwin.sim.hardware import hardware_from_dict, load_hardware  # noqa: PLC0415
 
     hw = exp.hardware
     spec = hardware_from_dict(hw, "hardware") if isinstance(hw, dict) else load_hardware(hw)
@@ -89,7 +89,7 @@ def calibration_info(exp: ExperimentConfig) -> tuple[str, dict[str, Any]]:
 
 # -- engines ----------------------------------------------------------------------------------------
 def build_torch_engine(exp: ExperimentConfig):
-    from experiments.runner import create_engine  # noqa: PLC0415
+    from servetwin.experiments.runner import create_engine  # noqa: PLC0415
 
     return create_engine(exp, "torch")
 
@@ -105,7 +105,7 @@ def sim_engine_args(exp: ExperimentConfig, torch_info) -> Any:
 
 
 def build_sim_engine(exp: ExperimentConfig, torch_info):
-    from core.engine_factory import create_engine_core  # noqa: PLC0415
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
 
     args = sim_engine_args(exp, torch_info)
     try:
@@ -116,7 +116,7 @@ def build_sim_engine(exp: ExperimentConfig, torch_info):
 
 def _reset_executor(ex) -> None:
     """Forget every request the executor's runner state holds (between repeats on one executor)."""
-    from core.runner_state import RunnerState  # noqa: PLC0415
+    from servetwin.core.engine.runner_state import RunnerState  # noqa: PLC0415
 
     state = getattr(ex, "state", None)
     if state is None:
@@ -129,9 +129,9 @@ def _reset_executor(ex) -> None:
 
 def warm_up(exp: ExperimentConfig, info, requests, n: int = 4, max_tokens: int = 4) -> float:
     """A short unscored run of the first `n` prompts on a throwaway engine over the same executor."""
-    from core.engine_factory import create_engine_core  # noqa: PLC0415
-    from core.request import Request  # noqa: PLC0415
-    from core.sampling_params import SamplingParams  # noqa: PLC0415
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
+    from servetwin.core.request import Request  # noqa: PLC0415
+    from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
 
     t0 = time.perf_counter()
     engine, _ = create_engine_core(exp.engine_args("torch"), info=info)
@@ -164,9 +164,9 @@ def calibration_probe(exp: ExperimentConfig, info, cost_model, repeats: int = 2)
     """A few fixed designed steps (single prefills of 32/128/256 tokens, decode batches of 4 and 8) on the
     torch executor, scored with the simulator's cost model: how far the machine is, right now, from the
     state it was calibrated in (a signed median near 0: as fast as then). Not part of the scored runs."""
-    from core.engine_factory import create_engine_core  # noqa: PLC0415
-    from core.trace import TraceRecorder  # noqa: PLC0415
-    from experiments.calibrate import CalibrationDesign, run_design  # noqa: PLC0415
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
+    from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
+    from servetwin.experiments.calibrate import CalibrationDesign, run_design  # noqa: PLC0415
 
     tokens = info.num_gpu_blocks * exp.engine_args("torch").block_size
     kv = max(16, min(128, tokens // 32))
@@ -195,9 +195,9 @@ def calibration_probe(exp: ExperimentConfig, info, cost_model, repeats: int = 2)
 
 def run_torch(exp: ExperimentConfig, info, requests, offline: bool, run_name: str):
     """One measured run; returns (recorder, wall seconds, rejected, per-step CPU seconds)."""
-    from core.engine_factory import create_engine_core  # noqa: PLC0415
-    from core.realtime import run_realtime  # noqa: PLC0415
-    from core.trace import TraceRecorder  # noqa: PLC0415
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
+    from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
+    from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
 
     _reset_executor(info.executor)
     engine, _ = create_engine_core(exp.engine_args("torch"), info=info)
@@ -212,7 +212,7 @@ def run_torch(exp: ExperimentConfig, info, requests, offline: bool, run_name: st
 
 
 def run_sim(exp: ExperimentConfig, engine, requests, arrival, rng, run_name: str):
-    from sim.engine import Simulation  # noqa: PLC0415
+    from servetwin.sim.engine import Simulation  # noqa: PLC0415
 
     sim = Simulation(engine, [dataclasses.replace(r) for r in requests], arrival, rng=rng, run=run_name,
                      record_step_requests=True)
@@ -363,8 +363,8 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     `retry_contended`: a measured repeat in which more than `max_contended_share` of the steps lost
     their CPU to other processes (see `contention`) is run again, at most this many times in all;
     the discarded attempts are listed in `discarded_repeats` (default 0: every repeat counts)."""
-    from experiments.runner import write_json  # noqa: PLC0415
-    from experiments.workloads import build_requests  # noqa: PLC0415
+    from servetwin.experiments.runner import write_json  # noqa: PLC0415
+    from servetwin.experiments.workloads import build_requests  # noqa: PLC0415
 
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
@@ -380,7 +380,7 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     cal_model = cal_prov.get("model")
     notes: list[str] = []
     if cal_prov.get("calibrated") and cal_model:
-        from sim.model_spec import load_model_spec  # noqa: PLC0415
+        from servetwin.sim.model_spec import load_model_spec  # noqa: PLC0415
 
         try:
             same = load_model_spec(cal_model).name == load_model_spec(exp.model).name
@@ -407,7 +407,7 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     sim_engine, sinfo = build_sim_engine(exp, tinfo)
     cost_model = sinfo.executor.cost_model
     requests, arrival, rng = build_requests(exp, tinfo.vocab_size)
-    from sim.arrivals import Offline  # noqa: PLC0415
+    from servetwin.sim.arrivals import Offline  # noqa: PLC0415
 
     offline = isinstance(arrival, Offline)
     sim_rec, sim_wall, sim_rej = run_sim(exp, sim_engine, requests, arrival, rng, exp.name)
@@ -488,12 +488,12 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     paired.to_parquet(os.path.join(out_dir, "steps_paired.parquet"), index=False)
     plot_paths = {}
     if plots:
-        from experiments.compare_plots import comparison_plots  # noqa: PLC0415
+        from servetwin.experiments.compare_plots import comparison_plots  # noqa: PLC0415
 
         plot_paths = comparison_plots(sim_frames, torch_frames, paired, out_dir)
     result["plots"] = {k: os.path.basename(v) for k, v in plot_paths.items() if v}
     write_json(os.path.join(out_dir, "comparison.json"), result)
-    from experiments.compare_report import write_comparison_md  # noqa: PLC0415
+    from servetwin.experiments.compare_report import write_comparison_md  # noqa: PLC0415
 
     write_comparison_md(result, exp, out_dir)
     return result

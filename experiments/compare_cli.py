@@ -1,4 +1,4 @@
-"""`servetwin compare` and `servetwin calibrate` (registered by `experiments.cli`)."""
+"""`servetwin compare` and `servetwin calibrate` (registered by `servetwin.experiments.cli`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ import time
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from experiments.compare import CompositionMismatch, compare, load_compare_config  # noqa: PLC0415
-    from experiments.schema import check_output_dir  # noqa: PLC0415
+    from servetwin.experiments.compare import CompositionMismatch, compare, load_compare_config  # noqa: PLC0415
+    from servetwin.experiments.schema import check_output_dir  # noqa: PLC0415
 
     exp = load_compare_config(args.config, calibration=args.calibration, overrides=args.overrides,
                               requests=args.requests)
@@ -40,8 +40,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from experiments.calibrate import calibrate  # noqa: PLC0415
-    from experiments.schema import check_output_dir, check_output_file  # noqa: PLC0415
+    from servetwin.experiments.calibrate import calibrate  # noqa: PLC0415
+    from servetwin.experiments.schema import check_output_dir, check_output_file  # noqa: PLC0415
 
     if args.backend != "torch":
         raise ValueError(f"--backend: only 'torch' is measured, got {args.backend!r}")

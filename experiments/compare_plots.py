@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from experiments.plots import _cdf, _plt
+from servetwin.experiments.plots import _cdf, _plt
 
 PHASE_COLORS = {"prefill": "tab:red", "decode": "tab:green", "mixed": "tab:purple"}
 REPEAT_ALPHA = 0.55

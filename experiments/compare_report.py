@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from experiments.report import fmt, md_table
+from servetwin.experiments.report import fmt, md_table
 
 PLOT_TITLES = {"scatter": "Per-step predicted vs measured", "residuals": "Residuals by phase and step size",
                "timeline": "Timelines overlaid", "latency_cdf": "Request-latency CDFs"}

@@ -66,7 +66,7 @@ def summary_table(summaries: dict[str, dict]) -> str:
 
 
 def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> list[str]:
-    from experiments.plots import step_phase  # noqa: PLC0415
+    from servetwin.experiments.plots import step_phase  # noqa: PLC0415
 
     obs: list[str] = []
     for backend, s in summaries.items():
@@ -161,7 +161,7 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
     summaries = combined["backends"]
     plot_paths: dict[str, Optional[str]] = {}
     if plots and frames:
-        from experiments.plots import all_run_plots  # noqa: PLC0415
+        from servetwin.experiments.plots import all_run_plots  # noqa: PLC0415
 
         plot_paths = all_run_plots(frames, itls, out_dir)
     w = combined.get("workload", {})
@@ -179,7 +179,7 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
                   f"output tokens mean {w['output_tokens_mean']:.1f} (total {w['output_tokens_total']:,}).", ""]
     lines += ["## Summary", "", summary_table(summaries) if summaries else "(no backend ran)", "",
               "Throughput counts prompt + output tokens of completed sequences over the makespan (from t = 0 "
-              "to the end of the last step); latencies follow `core.trace` (a token's time is the end of the "
+              "to the end of the last step); latencies follow `servetwin.core.testbed.trace` (a token's time is the end of the "
               "step that computed it). The sim's times are simulated, torch's are measured.", "",
               "## Key observations", ""]
     lines += [f"- {o}" for o in _observations(exp, summaries, frames)] + [""]

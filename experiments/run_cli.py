@@ -1,4 +1,4 @@
-"""`servetwin run` and `servetwin sweep` (registered by `experiments.cli`)."""
+"""`servetwin run` and `servetwin sweep` (registered by `servetwin.experiments.cli`)."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +23,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from experiments.schema import load_config  # noqa: PLC0415
+    from servetwin.experiments.schema import load_config  # noqa: PLC0415
 
     overrides = list(args.overrides)
     if args.backend:
@@ -38,8 +38,8 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from experiments.runner import run_experiment  # noqa: PLC0415
-    from experiments.schema import BACKENDS, check_output_dir  # noqa: PLC0415
+    from servetwin.experiments.runner import run_experiment  # noqa: PLC0415
+    from servetwin.experiments.schema import BACKENDS, check_output_dir  # noqa: PLC0415
 
     exp = _load(args)
     out = args.output or os.path.join("runs", exp.name)
@@ -73,8 +73,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from experiments.schema import check_output_dir  # noqa: PLC0415
-    from experiments.sweep import run_sweep  # noqa: PLC0415
+    from servetwin.experiments.schema import check_output_dir  # noqa: PLC0415
+    from servetwin.experiments.sweep import run_sweep  # noqa: PLC0415
 
     exp = _load(args)
     out = args.output or os.path.join("runs", exp.name)

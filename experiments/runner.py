@@ -8,8 +8,8 @@ Layout under the output folder DIR:
     DIR/latency_cdf.png, timeline.png, step_time.png
     DIR/<backend>/steps.parquet, step_requests.parquet, requests.parquet, trace.json, summary.json
 
-Backend "sim" runs `sim.engine.Simulation` (simulated time; the KV pool is sized by
-`core.engine_factory` -> `sim.kv_pool`); backend "torch" runs `core.realtime.run_realtime` over the
+Backend "sim" runs `servetwin.sim.engine.Simulation` (simulated time; the KV pool is sized by
+`servetwin.core.engine.engine_factory` -> `servetwin.sim.kv_pool`); backend "torch" runs `servetwin.core.testbed.realtime.run_realtime` over the
 `TorchExecutor` (wall-clock time). Both get the same request list. Ctrl-C stops the current backend,
 writes what it recorded (summary marked `"interrupted": true`) and skips the remaining backends.
 """
@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from experiments.schema import ConfigError, ExperimentConfig
-from experiments.workloads import build_requests, workload_summary
+from servetwin.experiments.schema import ConfigError, ExperimentConfig
+from servetwin.experiments.workloads import build_requests, workload_summary
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
 
@@ -55,7 +55,7 @@ def _progress_bar(enabled: bool, total: int, desc: str):
 
 
 def create_engine(exp: ExperimentConfig, backend: str):
-    from core.engine_factory import create_engine_core  # noqa: PLC0415
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
 
     args = exp.engine_args(backend)
     try:
@@ -64,7 +64,7 @@ def create_engine(exp: ExperimentConfig, backend: str):
         msg = str(e)
         raise ConfigError(f"{msg if msg.startswith('model') else f'model: {msg}'} [{backend} backend]") from None
     except ValueError as e:
-        from experiments.schema import ENGINE_FIELDS  # noqa: PLC0415
+        from servetwin.experiments.schema import ENGINE_FIELDS  # noqa: PLC0415
 
         msg = str(e)
         head = msg.split(":", 1)[0]
@@ -76,7 +76,7 @@ def create_engine(exp: ExperimentConfig, backend: str):
 
 
 def _run_sim(exp: ExperimentConfig, engine, info, requests, arrival, rng, bar) -> BackendRun:
-    from sim.engine import Simulation  # noqa: PLC0415
+    from servetwin.sim.engine import Simulation  # noqa: PLC0415
 
     class _ProgressSimulation(Simulation):
         def _complete(self, result, t):  # count completed workload requests for the progress bar
@@ -105,9 +105,9 @@ def _run_sim(exp: ExperimentConfig, engine, info, requests, arrival, rng, bar) -
 
 
 def _run_torch(exp: ExperimentConfig, engine, info, requests, arrival, bar) -> BackendRun:
-    from core.realtime import run_realtime  # noqa: PLC0415
-    from core.trace import TraceRecorder  # noqa: PLC0415
-    from sim.arrivals import Offline  # noqa: PLC0415
+    from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
+    from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
+    from servetwin.sim.arrivals import Offline  # noqa: PLC0415
 
     recorder = TraceRecorder(exp.name, "torch", record_step_requests=exp.output["step_requests"])
     rejected: dict[str, str] = {}
@@ -277,7 +277,7 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
                 "workload": wsum, "backends": summaries}
     write_json(os.path.join(out_dir, "summary.json"), combined)
-    from experiments.report import write_report  # noqa: PLC0415
+    from servetwin.experiments.report import write_report  # noqa: PLC0415
 
     write_report(exp, out_dir, combined, frames, {b: r.recorder.itls() for b, r in runs.items()},
                  plots=exp.output["plots"])

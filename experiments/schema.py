@@ -6,7 +6,7 @@
     model: tiny-llama                 # sim: a model preset / HF config dir; torch: a model the loader knows
     hardware: cpu                     # sim: a hardware preset, a hardware YAML path, or an inline mapping
     backends: [sim, torch]            # any non-empty subset of sim, torch
-    engine:                           # vLLM engine-argument names (core.engine_args.EngineArgs)
+    engine:                           # vLLM engine-argument names (servetwin.core.engine.engine_args.EngineArgs)
       max_num_seqs: 128
       max_num_batched_tokens: 8192
       enable_chunked_prefill: true
@@ -14,18 +14,18 @@
     workload:
       requests: 100                   # number of requests (the count of a file/scenario to use)
       arrival: {type: poisson, rate: 4.0}        # offline | poisson | gamma | closed_loop | trace
-      prompt_tokens: {type: uniform, low: 16, high: 96}   # an integer or a sim.lengths distribution
+      prompt_tokens: {type: uniform, low: 16, high: 96}   # an integer or a servetwin.sim.lengths distribution
       output_tokens: 32
       shared_prefix: {groups: 8, per_group: 4, prefix_tokens: 512, suffix_tokens: 16, order: grouped}
       n: 1                            # parallel sampling
       file: trace.csv                 # request trace (arrival_s, prompt_tokens, output_tokens, ...)
       scenario: scenario.json         # a replay scenario's requests (exact token ids)
-      seed / vocab_size / max_prompt_tokens / max_output_tokens / priority / finish   (sim.workload)
+      seed / vocab_size / max_prompt_tokens / max_output_tokens / priority / finish   (servetwin.sim.workload)
     output: {step_requests: true, plots: true}
     sweep:                            # a grid: every combination of the lists is one run
       engine.enable_prefix_caching: [true, false]
 
-Workload fields are `sim.workload`'s (parsed by `sim.workload` / `sim.arrivals` / `sim.lengths`, whose
+Workload fields are `servetwin.sim.workload`'s (parsed by `servetwin.sim.workload` / `servetwin.sim.arrivals` / `servetwin.sim.lengths`, whose
 errors name the field path), plus `scenario`, which this layer builds from a replay scenario file.
 """
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _check_keys(cfg: Mapping, allowed: Mapping | set | tuple, path: str,
 # -- the schema ---------------------------------------------------------------------------------
 BACKENDS = ("sim", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float")
-ATTENTION_BACKENDS = ("auto", "torch-paged", "flash-attn")  # gpu.attention.selector
+ATTENTION_BACKENDS = ("auto", "torch-paged", "flash-attn")  # servetwin.gpu.attention.selector
 
 ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "max_num_seqs": _int(1),
@@ -176,14 +176,14 @@ TOP_KEYS = ("name", "description", "seed", "model", "hardware", "backends", "eng
             "sweep")
 OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "plots": _bool}
 
-# sim.workload's fields (same names), plus `scenario` (a replay scenario's requests, built here)
+# servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests, built here)
 WORKLOAD_KEYS = ("requests", "arrival", "prompt_tokens", "output_tokens", "shared_prefix", "n", "file", "seed",
                  "vocab_size", "max_prompt_tokens", "max_output_tokens", "priority", "finish", "scenario")
 WORKLOAD_HINTS = {"num_requests": "requests", "prompt_len": "prompt_tokens", "output_len": "output_tokens",
                   "prefix": "shared_prefix", "trace": "file", "prefix_len": "shared_prefix"}
 SHARED_PREFIX_KEYS = ("groups", "per_group", "prefix_tokens", "suffix_tokens", "order")
 
-# sim.workload's wording -> this schema's (order matters)
+# servetwin.sim.workload's wording -> this schema's (order matters)
 _MESSAGE_RENAMES = [
     ("with prefix groups", "with workload.shared_prefix"),
 ]
@@ -212,12 +212,12 @@ class ExperimentConfig:
 
     # -- derived ------------------------------------------------------------------------------
     def engine_args(self, backend: str):
-        """`core.engine_args.EngineArgs` for one backend (the sim's carry the hardware)."""
-        from core.engine_args import EngineArgs  # noqa: PLC0415
+        """`servetwin.core.engine.engine_args.EngineArgs` for one backend (the sim's carry the hardware)."""
+        from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
 
         hw = self.hardware
         if isinstance(hw, Mapping):
-            from sim.hardware import hardware_from_dict  # noqa: PLC0415
+            from servetwin.sim.hardware import hardware_from_dict  # noqa: PLC0415
             hw = hardware_from_dict(hw, "hardware")
         kwargs = dict(self.engine)
         kwargs.update(model=self.model, backend=backend, seed=self.seed)
@@ -229,7 +229,7 @@ class ExperimentConfig:
             raise ConfigError(f"engine.{e}") from None
 
     def sim_workload(self) -> dict[str, Any]:
-        """The workload in `sim.workload`'s names (without `scenario`); seed defaults to the top-level one."""
+        """The workload in `servetwin.sim.workload`'s names (without `scenario`); seed defaults to the top-level one."""
         return to_sim_workload(self.workload, self.seed)
 
     def to_dict(self) -> dict[str, Any]:
@@ -237,7 +237,7 @@ class ExperimentConfig:
 
 
 def to_sim_workload(w: Mapping[str, Any], default_seed: Optional[int]) -> dict[str, Any]:
-    """The workload for `sim.workload` (same field names), without `scenario` (built here) and without
+    """The workload for `servetwin.sim.workload` (same field names), without `scenario` (built here) and without
     an `arrival` given next to `file` (the file gives lengths, the arrival process replaces the times
     when the requests are built); the seed defaults to the experiment's."""
     out: dict[str, Any] = {} if default_seed is None else {"seed": default_seed}
@@ -279,7 +279,7 @@ def _validate_workload(w: Any, base_dir: Path, backends: list[str]) -> dict[str,
     if isinstance(w.get("arrival"), Mapping) and w["arrival"].get("type") == "trace" and "path" in w["arrival"]:
         w["arrival"] = dict(w["arrival"])
         w["arrival"]["path"] = _resolve_path(w["arrival"]["path"], "workload.arrival.path", base_dir)
-    from sim.arrivals import ClosedLoop, parse_arrival  # noqa: PLC0415  (no torch: cheap)
+    from servetwin.sim.arrivals import ClosedLoop, parse_arrival  # noqa: PLC0415  (no torch: cheap)
 
     arrival = None
     if w.get("arrival") is not None:
@@ -291,7 +291,7 @@ def _validate_workload(w: Any, base_dir: Path, backends: list[str]) -> dict[str,
         raise ConfigError("workload.arrival.type: 'closed_loop' is only supported by the sim backend "
                           "(the torch backend replays open-loop arrival times)")
     if "scenario" in w:
-        from core.scenario import load_scenario  # noqa: PLC0415
+        from servetwin.core.testbed.scenario import load_scenario  # noqa: PLC0415
 
         for key in ("n", "priority", "finish", "max_prompt_tokens", "max_output_tokens", "vocab_size"):
             if key in w:
@@ -312,7 +312,7 @@ def _validate_workload(w: Any, base_dir: Path, backends: list[str]) -> dict[str,
                     f"workload.scenario: request {late[0]!r} arrives at a later step; step-indexed arrivals "
                     "have no time here: set workload.arrival (e.g. {type: offline}) or use `servetwin replay`")
         return w
-    from sim.workload import WorkloadSpec  # noqa: PLC0415
+    from servetwin.sim.workload import WorkloadSpec  # noqa: PLC0415
 
     sim_dict = to_sim_workload(w, None)
     try:
@@ -359,8 +359,8 @@ def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "e
     else:
         raise ConfigError(f"hardware: must be a preset name, a YAML path or a mapping, got {_fmt(hardware)}")
     if "sim" in backends:
-        from sim.hardware import hardware_from_dict, load_hardware  # noqa: PLC0415
-        from sim.model_spec import load_model_spec  # noqa: PLC0415
+        from servetwin.sim.hardware import hardware_from_dict, load_hardware  # noqa: PLC0415
+        from servetwin.sim.model_spec import load_model_spec  # noqa: PLC0415
 
         try:
             hardware_from_dict(hardware, "hardware") if isinstance(hardware, dict) else load_hardware(hardware)
@@ -401,7 +401,7 @@ def _check_engine_semantics(exp: ExperimentConfig) -> None:
         args = exp.engine_args(backend)
         if backend != "sim":
             continue
-        from sim.kv_pool import build_sim_executor  # noqa: PLC0415
+        from servetwin.sim.kv_pool import build_sim_executor  # noqa: PLC0415
 
         try:
             info = build_sim_executor(args)

@@ -1,4 +1,4 @@
-"""`servetwin serve`: the OpenAI-compatible server (`core.entrypoints.openai_server`).
+"""`servetwin serve`: the OpenAI-compatible server (`servetwin.core.entrypoints.openai.api_server`).
 
     servetwin serve --model tiny-llama --backend torch --port 8000
     servetwin serve --model llama-3.1-8b --backend sim --hardware h100-sxm --time-scale 0.1
@@ -27,7 +27,7 @@ def _arg_type(field: Any) -> Any:
 
 
 def register(subparsers: Any) -> None:
-    from core.engine_args import EngineArgs  # noqa: PLC0415
+    from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,7 +59,7 @@ def register(subparsers: Any) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
-    from core.engine_args import EngineArgs  # noqa: PLC0415
+    from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
 
     kwargs = {k[len("engine_"):]: v for k, v in vars(ns).items() if k.startswith("engine_") and v is not None}
     if ns.backend in ("fake", "sim") and "tokenizer" not in kwargs and not kwargs.get("skip_tokenizer_init"):
@@ -85,7 +85,7 @@ def check_listen(host: str, port: int) -> None:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from core.entrypoints.openai_server import run_server  # noqa: PLC0415
+    from servetwin.core.entrypoints.openai.api_server import run_server  # noqa: PLC0415
 
     if not ns.time_scale > 0:
         raise ValueError(f"time_scale: must be > 0, got {ns.time_scale}")

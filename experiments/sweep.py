@@ -16,7 +16,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any, Callable, Optional
 
-from experiments.schema import ExperimentConfig, SweepPoint, expand_sweep, validate_config
+from servetwin.experiments.schema import ExperimentConfig, SweepPoint, expand_sweep, validate_config
 
 METRICS = [
     ("requests", ("requests",)), ("completed", ("completed",)), ("num_steps", ("num_steps",)),
@@ -54,7 +54,7 @@ def _sigint_once(signum, frame) -> None:
 def run_point(raw: dict[str, Any], base_dir: str, out_dir: str, in_worker: bool = False) -> dict[str, Any]:
     """Run one sweep point; never raises (except KeyboardInterrupt in-process): returns status + summary."""
     global _interrupted_once
-    from experiments.runner import run_experiment  # noqa: PLC0415
+    from servetwin.experiments.runner import run_experiment  # noqa: PLC0415
 
     if in_worker:
         if _stop_event is not None and _stop_event.is_set():
@@ -218,7 +218,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     df.to_csv(os.path.join(out_dir, "sweep.csv"), index=False)
     plot = None
     if exp.output.get("plots", True):
-        from experiments.plots import sweep_comparison  # noqa: PLC0415
+        from servetwin.experiments.plots import sweep_comparison  # noqa: PLC0415
         plot = sweep_comparison(df, os.path.join(out_dir, "sweep_comparison.png"))
     write_sweep_md(exp, df, out_dir, plot, interrupted)
     if interrupted:
@@ -227,7 +227,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
 
 
 def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str], interrupted: bool) -> str:
-    from experiments.report import md_table  # noqa: PLC0415
+    from servetwin.experiments.report import md_table  # noqa: PLC0415
 
     keys = list(exp.sweep)
     lines = [f"# Sweep {exp.name}", ""]

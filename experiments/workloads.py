@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from experiments.schema import ConfigError, ExperimentConfig, _rename_message
+from servetwin.experiments.schema import ConfigError, ExperimentConfig, _rename_message
 
 
 def _retime(requests: list, arrival: Any, rng: np.random.Generator) -> None:
@@ -21,9 +21,9 @@ def _retime(requests: list, arrival: Any, rng: np.random.Generator) -> None:
 def build_requests(exp: ExperimentConfig, vocab_size: Optional[int] = None):
     """(requests, arrival process, runtime rng). `vocab_size`: the smallest vocabulary of the backends'
     models; prompts are drawn below it (a workload `vocab_size` must not exceed it)."""
-    from core.scenario import load_scenario  # noqa: PLC0415
-    from sim.arrivals import Offline, parse_arrival  # noqa: PLC0415
-    from sim.workload import WorkloadRequest, WorkloadSpec, generate_requests, rng_streams  # noqa: PLC0415
+    from servetwin.core.testbed.scenario import load_scenario  # noqa: PLC0415
+    from servetwin.sim.arrivals import Offline, parse_arrival  # noqa: PLC0415
+    from servetwin.sim.workload import WorkloadRequest, WorkloadSpec, generate_requests, rng_streams  # noqa: PLC0415
 
     w = exp.workload
     seed = int(w.get("seed", exp.seed))

@@ -10,7 +10,7 @@
 2. `small_m_linear` - `x @ w.T (+ b)` for a handful of rows (a decode batch). A decode step streams
    every weight once; MKL's sgemm reaches well under half of the memory bandwidth at M ~ 16, this
    kernel streams the weights 4 rows at a time against 4 input rows held in L1 and prefetches ahead
-   (x1.4-1.9 at 4-16 rows; `gpu.models.layers.linear` uses it up to `SMALL_M_MAX` rows).
+   (x1.4-1.9 at 4-16 rows; `servetwin.gpu.models.layers.linear` uses it up to `SMALL_M_MAX` rows).
 3. `argmax_rows` - greedy sampling's `argmax(-1)` (first maximum; a NaN counts as the maximum, as in
    torch), single-threaded: torch's parallel argmax over a `[16, 49152]` batch costs 1-8 ms here.
 

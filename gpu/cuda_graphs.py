@@ -18,10 +18,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from gpu.attention.backend import AttentionBackend
-from gpu.attention.metadata import CommonAttentionMetadata, copy_tensors_into
-from gpu.input_batch import InputBatch
-from gpu.kv_cache import KVCaches
+from servetwin.gpu.attention.backend import AttentionBackend
+from servetwin.gpu.attention.metadata import CommonAttentionMetadata, copy_tensors_into
+from servetwin.gpu.input_batch import InputBatch
+from servetwin.gpu.kv_cache import KVCaches
 
 logger = logging.getLogger(__name__)
 

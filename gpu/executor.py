@@ -1,4 +1,4 @@
-"""`TorchExecutor`: the real backend behind `core.executor.Executor`.
+"""`TorchExecutor`: the real backend behind `servetwin.core.engine.executor.Executor`.
 
 One `execute_model(scheduler_output)` = RunnerState update -> flattened inputs (prefill chunks and
 decodes together) -> one forward over the paged KV cache -> logits at each request's last scheduled
@@ -13,17 +13,18 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from core.kv_sizing import KVCacheSpec, check_or_fit_max_model_len
-from core.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput, StepTiming
-from core.runner_state import RunnerState, ScheduledRow
-from gpu.attention import CommonAttentionMetadata, select_attention_backend
-from gpu.cuda_graphs import CudaGraphRunner, default_capture_sizes
-from gpu.input_batch import InputBatch, build_block_table, prepare_inputs, to_device
-from gpu.kv_cache import allocate_kv_caches, cpu_num_blocks, cuda_num_blocks
-from gpu.loader import load_model
-from gpu.models.registry import ModelInfo, load_tokenizer, resolve_model
-from gpu.step_profiling import StepProfiler, StepTimer, step_annotation
-from gpu.step_sampler import StepSampler
+from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len
+from servetwin.core.outputs import Logprobs, ModelRunnerOutput, StepTiming
+from servetwin.core.sched.output import SchedulerOutput
+from servetwin.core.engine.runner_state import RunnerState, ScheduledRow
+from servetwin.gpu.attention import CommonAttentionMetadata, select_attention_backend
+from servetwin.gpu.cuda_graphs import CudaGraphRunner, default_capture_sizes
+from servetwin.gpu.input_batch import InputBatch, build_block_table, prepare_inputs, to_device
+from servetwin.gpu.kv_cache import allocate_kv_caches, cpu_num_blocks, cuda_num_blocks
+from servetwin.gpu.loader import load_model
+from servetwin.gpu.models.registry import ModelInfo, load_tokenizer, resolve_model
+from servetwin.gpu.step_profiling import StepProfiler, StepTimer, step_annotation
+from servetwin.gpu.step_sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from core.runner_state import ScheduledRow
+from servetwin.core.engine.runner_state import ScheduledRow
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 The pool holds `num_gpu_blocks` blocks for the scheduler plus one extra *pad block* (index
 `num_gpu_blocks`) that padded tokens (CUDA-graph padding) write to and padded block-table entries
-point at. Sizing (`core.kv_sizing`): on CUDA by profiling (`profile_available_kv_bytes`), on CPU
+point at. Sizing (`servetwin.core.kv_cache.kv_sizing`): on CUDA by profiling (`profile_available_kv_bytes`), on CPU
 from an explicit budget (`kv_cache_memory_bytes`, default `DEFAULT_CPU_KV_BYTES`) or
 `num_gpu_blocks`.
 """
@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from core.kv_sizing import KVCacheSpec, num_blocks_for_memory
+from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, num_blocks_for_memory
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from gpu.models.decoder import DecoderLM
-from gpu.models.registry import ModelInfo, resolve_model
+from servetwin.gpu.models.decoder import DecoderLM
+from servetwin.gpu.models.registry import ModelInfo, resolve_model
 
 logger = logging.getLogger(__name__)
 

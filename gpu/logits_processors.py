@@ -32,7 +32,7 @@ from typing import Optional, TypeVar
 
 import torch
 
-from core.sampling_params import SamplingParams
+from servetwin.core.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

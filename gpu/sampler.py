@@ -29,11 +29,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from core.outputs import Logprobs
-from gpu.cpu_kernels import greedy_argmax
-from gpu.logits_processors import (AdapterLogitsProcessor, LogitBiasLogitsProcessor, LogitsProcessor,
-                                   MinTokensLogitsProcessor)
-from gpu.sampling_metadata import _SAMPLING_EPS, SamplingMetadata, resolve_num_logprobs
+from servetwin.core.outputs import Logprobs
+from servetwin.gpu.cpu_kernels import greedy_argmax
+from servetwin.gpu.logits_processors import (AdapterLogitsProcessor, LogitBiasLogitsProcessor, LogitsProcessor, MinTokensLogitsProcessor)
+from servetwin.gpu.sampling_metadata import _SAMPLING_EPS, SamplingMetadata, resolve_num_logprobs
 
 
 @dataclass
@@ -265,7 +264,7 @@ def _merge_logprobs(raw: Optional[torch.Tensor], processed: Optional[torch.Tenso
     return torch.where(processed_rows.unsqueeze(1), processed, raw)
 
 
-# -- to core.outputs.Logprobs -----------------------------------------------------------------------
+# -- to servetwin.core.outputs.Logprobs -----------------------------------------------------------------------
 
 def _row_to_logprobs(ids: list[int], lps: list[float], rank: int, n: int) -> Logprobs:
     """Sampled token first, then the top-n without repeating it (vLLM's dict, as lists)."""

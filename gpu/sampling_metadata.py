@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from core.sampling_params import SamplingParams, SamplingType
-from gpu.logits_processors import BatchUpdate, LogitsProcessors, build_logitsprocs
+from servetwin.core.sampling_params import SamplingParams, SamplingType
+from servetwin.gpu.logits_processors import BatchUpdate, LogitsProcessors, build_logitsprocs
 
 _SAMPLING_EPS = 1e-5
 

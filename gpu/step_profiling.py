@@ -10,8 +10,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from core.outputs import StepTiming
-from core.runner_state import ScheduledRow
+from servetwin.core.outputs import StepTiming
+from servetwin.core.engine.runner_state import ScheduledRow
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Glue between the executor's rows and the sampler (`gpu/sampler.py`): sampling metadata,
-per-request seeded generators, logprobs and prompt logprobs as `core.outputs.Logprobs`.
+per-request seeded generators, logprobs and prompt logprobs as `servetwin.core.outputs.Logprobs`.
 
 A step whose sampling rows are all plain greedy (`is_plain_greedy`: no logprobs, penalties, logit
 bias, per-request processors or pending min_tokens) skips the metadata and the sampler: its tokens
@@ -15,20 +15,20 @@ from typing import Optional, Sequence
 
 import torch
 
-from core.outputs import Logprobs
-from core.runner_state import ScheduledRow
-from core.sampling_params import SamplingParams, SamplingType
-from gpu.cpu_kernels import greedy_argmax
+from servetwin.core.outputs import Logprobs
+from servetwin.core.engine.runner_state import ScheduledRow
+from servetwin.core.sampling_params import SamplingParams, SamplingType
+from servetwin.gpu.cpu_kernels import greedy_argmax
 
 logger = logging.getLogger(__name__)
 
 try:
-    from gpu.logits_processors import _logit_bias_of
-    from gpu.sampler import Sampler, compute_prompt_logprobs, to_logprobs_list
-    from gpu.sampling_metadata import SamplingMetadata, make_generator
+    from servetwin.gpu.logits_processors import _logit_bias_of
+    from servetwin.gpu.sampler import Sampler, compute_prompt_logprobs, to_logprobs_list
+    from servetwin.gpu.sampling_metadata import SamplingMetadata, make_generator
     HAVE_SAMPLER = True
 except ModuleNotFoundError as e:  # only a missing module; a broken sampler must fail loudly
-    if e.name not in ("gpu.sampler", "gpu.sampling_metadata", "gpu.logits_processors"):
+    if e.name not in ("servetwin.gpu.sampler", "servetwin.gpu.sampling_metadata", "servetwin.gpu.logits_processors"):
         raise
     HAVE_SAMPLER = False
 
@@ -63,7 +63,7 @@ class StepSampler:
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler() if HAVE_SAMPLER else None
         if not HAVE_SAMPLER:
-            logger.warning("gpu.sampler not found: using the fallback greedy/temperature sampler")
+            logger.warning("servetwin.gpu.sampler not found: using the fallback greedy/temperature sampler")
 
     def forget(self, req_ids: Sequence[str]) -> None:
         for rid in req_ids:

@@ -25,12 +25,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
-from core.config import CacheConfig, SchedulerConfig  # noqa: E402
-from core.engine_core import EngineCore  # noqa: E402
-from core.request import Request  # noqa: E402
-from core.sampling_params import SamplingParams  # noqa: E402
-from gpu.attention.flash_attn import import_flash_attn  # noqa: E402
-from gpu.executor import TorchExecutor  # noqa: E402
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig  # noqa: E402
+from servetwin.core.engine.engine_core import EngineCore  # noqa: E402
+from servetwin.core.request import Request  # noqa: E402
+from servetwin.core.sampling_params import SamplingParams  # noqa: E402
+from servetwin.gpu.attention.flash_attn import import_flash_attn  # noqa: E402
+from servetwin.gpu.executor import TorchExecutor  # noqa: E402
 
 DEV = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 SMALL = os.environ.get("GPU_CHECK_SMALL") == "1"

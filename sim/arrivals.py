@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import simpy
 
-from sim.trace_file import TraceRecord, load_trace
-from sim.validate import check_keys, check_mapping, int_at_least, non_negative, one_of, positive
+from servetwin.sim.trace_file import TraceRecord, load_trace
+from servetwin.sim.validate import check_keys, check_mapping, int_at_least, non_negative, one_of, positive
 
 if TYPE_CHECKING:
-    from sim.workload import WorkloadRequest
+    from servetwin.sim.workload import WorkloadRequest
 
 Submit = Callable[["WorkloadRequest"], simpy.Event]
 

@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from sim.coefficients import BASIS_TERMS, CostCoefficients
-from sim.hardware import HardwareSpec
+from servetwin.sim.coefficients import BASIS_TERMS, CostCoefficients
+from servetwin.sim.hardware import HardwareSpec
 
 
 def nnls(A: np.ndarray, b: np.ndarray, max_iter: Optional[int] = None,

@@ -1,7 +1,7 @@
 """`CostCoefficients`: the non-negative weights of the cost model's basis terms (data, not code).
 
 The predicted step time is `sum(c_k * basis_k for k in BASIS_TERMS)`; `basis_k` is computed by
-`sim.cost_model.CostModel.basis` and the coefficient of term `k` is the field `c_<k>`.
+`servetwin.sim.cost_model.CostModel.basis` and the coefficient of term `k` is the field `c_<k>`.
 
 | term           | basis value (per step)                             | coefficient unit           |
 |----------------|----------------------------------------------------|----------------------------|
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
-from sim.validate import check_keys, check_mapping, non_negative
+from servetwin.sim.validate import check_keys, check_mapping, non_negative
 
 BASIS_TERMS: tuple[str, ...] = ("step", "req", "token", "layer", "linear", "attn_prefill",
                                 "attn_decode", "attn_shared", "lm_head", "comm", "ipc_step", "ipc_req")

@@ -35,7 +35,7 @@ from the prefill rows' cached prefixes (S_pre <= sum s). With c_attn_shared = c_
 memory-bound step) this equals pricing every read alike.
 
 With every roofline multiplier c = 1 this is the ideal datasheet roofline plus fixed overheads;
-`sim.calibration.fit_coefficients` fits the c_k by non-negative least squares from measured steps.
+`servetwin.sim.calibration.fit_coefficients` fits the c_k by non-negative least squares from measured steps.
 Sums over rows (never means) keep skewed batches right.
 
 Monotonicity: more requests, longer cached contexts and longer chunks never lower the prediction
@@ -53,10 +53,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from core.outputs import SchedulerOutput, StepTiming
-from sim.coefficients import BASIS_TERMS, CostCoefficients
-from sim.hardware import HardwareSpec, load_hardware
-from sim.model_spec import ModelSpec, load_model_spec
+from servetwin.core.sched.output import SchedulerOutput
+from servetwin.core.outputs import StepTiming
+from servetwin.sim.coefficients import BASIS_TERMS, CostCoefficients
+from servetwin.sim.hardware import HardwareSpec, load_hardware
+from servetwin.sim.model_spec import ModelSpec, load_model_spec
 
 LOGITS_BYTES = 4  # logits are materialised in fp32 for sampling
 
@@ -95,7 +96,7 @@ class StepSummary:
 
     @classmethod
     def from_rows(cls, rows: Iterable[Any]) -> "StepSummary":
-        """Rows are `RowShape`s, `(q, s, samples)` tuples or `core.runner_state.ScheduledRow`s."""
+        """Rows are `RowShape`s, `(q, s, samples)` tuples or `servetwin.core.engine.runner_state.ScheduledRow`s."""
         qs: list[int] = []
         ss: list[int] = []
         num_sampling = 0
@@ -138,7 +139,7 @@ def _row_values(row: Any) -> tuple[int, int, bool]:
         return int(row[0]), int(row[1]), bool(row[2]) if len(row) > 2 else True
     if isinstance(row, RowShape):
         return row.q, row.s, row.samples
-    if hasattr(row, "num_scheduled"):  # core.runner_state.ScheduledRow
+    if hasattr(row, "num_scheduled"):  # servetwin.core.engine.runner_state.ScheduledRow
         return row.num_scheduled, row.num_computed_before, row.samples
     q, s, *rest = row
     return int(q), int(s), bool(rest[0]) if rest else True

@@ -1,6 +1,6 @@
 """The simulation loop: SimPy processes for arrivals and for the engine, in simulated time only.
 
-The engine process drives the shared `core.engine_core.EngineCore` (its scheduler does async
+The engine process drives the shared `servetwin.core.engine.engine_core.EngineCore` (its scheduler does async
 scheduling itself when configured) with a `SimExecutor`: each engine step that runs a batch takes
 the batch's predicted duration (`ModelRunnerOutput.timing.duration_s`); nothing reads the host
 clock. Batches run back to back: the next step starts when the previous one ends, or when the next
@@ -17,7 +17,7 @@ Order of events at one simulated time t (defined here, not left to event creatio
 Step 3 waits on an event of priority `STEP_START_PRIORITY`, after SimPy's URGENT (0) and NORMAL (1)
 events at the same time, so everything of steps 1-2 (including events they cause at t) goes first.
 
-Time stamps follow `core.trace`: a token's time is the end of the step that computed it; a request
+Time stamps follow `servetwin.core.testbed.trace`: a token's time is the end of the step that computed it; a request
 completes at the end of the step that produced its last token.
 """
 from __future__ import annotations
@@ -29,15 +29,15 @@ from typing import Any, Optional
 import numpy as np
 import simpy
 
-from core.engine_core import EngineCore, StepResult
-from core.parallel_sampling import fan_out
-from core.request import Request
-from core.sampling_params import SamplingParams
-from core.scheduler import UnservableRequestError
-from core.trace import TraceRecorder
-from sim.arrivals import ArrivalProcess
-from sim.fast_forward import fast_forward
-from sim.workload import WorkloadRequest, build_workload, rng_streams
+from servetwin.core.engine.engine_core import EngineCore, StepResult
+from servetwin.core.engine.parallel_sampling import fan_out
+from servetwin.core.request import Request
+from servetwin.core.sampling_params import SamplingParams
+from servetwin.core.sched.scheduler import UnservableRequestError
+from servetwin.core.testbed.trace import TraceRecorder
+from servetwin.sim.arrivals import ArrivalProcess
+from servetwin.sim.fast_forward import fast_forward
+from servetwin.sim.workload import WorkloadRequest, build_workload, rng_streams
 
 STEP_START_PRIORITY = 2  # after simpy.events.URGENT (0) and NORMAL (1)
 DEFAULT_EOS_TOKEN_ID = 0  # fake tokens are >= 10, so 0 appears only where forced
@@ -241,9 +241,9 @@ def simulate(engine: EngineCore, requests: Sequence[WorkloadRequest], arrival: A
 
 def simulate_workload(engine_args: Any, workload: Mapping[str, Any], run: str = "sim",
                       **kwargs: Any) -> SimResult:
-    """Build the engine from `core.engine_args.EngineArgs` (backend "sim") and run a workload config."""
-    from core.engine_args import EngineArgs  # noqa: PLC0415
-    from core.engine_factory import create_engine_core  # noqa: PLC0415
+    """Build the engine from `servetwin.core.engine.engine_args.EngineArgs` (backend "sim") and run a workload config."""
+    from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
 
     args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs.from_kwargs(**engine_args)
     if args.backend != "sim":

@@ -6,7 +6,7 @@ Token rules (`token_rule`):
   the prompt when greedy, prompt and seed when seeded, else the request id) - so the tokens of steps
   the scheduler runs implicitly (`core/lazy_decode.py`) can be produced late, batch composition never
   changes them, and equal greedy prompts give equal outputs as with a real model;
-- "oracle": `core.executor.FakeExecutor`'s rule (row r of step k samples `(7k + r) % 1000 + 10`), the
+- "oracle": `servetwin.core.engine.executor.FakeExecutor`'s rule (row r of step k samples `(7k + r) % 1000 + 10`), the
   tokens of the recorded vLLM oracle (no implicit decodes with this rule).
 A request never samples EOS (a fake token that happens to equal `eos_token_id` is moved to the next
 id) unless its forced output length is reached: with `output_lengths[request_id] = n`, the n-th
@@ -23,18 +23,19 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from core.outputs import ModelRunnerOutput, SchedulerOutput, StepTiming
-from sim.cost_model import CostModel, StepSummary
-from sim.hardware import HardwareSpec
-from sim.model_spec import ModelSpec
+from servetwin.core.outputs import ModelRunnerOutput, StepTiming
+from servetwin.core.sched.output import SchedulerOutput
+from servetwin.sim.cost_model import CostModel, StepSummary
+from servetwin.sim.hardware import HardwareSpec
+from servetwin.sim.model_spec import ModelSpec
 
 
 TOKEN_RULES = ("request", "oracle")
-GREEDY_TEMPERATURE = 1e-5  # core.sampling_params: below this, sampling is greedy
+GREEDY_TEMPERATURE = 1e-5  # servetwin.core.sampling_params: below this, sampling is greedy
 
 
 def fake_token(step: int, row: int) -> int:
-    """The oracle's deterministic token rule (same as `core.executor.FakeExecutor`)."""
+    """The oracle's deterministic token rule (same as `servetwin.core.engine.executor.FakeExecutor`)."""
     return (step * 7 + row) % 1000 + 10
 
 
@@ -169,7 +170,7 @@ class SimExecutor:
                 k = min(k, forced - outputs - 1)  # the forced EOS is output number `forced`
         return max(k, 0)
 
-    # -- implicit steady decodes (core.lazy_decode.LazyTokenSource) ---------------------------------
+    # -- implicit steady decodes (servetwin.core.sched.lazy_decode.LazyTokenSource) ---------------------------------
     def lazy_eligible(self, request) -> bool:
         """Whether `request` may run implicitly: its tokens depend on it alone and it can only stop
         by length (no forced EOS, no stop token ids, no EOS id its tokens could hit)."""

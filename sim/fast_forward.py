@@ -10,8 +10,8 @@ identical to running the k steps one by one (tests/sim/test_sim_fast_forward.py 
 """
 from __future__ import annotations
 
-from core.engine_core import EngineCore
-from core.trace import TraceRecorder
+from servetwin.core.engine.engine_core import EngineCore
+from servetwin.core.testbed.trace import TraceRecorder
 
 MAX_WINDOW = 4096
 

@@ -16,10 +16,10 @@ from typing import Any, Mapping
 
 import yaml
 
-from core.kv_sizing import dtype_bytes
-from sim.coefficients import CostCoefficients
-from sim.hardware_presets import HARDWARE_PRESETS
-from sim.validate import check_keys, check_mapping, non_negative, one_of, positive
+from servetwin.core.kv_cache.kv_sizing import dtype_bytes
+from servetwin.sim.coefficients import CostCoefficients
+from servetwin.sim.hardware_presets import HARDWARE_PRESETS
+from servetwin.sim.validate import check_keys, check_mapping, non_negative, one_of, positive
 
 
 @dataclass(slots=True)

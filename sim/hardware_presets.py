@@ -3,7 +3,7 @@
 Peaks, bandwidths and memory sizes are vendor datasheet figures (dense, no sparsity; per device;
 interconnect bandwidth is per direction). The cost-model coefficients here are NOT calibrated:
 the roofline multipliers are 1 (ideal datasheet roofline) and the fixed overheads are rough
-placeholders. `sim.calibration` fits real coefficients from measured steps; save those as a YAML
+placeholders. `servetwin.sim.calibration` fits real coefficients from measured steps; save those as a YAML
 file (`base: <preset>` plus `coefficients` and `provenance`) and load it by path.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 On a CUDA device vLLM profiles one dummy forward of `max_num_batched_tokens` and keeps
 `gpu_memory_utilization x memory - (weights + activation peak + non-torch memory)` for the KV cache,
-then `num_blocks = available // bytes_per_block` (`core.kv_sizing`). The simulator estimates the same
+then `num_blocks = available // bytes_per_block` (`servetwin.core.kv_cache.kv_sizing`). The simulator estimates the same
 terms from the model spec; an explicit `num_gpu_blocks` (e.g. the engine's logged count) or
 `kv_cache_memory_bytes` bypasses the estimate. Matching the engine's block count matters more for
 accuracy than anything else in the pool (simulator_notes.md), so the summary reports it.
@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from core.kv_sizing import KVCacheSpec, check_or_fit_max_model_len, num_blocks_for_memory
-from sim.hardware import HardwareSpec, load_hardware
-from sim.model_spec import ModelSpec, load_model_spec
+from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len, num_blocks_for_memory
+from servetwin.sim.hardware import HardwareSpec, load_hardware
+from servetwin.sim.model_spec import ModelSpec, load_model_spec
 
 NON_TORCH_BYTES_CUDA = 512 * 2**20  # CUDA context, cuBLAS workspace, NCCL buffers (typical)
 
@@ -73,9 +73,9 @@ def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_m
 
 
 def build_sim_executor(args: Any):
-    """`core.engine_factory` hook for `backend="sim"` (args: `core.engine_args.EngineArgs`)."""
-    from core.engine_factory import ExecutorInfo  # noqa: PLC0415
-    from sim.executor import SimExecutor  # noqa: PLC0415
+    """`servetwin.core.engine.engine_factory` hook for `backend="sim"` (args: `servetwin.core.engine.engine_args.EngineArgs`)."""
+    from servetwin.core.engine.engine_factory import ExecutorInfo  # noqa: PLC0415
+    from servetwin.sim.executor import SimExecutor  # noqa: PLC0415
 
     model = load_model_spec(args.model, dtype=None if args.dtype in (None, "auto") else args.dtype)
     hw = load_hardware(args.hardware or "h100-sxm")

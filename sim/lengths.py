@@ -21,8 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from sim.validate import (as_float, as_int, check_keys, check_mapping, int_at_least, non_negative,
-                          positive)
+from servetwin.sim.validate import (as_float, as_int, check_keys, check_mapping, int_at_least, non_negative, positive)
 
 
 @runtime_checkable

@@ -1,9 +1,9 @@
-"""Simulator model presets: published architectures as `core.model_spec.ModelSpec`s."""
+"""Simulator model presets: published architectures as `servetwin.core.model_spec.ModelSpec`s."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from core.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec
+from servetwin.core.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 __all__ = ["ModelSpec", "SUPPORTED_MODEL_TYPES", "PRESETS", "ALIASES", "load_model_spec"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from sim.validate import int_at_least, non_negative
+from servetwin.sim.validate import int_at_least, non_negative
 
 _ALIASES = {
     "arrival_s": ("arrival_s", "arrival_time", "timestamp"),

@@ -6,7 +6,7 @@ A workload config (all fields optional except where noted):
       seed: 0
       requests: 1000            # required unless prefix groups or a trace fix it
       vocab_size: 32000             # defaults to the model's vocabulary when built for a model
-      prompt_tokens: {type: lognormal, mean: 512, cv: 1.0}   # see sim.lengths
+      prompt_tokens: {type: lognormal, mean: 512, cv: 1.0}   # see servetwin.sim.lengths
       output_tokens: 128
       max_prompt_tokens: 8192       # caps (clip) on the drawn lengths
       max_output_tokens: 2048
@@ -20,7 +20,7 @@ A workload config (all fields optional except where noted):
         prefix_tokens: 8192
         suffix_tokens: 200             # length distribution, 0 allowed
         order: grouped              # grouped | interleaved | shuffled
-      arrival: {type: poisson, rate: 4.0}   # see sim.arrivals
+      arrival: {type: poisson, rate: 4.0}   # see servetwin.sim.arrivals
       file: trace.jsonl             # shorthand for arrival: {type: trace, path: trace.jsonl}
 
 Determinism: one `numpy.random.SeedSequence(seed)` is split into independent streams for tokens,
@@ -35,10 +35,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from sim.arrivals import ArrivalProcess, Offline, TraceArrivals, parse_arrival
-from sim.lengths import Fixed, LengthDist, parse_length_dist
-from sim.trace_file import TraceRecord
-from sim.validate import as_int, check_keys, check_mapping, int_at_least, one_of
+from servetwin.sim.arrivals import ArrivalProcess, Offline, TraceArrivals, parse_arrival
+from servetwin.sim.lengths import Fixed, LengthDist, parse_length_dist
+from servetwin.sim.trace_file import TraceRecord
+from servetwin.sim.validate import as_int, check_keys, check_mapping, int_at_least, one_of
 
 _STREAMS = ("tokens", "lengths", "arrivals", "order", "priority", "runtime")
 

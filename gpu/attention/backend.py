@@ -5,7 +5,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gpu.attention.metadata import CommonAttentionMetadata
+from servetwin.gpu.attention.metadata import CommonAttentionMetadata
 
 
 class AttentionBackend(Protocol):

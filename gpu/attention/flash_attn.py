@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-from gpu.attention.backend import write_kv
-from gpu.attention.metadata import CommonAttentionMetadata
+from servetwin.gpu.attention.backend import write_kv
+from servetwin.gpu.attention.metadata import CommonAttentionMetadata
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256
 

@@ -5,9 +5,9 @@ import logging
 
 import torch
 
-from gpu.attention.backend import AttentionBackend
-from gpu.attention.flash_attn import FlashAttnBackend, flash_attn_unsupported_reason
-from gpu.attention.torch_paged import TorchPagedAttention
+from servetwin.gpu.attention.backend import AttentionBackend
+from servetwin.gpu.attention.flash_attn import FlashAttnBackend, flash_attn_unsupported_reason
+from servetwin.gpu.attention.torch_paged import TorchPagedAttention
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Paged attention in torch (CPU and CUDA): gather each request's blocks, one SDPA per group; on the
-CPU in float32 the decode rows go to a native kernel instead (`gpu.cpu_kernels`).
+CPU in float32 the decode rows go to a native kernel instead (`servetwin.gpu.cpu_kernels`).
 
 Causality is **bottom-right** aligned: the i-th of q new tokens after `ctx` cached ones sees keys
 `0..ctx+i` (SDPA's `is_causal=True` is top-left aligned and wrong for chunks and prefix hits, so an
@@ -34,9 +34,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu.attention.backend import write_kv
-from gpu.attention.metadata import CommonAttentionMetadata
-from gpu.cpu_kernels import DecodeKernel, decode_kernel
+from servetwin.gpu.attention.backend import write_kv
+from servetwin.gpu.attention.metadata import CommonAttentionMetadata
+from servetwin.gpu.cpu_kernels import DecodeKernel, decode_kernel
 
 TORCH_PAGED_MODES = ("batched", "split", "loop")
 PAD_SLACK = 1.5
@@ -61,7 +61,7 @@ class TorchPagedGroup:
 
 @dataclass(slots=True)
 class DecodeKernelBatch:
-    """The decode rows handed to the native CPU kernel (`gpu.cpu_kernels`), all int64."""
+    """The decode rows handed to the native CPU kernel (`servetwin.gpu.cpu_kernels`), all int64."""
     block_table: torch.Tensor  # [Rd, W]
     seq_lens: torch.Tensor  # [Rd]
     q_tok: torch.Tensor  # [Rd]: flat token index of each decode row

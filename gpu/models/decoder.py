@@ -2,7 +2,7 @@
 
 `forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, hidden]`;
 `compute_logits(hidden [N, hidden]) -> [N, vocab]` in float32. q/k/v and gate/up are packed
-(`qkv_proj`, `gate_up_proj`); `gpu.loader` packs HF checkpoints into them.
+(`qkv_proj`, `gate_up_proj`); `servetwin.gpu.loader` packs HF checkpoints into them.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from gpu.attention.backend import AttentionBackend
-from gpu.models.config import DecoderConfig
-from gpu.models.layers import RMSNorm, SwiGLU, linear
-from gpu.models.rope import RotaryEmbedding
+from servetwin.gpu.attention.backend import AttentionBackend
+from servetwin.gpu.models.config import DecoderConfig
+from servetwin.gpu.models.layers import RMSNorm, SwiGLU, linear
+from servetwin.gpu.models.rope import RotaryEmbedding
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 

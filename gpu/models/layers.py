@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.cpu_kernels import small_m_linear_kernel
+from servetwin.gpu.cpu_kernels import small_m_linear_kernel
 
 # Rows up to which `linear` uses the native kernel (measured, 2 threads, SmolLM2-135M's shapes:
 # x1.6-1.9 at 4-13 rows, x1.4 at 16, x1.2 at 24-32, parity at 48, MKL ahead from ~64 and at 1 row).
@@ -17,7 +17,7 @@ SMALL_M_MAX = 48
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear`; 2-D float32 CPU inputs of 2..SMALL_M_MAX rows (outside autograd) go to the native
-    kernel (`gpu.cpu_kernels.small_m_linear`: same product, another summation order) when it builds."""
+    kernel (`servetwin.gpu.cpu_kernels.small_m_linear`: same product, another summation order) when it builds."""
     if (x.dim() == 2 and 2 <= x.shape[0] <= SMALL_M_MAX and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.is_contiguous()
             and (bias is None or bias.dtype == torch.float32) and not torch.is_grad_enabled()

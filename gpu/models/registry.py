@@ -21,9 +21,9 @@ from typing import Any, Callable, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gpu.models.config import DecoderConfig  # noqa: E402
-from core.model_spec import ModelSpec  # noqa: E402
-from gpu.models.tiny import TINY_BUILD_VERSION, TINY_MODELS, build_tiny_model  # noqa: E402
+from servetwin.gpu.models.config import DecoderConfig  # noqa: E402
+from servetwin.core.model_spec import ModelSpec  # noqa: E402
+from servetwin.gpu.models.tiny import TINY_BUILD_VERSION, TINY_MODELS, build_tiny_model  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def _converted_ok(dest: Path) -> bool:
 def _ensure_gguf(gguf_path: Path, dest: Path) -> Path:
     if _converted_ok(dest):
         return dest
-    from gpu.models.gguf_convert import convert_gguf  # noqa: PLC0415
+    from servetwin.gpu.models.gguf_convert import convert_gguf  # noqa: PLC0415
     _build_atomically(dest, lambda tmp: convert_gguf(gguf_path, tmp))
     return dest
 

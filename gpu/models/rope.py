@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from gpu.models.config import RopeConfig
+from servetwin.gpu.models.config import RopeConfig
 
 
 def compute_inv_freq(rope: RopeConfig, head_dim: int,

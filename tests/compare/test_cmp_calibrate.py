@@ -8,12 +8,12 @@ import pandas as pd
 import pytest
 from cmptest_helpers import tiny_config
 
-import experiments.calibrate as calmod
-from experiments.cli import main
-from sim.coefficients import CostCoefficients
-from sim.cost_model import CostModel, StepSummary
-from sim.hardware import load_hardware
-from sim.model_spec import load_model_spec
+import servetwin.experiments.calibrate as calmod
+from servetwin.experiments.cli import main
+from servetwin.sim.coefficients import CostCoefficients
+from servetwin.sim.cost_model import CostModel, StepSummary
+from servetwin.sim.hardware import load_hardware
+from servetwin.sim.model_spec import load_model_spec
 
 # the "true" machine of the synthetic test (tiny-llama, fp32, the cpu preset's peaks)
 TRUTH = {"c_step": 2.0e-3, "c_req": 1.5e-4, "c_token": 8.0e-6, "c_linear": 3.0, "c_attn_prefill": 2.0,

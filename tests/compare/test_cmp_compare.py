@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 from cmptest_helpers import CALIBRATIONS, REQUIRED_KEYS, read_json, tiny_config
 
-import experiments.compare as cmpmod
-from experiments.cli import main
-from sim.cost_model import CostModel
-from sim.model_spec import load_model_spec
+import servetwin.experiments.compare as cmpmod
+from servetwin.experiments.cli import main
+from servetwin.sim.cost_model import CostModel
+from servetwin.sim.model_spec import load_model_spec
 
 TINY_CAL = str(CALIBRATIONS / "cpu_tiny-llama.yaml")
 

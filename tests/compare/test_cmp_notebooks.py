@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from cmptest_helpers import CALIBRATIONS, NOTEBOOKS, ROOT, tiny_config
 
-from experiments.cli import main
+from servetwin.experiments.cli import main
 
 NOTEBOOK_NAMES = ("trace_analysis.ipynb", "predicted_vs_measured.ipynb")
 KERNEL = "servetwin-test-venv"

@@ -5,9 +5,9 @@ import pytest
 import yaml
 from cmptest_helpers import CALIBRATIONS, CONFIGS
 
-from experiments.schema import load_config
-from sim.hardware import load_hardware
-from sim.model_spec import load_model_spec
+from servetwin.experiments.schema import load_config
+from servetwin.sim.hardware import load_hardware
+from servetwin.sim.model_spec import load_model_spec
 
 SHIPPED = {"cpu_smollm2-135m.yaml": "smollm2-135m", "cpu_tiny-llama.yaml": "tiny-llama"}
 COMPARE_CONFIGS = sorted(CONFIGS.glob("compare_*.yaml"))

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from core.config import CacheConfig, SchedulerConfig
-from core.hashing import get_request_block_hasher, sha256
-from core.kv_cache_manager import KVCacheManager
-from core.outputs import ModelRunnerOutput, SchedulerOutput
-from core.request import Request
-from core.sampling_params import SamplingParams
-from core.scheduler import Scheduler
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.kv_cache.hashing import get_request_block_hasher, sha256
+from servetwin.core.kv_cache.kv_cache_manager import KVCacheManager
+from servetwin.core.outputs import ModelRunnerOutput
+from servetwin.core.sched.output import SchedulerOutput
+from servetwin.core.request import Request
+from servetwin.core.sampling_params import SamplingParams
+from servetwin.core.sched.scheduler import Scheduler
 
 EOS_TOKEN_ID = 50256
 GID = (0).to_bytes(4, "big")  # group id suffix of every prefix-cache key (one KV-cache group)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from core.config import CacheConfig, SchedulerConfig
-from core.engine_core import EngineCore
-from core.executor import FakeExecutor, make_executor
-from core.outputs import ModelRunnerOutput
-from core.request import FinishReason, RequestStatus
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.engine.engine_core import EngineCore
+from servetwin.core.engine.executor import FakeExecutor, make_executor
+from servetwin.core.outputs import ModelRunnerOutput
+from servetwin.core.request import FinishReason, RequestStatus
 
 from coretest_utils import assert_scheduler_empty, check_block_accounting, create_scheduler, make_request
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.block_pool import BlockHashToBlockMap, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from core.hashing import make_block_hash_with_group_id
+from servetwin.core.kv_cache.block_pool import (BlockHashToBlockMap, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock)
+from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
 
 from coretest_utils import GID
 

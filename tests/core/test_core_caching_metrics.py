@@ -1,5 +1,5 @@
-from core.caching_metrics import CachingMetrics
-from core.kv_cache_manager import PrefixCacheStats
+from servetwin.core.kv_cache.caching_metrics import CachingMetrics
+from servetwin.core.kv_cache.kv_cache_manager import PrefixCacheStats
 
 
 def test_window_of_recent_requests():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.outputs import ModelRunnerOutput
+from servetwin.core.outputs import ModelRunnerOutput
 
 from coretest_utils import check_block_accounting, create_scheduler, make_request, step
 

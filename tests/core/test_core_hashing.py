@@ -7,12 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from core import hashing
-from core.hashing import (NONE_HASH, generate_block_hash_extra_keys, get_block_hash, get_group_id,
-                          get_hash_fn_by_name, get_request_block_hasher, hash_block_tokens,
-                          make_block_hash_with_group_id, make_none_hash, sha256)
-from core.request import Request
-from core.sampling_params import SamplingParams
+from servetwin.core.kv_cache import hashing
+from servetwin.core.kv_cache.hashing import (NONE_HASH, generate_block_hash_extra_keys, get_block_hash, get_group_id, get_hash_fn_by_name, get_request_block_hasher, hash_block_tokens, make_block_hash_with_group_id, make_none_hash, sha256)
+from servetwin.core.request import Request
+from servetwin.core.sampling_params import SamplingParams
 
 from coretest_utils import make_request
 

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.iteration import IterationDetails, compute_iteration_details, parse_annotation
-from core.kv_sizing import (KVCacheSpec, cdiv, check_or_fit_max_model_len, dtype_bytes, max_concurrency,
-                            max_len_that_fits, num_blocks_for_memory)
+from servetwin.core.testbed.iteration import IterationDetails, compute_iteration_details, parse_annotation
+from servetwin.core.kv_cache.kv_sizing import (KVCacheSpec, cdiv, check_or_fit_max_model_len, dtype_bytes, max_concurrency, max_len_that_fits, num_blocks_for_memory)
 
 from coretest_utils import create_scheduler, make_request, step
 

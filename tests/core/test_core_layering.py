@@ -21,8 +21,8 @@ def _imported_modules(package: str) -> set[str]:
 
 
 def test_importing_core_loads_neither_torch_nor_simpy():
-    code = ("import sys, core, core.llm, core.replay, core.trace, core.engine_factory; "
-            "import core.engine_client; "
+    code = ("import sys, servetwin.core, servetwin.core.engine.llm, servetwin.core.testbed.replay, servetwin.core.testbed.trace, servetwin.core.engine.engine_factory; "
+            "import servetwin.core.engine.engine_client; "
             "bad = [m for m in ('torch', 'simpy', 'gpu', 'sim') if m in sys.modules]; "
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)

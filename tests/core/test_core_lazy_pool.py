@@ -1,7 +1,7 @@
 """The block pool materialises never-used blocks lazily; it must behave exactly like an eager queue."""
 from hypothesis import given, settings, strategies as st
 
-from core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from servetwin.core.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 @settings(max_examples=60, deadline=None)

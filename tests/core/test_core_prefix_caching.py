@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from core.hashing import hash_block_tokens, sha256
-from core.kv_cache_manager import KVCacheManager
-from core.request import RequestStatus
+from servetwin.core.kv_cache.hashing import hash_block_tokens, sha256
+from servetwin.core.kv_cache.kv_cache_manager import KVCacheManager
+from servetwin.core.request import RequestStatus
 
 from coretest_utils import GID, check_block_accounting, free_queue_ids, make_request
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from core.request import RequestStatus
-from core.request_queue import FCFSRequestQueue, PriorityRequestQueue, SchedulingPolicy, create_request_queue
+from servetwin.core.request import RequestStatus
+from servetwin.core.sched.request_queue import (FCFSRequestQueue, PriorityRequestQueue, SchedulingPolicy, create_request_queue)
 
 from coretest_utils import (assert_scheduler_empty, check_block_accounting, create_scheduler, make_output,
                             make_request, running_ids, step, waiting_ids)

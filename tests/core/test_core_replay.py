@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from core.replay import replay
-from core.scenario import load_scenario, parse_scenario
+from servetwin.core.testbed.replay import replay
+from servetwin.core.testbed.scenario import load_scenario, parse_scenario
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def test_replay_is_deterministic():
 # -- CLI --------------------------------------------------------------------------------------
 
 def test_cli_replay_writes_file(tmp_path, capsys):
-    from experiments.cli import main
+    from servetwin.experiments.cli import main
 
     out = tmp_path / "out.jsonl"
     rc = main(["replay", str(DATA / "b_shared_prefix.json"), "-o", str(out)])
@@ -118,7 +118,7 @@ def test_cli_replay_subprocess(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.cli", "replay", str(DATA / "x_vllm_test_concurrent_partial.json"),
+        [sys.executable, "-m", "servetwin.experiments.cli", "replay", str(DATA / "x_vllm_test_concurrent_partial.json"),
          "-o", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     got = [json.loads(line) for line in out.read_text().splitlines()]
@@ -162,7 +162,7 @@ def test_parse_scenario_errors_name_the_field(case):
 
 @pytest.mark.parametrize("case", ["unknown_setting", "missing_prompt", "duplicate_id", "missing_required_setting"])
 def test_cli_bad_scenario_exit_code_2(tmp_path, capsys, case):
-    from experiments.cli import main
+    from servetwin.experiments.cli import main
 
     data, field = BAD_SCENARIOS[case]
     path = tmp_path / "bad.json"
@@ -176,7 +176,7 @@ def test_cli_bad_scenario_exit_code_2(tmp_path, capsys, case):
 
 
 def test_cli_not_json_and_missing_file(tmp_path, capsys):
-    from experiments.cli import main
+    from servetwin.experiments.cli import main
 
     path = tmp_path / "broken.json"
     path.write_text("{not json")

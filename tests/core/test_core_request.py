@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from core.config import CacheConfig, SchedulerConfig
-from core.replay import replay
-from core.request import FinishReason, Request, RequestStatus
-from core.sampling_params import SamplingParams
-from core.scenario import parse_scenario
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.testbed.replay import replay
+from servetwin.core.request import FinishReason, Request, RequestStatus
+from servetwin.core.sampling_params import SamplingParams
+from servetwin.core.testbed.scenario import parse_scenario
 
 from coretest_utils import (GID, check_block_accounting, create_scheduler, free_queue_ids, make_request, step)
 
@@ -95,7 +95,7 @@ def test_scheduler_config_defaults_and_validation():
 
 
 def test_scheduler_needs_pool_size():
-    from core.scheduler import Scheduler
+    from servetwin.core.sched.scheduler import Scheduler
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         Scheduler(SchedulerConfig(), CacheConfig())
 

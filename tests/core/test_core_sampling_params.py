@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 
-from core.parallel_sampling import ParentRequest, child_request_id, fan_out
-from core.sampling_params import RequestOutputKind, SamplingParams, SamplingType
+from servetwin.core.engine.parallel_sampling import ParentRequest, child_request_id, fan_out
+from servetwin.core.sampling_params import RequestOutputKind, SamplingParams, SamplingType
 
 from coretest_utils import create_scheduler, make_request
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from core.config import SchedulerConfig
-from core.outputs import ModelRunnerOutput
-from core.request import FinishReason, RequestStatus
+from servetwin.core.sched.config import SchedulerConfig
+from servetwin.core.outputs import ModelRunnerOutput
+from servetwin.core.request import FinishReason, RequestStatus
 
 from coretest_utils import (assert_scheduler_empty, block_ids, check_block_accounting, create_requests,
                             create_scheduler, make_output, make_request, running_ids, step, waiting_ids)

@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from core.config import CacheConfig, SchedulerConfig
-from core.engine_core import EngineCore
-from core.executor import FakeExecutor
-from core.kv_sizing import cdiv
-from core.request import Request, RequestStatus
-from core.sampling_params import SamplingParams
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.engine.engine_core import EngineCore
+from servetwin.core.engine.executor import FakeExecutor
+from servetwin.core.kv_cache.kv_sizing import cdiv
+from servetwin.core.request import Request, RequestStatus
+from servetwin.core.sampling_params import SamplingParams
 
 from coretest_utils import GID, check_block_accounting
 

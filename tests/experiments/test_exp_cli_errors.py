@@ -5,12 +5,12 @@ import json
 import pytest
 from exptest_helpers import SCENARIOS, tiny, write_yaml
 
-from experiments.cli import main
+from servetwin.experiments.cli import main
 
 
 def _torch_available() -> bool:
     try:
-        import gpu.executor  # noqa: F401
+        import servetwin.gpu.executor as executor  # noqa: F401
     except Exception:  # noqa: BLE001
         return False
     return True
@@ -51,7 +51,7 @@ def test_replay_output_errors_are_clear(tmp_path, a_file, capsys):
     assert "Traceback" not in err and "Not a directory" in err
 
 
-@pytest.mark.skipif(not _torch_available(), reason="torch backend (gpu.executor) not importable")
+@pytest.mark.skipif(not _torch_available(), reason="torch backend (servetwin.gpu.executor) not importable")
 def test_unknown_torch_model_is_a_clear_error(tmp_path, capsys):
     path = write_yaml(tmp_path / "c.yaml", tiny(model="no-such-model-xyz", backends=["torch"]))
     assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress"]) == 2
@@ -78,7 +78,7 @@ def test_run_notes_a_backend_folder_left_by_an_earlier_run(tmp_path, capsys):
     assert "already holds torch/ from an earlier run" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not _torch_available(), reason="torch backend (gpu.executor) not importable")
+@pytest.mark.skipif(not _torch_available(), reason="torch backend (servetwin.gpu.executor) not importable")
 def test_sweep_over_backends_reports_each_points_own_backends(tmp_path, capsys):
     cfg = tiny(sweep={"backends": [["sim"], ["torch"]]}, engine__device="cpu", workload__requests=2)
     path = write_yaml(tmp_path / "c.yaml", cfg)
@@ -106,11 +106,11 @@ def test_a_key_given_twice_is_an_error_not_silently_dropped(tmp_path, capsys):
     # YAML merge keys still work (an override after `<<` is not a duplicate)
     path.write_text("model: tiny-llama\nhardware: cpu\nbase: &b {max_num_seqs: 2, block_size: 16}\n"
                     "engine: {<<: *b, max_num_seqs: 4}\nworkload: {requests: 2, prompt_tokens: 8, output_tokens: 2}\n")
-    from experiments.schema import ConfigError, load_yaml
+    from servetwin.experiments.schema import ConfigError, load_yaml
 
     assert load_yaml(path)["engine"] == {"max_num_seqs": 4, "block_size": 16}
     with pytest.raises(ConfigError, match="base: unknown key"):
-        from experiments.schema import load_config
+        from servetwin.experiments.schema import load_config
 
         load_config(path)
 

@@ -1,18 +1,18 @@
-"""`core.realtime.run_realtime`: the wall-clock loop for measured backends, driven here by executors that
+"""`servetwin.core.testbed.realtime.run_realtime`: the wall-clock loop for measured backends, driven here by executors that
 need no torch (FakeExecutor, SimExecutor), so it runs everywhere."""
 import time
 
 import numpy as np
 
-from core.config import CacheConfig, SchedulerConfig
-from core.engine_core import EngineCore
-from core.executor import FakeExecutor
-from core.realtime import run_realtime
-from core.trace import TraceRecorder
-from sim.arrivals import Offline
-from sim.engine import simulate
-from sim.executor import SimExecutor
-from sim.workload import WorkloadRequest
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.engine.engine_core import EngineCore
+from servetwin.core.engine.executor import FakeExecutor
+from servetwin.core.testbed.realtime import run_realtime
+from servetwin.core.testbed.trace import TraceRecorder
+from servetwin.sim.arrivals import Offline
+from servetwin.sim.engine import simulate
+from servetwin.sim.executor import SimExecutor
+from servetwin.sim.workload import WorkloadRequest
 
 
 class Count:

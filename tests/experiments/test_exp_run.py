@@ -5,12 +5,12 @@ import pandas as pd
 import pytest
 from exptest_helpers import CONFIGS, CORE_DATA, SCENARIOS, tiny, write_yaml
 
-from core.replay import replay
-from core.scenario import load_scenario
-from core.trace import REQUEST_COLUMNS, STEP_COLUMNS, STEP_REQUEST_COLUMNS
-from experiments.cli import main
-from experiments.runner import run_experiment
-from experiments.schema import validate_config
+from servetwin.core.testbed.replay import replay
+from servetwin.core.testbed.scenario import load_scenario
+from servetwin.core.testbed.trace import REQUEST_COLUMNS, STEP_COLUMNS, STEP_REQUEST_COLUMNS
+from servetwin.experiments.cli import main
+from servetwin.experiments.runner import run_experiment
+from servetwin.experiments.schema import validate_config
 
 DIST_KEYS = {"mean", "p50", "p90", "p99"}
 SUMMARY_KEYS = {"requests", "completed", "wall_s", "simulated_s", "throughput_tok_s", "output_tok_s", "ttft_s",
@@ -137,7 +137,7 @@ def test_simulator_trace_equals_replay_decisions(path, tmp_path):
 
 
 def test_ctrl_c_leaves_complete_files_marked_interrupted(tmp_path, monkeypatch):
-    from core.engine_core import EngineCore
+    from servetwin.core.engine.engine_core import EngineCore
 
     real_step = EngineCore.step
     calls = {"n": 0}
@@ -164,7 +164,7 @@ def test_ctrl_c_leaves_complete_files_marked_interrupted(tmp_path, monkeypatch):
 
 
 def test_trace_file_gives_lengths_and_an_explicit_arrival_replaces_its_times(tmp_path):
-    from experiments.workloads import build_requests
+    from servetwin.experiments.workloads import build_requests
 
     trace = tmp_path / "trace.csv"
     trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.5,12,3\n0.1,30,5\n0.9,20,2\n")

@@ -2,8 +2,8 @@
 import pytest
 from exptest_helpers import CONFIGS, tiny, write_yaml
 
-from experiments.cli import main
-from experiments.schema import ConfigError, expand_sweep, load_config, validate_config
+from servetwin.experiments.cli import main
+from servetwin.experiments.schema import ConfigError, expand_sweep, load_config, validate_config
 
 
 def _err(cfg) -> str:

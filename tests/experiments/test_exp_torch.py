@@ -5,15 +5,15 @@ import pandas as pd
 import pytest
 from exptest_helpers import tiny, write_yaml
 
-from core.trace import REQUEST_COLUMNS, STEP_COLUMNS, STEP_REQUEST_COLUMNS
-from experiments.cli import main
+from servetwin.core.testbed.trace import REQUEST_COLUMNS, STEP_COLUMNS, STEP_REQUEST_COLUMNS
+from servetwin.experiments.cli import main
 
 
 def _torch_backend_or_skip():
     try:
-        import gpu.executor  # noqa: F401,PLC0415
+        import servetwin.gpu.executor as executor  # noqa: F401,PLC0415
     except Exception as e:  # noqa: BLE001  (ImportError, or a half-finished module)
-        pytest.skip(f"gpu.executor does not import: {type(e).__name__}: {e}")
+        pytest.skip(f"servetwin.gpu.executor does not import: {type(e).__name__}: {e}")
 
 
 def test_torch_and_sim_backends_run_the_same_requests(tmp_path):

@@ -19,8 +19,8 @@ PY = sys.executable
 
 
 def backend_available(name: str) -> bool:
-    """torch: gpu.executor imports; sim: sim.kv_pool imports (both are written by other sessions)."""
-    module = {"torch": "gpu.executor", "sim": "sim.kv_pool"}[name]
+    """torch: servetwin.gpu.executor imports; sim: servetwin.sim.kv_pool imports (both are written by other sessions)."""
+    module = {"torch": "servetwin.gpu.executor", "sim": "servetwin.sim.kv_pool"}[name]
     try:
         importlib.import_module(module)
     except Exception:  # noqa: BLE001
@@ -84,12 +84,12 @@ def _die_with_parent() -> None:
 
 
 class ServerProcess:
-    """`python -m experiments.cli serve ...` on a free loopback port; `stop()` leaves no process behind."""
+    """`python -m servetwin.experiments.cli serve ...` on a free loopback port; `stop()` leaves no process behind."""
 
     def __init__(self, *cli_args: str, startup_timeout: float = 90.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [PY, "-m", "experiments.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *cli_args]
+        cmd = [PY, "-m", "servetwin.experiments.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *cli_args]
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=_die_with_parent)

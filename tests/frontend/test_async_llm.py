@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from core.async_llm import AsyncLLM
-from core.engine_args import EngineArgs
-from core.engine_client import EngineDeadError
-from core.mp_client import AsyncMPClient, EngineRequestError
-from core.sampling_params import SamplingParams
+from servetwin.core.engine.async_llm import AsyncLLM
+from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_client import EngineDeadError
+from servetwin.core.engine.mp_client import AsyncMPClient, EngineRequestError
+from servetwin.core.sampling_params import SamplingParams
 from frontend_utils import backend_available, pid_alive
 
 FAKE = dict(model="fake-model", backend="fake", tokenizer="toy")
@@ -164,15 +164,15 @@ def test_paced_fake_engine_releases_outputs_at_step_end_times():
     assert stats["paced"] and stats["sim_time_s"] == pytest.approx(sims[-1])
 
 
-@pytest.mark.skipif(not backend_available("sim"), reason="sim backend (sim.kv_pool) not importable")
+@pytest.mark.skipif(not backend_available("sim"), reason="sim backend (servetwin.sim.kv_pool) not importable")
 def test_paced_sim_engine_releases_outputs_at_predicted_times():
     args = EngineArgs.from_kwargs(model="tiny-llama", backend="sim", tokenizer="toy", num_gpu_blocks=1024)
     sims, elapsed, stats = _paced_release_check(args, time_scale=20.0, step_s=None)
     assert len(sims) == 12
     # The same requests through an in-process engine give the cost model's predicted step durations:
     # the paced engine's step end times are exactly their running sum.
-    from core.engine_factory import create_engine_core
-    from core.request import Request
+    from servetwin.core.engine.engine_factory import create_engine_core
+    from servetwin.core.request import Request
 
     engine, _ = create_engine_core(args)
     for i in range(3):

@@ -6,12 +6,12 @@ import subprocess
 
 import pytest
 
-from core.engine_args import EngineArgs
-from core.engine_client import EngineDeadError
-from core.llm import LLM
-from core.output_processor import OutputProcessor
-from core.outputs import EngineCoreOutput, Logprobs
-from core.sampling_params import SamplingParams
+from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_client import EngineDeadError
+from servetwin.core.engine.llm import LLM
+from servetwin.core.engine.output_processor import OutputProcessor
+from servetwin.core.outputs import EngineCoreOutput, Logprobs
+from servetwin.core.sampling_params import SamplingParams
 from frontend_utils import PY, REPO, backend_available, free_port
 
 FAKE = dict(model="fake-model", backend="fake", multiprocess=False)
@@ -35,7 +35,7 @@ def test_bad_engine_arguments_fail_before_any_engine_starts(kwargs, message):
 
 
 def test_output_processor_takes_the_sampled_tokens_logprob_not_the_rank_index():
-    """`Logprobs.sampled_rank` is the sampled token's 1-based rank in the vocabulary (gpu.sampler): with
+    """`Logprobs.sampled_rank` is the sampled token's 1-based rank in the vocabulary (servetwin.gpu.sampler): with
     random sampling it is often larger than the top-k list, which raised IndexError in the front end."""
     op = OutputProcessor(None)
     op.add_request("r", None, [1, 2], [("r", SamplingParams(max_tokens=2, logprobs=1))])
@@ -74,7 +74,7 @@ def test_a_closed_llm_refuses_work_in_both_modes(multiprocess):
         llm.get_stats()
 
 
-@pytest.mark.skipif(not backend_available("sim"), reason="sim backend (sim.kv_pool) not importable")
+@pytest.mark.skipif(not backend_available("sim"), reason="sim backend (servetwin.sim.kv_pool) not importable")
 def test_sim_llm_answers_text_prompts_and_chat_with_the_toy_tokenizer():
     # was: "text prompts need a tokenizer (skip_tokenizer_init=True ...)" although it was not given
     with LLM(model="tiny-llama", backend="sim", hardware="cpu", multiprocess=False, num_gpu_blocks=64,
@@ -97,7 +97,7 @@ def test_sim_llm_answers_text_prompts_and_chat_with_the_toy_tokenizer():
             llm.generate("Hello")
 
 
-@pytest.mark.skipif(not backend_available("torch"), reason="torch backend (gpu.executor) not importable")
+@pytest.mark.skipif(not backend_available("torch"), reason="torch backend (servetwin.gpu.executor) not importable")
 def test_torch_llm_sampled_logprobs_and_cumulative_logprob():
     with LLM(model="tiny-llama", backend="torch", multiprocess=False, num_gpu_blocks=64, max_model_len=128) as llm:
         params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=1, n=3)
@@ -108,16 +108,16 @@ def test_torch_llm_sampled_logprobs_and_cumulative_logprob():
                 assert c.cumulative_logprob == pytest.approx(sum(picked))
 
 
-@pytest.mark.skipif(not backend_available("torch"), reason="torch backend (gpu.executor) not importable")
+@pytest.mark.skipif(not backend_available("torch"), reason="torch backend (servetwin.gpu.executor) not importable")
 def test_unknown_torch_model_is_a_file_not_found_error_in_both_modes():
     for mp in (False, True):
         with pytest.raises(FileNotFoundError, match="^model: 'no-such-model-xyz' is neither a built-in model"):
             LLM(model="no-such-model-xyz", backend="torch", multiprocess=mp)
 
 
-@pytest.mark.skipif(not backend_available("torch"), reason="torch backend (gpu.executor) not importable")
+@pytest.mark.skipif(not backend_available("torch"), reason="torch backend (servetwin.gpu.executor) not importable")
 def test_serve_with_an_unknown_model_exits_with_the_message():
-    res = subprocess.run([PY, "-m", "experiments.cli", "serve", "--backend", "torch", "--model", "no-such-model-xyz",
+    res = subprocess.run([PY, "-m", "servetwin.experiments.cli", "serve", "--backend", "torch", "--model", "no-such-model-xyz",
                           "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert "servetwin serve: error: model: 'no-such-model-xyz' is neither a built-in model" in res.stderr

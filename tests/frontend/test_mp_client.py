@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from core.engine_args import EngineArgs
-from core.engine_client import EngineCoreClient, EngineDeadError, InprocClient
-from core.llm import LLM
-from core.mp_client import AsyncMPClient, SyncMPClient
-from core.sampling_params import SamplingParams
+from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_client import EngineCoreClient, EngineDeadError, InprocClient
+from servetwin.core.engine.llm import LLM
+from servetwin.core.engine.mp_client import AsyncMPClient, SyncMPClient
+from servetwin.core.sampling_params import SamplingParams
 from frontend_utils import backend_available, pid_alive, run_script, wait_gone
 
 FAKE = dict(model="fake-model", backend="fake", skip_tokenizer_init=True)
@@ -78,7 +78,7 @@ def test_multiprocess_and_inprocess_outputs_are_identical():
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_steps"] > 0
 
 
-@pytest.mark.skipif(not backend_available("sim"), reason="sim backend (sim.kv_pool) not importable")
+@pytest.mark.skipif(not backend_available("sim"), reason="sim backend (servetwin.sim.kv_pool) not importable")
 def test_sim_backend_identical_across_modes():
     prompts, params = _workload()
     kw = dict(model="tiny-llama", backend="sim", skip_tokenizer_init=True, num_gpu_blocks=1024)
@@ -86,7 +86,7 @@ def test_sim_backend_identical_across_modes():
         assert _summary(a.generate(prompts, params)) == _summary(b.generate(prompts, params))
 
 
-@pytest.mark.skipif(not backend_available("torch"), reason="torch backend (gpu.executor) not importable")
+@pytest.mark.skipif(not backend_available("torch"), reason="torch backend (servetwin.gpu.executor) not importable")
 def test_torch_tiny_llama_greedy_identical_across_modes():
     prompts = ["The capital of France is", "Hello! How are you", "The quick brown fox"]
     sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
@@ -121,7 +121,7 @@ def test_startup_error_text_reaches_the_parent():
     assert time.monotonic() - t0 < 30
 
 
-@pytest.mark.skipif(not backend_available("sim"), reason="sim backend (sim.kv_pool) not importable")
+@pytest.mark.skipif(not backend_available("sim"), reason="sim backend (servetwin.sim.kv_pool) not importable")
 def test_bad_model_name_error_reaches_the_parent():
     with pytest.raises(ValueError) as info:
         LLM(model="no-such-model-xyz", backend="sim", skip_tokenizer_init=True)
@@ -189,8 +189,8 @@ def test_close_context_exit_and_gc_stop_the_engine_process():
 
 _SCRIPT = """
 import os, sys, time
-from core.llm import LLM
-from core.sampling_params import SamplingParams
+from servetwin.core.engine.llm import LLM
+from servetwin.core.sampling_params import SamplingParams
 if __name__ == "__main__":
     llm = LLM(model="m", backend="fake", skip_tokenizer_init=True)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
@@ -233,8 +233,8 @@ def test_ctrl_c_during_generate_aborts_in_the_engine_and_llm_stays_usable(tmp_pa
     script = tmp_path / "ctrl_c.py"
     script.write_text("""
 import os, signal, threading, time
-from core.llm import LLM
-from core.sampling_params import SamplingParams
+from servetwin.core.engine.llm import LLM
+from servetwin.core.sampling_params import SamplingParams
 if __name__ == "__main__":
     llm = LLM(model="m", backend="fake", skip_tokenizer_init=True)
     threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()

@@ -6,13 +6,13 @@ import math
 import msgspec
 import pytest
 
-from core import mp_messages as m
-from core.metrics import ServingMetrics, parse_prometheus_text, sample
-from core.outputs import EngineCoreOutput, Logprobs
-from core.request import FinishReason
-from core.request_output import CompletionOutput, RequestOutput
-from core.sampling_params import RequestOutputKind, SamplingParams
-from core.toy_tokenizer import ToyTokenizer
+from servetwin.core.engine import messages as m
+from servetwin.core.engine.metrics import ServingMetrics, parse_prometheus_text, sample
+from servetwin.core.outputs import EngineCoreOutput, Logprobs
+from servetwin.core.request import FinishReason
+from servetwin.core.engine.request_output import CompletionOutput, RequestOutput
+from servetwin.core.sampling_params import RequestOutputKind, SamplingParams
+from servetwin.core.engine.toy_tokenizer import ToyTokenizer
 from frontend_utils import run_script
 
 
@@ -130,8 +130,8 @@ def test_metrics_text_uses_vllm_names_and_counts_latencies():
 
 
 def test_frontend_modules_do_not_import_torch_or_simpy():
-    code = ("import sys; import core.mp_client, core.async_llm, core.engine_proc, core.metrics, "
-            "core.entrypoints.openai_server, core.llm, experiments.serve_cli; "
+    code = ("import sys; import servetwin.core.engine.mp_client, servetwin.core.engine.async_llm, servetwin.core.engine.engine_proc, servetwin.core.engine.metrics, "
+            "servetwin.core.entrypoints.openai.api_server, servetwin.core.engine.llm, servetwin.experiments.serve_cli; "
             "bad = [m for m in ('torch', 'simpy', 'transformers') if m in sys.modules]; print(bad)")
     res = run_script(code)
     assert res.returncode == 0, res.stderr
@@ -150,7 +150,7 @@ def test_ipc_calibration_file_matches_the_cost_model_names():
     assert doc["c_ipc_req_s"] == doc["coefficients"]["c_ipc_req"] >= 0
     assert {"date", "machine", "python"} <= set(doc["provenance"])
     try:
-        from sim.coefficients import CostCoefficients
+        from servetwin.sim.coefficients import CostCoefficients
     except ImportError:
         return
     coeffs = CostCoefficients.from_dict(doc["coefficients"])

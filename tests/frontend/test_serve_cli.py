@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from experiments.cli import build_parser
-from experiments.serve_cli import engine_args_from
+from servetwin.experiments.cli import build_parser
+from servetwin.experiments.serve_cli import engine_args_from
 from frontend_utils import PY, REPO, free_port
 
 
@@ -33,7 +33,7 @@ def test_engine_arguments_are_mapped_with_vllm_names():
 
 
 def test_engine_startup_error_exits_with_the_message():
-    res = subprocess.run([PY, "-m", "experiments.cli", "serve", "--backend", "fake", "--policy", "bogus",
+    res = subprocess.run([PY, "-m", "servetwin.experiments.cli", "serve", "--backend", "fake", "--policy", "bogus",
                           "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert "servetwin serve: error: policy: must be 'fcfs' or 'priority'" in res.stderr
@@ -48,11 +48,11 @@ def test_a_port_in_use_or_a_bad_host_fails_before_the_engine_loads():
         busy.listen()
         port = busy.getsockname()[1]
         t0 = time.monotonic()
-        res = subprocess.run([PY, "-m", "experiments.cli", "serve", "--backend", "torch", "--port", str(port)],
+        res = subprocess.run([PY, "-m", "servetwin.experiments.cli", "serve", "--backend", "torch", "--port", str(port)],
                              cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2, res.stderr
     assert f"servetwin serve: error: port: cannot listen on 127.0.0.1:{port}" in res.stderr
     assert time.monotonic() - t0 < 30  # no model load first (it used to load the engine, then exit 3)
-    res = subprocess.run([PY, "-m", "experiments.cli", "serve", "--backend", "fake", "--host", "256.1.1.1",
+    res = subprocess.run([PY, "-m", "servetwin.experiments.cli", "serve", "--backend", "fake", "--host", "256.1.1.1",
                           "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "servetwin serve: error: host: cannot resolve '256.1.1.1'" in res.stderr

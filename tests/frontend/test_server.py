@@ -1,5 +1,5 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real server process
-(`python -m experiments.cli serve --backend fake ...`, paced at 2 ms per step, toy tokenizer)."""
+(`python -m servetwin.experiments.cli serve --backend fake ...`, paced at 2 ms per step, toy tokenizer)."""
 from __future__ import annotations
 
 import time
@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from core.metrics import parse_prometheus_text, sample
+from servetwin.core.engine.metrics import parse_prometheus_text, sample
 from frontend_utils import ServerProcess
 
 MODEL = "fake-model"

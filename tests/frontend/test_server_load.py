@@ -1,7 +1,7 @@
 """100 concurrent streaming requests through the official async `openai` client.
 
 Runs against the `sim` backend (paced: every step's outputs are released at the cost model's
-predicted end time) when `sim.kv_pool` imports, otherwise against the paced `fake` backend."""
+predicted end time) when `servetwin.sim.kv_pool` imports, otherwise against the paced `fake` backend."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from core.metrics import parse_prometheus_text, sample
+from servetwin.core.engine.metrics import parse_prometheus_text, sample
 from frontend_utils import ServerProcess, backend_available
 
 MODEL = "tiny-llama"

@@ -7,7 +7,7 @@ import pytest
 
 from frontend_utils import ServerProcess, backend_available
 
-pytestmark = pytest.mark.skipif(not backend_available("torch"), reason="torch backend (gpu.executor) not importable")
+pytestmark = pytest.mark.skipif(not backend_available("torch"), reason="torch backend (servetwin.gpu.executor) not importable")
 
 MODEL = "tiny-llama"
 ENGINE = ["--num-gpu-blocks", "256", "--max-model-len", "512"]
@@ -29,8 +29,8 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline():
-    from core.llm import LLM
-    from core.sampling_params import SamplingParams
+    from servetwin.core.engine.llm import LLM
+    from servetwin.core.sampling_params import SamplingParams
 
     with LLM(model=MODEL, backend="torch", multiprocess=False, num_gpu_blocks=256, max_model_len=512) as llm:
         greedy = SamplingParams(max_tokens=16, temperature=0.0)

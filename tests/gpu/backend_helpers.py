@@ -6,10 +6,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from core.sampling_params import SamplingParams
-from gpu.executor import TorchExecutor
-from gpu.models.registry import resolve_model
+from servetwin.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from servetwin.core.sampling_params import SamplingParams
+from servetwin.gpu.executor import TorchExecutor
+from servetwin.gpu.models.registry import resolve_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-import gpu.cpu_kernels as ck
-from core.outputs import CachedRequestData, NewRequestData
-from gpu.executor import TorchExecutor
-from gpu.models.layers import SMALL_M_MAX, linear
+import servetwin.gpu.cpu_kernels as ck
+from servetwin.core.sched.output import CachedRequestData, NewRequestData
+from servetwin.gpu.executor import TorchExecutor
+from servetwin.gpu.models.layers import SMALL_M_MAX, linear
 from backend_helpers import GREEDY, step
 
 needs_kernels = pytest.mark.skipif(ck.small_m_linear_kernel() is None, reason="the CPU kernels did not build here")

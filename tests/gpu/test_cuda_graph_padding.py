@@ -6,11 +6,11 @@ import random
 
 import torch
 
-from core.config import CacheConfig, SchedulerConfig
-from core.engine_core import EngineCore
-from core.request import Request
-from core.sampling_params import SamplingParams
-from gpu.cuda_graphs import CudaGraphRunner, default_capture_sizes, width_buckets
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.engine.engine_core import EngineCore
+from servetwin.core.request import Request
+from servetwin.core.sampling_params import SamplingParams
+from servetwin.gpu.cuda_graphs import CudaGraphRunner, default_capture_sizes, width_buckets
 from backend_helpers import check_step_logits, make_executor, oracle
 
 

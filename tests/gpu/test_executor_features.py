@@ -7,14 +7,14 @@ import random
 import pytest
 import torch
 
-from core.executor import Executor, make_executor
-from core.kv_sizing import KVCacheSpec
-from core.outputs import CachedRequestData, NewRequestData
-from core.runner_state import CachedRequestState, ScheduledRow
-from core.sampling_params import SamplingParams
-from gpu.executor import TorchExecutor
-from gpu.models.registry import resolve_model
-from gpu.step_profiling import step_annotation
+from servetwin.core.engine.executor import Executor, make_executor
+from servetwin.core.kv_cache.kv_sizing import KVCacheSpec
+from servetwin.core.sched.output import CachedRequestData, NewRequestData
+from servetwin.core.engine.runner_state import CachedRequestState, ScheduledRow
+from servetwin.core.sampling_params import SamplingParams
+from servetwin.gpu.executor import TorchExecutor
+from servetwin.gpu.models.registry import resolve_model
+from servetwin.gpu.step_profiling import step_annotation
 from backend_helpers import GREEDY, HFOracle, step
 
 
@@ -129,7 +129,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_neighbours():
 
 def test_dtype_resolution():
     from types import SimpleNamespace
-    from gpu.executor import resolve_dtype
+    from servetwin.gpu.executor import resolve_dtype
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     fp32, bf16 = SimpleNamespace(dtype="float32"), SimpleNamespace(dtype="bfloat16")
     assert resolve_dtype(None, cpu, bf16) == resolve_dtype("auto", cpu, bf16) == torch.float32

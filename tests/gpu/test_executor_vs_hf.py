@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
-from core.config import CacheConfig, SchedulerConfig
-from core.engine_core import EngineCore
-from core.outputs import CachedRequestData, NewRequestData
-from core.request import Request
-from core.sampling_params import SamplingParams
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.engine.engine_core import EngineCore
+from servetwin.core.sched.output import CachedRequestData, NewRequestData
+from servetwin.core.request import Request
+from servetwin.core.sampling_params import SamplingParams
 from backend_helpers import GREEDY, check_step_logits, make_executor, oracle, step
 
 @pytest.mark.parametrize("name,mode", [("tiny-llama", "batched"), ("tiny-qwen2", "batched"), ("tiny-qwen3", "batched"),

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.runner_state import CachedRequestState, ScheduledRow
-from gpu.input_batch import build_block_table, prepare_inputs
+from servetwin.core.engine.runner_state import CachedRequestState, ScheduledRow
+from servetwin.gpu.input_batch import build_block_table, prepare_inputs
 
 B = 4
 PAD = 99

@@ -8,20 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.sampling_params import SamplingParams
-from gpu.logits_processors import (
-    AdapterLogitsProcessor,
-    BatchUpdate,
-    LogitBiasLogitsProcessor,
-    LogitsProcessor,
-    LogitsProcessors,
-    MinTokensLogitsProcessor,
-    MoveDirectionality,
-    build_batch_update,
-    build_logitsprocs,
-)
-from gpu.sampler import Sampler
-from gpu.sampling_metadata import SamplingMetadata
+from servetwin.core.sampling_params import SamplingParams
+from servetwin.gpu.logits_processors import (AdapterLogitsProcessor, BatchUpdate, LogitBiasLogitsProcessor, LogitsProcessor, LogitsProcessors, MinTokensLogitsProcessor, MoveDirectionality, build_batch_update, build_logitsprocs)
+from servetwin.gpu.sampler import Sampler
+from servetwin.gpu.sampling_metadata import SamplingMetadata
 
 NEG_INF = float("-inf")
 

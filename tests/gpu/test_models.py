@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from gpu.loader import load_model
-from gpu.models import registry
-from gpu.models.config import DecoderConfig, RopeConfig
-from gpu.models.registry import BUILTIN_MODELS, model_spec, resolve_model
-from gpu.models.rope import compute_inv_freq
-from gpu.models.tiny import EOS_TOKEN_ID, TINY_VOCAB_SIZE
+from servetwin.gpu.loader import load_model
+from servetwin.gpu.models import registry
+from servetwin.gpu.models.config import DecoderConfig, RopeConfig
+from servetwin.gpu.models.registry import BUILTIN_MODELS, model_spec, resolve_model
+from servetwin.gpu.models.rope import compute_inv_freq
+from servetwin.gpu.models.tiny import EOS_TOKEN_ID, TINY_VOCAB_SIZE
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
@@ -31,7 +31,7 @@ def test_tiny_models_resolve_with_tokenizer_and_spec(name):
 
 
 def test_tiny_tokenizer_chat_template_and_roundtrip():
-    from gpu.models.registry import load_tokenizer
+    from servetwin.gpu.models.registry import load_tokenizer
     tok = load_tokenizer(resolve_model("tiny-qwen3"))
     ids = tok.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True,
                                   return_dict=False)

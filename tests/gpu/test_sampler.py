@@ -9,23 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.outputs import Logprobs
-from core.sampling_params import SamplingParams
-from gpu.sampler import (
-    Sampler,
-    SamplerOutput,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_only,
-    apply_top_k_top_p,
-    apply_top_p,
-    compute_prompt_logprobs,
-    gather_logprobs,
-    to_logprobs_list,
-    _top_p_from_candidates,
-    _top_p_sorted,
-)
-from gpu.sampling_metadata import SamplingMetadata, make_generator, token_counts
+from servetwin.core.outputs import Logprobs
+from servetwin.core.sampling_params import SamplingParams
+from servetwin.gpu.sampler import (Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k_only, apply_top_k_top_p, apply_top_p, compute_prompt_logprobs, gather_logprobs, to_logprobs_list, _top_p_from_candidates, _top_p_sorted)
+from servetwin.gpu.sampling_metadata import SamplingMetadata, make_generator, token_counts
 
 NEG_INF = float("-inf")
 sampler = Sampler()
@@ -454,7 +441,7 @@ def test_prompt_logprobs_whole_prompt_and_chunks_agree():
 # -- the executor's greedy fast path (gpu/step_sampler.py) -------------------------------------------
 
 def _rows(params, outputs_len=0):
-    from core.runner_state import CachedRequestState, ScheduledRow
+    from servetwin.core.engine.runner_state import CachedRequestState, ScheduledRow
     rows = []
     for i, p in enumerate(params):
         st = CachedRequestState(f"r{i}", [5, 6, 7] + [1] * outputs_len, 3, [0], p)
@@ -463,7 +450,7 @@ def _rows(params, outputs_len=0):
 
 
 def test_plain_greedy_detection():
-    from gpu.step_sampler import is_plain_greedy
+    from servetwin.gpu.step_sampler import is_plain_greedy
     plain = SamplingParams(temperature=0.0)
     assert is_plain_greedy(_rows([plain])[0])
     not_plain = [
@@ -486,7 +473,7 @@ def test_plain_greedy_detection():
 @settings(max_examples=40, deadline=None)
 def test_greedy_fast_path_equals_the_general_sampler(num_reqs, vocab, seed):
     """All-plain-greedy batches skip the metadata and the sampler; the tokens are the same (ties too)."""
-    from gpu.step_sampler import StepSampler
+    from servetwin.gpu.step_sampler import StepSampler
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_reqs, vocab, generator=g)
     logits[:, ::7] = logits.max()  # ties: argmax must pick the first, as the sampler's does
@@ -498,7 +485,7 @@ def test_greedy_fast_path_equals_the_general_sampler(num_reqs, vocab, seed):
 
 
 def test_greedy_rows_mixed_with_others_take_the_general_path():
-    from gpu.step_sampler import StepSampler
+    from servetwin.gpu.step_sampler import StepSampler
     logits = torch.tensor([[0.0, 1.0, 0.5], [2.0, 0.0, 1.9]])
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, extra_args={"logit_bias": {2: 1.0}})]
     toks, _ = StepSampler(torch.device("cpu"), 3).sample(_rows(params), logits)

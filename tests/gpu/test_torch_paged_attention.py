@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.attention import CommonAttentionMetadata, TorchPagedAttention, write_kv
-from gpu.cpu_kernels import decode_kernel
-from gpu.attention.torch_paged import bucket_by_padding
-from gpu.input_batch import build_block_table
+from servetwin.gpu.attention import CommonAttentionMetadata, TorchPagedAttention, write_kv
+from servetwin.gpu.cpu_kernels import decode_kernel
+from servetwin.gpu.attention.torch_paged import bucket_by_padding
+from servetwin.gpu.input_batch import build_block_table
 
 needs_kernel = pytest.mark.skipif(decode_kernel() is None, reason="the CPU decode kernel did not build here")
 # (mode, cpu_kernel): the pure-torch groups in each mode, and "split" with the native decode kernel

@@ -10,10 +10,10 @@ from typing import Any, Optional
 
 import pandas as pd
 
-from core.engine_args import EngineArgs
-from core.engine_factory import create_engine_core
-from core.iteration import parse_annotation
-from core.trace import TraceRecorder
+from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_factory import create_engine_core
+from servetwin.core.testbed.iteration import parse_annotation
+from servetwin.core.testbed.trace import TraceRecorder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -33,7 +33,7 @@ REQUEST_DECISION_COLUMNS = ["request_id", "parent_id", "prompt_tokens", "cached_
 class Scenario:
     """Engine settings (EngineArgs names) and the workload, in offline order."""
     engine: dict[str, Any]
-    requests: list[Any] = field(default_factory=list)  # sim.workload.WorkloadRequest, arrival_s == 0
+    requests: list[Any] = field(default_factory=list)  # servetwin.sim.workload.WorkloadRequest, arrival_s == 0
 
     def engine_args(self, backend: str) -> EngineArgs:
         kw = dict(self.engine)
@@ -54,8 +54,8 @@ def load_benchmark(name: str) -> Any:
 
 
 def run_sim(scenario: Scenario, fast_forward: bool = True) -> tuple[dict[str, pd.DataFrame], Any]:
-    from sim.arrivals import Offline  # noqa: PLC0415
-    from sim.engine import Simulation  # noqa: PLC0415
+    from servetwin.sim.arrivals import Offline  # noqa: PLC0415
+    from servetwin.sim.engine import Simulation  # noqa: PLC0415
 
     engine, info = create_engine_core(scenario.engine_args("sim"))
     sim = Simulation(engine, [replace(r) for r in scenario.requests], Offline(), run="twin",
@@ -67,7 +67,7 @@ def run_sim(scenario: Scenario, fast_forward: bool = True) -> tuple[dict[str, pd
 
 
 def run_torch(scenario: Scenario) -> tuple[dict[str, pd.DataFrame], Any]:
-    from core.realtime import run_realtime  # noqa: PLC0415
+    from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
 
     engine, info = create_engine_core(scenario.engine_args("torch"))
     recorder = TraceRecorder("twin", "torch")

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from core import LLM, SamplingParams
-from gpu.models.registry import SMOLLM2_INSTALL, SMOLLM2_NAME, find_smollm2_gguf, models_dir, resolve_model
+from servetwin.core import LLM, SamplingParams
+from servetwin.gpu.models.registry import (SMOLLM2_INSTALL, SMOLLM2_NAME, find_smollm2_gguf, models_dir, resolve_model)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -4,9 +4,9 @@ decisions in offline mode, and every step row of both traces obeys the scheduler
 Hypothesis draws small workloads (prompt / output lengths, an arrival pattern that only fixes the
 offline order, shared prefixes, n > 1) and engine settings (tight KV pools, chunked prefill on / off,
 small token budgets, prefix caching on / off, fcfs / priority, async scheduling). Both engines are
-built by `core.engine_factory.create_engine_core` with the same `num_gpu_blocks` and `max_model_len`;
-the sim runs through `sim.engine.Simulation` (Offline arrival), torch (`tiny-llama`, CPU, float32)
-through `core.realtime.run_realtime(offline=True)`, greedy with ignore_eos.
+built by `servetwin.core.engine.engine_factory.create_engine_core` with the same `num_gpu_blocks` and `max_model_len`;
+the sim runs through `servetwin.sim.engine.Simulation` (Offline arrival), torch (`tiny-llama`, CPU, float32)
+through `servetwin.core.testbed.realtime.run_realtime(offline=True)`, greedy with ignore_eos.
 
 Model loading: the first `TorchExecutor` pays for the torch / transformers imports and the tiny
 model build (~3 s); later ones re-read the cached 2-layer checkpoint in ~15 ms, so each example
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from inttest_helpers import Scenario, assert_same_decisions, check_step_invariants, run_sim, run_torch
 
-from sim.workload import WorkloadRequest
+from servetwin.sim.workload import WorkloadRequest
 
 VOCAB = 320  # tiny-llama
 MAX_EXAMPLES = int(os.environ.get("SERVETWIN_TWIN_EXAMPLES", "12"))
@@ -35,10 +35,10 @@ _WARM: dict[str, object] = {}
 def _warm_model() -> None:
     """Import torch / transformers and build (or find) tiny-llama once per test session."""
     if "info" not in _WARM:
-        from gpu.models.registry import resolve_model  # noqa: PLC0415
+        from servetwin.gpu.models.registry import resolve_model  # noqa: PLC0415
 
         _WARM["info"] = resolve_model("tiny-llama")
-        import gpu.executor  # noqa: F401, PLC0415
+        import servetwin.gpu.executor as executor  # noqa: F401, PLC0415
 
 
 @st.composite
@@ -197,7 +197,7 @@ def test_sim_fast_forward_matches_step_by_step_on_a_one_token_last_prefill_chunk
     "modelling gap: identical prompts + prefix caching + preemption. Torch's greedy outputs of identical "
     "prompts are identical, so their full blocks holding OUTPUT tokens get the same block hashes and a "
     "request resumed after preemption hits another request's cached output blocks (step 13: 32 prefix-hit "
-    "tokens, 2 tokens scheduled). The sim's fake tokens (sim.executor.fake_token(step, row)) differ per "
+    "tokens, 2 tokens scheduled). The sim's fake tokens (servetwin.sim.executor.fake_token(step, row)) differ per "
     "batch row, so the sim hits only 16 tokens and recomputes 18. vLLM behaves like torch here. A sim "
     "token rule that is a function of the request's token history (+ seed when sampling) would match."))
 def test_identical_greedy_prompts_share_output_blocks_in_both_backends():
@@ -224,11 +224,11 @@ def _empty_step_preemption_scenario() -> Scenario:
 
 @pytest.mark.parametrize("backend", ["sim", "torch"])
 def test_preemption_in_a_step_that_schedules_nothing_is_recorded(backend):
-    from core.engine_factory import create_engine_core  # noqa: PLC0415
-    from core.realtime import run_realtime  # noqa: PLC0415
-    from core.trace import TraceRecorder  # noqa: PLC0415
-    from sim.arrivals import Offline  # noqa: PLC0415
-    from sim.engine import Simulation  # noqa: PLC0415
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
+    from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
+    from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
+    from servetwin.sim.arrivals import Offline  # noqa: PLC0415
+    from servetwin.sim.engine import Simulation  # noqa: PLC0415
 
     sc = _empty_step_preemption_scenario()
     engine, _ = create_engine_core(sc.engine_args(backend))

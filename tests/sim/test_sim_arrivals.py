@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import simpy
 
-from sim.arrivals import ClosedLoop, Gamma, Offline, Poisson, parse_arrival
-from sim.workload import WorkloadRequest
+from servetwin.sim.arrivals import ClosedLoop, Gamma, Offline, Poisson, parse_arrival
+from servetwin.sim.workload import WorkloadRequest
 
 
 def _gaps(times):

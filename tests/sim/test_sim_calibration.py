@@ -4,10 +4,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from sim.calibration import calibrated_hardware, fit_coefficients, nnls
-from sim.coefficients import CostCoefficients
-from sim.cost_model import CostModel, RowShape, StepSummary
-from sim.hardware import load_hardware, save_hardware
+from servetwin.sim.calibration import calibrated_hardware, fit_coefficients, nnls
+from servetwin.sim.coefficients import CostCoefficients
+from servetwin.sim.cost_model import CostModel, RowShape, StepSummary
+from servetwin.sim.hardware import load_hardware, save_hardware
 
 
 def test_nnls_satisfies_kkt_on_random_problems():

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from core.runner_state import RunnerState
-from sim.coefficients import BASIS_TERMS, CostCoefficients
-from sim.cost_model import CostModel, RowShape, StepSummary, default_cuda_graph_sizes
-from sim.model_spec import PRESETS
+from servetwin.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from servetwin.core.engine.runner_state import RunnerState
+from servetwin.sim.coefficients import BASIS_TERMS, CostCoefficients
+from servetwin.sim.cost_model import CostModel, RowShape, StepSummary, default_cuda_graph_sizes
+from servetwin.sim.model_spec import PRESETS
 
 H100_BW, H100_PEAK = 3.35e12, 989.4e12
 # llama-3.1-8b: d 4096, 32 layers, 32 heads, 8 KV heads, head dim 128, FFN 14336, vocab 128256.
@@ -241,10 +241,10 @@ def test_shared_prefix_reads_have_their_own_term():
 
 def test_the_scheduler_reports_shared_kv_tokens():
     """Two requests with a common 48-token prefix: 3 blocks with two holders each."""
-    from core.config import CacheConfig, SchedulerConfig  # noqa: PLC0415
-    from core.request import Request  # noqa: PLC0415
-    from core.sampling_params import SamplingParams  # noqa: PLC0415
-    from core.scheduler import Scheduler  # noqa: PLC0415
+    from servetwin.core.sched.config import CacheConfig, SchedulerConfig  # noqa: PLC0415
+    from servetwin.core.request import Request  # noqa: PLC0415
+    from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
+    from servetwin.core.sched.scheduler import Scheduler  # noqa: PLC0415
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256),
                       CacheConfig(block_size=16, num_gpu_blocks=64, enable_prefix_caching=True))

@@ -4,14 +4,14 @@ import time
 import numpy as np
 import pytest
 
-from core.config import CacheConfig, SchedulerConfig
-from core.engine_core import EngineCore
-from sim.arrivals import ClosedLoop, Offline
-from sim.coefficients import CostCoefficients
-from sim.cost_model import CostModel
-from sim.engine import Simulation, simulate, simulate_workload
-from sim.executor import SimExecutor
-from sim.workload import WorkloadRequest
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.engine.engine_core import EngineCore
+from servetwin.sim.arrivals import ClosedLoop, Offline
+from servetwin.sim.coefficients import CostCoefficients
+from servetwin.sim.cost_model import CostModel
+from servetwin.sim.engine import Simulation, simulate, simulate_workload
+from servetwin.sim.executor import SimExecutor
+from servetwin.sim.workload import WorkloadRequest
 
 ONE_SECOND_STEPS = CostCoefficients(c_step=1.0, c_linear=0.0, c_attn_prefill=0.0, c_attn_decode=0.0,
                                     c_lm_head=0.0, c_comm=0.0)

@@ -3,10 +3,10 @@ import time
 
 import pytest
 
-from core.executor import Executor, FakeExecutor, make_executor
-from core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from sim.cost_model import CostModel, RowShape
-from sim.executor import SimExecutor, fake_token
+from servetwin.core.engine.executor import Executor, FakeExecutor, make_executor
+from servetwin.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from servetwin.sim.cost_model import CostModel, RowShape
+from servetwin.sim.executor import SimExecutor, fake_token
 
 
 def _outputs():
@@ -94,7 +94,7 @@ def test_never_reads_the_host_clock(monkeypatch):
 
 
 def test_request_token_rule_depends_on_the_request_only():
-    from sim.executor import request_token, request_token_salt  # noqa: PLC0415
+    from servetwin.sim.executor import request_token, request_token_salt  # noqa: PLC0415
     sim = SimExecutor(model="llama-3.1-8b")
     sos = _outputs()
     outs = [sim.execute_model(so).sampled_token_ids for so in sos]
@@ -113,8 +113,8 @@ def test_unknown_token_rule_names_the_field():
 
 
 def test_request_token_salt_follows_the_sampling_mode():
-    from core.sampling_params import SamplingParams  # noqa: PLC0415
-    from sim.executor import request_token_salt  # noqa: PLC0415
+    from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
+    from servetwin.sim.executor import request_token_salt  # noqa: PLC0415
     greedy, seeded, rand = SamplingParams(temperature=0), SamplingParams(seed=3), SamplingParams()
     assert request_token_salt("x", [1, 2], greedy) == request_token_salt("y", [1, 2], greedy)
     assert request_token_salt("x", [1, 2], greedy) != request_token_salt("x", [1, 3], greedy)
@@ -134,7 +134,7 @@ def test_request_rule_tokens_stay_inside_a_small_vocabulary():
 def test_implicit_token_slices_equal_the_request_rule(modulus):
     """`lazy_tokens` reads the rule's cycle as a list slice; with 7 not invertible (modulus 70) it
     computes each token. Both equal `request_token` for every start and length."""
-    from sim.executor import request_token  # noqa: PLC0415
+    from servetwin.sim.executor import request_token  # noqa: PLC0415
 
     ex = SimExecutor(model="tiny-llama")
     ex.token_modulus = modulus

@@ -2,10 +2,10 @@
 import pandas as pd
 from hypothesis import given, settings, strategies as st
 
-from core.engine_args import EngineArgs
-from core.engine_factory import create_engine_core
-from sim.engine import Simulation
-from sim.workload import build_workload, rng_streams
+from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_factory import create_engine_core
+from servetwin.sim.engine import Simulation
+from servetwin.sim.workload import build_workload, rng_streams
 from sim_helpers import assert_same_block_pool, small_workload
 
 

@@ -1,9 +1,9 @@
 """HardwareSpec presets, YAML loading/saving and field errors."""
 import pytest
 
-from sim.coefficients import BASIS_TERMS, CostCoefficients
-from sim.hardware import HardwareSpec, load_hardware, save_hardware
-from sim.hardware_presets import HARDWARE_PRESETS
+from servetwin.sim.coefficients import BASIS_TERMS, CostCoefficients
+from servetwin.sim.hardware import HardwareSpec, load_hardware, save_hardware
+from servetwin.sim.hardware_presets import HARDWARE_PRESETS
 
 
 def test_coefficient_fields_match_basis_terms():

@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from core.engine_args import EngineArgs
-from core.engine_factory import create_engine_core
-from sim.engine import Simulation
-from sim.workload import build_workload, rng_streams
+from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_factory import create_engine_core
+from servetwin.sim.engine import Simulation
+from servetwin.sim.workload import build_workload, rng_streams
 from sim_helpers import assert_same_block_pool, small_workload
 
 # more examples for a thorough local check: SERVETWIN_LAZY_EXAMPLES=1500
@@ -112,7 +112,7 @@ def test_block_boundaries_are_handled_in_place(async_scheduling, monkeypatch):
     """A member crossing block boundaries (a new block, a block registered) stays implicit: it is
     materialised about once (its last token), not once per block, and listed only around its prefill
     and its end - with a trace equal to the step-by-step run."""
-    from core.lazy_decode import LazyDecodes  # noqa: PLC0415
+    from servetwin.core.sched.lazy_decode import LazyDecodes  # noqa: PLC0415
 
     engine_kw = dict(enable_prefix_caching=True, num_gpu_blocks=600, max_num_seqs=8, max_model_len=512,
                      async_scheduling=async_scheduling, block_size=16)

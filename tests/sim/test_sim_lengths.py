@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from sim.lengths import Empirical, Fixed, LogNormal, Normal, Uniform, parse_length_dist
+from servetwin.sim.lengths import Empirical, Fixed, LogNormal, Normal, Uniform, parse_length_dist
 
 
 def _rng():

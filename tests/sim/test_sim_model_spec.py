@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from core.kv_sizing import num_blocks_for_memory
-from sim.model_spec import PRESETS, ModelSpec, load_model_spec
+from servetwin.core.kv_cache.kv_sizing import num_blocks_for_memory
+from servetwin.sim.model_spec import PRESETS, ModelSpec, load_model_spec
 
 
 @pytest.mark.parametrize("name, params", [

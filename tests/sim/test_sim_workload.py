@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from sim.arrivals import ClosedLoop, Poisson
-from sim.workload import WorkloadSpec, build_workload, generate_requests
+from servetwin.sim.arrivals import ClosedLoop, Poisson
+from servetwin.sim.workload import WorkloadSpec, build_workload, generate_requests
 
 BASE = {"seed": 3, "requests": 50, "prompt_tokens": {"type": "uniform", "low": 5, "high": 60},
         "output_tokens": {"type": "lognormal", "mean": 30, "cv": 0.8},

@@ -1,0 +1,91 @@
+"""Engine arguments with vLLM's names; an unknown name is an error that names it."""
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str = "tiny-llama"
+    backend: str = "torch"  # "torch" | "sim" | "fake"
+    tokenizer: Optional[str] = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 128
+    max_model_len: Optional[int] = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    async_scheduling: bool = False
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
+    gpu_memory_utilization: float = 0.92
+    num_gpu_blocks: Optional[int] = None
+    num_gpu_blocks_override: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    max_logprobs: int = 20
+    attention_backend: str = "auto"
+    device: str = "auto"
+    hardware: Optional[str] = None  # simulator: hardware preset or YAML path
+    multiprocess: bool = False
+    profile_dir: Optional[str] = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        allowed = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in allowed:
+                close = difflib.get_close_matches(key, sorted(allowed), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"{key}: unknown engine argument{hint}; allowed: {sorted(allowed)}")
+        args = cls(**kwargs)
+        if args.num_gpu_blocks_override is not None and args.num_gpu_blocks is None:
+            args.num_gpu_blocks = args.num_gpu_blocks_override
+        if args.backend not in ("torch", "sim", "fake"):
+            raise ValueError(f"backend: must be 'torch', 'sim' or 'fake', got {args.backend!r}")
+        if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {args.tensor_parallel_size!r}")
+        if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+            raise ValueError(f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
+        if (not isinstance(args.max_logprobs, int) or isinstance(args.max_logprobs, bool)
+                or args.max_logprobs < -1):
+            raise ValueError(f"max_logprobs: must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")
+        if args.num_gpu_blocks_override is not None:
+            CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override)  # raises naming num_gpu_blocks
+        # the KV-cache settings fail here, before any executor divides by a zero block size or
+        # reports a bad block count as "no available memory"
+        args.cache_config()
+        return args
+
+    def default_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        base = max(8192, self.max_num_seqs)
+        return base if self.enable_chunked_prefill else max(base, max_model_len)
+
+    def cache_config(self, num_gpu_blocks: Optional[int] = None) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size,
+                           num_gpu_blocks=num_gpu_blocks if num_gpu_blocks is not None else self.num_gpu_blocks,
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.default_max_num_batched_tokens(max_model_len),
+            max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
+            async_scheduling=self.async_scheduling,
+            scheduler_reserve_full_isl=self.scheduler_reserve_full_isl, watermark=self.watermark)

@@ -1,0 +1,143 @@
+"""Turns `EngineCoreOutput`s into `RequestOutput`s: detokenisation, stop strings, n > 1 aggregation."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from servetwin.core.engine.detokenizer import IncrementalDetokenizer
+from servetwin.core.outputs import EngineCoreOutput, Logprobs
+from servetwin.core.request import FinishReason
+from servetwin.core.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
+from servetwin.core.sampling_params import SamplingParams
+
+
+def logprobs_to_dict(lp: Logprobs) -> dict[int, float]:
+    return dict(zip(lp.token_ids, lp.logprobs))
+
+
+@dataclass(slots=True)
+class ChildState:
+    request_id: str
+    parent_id: str
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    logprobs: Optional[list[dict[int, float]]] = None
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+
+@dataclass(slots=True)
+class ParentState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    children: list[ChildState] = field(default_factory=list)
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.children: dict[str, ChildState] = {}
+
+    def add_request(self, parent_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    children: list[tuple[str, SamplingParams]], arrival_time: Optional[float] = None) -> None:
+        if parent_id in self.parents:
+            raise ValueError(f"request_id: duplicate request id {parent_id!r}")
+        parent = ParentState(parent_id, prompt, prompt_token_ids)
+        parent.metrics.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        for i, (cid, params) in enumerate(children):
+            child = ChildState(cid, parent_id, i, params,
+                               IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
+                               logprobs=[] if params.logprobs is not None else None)
+            parent.children.append(child)
+            self.children[cid] = child
+        self.parents[parent_id] = parent
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        parent = self.parents.get(parent_id)
+        return [c.request_id for c in parent.children if c.finish_reason is None] if parent else []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated parents' outputs, and child ids the engine must abort (stop strings)."""
+        touched: dict[str, ParentState] = {}
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for out in outputs:
+            child = self.children.get(out.request_id)
+            if child is None or child.finish_reason is not None:
+                continue
+            parent = self.parents[child.parent_id]
+            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None if lp is None else logprobs_to_dict(lp)
+                                          for lp in out.new_prompt_logprobs]
+            if out.new_token_ids and parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            parent.metrics.num_cached_tokens = out.num_cached_tokens
+            n_before = len(child.detok.token_ids)
+            stopped_by_string = child.detok.update(out.new_token_ids)
+            kept = len(child.detok.token_ids) - n_before
+            if child.logprobs is not None and out.new_logprobs:
+                # the sampled token is the output token itself (`Logprobs.sampled_rank` is its rank in
+                # the vocabulary, 1-based as in vLLM, not an index into `token_ids`)
+                for tid, lp in zip(out.new_token_ids[:kept], out.new_logprobs[:kept]):
+                    d = logprobs_to_dict(lp)
+                    child.logprobs.append(d)
+                    if tid in d:
+                        child.cumulative_logprob += d[tid]
+            if stopped_by_string:
+                child.finish_reason = str(FinishReason.STOP)
+                child.stop_reason = child.detok.stop_reason
+                if out.finish_reason is None:
+                    to_abort.append(child.request_id)
+            elif out.finish_reason is not None:
+                child.finish_reason = str(FinishReason(out.finish_reason))
+                child.stop_reason = out.stop_reason
+            if child.finish_reason is not None:
+                self.children.pop(child.request_id, None)
+            touched[parent.request_id] = parent
+        results = []
+        for parent in touched.values():
+            results.append(self._make_output(parent))
+            if parent.finished:
+                parent.metrics.finished_time = now
+                del self.parents[parent.request_id]
+        return results, to_abort
+
+    def abort(self, parent_id: str) -> list[str]:
+        parent = self.parents.pop(parent_id, None)
+        if parent is None:
+            return []
+        ids = []
+        for c in parent.children:
+            if c.finish_reason is None:
+                ids.append(c.request_id)
+            self.children.pop(c.request_id, None)
+        return ids
+
+    def _make_output(self, parent: ParentState) -> RequestOutput:
+        finished = parent.finished
+        completions = [
+            CompletionOutput(index=c.index, text=c.detok.visible_text(c.finish_reason is not None),
+                             token_ids=list(c.detok.token_ids),
+                             cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                             logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in parent.children
+        ]
+        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                             prompt_token_ids=parent.prompt_token_ids, outputs=completions, finished=finished,
+                             prompt_logprobs=parent.prompt_logprobs,
+                             num_cached_tokens=parent.metrics.num_cached_tokens, metrics=parent.metrics)

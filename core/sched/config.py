@@ -1,0 +1,90 @@
+"""Scheduler and cache configuration with vLLM 0.33 names, defaults and validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from servetwin.core.sched.request_queue import SchedulingPolicy
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: Optional[int] = None  # None: 32768 with chunked prefill, else max_num_batched_tokens
+    max_num_scheduled_tokens: Optional[int] = None
+    max_num_active_seqs: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
+    policy: str = "fcfs"
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
+    async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_model_len is None:
+            self.max_model_len = 32768 if self.enable_chunked_prefill else self.max_num_batched_tokens
+        _check_int("max_model_len", self.max_model_len, 2)
+        if self.max_num_scheduled_tokens is None:
+            self.max_num_scheduled_tokens = self.max_num_batched_tokens
+        _check_int("max_num_scheduled_tokens", self.max_num_scheduled_tokens, 1)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy: must be 'fcfs' or 'priority', got {self.policy!r}")
+        if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark: must be in [0, 1), got {self.watermark!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill disabled, so the longest sequence could "
+                "never be scheduled; raise max_num_batched_tokens or lower max_model_len.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
+        if self.max_num_active_seqs is not None:
+            _check_int("max_num_active_seqs", self.max_num_active_seqs, 1)
+            if self.max_num_active_seqs > self.max_num_seqs:
+                raise ValueError(f"max_num_active_seqs: {self.max_num_active_seqs} must be <= "
+                                 f"max_num_seqs ({self.max_num_seqs})")
+        if self.long_prefill_token_threshold > self.max_model_len:
+            raise ValueError(f"long_prefill_token_threshold: {self.long_prefill_token_threshold} must be "
+                             f"<= max_model_len ({self.max_model_len})")
+
+    @property
+    def scheduling_policy(self) -> SchedulingPolicy:
+        return SchedulingPolicy(self.policy)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks: Optional[int] = None  # None: sized from memory by the executor
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.92
+    kv_cache_memory_bytes: Optional[int] = None
+    prefix_caching_hash_algo: str = "sha256"
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        if self.num_gpu_blocks is not None:
+            _check_int("num_gpu_blocks", self.num_gpu_blocks, 2)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        if self.prefix_caching_hash_algo != "sha256":
+            raise ValueError(f"prefix_caching_hash_algo: only 'sha256' is supported, got "
+                             f"{self.prefix_caching_hash_algo!r}")
+
+
+def field_names(cls: type) -> set[str]:
+    return {f.name for f in fields(cls)}

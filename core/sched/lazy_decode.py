@@ -1,0 +1,251 @@
+"""Implicit steady decodes: the simulator's exact shortcut for per-row work (O(events) per step).
+
+A running request in steady decode (one token per step, no stop token it could sample, no forced
+EOS) changes in a fully predictable way from step to step: C and the output grow by one. While such
+a request - a *member* - has no event, the scheduler schedules it *implicitly*: it is counted in the
+step's aggregates (`SchedulerOutput.lazy`: rows, sum and max of computed tokens) but not listed in
+`num_scheduled_tokens`, not touched by `update_from_output`, and produces no `EngineCoreOutput`.
+
+A member's next event is the first step at which the normal code could do anything but "+1 token":
+it needs a new block, a block of it becomes full (prefix-cache registration), or it reaches its
+length cap. Events are computed when the request joins (conservatively: an event too early only
+costs speed). At a KV event (a new block, a block registered) the member stays implicit: its
+outputs so far are applied (the tokens from the executor's per-request token rule, so the block
+hashes exist) and its row of the running pass does the KV work in running order with its implicit C,
+then its next event is set (`advance`). At its terminal event (the last token, the length cap) - or
+whenever anything else needs its exact state - a member is *materialised*: the deferred steps are
+applied at once (C, in-flight counters, tokens, block hashes) and the request takes the normal path
+(and may join again after its row's KV work, `try_join`).
+
+Budget and KV checks at the start of every step guarantee that the normal code would schedule every
+member one token without clipping or preemption; when they fail, every member is materialised first
+and the step runs the normal code. So decisions, block ids and times equal the step-by-step run
+(tests/sim/test_sim_lazy_decode.py checks traces for equality with Hypothesis). Only the simulator
+turns this on (`Simulation(lazy_decode=True)`, when per-request step rows are not recorded): the rows
+of `step_requests` and the per-token outputs of a front end need every row listed.
+
+Step indices here are the scheduler's own (`SchedulerOutput.scheduler_step`). In async scheduling the
+output of a member's last implicit step is still pending when it is materialised: its token is
+produced then and applied by the next `update_from_output`, in running order (`pending_update`) -
+unless the request joins again in the same step: then that output stays implicit too (the member's
+outputs start a step before its schedule effects, `out_from = first_step - 1`), since applying it
+would only append the token (it cannot stop the request, complete a block or register one).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from servetwin.core.request import Request, RequestStatus
+
+
+class LazyTokenSource(Protocol):
+    """The executor side: which requests may go implicit and the tokens they sample meanwhile."""
+
+    def lazy_eligible(self, request: Request) -> bool: ...
+
+    def lazy_tokens(self, request_id: str, n: int) -> list[int]: ...
+
+
+@dataclass(slots=True)
+class LazyStep:
+    """The implicit rows of one step: each a decode row (q = 1) after `s` computed tokens."""
+    num_reqs: int
+    sum_computed_before: int
+    max_computed_before: int
+
+
+@dataclass(slots=True)
+class LazyFlush:
+    """Tokens of `num_tokens` implicit steps starting at scheduler step `first_step`, applied late."""
+    request_id: str
+    first_step: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class _Member:
+    request: Request
+    first_step: int  # its first implicit step
+    offset: int  # C at the first implicit step minus that step: C(step) = offset + step
+    event: int  # its next event: a KV event (handled in place) or `terminal`
+    terminal: int  # first step at which it must be materialised (last token, length cap)
+    seq: int
+    out_from: int  # its first step whose output is not applied (first_step, or one less)
+    carry: list[int]  # tokens already drawn from the source for steps out_from.. (at most one)
+    flush_from: int  # its first step whose token the trace has not been told of (<= out_from)
+
+
+class LazyDecodes:
+    def __init__(self, source: LazyTokenSource, block_size: int, max_model_len: int,
+                 async_scheduling: bool, caching: bool) -> None:
+        self.source = source
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.async_scheduling = async_scheduling
+        self.caching = caching
+        self.members: dict[str, _Member] = {}
+        self.nonmembers: dict[str, Request] = {}  # running requests that are not members (valid with members)
+        self.sum_offset = 0
+        self._events: list[tuple[int, int, str]] = []  # (event step, seq, request id), lazily deleted
+        self._offsets: list[tuple[int, int, str]] = []  # (-offset, seq, request id): the max C
+        self._seq = 0
+        self.flushed: list[LazyFlush] = []
+        # async: request id -> (request, token of its pending step), made by `materialise`
+        self.pending_update: dict[str, tuple[Request, int]] = {}
+        self._eligible: dict[str, bool] = {}  # the source's verdict per running request
+
+    # -- joining -----------------------------------------------------------------------------------
+    def try_join(self, r: Request, step: int, kv_blocks: int, num_cached_blocks: int) -> bool:
+        """Make `r` a member from `step` on if it is a steady decode (one token per step, nothing in
+        flight but its last step's output) whose first event is at least a step away."""
+        if r.status != RequestStatus.RUNNING or r.num_stale_output_tokens or not r._output_token_ids:
+            return False  # (a one-token last prefill chunk looks like a decode but is a context row)
+        c = r.num_computed_tokens
+        n_tok = len(r._all_token_ids)
+        if self.async_scheduling:
+            if c != n_tok or r.num_output_placeholders != 1 or r.num_in_flight_tokens != 1:
+                return False
+        elif c != n_tok - 1 or r.num_output_placeholders or r.num_in_flight_tokens:
+            return False
+        rid = r.request_id
+        ok = self._eligible.get(rid)
+        if ok is None:
+            ok = self._eligible[rid] = self.source.lazy_eligible(r)
+        if not ok:
+            return False
+        terminal = min(r.max_tokens - len(r._output_token_ids) - 1,  # the last token
+                       self.max_model_len - 2 - c)  # the length cap
+        offset = min(self._kv_offset(c, kv_blocks, num_cached_blocks), terminal)
+        if offset < 1:
+            return False
+        pending = self.pending_update.pop(rid, None) if self.pending_update else None
+        if pending is None:
+            self.join(r, step, step + offset, step + terminal)
+        else:  # materialised this step: its pending output stays implicit (undo what it set up)
+            r.num_in_flight_tokens -= 1
+            r.num_output_placeholders -= 1
+            self.join(r, step, step + offset, step + terminal, out_from=step - 1, carry=[pending[1]])
+        return True
+
+    def _kv_offset(self, c: int, kv_blocks: int, num_cached_blocks: int) -> int:
+        """Steps from now (C = c, holding `kv_blocks`, `num_cached_blocks` registered) to the
+        request's next KV event."""
+        bs = self.block_size
+        offset = kv_blocks * bs - c  # the step that needs a new block
+        if self.caching:
+            # A block becomes full (after the row's KV work every block full of known tokens is
+            # registered: c // bs <= num_cached_blocks). In async scheduling, when it is the last
+            # block held, the allocation of the next block (a step later) registers it: nothing
+            # happens for it in between (its update still lacks the KV written by the step in
+            # flight), so that allocation is its event.
+            if not (self.async_scheduling and kv_blocks == num_cached_blocks + 1):
+                full = (num_cached_blocks + 1) * bs - 1 - c
+                if full < offset:
+                    offset = full
+        return offset
+
+    def advance(self, m: _Member, step: int, kv_blocks: int, num_cached_blocks: int) -> bool:
+        """After the member's KV event at `step` (done in place): set its next event, or False when
+        it cannot stay implicit past this step (the caller then materialises it)."""
+        event = min(step + self._kv_offset(m.offset + step, kv_blocks, num_cached_blocks), m.terminal)
+        if event <= step:
+            return False
+        m.event = event
+        heapq.heappush(self._events, (event, m.seq, m.request.request_id))
+        return True
+
+    def apply_outputs(self, m: _Member, last_updated: int) -> None:
+        """Apply the member's outputs up to step `last_updated` (its tokens and block hashes) and
+        keep it implicit."""
+        n = last_updated + 1 - m.out_from
+        if n <= 0:
+            return
+        r = m.request
+        rid = r.request_id
+        tokens = self.source.lazy_tokens(rid, n - len(m.carry))
+        if m.carry:
+            tokens = m.carry + tokens
+            m.carry = []
+        r.append_output_token_ids(tokens)  # (the trace hears of these tokens at materialisation)
+        m.out_from = last_updated + 1
+
+    def forget(self, request_id: str) -> None:
+        """`request_id` left the running list."""
+        self.nonmembers.pop(request_id, None)
+        self._eligible.pop(request_id, None)
+
+    def join(self, r: Request, step: int, event: int, terminal: int, out_from: Optional[int] = None,
+             carry: Optional[list[int]] = None) -> None:
+        self._seq += 1
+        offset = r.num_computed_tokens - step
+        out_from = step if out_from is None else out_from
+        m = _Member(r, step, offset, event, terminal, self._seq, out_from, carry or [], out_from)
+        self.members[r.request_id] = m
+        self.sum_offset += offset
+        heapq.heappush(self._events, (event, m.seq, r.request_id))
+        heapq.heappush(self._offsets, (-offset, m.seq, r.request_id))
+        if len(self._offsets) > 4 * len(self.members) + 1024:  # drop the entries of past members
+            self._offsets = [(-m.offset, m.seq, rid) for rid, m in self.members.items()]
+            heapq.heapify(self._offsets)
+
+    # -- leaving -----------------------------------------------------------------------------------
+    def due(self, step: int) -> list[_Member]:
+        """Members whose event is at or before `step`, in no particular order."""
+        out = []
+        events, members = self._events, self.members
+        while events and events[0][0] <= step:
+            _, seq, rid = heapq.heappop(events)
+            m = members.get(rid)
+            if m is not None and m.seq == seq:
+                out.append(m)
+        return out
+
+    def materialise(self, m: _Member, next_step: int, last_updated: int) -> Request:
+        """Apply the member's deferred steps: schedule effects of steps [first_step, next_step),
+        output effects of steps [out_from, last_updated]; an async member's pending output is queued."""
+        r = m.request
+        rid = r.request_id
+        del self.members[rid]
+        self.sum_offset -= m.offset
+        n_owed = next_step - m.out_from  # outputs of steps out_from .. next_step - 1
+        n_out = max(0, min(n_owed, last_updated + 1 - m.out_from))
+        pending = n_owed - n_out
+        r.num_computed_tokens += next_step - m.first_step
+        tokens = self.source.lazy_tokens(rid, n_owed - len(m.carry))
+        if m.carry:
+            tokens = m.carry + tokens
+        if pending:
+            r.num_in_flight_tokens += pending
+            r.num_output_placeholders += pending
+            self.pending_update[rid] = (r, tokens.pop())
+        if n_out:
+            r.append_output_token_ids(tokens)
+        n_told = m.out_from + n_out - m.flush_from  # applied in place before, and now
+        if n_told:
+            self.flushed.append(LazyFlush(rid, m.flush_from, n_told))
+        return r
+
+    def max_offset(self) -> int:
+        """max over members of C(step) - step (for the step's largest KV length)."""
+        offsets, members = self._offsets, self.members
+        while True:
+            neg, seq, rid = offsets[0]
+            m = members.get(rid)
+            if m is not None and m.seq == seq:
+                return -neg
+            heapq.heappop(offsets)
+
+    def step_aggregates(self, step: int) -> Optional[LazyStep]:
+        k = len(self.members)
+        if not k:
+            return None
+        return LazyStep(k, self.sum_offset + k * step, self.max_offset() + step)
+
+    def take_flushed(self) -> list[LazyFlush]:
+        out, self.flushed = self.flushed, []
+        return out
+
+
+__all__ = ["LazyDecodes", "LazyFlush", "LazyStep", "LazyTokenSource"]

@@ -1,0 +1,811 @@
+"""The scheduler: vLLM 0.33.0's `Scheduler.schedule()` / `update_from_output()` (spec sections 2-3).
+
+There is no prefill or decode phase: each request has `num_computed_tokens` (C) and `num_tokens` (N)
+and every step hands out tokens so that C catches up. Running requests first (admission order), then
+waiting ones (only in a step without preemption). `async_scheduling=True` adds vLLM's one-step
+run-ahead: output placeholders for tokens sampled but not yet returned (spec 2.10).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.kv_cache.hashing import get_hash_fn_by_name, get_request_block_hasher
+from servetwin.core.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from servetwin.core.kv_cache.kv_sizing import cdiv
+from servetwin.core.sched.lazy_decode import LazyDecodes, LazyFlush, LazyTokenSource
+from servetwin.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from servetwin.core.request import Request, RequestStatus
+from servetwin.core.sched.request_queue import SchedulingPolicy, create_request_queue
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_skipped_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    num_preempted_reqs: int = 0  # preemptions since the previous make_stats()
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """0.33 order: EOS, stop token ids, length caps, then the min_tokens gate (spec 3.1)."""
+    sp = request.sampling_params
+    last = request._output_token_ids[-1]
+    if last == sp._eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if sp.stop_token_ids and last in sp.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    if len(request._all_token_ids) >= max_model_len or len(request._output_token_ids) >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+def _running_seq(request: Request) -> int:
+    return request.running_seq
+
+
+def _row_running_seq(row: tuple[Request, int]) -> int:
+    return row[0].running_seq
+
+
+class UnservableRequestError(ValueError):
+    """A request that could never fit the KV pool (vLLM would block its queue forever)."""
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 log_stats: bool = True) -> None:
+        if cache_config.num_gpu_blocks is None:
+            raise ValueError("num_gpu_blocks: the KV pool size must be known before building the scheduler")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_active_reqs = scheduler_config.max_num_active_seqs or scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_scheduled_tokens
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.policy = scheduler_config.scheduling_policy
+        self.async_scheduling = scheduler_config.async_scheduling
+        self.log_stats = log_stats
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks=cache_config.num_gpu_blocks, block_size=cache_config.block_size,
+            max_model_len=self.max_model_len, enable_caching=cache_config.enable_prefix_caching,
+            watermark=scheduler_config.watermark, log_stats=log_stats)
+        self.block_hasher = None
+        if cache_config.enable_prefix_caching:
+            self.block_hasher = get_request_block_hasher(
+                cache_config.block_size, get_hash_fn_by_name(cache_config.prefix_caching_hash_algo))
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.deferred_waiting: set[str] = set()
+        self.finished_req_ids: set[str] = set()
+        self.reset_preempted_req_ids: set[str] = set()
+        self.current_step = 0
+        self.num_preemptions_total = 0
+        self._num_preempted_since_stats = 0
+        self._running_seq = 0
+        self._last_updated_step = -1  # scheduler step of the last output processed
+        self.lazy: Optional[LazyDecodes] = None  # implicit steady decodes (simulator speed), off by default
+
+    # -- requests in and out -----------------------------------------------------------------
+    def check_servable(self, request: Request) -> None:
+        """Reject a request that can never be served, instead of blocking the queue (spec 8.4)."""
+        usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
+        if request.num_prompt_tokens == 0:
+            raise UnservableRequestError(f"prompt: request {request.request_id} has an empty prompt")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise UnservableRequestError(
+                f"prompt: request {request.request_id} has {request.num_prompt_tokens} prompt tokens, "
+                f"max_model_len is {self.max_model_len} (the prompt plus at least one output token must fit)")
+        longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        if cdiv(longest, self.block_size) > usable:
+            raise UnservableRequestError(
+                f"prompt: request {request.request_id} can grow to {longest} tokens "
+                f"({request.num_prompt_tokens} prompt + up to {request.max_tokens} output), needing "
+                f"{cdiv(longest, self.block_size)} KV blocks, but the pool has only {usable} usable blocks "
+                f"of {self.block_size} tokens ({usable * self.block_size} tokens)")
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: duplicate request id {request.request_id!r}")
+        self.check_servable(request)
+        if self.block_hasher is not None and request._block_hasher is None:
+            request.set_block_hasher(self.block_hasher, self.block_size)
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: Optional[str | Iterable[str]],
+                        finished_status: RequestStatus) -> list[Request]:
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status: {finished_status!r} is not a finished status")
+        if request_ids is None:
+            request_ids = list(self.requests)
+        elif isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        running_to_remove, waiting_to_remove, finished = set(), [], []
+        lazy = self.lazy
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            if lazy is not None:
+                if rid in lazy.members:
+                    lazy.materialise(lazy.members[rid], self.current_step, self._last_updated_step)
+                lazy.forget(rid)
+            if request.status == RequestStatus.RUNNING:
+                running_to_remove.add(rid)
+            else:
+                waiting_to_remove.append(request)
+                self.deferred_waiting.discard(rid)
+            finished.append(request)
+        if running_to_remove:
+            self.running = [r for r in self.running if r.request_id not in running_to_remove]
+        if waiting_to_remove:
+            self.waiting.remove_requests(waiting_to_remove)
+        for request in finished:
+            request.status = finished_status
+            self._free_request(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # -- counters ----------------------------------------------------------------------------
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    # -- schedule ----------------------------------------------------------------------------
+    def _long_prefill_threshold(self) -> int:
+        cfg = self.scheduler_config
+        num_eligible = len(self.running) + len(self.waiting)
+        threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+        if threshold > 0 and cfg.long_prefill_token_threshold_adaptive:
+            threshold = max(threshold, self.max_num_batched_tokens // num_eligible)
+        return threshold
+
+    def schedule(self) -> SchedulerOutput:
+        if self.lazy is not None:
+            so = self._schedule_lazy()
+            if so is not None:
+                return so
+        return self._schedule()
+
+    def _schedule(self) -> SchedulerOutput:
+        self.current_step += 1
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_scheduled_tokens
+        input_budget = self.max_num_batched_tokens
+        threshold = self._long_prefill_threshold()
+        priority = self.policy == SchedulingPolicy.PRIORITY
+        max_model_len = self.max_model_len
+        block_size = self.block_size
+        caching = kv.enable_caching
+        req_to_blocks = kv.req_to_blocks
+        num_cached_block = kv.num_cached_block
+
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        preempted_reqs: list[Request] = []
+        req_to_new_blocks: dict[str, list] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+
+        # Pass 1: running requests, in admission order.
+        running = self.running
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            if input_budget <= 0:
+                break
+            computed = request.num_computed_tokens
+            n = self._running_tokens(request, threshold, max_model_len)
+            if n > token_budget:
+                n = token_budget
+            if n > input_budget:
+                n = input_budget
+            if n <= 0:
+                req_index += 1
+                continue
+
+            rid = request.request_id
+            blocks = req_to_blocks.get(rid)
+            if blocks is not None and computed + n <= len(blocks) * block_size:
+                new_blocks = []  # fast path: the request's blocks already hold these slots
+                if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
+                    kv.cache_blocks(request, min(computed + n, len(request._all_token_ids)))
+            else:
+                while True:
+                    new_blocks = kv.allocate_slots(request, n)
+                    if new_blocks is not None:
+                        break
+                    if priority:
+                        victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+                        victim_index = running.index(victim)
+                        del running[victim_index]
+                        if victim_index < req_index:
+                            req_index -= 1
+                        victim_tokens = num_scheduled_tokens.pop(victim.request_id, None)
+                        if victim_tokens is not None:  # un-schedule a victim scheduled earlier this step
+                            scheduled_running_reqs.remove(victim)
+                            req_to_new_blocks.pop(victim.request_id, None)
+                            token_budget += victim_tokens
+                            input_budget += victim_tokens
+                    else:
+                        victim = running.pop()
+                    self._preempt_request(victim)
+                    preempted_reqs.append(victim)
+                    if victim is request:
+                        break
+                if new_blocks is None:
+                    if priority and request.status == RequestStatus.PREEMPTED:
+                        continue
+                    break
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[rid] = new_blocks
+            num_scheduled_tokens[rid] = n
+            token_budget -= n
+            input_budget -= n
+            req_index += 1
+
+        # Pass 2: waiting requests, only in a step without preemption.
+        if not preempted_reqs:
+            self._schedule_waiting(threshold, token_budget, input_budget, scheduled_new_reqs,
+                                   scheduled_resumed_reqs, req_to_new_blocks, num_scheduled_tokens)
+
+        return self._finalise(scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs,
+                              preempted_reqs, req_to_new_blocks, num_scheduled_tokens)
+
+    # -- implicit steady decodes (core/lazy_decode.py) -----------------------------------------
+    def enable_lazy_decode(self, source: LazyTokenSource) -> None:
+        """Schedule steady decodes implicitly (exact; for executors that implement `source`)."""
+        self.lazy = LazyDecodes(source, self.block_size, self.max_model_len, self.async_scheduling,
+                                self.kv_cache_manager.enable_caching)
+
+    def flush_lazy(self) -> list[LazyFlush]:
+        """Materialise every member (between steps); returns every flush not yet taken."""
+        if self.lazy is None:
+            return []
+        self._materialise_all()
+        return self.lazy.take_flushed()
+
+    def _materialise_all(self) -> None:
+        lazy = self.lazy
+        for m in list(lazy.members.values()):
+            lazy.nonmembers[m.request.request_id] = lazy.materialise(m, self.current_step, self._last_updated_step)
+
+    def _schedule_lazy(self) -> Optional[SchedulerOutput]:
+        """A step with implicit members, or None (after materialising them all) when the normal code
+        could clip or preempt someone this step."""
+        lazy = self.lazy
+        step = self.current_step
+        kv = self.kv_cache_manager
+        req_to_blocks = kv.req_to_blocks
+        num_cached_block = kv.num_cached_block
+        block_size = self.block_size
+        last_updated = self._last_updated_step
+        in_place = {}  # request id -> member with a KV event this step (its row does the KV work)
+        for m in lazy.due(step):
+            if m.event < m.terminal:
+                in_place[m.request.request_id] = m
+            else:  # the last token or the length cap: the normal path
+                r = lazy.materialise(m, step, last_updated)
+                lazy.nonmembers[r.request_id] = r
+        if not lazy.members:
+            lazy.nonmembers = {r.request_id: r for r in self.running}
+        k = len(lazy.members)
+        threshold = self._long_prefill_threshold()
+        eager = sorted(lazy.nonmembers.values(), key=_running_seq)
+        rows, demand, blocks_needed = self._running_demand(eager, threshold)
+        if in_place:  # one token each, counted in k; a new block when C fills the blocks held
+            for rid, m in in_place.items():
+                if m.offset + step >= len(req_to_blocks[rid]) * block_size:
+                    blocks_needed += 1
+            rows += [(m.request, 1) for m in in_place.values()]
+            rows.sort(key=_row_running_seq)
+        if (k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)
+                or blocks_needed > kv.block_pool.free_block_queue.num_free_blocks):
+            self._materialise_all()  # their flushes stay queued for the engine
+            return None
+
+        self.current_step += 1
+        token_budget = self.max_num_scheduled_tokens - k
+        input_budget = self.max_num_batched_tokens - k
+        max_model_len = self.max_model_len
+        caching = kv.enable_caching
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        req_to_new_blocks: dict[str, list] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+        # The running pass of `_schedule` over the non-members, in running order. The checks above
+        # guarantee no budget clips anyone and every allocation succeeds (so there is no preemption).
+        # A decode row whose KV work (a new block, a block registered) was its only event goes
+        # implicit for this very step once that work is done.
+        for request, n in rows:
+            rid = request.request_id
+            m = in_place.get(rid) if in_place else None
+            if m is None:
+                computed = request.num_computed_tokens
+            else:  # its tokens (and so its block hashes) up to date, its C implicit
+                lazy.apply_outputs(m, last_updated)
+                computed = m.offset + step
+            blocks = req_to_blocks.get(rid)
+            if blocks is not None and computed + n <= len(blocks) * block_size:
+                new_blocks = []
+                if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
+                    kv.cache_blocks(request, min(computed + n, len(request._all_token_ids)))
+            elif blocks is not None:  # the KV check above guarantees these blocks are free
+                new_blocks = kv.allocate_running_slots(request, n, computed)
+            else:
+                new_blocks = kv.allocate_slots(request, n)
+                if new_blocks is None:
+                    raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
+            if m is not None:  # its token is in k already
+                if lazy.advance(m, step, len(req_to_blocks[rid]), num_cached_block.get(rid, 0)):
+                    continue
+                lazy.materialise(m, step, last_updated)  # listed after all
+                lazy.nonmembers[rid] = request
+            else:
+                token_budget -= n
+                input_budget -= n
+                if n == 1 and lazy.try_join(request, step, len(req_to_blocks[rid]),
+                                            num_cached_block.get(rid, 0)):
+                    del lazy.nonmembers[rid]
+                    continue
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[rid] = new_blocks
+            num_scheduled_tokens[rid] = n
+        self._schedule_waiting(threshold, token_budget, input_budget, scheduled_new_reqs,
+                               scheduled_resumed_reqs, req_to_new_blocks, num_scheduled_tokens)
+        lazy_step = lazy.step_aggregates(step)
+        so = self._finalise(scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs, [],
+                            req_to_new_blocks, num_scheduled_tokens)
+        if lazy_step is not None:
+            so.total_num_scheduled_tokens += lazy_step.num_reqs
+            so.lazy = lazy_step
+        return so
+
+    @staticmethod
+    def _running_tokens(request: Request, threshold: int, max_model_len: int) -> int:
+        """Tokens the running pass gives `request` before the step budgets cap them (0: skipped)."""
+        computed = request.num_computed_tokens
+        placeholders = request.num_output_placeholders
+        if placeholders and computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
+            return 0
+        n = len(request._all_token_ids) + placeholders - computed
+        if 0 < threshold < n:
+            n = threshold
+        return min(n, max_model_len - computed - 1)
+
+    def _running_demand(self, requests: list[Request],
+                        threshold: int) -> tuple[list[tuple[Request, int]], int, int]:
+        """The rows `(request, tokens)` the running pass would schedule with unlimited budget, their
+        tokens and the new KV blocks they need."""
+        rows = []
+        tokens = blocks = 0
+        bs = self.block_size
+        req_to_blocks = self.kv_cache_manager.req_to_blocks
+        for r in requests:
+            n = self._running_tokens(r, threshold, self.max_model_len)
+            if n > 0:
+                rows.append((r, n))
+                tokens += n
+                held = req_to_blocks.get(r.request_id)
+                blocks += max(0, cdiv(r.num_computed_tokens + n, bs) - (len(held) if held else 0))
+        return rows, tokens, blocks
+
+    def _schedule_waiting(self, threshold: int, token_budget: int, input_budget: int,
+                          scheduled_new_reqs: list[Request], scheduled_resumed_reqs: list[Request],
+                          req_to_new_blocks: dict, num_scheduled_tokens: dict[str, int]) -> None:
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        chunked = self.scheduler_config.enable_chunked_prefill
+        reserve_full = self.scheduler_config.scheduler_reserve_full_isl
+        while token_budget > 0:
+            if not waiting or input_budget <= 0:
+                break
+            if len(self.running) >= self.max_num_active_reqs:
+                break
+            request = waiting.peek_request()
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                num_computed = num_hit
+            else:
+                hit_blocks, num_hit, num_computed = [], 0, request.num_computed_tokens
+            n = request.num_tokens - num_computed
+            request_budget = min(token_budget, input_budget)
+            if 0 < threshold < n:
+                n = threshold
+            if not chunked and n > request_budget:
+                break  # no skipping ahead: strict head-of-line
+            n = min(n, request_budget)
+            assert n > 0
+            new_blocks = kv.allocate_slots(request, n, num_hit, hit_blocks,
+                                           full_sequence_must_fit=reserve_full,
+                                           has_scheduled_reqs=bool(self.running))
+            if new_blocks is None:
+                break  # the waiting pass never preempts
+            kv.record_prefix_cache_stats(request, num_hit)
+            waiting.pop_request()
+            self.deferred_waiting.discard(request.request_id)
+            self.running.append(request)
+            self._running_seq += 1
+            request.running_seq = self._running_seq
+            if self.lazy is not None:
+                self.lazy.nonmembers[request.request_id] = request
+            if request.status == RequestStatus.WAITING:
+                scheduled_new_reqs.append(request)
+            elif request.status == RequestStatus.PREEMPTED:
+                scheduled_resumed_reqs.append(request)
+            else:
+                raise RuntimeError(f"Invalid request status: {request.status}")
+            req_to_new_blocks[request.request_id] = kv.get_blocks(request.request_id)
+            num_scheduled_tokens[request.request_id] = n
+            token_budget -= n
+            input_budget -= n
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+
+    def _finalise(self, scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs,
+                  preempted_reqs, req_to_new_blocks, num_scheduled_tokens) -> SchedulerOutput:
+        """Build the `SchedulerOutput` (from the state before this step) and advance C optimistically
+        (vLLM's `_update_after_schedule`): running, then new, then resumed requests; in async mode a
+        sampling chunk gets an output placeholder."""
+        nst = num_scheduled_tokens
+        total = sum(nst.values())
+        assert total <= self.max_num_scheduled_tokens
+        assert len(self.running) <= self.max_num_running_reqs
+        new_reqs_data = [
+            NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
+                           [b.block_id for b in req_to_new_blocks[r.request_id]], r.num_computed_tokens)
+            for r in scheduled_new_reqs
+        ]
+        async_sched = self.async_scheduling
+        before: dict[str, int] = {}
+        cached = CachedRequestData()
+        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        computed_list, output_list = cached.num_computed_tokens, cached.num_output_tokens
+        for r in scheduled_running_reqs:  # collect and advance in one pass (the hot loop)
+            rid = r.request_id
+            blocks = req_to_new_blocks[rid]
+            computed = r.num_computed_tokens
+            placeholders = r.num_output_placeholders
+            req_ids.append(rid)
+            new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+            computed_list.append(computed)
+            output_list.append(len(r._output_token_ids) + placeholders)
+            n = nst[rid]
+            before[rid] = computed
+            r.num_computed_tokens = computed = computed + n
+            r.num_in_flight_tokens += n
+            r.is_prefill_chunk = is_chunk = computed < len(r._all_token_ids) + placeholders
+            if async_sched and not is_chunk:
+                r.num_output_placeholders = placeholders + 1
+        for r in scheduled_resumed_reqs:
+            rid = r.request_id
+            req_ids.append(rid)
+            new_block_ids.append([b.block_id for b in req_to_new_blocks[rid]])
+            computed_list.append(r.num_computed_tokens)
+            output_list.append(len(r._output_token_ids))
+            cached.resumed_req_ids.add(rid)
+            cached.all_token_ids[rid] = list(r._all_token_ids)
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=nst,  # insertion order = scheduling order
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.reset_preempted_req_ids,
+            step=self.current_step - 1,
+            scheduler_step=self.current_step - 1,
+            num_computed_before=before,
+            preempted_order=[r.request_id for r in preempted_reqs],
+            shared_kv_tokens=self.kv_cache_manager.block_pool.num_shared_refs * self.block_size,
+        )
+        for scheduled in (scheduled_new_reqs, scheduled_resumed_reqs):
+            for request in scheduled:
+                n = nst[request.request_id]
+                computed = request.num_computed_tokens
+                before[request.request_id] = computed
+                request.num_computed_tokens = computed = computed + n
+                request.num_in_flight_tokens += n
+                request.is_prefill_chunk = is_chunk = (
+                    computed < len(request._all_token_ids) + request.num_output_placeholders)
+                if async_sched and not is_chunk:
+                    request.num_output_placeholders += 1
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
+        return out
+
+    def _preempt_request(self, request: Request) -> None:
+        assert request.status == RequestStatus.RUNNING, f"preempting a non-running request {request}"
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_stale_output_tokens += request.num_output_placeholders
+        request.num_output_placeholders = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._num_preempted_since_stats += 1
+        self.waiting.prepend_request(request)
+        self.reset_preempted_req_ids.add(request.request_id)
+
+    # -- update ------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        stopped_running: list[Request] = []
+        stopped_preempted: list[Request] = []
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        requests = self.requests
+        max_model_len = self.max_model_len
+        async_sched = self.async_scheduling
+        kv = self.kv_cache_manager
+        caching = kv.enable_caching
+        num_cached_block = kv.num_cached_block
+        block_size = self.block_size
+        preempted_status = RequestStatus.PREEMPTED
+        running_status = RequestStatus.RUNNING
+        items = scheduler_output.num_scheduled_tokens.items()
+        lazy = self.lazy
+        pending = None
+        if lazy is not None and lazy.pending_update:
+            items, pending = self._merge_pending_outputs(scheduler_output, lazy)
+        for rid, n in items:
+            request = requests.get(rid)
+            if request is None or request.status > preempted_status:
+                continue  # finished or aborted while the step was executing
+            request.num_in_flight_tokens -= n
+            i = index.get(rid)
+            generated = sampled[i] if i is not None else (pending.get(rid, ()) if pending else ())
+            plp = prompt_logprobs.get(rid) if prompt_logprobs else None
+            if not generated and plp is None:
+                continue  # a non-final prefill chunk samples nothing
+            stopped = False
+            status_before = request.status
+            new_token_ids = generated
+            if generated:
+                if len(generated) == 1:  # the hot path: check_stop and the async bookkeeping inlined
+                    token = generated[0]
+                    out_ids = request._output_token_ids
+                    out_ids.append(token)
+                    all_ids = request._all_token_ids
+                    all_ids.append(token)
+                    if len(all_ids) >= request._next_hash_at:
+                        request.hash_new_blocks()
+                    sp = request.sampling_params
+                    if (token == sp._eos_token_id or (sp.stop_token_ids and token in sp.stop_token_ids)
+                            or len(all_ids) >= max_model_len or len(out_ids) >= request.max_tokens):
+                        stopped = check_stop(request, max_model_len)
+                    if async_sched:
+                        if request.num_stale_output_tokens:
+                            self._update_async_bookkeeping(request, 1, stopped)
+                        else:
+                            request.num_output_placeholders -= 1
+                            if caching and not stopped and status_before == running_status:
+                                known = request.num_computed_tokens - request.num_in_flight_tokens
+                                if known >= (num_cached_block.get(rid, 0) + 1) * block_size:
+                                    kv.cache_blocks(request, known)
+                else:
+                    new_token_ids, stopped = self._update_request_with_output(request, generated, max_model_len)
+                    if async_sched:
+                        self._update_async_bookkeeping(request, len(generated), stopped)
+            if stopped:
+                self._free_request(request)
+                if status_before == running_status:
+                    stopped_running.append(request)
+                else:
+                    stopped_preempted.append(request)
+            outputs.append(EngineCoreOutput(
+                rid, new_token_ids if type(new_token_ids) is list else list(new_token_ids),
+                request.get_finished_reason() if stopped else None,
+                request.stop_reason,
+                (logprobs[i][:len(new_token_ids)] if logprobs is not None and i is not None
+                 and logprobs[i] is not None else None),
+                plp,
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0))
+        if stopped_running:
+            if len(stopped_running) <= 4:  # (list.remove finds a request by identity, in C)
+                for request in stopped_running:
+                    self.running.remove(request)
+            else:
+                stopped = set(map(id, stopped_running))
+                self.running = [r for r in self.running if id(r) not in stopped]
+            if lazy is not None:
+                for request in stopped_running:
+                    lazy.forget(request.request_id)
+        if stopped_preempted:
+            self.waiting.remove_requests(stopped_preempted)
+        self._last_updated_step = scheduler_output.scheduler_step
+        return outputs
+
+    def _merge_pending_outputs(self, so: SchedulerOutput, lazy: LazyDecodes):
+        """This output's rows plus the members materialised since it was scheduled (async: their
+        token of this step is still to be applied), in running order like a normal step's rows."""
+        pending = {rid: [token] for rid, (_, token) in lazy.pending_update.items()}
+        lazy.pending_update = {}
+        requests = self.requests
+
+        def running_order(item: tuple[str, int]) -> int:
+            r = requests.get(item[0])
+            return r.running_seq if r is not None else -1
+        items = sorted([*so.num_scheduled_tokens.items(), *((rid, 1) for rid in pending)], key=running_order)
+        return items, pending
+
+    def _update_async_bookkeeping(self, request: Request, num_generated: int, stopped: bool) -> None:
+        """Returned tokens replace placeholders (or stale ones of a preempted request); only KV known
+        to be written (computed minus in flight) is cached."""
+        if request.num_stale_output_tokens:
+            stale = min(request.num_stale_output_tokens, num_generated)
+            request.num_stale_output_tokens -= stale
+            num_generated -= stale
+        request.num_output_placeholders -= num_generated
+        kv = self.kv_cache_manager
+        if not stopped and kv.enable_caching and request.status == RequestStatus.RUNNING:
+            known = request.num_computed_tokens - request.num_in_flight_tokens
+            if known >= (kv.num_cached_block.get(request.request_id, 0) + 1) * self.block_size:
+                kv.cache_blocks(request, known)
+
+    @staticmethod
+    def _update_request_with_output(request: Request, generated, max_model_len: int):
+        for k, token in enumerate(generated, start=1):
+            request.append_output_token_ids(token)
+            if check_stop(request, max_model_len):
+                surplus = len(generated) - k
+                if surplus:
+                    request.num_computed_tokens -= surplus
+                return generated[:k], True
+        return generated, False
+
+    # -- exact fast-forward of steady decode steps (simulator speed) ---------------------------
+    def steady_decode_steps(self, limit: int) -> int:
+        """How many of the next steps (at most `limit`) are certain to schedule exactly one token for
+        every running request, in running order, with no admission, preemption, allocation failure or
+        length-capped finish. 0 when the state is not a steady decode (sync scheduling only).
+
+        EOS and stop tokens depend on the sampled tokens: ruling them out is the caller's job.
+        """
+        running = self.running
+        if (limit <= 0 or self.async_scheduling or self.waiting or not running or self.finished_req_ids
+                or self.reset_preempted_req_ids or self.lazy is not None):
+            return 0
+        num = len(running)
+        if num > self.max_num_scheduled_tokens or num > self.max_num_batched_tokens:
+            return 0
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        caching = kv.enable_caching
+        k = limit
+        for r in running:
+            n_tok = len(r._all_token_ids)
+            computed = r.num_computed_tokens
+            if n_tok - computed != 1 or r.num_output_placeholders or not r._output_token_ids:
+                return 0  # not a decode (a 1-token last prefill chunk is a context request)
+            if caching and kv.num_cached_block.get(r.request_id, 0) < min(computed, len(r.block_hashes) * bs) // bs:
+                return 0  # registration lags: let a normal step catch it up
+            remaining = min(r.max_tokens - len(r._output_token_ids), self.max_model_len - n_tok)
+            if remaining - 1 < k:
+                k = remaining - 1
+                if k <= 0:
+                    return 0
+        free = kv.num_free_blocks
+        req_to_blocks = kv.req_to_blocks
+
+        def blocks_needed(steps: int) -> int:
+            return sum(max(0, cdiv(r.num_computed_tokens + steps, bs) - len(req_to_blocks[r.request_id]))
+                       for r in running)
+
+        if blocks_needed(k) > free:
+            lo, hi = 0, k  # largest steps with blocks_needed(steps) <= free
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if blocks_needed(mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        return k
+
+    def fast_forward_decode(self, k: int, tokens: list[list[int]]) -> list[int]:
+        """Apply `k` steady decode steps at once (see `steady_decode_steps`); `tokens[i]` are the k
+        tokens sampled for `running[i]`. Block allocation and prefix-cache registration happen in the
+        exact step-by-step order (step, then running order), so the state equals k normal steps.
+        Returns the number of free blocks after each step's scheduling."""
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        caching = kv.enable_caching
+        running = self.running
+        req_to_blocks = kv.req_to_blocks
+        events: list[tuple[int, int, int]] = []  # (window step, row, 0 = allocate / 1 = cache)
+        starts = []
+        for row, r in enumerate(running):
+            c0 = r.num_computed_tokens
+            starts.append(c0)
+            j = len(req_to_blocks[r.request_id]) * bs - c0
+            while j < k:
+                events.append((j, row, 0))
+                j += bs
+            if caching:
+                j = (bs - (c0 + 1) % bs) % bs
+                while j < k:
+                    events.append((j, row, 1))
+                    j += bs
+        for r, toks in zip(running, tokens):
+            r.append_output_token_ids(toks)
+        events.sort()
+        allocs = [0] * k
+        pool = kv.block_pool
+        for j, row, kind in events:
+            r = running[row]
+            if kind == 0:
+                req_to_blocks[r.request_id].extend(pool.get_new_blocks(1))
+                allocs[j] += 1
+            else:
+                kv.cache_blocks(r, starts[row] + j + 1)
+        for r, c0 in zip(running, starts):
+            r.num_computed_tokens = c0 + k
+        self.current_step += k
+        free = pool.get_num_free_blocks() + sum(allocs)
+        out = []
+        for a in allocs:
+            free -= a
+            out.append(free)
+        return out
+
+    # -- stats and maintenance ---------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) - len(self.deferred_waiting),
+            num_skipped_waiting_reqs=len(self.deferred_waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_stats=kv.make_prefix_cache_stats() or PrefixCacheStats(),
+            num_preempted_reqs=self._num_preempted_since_stats,
+        )
+        self._num_preempted_since_stats = 0
+        return stats
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        if reset_running_requests:
+            if self.lazy is not None:
+                self._materialise_all()
+            while self.running:
+                request = self.running.pop()
+                self._preempt_request(request)
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not ok:
+            raise RuntimeError("Failed to reset the prefix cache after preempting all running requests")
+        return ok

@@ -1,0 +1,301 @@
+"""Step and request traces, the same schema for the simulator and the torch backend (architecture.md).
+
+Timing boundaries, defined once for both backends:
+- a step runs from `t_start` to `t_end` (simulated or measured seconds since the run started);
+- a token's time is the `t_end` of the step that sampled it (in async mode the output is processed one
+  step later, but the token still belongs to the step that computed it);
+- TTFT = first token - arrival; TPOT = (finish - first token) / (output tokens - 1);
+  E2E = finish - arrival; queue = first scheduled - arrival; ITL = gaps between a request's tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from servetwin.core.engine.engine_core import StepResult
+from servetwin.core.testbed.iteration import IterationDetails, context_request_ids
+from servetwin.core.request import Request
+
+STEP_COLUMNS = [
+    "run", "backend", "step", "t_start_s", "t_end_s", "duration_s", "num_reqs", "num_context_reqs",
+    "num_context_tokens", "num_generation_reqs", "num_generation_tokens", "total_tokens", "annotation",
+    "sum_q2", "sum_q_kv", "sum_kv", "max_kv", "num_running", "num_waiting", "num_preempted", "num_finished",
+    "kv_free_blocks", "kv_usage", "prefix_queries", "prefix_hits", "shared_kv_tokens",
+]
+STEP_REQUEST_COLUMNS = ["run", "backend", "step", "request_id", "num_tokens", "num_computed_before", "phase",
+                        "samples"]
+REQUEST_COLUMNS = [
+    "run", "backend", "request_id", "parent_id", "arrival_s", "first_scheduled_s", "first_token_s",
+    "finish_s", "prompt_tokens", "cached_tokens", "output_tokens", "num_preemptions", "finish_reason",
+    "ttft_s", "tpot_s", "e2e_s", "queue_s",
+]
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    request_id: str
+    parent_id: Optional[str]
+    arrival_s: float
+    prompt_tokens: int
+    first_scheduled_s: Optional[float] = None
+    first_token_s: Optional[float] = None
+    finish_s: Optional[float] = None
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: Optional[str] = None
+    token_times: list[float] = field(default_factory=list)
+
+    def row(self, run: str, backend: str) -> dict[str, Any]:
+        ttft = e2e = tpot = queue = None
+        if self.first_token_s is not None:
+            ttft = self.first_token_s - self.arrival_s
+        if self.finish_s is not None:
+            e2e = self.finish_s - self.arrival_s
+            if self.output_tokens > 1 and self.first_token_s is not None:
+                tpot = (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+        if self.first_scheduled_s is not None:
+            queue = self.first_scheduled_s - self.arrival_s
+        return {"run": run, "backend": backend, "request_id": self.request_id, "parent_id": self.parent_id,
+                "arrival_s": self.arrival_s, "first_scheduled_s": self.first_scheduled_s,
+                "first_token_s": self.first_token_s, "finish_s": self.finish_s,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "output_tokens": self.output_tokens, "num_preemptions": self.num_preemptions,
+                "finish_reason": self.finish_reason, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e,
+                "queue_s": queue}
+
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+class TraceRecorder:
+    """Collects step rows, per-request step rows and request lifetimes while an engine runs."""
+
+    def __init__(self, run: str, backend: str, record_step_requests: bool = True) -> None:
+        self.run = run
+        self.backend = backend
+        self.record_step_requests = record_step_requests
+        self.steps: list[dict[str, Any]] = []
+        self.step_requests: list[tuple] = []
+        self.requests: dict[str, RequestTrace] = {}
+        self._step_rows: dict[int, dict[str, Any]] = {}  # step -> row, until its output is processed
+        self._carried_preemptions = 0  # made in steps that scheduled nothing (no row of their own)
+        self._t_end_by_step: list[Optional[float]] = []  # [scheduler step] -> t_end, for steps with implicit rows
+
+    def on_arrival(self, request: Request, arrival_s: float) -> None:
+        self.requests[request.request_id] = RequestTrace(
+            request.request_id, request.parent_id, arrival_s, request.num_prompt_tokens)
+
+    def on_step(self, result: StepResult, t_start: float, t_end: float) -> None:
+        so = result.scheduled
+        if result.lazy_flushed:
+            self.on_lazy_flush(result.lazy_flushed)
+        if so is not None:
+            self._record_scheduled(result, t_start, t_end)
+        if result.processed is not None:
+            self._record_processed(result)
+
+    def _record_scheduled(self, result: StepResult, t_start: float, t_end: float) -> None:
+        so, stats = result.scheduled, result.stats
+        for rid in so.preempted_order:
+            trace = self.requests.get(rid)
+            if trace is not None:
+                trace.num_preemptions += 1
+        if so.total_num_scheduled_tokens == 0:
+            # nothing ran, so no row; a preemption made while scheduling it (async scheduling can
+            # preempt and then find nothing runnable) is carried to the next row
+            self._carried_preemptions += len(so.preempted_order)
+            return
+        before = so.num_computed_before
+        nst = so.num_scheduled_tokens
+        ctx = context_request_ids(so)
+        n_ctx = t_ctx = sum_q2 = sum_q_kv = sum_kv = max_kv = 0
+        for rid, q in nst.items():  # one pass (hot): batch composition and the attention sums
+            kv = before[rid] + q
+            if rid in ctx:
+                n_ctx += 1
+                t_ctx += q
+            sum_q2 += q * q
+            sum_q_kv += q * kv
+            sum_kv += kv
+            if kv > max_kv:
+                max_kv = kv
+        num_reqs = len(nst)
+        lazy = so.lazy
+        if lazy is not None:  # implicit decode rows (core/lazy_decode.py): q = 1 after s tokens
+            num_reqs += lazy.num_reqs
+            sum_q2 += lazy.num_reqs
+            kv_lazy = lazy.sum_computed_before + lazy.num_reqs
+            sum_q_kv += kv_lazy
+            sum_kv += kv_lazy
+            max_kv = max(max_kv, lazy.max_computed_before + 1)
+            ends, step = self._t_end_by_step, so.scheduler_step
+            if len(ends) <= step:
+                ends.extend([None] * (step + 1 - len(ends)))
+            ends[step] = t_end
+        details = IterationDetails(n_ctx, t_ctx, num_reqs - n_ctx, so.total_num_scheduled_tokens - t_ctx)
+        if self.record_step_requests:
+            mro = result.model_output
+            sampling = ({rid for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
+                        if mro is not None else set())
+            self.step_requests.extend(
+                (self.run, self.backend, so.step, rid, q, before[rid], "context" if rid in ctx else "generation",
+                 rid in sampling) for rid, q in nst.items())
+        for new in so.scheduled_new_reqs:  # only a new request can be scheduled for the first time
+            trace = self.requests.get(new.req_id)
+            if trace is not None:
+                if trace.first_scheduled_s is None:
+                    trace.first_scheduled_s = t_start
+                if trace.num_preemptions == 0:
+                    trace.cached_tokens = new.num_computed_tokens
+        num_preempted = len(so.preempted_order) + self._carried_preemptions
+        self._carried_preemptions = 0
+        pcs = stats.prefix_cache_stats
+        row = {
+            "run": self.run, "backend": self.backend, "step": so.step, "t_start_s": t_start, "t_end_s": t_end,
+            "duration_s": t_end - t_start, "num_reqs": num_reqs,
+            "num_context_reqs": details.num_ctx_requests, "num_context_tokens": details.num_ctx_tokens,
+            "num_generation_reqs": details.num_generation_requests,
+            "num_generation_tokens": details.num_generation_tokens,
+            "total_tokens": so.total_num_scheduled_tokens, "annotation": details.annotation,
+            "sum_q2": sum_q2, "sum_q_kv": sum_q_kv, "sum_kv": sum_kv, "max_kv": max_kv,
+            "num_running": stats.num_running_reqs, "num_waiting": stats.num_waiting_reqs,
+            "num_preempted": num_preempted, "num_finished": 0,
+            "kv_free_blocks": stats.num_free_blocks, "kv_usage": stats.kv_cache_usage,
+            "prefix_queries": pcs.queries + pcs.preempted_queries, "prefix_hits": pcs.hits + pcs.preempted_hits,
+            "shared_kv_tokens": so.shared_kv_tokens,
+        }
+        self.steps.append(row)
+        self._step_rows[so.step] = row
+
+    def _record_processed(self, result: StepResult) -> None:
+        row = self._step_rows.pop(result.processed.step, None)
+        t_token = row["t_end_s"] if row is not None else None
+        requests = self.requests
+        for out in result.outputs:
+            trace = requests.get(out.request_id)
+            if trace is None:
+                continue
+            num_new = len(out.new_token_ids)
+            if num_new and t_token is not None:
+                if trace.first_token_s is None:
+                    trace.first_token_s = t_token
+                if num_new == 1:
+                    trace.token_times.append(t_token)
+                else:
+                    trace.token_times.extend([t_token] * num_new)
+                trace.output_tokens += num_new
+            if out.finish_reason is not None:
+                trace.finish_reason = str(out.finish_reason)
+                trace.finish_s = t_token
+                if row is not None:
+                    row["num_finished"] += 1
+
+    def on_decode_window(self, first_step: int, t_starts: list[float], t_ends: list[float], req_ids: list[str],
+                         computed_before: list[int], free_after: list[int], num_gpu_blocks: int,
+                         shared_kv_tokens: int = 0) -> None:
+        """Rows for k fast-forwarded steady decode steps (the same rows k normal steps would give)."""
+        num = len(req_ids)
+        sum_c = sum(computed_before)
+        max_c = max(computed_before)
+        annotation = f"execute_context_0(0)_generation_{num}({num})"
+        usable = num_gpu_blocks - 1
+        for j, (t0, t1, free) in enumerate(zip(t_starts, t_ends, free_after)):
+            kv_sum = sum_c + num * (j + 1)
+            self.steps.append({
+                "run": self.run, "backend": self.backend, "step": first_step + j, "t_start_s": t0,
+                "t_end_s": t1, "duration_s": t1 - t0, "num_reqs": num, "num_context_reqs": 0,
+                "num_context_tokens": 0, "num_generation_reqs": num, "num_generation_tokens": num,
+                "total_tokens": num, "annotation": annotation, "sum_q2": num, "sum_q_kv": kv_sum,
+                "sum_kv": kv_sum, "max_kv": max_c + j + 1, "num_running": num, "num_waiting": 0,
+                "num_preempted": self._carried_preemptions if j == 0 else 0, "num_finished": 0, "kv_free_blocks": free,
+                "kv_usage": (1.0 - free / usable) if usable > 0 else 0.0, "prefix_queries": 0, "prefix_hits": 0,
+                "shared_kv_tokens": shared_kv_tokens})
+            if self.record_step_requests:
+                step = first_step + j
+                self.step_requests.extend((self.run, self.backend, step, rid, 1, c + j, "generation", True)
+                                          for rid, c in zip(req_ids, computed_before))
+        self._carried_preemptions = 0
+        k = len(t_ends)
+        for rid in req_ids:
+            trace = self.requests.get(rid)
+            if trace is not None:
+                trace.token_times.extend(t_ends)
+                trace.output_tokens += k
+
+    def on_lazy_flush(self, flushes: list) -> None:
+        """Tokens of implicit steps (servetwin.core.sched.lazy_decode.LazyFlush), applied when the request was
+        materialised: each token's time is its step's end, as for any other token."""
+        t_end = self._t_end_by_step
+        for f in flushes:
+            trace = self.requests.get(f.request_id)
+            if trace is None:
+                continue
+            times = t_end[f.first_step:f.first_step + f.num_tokens]
+            if len(times) != f.num_tokens or None in times:
+                raise RuntimeError(f"trace: implicit tokens of {f.request_id!r} in steps with no recorded end")
+            trace.token_times.extend(times)
+            trace.output_tokens += f.num_tokens
+
+    def on_abort(self, request_id: str, t: float) -> None:
+        trace = self.requests.get(request_id)
+        if trace is not None and trace.finish_reason is None:
+            trace.finish_reason = "abort"
+            trace.finish_s = t
+
+    # -- output ------------------------------------------------------------------------------
+    def request_rows(self) -> list[dict[str, Any]]:
+        return [t.row(self.run, self.backend) for t in self.requests.values()]
+
+    def itls(self) -> list[float]:
+        out: list[float] = []
+        for t in self.requests.values():
+            out.extend(t.itls())
+        return out
+
+    def frames(self) -> dict[str, Any]:
+        import pandas as pd  # noqa: PLC0415  (lazy: pandas is only needed to write tables)
+
+        return {
+            "steps": pd.DataFrame(self.steps, columns=STEP_COLUMNS),
+            "step_requests": pd.DataFrame(self.step_requests, columns=STEP_REQUEST_COLUMNS),
+            "requests": pd.DataFrame(self.request_rows(), columns=REQUEST_COLUMNS),
+        }
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """Chrome trace-event JSON (open in Perfetto): one slice per step, plus request lifetimes."""
+        events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"{self.run} engine ({self.backend})"}},
+            {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": f"{self.run} requests"}},
+        ]
+        for row in self.steps:
+            events.append({"name": row["annotation"], "ph": "X", "pid": 1, "tid": 1,
+                           "ts": row["t_start_s"] * 1e6, "dur": max(row["duration_s"], 0.0) * 1e6,
+                           "args": {"step": row["step"], "tokens": row["total_tokens"],
+                                    "running": row["num_running"], "waiting": row["num_waiting"]}})
+        for i, t in enumerate(self.requests.values()):
+            end = t.finish_s if t.finish_s is not None else t.arrival_s
+            events.append({"name": t.request_id, "ph": "X", "pid": 2, "tid": 1 + i % 64,
+                           "ts": t.arrival_s * 1e6, "dur": max(end - t.arrival_s, 0.0) * 1e6,
+                           "args": {"prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
+                                    "ttft_s": None if t.first_token_s is None else t.first_token_s - t.arrival_s}})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write(self, out_dir: str) -> dict[str, str]:
+        os.makedirs(out_dir, exist_ok=True)
+        paths = {}
+        for name, df in self.frames().items():
+            path = os.path.join(out_dir, f"{name}.parquet")
+            df.to_parquet(path, index=False)
+            paths[name] = path
+        path = os.path.join(out_dir, "trace.json")
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+        paths["trace"] = path
+        return paths
+
+
+__all__ = ["TraceRecorder", "RequestTrace", "STEP_COLUMNS", "STEP_REQUEST_COLUMNS", "REQUEST_COLUMNS", "asdict"]
