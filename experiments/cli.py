@@ -2,23 +2,28 @@
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from servetwin.core.testbed.replay import write_replay
+    from servetwin.core.testbed.atomic import atomic_open
+    from servetwin.core.testbed.replay import replay, write_replay
     from servetwin.core.testbed.scenario import load_scenario
+    from servetwin.experiments.schema import ensure_output_file
 
     scenario = load_scenario(args.scenario)
-    if args.output not in (None, "-") and os.path.isdir(args.output):
-        raise ValueError(f"-o/--output: {args.output} is a folder; give the JSONL file to write")
     if args.output in (None, "-"):
-        write_replay(scenario, sys.stdout)
-    else:
-        with open(args.output, "w") as f:
-            n = write_replay(scenario, f)
-        print(f"wrote {n} lines to {args.output}", file=sys.stderr)
+        lines = list(replay(scenario))  # the whole replay first: a rejected scenario prints nothing
+        for line in lines:
+            sys.stdout.write(json.dumps(line) + "\n")
+        return 0
+    ensure_output_file(args.output)
+    # Written under a temporary name and renamed when complete: a scenario rejected mid-replay
+    # (an unservable request) or a Ctrl-C leaves no file, and an existing one untouched.
+    with atomic_open(args.output) as f:
+        n = write_replay(scenario, f)
+    print(f"wrote {n} lines to {args.output}", file=sys.stderr)
     return 0
 
 

@@ -305,6 +305,9 @@ def _validate_workload(w: Any, base_dir: Path, backends: list[str]) -> dict[str,
             sc = load_scenario(w["scenario"])
         except ValueError as e:
             raise ConfigError(f"workload.scenario: {w['scenario']}: {e}") from None
+        if sc.uses_events:  # scripted tokens and step-indexed aborts have no meaning on a real model
+            raise ConfigError(f"workload.scenario: {w['scenario']} uses scenario events (aborts, stop_at, "
+                              "stop_token_ids, min_tokens, ignore_eos), which only `servetwin replay` plays")
         if arrival is None:
             late = [r.id for r in sc.requests if r.arrival_step > 0 and r.arrival_time is None]
             if late:
@@ -559,6 +562,40 @@ def check_output_dir(path: str | Path, flag: str = "-o/--output") -> None:
         raise ConfigError(f"{flag}: cannot create {path}: {probe} is a file, not a folder")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag}: cannot write to {probe} (permission denied)")
+
+
+def ensure_output_dir(path: str | Path, flag: str = "-o/--output") -> bool:
+    """`check_output_dir`, then create the folder (and its parents); True if this call created it.
+    Any OS refusal (`/sys`, `/proc`, read-only mounts) is a `ConfigError` naming the flag."""
+    import os  # noqa: PLC0415
+
+    check_output_dir(path, flag)
+    p = Path(path).expanduser()
+    existed = p.is_dir()
+    try:
+        os.makedirs(p, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot create {path}: {e.strerror or e}") from None
+    return not existed
+
+
+def ensure_output_file(path: str | Path, flag: str = "-o/--output") -> None:
+    """`check_output_file`, then create its folder and prove a file can be created there (a probe file,
+    removed at once), so a refusal is reported naming the flag before any work."""
+    import os  # noqa: PLC0415
+
+    from servetwin.core.testbed.atomic import temp_path  # noqa: PLC0415
+
+    check_output_file(path, flag)
+    p = Path(path).expanduser()
+    ensure_output_dir(p.parent, flag)
+    probe = temp_path(str(p))
+    try:
+        with open(probe, "x"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot write {path}: {e.strerror or e}") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -1,7 +1,7 @@
 """The `Executor` protocol that backends implement, and the deterministic fake executor."""
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 from servetwin.core.outputs import ModelRunnerOutput, StepTiming
 from servetwin.core.sched.output import SchedulerOutput
@@ -18,13 +18,16 @@ class Executor(Protocol):
 class FakeExecutor:
     """Deterministic tokens, never EOS: row r of step s samples `(s*7 + r) % 1000 + 10`.
 
-    This is the token rule of the recorded vLLM oracle (`../shared/oracle`). `step_time_s` is the
-    (constant) duration reported per step.
+    This is the token rule of the recorded vLLM oracle. `step_time_s` is the (constant) duration
+    reported per step. `token_fn(req_id, base_token) -> token`, when given, may replace a row's token
+    (scenario replay's scripted EOS / stop tokens); it is called once per sampled token, in row order.
     """
 
-    def __init__(self, step_time_s: float = 0.0) -> None:
+    def __init__(self, step_time_s: float = 0.0,
+                 token_fn: Optional[Callable[[str, int], int]] = None) -> None:
         self.state = RunnerState()
         self.step_time_s = step_time_s
+        self.token_fn = token_fn
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         rows = self.state.update(scheduler_output)
@@ -33,6 +36,8 @@ class FakeExecutor:
         for r, row in enumerate(rows):
             if row.samples:
                 tok = (step * 7 + r) % 1000 + 10
+                if self.token_fn is not None:
+                    tok = self.token_fn(row.req_id, tok)
                 sampled.append([tok])
                 self.state.append_sampled(row.req_id, [tok])
             else:

@@ -1,9 +1,23 @@
 """`servetwin replay`: run a scenario through the shared scheduler in lockstep with a fake sampler.
 
-Mirrors the loop that recorded `../shared/oracle` (vLLM 0.33.0's own scheduler): before step k add
-the requests whose `arrival_step == k` (file order); an idle step (nothing to run, arrivals pending)
-still advances the counter; `finished` and `num_free_blocks` belong to the step whose output was
-processed (in async mode that happens after the next step was scheduled).
+The loop is vLLM 0.33.0's `EngineCore` iteration as the recorded oracle drives it (one iteration =
+one step k; `step_with_batch_queue` with a queue of 2 in async mode):
+
+1. client aborts carried over from iteration k-1 (a `during_step` abort of an iteration that processed
+   no output), then the requests whose `arrival_step == k` (file order), then `between_steps` aborts
+   (`_process_input_queue`);
+2. `schedule()`, the launch (fake sampler), and the step's record: `waiting_ids` is the queue right
+   after `schedule()`, before any output is processed (what the engine loop sees);
+3. `during_step` aborts (`_process_aborts_queue`), then `update_from_output` of step k (sync) or of
+   step k-1 (async; none when the queue is not yet full).
+
+An idle step (nothing to run, arrivals pending) still advances the counter. `finished` and
+`num_free_blocks` belong to the step whose output was processed.
+
+The fake sampler gives row r of step s the token `(s*7 + r) % 1000 + 10`, unless the request's
+`stop_at` names this output position (counted as the tokens already sampled for the request id);
+vLLM's min_tokens logits processor masks every stop token (stop ids and EOS, ignored or not) before
+`min_tokens` outputs. Whether a token stops is the scheduler's `check_stop`, as in vLLM.
 """
 from __future__ import annotations
 
@@ -11,31 +25,59 @@ import json
 from collections import deque
 from typing import IO, Iterator
 
-from servetwin.core.engine.engine_core import EngineCore
 from servetwin.core.engine.executor import FakeExecutor
-from servetwin.core.testbed.iteration import compute_iteration_details
 from servetwin.core.engine.parallel_sampling import fan_out
-from servetwin.core.request import Request
+from servetwin.core.request import Request, RequestStatus
 from servetwin.core.sampling_params import SamplingParams
-from servetwin.core.testbed.scenario import Scenario
+from servetwin.core.sched.scheduler import Scheduler, UnservableRequestError
+from servetwin.core.testbed.iteration import compute_iteration_details
+from servetwin.core.testbed.scenario import Scenario, ScenarioError, ScenarioRequest
 
 
-def _make_requests(r, index: int) -> list[Request]:
-    params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, n=r.n)
+class ScriptedSampler:
+    """The `token_fn` of the fake executor: a request's scripted tokens (`stop_at`) and the min_tokens mask."""
+
+    def __init__(self) -> None:
+        self.plans: dict[str, dict[int, int]] = {}
+        self.min_tokens: dict[str, int] = {}
+        self.stop_ids: dict[str, set[int]] = {}  # vLLM's all_stop_token_ids (stop ids + EOS)
+        self.produced: dict[str, int] = {}  # tokens already sampled per request id
+        self.masked: list[str] = []  # ids whose scripted stop token was masked, this step
+
+    def add(self, req_id: str, plan: dict[int, int], params: SamplingParams) -> None:
+        self.plans[req_id] = plan
+        self.min_tokens[req_id] = params.min_tokens
+        self.stop_ids[req_id] = set(params.all_stop_token_ids)
+        self.produced[req_id] = 0
+
+    def __call__(self, req_id: str, base_token: int) -> int:
+        i = self.produced[req_id]
+        self.produced[req_id] = i + 1
+        want = self.plans[req_id].get(i)
+        if want is None:
+            return base_token
+        if i < self.min_tokens[req_id] and want in self.stop_ids[req_id]:
+            self.masked.append(req_id)  # MinTokensLogitsProcessor: stop tokens get -inf
+            return base_token
+        return want
+
+
+def _make_requests(r: ScenarioRequest, index: int, eos_token_id: int) -> list[tuple[Request, dict]]:
+    params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos, n=r.n,
+                            stop_token_ids=list(r.stop_token_ids) or None, min_tokens=r.min_tokens)
+    params.update_from_generation_config(eos_token_id)  # what vLLM's input processor does
     arrival = r.arrival_time if r.arrival_time is not None else r.arrival_step + index * 1e-6
-    return [Request(cid, r.prompt_token_ids, p, arrival_time=arrival, priority=r.priority,
-                    cache_salt=r.cache_salt, parent_id=r.id if r.n > 1 else None)
-            for cid, p in fan_out(r.id, params)]
+    return [(Request(cid, r.prompt_token_ids, p, arrival_time=arrival, priority=r.priority,
+                     cache_salt=r.cache_salt, parent_id=r.id if r.n > 1 else None), r.stop_at.get(ci, {}))
+            for ci, (cid, p) in enumerate(fan_out(r.id, params))]
 
 
-def _schedule_record(step: int, arrived: list[str], engine: EngineCore, result) -> dict:
-    so, stats, mro = result.scheduled, result.stats, result.model_output
+def _schedule_record(scheduler: Scheduler, so, mro) -> dict:
+    stats = scheduler.make_stats()
     cached = so.scheduled_cached_reqs
     resumed = [r for r in cached.req_ids if r in cached.resumed_req_ids]
     pcs = stats.prefix_cache_stats
-    sampled = {rid: toks[0] for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
     return {
-        "type": "step", "step": step, "arrived": arrived,
         "num_scheduled_tokens": dict(so.num_scheduled_tokens),
         "total_scheduled_tokens": so.total_num_scheduled_tokens,
         "new": [n.req_id for n in so.scheduled_new_reqs],
@@ -44,100 +86,196 @@ def _schedule_record(step: int, arrived: list[str], engine: EngineCore, result) 
         "resumed": resumed,
         "resumed_prefix_hit_tokens": {r: cached.num_computed_tokens[cached.req_ids.index(r)] for r in resumed},
         "preempted": list(so.preempted_order),
-        "sampled": sampled,
+        "sampled": {rid: toks[0] for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks},
         "num_free_blocks_after_schedule": stats.num_free_blocks,
         "kv_usage_after_schedule": round(stats.kv_cache_usage, 6),
         "prefix_cache": {"requests": pcs.requests, "queries": pcs.queries, "hits": pcs.hits,
                          "preempted_requests": pcs.preempted_requests,
                          "preempted_queries": pcs.preempted_queries, "preempted_hits": pcs.preempted_hits},
         "prefix_queries": pcs.queries, "prefix_hits": pcs.hits,
-        "waiting_ids": [r.request_id for r in engine.scheduler.waiting],
+        "waiting_ids": [r.request_id for r in scheduler.waiting],
         "annotation": compute_iteration_details(so).annotation,
     }
 
 
-def replay(scenario: Scenario) -> Iterator[dict]:
-    """Yield the config line, one line per step, then a summary (the oracle's format)."""
-    executor = FakeExecutor()
-    engine = EngineCore(scenario.scheduler_config, scenario.cache_config, executor)
-    scheduler = engine.scheduler
-    async_sched = scenario.scheduler_config.async_scheduling
-    pending = deque(sorted(enumerate(scenario.requests), key=lambda x: (x[1].arrival_step, x[0])))
-    yield {"type": "config", "settings": {
-        "max_num_seqs": scenario.scheduler_config.max_num_seqs,
-        "max_num_batched_tokens": scenario.scheduler_config.max_num_batched_tokens,
-        "max_model_len": scenario.scheduler_config.max_model_len,
-        "num_gpu_blocks": scenario.cache_config.num_gpu_blocks,
-        "block_size": scenario.cache_config.block_size,
-        "async_scheduling": async_sched}, "num_requests": len(scenario.requests)}
-    records: dict[int, dict] = {}
-    step_of: dict[int, int] = {}  # id(scheduler_output) -> step
-    finish_step: dict[str, int] = {}
-    first_token_step: dict[str, int] = {}
-    outputs_so_far: dict[str, list[int]] = {}
+def _idle_record(rec: dict, scheduler: Scheduler) -> dict:
+    rec.update({"idle": True, "num_scheduled_tokens": {}, "new": [], "resumed": [], "preempted": [],
+                "finished": [], "num_free_blocks": scheduler.kv_cache_manager.num_free_blocks,
+                "prefix_queries": 0, "prefix_hits": 0, "annotation": "execute_context_0(0)_generation_0(0)"})
+    return rec
 
-    def process(result) -> None:
-        pstep = step_of.pop(id(result.processed))
-        rec = records[pstep]
+
+class _Replay:
+    """State of one replay: the scheduler, the batch queue and what the summary reports."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.sampler = ScriptedSampler()
+        self.executor = FakeExecutor(token_fn=self.sampler)
+        self.scheduler = Scheduler(scenario.scheduler_config, scenario.cache_config)
+        self.async_sched = scenario.scheduler_config.async_scheduling
+        self.records: dict[int, dict] = {}
+        self.finish_step: dict[str, int] = {}
+        self.finish_reasons: dict[str, str] = {}
+        self.stop_reasons: dict[str, object] = {}
+        self.aborted_step: dict[str, int] = {}
+        self.first_token_step: dict[str, int] = {}
+        self.outputs: dict[str, list[int]] = {}
+
+    def add(self, r: ScenarioRequest, index: int) -> list[str]:
+        ids = []
+        for req, plan in _make_requests(r, index, self.scenario.eos_token_id):
+            try:
+                self.scheduler.add_request(req)
+            except UnservableRequestError as e:
+                raise ScenarioError(f"requests[{index}]", str(e).split(": ", 1)[-1]) from None
+            self.sampler.add(req.request_id, plan, req.sampling_params)
+            ids.append(req.request_id)
+        return ids
+
+    def abort(self, step: int, rec: dict, targets: list[list[str]], key: str) -> None:
+        """One `finish_requests([id], FINISHED_ABORTED)` per id (vLLM's set() order avoided)."""
+        for ids in targets:
+            for cid in ids:
+                req = self.scheduler.requests.get(cid)
+                state = None if req is None else {
+                    "status": req.status.name, "num_computed_tokens": req.num_computed_tokens,
+                    "num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
+                    "num_in_flight_tokens": req.num_in_flight_tokens,
+                    "num_output_placeholders": req.num_output_placeholders,
+                    "num_preemptions": req.num_preemptions, "is_prefill_chunk": req.is_prefill_chunk}
+                if self.scheduler.finish_requests([cid], RequestStatus.FINISHED_ABORTED):
+                    rec.setdefault(key, []).append(cid)
+                    rec.setdefault("aborted_states", {})[cid] = state
+                    self.aborted_step[cid] = step
+                else:
+                    rec.setdefault("abort_noop", []).append(cid)
+
+    def process(self, pstep: int, so, mro) -> None:
+        rec = self.records[pstep]
         fin, reasons = [], {}
-        for o in result.outputs:
+        for o in self.scheduler.update_from_output(so, mro):
             if o.new_token_ids:
-                outputs_so_far.setdefault(o.request_id, []).extend(o.new_token_ids)
-                first_token_step.setdefault(o.request_id, pstep)
+                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                self.first_token_step.setdefault(o.request_id, pstep)
             if o.finish_reason is not None:
+                reason = str(o.finish_reason)
                 fin.append(o.request_id)
-                reasons[o.request_id] = str(o.finish_reason)
-                finish_step[o.request_id] = pstep
+                reasons[o.request_id] = self.finish_reasons[o.request_id] = reason
+                self.finish_step[o.request_id] = pstep
+                if o.stop_reason is not None:
+                    rec.setdefault("stop_reasons", {})[o.request_id] = o.stop_reason
+                    self.stop_reasons[o.request_id] = o.stop_reason
         rec["finished"] = fin
         rec["finish_reasons"] = reasons
-        rec["num_free_blocks"] = rec["num_free_blocks_after_update"] = scheduler.kv_cache_manager.num_free_blocks
-        rec["num_running_after"], rec["num_waiting_after"] = scheduler.get_request_counts()
-        return pstep
+        rec["num_free_blocks"] = rec["num_free_blocks_after_update"] = \
+            self.scheduler.kv_cache_manager.num_free_blocks
+        rec["num_running_after"], rec["num_waiting_after"] = self.scheduler.get_request_counts()
 
-    step = 0
-    while step < scenario.max_steps:
-        arrived = []
-        while pending and pending[0][1].arrival_step <= step:
-            idx, r = pending.popleft()
-            for req in _make_requests(r, idx):
-                engine.add_request(req)
-                arrived.append(req.request_id)
-        if not engine.has_work():
-            if not pending:
-                break
-            yield {"type": "step", "step": step, "arrived": arrived, "idle": True,
-                   "num_scheduled_tokens": {}, "new": [], "resumed": [], "preempted": [], "finished": [],
-                   "num_free_blocks": scheduler.kv_cache_manager.num_free_blocks,
-                   "prefix_queries": 0, "prefix_hits": 0,
-                   "annotation": "execute_context_0(0)_generation_0(0)"}
-            step += 1
-            continue
-        result = engine.step(step_index=step)
-        if result.scheduled is not None:
-            records[step] = _schedule_record(step, arrived, engine, result)
-            step_of[id(result.scheduled)] = step
-        else:
-            records[step] = {"type": "step", "step": step, "arrived": arrived, "drain_only": True}
-        if result.processed is not None:
-            pstep = process(result)
-            if async_sched:
-                records[step]["processed_output_of_step"] = pstep
-        for s in sorted(records):
-            if "finished" in records[s] or records[s].get("drain_only"):
-                yield records.pop(s)
+    def ready(self) -> Iterator[dict]:
+        """Records complete so far, in step order (a step waits for its output to be processed)."""
+        for s in sorted(self.records):
+            if "finished" in self.records[s] or self.records[s].get("drain_only"):
+                yield self.records.pop(s)
             else:
                 break
+
+    def summary(self, num_steps: int) -> dict:
+        sc = self.scenario
+        every = [cid for r in sc.requests for cid in r.child_ids]
+        out = {"type": "summary", "num_steps": num_steps,
+               "finish_step": dict(sorted(self.finish_step.items(), key=lambda kv: (kv[1], kv[0]))),
+               "first_token_step": dict(sorted(self.first_token_step.items(), key=lambda kv: (kv[1], kv[0]))),
+               # never reached (arrival after max_steps) counts as unfinished too
+               "unfinished": sorted(set(every) - set(self.finish_step) - set(self.aborted_step)),
+               "output_token_ids": {k: self.outputs[k] for k in sorted(self.outputs)},
+               "num_free_blocks_end": self.scheduler.kv_cache_manager.num_free_blocks}
+        if sc.uses_events:
+            out["aborted"] = dict(sorted(self.aborted_step.items(), key=lambda kv: (kv[1], kv[0])))
+            out["finish_reasons"] = dict(sorted(self.finish_reasons.items()))
+            out["stop_reasons"] = dict(sorted(self.stop_reasons.items()))
+        return out
+
+
+def _config_line(scenario: Scenario) -> dict:
+    sc, cc = scenario.scheduler_config, scenario.cache_config
+    return {"type": "config", "settings": {
+        "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "max_model_len": sc.max_model_len, "num_gpu_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
+        "async_scheduling": sc.async_scheduling}, "num_requests": len(scenario.requests),
+        "eos_token_id": scenario.eos_token_id, "num_aborts": len(scenario.aborts)}
+
+
+def replay(scenario: Scenario) -> Iterator[dict]:
+    """Yield the config line, one line per step, then a summary (the oracle's format)."""
+    run = _Replay(scenario)
+    scheduler, executor = run.scheduler, run.executor
+    queue_size = 2 if run.async_sched else 1
+    batch_queue: deque = deque()  # (step, scheduler_output, model_runner_output), newest left
+    pending = deque(sorted(enumerate(scenario.requests), key=lambda x: (x[1].arrival_step, x[0])))
+    aborts_at: dict[int, list] = {}
+    for a in scenario.aborts:
+        aborts_at.setdefault(a.step, []).append(a)
+    yield _config_line(scenario)
+    carried: list[list[str]] = []  # during_step aborts of an iteration that processed no output
+    step = 0
+    while step < scenario.max_steps:
+        rec: dict = {"type": "step", "step": step}
+        if carried:
+            run.abort(step, rec, carried, "aborted")
+            carried = []
+        arrived: list[str] = []
+        while pending and pending[0][1].arrival_step <= step:
+            idx, r = pending.popleft()
+            arrived.extend(run.add(r, idx))
+        rec["arrived"] = arrived
+        todo = aborts_at.get(step, [])
+        run.abort(step, rec, [a.targets for a in todo if a.phase == "between_steps"], "aborted")
+        during = [a.targets for a in todo if a.phase == "during_step"]
+        if not scheduler.has_requests() and not batch_queue:
+            if during:  # nothing in flight: the same effect as between steps
+                run.abort(step, rec, during, "aborted")
+            if not pending:
+                if len(rec) > 3:  # the step only applied aborts
+                    yield _idle_record(rec, scheduler)
+                break
+            yield _idle_record(rec, scheduler)
+            step += 1
+            continue
+        run.records[step] = rec
+        scheduled = False
+        if scheduler.has_requests():
+            run.sampler.masked = []
+            so = scheduler.schedule()
+            so.step = step
+            mro = executor.execute_model(so)
+            scheduled = True
+            rec.update(_schedule_record(scheduler, so, mro))
+            if run.sampler.masked:
+                rec["masked_stop"] = run.sampler.masked
+            batch_queue.appendleft((step, so, mro))
+            if len(batch_queue) < queue_size and (so.total_num_scheduled_tokens > 0 or scheduler.has_requests()):
+                carried.extend(during)  # this iteration processes no output
+                step += 1
+                continue  # async: don't block on this batch yet
+        if batch_queue:
+            pstep, pso, pmro = batch_queue.pop()
+            run.abort(step, rec, during, "aborted_during_step")
+            run.process(pstep, pso, pmro)
+            if run.async_sched:
+                rec["processed_output_of_step"] = pstep
+        else:
+            run.abort(step, rec, during, "aborted")
+        if not scheduled:
+            rec["drain_only"] = True  # only processed an older batch
+        yield from run.ready()
         step += 1
-    for res in engine.drain():
-        process(res)
-    for s in sorted(records):
-        yield records.pop(s)
-    yield {"type": "summary", "num_steps": step,
-           "finish_step": dict(sorted(finish_step.items(), key=lambda kv: (kv[1], kv[0]))),
-           "first_token_step": dict(sorted(first_token_step.items(), key=lambda kv: (kv[1], kv[0]))),
-           "unfinished": sorted(set(scheduler.requests)),
-           "output_token_ids": {k: outputs_so_far[k] for k in sorted(outputs_so_far)},
-           "num_free_blocks_end": scheduler.kv_cache_manager.num_free_blocks}
+    while batch_queue:
+        pstep, pso, pmro = batch_queue.pop()
+        run.process(pstep, pso, pmro)
+    for s in sorted(run.records):
+        yield run.records.pop(s)
+    yield run.summary(step)
 
 
 def write_replay(scenario: Scenario, out: IO[str]) -> int:
@@ -146,3 +284,6 @@ def write_replay(scenario: Scenario, out: IO[str]) -> int:
         out.write(json.dumps(line) + "\n")
         n += 1
     return n
+
+
+__all__ = ["replay", "write_replay", "ScriptedSampler"]

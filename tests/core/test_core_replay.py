@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from servetwin.core.testbed.replay import replay
-from servetwin.core.testbed.scenario import load_scenario, parse_scenario
+from servetwin.core.testbed.scenario import ScenarioError, load_scenario, parse_scenario
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[2]
@@ -21,9 +21,11 @@ STEP_KEYS = [
     "resumed", "resumed_prefix_hit_tokens", "preempted", "sampled", "num_free_blocks_after_schedule",
     "kv_usage_after_schedule", "prefix_cache", "waiting_ids", "finished", "num_free_blocks_after_update",
     "num_running_after", "num_waiting_after", "processed_output_of_step", "idle",
+    # events (EVENTS.md): client aborts, stop reasons, stop tokens masked by min_tokens
+    "aborted", "aborted_during_step", "abort_noop", "stop_reasons", "masked_stop",
 ]
 SUMMARY_KEYS = ["num_steps", "finish_step", "first_token_step", "unfinished", "output_token_ids",
-                "num_free_blocks_end"]
+                "num_free_blocks_end", "aborted", "finish_reasons", "stop_reasons"]
 
 
 def _load_expected(name: str) -> list[dict]:
@@ -40,7 +42,8 @@ def _finished_pairs(rec: dict) -> list[list[str]]:
 
 
 def test_every_scenario_has_an_expected_trace():
-    assert len(SCENARIOS) >= 7
+    assert len(SCENARIOS) >= 13
+    assert sum(name.startswith("d_") for name in SCENARIOS) == 6  # the recorded event scenarios
     for name in SCENARIOS:
         assert (DATA / f"{name}.expected.jsonl").exists(), name
 
@@ -60,6 +63,9 @@ def test_replay_matches_vllm_oracle(name):
             continue
         if exp["type"] == "summary":
             for k in SUMMARY_KEYS:
+                if k not in exp:
+                    assert k not in got, (name, "summary", k)
+                    continue
                 assert got[k] == exp[k], (name, "summary", k)
                 if isinstance(exp[k], dict):
                     assert list(got[k]) == list(exp[k]), (name, "summary order", k)
@@ -150,14 +156,72 @@ BAD_SCENARIOS = {
     "unknown_request_key": (_bad(lambda d: d["requests"][0].update(temprature=0.5)), "temprature"),
     "bad_max_tokens": (_bad(lambda d: d["requests"][0].update(max_tokens=0)), "max_tokens"),
     "requests_not_list": (_bad(lambda d: d.update(requests={})), "requests"),
+    # typed values: nothing coerced (issue 13: "false" read as True, 1.7 truncated, ids of any type)
+    "chunked_str": (_bad(lambda d: d["settings"].update(enable_chunked_prefill="false")),
+                    r"settings\.enable_chunked_prefill: must be true or false"),
+    "async_str": (_bad(lambda d: d["settings"].update(async_scheduling="no")),
+                  r"settings\.async_scheduling: must be true or false"),
+    "policy_bad": (_bad(lambda d: d["settings"].update(policy="lifo")), r"settings\.policy"),
+    "watermark_str": (_bad(lambda d: d["settings"].update(watermark="0.1")), r"settings\.watermark"),
+    "max_steps_float": (_bad(lambda d: d["settings"].update(max_steps=2.5)), r"settings\.max_steps"),
+    "priority_null": (_bad(lambda d: d["requests"][0].update(priority=None)), r"requests\[0\]\.priority"),
+    "priority_list": (_bad(lambda d: d["requests"][0].update(priority=[1])), r"requests\[0\]\.priority"),
+    "priority_str": (_bad(lambda d: d["requests"][0].update(priority="abc")), r"requests\[0\]\.priority"),
+    "priority_float": (_bad(lambda d: d["requests"][0].update(priority=1.7)), r"requests\[0\]\.priority"),
+    "priority_bool": (_bad(lambda d: d["requests"][0].update(priority=True)), r"requests\[0\]\.priority"),
+    "id_null": (_bad(lambda d: d["requests"][0].update(id=None)), r"requests\[0\]\.id: must be a non-empty string"),
+    "id_int": (_bad(lambda d: d["requests"][0].update(id=5)), r"requests\[0\]\.id: must be a non-empty string"),
+    "id_list": (_bad(lambda d: d["requests"][0].update(id=["x"])), r"requests\[0\]\.id"),
+    "id_empty": (_bad(lambda d: d["requests"][0].update(id="")), r"requests\[0\]\.id"),
+    "prompt_bools": (_bad(lambda d: d["requests"][0].update(prompt_token_ids=[True, False])),
+                     r"requests\[0\]\.prompt_token_ids\[0\]"),
+    "prompt_negative": (_bad(lambda d: d["requests"][0].update(prompt_token_ids=[1, -3])),
+                        r"requests\[0\]\.prompt_token_ids\[1\]"),
+    "prefix_str": (_bad(lambda d: (d["requests"][0].pop("prompt_token_ids"),
+                                   d["requests"][0].update(prompt_len=4, prefix_token_ids="abc"))),
+                   r"requests\[0\]\.prefix_token_ids"),
+    "prompt_and_len": (_bad(lambda d: d["requests"][0].update(prompt_len=4)), r"requests\[0\]\.prompt_len"),
+    "arrival_negative": (_bad(lambda d: d["requests"][0].update(arrival_time=-5)),
+                         r"requests\[0\]\.arrival_time"),
+    "arrival_nan": (_bad(lambda d: d["requests"][0].update(arrival_time=float("nan"))),
+                    r"requests\[0\]\.arrival_time"),
+    "arrival_step_float": (_bad(lambda d: d["requests"][0].update(arrival_step=1.5)),
+                           r"requests\[0\]\.arrival_step"),
+    "n_zero": (_bad(lambda d: d["requests"][0].update(n=0)), r"requests\[0\]\.n"),
+    "salt_int": (_bad(lambda d: d["requests"][0].update(cache_salt=3)), r"requests\[0\]\.cache_salt"),
+    "unknown_top_key": (_bad(lambda d: d.update(abort=[])), r"^abort: unknown key"),
+    "request_not_object": (_bad(lambda d: d["requests"].append([1])), r"requests\[1\]: must be an object"),
+    "child_id_collides": (_bad(lambda d: d["requests"].extend([{"id": "p", "prompt_token_ids": [1], "n": 2},
+                                                               {"id": "1_p", "prompt_token_ids": [1]}])),
+                          r"requests\[2\]\.id: duplicate id '1_p'"),
+    # events
+    "ignore_eos_str": (_bad(lambda d: d["requests"][0].update(ignore_eos="yes")), r"requests\[0\]\.ignore_eos"),
+    "stop_ids_base_range": (_bad(lambda d: d["requests"][0].update(stop_token_ids=[5, 500])),
+                            r"requests\[0\]\.stop_token_ids\[1\]: 500 collides"),
+    "min_tokens_above_max": (_bad(lambda d: d["requests"][0].update(min_tokens=3)), r"requests\[0\]\.min_tokens"),
+    "stop_at_bad_entry": (_bad(lambda d: d["requests"][0].update(stop_at=[1, [2]])),
+                          r"requests\[0\]\.stop_at\[1\]"),
+    "stop_at_twice": (_bad(lambda d: d["requests"][0].update(stop_at=[1, [1, 5]])),
+                      r"requests\[0\]\.stop_at\[1\]: position 1 given twice"),
+    "stop_at_child_form_n1": (_bad(lambda d: d["requests"][0].update(stop_at={"0": [1]})),
+                              r"requests\[0\]\.stop_at: the per-child object form needs n > 1"),
+    "eos_in_base_range": (_bad(lambda d: d["settings"].update(eos_token_id=100)), r"settings\.eos_token_id"),
+    "aborts_not_list": (_bad(lambda d: d.update(aborts={})), r"^aborts: must be a list"),
+    "abort_unknown_id": (_bad(lambda d: d.update(aborts=[{"step": 1, "id": "nope"}])), r"aborts\[0\]\.id"),
+    "abort_bad_phase": (_bad(lambda d: d.update(aborts=[{"step": 1, "id": "r0", "phase": "later"}])),
+                        r"aborts\[0\]\.phase"),
+    "abort_missing_step": (_bad(lambda d: d.update(aborts=[{"id": "r0"}])), r"aborts\[0\]\.step: required"),
+    "abort_unknown_key": (_bad(lambda d: d.update(aborts=[{"step": 1, "id": "r0", "when": 2}])),
+                          r"aborts\[0\]\.when: unknown key"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SCENARIOS))
 def test_parse_scenario_errors_name_the_field(case):
     data, field = BAD_SCENARIOS[case]
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ScenarioError, match=field) as info:
         parse_scenario(data)
+    assert str(info.value).startswith(info.value.path + ":")
 
 
 @pytest.mark.parametrize("case", ["unknown_setting", "missing_prompt", "duplicate_id", "missing_required_setting"])
@@ -199,3 +263,107 @@ def test_scenario_with_n_fans_out_children():
     summary = lines[-1]
     assert sorted(summary["output_token_ids"]) == ["0_p", "1_p", "2_p"]
     assert summary["unfinished"] == []
+
+
+def test_typed_bools_are_read_as_written():
+    d = _base_scenario()
+    d["settings"].update(enable_chunked_prefill=False, async_scheduling=False, max_num_batched_tokens=4096,
+                         max_model_len=4096)
+    sc = parse_scenario(d)
+    assert sc.scheduler_config.enable_chunked_prefill is False
+    assert sc.scheduler_config.async_scheduling is False
+
+
+def test_request_arriving_after_max_steps_is_unfinished():
+    d = _base_scenario()
+    d["settings"]["max_steps"] = 3
+    d["requests"].append({"id": "late", "arrival_step": 50, "prompt_token_ids": [4, 5], "max_tokens": 2})
+    summary = list(replay(parse_scenario(d)))[-1]
+    assert "r0" in summary["finish_step"]
+    assert summary["unfinished"] == ["late"]
+
+
+def test_cli_rejected_scenarios_write_nothing(tmp_path, capsys):
+    """Unservable mid-replay (a prompt longer than max_model_len): exit 2 naming the request, no file
+    written, an existing output left as it was."""
+    from servetwin.experiments.cli import main
+
+    d = _base_scenario()
+    d["settings"]["max_model_len"] = 8
+    d["requests"].append({"id": "big", "arrival_step": 2, "prompt_token_ids": list(range(20)), "max_tokens": 2})
+    path = tmp_path / "unservable.json"
+    path.write_text(json.dumps(d))
+    out = tmp_path / "new.jsonl"
+    assert main(["replay", str(path), "-o", str(out)]) == 2
+    assert "requests[1]" in capsys.readouterr().err
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["unservable.json"]  # no temporary left either
+    old = tmp_path / "old.jsonl"
+    old.write_text("previous results\n")
+    assert main(["replay", str(path), "-o", str(old)]) == 2
+    assert old.read_text() == "previous results\n"
+    assert main(["replay", str(path)]) == 2  # stdout: nothing printed before the error
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("target", ["/proc/servetwin_x.jsonl", "/sys/servetwin_x/out.jsonl"])
+def test_cli_unwritable_output_names_the_flag(capsys, target):
+    from servetwin.experiments.cli import main
+
+    assert main(["replay", str(DATA / "c_tight_kv.json"), "-o", target]) == 2
+    assert "-o/--output" in capsys.readouterr().err
+
+
+# -- events (client aborts, EOS, stop ids, min_tokens) ------------------------------------------------
+
+def _events_scenario(async_sched: bool = False, **req) -> dict:
+    d = _base_scenario()
+    d["settings"].update(async_scheduling=async_sched, max_num_batched_tokens=64, num_gpu_blocks=64)
+    d["requests"] = [{"id": "a", "prompt_token_ids": list(range(1, 20)), "max_tokens": 12, **req},
+                     {"id": "b", "prompt_token_ids": list(range(1, 30)), "max_tokens": 12}]
+    return d
+
+
+def _steps(lines):
+    return [r for r in lines if r["type"] == "step" and not r.get("idle")]
+
+
+def test_eos_stops_unless_ignored():
+    stopped = list(replay(parse_scenario(_events_scenario(ignore_eos=False, stop_at=[4]))))
+    assert stopped[-1]["output_token_ids"]["a"][-1] == 2 and len(stopped[-1]["output_token_ids"]["a"]) == 5
+    assert stopped[-1]["finish_reasons"] == {"a": "stop", "b": "length"}
+    ignored = list(replay(parse_scenario(_events_scenario(stop_at=[4]))))  # ignore_eos defaults to true
+    assert len(ignored[-1]["output_token_ids"]["a"]) == 12 and ignored[-1]["output_token_ids"]["a"][4] == 2
+
+
+def test_min_tokens_is_the_samplers_mask_not_check_stop():
+    # the stop id at position 2 is masked (2 < min_tokens=3), the one at 5 stops the request
+    lines = list(replay(parse_scenario(_events_scenario(stop_token_ids=[5], min_tokens=3,
+                                                       stop_at=[[2, 5], [5, 5]]))))
+    out = lines[-1]["output_token_ids"]["a"]
+    assert out[2] != 5 and out[-1] == 5 and len(out) == 6
+    assert lines[-1]["stop_reasons"] == {"a": 5}
+    assert [r["step"] for r in _steps(lines) if "a" in r.get("masked_stop", [])] == [2]
+
+
+def test_async_schedules_an_eos_stopped_request_once_more():
+    lines = list(replay(parse_scenario(_events_scenario(async_sched=True, ignore_eos=False, stop_at=[3]))))
+    fin = lines[-1]["finish_step"]["a"]
+    scheduled = [r["step"] for r in _steps(lines) if "a" in r.get("num_scheduled_tokens", {})]
+    assert scheduled[-1] == fin + 1  # vLLM anticipates only max_tokens: one more step, its token dropped
+    assert len(lines[-1]["output_token_ids"]["a"]) == 4
+
+
+@pytest.mark.parametrize("async_sched", [False, True])
+@pytest.mark.parametrize("phase", ["between_steps", "during_step"])
+def test_abort_frees_the_request(async_sched, phase):
+    d = _events_scenario(async_sched=async_sched)
+    d["aborts"] = [{"step": 3, "id": "a", "phase": phase}, {"step": 4, "id": "a"}]
+    lines = list(replay(parse_scenario(d)))
+    summary = lines[-1]
+    assert list(summary["aborted"]) == ["a"] and summary["unfinished"] == []
+    assert "a" not in summary["finish_step"]
+    assert summary["num_free_blocks_end"] == 63  # every block back (block 0 is the null block)
+    assert [r["step"] for r in lines if r.get("abort_noop")] == [4]  # already gone: a no-op
+    after = [r for r in _steps(lines) if r["step"] > summary["aborted"]["a"]]
+    assert all("a" not in r.get("num_scheduled_tokens", {}) for r in after)
