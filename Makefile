@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/servetwin run experiments/configs/default.yaml -o $(RUN_DIR)
+	$(BIN)/servetwin run experiments/configs/default.yaml -o $(RUN_DIR) --overwrite
 
 test: setup
 	$(BIN)/python -m pytest tests

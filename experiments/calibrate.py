@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from servetwin.core.testbed.atomic import atomic_open
 from servetwin.sim.coefficients import BASIS_TERMS
 
 CONTENDED_BELOW = 0.9
@@ -444,7 +445,7 @@ def write_calibration(path: str, doc: dict[str, Any], header: str = "") -> str:
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     text = yaml.safe_dump(_plain(doc), sort_keys=False, width=110)
-    with open(path, "w", encoding="utf-8") as f:
+    with atomic_open(path) as f:  # renamed into place complete: never a truncated calibration
         if header:
             f.write("".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()))
         f.write(text)

@@ -354,8 +354,11 @@ def _pooled_step_noise(measured: np.ndarray) -> Optional[dict[str, Any]]:
 def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: Optional[int] = None,
             plots: bool = True, config_path: Optional[str] = None, retry_contended: int = 0,
             max_contended_share: float = 0.05, probe_steps: bool = True,
-            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
-    """Run the comparison, write comparison.json / comparison.md / plots / tables; returns the JSON dict.
+            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr), overwrite: bool = False,
+            folder: Optional[Any] = None) -> dict[str, Any]:
+    """Run the comparison, write tables / plots / comparison.md / comparison.json (last); returns the
+    JSON dict. The output folder follows `servetwin.experiments.run_folder` (locked, a non-empty one
+    refused unless `overwrite`, nothing touched until the measurements are done).
 
     Raises `CompositionMismatch` (offline) after writing the traces and a comparison.json marked
     `identical_composition: false`.
@@ -363,16 +366,17 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     `retry_contended`: a measured repeat in which more than `max_contended_share` of the steps lost
     their CPU to other processes (see `contention`) is run again, at most this many times in all;
     the discarded attempts are listed in `discarded_repeats` (default 0: every repeat counts)."""
-    from servetwin.experiments.runner import write_json  # noqa: PLC0415
+    from servetwin.experiments.run_folder import RunFolder  # noqa: PLC0415
     from servetwin.experiments.workloads import build_requests  # noqa: PLC0415
 
     if repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {repeats}")
-    os.makedirs(out_dir, exist_ok=True)
+    if folder is None:
+        with RunFolder(out_dir, overwrite=overwrite) as owned:
+            return compare(exp, out_dir, repeats=repeats, threads=threads, plots=plots, config_path=config_path,
+                           retry_contended=retry_contended, max_contended_share=max_contended_share,
+                           probe_steps=probe_steps, log=log, folder=owned)
     import yaml  # noqa: PLC0415
-
-    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
     cal_label, cal_prov = calibration_info(exp)
     if threads is None and isinstance(cal_prov.get("torch_threads"), int):
         threads = int(cal_prov["torch_threads"])
@@ -443,19 +447,15 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     close = getattr(ex, "close", None)
     if callable(close):
         close()
-    # tables (torch_rN folders of an earlier comparison in the same folder go first)
-    import glob  # noqa: PLC0415
-    import shutil  # noqa: PLC0415
-
-    for old in glob.glob(os.path.join(out_dir, "torch_r*")):
-        shutil.rmtree(old, ignore_errors=True)
-    sim_rec.write(os.path.join(out_dir, "sim"))
+    # the write phase: the folder is cleared (with overwrite) only now, every file renamed into place
+    folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))
+    for path in sim_rec.write(folder.subdir("sim")).values():
+        folder.record(os.path.relpath(path, out_dir))
     for r, fr in enumerate(torch_frames):
-        d = os.path.join(out_dir, "torch" if r == 0 else f"torch_r{r}")
-        os.makedirs(d, exist_ok=True)
+        d = "torch" if r == 0 else f"torch_r{r}"
         for name, df in fr.items():  # the standard trace schema (the CPU columns go to steps_paired)
             df = df.drop(columns=["cpu_s", "cpu_share"], errors="ignore")
-            df.to_parquet(os.path.join(d, f"{name}.parquet"), index=False)
+            folder.write_with(os.path.join(d, f"{name}.parquet"), lambda tmp, df=df: df.to_parquet(tmp, index=False))
     base = {
         "mode": "offline" if offline else "online",
         "workload": {"requests": len(requests), "arrival": type(arrival).__name__}, "name": exp.name, "config": config_path,
@@ -481,21 +481,25 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
                 msg = (f"offline composition mismatch (torch repeat {r + 1}/{repeats}): {msg}")
                 result = dict(base, identical_composition=False, identical_step_share=identical_share(sim_frames, fr)[0],
                               first_differing_step=idx, error=msg)
-                write_json(os.path.join(out_dir, "comparison.json"), result)
+                folder.write_json("comparison.json", result)
                 raise CompositionMismatch(msg)
     result = _score(base, exp, sim_frames, torch_frames, cost_model, offline)
     paired = result.pop("_paired")
-    paired.to_parquet(os.path.join(out_dir, "steps_paired.parquet"), index=False)
+    folder.write_with("steps_paired.parquet", lambda tmp: paired.to_parquet(tmp, index=False))
     plot_paths = {}
     if plots:
+        from servetwin.core.testbed.atomic import staged_folder  # noqa: PLC0415
         from servetwin.experiments.compare_plots import comparison_plots  # noqa: PLC0415
 
-        plot_paths = comparison_plots(sim_frames, torch_frames, paired, out_dir)
+        with staged_folder(out_dir) as stage:  # PNGs renamed into place complete
+            plot_paths = comparison_plots(sim_frames, torch_frames, paired, stage)
     result["plots"] = {k: os.path.basename(v) for k, v in plot_paths.items() if v}
-    write_json(os.path.join(out_dir, "comparison.json"), result)
+    for name in result["plots"].values():
+        folder.record(name)
     from servetwin.experiments.compare_report import write_comparison_md  # noqa: PLC0415
 
-    write_comparison_md(result, exp, out_dir)
+    folder.record(os.path.basename(write_comparison_md(result, exp, out_dir)))
+    folder.write_json("comparison.json", result)  # last: the comparison of record
     return result
 
 

@@ -9,21 +9,21 @@ import time
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from servetwin.experiments.compare import CompositionMismatch, compare, load_compare_config  # noqa: PLC0415
-    from servetwin.experiments.schema import check_output_dir  # noqa: PLC0415
+    from servetwin.experiments.run_folder import RunFolder  # noqa: PLC0415
 
     exp = load_compare_config(args.config, calibration=args.calibration, overrides=args.overrides,
                               requests=args.requests)
     out = args.output or os.path.join("runs", f"compare-{exp.name}")
-    check_output_dir(out)
     t0 = time.perf_counter()
-    try:
-        res = compare(exp, out, repeats=args.repeats, threads=args.threads, plots=not args.no_plots,
-                      config_path=os.path.abspath(args.config), retry_contended=args.retry_contended,
-                      max_contended_share=args.max_contended_share)
-    except CompositionMismatch as e:
-        print(f"servetwin compare: FAILED: {e}", file=sys.stderr)
-        print(f"servetwin compare: the traces are in {out}/ (sim/, torch/)", file=sys.stderr)
-        return 1
+    with RunFolder(out, overwrite=args.overwrite) as folder:
+        try:
+            res = compare(exp, out, repeats=args.repeats, threads=args.threads, plots=not args.no_plots,
+                          config_path=os.path.abspath(args.config), retry_contended=args.retry_contended,
+                          max_contended_share=args.max_contended_share, folder=folder)
+        except CompositionMismatch as e:
+            print(f"servetwin compare: FAILED: {e}", file=sys.stderr)
+            print(f"servetwin compare: wrote {out}/: {folder.describe()}", file=sys.stderr)
+            return 1
     s = res["step_abs_pct_error"]
     line = (f"{res['mode']}: {res['steps']} steps, per-step |error| p50 {s['p50']:.2f}% p90 {s['p90']:.2f}%, "
             f"makespan {res['makespan_signed_pct_error']:+.2f}%")
@@ -35,13 +35,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if noise.get("step_abs_pct_error"):
         line += f" (noise: per-step p50 {noise['step_abs_pct_error']['p50']:.2f}%)"
     print(line)
-    print(f"wrote {out}/comparison.json, comparison.md in {time.perf_counter() - t0:.1f}s")
+    print(f"wrote {out}/: {folder.describe()} in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from servetwin.experiments.calibrate import calibrate  # noqa: PLC0415
-    from servetwin.experiments.schema import check_output_dir, check_output_file  # noqa: PLC0415
+    from servetwin.experiments.schema import check_output_file, ensure_output_dir, ensure_output_file  # noqa: PLC0415
 
     if args.backend != "torch":
         raise ValueError(f"--backend: only 'torch' is measured, got {args.backend!r}")
@@ -51,8 +51,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if not args.no_trim and not args.trim > 0:
         raise ValueError(f"--trim: must be > 0, got {args.trim} (--no-trim keeps every sample)")
     check_output_file(args.output)  # before minutes of measuring, not after
+    ensure_output_dir(os.path.dirname(os.path.abspath(args.output)))
+    ensure_output_file(args.output)
     if args.trace_dir:
-        check_output_dir(args.trace_dir, "--trace-dir")
+        ensure_output_dir(args.trace_dir, "--trace-dir")
     calibrate(args.model, args.output, device=args.device, dtype=args.dtype, threads=args.threads,
               design=args.design, repeats=args.repeats, base=args.base, weighting=args.weighting,
               trim=None if args.no_trim else args.trim, from_run=args.from_run, trace_dir=args.trace_dir,
@@ -89,6 +91,8 @@ def register(subparsers) -> None:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field by dotted path (repeatable)")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace the contents of a non-empty output folder (default: refuse it)")
     c.set_defaults(func=_cmd_compare)
 
     k = subparsers.add_parser(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from servetwin.core.testbed.atomic import atomic_write_text
 from servetwin.experiments.report import fmt, md_table
 
 PLOT_TITLES = {"scatter": "Per-step predicted vs measured", "residuals": "Residuals by phase and step size",
@@ -123,8 +124,7 @@ def write_comparison_md(res: dict[str, Any], exp, out_dir: str) -> str:
           "- `steps_paired.parquet`: one row per measured step (and repeat) with its predicted duration",
           "- `sim/`, `torch/` (`torch_rN/` for further repeats): the trace tables of each run", ""]
     path = os.path.join(out_dir, "comparison.md")
-    with open(path, "w") as f:
-        f.write("\n".join(L))
+    atomic_write_text(path, "\n".join(L))
     return path
 
 

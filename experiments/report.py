@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import yaml
 
+from servetwin.core.testbed.atomic import atomic_write_text, staged_folder
+
 TOP_N = 10
 
 
@@ -157,13 +159,16 @@ def annotation_histogram(frames: dict[str, dict], top_n: int = TOP_N) -> str:
 
 
 def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, dict],
-                 itls: dict[str, list], plots: bool = True) -> str:
+                 itls: dict[str, list], plots: bool = True) -> list[str]:
+    """Plots, then report.md, each renamed into place complete; returns the paths written."""
     summaries = combined["backends"]
     plot_paths: dict[str, Optional[str]] = {}
     if plots and frames:
         from servetwin.experiments.plots import all_run_plots  # noqa: PLC0415
 
-        plot_paths = all_run_plots(frames, itls, out_dir)
+        with staged_folder(out_dir) as stage:  # no half-written PNG, even on Ctrl-C
+            staged = all_run_plots(frames, itls, stage)
+        plot_paths = {k: os.path.join(out_dir, os.path.basename(v)) if v else v for k, v in staged.items()}
     w = combined.get("workload", {})
     lines = [f"# {exp.name}", ""]
     if exp.description:
@@ -196,6 +201,5 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
         lines.append(f"- `{b}/`: `steps.parquet`, `step_requests.parquet`, `requests.parquet`, "
                      "`trace.json` (open in Perfetto), `summary.json`")
     path = os.path.join(out_dir, "report.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return [p for p in plot_paths.values() if p] + [path]

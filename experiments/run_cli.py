@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -18,6 +19,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config field by its dotted path, e.g. --set engine.max_num_seqs=64 "
                         "(value parsed as YAML; repeatable)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the contents of a non-empty output folder (default: refuse it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -38,55 +41,67 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from servetwin.experiments.run_folder import RunFolder  # noqa: PLC0415
     from servetwin.experiments.runner import run_experiment  # noqa: PLC0415
-    from servetwin.experiments.schema import BACKENDS, check_output_dir  # noqa: PLC0415
 
     exp = _load(args)
     out = args.output or os.path.join("runs", exp.name)
-    check_output_dir(out)
-    stale = [b for b in BACKENDS if b not in exp.backends and os.path.isdir(os.path.join(out, b))]
-    if stale:
-        print(f"note: {out}/ already holds {', '.join(f'{b}/' for b in stale)} from an earlier run; this run "
-              f"rewrites only {', '.join(f'{b}/' for b in exp.backends)}, summary.json and report.md",
-              file=sys.stderr)
     if exp.sweep:
         print(f"note: {args.config} has a sweep grid; `servetwin run` runs its base values only "
               "(use `servetwin sweep` for the grid)", file=sys.stderr)
     t0 = time.perf_counter()
-    try:
-        combined = run_experiment(exp, out, progress=not args.no_progress)
-    except KeyboardInterrupt:
-        print(f"interrupted: partial results written to {out}/ (summary.json has \"interrupted\": true)",
-              file=sys.stderr)
-        raise
+    with RunFolder(out, overwrite=args.overwrite) as folder:
+        try:
+            combined = run_experiment(exp, out, progress=not args.no_progress, folder=folder)
+        except KeyboardInterrupt:
+            print(f"interrupted: {interrupted_state(folder)}", file=sys.stderr)
+            raise
     for backend, s in combined["backends"].items():
         ttft = s["ttft_s"]["p50"]
         print(f"{backend}: {s['completed']}/{s['requests']} requests in {s['duration_s']:.3f}s "
               f"({'simulated' if backend == 'sim' else 'measured'}), throughput {s['throughput_tok_s'] or 0:,.0f} tok/s, "
               f"TTFT p50 {ttft if ttft is None else f'{ttft * 1e3:.1f} ms'}, {s['preemptions']} preemptions")
-        if s.get("rejected"):  # never servable (e.g. longer than max_model_len): say so, not just "0/N"
-            rid, why = next(iter((s.get("rejected_examples") or {"?": "?"}).items()))
-            print(f"warning: {backend}: {s['rejected']} of {s['requests']} requests were rejected as never "
-                  f"servable, e.g. {rid}: {why}", file=sys.stderr)
-    print(f"wrote {out}/ (report.md, summary.json, <backend>/ tables) in {time.perf_counter() - t0:.1f}s")
+    print(f"wrote {out}/: {folder.describe()} in {time.perf_counter() - t0:.1f}s")
+    rejected = {b: s for b, s in combined["backends"].items() if s.get("rejected")}
+    for backend, s in rejected.items():  # never servable (e.g. longer than max_model_len): say so, not "0/N"
+        rid, why = next(iter((s.get("rejected_examples") or {"?": "?"}).items()))
+        print(f"{'error' if s['rejected'] == s['requests'] else 'warning'}: {backend}: {s['rejected']} of "
+              f"{s['requests']} requests were rejected as never servable, e.g. {rid}: {why}", file=sys.stderr)
+    if any(s["rejected"] == s["requests"] for s in rejected.values()):
+        return 2  # nothing was served: a config problem, and the run's figures mean nothing
     return 0
 
 
+def interrupted_state(folder) -> str:
+    """What an interrupted run really left (the summary, written last, is the truth)."""
+    from servetwin.experiments.run_folder import folder_summary_state  # noqa: PLC0415
+
+    state = folder_summary_state(folder.path)
+    if state is None:
+        return (f"{folder.path}/ has no summary.json: interrupted while writing, its files are incomplete "
+                f"(written: {folder.describe()})")
+    return f"partial results in {folder.path}/ (summary.json has \"interrupted\": {json.dumps(state.get('interrupted'))})"
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from servetwin.experiments.schema import check_output_dir  # noqa: PLC0415
+    from servetwin.experiments.run_folder import RunFolder  # noqa: PLC0415
     from servetwin.experiments.sweep import run_sweep  # noqa: PLC0415
 
     exp = _load(args)
     out = args.output or os.path.join("runs", exp.name)
-    check_output_dir(out)
     t0 = time.perf_counter()
-    try:
-        df = run_sweep(exp, out, jobs=args.jobs, progress=not args.no_progress)
-    except KeyboardInterrupt:
-        print(f"interrupted: the table of finished points is in {out}/sweep.csv", file=sys.stderr)
-        raise
+    with RunFolder(out, overwrite=args.overwrite) as folder:
+        try:
+            df = run_sweep(exp, out, jobs=args.jobs, progress=not args.no_progress, folder=folder)
+        except KeyboardInterrupt:
+            if os.path.exists(os.path.join(out, "sweep.csv")):
+                print(f"interrupted: the table of finished points is in {out}/sweep.csv", file=sys.stderr)
+            else:
+                print(f"interrupted: {out}/ has no sweep.csv (interrupted while writing)", file=sys.stderr)
+            raise
     bad = df[df.status != "ok"]
-    print(f"wrote {out}/sweep.csv, sweep.md ({len(df)} rows, {len(bad)} not ok) in {time.perf_counter() - t0:.1f}s")
+    print(f"wrote {out}/: {folder.describe()}, {df.point.nunique()} point folders ({len(df)} rows, "
+          f"{len(bad)} not ok) in {time.perf_counter() - t0:.1f}s")
     return 1 if len(bad) else 0
 
 

@@ -12,6 +12,8 @@ Backend "sim" runs `servetwin.sim.engine.Simulation` (simulated time; the KV poo
 `servetwin.core.engine.engine_factory` -> `servetwin.sim.kv_pool`); backend "torch" runs `servetwin.core.testbed.realtime.run_realtime` over the
 `TorchExecutor` (wall-clock time). Both get the same request list. Ctrl-C stops the current backend,
 writes what it recorded (summary marked `"interrupted": true`) and skips the remaining backends.
+Every file is renamed into place complete and DIR/summary.json is written last (`run_folder`): a folder
+without it is incomplete, whatever stopped the run.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from servetwin.core.testbed.atomic import atomic_open
+from servetwin.experiments.run_folder import RunFolder
 from servetwin.experiments.schema import ConfigError, ExperimentConfig
 from servetwin.experiments.workloads import build_requests, workload_summary
 
@@ -214,24 +218,27 @@ def _json_default(o: Any) -> Any:
 
 
 def write_json(path: str, data: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    """JSON under a temporary name, renamed into place when complete (never a truncated file)."""
+    with atomic_open(path) as f:
         json.dump(data, f, indent=2, default=_json_default)
-    os.replace(tmp, path)
 
 
 # -- the run ------------------------------------------------------------------------------------
 def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
-                   log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+                   log: Optional[Callable[[str], None]] = None, overwrite: bool = False,
+                   folder: Optional[RunFolder] = None) -> dict[str, Any]:
     """Run every backend of `exp`, write everything under `out_dir`; returns the combined summary.
 
-    On KeyboardInterrupt the files of what ran are written and the interrupt is re-raised."""
+    The folder protocol of `servetwin.experiments.run_folder`: locked while this run writes, a
+    non-empty folder refused unless `overwrite`, nothing touched before the engines are built,
+    summary.json written last. On KeyboardInterrupt the files of what ran are written (summary marked
+    interrupted) and the interrupt is re-raised. `folder`: one the caller already acquired."""
+    if folder is None:
+        with RunFolder(out_dir, overwrite=overwrite) as owned:
+            return run_experiment(exp, out_dir, progress, log, folder=owned)
     import yaml  # noqa: PLC0415
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
     engines = {}
     for backend in exp.backends:  # build every engine first: bad engine settings fail before any run
         t0 = time.perf_counter()
@@ -243,6 +250,7 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     requests, arrival, rng = build_requests(exp, min(vocabs) if vocabs else None)
     wsum = workload_summary(requests)
     wsum["arrival"] = type(arrival).__name__
+    folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))  # the first file
     runs: dict[str, BackendRun] = {}
     frames: dict[str, dict] = {}
     summaries: dict[str, dict] = {}
@@ -260,11 +268,12 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             if bar is not None:
                 bar.close()
         runs[backend] = run
-        bdir = os.path.join(out_dir, backend)
-        run.recorder.write(bdir)
+        bdir = folder.subdir(backend)
+        for path in run.recorder.write(bdir).values():
+            folder.record(os.path.relpath(path, out_dir))
         frames[backend] = run.recorder.frames()
         summaries[backend] = summarize(run, frames[backend], exp)
-        write_json(os.path.join(bdir, "summary.json"), summaries[backend])
+        folder.write_json(os.path.join(backend, "summary.json"), summaries[backend])
         s = summaries[backend]
         timing = (f"{s['simulated_s']:.3f}s simulated in {s['wall_s']:.3f}s wall" if backend == "sim"
                   else f"{s['wall_s']:.2f}s wall")
@@ -276,11 +285,13 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             break
     combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
                 "workload": wsum, "backends": summaries}
-    write_json(os.path.join(out_dir, "summary.json"), combined)
     from servetwin.experiments.report import write_report  # noqa: PLC0415
 
-    write_report(exp, out_dir, combined, frames, {b: r.recorder.itls() for b, r in runs.items()},
-                 plots=exp.output["plots"])
+    written = write_report(exp, out_dir, combined, frames, {b: r.recorder.itls() for b, r in runs.items()},
+                           plots=exp.output["plots"])
+    for path in written:
+        folder.record(os.path.relpath(path, out_dir))
+    folder.write_json("summary.json", combined)  # last: its presence and "interrupted" are the truth
     if interrupted:
         raise KeyboardInterrupt
     return combined

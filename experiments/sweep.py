@@ -16,6 +16,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any, Callable, Optional
 
+from servetwin.core.testbed.atomic import atomic_write_text, staged_folder
+from servetwin.experiments.run_folder import RunFolder
 from servetwin.experiments.schema import ExperimentConfig, SweepPoint, expand_sweep, validate_config
 
 METRICS = [
@@ -70,7 +72,9 @@ def run_point(raw: dict[str, Any], base_dir: str, out_dir: str, in_worker: bool 
                 logf.write(msg + "\n")
                 logf.flush()
             exp = validate_config(raw, base_dir, raw.get("name", "point"))
-            combined = run_experiment(exp, out_dir, progress=False, log=log)
+            # the sweep owns (and cleared) its tree; a point keeps only its own log beside the run
+            with RunFolder(out_dir, overwrite=True, keep=("run.log",)) as folder:
+                combined = run_experiment(exp, out_dir, progress=False, log=log, folder=folder)
         return {"status": "ok", "summary": combined, "wall_s": time.perf_counter() - t0}
     except KeyboardInterrupt:
         summary = None
@@ -126,9 +130,15 @@ def _rows(point: SweepPoint, result: dict[str, Any], backends: list[str], out_di
 
 
 def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool = True,
-              log: Optional[Callable[[str], None]] = None):
-    """Run every point; write sweep.csv / sweep.md / sweep_comparison.png; returns the table (DataFrame).
-    On KeyboardInterrupt the table of what finished is written and the interrupt re-raised."""
+              log: Optional[Callable[[str], None]] = None, overwrite: bool = False,
+              folder: Optional[RunFolder] = None):
+    """Run every point; write sweep_comparison.png / sweep.md / sweep.csv (last); returns the table
+    (DataFrame). The output folder follows `servetwin.experiments.run_folder` (locked, a non-empty one
+    refused unless `overwrite`). On KeyboardInterrupt the table of what finished is written and the
+    interrupt re-raised."""
+    if folder is None:
+        with RunFolder(out_dir, overwrite=overwrite) as owned:
+            return run_sweep(exp, out_dir, jobs, progress, log, folder=owned)
     import pandas as pd  # noqa: PLC0415
     import yaml  # noqa: PLC0415
 
@@ -138,9 +148,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"--jobs: must be an integer >= 1, got {jobs!r}")
     points = expand_sweep(exp)  # validates the whole grid before anything runs
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+    folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))
     all_backends = list(dict.fromkeys(b for p in points for b in _point_backends(p, exp)))
     log(f"sweep {exp.name}: {len(points)} points x {all_backends}, {min(jobs, len(points))} worker(s)")
     results: dict[str, dict] = {}
@@ -215,12 +223,16 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
         result = results.get(point.name, {"status": "not run"})
         rows.extend(_rows(point, result, _point_backends(point, exp), out_dir))
     df = pd.DataFrame(rows)
-    df.to_csv(os.path.join(out_dir, "sweep.csv"), index=False)
     plot = None
     if exp.output.get("plots", True):
         from servetwin.experiments.plots import sweep_comparison  # noqa: PLC0415
-        plot = sweep_comparison(df, os.path.join(out_dir, "sweep_comparison.png"))
-    write_sweep_md(exp, df, out_dir, plot, interrupted)
+        with staged_folder(out_dir) as stage:
+            plot = sweep_comparison(df, os.path.join(stage, "sweep_comparison.png"))
+        if plot:
+            plot = os.path.join(out_dir, os.path.basename(plot))
+            folder.record(os.path.basename(plot))
+    folder.record(os.path.basename(write_sweep_md(exp, df, out_dir, plot, interrupted)))
+    folder.write_with("sweep.csv", lambda tmp: df.to_csv(tmp, index=False))  # last: the sweep's table of record
     if interrupted:
         raise KeyboardInterrupt
     return df
@@ -261,6 +273,5 @@ def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str],
         lines += ["## Comparison", "", f"![sweep]({os.path.basename(plot)})", ""]
     lines += ["## Points", ""] + [f"- [{p}]({p}/report.md)" for p in dict.fromkeys(df.point)]
     path = os.path.join(out_dir, "sweep.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    atomic_write_text(path, "\n".join(lines) + "\n")
     return path

@@ -62,3 +62,21 @@ def atomic_write_with(path: str, writer: Callable[[str], None]) -> None:
 def atomic_write_text(path: str, text: str) -> None:
     with atomic_open(path, "w") as f:
         f.write(text)
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: str) -> Iterator[str]:
+    """A hidden temporary folder inside `out_dir` for writers that write several files by path
+    (plots). When the block completes, each file in it is renamed into `out_dir` (one atomic rename
+    per file); whatever stops the block, the stage is removed and `out_dir` gets no partial file."""
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    os.makedirs(out_dir, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=f".stage{TMP_MARK}", dir=out_dir)
+    try:
+        yield stage
+        for name in sorted(os.listdir(stage)):
+            os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)

@@ -14,6 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from servetwin.core.testbed.atomic import atomic_open, atomic_write_with
 from servetwin.core.engine.engine_core import StepResult
 from servetwin.core.testbed.iteration import IterationDetails, context_request_ids
 from servetwin.core.request import Request
@@ -285,14 +286,15 @@ class TraceRecorder:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write(self, out_dir: str) -> dict[str, str]:
+        """The tables and trace.json, each under a temporary name renamed when complete (never truncated)."""
         os.makedirs(out_dir, exist_ok=True)
         paths = {}
         for name, df in self.frames().items():
             path = os.path.join(out_dir, f"{name}.parquet")
-            df.to_parquet(path, index=False)
+            atomic_write_with(path, lambda tmp, df=df: df.to_parquet(tmp, index=False))
             paths[name] = path
         path = os.path.join(out_dir, "trace.json")
-        with open(path, "w") as f:
+        with atomic_open(path) as f:
             json.dump(self.chrome_trace(), f)
         paths["trace"] = path
         return paths

@@ -46,9 +46,10 @@ def test_replay_output_errors_are_clear(tmp_path, a_file, capsys):
     assert main(["replay", scenario, "-o", str(tmp_path)]) == 2
     assert "servetwin replay: error: -o/--output: " in capsys.readouterr().err
     assert main(["replay", scenario, "-o", str(tmp_path / "missing" / "out.jsonl")]) == 2
-    assert main(["replay", scenario, "-o", str(a_file / "out.jsonl")]) == 1
+    assert "-o/--output: cannot write" in capsys.readouterr().err
+    assert main(["replay", scenario, "-o", str(a_file / "out.jsonl")]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and "Not a directory" in err
+    assert "Traceback" not in err and "-o/--output: cannot create" in err and "is a file, not a folder" in err
 
 
 @pytest.mark.skipif(not _torch_available(), reason="torch backend (servetwin.gpu.executor) not importable")
@@ -63,19 +64,27 @@ def test_unknown_torch_model_is_a_clear_error(tmp_path, capsys):
 def test_requests_that_are_all_rejected_are_reported(tmp_path, capsys):
     cfg = tiny(workload__prompt_tokens=300, workload__requests=3)  # max_model_len is 256
     path = write_yaml(tmp_path / "c.yaml", cfg)
-    assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress", "--no-plots"]) == 0
+    assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress", "--no-plots"]) == 2
     captured = capsys.readouterr()
     assert "sim: 0/3 requests" in captured.out
-    assert "warning: sim: 3 of 3 requests were rejected as never servable" in captured.err
+    assert "error: sim: 3 of 3 requests were rejected as never servable" in captured.err
     assert "max_model_len is 256" in captured.err
 
 
-def test_run_notes_a_backend_folder_left_by_an_earlier_run(tmp_path, capsys):
+def test_run_refuses_a_non_empty_folder_unless_overwrite(tmp_path, capsys):
     path = write_yaml(tmp_path / "c.yaml", tiny())
     out = tmp_path / "out"
     (out / "torch").mkdir(parents=True)
-    assert main(["run", str(path), "-o", str(out), "--no-progress", "--no-plots"]) == 0
-    assert "already holds torch/ from an earlier run" in capsys.readouterr().err
+    (out / "old.png").write_bytes(b"png")
+    assert main(["run", str(path), "-o", str(out), "--no-progress", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert "-o/--output:" in err and "is not empty" in err and "--overwrite" in err
+    assert sorted(p.name for p in out.iterdir()) == ["old.png", "torch"]  # untouched
+    assert main(["run", str(path), "-o", str(out), "--no-progress", "--no-plots", "--overwrite"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.yaml", "report.md", "sim", "summary.json"]  # the old backend and PNG are gone
+    printed = capsys.readouterr().out
+    assert "<backend>" not in printed and "config.yaml, report.md, summary.json, sim/ (5 files)" in printed
 
 
 @pytest.mark.skipif(not _torch_available(), reason="torch backend (servetwin.gpu.executor) not importable")
