@@ -341,7 +341,10 @@ def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "e
     if not isinstance(description, str):
         raise ConfigError(f"description: must be a string, got {_fmt(description)}")
     seed = _int(0)(cfg.get("seed", 0), "seed")
-    model = _nonempty_str(cfg.get("model", "tiny-llama"), "model")
+    if "model" not in cfg:  # no silent default: the model decides sizes, KV pool and step costs
+        raise ConfigError("model: required field is missing (a built-in name such as tiny-llama, "
+                          "smollm2-135m or llama-3.1-8b, or a model folder)")
+    model = _nonempty_str(cfg["model"], "model")
     backends = cfg.get("backends", ["sim"])
     if isinstance(backends, str):
         backends = [backends]

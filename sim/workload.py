@@ -38,7 +38,13 @@ import numpy as np
 from servetwin.sim.arrivals import ArrivalProcess, Offline, TraceArrivals, parse_arrival
 from servetwin.sim.lengths import Fixed, LengthDist, parse_length_dist
 from servetwin.sim.trace_file import TraceRecord
+from servetwin.core.sampling_params import MAX_N_SEQUENCES
 from servetwin.sim.validate import as_int, check_keys, check_mapping, int_at_least, one_of
+
+# Bounds that turn an impossible run into a named error instead of a huge allocation: every request
+# and its prompt token ids are built before the run (10M requests, 200M prompt tokens: a few GiB).
+MAX_REQUESTS = 10_000_000
+MAX_PROMPT_TOKENS = 200_000_000
 
 _STREAMS = ("tokens", "lengths", "arrivals", "order", "priority", "runtime")
 
@@ -99,10 +105,15 @@ class WorkloadSpec:
         is_trace = isinstance(spec.arrival, TraceArrivals)
         if "requests" in cfg:
             spec.requests = int_at_least(cfg["requests"], 1, f"{path}.requests")
+            if spec.requests > MAX_REQUESTS:
+                raise ValueError(f"{path}.requests: at most {MAX_REQUESTS:,} requests per run (every request "
+                                 f"and its prompt are held in memory), got {spec.requests:,}")
         for key in ("max_prompt_tokens", "max_output_tokens"):
             if cfg.get(key) is not None:
                 setattr(spec, key, int_at_least(cfg[key], 1, f"{path}.{key}"))
         spec.n = int_at_least(cfg.get("n", 1), 1, f"{path}.n")
+        if spec.n > MAX_N_SEQUENCES:  # SamplingParams' own limit, reported at its field
+            raise ValueError(f"{path}.n: must be in [1, {MAX_N_SEQUENCES}], got {spec.n:,}")
         prio = cfg.get("priority", 0)
         prios = prio if isinstance(prio, (list, tuple)) else [prio]
         if not prios:
@@ -131,6 +142,9 @@ class WorkloadSpec:
                 raise ValueError(f"{path}.requests: {spec.requests} disagrees with "
                                  f"shared_prefix.groups * shared_prefix.per_group = {total}")
             spec.requests = total
+            if total > MAX_REQUESTS:
+                raise ValueError(f"{path}.shared_prefix: groups * per_group = {total:,} requests, at most "
+                                 f"{MAX_REQUESTS:,} per run")
             if spec.max_prompt_tokens is not None and spec.shared_prefix.prefix_tokens >= spec.max_prompt_tokens:
                 raise ValueError(f"{path}.shared_prefix.prefix_tokens: {spec.shared_prefix.prefix_tokens} leaves "
                                  f"no room under max_prompt_tokens {spec.max_prompt_tokens}")
@@ -182,6 +196,10 @@ def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-") -> list[Workl
     else:
         n = spec.requests or 0
         lens = _cap(spec.prompt_tokens.sample(rng["lengths"], n), spec.max_prompt_tokens)
+        total = int(np.sum(lens, dtype=np.float64))
+        if total > MAX_PROMPT_TOKENS:
+            raise ValueError(f"workload.prompt_tokens: {n:,} requests draw {total:,} prompt tokens, at most "
+                             f"{MAX_PROMPT_TOKENS:,} per run (lower workload.requests or the prompt lengths)")
         prompts = [rng["tokens"].integers(0, spec.vocab_size, size=int(k)).tolist() for k in lens]
         outputs = spec.output_tokens.sample(rng["lengths"], n)
         groups = [None] * n

@@ -144,3 +144,35 @@ def test_calibrate_output_problems_are_found_before_measuring(tmp_path, a_file, 
     out = str(tmp_path / "c.yaml")
     assert main(["calibrate", "--model", "tiny-llama", "-o", out, "--trace-dir", str(a_file)]) == 2
     assert "--trace-dir: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"workload__n": 1_000_000}, "workload.n: must be in [1, 16384]"),
+    ({"workload__requests": 1_000_000_000_000}, "workload.requests: at most 10,000,000 requests"),
+    ({"workload__requests": 1000, "workload__prompt_tokens": 10**9},
+     "workload.prompt_tokens: 1,000 requests draw 1,000,000,000,000 prompt tokens"),
+])
+def test_impossible_workloads_are_named_errors(tmp_path, capsys, change, field):
+    path = write_yaml(tmp_path / "c.yaml", tiny(**change))
+    out = tmp_path / "out"
+    assert main(["run", str(path), "-o", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert field in err and "Traceback" not in err
+    assert not out.exists()  # nothing written (the folder this run would have created is gone)
+
+
+def test_a_config_without_model_is_an_error(tmp_path, capsys):
+    cfg = tiny()
+    del cfg["model"]
+    path = write_yaml(tmp_path / "c.yaml", cfg)
+    assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "model: required field is missing" in capsys.readouterr().err
+    assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress", "--set", "model=tiny-llama"]) == 0
+
+
+@pytest.mark.parametrize("target", ["/sys/servetwin_x", "/proc/servetwin_x"])
+def test_run_output_the_os_refuses_names_the_flag(tmp_path, capsys, target):
+    path = write_yaml(tmp_path / "c.yaml", tiny())
+    assert main(["run", str(path), "-o", target, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "servetwin run: error: -o/--output: cannot create" in err
