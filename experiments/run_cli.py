@@ -60,7 +60,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ttft = s["ttft_s"]["p50"]
         print(f"{backend}: {s['completed']}/{s['requests']} requests in {s['duration_s']:.3f}s "
               f"({'simulated' if backend == 'sim' else 'measured'}), throughput {s['throughput_tok_s'] or 0:,.0f} tok/s, "
-              f"TTFT p50 {ttft if ttft is None else f'{ttft * 1e3:.1f} ms'}, {s['preemptions']} preemptions")
+              f"TTFT p50 {ttft if ttft is None else f'{ttft * 1e3:.1f} ms'}, {s['preemptions']} preemptions"
+              + (f", {s['aborted_sequences']} sequences aborted by the client timeout" if s.get("aborted_sequences") else ""))
     print(f"wrote {out}/: {folder.describe()} in {time.perf_counter() - t0:.1f}s")
     rejected = {b: s for b, s in combined["backends"].items() if s.get("rejected")}
     for backend, s in rejected.items():  # never servable (e.g. longer than max_model_len): say so, not "0/N"

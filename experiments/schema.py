@@ -178,7 +178,8 @@ OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "
 
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests, built here)
 WORKLOAD_KEYS = ("requests", "arrival", "prompt_tokens", "output_tokens", "shared_prefix", "n", "file", "seed",
-                 "vocab_size", "max_prompt_tokens", "max_output_tokens", "priority", "finish", "scenario")
+                 "vocab_size", "max_prompt_tokens", "max_output_tokens", "priority", "finish", "timeout_s",
+                 "scenario")
 WORKLOAD_HINTS = {"num_requests": "requests", "prompt_len": "prompt_tokens", "output_len": "output_tokens",
                   "prefix": "shared_prefix", "trace": "file", "prefix_len": "shared_prefix"}
 SHARED_PREFIX_KEYS = ("groups", "per_group", "prefix_tokens", "suffix_tokens", "order")
@@ -287,13 +288,15 @@ def _validate_workload(w: Any, base_dir: Path, backends: list[str]) -> dict[str,
             arrival = parse_arrival(w["arrival"], "workload.arrival")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if w.get("timeout_s") is not None and "torch" in backends:
+        raise ConfigError("workload.timeout_s: client timeouts are only modelled by the sim backend")
     if isinstance(arrival, ClosedLoop) and "torch" in backends:
         raise ConfigError("workload.arrival.type: 'closed_loop' is only supported by the sim backend "
                           "(the torch backend replays open-loop arrival times)")
     if "scenario" in w:
         from servetwin.core.testbed.scenario import load_scenario  # noqa: PLC0415
 
-        for key in ("n", "priority", "finish", "max_prompt_tokens", "max_output_tokens", "vocab_size"):
+        for key in ("n", "priority", "finish", "max_prompt_tokens", "max_output_tokens", "vocab_size", "timeout_s"):
             if key in w:
                 raise ConfigError(f"workload.{key}: not allowed with workload.scenario "
                                   "(the scenario gives every request's fields)")

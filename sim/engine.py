@@ -60,6 +60,7 @@ class SimResult:
     num_steps: int  # engine steps that ran a batch
     completion_s: dict[str, float] = field(default_factory=dict)  # workload request -> finish
     rejected: dict[str, str] = field(default_factory=dict)  # workload request -> reason
+    aborted_s: dict[str, float] = field(default_factory=dict)  # workload request -> client timeout
     unfinished: list[str] = field(default_factory=list)
 
 
@@ -93,6 +94,7 @@ class Simulation:
         self.fast_forward = fast_forward and not self.lazy_decode
         self.eos_token_id = eos_token_id
         self._inbox: list[_Pending] = []
+        self._aborts: list[_Pending] = []  # client timeouts, applied at the next step start
         self._seq = -1
         self._by_child: dict[str, _Pending] = {}
         self._wake: Optional[simpy.Event] = None
@@ -141,6 +143,31 @@ class Simulation:
                 self.engine.add_request(req)
                 self.recorder.on_arrival(req, wreq.arrival_s)
                 self._by_child[req.request_id] = pending
+            if wreq.timeout_s is not None:
+                self.env.process(self._client_timeout(pending, wreq.arrival_s + wreq.timeout_s))
+
+    def _client_timeout(self, pending: _Pending, deadline: float) -> Generator[simpy.Event, Any, None]:
+        """The client gives up at `deadline`; the abort reaches the engine at its next step start (as
+        vLLM's engine core reads an ABORT from its input queue between steps)."""
+        yield self.env.timeout(max(0.0, deadline - self.env.now))
+        if not pending.done.triggered:
+            self._aborts.append(pending)
+            self._poke()
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        now = float(self.env.now)
+        for pending in aborts:
+            if pending.done.triggered:
+                continue  # it completed in the meantime
+            wreq = pending.request
+            ids = [cid for cid, p in self._by_child.items() if p is pending]
+            for cid in ids:  # one abort per id, in child order (no set-order dependence)
+                self.engine.abort_requests([cid])
+                del self._by_child[cid]
+                self.recorder.on_abort(cid, now)
+            self.result.aborted_s[wreq.request_id] = now
+            pending.done.succeed()
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -176,7 +203,7 @@ class Simulation:
         env, engine = self.env, self.engine
         idle = 0
         while True:
-            if not self._inbox and (not engine.has_work() or idle >= MAX_IDLE_ITERATIONS):
+            if not self._inbox and not self._aborts and (not engine.has_work() or idle >= MAX_IDLE_ITERATIONS):
                 if self._arrivals_done:
                     if engine.has_work():
                         raise RuntimeError(
@@ -187,6 +214,7 @@ class Simulation:
                 yield self._wake
                 idle = 0
             yield step_start_event(env)
+            self._apply_aborts()
             self._admit()
             if not engine.has_work():
                 continue
@@ -228,7 +256,7 @@ class Simulation:
         self.result.end_time_s = float(self.env.now)
         if self.lazy_decode:  # tokens of requests still running when the run was cut
             self.recorder.on_lazy_flush(self.engine.scheduler.flush_lazy())
-        done = set(self.result.completion_s) | set(self.result.rejected)
+        done = set(self.result.completion_s) | set(self.result.rejected) | set(self.result.aborted_s)
         self.result.unfinished = [r.request_id for r in self.requests if r.request_id not in done]
         return self.result
 

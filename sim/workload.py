@@ -14,6 +14,8 @@ A workload config (all fields optional except where noted):
       priority: 0                   # or a list of priorities drawn uniformly
       finish: max_tokens            # or "eos": max_tokens = max_output_tokens, EOS forced at the
                                     #   drawn output length (WorkloadRequest.eos_at)
+      timeout_s: 30                 # optional: the client aborts a request not finished 30 s after
+                                    #   its arrival (vLLM: finish_requests(FINISHED_ABORTED) between steps)
       shared_prefix:                # shared-prefix groups; replaces prompt_tokens
         groups: 256
         per_group: 4
@@ -39,7 +41,7 @@ from servetwin.sim.arrivals import ArrivalProcess, Offline, TraceArrivals, parse
 from servetwin.sim.lengths import Fixed, LengthDist, parse_length_dist
 from servetwin.sim.trace_file import TraceRecord
 from servetwin.core.sampling_params import MAX_N_SEQUENCES
-from servetwin.sim.validate import as_int, check_keys, check_mapping, int_at_least, one_of
+from servetwin.sim.validate import as_int, check_keys, check_mapping, int_at_least, one_of, positive
 
 # Bounds that turn an impossible run into a named error instead of a huge allocation: every request
 # and its prompt token ids are built before the run (10M requests, 200M prompt tokens: a few GiB).
@@ -59,6 +61,7 @@ class WorkloadRequest:
     priority: int = 0
     group: Optional[int] = None
     eos_at: Optional[int] = None  # force EOS as this output token (None: finish by max_tokens)
+    timeout_s: Optional[float] = None  # the client aborts the request this long after its arrival
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,6 +84,7 @@ class WorkloadSpec:
     max_prompt_tokens: Optional[int] = None
     max_output_tokens: Optional[int] = None
     finish: str = "max_tokens"
+    timeout_s: Optional[float] = None
     vocab_size: int = 32000
     seed: int = 0
     arrival: ArrivalProcess = field(default_factory=Offline)
@@ -91,7 +95,7 @@ class WorkloadSpec:
         cfg = check_mapping(cfg, path)
         check_keys(cfg, {"seed", "requests", "vocab_size", "prompt_tokens", "output_tokens",
                          "max_prompt_tokens", "max_output_tokens", "n", "priority", "finish",
-                         "shared_prefix", "arrival", "file"}, path)
+                         "shared_prefix", "arrival", "file", "timeout_s"}, path)
         if "file" in cfg:
             if "arrival" in cfg:
                 raise ValueError(f"{path}.file: give either file (a trace) or arrival, not both")
@@ -121,6 +125,8 @@ class WorkloadSpec:
         spec.priority = tuple(as_int(p, f"{path}.priority") for p in prios)
         spec.finish = one_of(cfg.get("finish", "max_tokens"), ("max_tokens", "eos"),
                              f"{path}.finish")
+        if cfg.get("timeout_s") is not None:
+            spec.timeout_s = positive(cfg["timeout_s"], f"{path}.timeout_s")
         if spec.finish == "eos" and spec.max_output_tokens is None:
             raise ValueError(f"{path}.max_output_tokens: required when finish is 'eos' "
                              "(it becomes every request's max_tokens)")
@@ -215,7 +221,7 @@ def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-") -> list[Workl
         requests.append(WorkloadRequest(
             request_id=f"{id_prefix}{i}", arrival_s=float(times[i]), prompt_token_ids=prompts[i],
             max_tokens=int(spec.max_output_tokens) if eos else out, n=spec.n,
-            priority=int(prios[i]), group=groups[i], eos_at=out if eos else None))
+            priority=int(prios[i]), group=groups[i], eos_at=out if eos else None, timeout_s=spec.timeout_s))
     return requests
 
 

@@ -176,3 +176,18 @@ def test_run_output_the_os_refuses_names_the_flag(tmp_path, capsys, target):
     assert main(["run", str(path), "-o", target, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "servetwin run: error: -o/--output: cannot create" in err
+
+
+def test_workload_options_a_backend_cannot_honour_are_errors(tmp_path, capsys):
+    path = write_yaml(tmp_path / "c.yaml", tiny(workload__timeout_s=1.0, backends=["sim", "torch"]))
+    assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "workload.timeout_s: client timeouts are only modelled by the sim backend" in capsys.readouterr().err
+    scenario = tmp_path / "events.json"
+    scenario.write_text(json.dumps({
+        "settings": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "num_gpu_blocks": 64},
+        "requests": [{"id": "r0", "prompt_token_ids": [1, 2, 3], "max_tokens": 4}],
+        "aborts": [{"step": 1, "id": "r0"}]}))
+    cfg = tiny(workload={"scenario": str(scenario), "arrival": {"type": "offline"}})
+    path = write_yaml(tmp_path / "s.yaml", cfg)
+    assert main(["run", str(path), "-o", str(tmp_path / "out2"), "--no-progress"]) == 2
+    assert "uses scenario events" in capsys.readouterr().err

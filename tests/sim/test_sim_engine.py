@@ -146,3 +146,29 @@ def test_prefix_sharing_workload_hits_the_cache():
     # the first member of each group computes the prefix; the other three reuse its 64 blocks
     assert sorted(req.cached_tokens.tolist()) == [0] * 4 + [1024] * 12
     assert len(res.completion_s) == 16
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_client_timeout_aborts_between_steps_and_frees_everything(async_scheduling):
+    # 1 s steps: "slow" needs 10 steps, its client gives up 3.5 s after arrival; "fast" finishes in time
+    reqs = [_req("slow", 0.0, max_tokens=10, timeout_s=3.5), _req("fast", 0.0, max_tokens=2, timeout_s=3.5),
+            _req("par", 0.0, max_tokens=10, n=2, timeout_s=2.0)]
+    engine = _engine(async_scheduling=async_scheduling)
+    res = simulate(engine, reqs, Offline())
+    assert list(res.completion_s) == ["fast"]
+    assert res.aborted_s == {"par": 2.0, "slow": 4.0}  # applied at the first step start after the deadline
+    assert not res.unfinished
+    rows = res.recorder.frames()["requests"].set_index("request_id")
+    assert rows.loc[["slow", "0_par", "1_par"], "finish_reason"].tolist() == ["abort"] * 3
+    assert rows.loc["slow", "output_tokens"] < 10 and rows.loc["fast", "finish_reason"] == "length"
+    assert not engine.has_work()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == 199  # every block back
+
+
+def test_workload_timeout_is_validated_and_drawn_onto_every_request():
+    from servetwin.sim.workload import build_workload
+
+    spec, reqs = build_workload({"requests": 3, "timeout_s": 1.5})
+    assert spec.timeout_s == 1.5 and {r.timeout_s for r in reqs} == {1.5}
+    with pytest.raises(ValueError, match=r"workload\.timeout_s: must be > 0"):
+        build_workload({"requests": 3, "timeout_s": 0})
