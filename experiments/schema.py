@@ -3,7 +3,7 @@
     name: my-run                      # default: the config file's stem
     description: free text            # optional
     seed: 0                           # engine seed and default workload seed
-    model: tiny-llama                 # sim: a model preset / HF config dir; torch: a model the loader knows
+    model: tiny-llama                 # required. sim: a model preset / HF config dir; torch: a model the loader knows
     hardware: cpu                     # sim: a hardware preset, a hardware YAML path, or an inline mapping
     backends: [sim, torch]            # any non-empty subset of sim, torch
     engine:                           # vLLM engine-argument names (servetwin.core.engine.engine_args.EngineArgs)
@@ -20,6 +20,7 @@
       n: 1                            # parallel sampling
       file: trace.csv                 # request trace (arrival_s, prompt_tokens, output_tokens, ...)
       scenario: scenario.json         # a replay scenario's requests (exact token ids)
+      timeout_s: 30                   # sim only: the client aborts a request not finished 30 s after arrival
       seed / vocab_size / max_prompt_tokens / max_output_tokens / priority / finish   (servetwin.sim.workload)
     output: {step_requests: true, plots: true}
     sweep:                            # a grid: every combination of the lists is one run

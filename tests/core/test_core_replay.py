@@ -367,3 +367,35 @@ def test_abort_frees_the_request(async_sched, phase):
     assert [r["step"] for r in lines if r.get("abort_noop")] == [4]  # already gone: a no-op
     after = [r for r in _steps(lines) if r["step"] > summary["aborted"]["a"]]
     assert all("a" not in r.get("num_scheduled_tokens", {}) for r in after)
+
+
+# -- any JSON value in any field: a typed error naming a field, never another exception --------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=True)
+                     | st.text(max_size=5), lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+_FIELDS = [("settings", k) for k in ("max_num_seqs", "enable_chunked_prefill", "async_scheduling", "policy",
+                                     "max_model_len", "watermark", "eos_token_id", "max_num_active_seqs")] + \
+          [("request", k) for k in ("id", "priority", "prompt_token_ids", "arrival_time", "arrival_step", "n",
+                                    "max_tokens", "stop_at", "stop_token_ids", "min_tokens", "ignore_eos",
+                                    "cache_salt")] + [("top", "aborts"), ("top", "requests")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(_FIELDS), _json)
+def test_any_value_in_any_field_parses_or_names_a_field(where, value):
+    d = _base_scenario()
+    kind, key = where
+    target = {"settings": d["settings"], "request": d["requests"][0], "top": d}[kind]
+    target[key] = value
+    try:
+        sc = parse_scenario(d)
+    except ScenarioError as e:
+        assert str(e).startswith(e.path + ": ") and e.path
+        return
+    # accepted: the typed objects hold exactly what the file said (nothing coerced)
+    if kind == "settings" and key in ("enable_chunked_prefill", "async_scheduling") and value is not None:
+        assert getattr(sc.scheduler_config, key) is value
+    if kind == "request" and key in ("priority", "id"):
+        assert getattr(sc.requests[0], key) == value and type(getattr(sc.requests[0], key)) is type(value)
