@@ -69,11 +69,13 @@ class SimExecutor:
                  graph_sizes: Optional[Sequence[int]] = None, ipc: bool = False,
                  eos_token_id: Optional[int] = None,
                  output_lengths: Optional[Mapping[str, int]] = None,
-                 cost_model: Optional[CostModel] = None, token_rule: str = "request") -> None:
+                 cost_model: Optional[CostModel] = None, token_rule: str = "request",
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto") -> None:
         if token_rule not in TOKEN_RULES:
             raise ValueError(f"token_rule: unknown rule {token_rule!r} (allowed: {', '.join(TOKEN_RULES)})")
         self.cost_model = cost_model or CostModel(model, hardware, tp=tp, cuda_graphs=cuda_graphs,
-                                                  graph_sizes=graph_sizes, ipc=ipc)
+                                                  graph_sizes=graph_sizes, ipc=ipc, quantization=quantization,
+                                                  kv_cache_dtype=kv_cache_dtype)
         self.token_rule = token_rule
         # the "request" rule's tokens stay inside the model's vocabulary: ids 10 .. 10 + modulus - 1
         self.token_modulus = max(1, min(1000, self.cost_model.model.vocab_size - 10))
