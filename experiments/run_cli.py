@@ -81,13 +81,36 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     check_output_dir(out)
     t0 = time.perf_counter()
     try:
-        df = run_sweep(exp, out, jobs=args.jobs, progress=not args.no_progress)
+        df = run_sweep(exp, out, jobs=args.jobs, progress=not args.no_progress, seeds=_seeds(args, exp),
+                       ray=args.ray, retries=args.retries)
     except KeyboardInterrupt:
         print(f"interrupted: the table of finished points is in {out}/sweep.csv", file=sys.stderr)
         raise
     bad = df[df.status != "ok"]
     print(f"wrote {out}/sweep.csv, sweep.md ({len(df)} rows, {len(bad)} not ok) in {time.perf_counter() - t0:.1f}s")
     return 1 if len(bad) else 0
+
+
+def _seeds(args: argparse.Namespace, exp) -> list[int]:
+    from servetwin.experiments.schema import seeds_for  # noqa: PLC0415
+
+    return seeds_for(exp, args.seeds)
+
+
+def add_pool_args(p: argparse.ArgumentParser, what: str = "point") -> None:
+    """-j, --ray [ADDRESS], --retries: how the points run (`servetwin.experiments.pool`)."""
+    p.add_argument("-j", "--jobs", type=int, default=1, help="parallel worker processes on this machine (default 1)")
+    p.add_argument("--ray", nargs="?", const=True, default=None, metavar="ADDRESS",
+                   help=f"run each {what} as a Ray task: without ADDRESS on a local Ray instance using this "
+                        "machine's CPUs; with one (`auto`, host:6379, ray://host:10001) on that cluster "
+                        "(needs `pip install 'servetwin[ray]'`; docs/ray.md)")
+    p.add_argument("--retries", type=int, default=2,
+                   help=f"rerun a {what} whose run raised or whose worker died up to this many times (default 2)")
+
+
+def add_seed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", type=int, metavar="N",
+                   help="repeat with N workload draws (seeds `seed`..`seed`+N-1; overrides the config's `seeds`)")
 
 
 def register(subparsers) -> None:
@@ -100,5 +123,6 @@ def register(subparsers) -> None:
                               description="Run every combination of the config's `sweep:` lists, each in its "
                                           "own subfolder, then write sweep.csv, sweep.md and comparison plots.")
     _common(s)
-    s.add_argument("-j", "--jobs", type=int, default=1, help="parallel worker processes (default 1)")
+    add_seed_args(s)
+    add_pool_args(s)
     s.set_defaults(func=_cmd_sweep)
