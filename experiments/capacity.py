@@ -18,7 +18,9 @@ The method (docs/capacity.md):
 - The capacity is the bracket's lower end (it passed at confidence c); the interval is the bracket.
   Each seed also gets its own crossing (its own highest passing load, interpolated linearly in its
   worst check's value/limit ratio between neighbouring probes); their mean and 95% t interval say how
-  much one seed's answer would vary. The binding SLO is the worst check at the lowest failing probe.
+  much one seed's answer would vary; for seeds that meet the SLO at every probe so far, up to
+  MAX_TAIL_PROBES probes go 25% higher each after the bracket is narrow. The binding SLO is the worst
+  check at the lowest failing probe.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from servetwin.experiments.slo import miss_ratio
 from servetwin.experiments.stats import mean_bound, mean_ci
 
 MAX_BRACKET_STEPS = 12  # doublings / halvings before giving up (a factor of 4096 either way)
+MAX_TAIL_PROBES = 3  # probes above the bracket for seeds that never missed (their own crossings)
+TAIL_FACTOR = 1.25
 
 
 def _ratio(check: dict[str, Any]) -> float:
@@ -107,6 +111,7 @@ class CapacitySearch:
         self._seed_lo = lo  # user bounds: probed first
         self._seed_hi = hi
         self.note: Optional[str] = None
+        self._tail = 0  # probes above a finished bracket (seed crossings)
 
     # -- state ------------------------------------------------------------------------------------
     def _round(self, x: float) -> float:
@@ -153,16 +158,28 @@ class CapacitySearch:
             out = [self._round(min(self.max_load, lo * 2 ** (i + 1))) for i in range(k)]
         else:
             if self._narrow_enough(lo, hi):
-                return []
+                return self._tail_probe()
             out = [self._round(lo + (hi - lo) * (i + 1) / (k + 1)) for i in range(k)]
             out = [x for x in out if lo < x < hi]
         return sorted({x for x in out if x not in self.probes})
+
+    def _tail_probe(self) -> list[float]:
+        """After the bracket: a few probes above it until every seed misses somewhere on its own, so that
+        each seed has a crossing (the per-seed capacities and their interval)."""
+        top = max(self.probes)
+        if self._tail >= MAX_TAIL_PROBES or all(c is not None for c in self.seed_crossings()) \
+                or top >= self.max_load:
+            return []
+        return [self._round(min(self.max_load, top * TAIL_FACTOR))]
 
     def next_loads(self, k: int = 1) -> list[float]:
         return self._candidates(max(1, k))
 
     def record(self, load: float, evaluations: list[Optional[dict[str, Any]]],
                errors: Optional[list[str]] = None) -> Probe:
+        lo, hi = self.lo_pass, self.hi_fail
+        if lo is not None and hi is not None and self._narrow_enough(lo, hi):
+            self._tail += 1
         probe = judge(load, evaluations, self.confidence, errors)
         self.probes[float(load)] = probe
         return probe

@@ -53,6 +53,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"note: {args.config} has a sweep grid; `servetwin run` runs its base values only "
               "(use `servetwin sweep` for the grid)", file=sys.stderr)
     t0 = time.perf_counter()
+    seeds = _seeds(args, exp)
+    if seeds:
+        return _run_seeds(args, exp, out, seeds, t0)
     try:
         combined = run_experiment(exp, out, progress=not args.no_progress)
     except KeyboardInterrupt:
@@ -70,6 +73,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
                   f"servable, e.g. {rid}: {why}", file=sys.stderr)
     print(f"wrote {out}/ (report.md, summary.json, <backend>/ tables) in {time.perf_counter() - t0:.1f}s")
     return 0
+
+
+def _run_seeds(args: argparse.Namespace, exp, out: str, seeds: list[int], t0: float) -> int:
+    from servetwin.experiments.sweep import run_seeded  # noqa: PLC0415
+
+    try:
+        df, stats = run_seeded(exp, out, seeds, jobs=args.jobs, progress=not args.no_progress, ray=args.ray,
+                               retries=args.retries)
+    except KeyboardInterrupt:
+        print(f"interrupted: the seeds that finished are in {out}/seeds.csv", file=sys.stderr)
+        raise
+    for backend, s in stats.items():
+        def show(col: str, scale: float = 1.0, unit: str = "") -> str:
+            m = s[col]
+            if m["mean"] is None:
+                return "-"
+            half = "" if m["ci_lo"] is None else f" ± {(m['ci_hi'] - m['ci_lo']) / 2 * scale:.3g}"
+            return f"{m['mean'] * scale:.4g}{half}{unit}"
+        print(f"{backend}: {s['seeds_ok']}/{len(seeds)} seeds ok; throughput {show('throughput_tok_s')} tok/s, "
+              f"TTFT p50 {show('ttft_p50_s', 1e3, ' ms')}, p99 {show('ttft_p99_s', 1e3, ' ms')} (mean ± 95% CI)")
+    bad = df[df.status != "ok"]
+    print(f"wrote {out}/seeds.md, seeds.csv, summary.json and seed=*/ run folders in {time.perf_counter() - t0:.1f}s")
+    return 1 if len(bad) else 0
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -118,6 +144,8 @@ def register(subparsers) -> None:
                               description="Run an experiment config: writes trace tables (Parquet), "
                                           "trace.json (Perfetto), summary.json, report.md and plots.")
     _common(r)
+    add_seed_args(r)
+    add_pool_args(r, "seed")
     r.set_defaults(func=_cmd_run)
     s = subparsers.add_parser("sweep", help="run the grid in an experiment's `sweep:` (parallel workers)",
                               description="Run every combination of the config's `sweep:` lists, each in its "

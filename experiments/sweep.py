@@ -282,3 +282,102 @@ def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str],
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return path
+
+
+# -- one config, several seeds (`servetwin run --seeds N`) ------------------------------------------
+def run_seeded(exp: ExperimentConfig, out_dir: str, seeds: list[int], jobs: int = 1, progress: bool = True,
+               log: Optional[Callable[[str], None]] = None, ray: Any = None, retries: int = 0):
+    """One run folder per seed (DIR/seed=S/), then DIR/seeds.csv (one row per seed and backend),
+    DIR/summary.json and DIR/seeds.md (per backend, every summary metric's mean, std and 95% t
+    interval over the seeds). Returns the per-seed table."""
+    import pandas as pd  # noqa: PLC0415
+    import yaml  # noqa: PLC0415
+
+    from servetwin.experiments.runner import write_json  # noqa: PLC0415
+    from servetwin.experiments.stats import mean_ci  # noqa: PLC0415
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+    base = exp.to_dict()
+    base.pop("sweep", None)
+    tasks = [PointTask(f"seed={s}", with_seed(base, s), exp.base_dir, "all", os.path.join(out_dir, f"seed={s}"),
+                       meta={"seed": s}) for s in seeds]
+    pool = make_pool(jobs if ray is None else 1, ray)
+    log(f"run {exp.name}: {len(seeds)} seeds x {exp.backends} on {pool.description}")
+    results: dict[str, PointResult] = {}
+    bar = None
+    if progress:
+        from tqdm import tqdm  # noqa: PLC0415
+        bar = tqdm(total=len(tasks), desc=f"{exp.name} seeds", unit="run", file=sys.stderr)
+
+    def done(task: PointTask, result: PointResult) -> None:
+        results[task.key] = result
+        if bar is not None:
+            bar.update(1)
+        log(f"  {task.key}: {result.status} ({result.wall_s:.1f}s)" + (f" - {result.error}" if result.error else ""))
+
+    interrupted = False
+    try:
+        map_with_retries(pool, tasks, done, retries=retries, log=log)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        pool.close()
+        if bar is not None:
+            bar.close()
+    rows = []
+    for t in tasks:
+        rows.extend(result_rows("run", {}, t.meta["seed"], results.get(t.key, PointResult("not run")),
+                                exp.backends, t.key))
+    df = pd.DataFrame(rows)
+    df.to_csv(os.path.join(out_dir, "seeds.csv"), index=False)
+    stats: dict[str, dict[str, Any]] = {}
+    for backend in exp.backends:
+        ok = df[(df.backend == backend) & (df.status == "ok")]
+        stats[backend] = {col: mean_ci([float(v) for v in ok[col] if isinstance(v, (bool, int, float))])
+                          for col, _ in METRICS if col not in NON_NUMERIC}
+        stats[backend]["seeds_ok"] = int(len(ok))
+    write_json(os.path.join(out_dir, "summary.json"),
+               {"name": exp.name, "interrupted": interrupted, "seeds": seeds, "level": 0.95, "backends": stats,
+                "runs": {t.key: (results[t.key].summary if t.key in results else None) for t in tasks}})
+    _write_seeds_md(exp, seeds, stats, df, out_dir, interrupted)
+    if interrupted:
+        raise KeyboardInterrupt
+    return df, stats
+
+
+def _write_seeds_md(exp: ExperimentConfig, seeds: list[int], stats: dict, df, out_dir: str,
+                    interrupted: bool) -> str:
+    from servetwin.experiments.report import fmt, md_table  # noqa: PLC0415
+
+    backends = list(stats)
+    lines = [f"# {exp.name}: {len(seeds)} seeds", ""]
+    if interrupted:
+        lines += ["**Interrupted (Ctrl-C): the statistics cover the seeds that finished.**", ""]
+    lines += [f"Seeds {', '.join(map(str, seeds))}, each a new workload draw (and engine seed); every cell is the "
+              "mean over the seeds that ran ok, ± the half-width of its 95% t interval, [min, max].", ""]
+    table = []
+    for col, _ in METRICS:
+        if col in NON_NUMERIC:
+            continue
+        cells = []
+        for b in backends:
+            s = stats[b][col]
+            if s["mean"] is None:
+                cells.append("-")
+            elif s["ci_lo"] is None:
+                cells.append(fmt(s["mean"]))
+            else:
+                cells.append(f"{fmt(s['mean'])} ± {fmt((s['ci_hi'] - s['ci_lo']) / 2)} "
+                             f"[{fmt(s['min'])}, {fmt(s['max'])}]")
+        if any(c != "-" for c in cells):
+            table.append([col] + cells)
+    lines += ["## Summary over seeds", "", md_table(["metric"] + backends, table), "",
+              "## Runs", ""] + [f"- [seed {s}](seed={s}/report.md): " + ", ".join(
+                  f"{r.backend} {r.status}" for _, r in df[df.seed == s].iterrows()) for s in seeds]
+    path = os.path.join(out_dir, "seeds.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
