@@ -96,8 +96,7 @@ def run_packed(payload: dict[str, Any]) -> dict[str, Any]:
         path_map: dict[str, str] = {}
         for i, (fields, original, data) in enumerate(payload["files"]):
             dest = os.path.join(tmp, "in", str(i))
-            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-                tar.extractall(dest, filter="data")
+            _extract(data, dest)
             local = os.path.join(dest, os.listdir(dest)[0])
             _set(raw, tuple(fields), local)
             path_map[local] = original
@@ -137,8 +136,15 @@ def unpack_folder(data: bytes, out_dir: str) -> None:
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir)
+    _extract(data, out_dir)
+
+
+def _extract(data: bytes, dest: str) -> None:
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(out_dir, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: refuse links and absolute paths
+            tar.extractall(dest, filter="data")
+        else:
+            tar.extractall(dest)  # noqa: S202 - our own archive, built by pack_task / run_packed
 
 
 # -- the pool --------------------------------------------------------------------------------------

@@ -67,6 +67,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"{backend}: {s['completed']}/{s['requests']} requests in {s['duration_s']:.3f}s "
               f"({'simulated' if backend == 'sim' else 'measured'}), throughput {s['throughput_tok_s'] or 0:,.0f} tok/s, "
               f"TTFT p50 {ttft if ttft is None else f'{ttft * 1e3:.1f} ms'}, {s['preemptions']} preemptions")
+        if s.get("slo"):
+            print(f"{backend}: {slo_line(s['slo'])}")
         if s.get("rejected"):  # never servable (e.g. longer than max_model_len): say so, not just "0/N"
             rid, why = next(iter((s.get("rejected_examples") or {"?": "?"}).items()))
             print(f"warning: {backend}: {s['rejected']} of {s['requests']} requests were rejected as never "
@@ -115,6 +117,21 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     bad = df[df.status != "ok"]
     print(f"wrote {out}/sweep.csv, sweep.md ({len(df)} rows, {len(bad)} not ok) in {time.perf_counter() - t0:.1f}s")
     return 1 if len(bad) else 0
+
+
+def slo_line(ev: dict) -> str:
+    """`SLO met (ttft_p99_s 0.31 s <= 0.5 s; ...), goodput 41.6 req/s` for the console."""
+    parts = []
+    for c in ev["checks"]:
+        if c["kind"] == "target":
+            v = "-" if c["value"] is None else f"{c['value']:.4g} s"
+            parts.append(f"{c['name']} {v} {'<=' if c['met'] else '>'} {c['limit']:g} s")
+        elif c["kind"] == "attainment":
+            v = "-" if c["value"] is None else f"{100 * c['value']:.1f}%"
+            parts.append(f"deadlines met by {v} of requests ({'>=' if c['met'] else '<'} {100 * c['limit']:g}%)")
+    good = ev.get("goodput_req_s")
+    return (f"SLO {'met' if ev['met'] else 'MISSED'} ({'; '.join(parts)})"
+            + (f", goodput {good:.4g} req/s" if good is not None else ""))
 
 
 def _seeds(args: argparse.Namespace, exp) -> list[int]:

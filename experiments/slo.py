@@ -232,3 +232,25 @@ def evaluate_slo(spec: SloSpec, requests, itls, duration_s: float) -> dict[str, 
         "good_requests": good,
         "goodput_req_s": (good / duration_s) if good is not None and duration_s > 0 else None,
     }
+
+
+def slo_markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """The report's SLO section: per backend, each check's value, limit, attainment; goodput."""
+    from servetwin.experiments.report import fmt, md_table  # noqa: PLC0415
+
+    evs = {b: s["slo"] for b, s in summaries.items() if s.get("slo")}
+    if not evs:
+        return []
+    rows = []
+    for b, ev in evs.items():
+        for c in ev["checks"]:
+            met = "-" if c["met"] is None else ("yes" if c["met"] else "NO")
+            rows.append([b, f"`{c['name']}`", c["kind"], c["value"], c["limit"], c["attainment"], met])
+        rows.append([b, "**all**", "", None, None, ev.get("attainment"), "yes" if ev["met"] else "NO"])
+    lines = ["## SLO", "", md_table(["backend", "check", "kind", "value", "limit", "attainment", "met"], rows), ""]
+    for b, ev in evs.items():
+        lines.append(f"- **{b}**: SLO {'met' if ev['met'] else 'missed'}; binding `{ev['binding']}`; goodput "
+                     f"{fmt(ev.get('goodput_req_s'))} req/s ({fmt(ev.get('good_requests'))} requests meeting "
+                     f"{', '.join(f'{k} <= {v:g} s' for k, v in ev['deadlines'].items()) or 'no deadline'}).")
+    return lines + ["", "Attainment: the share of requests (tokens, for ITL) within the check's limit; goodput: "
+                        "requests meeting every per-request deadline per second of makespan (docs/capacity.md).", ""]

@@ -98,3 +98,12 @@ def test_capacity_command_errors(tmp_path, capsys):
     assert main(["capacity", str(path), "--slo", "ttft_p99_s=1", "--grid", "engine.max_num_seqs=4",
                  "-o", str(tmp_path / "o")]) == 2
     assert "--grid engine.max_num_seqs: must be a non-empty YAML list" in capsys.readouterr().err
+
+
+def test_ray_missing_says_how_to_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    path = write_yaml(tmp_path / "s.yaml", tiny(sweep={"engine.max_num_seqs": [1, 2]}))
+    assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--ray", "--no-progress"]) == 2
+    assert "--ray: Ray is not installed: pip install 'servetwin[ray]'" in capsys.readouterr().err
