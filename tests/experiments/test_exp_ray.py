@@ -20,7 +20,14 @@ CALIBRATION = ROOT / "experiments" / "calibrations" / "cpu_tiny-llama.yaml"
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    for attempt in (1, 2):  # Ray gives its raylet a fixed 30 s to register: a second try on a loaded machine
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+            break
+        except Exception:  # noqa: BLE001
+            ray.shutdown()
+            if attempt == 2:
+                raise
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
     yield ray
     ray.shutdown()
@@ -81,12 +88,13 @@ def test_ray_point_that_raises_is_retried_then_reported_and_the_others_complete(
     rc = main(["sweep", str(write_yaml(tmp_path / "s.yaml", cfg)), "-o", str(out), "--ray", "--retries", "1",
                "--no-progress", "--no-plots"])
     assert rc == 1
-    table = pd.read_csv(out / "sweep.csv").set_index("point")
-    good, bad = table.loc["scenario=good.json"], table.loc["scenario=bad.json"]
+    table = pd.read_csv(out / "sweep.csv")
+    good = table[table.point.str.endswith("good.json")].iloc[0]
+    bad = table[table.point.str.endswith("bad.json")].iloc[0]
     assert good.status == "ok" and good.completed == 3 and good.attempts == 1
     assert bad.status == "error" and bad.attempts == 2 and "outside the model's vocabulary" in bad.error
     assert "## Errors" in (out / "sweep.md").read_text()
-    assert (out / "scenario=good.json" / "report.md").is_file()
+    assert (out / good.point / "report.md").is_file() and not (out / bad.point / "sim").exists()
 
 
 def test_ray_capacity_search_matches_the_local_one(tmp_path, local_ray):
