@@ -201,6 +201,11 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str,
         "step0_annotation": str(steps.annotation.iloc[0]) if len(steps) else None,
         "kv_pool": kv_pool,
     }
+    if exp.slo is not None and not exp.slo.empty:
+        from servetwin.experiments.slo import evaluate_slo  # noqa: PLC0415
+
+        out["slo"] = evaluate_slo(exp.slo, reqs, run.recorder.itls(), duration)
+        out["goodput_req_s"] = out["slo"]["goodput_req_s"]
     if run.rejected:
         out["rejected_examples"] = dict(list(run.rejected.items())[:5])
     if run.error:
@@ -225,20 +230,13 @@ def write_json(path: str, data: Any) -> None:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
-                   log: Optional[Callable[[str], None]] = None, overwrite: bool = False,
-                   folder: Optional[RunFolder] = None) -> dict[str, Any]:
-    """Run every backend of `exp`, write everything under `out_dir`; returns the combined summary.
+def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Callable[[str], None]] = None,
+                 on_backend: Optional[Callable[[str, BackendRun, dict, dict], None]] = None):
+    """Run every backend of `exp` in memory: (combined summary, frames per backend, runs per backend).
 
-    The folder protocol of `servetwin.experiments.run_folder`: locked while this run writes, a
-    non-empty folder refused unless `overwrite`, nothing touched before the engines are built,
-    summary.json written last. On KeyboardInterrupt the files of what ran are written (summary marked
-    interrupted) and the interrupt is re-raised. `folder`: one the caller already acquired."""
-    if folder is None:
-        with RunFolder(out_dir, overwrite=overwrite) as owned:
-            return run_experiment(exp, out_dir, progress, log, folder=owned)
-    import yaml  # noqa: PLC0415
-
+    No file is written here; `on_backend(backend, run, frames, summary)` is called as each backend
+    finishes (run_experiment writes its tables there). Ctrl-C stops the current backend, skips the
+    rest and returns with `combined["interrupted"]` set."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     engines = {}
     for backend in exp.backends:  # build every engine first: bad engine settings fail before any run
@@ -251,7 +249,6 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     requests, arrival, rng = build_requests(exp, min(vocabs) if vocabs else None)
     wsum = workload_summary(requests)
     wsum["arrival"] = type(arrival).__name__
-    folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))  # the first file
     runs: dict[str, BackendRun] = {}
     frames: dict[str, dict] = {}
     summaries: dict[str, dict] = {}
@@ -269,12 +266,10 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             if bar is not None:
                 bar.close()
         runs[backend] = run
-        bdir = folder.subdir(backend)
-        for path in run.recorder.write(bdir).values():
-            folder.record(os.path.relpath(path, out_dir))
         frames[backend] = run.recorder.frames()
         summaries[backend] = summarize(run, frames[backend], exp)
-        folder.write_json(os.path.join(backend, "summary.json"), summaries[backend])
+        if on_backend is not None:
+            on_backend(backend, run, frames[backend], summaries[backend])
         s = summaries[backend]
         timing = (f"{s['simulated_s']:.3f}s simulated in {s['wall_s']:.3f}s wall" if backend == "sim"
                   else f"{s['wall_s']:.2f}s wall")
@@ -286,6 +281,34 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             break
     combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
                 "workload": wsum, "backends": summaries}
+    return combined, frames, runs
+
+
+def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
+                   log: Optional[Callable[[str], None]] = None, overwrite: bool = False,
+                   folder: Optional[RunFolder] = None) -> dict[str, Any]:
+    """Run every backend of `exp`, write everything under `out_dir`; returns the combined summary.
+
+    The folder protocol of `servetwin.experiments.run_folder`: locked while this run writes, a
+    non-empty folder refused unless `overwrite`, nothing touched before the engines are built and the
+    first backend ran, summary.json written last. On KeyboardInterrupt the files of what ran are
+    written (summary marked interrupted) and the interrupt is re-raised. `folder`: one the caller
+    already acquired."""
+    if folder is None:
+        with RunFolder(out_dir, overwrite=overwrite) as owned:
+            return run_experiment(exp, out_dir, progress, log, folder=owned)
+    import yaml  # noqa: PLC0415
+
+    def write_backend(backend: str, run: BackendRun, frames: dict, summary: dict) -> None:
+        if not folder.written:  # the first file of the run (the folder is cleared only now)
+            folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))
+        for path in run.recorder.write(folder.subdir(backend)).values():
+            folder.record(os.path.relpath(path, out_dir))
+        folder.write_json(os.path.join(backend, "summary.json"), summary)
+
+    combined, frames, runs = run_backends(exp, progress, log, on_backend=write_backend)
+    if not folder.written:
+        folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))
     from servetwin.experiments.report import write_report  # noqa: PLC0415
 
     written = write_report(exp, out_dir, combined, frames, {b: r.recorder.itls() for b, r in runs.items()},
@@ -293,6 +316,6 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     for path in written:
         folder.record(os.path.relpath(path, out_dir))
     folder.write_json("summary.json", combined)  # last: its presence and "interrupted" are the truth
-    if interrupted:
+    if combined["interrupted"]:
         raise KeyboardInterrupt
     return combined
