@@ -132,7 +132,7 @@ class StepSummary:
     def from_lists(cls, qs: Sequence[int], ss: Sequence[int], num_sampling: int,
                    implicit_decodes: int = 0, implicit_sum_s: int = 0, shared_kv: int = 0) -> "StepSummary":
         """From per-row scheduled tokens `qs`, computed-before tokens `ss` and the sampling count, plus
-        `implicit_decodes` sampling decode rows given only by their sum of `s` (core/lazy_decode.py)
+        `implicit_decodes` sampling decode rows given only by their sum of `s` (`SchedulerOutput.implicit_decodes`)
         and the step's `shared_kv` tokens."""
         p_reqs = p_q = p_q2 = p_qs = p_kv = 0
         d_reqs, d_s = implicit_decodes, implicit_sum_s
