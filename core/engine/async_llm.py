@@ -219,6 +219,9 @@ class AsyncLLM:
                         client.abort_requests(to_abort)
                 for err in msg.errors or ():
                     self._fail_request(err.request_id, EngineRequestError(err.request_id, err.message))
+                # Messages queued while this one was processed would otherwise be taken without
+                # giving the loop a turn: let streams write and /health answer between batches.
+                await asyncio.sleep(0)
         except EngineDeadError as e:
             self._dead = e
         except asyncio.CancelledError:

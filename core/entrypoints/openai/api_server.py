@@ -29,19 +29,26 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineDeadError
-from servetwin.core.entrypoints.openai.protocol import APIError, error_response
+from servetwin.core.entrypoints.openai.middleware import DEFAULT_MAX_REQUEST_BYTES, APIKeyAuth, RequestSizeLimit
+from servetwin.core.entrypoints.openai.protocol import APIError, error_response, parse_json_body, status_type
 from servetwin.core.entrypoints.openai.serving_chat import OpenAIServingChat
 from servetwin.core.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from servetwin.core.entrypoints.openai.serving_engine import ServerState
 
 
+LARGE_BODY_BYTES = 256 * 1024
+
+
 # -- the app --------------------------------------------------------------------------------------------
 def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace: Optional[bool] = None,
               time_scale: float = 1.0, fake_step_time_s: Optional[float] = None,
-              startup_timeout_s: Optional[float] = None) -> FastAPI:
+              startup_timeout_s: Optional[float] = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              api_key: Optional[str] = None) -> FastAPI:
+    """The app; `max_request_bytes` (0: no limit) bounds request bodies, `api_key` guards `/v1/*`."""
     engine_kwargs: dict[str, Any] = {"pace": pace, "time_scale": time_scale, "fake_step_time_s": fake_step_time_s}
     if startup_timeout_s is not None:
         engine_kwargs["startup_timeout_s"] = startup_timeout_s
@@ -57,6 +64,7 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
             yield
         finally:
             state.closing = True
+            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             if state.engine is not None:
                 state.engine.shutdown()
             if not starter.done():
@@ -65,6 +73,22 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
 
     app = FastAPI(title="servetwin OpenAI-compatible server", lifespan=lifespan)
     app.state.servetwin = state
+    if max_request_bytes:
+        app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyAuth, api_key=api_key)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # 404 (no such route), 405 (wrong method): the same error shape as every other answer
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return error_response(APIError(message, None, e.status_code, status_type(e.status_code)),
+                              headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        return error_response(APIError(f"internal server error: {type(e).__name__}: {e}", None, 500,
+                                       "InternalServerError"))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -75,13 +99,10 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
         return error_response(APIError(f"engine is dead: {e}", None, 500, "InternalServerError"))
 
     async def _body(request: Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except Exception:  # noqa: BLE001
-            raise APIError("body: the request body is not valid JSON", "body") from None
-        if not isinstance(body, dict):
-            raise APIError("body: the request body must be a JSON object", "body")
-        return body
+        raw = await request.body()
+        if len(raw) < LARGE_BODY_BYTES:
+            return parse_json_body(raw)
+        return await state.run_cpu(parse_json_body, raw)  # megabytes of JSON: parsed off the event loop
 
     @app.get("/health")
     async def health() -> Response:
@@ -123,12 +144,15 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
 def run_server(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: Optional[str] = None, pace: Optional[bool] = None, time_scale: float = 1.0,
                fake_step_time_s: Optional[float] = None, log_level: str = "warning",
-               startup_timeout_s: Optional[float] = None) -> None:
+               startup_timeout_s: Optional[float] = None, max_request_bytes: Optional[int] = None,
+               api_key: Optional[str] = None) -> None:
     """Serve until SIGINT / SIGTERM. Raises the engine's start-up error if it fails to start."""
     import uvicorn  # noqa: PLC0415
 
     app = build_app(args, served_model_name=served_model_name, pace=pace, time_scale=time_scale,
-                    fake_step_time_s=fake_step_time_s, startup_timeout_s=startup_timeout_s)
+                    fake_step_time_s=fake_step_time_s, startup_timeout_s=startup_timeout_s,
+                    max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes,
+                    api_key=api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
                             access_log=False)
     server = uvicorn.Server(config)

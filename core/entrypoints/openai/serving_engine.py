@@ -5,7 +5,9 @@ output so that a request the engine refuses still gets a proper 400)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, AsyncIterator, Callable, Optional
@@ -23,6 +25,7 @@ from servetwin.core.sampling_params import MAX_STOP_STRINGS_API, SamplingParams
 logger = logging.getLogger("servetwin.server")
 
 json_encoder = msgspec.json.Encoder()
+MAX_N_API = 128
 
 
 # -- the server state ---------------------------------------------------------------------------------
@@ -36,6 +39,15 @@ class ServerState:
         self.closing = False
         self.on_startup_failure: Optional[Callable[[BaseException], None]] = None
         self.created = int(time.time())
+        # Tokenising a large prompt or applying a chat template takes milliseconds to seconds of CPU: done
+        # in one worker thread (as vLLM's server does; HF fast tokenizers are not safe to share between
+        # threads), so the event loop keeps streaming and answering /health meanwhile.
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="servetwin-tokenizer")
+
+    async def run_cpu(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run CPU-heavy request preprocessing off the event loop (in the tokenizer thread)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, functools.partial(fn, *args, **kwargs))
 
     async def start_engine(self) -> None:
         try:
@@ -78,9 +90,12 @@ def token_str(tokenizer: Any, tid: int) -> str:
 
 
 def common_params(req: CommonRequest, max_tokens: Optional[int], logprobs: Optional[int],
-                   prompt_logprobs: Optional[int], max_logprobs: int) -> SamplingParams:
-    if req.n < 1:
-        raise APIError(f"n: must be >= 1, got {req.n}", "n")
+                   prompt_logprobs: Optional[int], max_logprobs: int,
+                   aliases: Optional[dict[str, str]] = None) -> SamplingParams:
+    """`SamplingParams` from a request; `aliases` renames fields in errors (chat: `max_tokens` given as
+    `max_completion_tokens`)."""
+    if not 1 <= req.n <= MAX_N_API:  # OpenAI's API bound: n = 10**4 would hold the engine for minutes
+        raise APIError(f"n: must be in [1, {MAX_N_API}], got {req.n}", "n")
     stop = req.stop
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS_API:
         raise APIError(f"stop: at most {MAX_STOP_STRINGS_API} stop strings are allowed, got {len(stop)}", "stop")
@@ -102,7 +117,7 @@ def common_params(req: CommonRequest, max_tokens: Optional[int], logprobs: Optio
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
-        raise bad_request_from(e) from None
+        raise bad_request_from(e, aliases=aliases) from None
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -203,17 +218,26 @@ class OpenAIServing:
         if model is not None and model not in (self.state.model_name, self.state.args.model):
             raise APIError(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
 
-    def _tokenize(self, engine: AsyncLLM, prompts: list[Any], params: SamplingParams, max_tokens_param: str,
-                  aliases: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
-        """Tokenise every prompt and check that prompt + max_tokens fits max_model_len: a 400 like vLLM's
-        server (the offline `LLM` caps the output at max_model_len instead)."""
+    async def _tokenize(self, engine: AsyncLLM, prompts: list[Any], params: SamplingParams,
+                        max_tokens_param: str, aliases: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+        """Tokenise every prompt (in the tokenizer thread) and check that prompt + max_tokens fits
+        max_model_len: a 400 like vLLM's server (the offline `LLM` caps the output at max_model_len)."""
+        return await self.state.run_cpu(self._tokenize_sync, engine, prompts, params, max_tokens_param, aliases)
+
+    @staticmethod
+    def _tokenize_sync(engine: AsyncLLM, prompts: list[Any], params: SamplingParams, max_tokens_param: str,
+                       aliases: Optional[dict[str, str]]) -> list[dict[str, Any]]:
         out = []
+        max_len = engine.max_model_len
         for prompt in prompts:
             try:
                 text, ids = engine.input_processor.tokenize(prompt)
             except ValueError as e:
                 raise bad_request_from(e, "prompt", aliases) from None
-            max_len = engine.max_model_len
+            if len(ids) >= max_len:  # also checked in add_request; here it costs the event loop nothing
+                param = (aliases or {}).get("prompt", "prompt")
+                raise APIError(f"{param}: the prompt is {len(ids)} tokens long; max_model_len is {max_len} and at "
+                               "least one output token must fit", param)
             if params.max_tokens is not None and 0 < len(ids) < max_len and len(ids) + params.max_tokens > max_len:
                 raise APIError(f"{max_tokens_param}: '{max_tokens_param}' is too large: {params.max_tokens}. This "
                                f"model's maximum context length is {max_len} tokens and your request has "
