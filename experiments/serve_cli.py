@@ -104,10 +104,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     check_listen(ns.host, ns.port)  # before the engine loads (minutes for a big model), not after
     print(f"servetwin serve: {args.backend} backend, model {args.model!r} on http://{ns.host}:{ns.port} "
           "(the engine loads in the background; GET /health turns 200 when it is ready)", flush=True)
-    run_server(args, host=ns.host, port=ns.port, served_model_name=ns.served_model_name, pace=ns.pace,
+    return run_server(args, host=ns.host, port=ns.port, served_model_name=ns.served_model_name, pace=ns.pace,
                time_scale=ns.time_scale, fake_step_time_s=ns.fake_step_time, log_level=ns.log_level,
                max_request_bytes=ns.max_request_bytes, api_key=api_key)
-    return 0
 
 
 __all__ = ["register", "engine_args_from", "check_listen"]

@@ -189,6 +189,17 @@ class AsyncLLM:
             except EngineDeadError:
                 pass
 
+    def abort_all(self, exc: BaseException) -> int:
+        """Abort every request in flight; each consumer gets `exc` (graceful shutdown). Returns how many."""
+        ids = list(self.collectors)
+        with self.client.batched():  # one abort message for all of them
+            for request_id in ids:
+                collector = self.collectors.get(request_id)
+                self.abort(request_id)
+                if collector is not None:
+                    collector.put_error(exc)
+        return len(ids)
+
     # -- output handler -------------------------------------------------------------------------------
     async def _output_handler(self) -> None:
         client = self.client

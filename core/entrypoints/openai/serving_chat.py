@@ -14,8 +14,8 @@ from servetwin.core.engine.request_output import RequestOutput
 from servetwin.core.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, bad_request_from,
                                                         error_body, parse_request)
 from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, chain, common_params,
-                                                              json_encoder, merge_streams, prime, sse,
-                                                              token_str, unless_disconnected)
+                                                              engine_error_event, json_encoder, merge_streams,
+                                                              prime, sse, token_str, unless_disconnected)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -161,8 +161,8 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": ct,
                                                      "total_tokens": prompt_tokens + ct}})
-        except EngineDeadError as e:
-            yield sse(error_body(f"engine is dead: {e}", None, 500, "InternalServerError"))
+        except EngineDeadError as e:  # the engine died, or the server is stopping: an error event, then [DONE]
+            yield engine_error_event(e)
         except ValueError as e:
             err = bad_request_from(e, "messages", {"prompt": "messages"})
             yield sse(error_body(err.message, err.param, 400, err.type))

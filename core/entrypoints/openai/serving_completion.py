@@ -15,8 +15,8 @@ from servetwin.core.engine.request_output import RequestOutput
 from servetwin.core.entrypoints.openai.protocol import (APIError, CompletionRequest, bad_request_from,
                                                         error_body, parse_request)
 from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, chain, common_params,
-                                                              json_encoder, merge_streams, prime, sse,
-                                                              token_str, unless_disconnected)
+                                                              engine_error_event, json_encoder, merge_streams,
+                                                              prime, sse, token_str, unless_disconnected)
 
 
 # -- completions ----------------------------------------------------------------------------------------
@@ -170,8 +170,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": ct,
                                                      "total_tokens": p + ct}})
-        except EngineDeadError as e:
-            yield sse(error_body(f"engine is dead: {e}", None, 500, "InternalServerError"))
+        except EngineDeadError as e:  # the engine died, or the server is stopping: an error event, then [DONE]
+            yield engine_error_event(e)
         except ValueError as e:
             err = bad_request_from(e, "prompt")
             yield sse(error_body(err.message, err.param, 400, err.type))

@@ -18,14 +18,32 @@ from fastapi.responses import Response
 
 from servetwin.core.engine.async_llm import AsyncLLM
 from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.request_output import RequestOutput
-from servetwin.core.entrypoints.openai.protocol import APIError, CommonRequest, bad_request_from
+from servetwin.core.entrypoints.openai.protocol import APIError, CommonRequest, bad_request_from, error_body
 from servetwin.core.sampling_params import MAX_STOP_STRINGS_API, SamplingParams
 
 logger = logging.getLogger("servetwin.server")
 
 json_encoder = msgspec.json.Encoder()
 MAX_N_API = 128
+
+
+class ServerShuttingDownError(EngineDeadError):
+    """Requests in flight when the server stops (SIGTERM / SIGINT): aborted in the engine."""
+
+
+def engine_error(e: EngineDeadError) -> APIError:
+    """What a request learns when the engine went away under it: a 503 while the server shuts down
+    (retry elsewhere), a 500 when the engine process died."""
+    if isinstance(e, ServerShuttingDownError):
+        return APIError(str(e), None, 503, "ServiceUnavailableError")
+    return APIError(f"engine is dead: {e}", None, 500, "InternalServerError")
+
+
+def engine_error_event(e: EngineDeadError) -> bytes:
+    err = engine_error(e)
+    return sse(error_body(err.message, err.param, err.status, err.type))
 
 
 # -- the server state ---------------------------------------------------------------------------------
@@ -36,8 +54,10 @@ class ServerState:
         self.engine_kwargs = engine_kwargs
         self.engine: Optional[AsyncLLM] = None
         self.startup_error: Optional[BaseException] = None
-        self.closing = False
+        self.closing = False  # shutting down: new requests get a 503
+        self.engine_died = False  # the engine process died: the server reports it, then exits non-zero
         self.on_startup_failure: Optional[Callable[[BaseException], None]] = None
+        self.on_engine_dead: Optional[Callable[[], None]] = None
         self.created = int(time.time())
         # Tokenising a large prompt or applying a chat template takes milliseconds to seconds of CPU: done
         # in one worker thread (as vLLM's server does; HF fast tokenizers are not safe to share between
@@ -69,6 +89,8 @@ class ServerState:
         logger.info("engine ready (pid %s): %s", engine.client.engine_pid, engine.config)
 
     def ready_engine(self) -> AsyncLLM:
+        if self.closing:
+            raise APIError("the server is shutting down", None, 503, "ServiceUnavailableError")
         if self.engine is None:
             if self.startup_error is not None:
                 raise APIError(f"engine failed to start: {self.startup_error}", None, 503, "ServiceUnavailableError")
@@ -264,5 +286,5 @@ class OpenAIServing:
         return collectors
 
 
-__all__ = ["ServerState", "OpenAIServing", "sse", "token_str", "common_params", "merge_streams",
+__all__ = ["ServerShuttingDownError", "engine_error", "engine_error_event", "ServerState", "OpenAIServing", "sse", "token_str", "common_params", "merge_streams",
            "unless_disconnected", "prime", "chain", "json_encoder"]
