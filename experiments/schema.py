@@ -366,6 +366,9 @@ def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "e
         raise ConfigError("model: required field is missing (a built-in name such as tiny-llama, "
                           "smollm2-135m or llama-3.1-8b, or a model folder)")
     model = _nonempty_str(cfg["model"], "model")
+    cand = Path(model).expanduser()
+    if not cand.is_absolute() and (model.startswith(".") or "/" in model) and (base / cand).exists():
+        model = str((base / cand).resolve())  # a model directory / config.json relative to the config file
     backends = cfg.get("backends", ["sim"])
     if isinstance(backends, str):
         backends = [backends]
