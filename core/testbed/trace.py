@@ -298,4 +298,5 @@ class TraceRecorder:
         return paths
 
 
-__all__ = ["TraceRecorder", "RequestTrace", "LateTokens", "STEP_COLUMNS", "STEP_REQUEST_COLUMNS", "REQUEST_COLUMNS", "asdict"]
+__all__ = ["TraceRecorder", "RequestTrace", "LateTokens", "STEP_COLUMNS", "STEP_REQUEST_COLUMNS",
+           "REQUEST_COLUMNS", "asdict"]
