@@ -157,13 +157,17 @@ def annotation_histogram(frames: dict[str, dict], top_n: int = TOP_N) -> str:
 
 
 def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, dict],
-                 itls: dict[str, list], plots: bool = True) -> str:
+                 itls: dict[str, list], plots: bool = True, jobs=None) -> str:
+    """report.md (and the figures unless `plots` is false); `jobs`: an OutputJobs still writing other
+    files of the run, waited for before the report is written."""
     summaries = combined["backends"]
     plot_paths: dict[str, Optional[str]] = {}
     if plots and frames:
-        from servetwin.experiments.plots import all_run_plots  # noqa: PLC0415
+        from servetwin.experiments.plots import all_run_plots, context_for  # noqa: PLC0415
 
-        plot_paths = all_run_plots(frames, itls, out_dir)
+        plot_paths = all_run_plots(frames, itls, out_dir, context_for(exp, summaries), jobs)
+    elif jobs is not None:
+        jobs.wait()
     w = combined.get("workload", {})
     lines = [f"# {exp.name}", ""]
     if exp.description:
@@ -186,7 +190,10 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
     lines += [f"## Most frequent step annotations (top {TOP_N})", "", annotation_histogram(frames), ""]
     if plot_paths:
         lines += ["## Plots", ""]
-        titles = {"latency_cdf": "Latency CDFs", "timeline": "Running / waiting and KV usage over time",
+        titles = {"latency_cdf": "Latency CDFs (log time axis, p50 / p99 marked)",
+                  "timeline": "Timeline: running / waiting, KV usage, throughput, arrivals / completions, "
+                              "preemptions",
+                  "request_gantt": "Per-request queue / prefill / decode (a sample of requests)",
                   "step_time": "Step duration vs scheduled tokens (by phase)"}
         for key, path in plot_paths.items():
             if path:

@@ -145,7 +145,9 @@ def _nz(x: float) -> Optional[float]:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str, Any]:
+def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
+              itls: Optional[list[float]] = None) -> dict[str, Any]:
+    """The summary of one backend's run; `itls` are `run.recorder.itls()` when the caller has them."""
     steps, reqs = frames["steps"], frames["requests"]
     finished = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")]
     duration = float(steps.t_end_s.max()) if len(steps) else 0.0
@@ -176,7 +178,7 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str,
         "computed_tok_s": per_s(float(steps.total_tokens.sum())) if len(steps) else None,
         "request_throughput_s": per_s(run.completed),
         "ttft_s": dist_stats(reqs.ttft_s), "tpot_s": dist_stats(reqs.tpot_s),
-        "itl_s": dist_stats(run.recorder.itls()), "e2e_s": dist_stats(reqs.e2e_s),
+        "itl_s": dist_stats(run.recorder.itls() if itls is None else itls), "e2e_s": dist_stats(reqs.e2e_s),
         "queue_s": dist_stats(reqs.queue_s),
         "step_duration_s": dist_stats(steps.duration_s) if len(steps) else dist_stats([]),
         "preemptions": int(reqs.num_preemptions.sum()) if len(reqs) else 0,
@@ -246,6 +248,10 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     runs: dict[str, BackendRun] = {}
     frames: dict[str, dict] = {}
     summaries: dict[str, dict] = {}
+    itls: dict[str, list[float]] = {}
+    from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
+
+    jobs = OutputJobs()
     interrupted = False
     for backend in exp.backends:
         engine, info = engines[backend]
@@ -261,9 +267,12 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
                 bar.close()
         runs[backend] = run
         bdir = os.path.join(out_dir, backend)
-        run.recorder.write(bdir)
         frames[backend] = run.recorder.frames()
-        summaries[backend] = summarize(run, frames[backend], exp)
+        run.recorder.write(bdir, frames[backend], trace=False)
+        trace_path = os.path.join(bdir, "trace.json")  # in a forked child while the next backend runs
+        jobs.submit(f"{backend}/trace.json", run.recorder.write_trace, (trace_path,), trace_path)
+        itls[backend] = run.recorder.itls()
+        summaries[backend] = summarize(run, frames[backend], exp, itls[backend])
         write_json(os.path.join(bdir, "summary.json"), summaries[backend])
         s = summaries[backend]
         timing = (f"{s['simulated_s']:.3f}s simulated in {s['wall_s']:.3f}s wall" if backend == "sim"
@@ -279,8 +288,7 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     write_json(os.path.join(out_dir, "summary.json"), combined)
     from servetwin.experiments.report import write_report  # noqa: PLC0415
 
-    write_report(exp, out_dir, combined, frames, {b: r.recorder.itls() for b, r in runs.items()},
-                 plots=exp.output["plots"])
+    write_report(exp, out_dir, combined, frames, itls, plots=exp.output["plots"], jobs=jobs)
     if interrupted:
         raise KeyboardInterrupt
     return combined

@@ -218,8 +218,9 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     df.to_csv(os.path.join(out_dir, "sweep.csv"), index=False)
     plot = None
     if exp.output.get("plots", True):
-        from servetwin.experiments.plots import sweep_comparison  # noqa: PLC0415
-        plot = sweep_comparison(df, os.path.join(out_dir, "sweep_comparison.png"))
+        from servetwin.experiments.plots import context_for, sweep_comparison  # noqa: PLC0415
+        plot = sweep_comparison(df, os.path.join(out_dir, "sweep_comparison.png"), context_for(exp),
+                                keys=list(exp.sweep))
     write_sweep_md(exp, df, out_dir, plot, interrupted)
     if interrupted:
         raise KeyboardInterrupt
