@@ -489,8 +489,9 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     plot_paths = {}
     if plots:
         from servetwin.experiments.compare_plots import comparison_plots  # noqa: PLC0415
+        from servetwin.experiments.plots import context_for  # noqa: PLC0415
 
-        plot_paths = comparison_plots(sim_frames, torch_frames, paired, out_dir)
+        plot_paths = comparison_plots(sim_frames, torch_frames, paired, out_dir, context_for(exp))
     result["plots"] = {k: os.path.basename(v) for k, v in plot_paths.items() if v}
     write_json(os.path.join(out_dir, "comparison.json"), result)
     from servetwin.experiments.compare_report import write_comparison_md  # noqa: PLC0415
