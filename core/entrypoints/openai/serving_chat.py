@@ -19,6 +19,30 @@ from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, cha
                                                               token_str, unless_disconnected)
 
 
+def render_chat(tok: Any, messages: list[Any], add_generation_prompt: bool,
+                continue_final_message: bool = False) -> tuple[str, list[int]]:
+    """The chat template applied to text-only messages: (prompt text, token ids without added specials)."""
+    flat = []
+    for msg in messages:
+        content = msg.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise APIError(f"messages: content part type {part.get('type')!r} is not supported "
+                                   "(only 'text')", "messages")
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        flat.append({"role": msg.role, "content": content or ""})
+    kwargs = {"continue_final_message": True} if continue_final_message else {}
+    try:
+        text = tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        ids = list(tok.encode(text, add_special_tokens=False))
+    except Exception as e:  # noqa: BLE001 - template errors are the caller's
+        raise APIError(f"messages: cannot apply the chat template: {e}", "messages") from None
+    return text, ids
+
+
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, raw: dict[str, Any], request: Request) -> Response:
         engine = self.state.ready_engine()
@@ -39,23 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = common_params(req, max_tokens, logprobs, None, self.state.args.max_logprobs)
-        messages = []
-        for msg in req.messages:
-            content = msg.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise APIError(f"messages: content part type {part.get('type')!r} is not supported "
-                                       "(only 'text')", "messages")
-                    parts.append(str(part.get("text", "")))
-                content = "".join(parts)
-            messages.append({"role": msg.role, "content": content or ""})
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-            ids = list(tok.encode(text, add_special_tokens=False))
-        except Exception as e:  # noqa: BLE001 - template errors are the caller's
-            raise APIError(f"messages: cannot apply the chat template: {e}", "messages") from None
+        text, ids = render_chat(tok, req.messages, req.add_generation_prompt)
         prompts = self._tokenize(engine, [{"prompt": text, "prompt_token_ids": ids}], params,
                                  "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                  {"prompt": "messages"})
