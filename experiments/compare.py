@@ -372,7 +372,9 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     import yaml  # noqa: PLC0415
 
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+        from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
+        yaml.safe_dump(portable_config(exp.to_dict(), out_dir), f, sort_keys=False)
     cal_label, cal_prov = calibration_info(exp)
     if threads is None and isinstance(cal_prov.get("torch_threads"), int):
         threads = int(cal_prov["torch_threads"])

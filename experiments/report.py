@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import yaml
 
+from servetwin.experiments.units import format_seconds
+
 TOP_N = 10
 
 
@@ -25,6 +27,22 @@ def fmt(v: Any, digits: int = 4) -> str:
             return f"{v:,.0f}"
         return f"{v:.{digits}g}"
     return str(v)
+
+
+def portable_config(cfg: Any, out_dir: str) -> Any:
+    """The validated config with every absolute path to an existing file rewritten relative to `out_dir`
+    (where config.yaml is written), so `DIR/config.yaml` runs again from any clone and names no home
+    directory; a path on another drive stays as it is."""
+    if isinstance(cfg, dict):
+        return {k: portable_config(v, out_dir) for k, v in cfg.items()}
+    if isinstance(cfg, list):
+        return [portable_config(v, out_dir) for v in cfg]
+    if isinstance(cfg, str) and os.path.isabs(cfg) and os.path.isfile(cfg):
+        try:
+            return os.path.relpath(cfg, os.path.abspath(out_dir))
+        except ValueError:  # another drive (Windows)
+            return cfg
+    return cfg
 
 
 def md_table(header: list[str], rows: list[list[Any]]) -> str:
@@ -117,8 +135,8 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
                 parts.append(f"{name}: {int(m.sum())} steps, mean {1e3 * float(st.duration_s[m].mean()):.3g} ms")
         obs.append(f"{head}: step time by phase - " + "; ".join(parts) + ".")
         if s.get("sim_speedup_x"):
-            obs.append(f"{head}: simulated {s['simulated_s']:.3f} s in {s['wall_s']:.2f} s of host time "
-                       f"({s['sim_speedup_x']:.1f}x real time).")
+            obs.append(f"{head}: simulated {format_seconds(s['simulated_s'])} in {format_seconds(s['wall_s'])} of "
+                       f"host time ({s['sim_speedup_x']:,.1f}x real time).")
     if "sim" in summaries and "torch" in summaries:
         a, b = summaries["sim"], summaries["torch"]
         if a["duration_s"] and b["duration_s"]:
@@ -174,7 +192,7 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
         lines += [exp.description.strip(), ""]
     if combined.get("interrupted"):
         lines += ["**Interrupted (Ctrl-C): the files hold what finished before the interrupt.**", ""]
-    lines += ["## Config", "", "```yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False).rstrip(), "```", ""]
+    lines += ["## Config", "", "```yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False).rstrip(), "```", ""]
     if w.get("requests"):
         lines += ["## Workload", "",
                   f"{w['requests']:,} requests ({w['sequences']:,} sequences), arrival `{w.get('arrival')}`, "

@@ -233,7 +233,9 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     log = log or (lambda msg: print(msg, file=sys.stderr))
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+        from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
+        yaml.safe_dump(portable_config(exp.to_dict(), out_dir), f, sort_keys=False)
     engines = {}
     for backend in exp.backends:  # build every engine first: bad engine settings fail before any run
         t0 = time.perf_counter()
@@ -275,8 +277,10 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
         summaries[backend] = summarize(run, frames[backend], exp, itls[backend])
         write_json(os.path.join(bdir, "summary.json"), summaries[backend])
         s = summaries[backend]
-        timing = (f"{s['simulated_s']:.3f}s simulated in {s['wall_s']:.3f}s wall" if backend == "sim"
-                  else f"{s['wall_s']:.2f}s wall")
+        from servetwin.experiments.units import format_seconds  # noqa: PLC0415
+
+        timing = (f"{format_seconds(s['simulated_s'])} simulated in {format_seconds(s['wall_s'])} wall"
+                  if backend == "sim" else f"{format_seconds(s['wall_s'])} wall")
         log(f"[{backend}] {s['completed']}/{s['requests']} requests, {s['num_steps']} steps, {timing}"
             + (" (INTERRUPTED)" if run.interrupted else ""))
         engines[backend] = None  # free the engine (torch weights, KV cache) before the next backend

@@ -140,7 +140,9 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     points = expand_sweep(exp)  # validates the whole grid before anything runs
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+        from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
+        yaml.safe_dump(portable_config(exp.to_dict(), out_dir), f, sort_keys=False)
     all_backends = list(dict.fromkeys(b for p in points for b in _point_backends(p, exp)))
     log(f"sweep {exp.name}: {len(points)} points x {all_backends}, {min(jobs, len(points))} worker(s)")
     results: dict[str, dict] = {}
