@@ -47,7 +47,7 @@ def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num
     return max_num_batched_tokens * per_token + logits
 
 
-def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_memory_utilization: float = 0.92,
+def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 128, tp: int = 1,
                  num_gpu_blocks: Optional[int] = None, kv_cache_memory_bytes: Optional[int] = None,
                  kv_dtype: Optional[str] = None) -> KVPoolSize:
