@@ -44,6 +44,7 @@ class BackendRun:
     rejected: dict[str, str] = field(default_factory=dict)
     interrupted: bool = False
     error: Optional[str] = None
+    itls: Optional[list[float]] = None  # the recorder's itls(), computed once
 
 
 def _progress_bar(enabled: bool, total: int, desc: str):
@@ -198,6 +199,11 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
         "step0_annotation": str(steps.annotation.iloc[0]) if len(steps) else None,
         "kv_pool": kv_pool,
     }
+    if exp.slo is not None and not exp.slo.empty:
+        from servetwin.experiments.slo import evaluate_slo  # noqa: PLC0415
+
+        out["slo"] = evaluate_slo(exp.slo, reqs, run.recorder.itls() if itls is None else itls, duration)
+        out["goodput_req_s"] = out["slo"]["goodput_req_s"]
     if run.rejected:
         out["rejected_examples"] = dict(list(run.rejected.items())[:5])
     if run.error:
@@ -223,19 +229,14 @@ def write_json(path: str, data: Any) -> None:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
-                   log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
-    """Run every backend of `exp`, write everything under `out_dir`; returns the combined summary.
+def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Callable[[str], None]] = None,
+                 on_backend: Optional[Callable[[str, BackendRun, dict, dict], None]] = None):
+    """Run every backend of `exp` in memory: (combined summary, frames per backend, runs per backend).
 
-    On KeyboardInterrupt the files of what ran are written and the interrupt is re-raised."""
-    import yaml  # noqa: PLC0415
-
+    No file is written here; `on_backend(backend, run, frames, summary)` is called as each backend
+    finishes (run_experiment writes its tables there). Ctrl-C stops the current backend, skips the
+    rest and returns with `combined["interrupted"]` set."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        from servetwin.experiments.report import portable_config  # noqa: PLC0415
-
-        yaml.safe_dump(portable_config(exp.to_dict(), out_dir), f, sort_keys=False)
     engines = {}
     for backend in exp.backends:  # build every engine first: bad engine settings fail before any run
         t0 = time.perf_counter()
@@ -250,10 +251,6 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     runs: dict[str, BackendRun] = {}
     frames: dict[str, dict] = {}
     summaries: dict[str, dict] = {}
-    itls: dict[str, list[float]] = {}
-    from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
-
-    jobs = OutputJobs()
     interrupted = False
     for backend in exp.backends:
         engine, info = engines[backend]
@@ -268,14 +265,11 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             if bar is not None:
                 bar.close()
         runs[backend] = run
-        bdir = os.path.join(out_dir, backend)
         frames[backend] = run.recorder.frames()
-        run.recorder.write(bdir, frames[backend], trace=False)
-        trace_path = os.path.join(bdir, "trace.json")  # in a forked child while the next backend runs
-        jobs.submit(f"{backend}/trace.json", run.recorder.write_trace, (trace_path,), trace_path)
-        itls[backend] = run.recorder.itls()
-        summaries[backend] = summarize(run, frames[backend], exp, itls[backend])
-        write_json(os.path.join(bdir, "summary.json"), summaries[backend])
+        run.itls = run.recorder.itls()
+        summaries[backend] = summarize(run, frames[backend], exp, run.itls)
+        if on_backend is not None:
+            on_backend(backend, run, frames[backend], summaries[backend])
         s = summaries[backend]
         from servetwin.experiments.units import format_seconds  # noqa: PLC0415
 
@@ -289,10 +283,37 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             break
     combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
                 "workload": wsum, "backends": summaries}
+    return combined, frames, runs
+
+
+def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
+                   log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Run every backend of `exp`, write everything under `out_dir`; returns the combined summary.
+
+    On KeyboardInterrupt the files of what ran are written and the interrupt is re-raised."""
+    import yaml  # noqa: PLC0415
+
+    from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
+    from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(portable_config(exp.to_dict(), out_dir), f, sort_keys=False)
+    jobs = OutputJobs()  # trace.json and the figures: written by forked children
+
+    def write_backend(backend: str, run: BackendRun, frames: dict, summary: dict) -> None:
+        bdir = os.path.join(out_dir, backend)
+        run.recorder.write(bdir, frames, trace=False)
+        trace_path = os.path.join(bdir, "trace.json")  # in a forked child while the next backend runs
+        jobs.submit(f"{backend}/trace.json", run.recorder.write_trace, (trace_path,), trace_path)
+        write_json(os.path.join(bdir, "summary.json"), summary)
+
+    combined, frames, runs = run_backends(exp, progress, log, on_backend=write_backend)
     write_json(os.path.join(out_dir, "summary.json"), combined)
     from servetwin.experiments.report import write_report  # noqa: PLC0415
 
-    write_report(exp, out_dir, combined, frames, itls, plots=exp.output["plots"], jobs=jobs)
-    if interrupted:
+    write_report(exp, out_dir, combined, frames, {b: r.itls for b, r in runs.items()}, plots=exp.output["plots"],
+                 jobs=jobs)
+    if combined["interrupted"]:
         raise KeyboardInterrupt
     return combined
