@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from servetwin.sim.coefficients import BASIS_TERMS
+from servetwin.sim.coefficients import BASIS_TERMS, GPU_ONLY_TERMS
 
 CONTENDED_BELOW = 0.9
 MEASURED_QUANTITY = ("wall time of one EngineCore.step() (schedule + execute_model + update_from_output), "
@@ -281,9 +281,11 @@ def step_rows(steps, step_requests) -> tuple[list[int], list[Any], np.ndarray, l
 
 def fit_terms(cost_model) -> list[str]:
     """Basis terms worth fitting on this backend (see the module docstring)."""
-    terms = [t for t in BASIS_TERMS if t not in ("comm", "ipc_step", "ipc_req")]
+    terms = [t for t in BASIS_TERMS if t not in ("comm", "ipc_step", "ipc_req") + GPU_ONLY_TERMS]
     if not cost_model.cuda_graphs:
         terms.remove("layer")  # always L on an eager backend: collinear with `step`
+    else:
+        terms[terms.index("layer")] = "layer_piecewise"  # graphs on: steps outside a full graph
     if cost_model.tp > 1:
         terms.append("comm")
     return terms
@@ -378,6 +380,37 @@ def device_name(device: str) -> str:
     return f"{cpu_name()} ({os.cpu_count()} logical CPUs, {platform.machine()})"
 
 
+def machine_fingerprint(device: str = "cpu") -> dict[str, Any]:
+    """What a calibration is only valid for: CPU model and count (the engine's host-side time runs
+    there), the accelerator, the platform. Stored in a calibration's provenance as `machine`."""
+    fp: dict[str, Any] = {"cpu_model": cpu_name(), "logical_cpus": os.cpu_count(), "arch": platform.machine()}
+    if str(device).startswith("cuda"):
+        fp["gpu"] = device_name(device)
+    return fp
+
+
+def fingerprint_differences(calibration: dict[str, Any], machine: dict[str, Any], threads: int,
+                            dtype: Optional[str] = None) -> list[str]:
+    """Warnings for a comparison whose machine, thread count or dtype differ from the calibration's
+    (`calibration`: its provenance). Files written before `machine` existed: the `device` text."""
+    notes = []
+    cal_fp = calibration.get("machine") or {}
+    if not cal_fp and calibration.get("device"):
+        here = device_name("cpu") if "gpu" not in machine else machine["gpu"]
+        if str(calibration["device"]) != here:
+            notes.append(f"the calibration was made on {calibration['device']!r}, this machine is {here!r}")
+    for key, what in (("cpu_model", "CPU"), ("logical_cpus", "logical CPU count"), ("gpu", "GPU")):
+        if key in cal_fp and cal_fp.get(key) != machine.get(key):
+            notes.append(f"the calibration was made on another machine: {what} {cal_fp[key]!r}, here "
+                         f"{machine.get(key)!r}")
+    cal_threads = calibration.get("torch_threads")
+    if isinstance(cal_threads, int) and cal_threads != threads:
+        notes.append(f"the calibration was measured with {cal_threads} torch thread(s), this run uses {threads}")
+    if dtype and calibration.get("dtype") and calibration["dtype"] != dtype:
+        notes.append(f"the calibration was measured in {calibration['dtype']}, the torch backend runs {dtype}")
+    return notes
+
+
 def versions() -> dict[str, str]:
     import importlib.metadata as md  # noqa: PLC0415
 
@@ -426,6 +459,9 @@ def calibration_document(base: str, cal: CalibrationFit, provenance: dict[str, A
     coeffs = cal.fit.to_coefficients(hw.coefficients).to_dict()
     if "layer" not in cal.terms:  # eager backend: the per-layer launch cost is inside `step`
         coeffs["c_layer"] = 0.0
+    for term in GPU_ONLY_TERMS:  # not fitted: what they stand for is inside the fitted terms now
+        if term not in cal.terms:
+            coeffs[f"c_{term}"] = 0.0
     doc: dict[str, Any] = {
         "base": base,
         "name": name or f"{hw.name}-{provenance.get('model', 'model')}-calibrated",
@@ -433,6 +469,8 @@ def calibration_document(base: str, cal: CalibrationFit, provenance: dict[str, A
         "peak_flops_bf16": hw.peak_flops_bf16, "peak_flops_fp32": hw.peak_flops_fp32,
         "memory_bandwidth": hw.memory_bandwidth, "memory_bytes": hw.memory_bytes,
         "interconnect_bandwidth": hw.interconnect_bandwidth, "interconnect_latency_s": hw.interconnect_latency_s,
+        "peak_flops_fp8": hw.peak_flops_fp8,
+        "efficiency": hw.efficiency.to_dict(),  # the basis the coefficients were fitted on
         "coefficients": {k: float(v) for k, v in coeffs.items()},
         "provenance": provenance,
     }
@@ -577,6 +615,7 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
         "source": source, "calibrated": True,
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "device": dev_name, "device_type": "cuda" if str(device).startswith("cuda") else "cpu",
+        "machine": machine_fingerprint(device),
         "versions": versions(), "model": model, "dtype": spec_dtype, "attention_backend": attn,
         "cuda_graphs": bool(cuda_graphs), "torch_threads": nthreads, "backend": "torch",
         "measured": MEASURED_QUANTITY, "weighting": weighting,

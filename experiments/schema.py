@@ -112,6 +112,14 @@ def _choice(*allowed: str) -> Callable[[Any, str], str]:
     return check
 
 
+def _optional_choice(*allowed: str) -> Callable[[Any, str], Optional[str]]:
+    def check(v: Any, path: str) -> Optional[str]:
+        if v is not None and v not in allowed:
+            raise ConfigError(f"{path}: must be null or one of {', '.join(map(repr, allowed))}, got {_fmt(v)}")
+        return v
+    return check
+
+
 def _device(v: Any, path: str) -> str:
     if not isinstance(v, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
         raise ConfigError(f"{path}: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {_fmt(v)}")
@@ -168,12 +176,14 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "scheduler_reserve_full_isl": _bool,
     "watermark": _float(0.0, 1.0, high_open=True),
     "kv_cache_memory_bytes": _int(1, nullable=True),
+    "quantization": _optional_choice("fp8"),
+    "kv_cache_dtype": _choice("auto", "fp8"),
     "attention_backend": _choice(*ATTENTION_BACKENDS),
     "device": _device,
 }
 
-TOP_KEYS = ("name", "description", "seed", "model", "hardware", "backends", "engine", "workload", "output",
-            "sweep")
+TOP_KEYS = ("name", "description", "seed", "seeds", "model", "hardware", "backends", "engine", "workload", "output",
+            "slo", "sweep")
 OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "plots": _bool}
 
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests, built here)
@@ -207,6 +217,8 @@ class ExperimentConfig:
     output: dict[str, Any]
     sweep: dict[str, list[Any]]
     description: str = ""
+    slo: Any = None  # servetwin.experiments.slo.SloSpec (empty: no SLO)
+    seeds: list[int] = field(default_factory=list)  # repeat the run per seed (empty: once, with `seed`)
     raw: dict[str, Any] = field(default_factory=dict)  # the validated input (paths resolved)
     base_dir: str = "."
 
@@ -223,6 +235,11 @@ class ExperimentConfig:
         kwargs.update(model=self.model, backend=backend, seed=self.seed)
         if backend == "sim":
             kwargs["hardware"] = hw
+        else:
+            for key, plain in (("quantization", None), ("kv_cache_dtype", "auto")):
+                if kwargs.get(key, plain) != plain:
+                    raise ConfigError(f"engine.{key}: {kwargs[key]!r} is simulated only (the {backend} backend runs "
+                                      "the model's own dtype); use backends: [sim]")
         try:
             return EngineArgs.from_kwargs(**kwargs)
         except ValueError as e:
@@ -342,6 +359,9 @@ def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "e
         raise ConfigError(f"description: must be a string, got {_fmt(description)}")
     seed = _int(0)(cfg.get("seed", 0), "seed")
     model = _nonempty_str(cfg.get("model", "tiny-llama"), "model")
+    cand = Path(model).expanduser()
+    if not cand.is_absolute() and (model.startswith(".") or "/" in model) and (base / cand).exists():
+        model = str((base / cand).resolve())  # a model directory / config.json relative to the config file
     backends = cfg.get("backends", ["sim"])
     if isinstance(backends, str):
         backends = [backends]
@@ -388,14 +408,60 @@ def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "e
         raise ConfigError("workload: required field is missing")
     workload = _validate_workload(cfg["workload"], base, backends)
     sweep = _validate_sweep_shape(cfg.get("sweep", {}) or {})
+    from servetwin.experiments.slo import SloError, parse_slo  # noqa: PLC0415
+
+    try:
+        slo = parse_slo(cfg.get("slo"), "slo")
+    except SloError as e:
+        raise ConfigError(str(e)) from None
+    seeds = _validate_seeds(cfg.get("seeds"), seed)
     resolved = dict(cfg)
     resolved.update(name=name, seed=seed, model=model, backends=list(backends), hardware=hardware,
                     engine=engine, workload=workload)
     exp = ExperimentConfig(name=name, seed=seed, model=model, hardware=hardware, backends=list(backends),
                            engine=engine, workload=workload, output=output, sweep=sweep,
-                           description=description, raw=copy.deepcopy(resolved), base_dir=str(base))
+                           description=description, slo=slo, seeds=seeds, raw=copy.deepcopy(resolved),
+                           base_dir=str(base))
     _check_engine_semantics(exp)
     return exp
+
+
+def _validate_seeds(seeds: Any, seed: int) -> list[int]:
+    """`seeds: [0, 1, 2]` (distinct integers >= 0), or `seeds: N` for N seeds from `seed` on; null or
+    absent: one run with `seed`."""
+    if seeds is None:
+        return []
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        if seeds < 1:
+            raise ConfigError(f"seeds: a count must be >= 1, got {seeds}")
+        return list(range(seed, seed + seeds))
+    if not isinstance(seeds, list) or not seeds:
+        raise ConfigError(f"seeds: must be a non-empty list of integers (or a count), got {_fmt(seeds)}")
+    out = [_int(0)(s, f"seeds[{i}]") for i, s in enumerate(seeds)]
+    if len(set(out)) != len(out):
+        raise ConfigError(f"seeds: duplicate seeds in {out}")
+    return out
+
+
+def seeds_for(exp: ExperimentConfig, count: Optional[int] = None) -> list[int]:
+    """The seeds to run: `--seeds N` (N seeds from the config's `seed` on), else the config's `seeds`;
+    [] for a single run with the config's own seed."""
+    if count is not None:
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError(f"--seeds: must be an integer >= 1, got {count!r}")
+        return list(range(exp.seed, exp.seed + count))
+    return list(exp.seeds)
+
+
+def with_seed(raw: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A copy of a config drawn with `seed`: the run's seed and its workload's (which otherwise defaults
+    to it), without `seeds`."""
+    out = copy.deepcopy(raw)
+    out.pop("seeds", None)
+    out["seed"] = seed
+    if isinstance(out.get("workload"), dict):
+        out["workload"]["seed"] = seed
+    return out
 
 
 def _check_engine_semantics(exp: ExperimentConfig) -> None:
@@ -427,8 +493,8 @@ def _validate_sweep_shape(sweep: Any) -> dict[str, list[Any]]:
         if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
             raise ConfigError(f"{path}: must be a dotted key like engine.max_num_seqs")
         head = key.split(".")[0]
-        if head not in TOP_KEYS or head in ("sweep", "name", "description"):
-            allowed = [k for k in TOP_KEYS if k not in ("sweep", "name", "description")]
+        if head not in TOP_KEYS or head in ("sweep", "name", "description", "seeds"):
+            allowed = [k for k in TOP_KEYS if k not in ("sweep", "name", "description", "seeds")]
             close = difflib.get_close_matches(head, allowed, n=1)
             dym = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{path}: unknown top-level key {head!r}{dym}; sweepable: {', '.join(allowed)}")

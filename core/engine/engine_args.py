@@ -28,7 +28,7 @@ class EngineArgs:
     async_scheduling: bool = False
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
-    gpu_memory_utilization: float = 0.92
+    gpu_memory_utilization: float = 0.9
     num_gpu_blocks: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None
     kv_cache_memory_bytes: Optional[int] = None
@@ -38,6 +38,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     device: str = "auto"
     hardware: Optional[str] = None  # simulator: hardware preset or YAML path
+    quantization: Optional[str] = None  # simulator: "fp8" weights (W8A8 where the device has fp8, else W8A16)
+    kv_cache_dtype: str = "auto"  # simulator: "auto" (the model dtype) or "fp8"
     multiprocess: bool = False
     profile_dir: Optional[str] = None
 
@@ -58,6 +60,10 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {args.tensor_parallel_size!r}")
         if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
             raise ValueError(f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
+        if args.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization: must be 'fp8' or null, got {args.quantization!r}")
+        if args.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {args.kv_cache_dtype!r}")
         if (not isinstance(args.max_logprobs, int) or isinstance(args.max_logprobs, bool)
                 or args.max_logprobs < -1):
             raise ValueError(f"max_logprobs: must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")
@@ -89,3 +95,34 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
             async_scheduling=self.async_scheduling,
             scheduler_reserve_full_isl=self.scheduler_reserve_full_isl, watermark=self.watermark)
+
+
+# One line per engine argument for `servetwin serve --help` (vLLM's meaning; servetwin's additions say so).
+FIELD_HELP: dict[str, str] = {
+    "tokenizer": "tokenizer name or path (default: the model's; 'toy': the built-in toy tokenizer)",
+    "skip_tokenizer_init": "no tokenizer: prompts must be token ids, outputs carry no text",
+    "dtype": "weights and activations dtype: auto, float32, bfloat16, float16",
+    "seed": "random seed of the sampler",
+    "block_size": "tokens per KV-cache block",
+    "max_num_batched_tokens": "token budget of one step (default: max(8192, max_num_seqs) with chunked prefill, else also >= max_model_len)",
+    "max_num_seqs": "most requests running at once",
+    "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
+    "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
+    "enable_chunked_prefill": "split long prompts over several steps, mixed with decodes",
+    "long_prefill_token_threshold": "cap on the prompt tokens one request gets per step (0: no cap)",
+    "policy": "scheduling policy: fcfs or priority (vLLM's --scheduling-policy)",
+    "async_scheduling": "schedule step n+1 while step n runs (vLLM's async scheduling)",
+    "scheduler_reserve_full_isl": "admit a request only if its whole prompt fits the free KV blocks",
+    "watermark": "share of KV blocks kept free when admitting new requests",
+    "gpu_memory_utilization": "share of device memory for weights, activations and KV cache (vLLM: 0.9)",
+    "num_gpu_blocks": "KV-cache blocks, instead of sizing from memory (vLLM's --num-gpu-blocks-override)",
+    "num_gpu_blocks_override": "KV-cache blocks, instead of sizing from memory",
+    "kv_cache_memory_bytes": "bytes for the KV cache, instead of gpu_memory_utilization",
+    "enforce_eager": "no CUDA graphs",
+    "tensor_parallel_size": "devices one model is split over (the simulator models the communication)",
+    "max_logprobs": "most logprobs a request may ask for (-1: no limit)",
+    "attention_backend": "attention kernel: auto, torch-paged, flash-attn",
+    "device": "torch device: auto, cpu, cuda, cuda:N",
+    "hardware": "simulator: a hardware preset (`servetwin presets`) or a hardware YAML",
+    "profile_dir": "torch backend: write a torch.profiler chrome trace and per-step timings here",
+}
