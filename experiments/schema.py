@@ -646,15 +646,16 @@ def ensure_output_dir(path: str | Path, flag: str = "-o/--output") -> bool:
 
 
 def ensure_output_file(path: str | Path, flag: str = "-o/--output") -> None:
-    """`check_output_file`, then create its folder and prove a file can be created there (a probe file,
-    removed at once), so a refusal is reported naming the flag before any work."""
+    """`check_output_file`, then prove a file can be created in its (existing) folder with a probe file,
+    removed at once, so a refusal is reported naming the flag before any work."""
     import os  # noqa: PLC0415
 
     from servetwin.core.testbed.atomic import temp_path  # noqa: PLC0415
 
     check_output_file(path, flag)
     p = Path(path).expanduser()
-    ensure_output_dir(p.parent, flag)
+    if not p.parent.is_dir():
+        raise ConfigError(f"{flag}: cannot write {path}: the folder {p.parent} does not exist")
     probe = temp_path(str(p))
     try:
         with open(probe, "x"):

@@ -306,7 +306,7 @@ def test_cli_rejected_scenarios_write_nothing(tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
-@pytest.mark.parametrize("target", ["/proc/servetwin_x.jsonl", "/sys/servetwin_x/out.jsonl"])
+@pytest.mark.parametrize("target", ["/proc/servetwin_x.jsonl", "/sys/servetwin_x.jsonl"])
 def test_cli_unwritable_output_names_the_flag(capsys, target):
     from servetwin.experiments.cli import main
 

@@ -46,9 +46,10 @@ def test_replay_output_errors_are_clear(tmp_path, a_file, capsys):
     assert main(["replay", scenario, "-o", str(tmp_path)]) == 2
     assert "servetwin replay: error: -o/--output: " in capsys.readouterr().err
     assert main(["replay", scenario, "-o", str(tmp_path / "missing" / "out.jsonl")]) == 2
-    assert main(["replay", scenario, "-o", str(a_file / "out.jsonl")]) == 1
+    assert "-o/--output: cannot write" in capsys.readouterr().err
+    assert main(["replay", scenario, "-o", str(a_file / "out.jsonl")]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and "Not a directory" in err
+    assert "Traceback" not in err and "-o/--output: cannot create" in err and "is a file, not a folder" in err
 
 
 @pytest.mark.skipif(not _torch_available(), reason="torch backend (servetwin.gpu.executor) not importable")
