@@ -112,6 +112,14 @@ def _choice(*allowed: str) -> Callable[[Any, str], str]:
     return check
 
 
+def _optional_choice(*allowed: str) -> Callable[[Any, str], Optional[str]]:
+    def check(v: Any, path: str) -> Optional[str]:
+        if v is not None and v not in allowed:
+            raise ConfigError(f"{path}: must be null or one of {', '.join(map(repr, allowed))}, got {_fmt(v)}")
+        return v
+    return check
+
+
 def _device(v: Any, path: str) -> str:
     if not isinstance(v, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
         raise ConfigError(f"{path}: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {_fmt(v)}")
@@ -168,6 +176,8 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "scheduler_reserve_full_isl": _bool,
     "watermark": _float(0.0, 1.0, high_open=True),
     "kv_cache_memory_bytes": _int(1, nullable=True),
+    "quantization": _optional_choice("fp8"),
+    "kv_cache_dtype": _choice("auto", "fp8"),
     "attention_backend": _choice(*ATTENTION_BACKENDS),
     "device": _device,
 }
@@ -224,6 +234,11 @@ class ExperimentConfig:
         kwargs.update(model=self.model, backend=backend, seed=self.seed)
         if backend == "sim":
             kwargs["hardware"] = hw
+        else:
+            for key, plain in (("quantization", None), ("kv_cache_dtype", "auto")):
+                if kwargs.get(key, plain) != plain:
+                    raise ConfigError(f"engine.{key}: {kwargs[key]!r} is simulated only (the {backend} backend runs "
+                                      "the model's own dtype); use backends: [sim]")
         try:
             return EngineArgs.from_kwargs(**kwargs)
         except ValueError as e:

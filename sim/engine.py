@@ -44,6 +44,7 @@ from servetwin.core.sched.scheduler import UnservableRequestError
 from servetwin.core.testbed.trace import TraceRecorder
 from servetwin.sim.arrivals import ArrivalProcess
 from servetwin.sim.fast_forward import fast_forward
+from servetwin.sim.scheduler import SimScheduler
 from servetwin.sim.workload import WorkloadRequest, build_workload, rng_streams
 
 STEP_START_PRIORITY = 2  # after simpy.events.URGENT (0) and NORMAL (1)
@@ -84,7 +85,7 @@ def _num_samples(result: StepResult) -> int:
     materialised member's last implicit token is applied explicitly one step later)."""
     mro, so = result.model_output, result.scheduled
     explicit = sum(1 for toks in mro.sampled_token_ids if toks) if mro is not None else 0
-    return explicit + (so.lazy.num_reqs if so.lazy is not None else 0)
+    return explicit + (so.implicit_decodes.num_reqs if so.implicit_decodes is not None else 0)
 
 
 class Simulation:
@@ -100,11 +101,11 @@ class Simulation:
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.max_time_s = max_time_s
         self.recorder = TraceRecorder(run, "sim", record_step_requests=record_step_requests)
-        # Implicit steady decodes (core/lazy_decode.py): exact, and they make the per-request step rows
+        # Implicit steady decodes (sim/scheduler.py): exact, and they make the per-request step rows
         # implicit, so only without `step_requests`; they replace the (sync-only) decode fast-forward.
         ex = engine.executor
-        self.lazy_decode = bool(lazy_decode and not record_step_requests and hasattr(ex, "lazy_tokens")
-                                and getattr(ex, "token_rule", None) == "request")
+        self.lazy_decode = bool(lazy_decode and not record_step_requests and isinstance(engine.scheduler, SimScheduler)
+                                and hasattr(ex, "lazy_tokens") and getattr(ex, "token_rule", None) == "request")
         if self.lazy_decode:
             engine.scheduler.enable_lazy_decode(ex)
         self.fast_forward = fast_forward and not self.lazy_decode
@@ -249,6 +250,10 @@ class Simulation:
                     continue
             t0 = env.now
             result = engine.step()
+            if self.lazy_decode:  # tokens of implicit steps applied this step: before the step's own
+                late = engine.scheduler.take_late_tokens()
+                if late:
+                    self.recorder.on_late_tokens(late)
             so = result.scheduled
             duration = 0.0
             if so is not None:
@@ -285,7 +290,7 @@ class Simulation:
             if last is not None and (self.max_time_s is None or last <= self.max_time_s):
                 self.result.end_time_s = max(self.result.end_time_s, float(last))
         if self.lazy_decode:  # tokens of requests still running when the run was cut
-            self.recorder.on_lazy_flush(self.engine.scheduler.flush_lazy())
+            self.recorder.on_late_tokens(self.engine.scheduler.flush_lazy())
         done = set(self.result.completion_s) | set(self.result.rejected)
         self.result.unfinished = [r.request_id for r in self.requests if r.request_id not in done]
         return self.result

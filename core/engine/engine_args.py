@@ -38,6 +38,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     device: str = "auto"
     hardware: Optional[str] = None  # simulator: hardware preset or YAML path
+    quantization: Optional[str] = None  # simulator: "fp8" weights (W8A8 where the device has fp8, else W8A16)
+    kv_cache_dtype: str = "auto"  # simulator: "auto" (the model dtype) or "fp8"
     multiprocess: bool = False
     profile_dir: Optional[str] = None
 
@@ -58,6 +60,10 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {args.tensor_parallel_size!r}")
         if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
             raise ValueError(f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
+        if args.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization: must be 'fp8' or null, got {args.quantization!r}")
+        if args.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {args.kv_cache_dtype!r}")
         if (not isinstance(args.max_logprobs, int) or isinstance(args.max_logprobs, bool)
                 or args.max_logprobs < -1):
             raise ValueError(f"max_logprobs: must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")
