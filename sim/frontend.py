@@ -14,7 +14,9 @@ output chunks wait for the CPU behind other requests' parsing. This module model
 - output (per engine step that produced tokens, on the front-end CPU): receiving and decoding the
   step's outputs message (`c_step_s`), per request in it the output processing, detokenisation and
   SSE chunk write (`c_chunk_s`), per finished request the final chunk, usage and `[DONE]`
-  (`c_finish_s`); then `latency_out_s` (off the CPU) until the client reads the chunk.
+  (`c_finish_s`); then `latency_out_s` (off the CPU) until the client reads the chunk. On the chat
+  endpoint the first token goes out as two events, the role chunk (the client's first token) and its
+  content, so the client's ITLs of each request start with a ~0 gap (as `vllm bench serve` counts).
 
 The CPU is shared by weighted processor sharing (the fluid limit of an event loop's round robin over
 ready tasks): an ingress job is one task (weight 1); a step's output job stands for the output
@@ -230,7 +232,7 @@ class ApiServerFrontend:
         self.chat = endpoint == "chat"
         self.to_engine = to_engine
         self.cpu = SharedCPU()
-        self.deliveries = DeliveryMap()
+        self.deliveries = DeliveryMap(split_first_chunk=self.chat)
         self._outputs: deque[_StepOutput] = deque()
         self._handler_busy = False
         self._wake_at: Optional[float] = None

@@ -63,9 +63,14 @@ REQUEST_COLUMNS = [
 
 
 class DeliveryMap:
-    """Engine step end -> client receipt of that step's tokens (filled in step order by a front end)."""
+    """Engine step end -> client receipt of that step's tokens (filled in step order by a front end).
 
-    def __init__(self) -> None:
+    `split_first_chunk`: the first token reaches the client as two SSE events written back to back -
+    the chat endpoint's role chunk (which `vllm bench serve` takes as the first token) and then the
+    token's content - so the client's ITL list of every request starts with a gap of ~0."""
+
+    def __init__(self, split_first_chunk: bool = False) -> None:
+        self.split_first_chunk = split_first_chunk
         self._by_end: dict[float, float] = {}
         self._ends: list[float] = []
         self._clients: list[float] = []
@@ -145,10 +150,11 @@ class RequestTrace:
 
     def itls(self, delivery: Optional[DeliveryMap] = None) -> list[float]:
         t = self.token_times
-        if delivery is not None:
-            t = [delivery.client_time(x) for x in t]
-            t = [x for x in t if x is not None]
-        return [b - a for a, b in zip(t, t[1:])]
+        if delivery is None:
+            return [b - a for a, b in zip(t, t[1:])]
+        t = [x for x in map(delivery.client_time, t) if x is not None]
+        gaps = [b - a for a, b in zip(t, t[1:])]
+        return [0.0] + gaps if delivery.split_first_chunk and t else gaps
 
 
 class TraceRecorder:
