@@ -217,11 +217,15 @@ def coefficients(p1: dict, p2: dict) -> dict:
         "c_chat_s": max(p2["chat_extra_s"], 0.0),
         # the server's measured per-token slope, less the message part (what tokenisation leaves)
         "c_prompt_token_s": max(per_tok_total - ms["request_per_token_s"], 0.0),
-        "c_hop_s": hop, "c_hop_token_s": ms["request_per_token_s"],
+        "c_hop_s": max(hop, 0.0), "c_hop_token_s": max(ms["request_per_token_s"], 0.0),
         "c_step_s": ms["outputs_fixed_s"],
         "c_chunk_s": max(p2["per_chunk_s"], 0.0),
         "c_finish_s": max(p2["cpu_per_request_s"]["stream_1"] - p2["cpu_per_request_s"]["completions_128"], 0.0),
-        "latency_in_s": 0.0, "latency_out_s": 0.0,
+        # a 1-token answer at low load: client latency minus the server's CPU = the hops through the
+        # engine process and back (the fake engine's step costs ~nothing); all of it put on the way in
+        "latency_in_s": max(p2["client_latency_p50_s"]["completions_128"] - p2["cpu_per_request_s"]["completions_128"],
+                            0.0),
+        "latency_out_s": 0.0,
     }
 
 
