@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import yaml
 
+from servetwin.experiments.slo import slo_markdown
+
 TOP_N = 10
 
 
@@ -203,7 +205,7 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
               "serve` measures (a modelled API server's ingress and output delivery included), the `engine` rows "
               "at the engine (from the request reaching it; a token's time is the end of the step that computed "
               "it). The sim's times are simulated, torch's are measured.", "",
-              "## Key observations", ""]
+              *slo_markdown(summaries), "## Key observations", ""]
     lines += [f"- {o}" for o in _observations(exp, summaries, frames)] + [""]
     lines += [f"## Most frequent step annotations (top {TOP_N})", "", annotation_histogram(frames), ""]
     if plot_paths:

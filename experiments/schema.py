@@ -182,8 +182,8 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "device": _device,
 }
 
-TOP_KEYS = ("name", "description", "seed", "model", "hardware", "backends", "frontend", "engine", "workload",
-            "output", "sweep")
+TOP_KEYS = ("name", "description", "seed", "seeds", "model", "hardware", "backends", "frontend", "engine",
+            "workload", "output", "slo", "sweep")
 OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "plots": _bool}
 
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests, built here)
@@ -217,6 +217,8 @@ class ExperimentConfig:
     output: dict[str, Any]
     sweep: dict[str, list[Any]]
     description: str = ""
+    slo: Any = None  # servetwin.experiments.slo.SloSpec (empty: no SLO)
+    seeds: list[int] = field(default_factory=list)  # repeat the run per seed (empty: once, with `seed`)
     raw: dict[str, Any] = field(default_factory=dict)  # the validated input (paths resolved)
     base_dir: str = "."
     frontend: Any = None  # servetwin.sim.frontend.FrontendConfig (the default is set by validate_config)
@@ -404,13 +406,20 @@ def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "e
     workload = _validate_workload(cfg["workload"], base, backends)
     sweep = _validate_sweep_shape(cfg.get("sweep", {}) or {})
     frontend = _validate_frontend(cfg.get("frontend"), workload, base)
+    from servetwin.experiments.slo import SloError, parse_slo  # noqa: PLC0415
+
+    try:
+        slo = parse_slo(cfg.get("slo"), "slo")
+    except SloError as e:
+        raise ConfigError(str(e)) from None
+    seeds = _validate_seeds(cfg.get("seeds"), seed)
     resolved = dict(cfg)
     resolved.update(name=name, seed=seed, model=model, backends=list(backends), hardware=hardware,
                     engine=engine, workload=workload)
     exp = ExperimentConfig(name=name, seed=seed, model=model, hardware=hardware, backends=list(backends),
                            engine=engine, workload=workload, output=output, sweep=sweep,
-                           description=description, raw=copy.deepcopy(resolved), base_dir=str(base),
-                           frontend=frontend)
+                           description=description, slo=slo, seeds=seeds, raw=copy.deepcopy(resolved),
+                           base_dir=str(base), frontend=frontend)
     _check_engine_semantics(exp)
     return exp
 
@@ -434,6 +443,44 @@ def _validate_frontend(cfg: Any, workload: Mapping[str, Any], base_dir: Path) ->
         return parse_frontend(cfg, "frontend")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _validate_seeds(seeds: Any, seed: int) -> list[int]:
+    """`seeds: [0, 1, 2]` (distinct integers >= 0), or `seeds: N` for N seeds from `seed` on; null or
+    absent: one run with `seed`."""
+    if seeds is None:
+        return []
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        if seeds < 1:
+            raise ConfigError(f"seeds: a count must be >= 1, got {seeds}")
+        return list(range(seed, seed + seeds))
+    if not isinstance(seeds, list) or not seeds:
+        raise ConfigError(f"seeds: must be a non-empty list of integers (or a count), got {_fmt(seeds)}")
+    out = [_int(0)(s, f"seeds[{i}]") for i, s in enumerate(seeds)]
+    if len(set(out)) != len(out):
+        raise ConfigError(f"seeds: duplicate seeds in {out}")
+    return out
+
+
+def seeds_for(exp: ExperimentConfig, count: Optional[int] = None) -> list[int]:
+    """The seeds to run: `--seeds N` (N seeds from the config's `seed` on), else the config's `seeds`;
+    [] for a single run with the config's own seed."""
+    if count is not None:
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError(f"--seeds: must be an integer >= 1, got {count!r}")
+        return list(range(exp.seed, exp.seed + count))
+    return list(exp.seeds)
+
+
+def with_seed(raw: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A copy of a config drawn with `seed`: the run's seed and its workload's (which otherwise defaults
+    to it), without `seeds`."""
+    out = copy.deepcopy(raw)
+    out.pop("seeds", None)
+    out["seed"] = seed
+    if isinstance(out.get("workload"), dict):
+        out["workload"]["seed"] = seed
+    return out
 
 
 def _check_engine_semantics(exp: ExperimentConfig) -> None:
@@ -465,8 +512,8 @@ def _validate_sweep_shape(sweep: Any) -> dict[str, list[Any]]:
         if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
             raise ConfigError(f"{path}: must be a dotted key like engine.max_num_seqs")
         head = key.split(".")[0]
-        if head not in TOP_KEYS or head in ("sweep", "name", "description"):
-            allowed = [k for k in TOP_KEYS if k not in ("sweep", "name", "description")]
+        if head not in TOP_KEYS or head in ("sweep", "name", "description", "seeds"):
+            allowed = [k for k in TOP_KEYS if k not in ("sweep", "name", "description", "seeds")]
             close = difflib.get_close_matches(head, allowed, n=1)
             dym = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{path}: unknown top-level key {head!r}{dym}; sweepable: {', '.join(allowed)}")
