@@ -24,7 +24,8 @@ def _run(tmp_path, cfg):
 def test_api_server_front_end_reports_client_and_engine_boundaries(tmp_path):
     s, reqs, report = _run(tmp_path, tiny(frontend=FE))
     for key in ENGINE_KEYS:
-        assert s[key]["count"] == (s["itl_s"]["count"] if key == "engine_itl_s" else 6)
+        # chat: every request's client ITLs start with the role chunk's ~0 gap
+        assert s[key]["count"] == (s["itl_s"]["count"] - 6 if key == "engine_itl_s" else 6)
     # all 6 requests sent at t = 0 share the front-end CPU: 6 x 12 ms of ingress before the engine
     assert reqs.engine_arrival_s.tolist() == pytest.approx([6 * 0.012 + 0.003] * 6)
     assert s["frontend_in_s"]["mean"] == pytest.approx(6 * 0.012 + 0.003)
