@@ -219,6 +219,7 @@ def coefficients(p1: dict, p2: dict) -> dict:
         "c_prompt_token_s": max(per_tok_total - ms["request_per_token_s"], 0.0),
         "c_hop_s": max(hop, 0.0), "c_hop_token_s": max(ms["request_per_token_s"], 0.0),
         "c_step_s": ms["outputs_fixed_s"],
+        "c_token_out_s": 0.0,  # one sequential stream cannot split per-token from per-chunk work
         "c_chunk_s": max(p2["per_chunk_s"], 0.0),
         "c_finish_s": max(p2["cpu_per_request_s"]["stream_1"] - p2["cpu_per_request_s"]["completions_128"], 0.0),
         # a 1-token answer at low load: client latency minus the server's CPU = the hops through the

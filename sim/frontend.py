@@ -12,9 +12,13 @@ output chunks wait for the CPU behind other requests' parsing. This module model
   `c_hop_token_s` per prompt token); then `latency_in_s` (off the CPU: socket and IPC hops) before
   the request reaches the engine;
 - output (per engine step that produced tokens, on the front-end CPU): receiving and decoding the
-  step's outputs message (`c_step_s`), per request in it the output processing, detokenisation and
-  SSE chunk write (`c_chunk_s`), per finished request the final chunk, usage and `[DONE]`
-  (`c_finish_s`); then `latency_out_s` (off the CPU) until the client reads the chunk. On the chat
+  step's outputs message (`c_step_s`), per output token its processing and detokenisation
+  (`c_token_out_s`), per request the SSE chunk write (`c_chunk_s`), per finished request the final
+  chunk, usage and `[DONE]` (`c_finish_s`); then `latency_out_s` (off the CPU) until the client
+  reads the chunk. When the front end falls behind, the steps waiting for the output handler are
+  handled as one batch whose tokens go out together, one chunk per request (vLLM's per-request
+  output collector merges outputs its streaming task has not sent yet): every message and token is
+  still processed, but each request writes one chunk per batch. On the chat
   endpoint the first token goes out as two events, the role chunk (the client's first token) and its
   content, so the client's ITLs of each request start with a ~0 gap (as `vllm bench serve` counts).
 
@@ -63,7 +67,8 @@ class FrontendCoefficients:
     c_hop_s: float = 0.0           # per request: engine request built, msgspec-encoded, sent over ZMQ
     c_hop_token_s: float = 0.0     # per prompt token of that message
     c_step_s: float = 0.0          # per engine outputs message: ZMQ receive + msgspec decode
-    c_chunk_s: float = 0.0         # per request per outputs message: output processing, detokenise, SSE write
+    c_token_out_s: float = 0.0     # per output token: output processing + detokenisation
+    c_chunk_s: float = 0.0         # per request per chunk sent: SSE serialisation + write
     c_finish_s: float = 0.0        # per finished request: final chunk, usage, [DONE], response close
     latency_in_s: float = 0.0      # client -> engine, not on the front-end CPU
     latency_out_s: float = 0.0     # engine step end -> client, not on the front-end CPU
@@ -76,8 +81,9 @@ class FrontendCoefficients:
         return (self.c_req_s + (self.c_chat_s if chat else 0.0) + self.c_hop_s
                 + (self.c_prompt_token_s + self.c_hop_token_s) * prompt_tokens)
 
-    def output_work(self, num_outputs: int, num_finished: int) -> float:
-        return self.c_step_s + self.c_chunk_s * num_outputs + self.c_finish_s * num_finished
+    def output_work(self, num_messages: int, num_tokens: int, num_chunks: int, num_finished: int) -> float:
+        return (self.c_step_s * num_messages + self.c_token_out_s * num_tokens + self.c_chunk_s * num_chunks
+                + self.c_finish_s * num_finished)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -210,10 +216,19 @@ class SharedCPU:
 # -- the front-end process ------------------------------------------------------------------------
 @dataclass(slots=True)
 class _StepOutput:
-    t_engine: float
-    num_outputs: int
+    """The outputs of one step, or of several consecutive steps waiting for the output handler."""
+    t_engines: list[float]
+    num_tokens: int  # output tokens in all of them
+    num_chunks: int  # chunks written: one per request (the largest step's count, a lower bound)
     num_finished: int
     done: list[simpy.Event]
+
+    def merge(self, t_engine: float, num_outputs: int, num_finished: int, done: list[simpy.Event]) -> None:
+        self.t_engines.append(t_engine)
+        self.num_tokens += num_outputs
+        self.num_chunks = max(self.num_chunks, num_outputs)
+        self.num_finished += num_finished
+        self.done.extend(done)
 
 
 class ApiServerFrontend:
@@ -263,7 +278,10 @@ class ApiServerFrontend:
         if num_outputs <= 0 and not done:
             return
         self.cpu.advance(self.env.now)  # first: a job done by now must not start this one early
-        self._outputs.append(_StepOutput(t_engine, num_outputs, num_finished, done))
+        if self._outputs:  # the handler is behind: these go out with the steps already waiting
+            self._outputs[-1].merge(t_engine, num_outputs, num_finished, done)
+        else:
+            self._outputs.append(_StepOutput([t_engine], num_outputs, num_outputs, num_finished, list(done)))
         if not self._handler_busy:
             self._start_next(self.env.now)
         self._schedule_wake()
@@ -275,14 +293,15 @@ class ApiServerFrontend:
         out = self._outputs.popleft()
         self._handler_busy = True
         self.num_messages += 1
-        work = self.coeffs.output_work(out.num_outputs, out.num_finished)
-        job = _Job(work, float(max(1, out.num_outputs)), lambda tf, o=out: self._output_done(tf, o),
+        work = self.coeffs.output_work(len(out.t_engines), out.num_tokens, out.num_chunks, out.num_finished)
+        job = _Job(work, float(max(1, out.num_chunks)), lambda tf, o=out: self._output_done(tf, o),
                    important=bool(out.done))
         self.cpu.add(t, job)
 
     def _output_done(self, t: float, out: _StepOutput) -> None:
         t_client = t + self.coeffs.latency_out_s
-        self.deliveries.add(out.t_engine, t_client)
+        for t_engine in out.t_engines:
+            self.deliveries.add(t_engine, t_client)
         for ev in out.done:
             delay = t_client - self.env.now
             if delay > 0:

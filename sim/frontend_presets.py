@@ -15,7 +15,7 @@ FRONTEND_PRESETS: dict[str, dict[str, Any]] = {
         "coefficients": {
             "c_req_s": 4.0e-3, "c_chat_s": 6.0e-3, "c_prompt_token_s": 2.0e-6,
             "c_hop_s": 5.0e-4, "c_hop_token_s": 2.0e-8,
-            "c_step_s": 1.0e-4, "c_chunk_s": 1.5e-4, "c_finish_s": 3.0e-4,
+            "c_step_s": 1.0e-4, "c_token_out_s": 5.0e-5, "c_chunk_s": 1.0e-4, "c_finish_s": 3.0e-4,
             "latency_in_s": 2.5e-2, "latency_out_s": 5.0e-4,
         },
         "provenance": {
@@ -25,7 +25,8 @@ FRONTEND_PRESETS: dict[str, dict[str, Any]] = {
                       "-> ~11 ms of API-server CPU per short chat request (split over HTTP/validation, "
                       "chat template, tokenisation and the engine hop by the proportions measured on "
                       "servetwin's own server); the low-load TTFT residual of ~50 ms minus that CPU "
-                      "time -> latency_in_s; per-chunk costs scaled from servetwin's measured ones",
+                      "time -> latency_in_s; per-token (50 us) + per-chunk (100 us) output costs of the "
+                      "order of servetwin's measured 109 us per streamed token",
             "calibrated": False,
             "date": "2026-12-01",
             "engine_version": "vLLM 0.11.0 (V1)",
@@ -39,7 +40,7 @@ FRONTEND_PRESETS: dict[str, dict[str, Any]] = {
         "coefficients": {
             "c_req_s": 2.79e-3, "c_chat_s": 8.3e-4, "c_prompt_token_s": 3.0e-7,
             "c_hop_s": 0.0, "c_hop_token_s": 8.6e-7,
-            "c_step_s": 5.2e-5, "c_chunk_s": 1.09e-4, "c_finish_s": 1.0e-3,
+            "c_step_s": 5.2e-5, "c_token_out_s": 0.0, "c_chunk_s": 1.09e-4, "c_finish_s": 1.0e-3,
             "latency_in_s": 2.8e-3, "latency_out_s": 0.0,
         },
         "provenance": {
@@ -54,7 +55,8 @@ FRONTEND_PRESETS: dict[str, dict[str, Any]] = {
                              "stream_65_cpu_s": 10.833e-3, "completions_128_client_p50_s": 5.675e-3,
                              "outputs_msg_per_output_s": 1.10e-5},
             "notes": "CPU-time resolution 10 ms / 60 requests; msgspec's fixed request cost came out "
-                     "negative under load (clipped to 0)",
+                     "negative under load (clipped to 0); one sequential stream cannot separate the per-token "
+                     "from the per-chunk output cost (all in c_chunk_s)",
         },
     },
 }

@@ -153,6 +153,8 @@ class RequestTrace:
         if delivery is None:
             return [b - a for a, b in zip(t, t[1:])]
         t = [x for x in map(delivery.client_time, t) if x is not None]
+        # tokens delivered together travel in one chunk: one ITL per chunk, as the client records it
+        t = [x for i, x in enumerate(t) if i == 0 or x != t[i - 1]]
         gaps = [b - a for a, b in zip(t, t[1:])]
         return [0.0] + gaps if delivery.split_first_chunk and t else gaps
 

@@ -125,7 +125,7 @@ def test_client_times_equal_with_and_without_the_decode_shortcuts(async_scheduli
     spec, reqs = build_workload({"requests": 30, "seed": 3, "prompt_tokens": {"type": "uniform", "low": 4, "high": 60},
                                  "output_tokens": {"type": "uniform", "low": 1, "high": 40},
                                  "arrival": {"type": "poisson", "rate": 200.0}}, vocab_size=1000)
-    fe = _api(c_req_s=0.003, c_prompt_token_s=2e-5, c_step_s=2e-4, c_chunk_s=3e-4, c_finish_s=1e-4,
+    fe = _api(c_req_s=0.003, c_prompt_token_s=2e-5, c_step_s=2e-4, c_token_out_s=4e-4, c_chunk_s=3e-4, c_finish_s=1e-4,
               latency_in_s=0.001, latency_out_s=0.0005)
     runs = []
     for kw in (dict(record_step_requests=True, fast_forward=False, lazy_decode=False),
@@ -197,3 +197,17 @@ def test_chat_first_token_arrives_as_role_and_content_chunks():
     assert len(itl) == 4 and itl[0] == 0.0 and itl[1:] == pytest.approx([STEP_S] * 3)
     sim, _ = _run(_reqs(1, out=4), _api(c_req_s=0.001))
     assert sim.recorder.itls() == pytest.approx([STEP_S] * 3)  # completions: one event per token
+
+
+def test_a_front_end_behind_sends_the_waiting_steps_as_one_chunk_per_request():
+    """Output work per step (40 requests x 0.4 ms = 16 ms) exceeds the 10 ms steps: the waiting steps
+    go out together (one chunk per request per batch), so the backlog stays bounded instead of growing
+    with every step, and every token is still delivered after it was computed."""
+    reqs = _reqs(40, out=60)
+    sim, r = _run(reqs, _api(c_chunk_s=4e-4, c_token_out_s=5e-5), record_step_requests=False)
+    d = sim.frontend.deliveries
+    assert sim.frontend.num_messages < len(d)  # batches of several steps
+    lag = [d.client_time(t) - t for t in d._ends]
+    assert max(lag) < 0.1 and (r.client_finish_s >= r.finish_s).all()
+    engine_end = float(r.finish_s.max())
+    assert sim.result.end_time_s - engine_end < 0.05
