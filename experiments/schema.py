@@ -357,8 +357,9 @@ def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "e
         raise ConfigError(f"description: must be a string, got {_fmt(description)}")
     seed = _int(0)(cfg.get("seed", 0), "seed")
     model = _nonempty_str(cfg.get("model", "tiny-llama"), "model")
-    if model.startswith((".", "/")) and not Path(model).expanduser().is_absolute() and (base / model).exists():
-        model = str((base / model).resolve())  # a model directory relative to the config file
+    cand = Path(model).expanduser()
+    if not cand.is_absolute() and (model.startswith(".") or "/" in model) and (base / cand).exists():
+        model = str((base / cand).resolve())  # a model directory / config.json relative to the config file
     backends = cfg.get("backends", ["sim"])
     if isinstance(backends, str):
         backends = [backends]

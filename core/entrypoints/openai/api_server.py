@@ -35,11 +35,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineDeadError
+from servetwin.core.engine.metrics import render_engine_health
 from servetwin.core.entrypoints.openai.middleware import DEFAULT_MAX_REQUEST_BYTES, APIKeyAuth, RequestSizeLimit
 from servetwin.core.entrypoints.openai.protocol import APIError, error_response, parse_json_body, status_type
 from servetwin.core.entrypoints.openai.serving_chat import OpenAIServingChat
 from servetwin.core.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from servetwin.core.engine.metrics import render_engine_health
 from servetwin.core.entrypoints.openai.serving_engine import ServerShuttingDownError, ServerState, engine_error
 
 logger = logging.getLogger("servetwin.server")
