@@ -373,7 +373,9 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     import yaml  # noqa: PLC0415
 
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+        from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
+        yaml.safe_dump(portable_config(exp.to_dict(), out_dir), f, sort_keys=False)
     cal_label, cal_prov = calibration_info(exp)
     if threads is None and isinstance(cal_prov.get("torch_threads"), int):
         threads = int(cal_prov["torch_threads"])
@@ -493,8 +495,9 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     plot_paths = {}
     if plots:
         from servetwin.experiments.compare_plots import comparison_plots  # noqa: PLC0415
+        from servetwin.experiments.plots import context_for  # noqa: PLC0415
 
-        plot_paths = comparison_plots(sim_frames, torch_frames, paired, out_dir)
+        plot_paths = comparison_plots(sim_frames, torch_frames, paired, out_dir, context_for(exp))
     result["plots"] = {k: os.path.basename(v) for k, v in plot_paths.items() if v}
     write_json(os.path.join(out_dir, "comparison.json"), result)
     from servetwin.experiments.compare_report import write_comparison_md  # noqa: PLC0415
