@@ -56,10 +56,15 @@ def md_table(header: list[str], rows: list[list[Any]]) -> str:
 SUMMARY_ROWS = [
     ("requests", "requests"), ("completed", "completed"), ("rejected", "rejected (never servable)"),
     ("num_steps", "engine steps"), ("wall_s", "wall time (s)"), ("simulated_s", "simulated time (s)"),
-    ("duration_s", "makespan (s, run timeline)"), ("throughput_tok_s", "throughput (prompt+output tok/s)"),
+    ("duration_s", "makespan (s, run timeline, to the client's last chunk)"),
+    ("engine_duration_s", "engine makespan (s, last step end)"),
+    ("throughput_tok_s", "throughput (prompt+output tok/s)"),
     ("output_tok_s", "output tok/s"), ("request_throughput_s", "requests/s"),
 ]
-DIST_ROWS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"), ("queue_s", "queue")]
+DIST_ROWS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"),
+             ("engine_ttft_s", "engine TTFT"), ("engine_tpot_s", "engine TPOT"), ("engine_itl_s", "engine ITL"),
+             ("engine_e2e_s", "engine E2E"), ("frontend_in_s", "front end in (client send -> engine)"),
+             ("queue_s", "engine queue")]
 TAIL_ROWS = [
     ("preemptions", "preemptions"), ("prefix_hit_rate", "prefix hit rate"), ("prompt_tokens", "prompt tokens"),
     ("cached_tokens", "cached prompt tokens (first admission)"),
@@ -128,6 +133,20 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
                 ex = ", ".join(f"`{a}`" for a in near.annotation.head(3))
                 obs.append(f"{head}: {len(near)} steps carry only near-total prefix hits (at most one block of "
                            f"new prompt per context request), e.g. {ex}.")
+        fe = s.get("frontend") or {}
+        if fe.get("type") == "api_server" and fe.get("modelled", True):
+            ttft, ettft, fin = (s.get(k) or {} for k in ("ttft_s", "engine_ttft_s", "frontend_in_s"))
+            util = fe.get("cpu_utilization")
+            obs.append(f"{head}: front end = API server ({fe.get('endpoint')} endpoint, coefficients "
+                       f"`{fe.get('coefficients')}`), its CPU busy {fmt(fe.get('cpu_busy_s'))} s"
+                       + (f" ({100 * util:.0f}% of the run)" if util is not None else "")
+                       + f"; requests reach the engine {1e3 * (fin.get('mean') or 0):.3g} ms (mean) after "
+                       f"they are sent; TTFT at the client {1e3 * (ttft.get('mean') or 0):.3g} ms vs "
+                       f"{1e3 * (ettft.get('mean') or 0):.3g} ms at the engine (mean).")
+        elif fe.get("type") == "api_server":
+            obs.append(f"{head}: {fe.get('note', 'front end not modelled')}.")
+        else:
+            obs.append(f"{head}: front end = offline (no HTTP): client and engine boundaries coincide.")
         phase = step_phase(st)
         parts = []
         for name in ("prefill only", "mixed", "decode only"):
@@ -202,8 +221,11 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
                   f"output tokens mean {w['output_tokens_mean']:.1f} (total {w['output_tokens_total']:,}).", ""]
     lines += ["## Summary", "", summary_table(summaries) if summaries else "(no backend ran)", "",
               "Throughput counts prompt + output tokens of completed sequences over the makespan (from t = 0 "
-              "to the end of the last step); latencies follow `servetwin.core.testbed.trace` (a token's time is the end of the "
-              "step that computed it). The sim's times are simulated, torch's are measured.", "",
+              "to the client's last chunk; the end of the last step without a modelled front end); latencies "
+              "follow `servetwin.core.testbed.trace`: TTFT / TPOT / ITL / E2E at the client boundary `vllm bench "
+              "serve` measures (a modelled API server's ingress and output delivery included), the `engine` rows "
+              "at the engine (from the request reaching it; a token's time is the end of the step that computed "
+              "it). The sim's times are simulated, torch's are measured.", "",
               *slo_markdown(summaries), "## Key observations", ""]
     lines += [f"- {o}" for o in _observations(exp, summaries, frames)] + [""]
     lines += [f"## Most frequent step annotations (top {TOP_N})", "", annotation_histogram(frames), ""]

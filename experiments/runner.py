@@ -30,6 +30,8 @@ from servetwin.experiments.schema import ConfigError, ExperimentConfig
 from servetwin.experiments.workloads import build_requests, workload_summary
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
+# the engine-boundary figures next to the client-boundary `ttft_s` ... (equal without a front end)
+ENGINE_LATENCY_KEYS = ("engine_ttft_s", "engine_tpot_s", "engine_itl_s", "engine_e2e_s", "frontend_in_s")
 
 
 @dataclass
@@ -44,6 +46,7 @@ class BackendRun:
     rejected: dict[str, str] = field(default_factory=dict)
     interrupted: bool = False
     error: Optional[str] = None
+    frontend: dict[str, Any] = field(default_factory=lambda: {"type": "offline"})
     itls: Optional[list[float]] = None  # the recorder's itls(), computed once
 
 
@@ -92,8 +95,11 @@ def _run_sim(exp: ExperimentConfig, engine, info, requests, arrival, rng, bar) -
             if bar is not None and len(self.result.rejected) > before:
                 bar.update(len(self.result.rejected) - before)
 
+    from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
+
+    frontend = exp.frontend.resolved(load_hardware(exp.engine_args("sim").hardware).device_type)
     sim = _ProgressSimulation(engine, requests, arrival, rng=rng, run=exp.name,
-                              record_step_requests=exp.output["step_requests"])
+                              record_step_requests=exp.output["step_requests"], frontend=frontend)
     t0 = time.perf_counter()
     interrupted = False
     try:
@@ -101,8 +107,10 @@ def _run_sim(exp: ExperimentConfig, engine, info, requests, arrival, rng, bar) -
     except KeyboardInterrupt:
         interrupted = True
     wall = time.perf_counter() - t0
-    return BackendRun("sim", sim.recorder, info, wall, float(sim.env.now), len(requests),
-                      len(sim.result.completion_s), dict(sim.result.rejected), interrupted)
+    end = float(sim.env.now) if interrupted else sim.result.end_time_s
+    fe = (sim.frontend.summary(end) if sim.frontend is not None else frontend.describe())
+    return BackendRun("sim", sim.recorder, info, wall, end, len(requests),
+                      len(sim.result.completion_s), dict(sim.result.rejected), interrupted, frontend=fe)
 
 
 def _run_torch(exp: ExperimentConfig, engine, info, requests, arrival, bar) -> BackendRun:
@@ -124,7 +132,11 @@ def _run_torch(exp: ExperimentConfig, engine, info, requests, arrival, bar) -> B
     close = getattr(engine.executor, "close", None)
     if callable(close):
         close()
-    return BackendRun("torch", recorder, info, wall, None, len(requests), len(done), rejected, interrupted)
+    # run_realtime drives the engine in-process: no front end is in the measured path
+    fe = dict(exp.frontend.describe(), modelled=False, note="torch runs are measured at the engine "
+              "(in-process, no HTTP front end): client = engine boundary")
+    return BackendRun("torch", recorder, info, wall, None, len(requests), len(done), rejected, interrupted,
+                      frontend=fe)
 
 
 # -- summaries ----------------------------------------------------------------------------------
@@ -151,7 +163,12 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
     """The summary of one backend's run; `itls` are `run.recorder.itls()` when the caller has them."""
     steps, reqs = frames["steps"], frames["requests"]
     finished = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")]
-    duration = float(steps.t_end_s.max()) if len(steps) else 0.0
+    engine_duration = float(steps.t_end_s.max()) if len(steps) else 0.0
+    client_end = reqs.client_finish_s.max() if len(reqs) else None
+    # the benchmark's duration ends when the client got the last chunk (the engine's last step, when
+    # no front end is modelled)
+    duration = max(engine_duration, float(client_end)) if client_end == client_end and client_end is not None \
+        else engine_duration
     prompt_done = int(finished.prompt_tokens.sum())
     output_done = int(finished.output_tokens.sum())
     queries = int(steps.prefix_queries.sum()) if len(steps) else 0
@@ -181,6 +198,11 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
         "ttft_s": dist_stats(reqs.ttft_s), "tpot_s": dist_stats(reqs.tpot_s),
         "itl_s": dist_stats(run.recorder.itls() if itls is None else itls), "e2e_s": dist_stats(reqs.e2e_s),
         "queue_s": dist_stats(reqs.queue_s),
+        "engine_duration_s": engine_duration,
+        "engine_ttft_s": dist_stats(reqs.engine_ttft_s), "engine_tpot_s": dist_stats(reqs.engine_tpot_s),
+        "engine_itl_s": dist_stats(run.recorder.engine_itls()), "engine_e2e_s": dist_stats(reqs.engine_e2e_s),
+        "frontend_in_s": dist_stats(reqs.frontend_in_s),
+        "frontend": run.frontend,
         "step_duration_s": dist_stats(steps.duration_s) if len(steps) else dist_stats([]),
         "preemptions": int(reqs.num_preemptions.sum()) if len(reqs) else 0,
         "prefix_queries": queries, "prefix_hits": hits,
