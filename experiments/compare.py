@@ -452,7 +452,9 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     if callable(close):
         close()
     # the write phase: the folder is cleared (with overwrite) only now, every file renamed into place
-    folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))
+    from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
+    folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
     for path in sim_rec.write(folder.subdir("sim")).values():
         folder.record(os.path.relpath(path, out_dir))
     for r, fr in enumerate(torch_frames):
@@ -492,11 +494,10 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     folder.write_with("steps_paired.parquet", lambda tmp: paired.to_parquet(tmp, index=False))
     plot_paths = {}
     if plots:
-        from servetwin.core.testbed.atomic import staged_folder  # noqa: PLC0415
         from servetwin.experiments.compare_plots import comparison_plots  # noqa: PLC0415
+        from servetwin.experiments.plots import context_for  # noqa: PLC0415
 
-        with staged_folder(out_dir) as stage:  # PNGs renamed into place complete
-            plot_paths = comparison_plots(sim_frames, torch_frames, paired, stage)
+        plot_paths = comparison_plots(sim_frames, torch_frames, paired, out_dir, context_for(exp))  # PNGs renamed into place
     result["plots"] = {k: os.path.basename(v) for k, v in plot_paths.items() if v}
     for name in result["plots"].values():
         folder.record(name)

@@ -6,8 +6,9 @@ from typing import Any, Optional
 
 import yaml
 
-from servetwin.core.testbed.atomic import atomic_write_text, staged_folder
+from servetwin.core.testbed.atomic import atomic_write_text
 from servetwin.experiments.slo import slo_markdown
+from servetwin.experiments.units import format_seconds
 
 TOP_N = 10
 
@@ -30,6 +31,22 @@ def fmt(v: Any, digits: int = 4) -> str:
     return str(v)
 
 
+def portable_config(cfg: Any, out_dir: str) -> Any:
+    """The validated config with every absolute path to an existing file rewritten relative to `out_dir`
+    (where config.yaml is written), so `DIR/config.yaml` runs again from any clone and names no home
+    directory; a path on another drive stays as it is."""
+    if isinstance(cfg, dict):
+        return {k: portable_config(v, out_dir) for k, v in cfg.items()}
+    if isinstance(cfg, list):
+        return [portable_config(v, out_dir) for v in cfg]
+    if isinstance(cfg, str) and os.path.isabs(cfg) and os.path.isfile(cfg):
+        try:
+            return os.path.relpath(cfg, os.path.abspath(out_dir))
+        except ValueError:  # another drive (Windows)
+            return cfg
+    return cfg
+
+
 def md_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in rows:
@@ -40,10 +57,15 @@ def md_table(header: list[str], rows: list[list[Any]]) -> str:
 SUMMARY_ROWS = [
     ("requests", "requests"), ("completed", "completed"), ("rejected", "rejected (never servable)"),
     ("num_steps", "engine steps"), ("wall_s", "wall time (s)"), ("simulated_s", "simulated time (s)"),
-    ("duration_s", "makespan (s, run timeline)"), ("throughput_tok_s", "throughput (prompt+output tok/s)"),
+    ("duration_s", "makespan (s, run timeline, to the client's last chunk)"),
+    ("engine_duration_s", "engine makespan (s, last step end)"),
+    ("throughput_tok_s", "throughput (prompt+output tok/s)"),
     ("output_tok_s", "output tok/s"), ("request_throughput_s", "requests/s"),
 ]
-DIST_ROWS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"), ("queue_s", "queue")]
+DIST_ROWS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"),
+             ("engine_ttft_s", "engine TTFT"), ("engine_tpot_s", "engine TPOT"), ("engine_itl_s", "engine ITL"),
+             ("engine_e2e_s", "engine E2E"), ("frontend_in_s", "front end in (client send -> engine)"),
+             ("queue_s", "engine queue")]
 TAIL_ROWS = [
     ("preemptions", "preemptions"), ("prefix_hit_rate", "prefix hit rate"), ("prompt_tokens", "prompt tokens"),
     ("cached_tokens", "cached prompt tokens (first admission)"),
@@ -112,6 +134,20 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
                 ex = ", ".join(f"`{a}`" for a in near.annotation.head(3))
                 obs.append(f"{head}: {len(near)} steps carry only near-total prefix hits (at most one block of "
                            f"new prompt per context request), e.g. {ex}.")
+        fe = s.get("frontend") or {}
+        if fe.get("type") == "api_server" and fe.get("modelled", True):
+            ttft, ettft, fin = (s.get(k) or {} for k in ("ttft_s", "engine_ttft_s", "frontend_in_s"))
+            util = fe.get("cpu_utilization")
+            obs.append(f"{head}: front end = API server ({fe.get('endpoint')} endpoint, coefficients "
+                       f"`{fe.get('coefficients')}`), its CPU busy {fmt(fe.get('cpu_busy_s'))} s"
+                       + (f" ({100 * util:.0f}% of the run)" if util is not None else "")
+                       + f"; requests reach the engine {1e3 * (fin.get('mean') or 0):.3g} ms (mean) after "
+                       f"they are sent; TTFT at the client {1e3 * (ttft.get('mean') or 0):.3g} ms vs "
+                       f"{1e3 * (ettft.get('mean') or 0):.3g} ms at the engine (mean).")
+        elif fe.get("type") == "api_server":
+            obs.append(f"{head}: {fe.get('note', 'front end not modelled')}.")
+        else:
+            obs.append(f"{head}: front end = offline (no HTTP): client and engine boundaries coincide.")
         phase = step_phase(st)
         parts = []
         for name in ("prefill only", "mixed", "decode only"):
@@ -120,8 +156,8 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
                 parts.append(f"{name}: {int(m.sum())} steps, mean {1e3 * float(st.duration_s[m].mean()):.3g} ms")
         obs.append(f"{head}: step time by phase - " + "; ".join(parts) + ".")
         if s.get("sim_speedup_x"):
-            obs.append(f"{head}: simulated {s['simulated_s']:.3f} s in {s['wall_s']:.2f} s of host time "
-                       f"({s['sim_speedup_x']:.1f}x real time).")
+            obs.append(f"{head}: simulated {format_seconds(s['simulated_s'])} in {format_seconds(s['wall_s'])} of "
+                       f"host time ({s['sim_speedup_x']:,.1f}x real time).")
     if "sim" in summaries and "torch" in summaries:
         a, b = summaries["sim"], summaries["torch"]
         if a["duration_s"] and b["duration_s"]:
@@ -160,23 +196,25 @@ def annotation_histogram(frames: dict[str, dict], top_n: int = TOP_N) -> str:
 
 
 def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, dict],
-                 itls: dict[str, list], plots: bool = True) -> list[str]:
-    """Plots, then report.md, each renamed into place complete; returns the paths written."""
+                 itls: dict[str, list], plots: bool = True, jobs=None) -> list[str]:
+    """The figures (unless `plots` is false), then report.md, each renamed into place complete; `jobs`: an
+    OutputJobs still writing other files of the run, waited for before the report is written. Returns the
+    paths written."""
     summaries = combined["backends"]
     plot_paths: dict[str, Optional[str]] = {}
     if plots and frames:
-        from servetwin.experiments.plots import all_run_plots  # noqa: PLC0415
+        from servetwin.experiments.plots import all_run_plots, context_for  # noqa: PLC0415
 
-        with staged_folder(out_dir) as stage:  # no half-written PNG, even on Ctrl-C
-            staged = all_run_plots(frames, itls, stage)
-        plot_paths = {k: os.path.join(out_dir, os.path.basename(v)) if v else v for k, v in staged.items()}
+        plot_paths = all_run_plots(frames, itls, out_dir, context_for(exp, summaries), jobs)
+    elif jobs is not None:
+        jobs.wait()
     w = combined.get("workload", {})
     lines = [f"# {exp.name}", ""]
     if exp.description:
         lines += [exp.description.strip(), ""]
     if combined.get("interrupted"):
         lines += ["**Interrupted (Ctrl-C): the files hold what finished before the interrupt.**", ""]
-    lines += ["## Config", "", "```yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False).rstrip(), "```", ""]
+    lines += ["## Config", "", "```yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False).rstrip(), "```", ""]
     if w.get("requests"):
         lines += ["## Workload", "",
                   f"{w['requests']:,} requests ({w['sequences']:,} sequences), arrival `{w.get('arrival')}`, "
@@ -185,14 +223,20 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
                   f"output tokens mean {w['output_tokens_mean']:.1f} (total {w['output_tokens_total']:,}).", ""]
     lines += ["## Summary", "", summary_table(summaries) if summaries else "(no backend ran)", "",
               "Throughput counts prompt + output tokens of completed sequences over the makespan (from t = 0 "
-              "to the end of the last step); latencies follow `servetwin.core.testbed.trace` (a token's time is the end of the "
-              "step that computed it). The sim's times are simulated, torch's are measured.", "",
+              "to the client's last chunk; the end of the last step without a modelled front end); latencies "
+              "follow `servetwin.core.testbed.trace`: TTFT / TPOT / ITL / E2E at the client boundary `vllm bench "
+              "serve` measures (a modelled API server's ingress and output delivery included), the `engine` rows "
+              "at the engine (from the request reaching it; a token's time is the end of the step that computed "
+              "it). The sim's times are simulated, torch's are measured.", "",
               *slo_markdown(summaries), "## Key observations", ""]
     lines += [f"- {o}" for o in _observations(exp, summaries, frames)] + [""]
     lines += [f"## Most frequent step annotations (top {TOP_N})", "", annotation_histogram(frames), ""]
     if plot_paths:
         lines += ["## Plots", ""]
-        titles = {"latency_cdf": "Latency CDFs", "timeline": "Running / waiting and KV usage over time",
+        titles = {"latency_cdf": "Latency CDFs (log time axis, p50 / p99 marked)",
+                  "timeline": "Timeline: running / waiting, KV usage, throughput, arrivals / completions, "
+                              "preemptions",
+                  "request_gantt": "Per-request queue / prefill / decode (a sample of requests)",
                   "step_time": "Step duration vs scheduled tokens (by phase)"}
         for key, path in plot_paths.items():
             if path:

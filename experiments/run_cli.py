@@ -59,15 +59,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print(f"interrupted: {interrupted_state(folder)}", file=sys.stderr)
             raise
+    from servetwin.experiments.units import format_seconds  # noqa: PLC0415
+
     for backend, s in combined["backends"].items():
-        ttft = s["ttft_s"]["p50"]
-        print(f"{backend}: {s['completed']}/{s['requests']} requests in {s['duration_s']:.3f}s "
+        print(f"{backend}: {s['completed']}/{s['requests']} requests in {format_seconds(s['duration_s'])} "
               f"({'simulated' if backend == 'sim' else 'measured'}), throughput {s['throughput_tok_s'] or 0:,.0f} tok/s, "
-              f"TTFT p50 {ttft if ttft is None else f'{ttft * 1e3:.1f} ms'}, {s['preemptions']} preemptions"
+              f"TTFT p50 {format_seconds(s['ttft_s']['p50'])} p99 {format_seconds(s['ttft_s']['p99'])}, "
+              f"TPOT p50 {format_seconds(s['tpot_s']['p50'])}, {s['preemptions']} preemptions"
               + (f", {s['aborted_sequences']} sequences aborted by the client timeout" if s.get("aborted_sequences") else ""))
         if s.get("slo"):
             print(f"{backend}: {slo_line(s['slo'])}")
-    print(f"wrote {out}/: {folder.describe()} in {time.perf_counter() - t0:.1f}s")
+    print(f"wrote {out}/: {folder.describe()} in {format_seconds(time.perf_counter() - t0)}")
     rejected = {b: s for b, s in combined["backends"].items() if s.get("rejected")}
     for backend, s in rejected.items():  # never servable (e.g. longer than max_model_len): say so, not "0/N"
         rid, why = next(iter((s.get("rejected_examples") or {"?": "?"}).items()))

@@ -34,6 +34,8 @@ from servetwin.experiments.schema import ConfigError, ExperimentConfig
 from servetwin.experiments.workloads import build_requests, workload_summary
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
+# the engine-boundary figures next to the client-boundary `ttft_s` ... (equal without a front end)
+ENGINE_LATENCY_KEYS = ("engine_ttft_s", "engine_tpot_s", "engine_itl_s", "engine_e2e_s", "frontend_in_s")
 
 
 @dataclass
@@ -48,6 +50,8 @@ class BackendRun:
     rejected: dict[str, str] = field(default_factory=dict)
     interrupted: bool = False
     error: Optional[str] = None
+    frontend: dict[str, Any] = field(default_factory=lambda: {"type": "offline"})
+    itls: Optional[list[float]] = None  # the recorder's itls(), computed once
 
 
 def _progress_bar(enabled: bool, total: int, desc: str):
@@ -95,8 +99,11 @@ def _run_sim(exp: ExperimentConfig, engine, info, requests, arrival, rng, bar) -
             if bar is not None and len(self.result.rejected) > before:
                 bar.update(len(self.result.rejected) - before)
 
+    from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
+
+    frontend = exp.frontend.resolved(load_hardware(exp.engine_args("sim").hardware).device_type)
     sim = _ProgressSimulation(engine, requests, arrival, rng=rng, run=exp.name,
-                              record_step_requests=exp.output["step_requests"])
+                              record_step_requests=exp.output["step_requests"], frontend=frontend)
     t0 = time.perf_counter()
     interrupted = False
     try:
@@ -104,8 +111,10 @@ def _run_sim(exp: ExperimentConfig, engine, info, requests, arrival, rng, bar) -
     except KeyboardInterrupt:
         interrupted = True
     wall = time.perf_counter() - t0
-    return BackendRun("sim", sim.recorder, info, wall, float(sim.env.now), len(requests),
-                      len(sim.result.completion_s), dict(sim.result.rejected), interrupted)
+    end = float(sim.env.now) if interrupted else sim.result.end_time_s
+    fe = (sim.frontend.summary(end) if sim.frontend is not None else frontend.describe())
+    return BackendRun("sim", sim.recorder, info, wall, end, len(requests),
+                      len(sim.result.completion_s), dict(sim.result.rejected), interrupted, frontend=fe)
 
 
 def _run_torch(exp: ExperimentConfig, engine, info, requests, arrival, bar) -> BackendRun:
@@ -127,7 +136,11 @@ def _run_torch(exp: ExperimentConfig, engine, info, requests, arrival, bar) -> B
     close = getattr(engine.executor, "close", None)
     if callable(close):
         close()
-    return BackendRun("torch", recorder, info, wall, None, len(requests), len(done), rejected, interrupted)
+    # run_realtime drives the engine in-process: no front end is in the measured path
+    fe = dict(exp.frontend.describe(), modelled=False, note="torch runs are measured at the engine "
+              "(in-process, no HTTP front end): client = engine boundary")
+    return BackendRun("torch", recorder, info, wall, None, len(requests), len(done), rejected, interrupted,
+                      frontend=fe)
 
 
 # -- summaries ----------------------------------------------------------------------------------
@@ -149,10 +162,17 @@ def _nz(x: float) -> Optional[float]:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str, Any]:
+def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
+              itls: Optional[list[float]] = None) -> dict[str, Any]:
+    """The summary of one backend's run; `itls` are `run.recorder.itls()` when the caller has them."""
     steps, reqs = frames["steps"], frames["requests"]
     finished = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")]
-    duration = float(steps.t_end_s.max()) if len(steps) else 0.0
+    engine_duration = float(steps.t_end_s.max()) if len(steps) else 0.0
+    client_end = reqs.client_finish_s.max() if len(reqs) else None
+    # the benchmark's duration ends when the client got the last chunk (the engine's last step, when
+    # no front end is modelled)
+    duration = max(engine_duration, float(client_end)) if client_end == client_end and client_end is not None \
+        else engine_duration
     prompt_done = int(finished.prompt_tokens.sum())
     output_done = int(finished.output_tokens.sum())
     queries = int(steps.prefix_queries.sum()) if len(steps) else 0
@@ -181,8 +201,13 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str,
         "computed_tok_s": per_s(float(steps.total_tokens.sum())) if len(steps) else None,
         "request_throughput_s": per_s(run.completed),
         "ttft_s": dist_stats(reqs.ttft_s), "tpot_s": dist_stats(reqs.tpot_s),
-        "itl_s": dist_stats(run.recorder.itls()), "e2e_s": dist_stats(reqs.e2e_s),
+        "itl_s": dist_stats(run.recorder.itls() if itls is None else itls), "e2e_s": dist_stats(reqs.e2e_s),
         "queue_s": dist_stats(reqs.queue_s),
+        "engine_duration_s": engine_duration,
+        "engine_ttft_s": dist_stats(reqs.engine_ttft_s), "engine_tpot_s": dist_stats(reqs.engine_tpot_s),
+        "engine_itl_s": dist_stats(run.recorder.engine_itls()), "engine_e2e_s": dist_stats(reqs.engine_e2e_s),
+        "frontend_in_s": dist_stats(reqs.frontend_in_s),
+        "frontend": run.frontend,
         "step_duration_s": dist_stats(steps.duration_s) if len(steps) else dist_stats([]),
         "preemptions": int(reqs.num_preemptions.sum()) if len(reqs) else 0,
         "prefix_queries": queries, "prefix_hits": hits,
@@ -204,7 +229,7 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str,
     if exp.slo is not None and not exp.slo.empty:
         from servetwin.experiments.slo import evaluate_slo  # noqa: PLC0415
 
-        out["slo"] = evaluate_slo(exp.slo, reqs, run.recorder.itls(), duration)
+        out["slo"] = evaluate_slo(exp.slo, reqs, run.recorder.itls() if itls is None else itls, duration)
         out["goodput_req_s"] = out["slo"]["goodput_req_s"]
     if run.rejected:
         out["rejected_examples"] = dict(list(run.rejected.items())[:5])
@@ -267,12 +292,15 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
                 bar.close()
         runs[backend] = run
         frames[backend] = run.recorder.frames()
-        summaries[backend] = summarize(run, frames[backend], exp)
+        run.itls = run.recorder.itls()
+        summaries[backend] = summarize(run, frames[backend], exp, run.itls)
         if on_backend is not None:
             on_backend(backend, run, frames[backend], summaries[backend])
         s = summaries[backend]
-        timing = (f"{s['simulated_s']:.3f}s simulated in {s['wall_s']:.3f}s wall" if backend == "sim"
-                  else f"{s['wall_s']:.2f}s wall")
+        from servetwin.experiments.units import format_seconds  # noqa: PLC0415
+
+        timing = (f"{format_seconds(s['simulated_s'])} simulated in {format_seconds(s['wall_s'])} wall"
+                  if backend == "sim" else f"{format_seconds(s['wall_s'])} wall")
         log(f"[{backend}] {s['completed']}/{s['requests']} requests, {s['num_steps']} steps, {timing}"
             + (" (INTERRUPTED)" if run.interrupted else ""))
         engines[backend] = None  # free the engine (torch weights, KV cache) before the next backend
@@ -299,22 +327,36 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             return run_experiment(exp, out_dir, progress, log, folder=owned)
     import yaml  # noqa: PLC0415
 
+    from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
+    from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
+    jobs = OutputJobs()  # trace.json and the figures: written by forked children (each renamed into place)
+
+    def write_config() -> None:
+        folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
+
     def write_backend(backend: str, run: BackendRun, frames: dict, summary: dict) -> None:
         if not folder.written:  # the first file of the run (the folder is cleared only now)
-            folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))
-        for path in run.recorder.write(folder.subdir(backend)).values():
+            write_config()
+        bdir = folder.subdir(backend)
+        for path in run.recorder.write(bdir, frames, trace=False).values():
             folder.record(os.path.relpath(path, out_dir))
+        trace_path = os.path.join(bdir, "trace.json")  # in a forked child while the next backend runs
+        jobs.submit(f"{backend}/trace.json", run.recorder.write_trace, (trace_path,), trace_path)
         folder.write_json(os.path.join(backend, "summary.json"), summary)
 
     combined, frames, runs = run_backends(exp, progress, log, on_backend=write_backend)
     if not folder.written:
-        folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))
+        write_config()
     from servetwin.experiments.report import write_report  # noqa: PLC0415
 
-    written = write_report(exp, out_dir, combined, frames, {b: r.recorder.itls() for b, r in runs.items()},
-                           plots=exp.output["plots"])
+    written = write_report(exp, out_dir, combined, frames, {b: r.itls for b, r in runs.items()},
+                           plots=exp.output["plots"], jobs=jobs)
     for path in written:
         folder.record(os.path.relpath(path, out_dir))
+    for backend in runs:
+        if os.path.exists(os.path.join(out_dir, backend, "trace.json")):
+            folder.record(os.path.join(backend, "trace.json"))
     folder.write_json("summary.json", combined)  # last: its presence and "interrupted" are the truth
     if combined["interrupted"]:
         raise KeyboardInterrupt

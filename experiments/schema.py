@@ -183,8 +183,8 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "device": _device,
 }
 
-TOP_KEYS = ("name", "description", "seed", "seeds", "model", "hardware", "backends", "engine", "workload", "output",
-            "slo", "sweep")
+TOP_KEYS = ("name", "description", "seed", "seeds", "model", "hardware", "backends", "frontend", "engine",
+            "workload", "output", "slo", "sweep")
 OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "plots": _bool}
 
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests, built here)
@@ -223,6 +223,7 @@ class ExperimentConfig:
     seeds: list[int] = field(default_factory=list)  # repeat the run per seed (empty: once, with `seed`)
     raw: dict[str, Any] = field(default_factory=dict)  # the validated input (paths resolved)
     base_dir: str = "."
+    frontend: Any = None  # servetwin.sim.frontend.FrontendConfig (the default is set by validate_config)
 
     # -- derived ------------------------------------------------------------------------------
     def engine_args(self, backend: str):
@@ -415,6 +416,7 @@ def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "e
         raise ConfigError("workload: required field is missing")
     workload = _validate_workload(cfg["workload"], base, backends)
     sweep = _validate_sweep_shape(cfg.get("sweep", {}) or {})
+    frontend = _validate_frontend(cfg.get("frontend"), workload, base)
     from servetwin.experiments.slo import SloError, parse_slo  # noqa: PLC0415
 
     try:
@@ -428,9 +430,30 @@ def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "e
     exp = ExperimentConfig(name=name, seed=seed, model=model, hardware=hardware, backends=list(backends),
                            engine=engine, workload=workload, output=output, sweep=sweep,
                            description=description, slo=slo, seeds=seeds, raw=copy.deepcopy(resolved),
-                           base_dir=str(base))
+                           base_dir=str(base), frontend=frontend)
     _check_engine_semantics(exp)
     return exp
+
+
+def _validate_frontend(cfg: Any, workload: Mapping[str, Any], base_dir: Path) -> Any:
+    """`frontend: {type: api_server, endpoint: chat|completions, coefficients: ...}` or
+    `{type: offline}`; absent: an API server for online arrivals, the offline LLM for an offline batch
+    (servetwin.sim.frontend.default_frontend)."""
+    from servetwin.sim.frontend import default_frontend, parse_frontend  # noqa: PLC0415  (no torch)
+
+    if cfg is None:
+        arrival = workload.get("arrival")
+        offline = (arrival is None and "file" not in workload) or (
+            isinstance(arrival, Mapping) and arrival.get("type") == "offline")
+        return default_frontend(online=not offline)
+    if isinstance(cfg, Mapping) and isinstance(cfg.get("coefficients"), str):
+        cand = Path(cfg["coefficients"]).expanduser()
+        if not cand.is_absolute() and (base_dir / cand).is_file():
+            cfg = dict(cfg, coefficients=str((base_dir / cand).resolve()))
+    try:
+        return parse_frontend(cfg, "frontend")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_seeds(seeds: Any, seed: int) -> list[int]:

@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
-from servetwin.core.testbed.atomic import atomic_write_text, staged_folder
+from servetwin.core.testbed.atomic import atomic_write_text
 from servetwin.experiments.pool import PointResult, PointTask, host_summary, make_pool, map_with_retries
 from servetwin.experiments.run_folder import RunFolder
 from servetwin.experiments.schema import ExperimentConfig, SweepPoint, expand_sweep, seeds_for, with_seed
@@ -154,7 +154,9 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
         raise ValueError("sweep: the config has no `sweep:` grid (use `servetwin run` for a single run)")
     seeds = seeds_for(exp) if seeds is None else seeds
     points = expand_sweep(exp)  # validates the whole grid before anything runs
-    folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))
+    from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
+    folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
     tasks = []
     for p in points:
         for seed in seeds or [None]:
@@ -204,11 +206,10 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
         df = per_seed
     plot = None
     if exp.output.get("plots", True):
-        from servetwin.experiments.plots import sweep_comparison  # noqa: PLC0415
-        with staged_folder(out_dir) as stage:  # the PNG renamed into place complete
-            plot = sweep_comparison(df, os.path.join(stage, "sweep_comparison.png"))
+        from servetwin.experiments.plots import context_for, sweep_comparison  # noqa: PLC0415
+        plot = sweep_comparison(df, os.path.join(out_dir, "sweep_comparison.png"), context_for(exp),
+                                keys=list(exp.sweep))
         if plot:
-            plot = os.path.join(out_dir, os.path.basename(plot))
             folder.record(os.path.basename(plot))
     ran = list(results.values())
     for line in host_summary(ran):
@@ -306,10 +307,11 @@ def run_seeded(exp: ExperimentConfig, out_dir: str, seeds: list[int], jobs: int 
     import pandas as pd  # noqa: PLC0415
     import yaml  # noqa: PLC0415
 
+    from servetwin.experiments.report import portable_config  # noqa: PLC0415
     from servetwin.experiments.stats import mean_ci  # noqa: PLC0415
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    folder.write_text("config.yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False))
+    folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
     base = exp.to_dict()
     base.pop("sweep", None)
     tasks = [PointTask(f"seed={s}", with_seed(base, s), exp.base_dir, "all", os.path.join(out_dir, f"seed={s}"),

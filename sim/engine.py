@@ -19,6 +19,13 @@ events at the same time, so everything of steps 1-2 (including events they cause
 
 Time stamps follow `servetwin.core.testbed.trace`: a token's time is the end of the step that computed it; a request
 completes at the end of the step that produced its last token.
+
+Front end: with `frontend=` an API server (`servetwin.sim.frontend.ApiServerFrontend`, its own
+process with its own CPU) sits between the arrival process and the engine: arrivals are submitted to
+it, it hands each request to the engine when its ingress work is done, gets every processed step's
+outputs (`on_step_output`) and fires a workload request's completion when its last chunk reached the
+client (what a closed-loop client waits for). Without one (the offline front end) requests reach the
+engine as they arrive and complete at the engine.
 """
 from __future__ import annotations
 
@@ -70,6 +77,16 @@ class _Pending:
     request: WorkloadRequest
     done: simpy.Event
     remaining: int = 0
+    t_engine: float = 0.0  # when it reached the engine
+
+
+def _num_samples(result: StepResult) -> int:
+    """Requests that sampled a token in the scheduled step: the outputs a front end streams for it
+    (implicit decode rows each sample one; counted here, at execution, because in async mode a
+    materialised member's last implicit token is applied explicitly one step later)."""
+    mro, so = result.model_output, result.scheduled
+    explicit = sum(1 for toks in mro.sampled_token_ids if toks) if mro is not None else 0
+    return explicit + (so.implicit_decodes.num_reqs if so.implicit_decodes is not None else 0)
 
 
 class Simulation:
@@ -77,7 +94,7 @@ class Simulation:
                  arrival: ArrivalProcess, *, rng: Optional[np.random.Generator] = None,
                  run: str = "sim", eos_token_id: int = DEFAULT_EOS_TOKEN_ID,
                  max_time_s: Optional[float] = None, record_step_requests: bool = True,
-                 fast_forward: bool = True, lazy_decode: bool = True) -> None:
+                 fast_forward: bool = True, lazy_decode: bool = True, frontend: Any = None) -> None:
         self.env = simpy.Environment()
         self.engine = engine
         self.requests = list(requests)
@@ -102,14 +119,31 @@ class Simulation:
         self._arrivals_done = False
         self._t_end: dict[int, float] = {}
         self.result = SimResult(self.recorder, 0.0, 0)
+        # the API-server front end (None: offline); `frontend` is a servetwin.sim.frontend.FrontendConfig
+        # (`FrontendConfig.resolved(device_type)` picks the hardware's default coefficients)
+        self.frontend = None
+        self._in_frontend = 0  # requests submitted to the front end, not yet at the engine
+        self._num_samples: dict[int, int] = {}  # step -> requests that sampled a token in it
+        if frontend is not None and frontend.type == "api_server":
+            from servetwin.sim.frontend import ApiServerFrontend  # noqa: PLC0415
+
+            self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend)
 
     # -- submission ------------------------------------------------------------------------------
-    def submit(self, request: WorkloadRequest) -> simpy.Event:
+    def submit(self, request: WorkloadRequest, done: Optional[simpy.Event] = None) -> simpy.Event:
         """Hand a request to the engine (added at the next step start); fires when it completes."""
-        pending = _Pending(request, self.env.event())
+        pending = _Pending(request, self.env.event() if done is None else done, t_engine=self.env.now)
         self._inbox.append(pending)
         self._poke()
         return pending.done
+
+    def _to_frontend(self, request: WorkloadRequest) -> simpy.Event:
+        self._in_frontend += 1
+        return self.frontend.submit(request)
+
+    def _from_frontend(self, request: WorkloadRequest, done: simpy.Event) -> None:
+        self._in_frontend -= 1
+        self.submit(request, done)
 
     def _poke(self) -> None:
         if self._wake is not None and not self._wake.triggered:
@@ -142,7 +176,8 @@ class Simulation:
                 if wreq.eos_at is not None:
                     self.engine.executor.set_output_length(req.request_id, wreq.eos_at)
                 self.engine.add_request(req)
-                self.recorder.on_arrival(req, wreq.arrival_s)
+                self.recorder.on_arrival(req, wreq.arrival_s,
+                                         pending.t_engine if self.frontend is not None else None)
                 self._by_child[req.request_id] = pending
             if wreq.timeout_s is not None:
                 self.env.process(self._client_timeout(pending, wreq.arrival_s + wreq.timeout_s))
@@ -184,28 +219,40 @@ class Simulation:
 
     # -- processes -------------------------------------------------------------------------------
     def _arrivals(self) -> Generator[simpy.Event, Any, None]:
-        yield from self.arrival.process(self.env, self.requests, self.submit, self.rng)
+        submit = self.submit if self.frontend is None else self._to_frontend
+        yield from self.arrival.process(self.env, self.requests, submit, self.rng)
         self._arrivals_done = True
         self._poke()
 
+    def _all_submitted(self) -> bool:
+        return self._arrivals_done and not self._in_frontend
+
     def _complete(self, result: StepResult, t: float) -> None:
+        done, num_finished = [], 0
         for out in result.outputs:
             if out.finish_reason is None:
                 continue
+            num_finished += 1
             pending = self._by_child.pop(out.request_id, None)
             if pending is None:
                 continue
             pending.remaining -= 1
             if pending.remaining == 0:
                 self.result.completion_s[pending.request.request_id] = t
-                pending.done.succeed()
+                done.append(pending.done)
+        if self.frontend is None:
+            for event in done:
+                event.succeed()
+            return
+        num_outputs = self._num_samples.pop(result.processed.step, 0) if result.processed is not None else 0
+        self.frontend.on_step_output(t, num_outputs, num_finished, done)
 
     def _engine(self) -> Generator[simpy.Event, Any, None]:
         env, engine = self.env, self.engine
         idle = 0
         while True:
             if not self._inbox and not self._aborts and (not engine.has_work() or idle >= MAX_IDLE_ITERATIONS):
-                if self._arrivals_done:
+                if self._all_submitted():
                     if engine.has_work():
                         raise RuntimeError(
                             f"simulation stalled at t={env.now:.6f}s: the engine holds requests but "
@@ -223,8 +270,11 @@ class Simulation:
                 durations = fast_forward(engine, self.recorder, env.now, env.peek())
                 if durations:
                     self.result.num_steps += len(durations)
+                    num_running = len(engine.scheduler.running)
                     for d in durations:
                         yield env.timeout(d)
+                        if self.frontend is not None:  # every running request got one token
+                            self.frontend.on_step_output(env.now, num_running, 0, [])
                     continue
             t0 = env.now
             result = engine.step()
@@ -238,6 +288,8 @@ class Simulation:
                 timing = result.model_output.timing if result.model_output is not None else None
                 duration = timing.duration_s if timing is not None else 0.0
                 self._t_end[so.step] = t0 + duration
+                if self.frontend is not None:
+                    self._num_samples[so.step] = _num_samples(result)
                 if so.total_num_scheduled_tokens > 0:
                     self.result.num_steps += 1
             self.recorder.on_step(result, t0, t0 + duration)
@@ -259,6 +311,12 @@ class Simulation:
         else:
             self.env.run()
         self.result.end_time_s = float(self.env.now)
+        if self.frontend is not None:  # outputs still in the front end when the engine stopped
+            self.frontend.finish(self.max_time_s)
+            self.recorder.set_delivery(self.frontend.deliveries)
+            last = self.frontend.deliveries.last_client_time
+            if last is not None and (self.max_time_s is None or last <= self.max_time_s):
+                self.result.end_time_s = max(self.result.end_time_s, float(last))
         if self.lazy_decode:  # tokens of requests still running when the run was cut
             self.recorder.on_late_tokens(self.engine.scheduler.flush_lazy())
         done = set(self.result.completion_s) | set(self.result.rejected) | set(self.result.aborted_s)

@@ -213,12 +213,16 @@ class AsyncLLM:
                     metrics.update_engine(msg.stats)
                 if msg.sim_time_s:
                     metrics.sim_time_s = msg.sim_time_s
+                if msg.sim_arrivals:
+                    client.sim_arrivals.update(msg.sim_arrivals)
+                sim_t = msg.sim_time_s if client.simulated else None
                 outputs = msg.outputs
                 for start in range(0, len(outputs), OUTPUT_CHUNK):
                     if start:
                         await asyncio.sleep(0)
                     now = time.monotonic()
-                    results, to_abort = op.process_outputs(outputs[start:start + OUTPUT_CHUNK])
+                    results, to_abort = op.process_outputs(outputs[start:start + OUTPUT_CHUNK], sim_t,
+                                                           client.sim_arrivals)
                     for out in results:
                         metrics.on_output(out, now)
                         collector = collectors.get(out.request_id)

@@ -12,6 +12,7 @@ from servetwin.core.engine.engine_factory import ExecutorInfo, create_engine_cor
 from servetwin.core.outputs import EngineCoreOutput
 from servetwin.core.request import Request
 from servetwin.core.sampling_params import SamplingParams
+from servetwin.core.engine.sim_clock import SimClock
 
 
 class EngineDeadError(RuntimeError):
@@ -19,9 +20,15 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreClient:
-    """What `LLMEngine` / `AsyncLLM` need from an engine core, wherever it runs."""
+    """What `LLMEngine` / `AsyncLLM` need from an engine core, wherever it runs.
+
+    On the `sim` backend `last_sim_time_s` is the simulated end of the step whose outputs
+    `get_output` returned last, and `sim_arrivals` collects the simulated arrival of each engine
+    request (taken by the output processor); elsewhere they stay None / empty."""
 
     config: Any
+    last_sim_time_s: Optional[float] = None
+    sim_arrivals: dict[str, float]
 
     @staticmethod
     def make_client(multiprocess_mode: bool, asyncio_mode: bool, args: EngineArgs,
@@ -55,6 +62,8 @@ class InprocClient(EngineCoreClient):
     def __init__(self, args: EngineArgs) -> None:
         self.engine_core, self.info = create_engine_core(args)
         self.last_step: Optional[StepResult] = None
+        self.clock = SimClock() if args.backend == "sim" else None
+        self.sim_arrivals = {}
 
     @property
     def config(self) -> ExecutorInfo:
@@ -65,6 +74,9 @@ class InprocClient(EngineCoreClient):
                     cache_salt: Optional[str] = None, parent_id: Optional[str] = None) -> None:
         self.engine_core.add_request(Request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
                                              priority=priority, cache_salt=cache_salt, parent_id=parent_id))
+        if self.clock is not None:
+            self.sim_arrivals[request_id] = self.clock.on_add(request_id)
+            self.clock.take_arrivals()  # handed over directly, not by message
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
@@ -73,7 +85,9 @@ class InprocClient(EngineCoreClient):
         """Run engine steps until some output appears or no work is left."""
         while self.engine_core.has_work():
             self.last_step = self.engine_core.step()
+            end = self.clock.on_step(self.last_step) if self.clock is not None else None
             if self.last_step.outputs:
+                self.last_sim_time_s = end
                 return self.last_step.outputs
         return []
 
@@ -81,7 +95,11 @@ class InprocClient(EngineCoreClient):
         return self.engine_core.has_work()
 
     def utility(self, name: str, *args: Any) -> Any:
-        return call_utility(self.engine_core, name, *args)
+        result = call_utility(self.engine_core, name, *args)
+        if name == "get_stats":  # the same keys as the engine process gives
+            clock = self.clock
+            result = dict(result, sim_time_s=clock.now if clock else 0.0, sim_busy_s=clock.busy_s if clock else 0.0)
+        return result
 
     def shutdown(self) -> None:
         close = getattr(self.engine_core.executor, "close", None)

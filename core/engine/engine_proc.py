@@ -25,6 +25,12 @@ wall clock reaches the mapped end of the step - never earlier; if the host falls
 step took longer than its mapped duration) they are released as soon as they are ready and the step
 counts as late (`get_stats` -> `paced_late_steps`, `paced_max_late_s`). With async scheduling the
 outputs of step k are processed one step later but are still released at step k's end time.
+
+Simulated time (`servetwin.core.engine.sim_clock.SimClock`) is kept for the `sim` backend whether
+paced or not: every outputs message carries the simulated end of the step that computed its tokens
+(`sim_time_s`) and the simulated arrival of the requests added since the previous message
+(`sim_arrivals`), so the front end reports predicted times (`RequestMetrics.predicted_ttft_s`, ...);
+`get_stats` gives `sim_time_s` / `sim_busy_s`.
 """
 from __future__ import annotations
 
@@ -72,11 +78,11 @@ class EngineCoreProc:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_steps = 0
-        # pacing
+        # pacing and simulated time (the sim backend's predictions; a paced fake backend's step times)
+        from servetwin.core.engine.sim_clock import SimClock  # noqa: PLC0415
+
         self.t_ready = time.monotonic()
-        self.sim_clock = 0.0
-        self.sim_busy = 0.0
-        self.step_end_sim: dict[int, float] = {}
+        self.clock = SimClock() if (pace or args.backend == "sim") else None
         self.late_steps = 0
         self.max_late_s = 0.0
         # IPC profile per step that sent outputs: (num outputs, seconds encoding + sending them, seconds
@@ -133,6 +139,8 @@ class EngineCoreProc:
                 self.engine.add_request(Request(msg.request_id, msg.prompt_token_ids, m.decode_params(msg.params),
                                                 arrival_time=msg.arrival_time, priority=msg.priority,
                                                 cache_salt=msg.cache_salt, parent_id=msg.parent_id))
+                if self.clock is not None:
+                    self.clock.on_add(msg.request_id, self._sim_now() if self.pace else None)
             except ValueError as e:  # unservable / duplicate request: report it, keep serving
                 errors.append(m.RequestErrorMsg(msg.request_id, type(e).__name__, str(e)))
         elif type(msg) is m.AbortMsg:
@@ -163,7 +171,8 @@ class EngineCoreProc:
                     result = dict(result, num_steps=self.num_steps, prefix_cache_queries=self.prefix_queries,
                                   prefix_cache_hits=self.prefix_hits, paced=self.pace,
                                   paced_late_steps=self.late_steps, paced_max_late_s=self.max_late_s,
-                                  sim_time_s=self.sim_clock, sim_busy_s=self.sim_busy)
+                                  sim_time_s=self.clock.now if self.clock else 0.0,
+                                  sim_busy_s=self.clock.busy_s if self.clock else 0.0)
             self.send(m.UtilityResultMsg(msg.call_id, result))
         except Exception as e:  # noqa: BLE001 - the caller gets the error text
             self.send(m.UtilityResultMsg(msg.call_id, None, f"{type(e).__name__}: {e}", type(e).__name__))
@@ -173,7 +182,14 @@ class EngineCoreProc:
         kv = sched.kv_cache_manager
         return self.m.EngineStats(len(sched.running), len(sched.waiting), kv.usage, kv.num_free_blocks,
                                   self.prefix_queries, self.prefix_hits, sched.num_preemptions_total,
-                                  self.num_steps, self.sim_busy)
+                                  self.num_steps, self.clock.busy_s if self.clock else 0.0)
+
+    def outputs_msg(self, outputs: list, idle_seq: int = -1, errors: Optional[list] = None,
+                    release_at: float = 0.0, sim_t: float = 0.0) -> Any:
+        """An outputs message with the stats and, in simulated time, the arrivals stamped since the last."""
+        arrivals = self.clock.take_arrivals() if self.clock is not None else None
+        return self.m.OutputsMsg(outputs, self.stats(), idle_seq, errors or None, release_at, sim_t,
+                                 arrivals or None)
 
     # -- pacing -------------------------------------------------------------------------------------
     def _sim_now(self) -> float:
@@ -184,19 +200,9 @@ class EngineCoreProc:
         step's end. `sim_now` (simulated time when the step was scheduled) is given only after the engine
         was idle: a busy engine's steps follow each other back to back in simulated time, so host-side
         overhead between steps is not added on top of the cost model's prediction."""
-        so = result.scheduled
-        if so is not None and so.total_num_scheduled_tokens > 0:
-            timing = result.model_output.timing if result.model_output is not None else None
-            duration = timing.duration_s if timing is not None else 0.0
-            start = self.sim_clock if sim_now is None else max(self.sim_clock, sim_now)
-            self.sim_clock = start + max(0.0, float(duration))
-            self.sim_busy += max(0.0, float(duration))
-            self.step_end_sim[so.step] = self.sim_clock
-        if result.processed is None:
-            return 0.0, self.sim_clock
-        end = self.step_end_sim.pop(result.processed.step, None)
+        end = self.clock.on_step(result, sim_now)
         if end is None:
-            return 0.0, self.sim_clock
+            return 0.0, self.clock.now
         release_at = self.t_ready + end * self.time_scale
         now = time.monotonic()
         late = now - release_at
@@ -234,10 +240,10 @@ class EngineCoreProc:
                 t_in = 0.0
                 if busy:
                     busy = False
-                    self.send(m.OutputsMsg([], self.stats(), idle_seq=self.input_seq))
+                    self.send(self.outputs_msg([], idle_seq=self.input_seq))
                 errors = self.handle_inputs(int(PARENT_CHECK_INTERVAL_S * 1000))
                 if errors and not self.has_work():  # only refused requests arrived
-                    self.send(m.OutputsMsg([], self.stats(), idle_seq=self.input_seq, errors=errors))
+                    self.send(self.outputs_msg([], idle_seq=self.input_seq, errors=errors))
                     errors = []
             if not self.running:
                 break
@@ -248,7 +254,7 @@ class EngineCoreProc:
                     break
             if not self.has_work():
                 if errors:
-                    self.send(m.OutputsMsg([], self.stats(), idle_seq=self.input_seq, errors=errors))
+                    self.send(self.outputs_msg([], idle_seq=self.input_seq, errors=errors))
                 continue
             sim_now = self._sim_now() if (self.pace and not busy) else None
             busy = True
@@ -262,10 +268,12 @@ class EngineCoreProc:
             release_at = sim_t = 0.0
             if self.pace:
                 release_at, sim_t = self._pace(result, sim_now)
+            elif self.clock is not None:
+                sim_t = self.clock.on_step(result) or 0.0
             if result.outputs or errors or now - last_stats > IDLE_STATS_INTERVAL_S:
                 t0 = perf()
                 idle = -1 if self.has_work() else self.input_seq
-                self.send(m.OutputsMsg(result.outputs, self.stats(), idle, errors or None, release_at, sim_t))
+                self.send(self.outputs_msg(result.outputs, idle, errors, release_at, sim_t))
                 self.ipc_profile.append((len(result.outputs), perf() - t0, t_in))
                 last_stats = now
                 if idle >= 0:

@@ -136,7 +136,9 @@ class LLMEngine:
             raise
         if not outputs and self.output_processor.has_unfinished() and not self.client.has_work():
             raise RuntimeError("engine has no work but requests are unfinished (lost requests)")
-        results, to_abort = self.output_processor.process_outputs(outputs)
+        client = self.client
+        results, to_abort = self.output_processor.process_outputs(outputs, client.last_sim_time_s,
+                                                                  client.sim_arrivals)
         if to_abort:
             self.client.abort_requests(to_abort)
         return results

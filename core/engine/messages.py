@@ -212,7 +212,10 @@ class OutputsMsg(msgspec.Struct, tag="out", array_like=True):
     errors: Optional[list[RequestErrorMsg]] = None
     # paced (simulated-time) mode: the monotonic time before which these outputs were not released
     release_at: float = 0.0
+    # simulated time (sim backend): the end of the step that computed these outputs, and the simulated
+    # arrival of each engine request added since the previous outputs message
     sim_time_s: float = 0.0
+    sim_arrivals: Optional[dict[str, float]] = None
 
 
 class UtilityResultMsg(msgspec.Struct, tag="util_result", array_like=True):

@@ -6,6 +6,11 @@ hits, preemptions). Request latencies are measured in the front end when outputs
 TTFT = first token - arrival, ITL = time between consecutive outputs of a request, E2E = finish -
 arrival, all on the front end's monotonic clock (with a paced `sim` backend they follow simulated
 time mapped onto the wall clock). Counter samples get prometheus_client's `_total` suffix.
+
+On the `sim` backend (paced or not) servetwin adds the twin's predictions, from the engine's
+simulated clock (`RequestMetrics.predicted_*`, engine boundary): the histograms
+`servetwin:predicted_time_to_first_token_seconds`, `servetwin:predicted_inter_token_latency_seconds`
+and `servetwin:predicted_e2e_request_latency_seconds`, with vLLM's buckets.
 """
 from __future__ import annotations
 
@@ -70,6 +75,7 @@ class _ReqTimes:
     first_token: Optional[float] = None
     last_token: Optional[float] = None
     num_tokens: int = 0
+    sim_last_token: Optional[float] = None
 
 
 class ServingMetrics:
@@ -84,14 +90,17 @@ class ServingMetrics:
         self.prefix_hits = 0
         self.num_preemptions = 0
         self.num_steps = 0
-        self.sim_time_s = 0.0  # paced mode: simulated time at the end of the latest released step
-        self.sim_busy_s = 0.0  # paced mode: total predicted duration of the engine's steps
+        self.sim_time_s = 0.0  # sim backend: simulated time at the end of the latest step sent
+        self.sim_busy_s = 0.0  # sim backend: total predicted duration of the engine's steps
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.predicted_ttft = Histogram(TTFT_BUCKETS)
+        self.predicted_itl = Histogram(ITL_BUCKETS)
+        self.predicted_e2e = Histogram(E2E_BUCKETS)
         self._reqs: dict[str, _ReqTimes] = {}
 
     # -- engine side --------------------------------------------------------------------------------
@@ -123,13 +132,27 @@ class ServingMetrics:
             rt.last_token = now
             self.generation_tokens += n - rt.num_tokens
             rt.num_tokens = n
+            self._on_predicted_token(rt, out.metrics)
         if out.finished:
             del self._reqs[out.request_id]
             self.e2e.observe(now - rt.arrival)
+            if out.metrics.predicted_e2e_s is not None:
+                self.predicted_e2e.observe(out.metrics.predicted_e2e_s)
             self.prompt_tokens += rt.prompt_tokens
             for c in out.outputs:
                 reason = c.finish_reason or "abort"
                 self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def _on_predicted_token(self, rt: _ReqTimes, m: Any) -> None:
+        t = m.sim_last_token_time
+        if t is None:
+            return
+        if rt.sim_last_token is None:
+            if m.predicted_ttft_s is not None:
+                self.predicted_ttft.observe(m.predicted_ttft_s)
+        elif t > rt.sim_last_token:
+            self.predicted_itl.observe(t - rt.sim_last_token)
+        rt.sim_last_token = t
 
     def on_abort(self, request_id: str, num_children: int = 1) -> None:
         rt = self._reqs.pop(request_id, None)
@@ -165,9 +188,9 @@ class ServingMetrics:
                self.generation_tokens)
         metric("servetwin:engine_steps", "counter", "Engine steps run by the engine core.", self.num_steps)
         metric("servetwin:simulated_time_seconds", "gauge",
-               "Paced (sim) mode: simulated time at the end of the latest released step.", self.sim_time_s)
+               "Sim backend: simulated time at the end of the latest step whose outputs were sent.", self.sim_time_s)
         metric("servetwin:simulated_busy_seconds", "counter",
-               "Paced (sim) mode: total predicted duration of the engine's steps.", self.sim_busy_s)
+               "Sim backend: total predicted duration of the engine's steps.", self.sim_busy_s)
         out.append("# HELP vllm:request_success Count of successfully processed requests.")
         out.append("# TYPE vllm:request_success counter")
         for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):
@@ -176,7 +199,13 @@ class ServingMetrics:
         for name, help_, hist in (
                 ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
                 ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.itl),
-                ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self.e2e)):
+                ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self.e2e),
+                ("servetwin:predicted_time_to_first_token_seconds",
+                 "Sim backend: predicted (simulated) time to first token at the engine.", self.predicted_ttft),
+                ("servetwin:predicted_inter_token_latency_seconds",
+                 "Sim backend: predicted (simulated) inter-token latency at the engine.", self.predicted_itl),
+                ("servetwin:predicted_e2e_request_latency_seconds",
+                 "Sim backend: predicted (simulated) e2e request latency at the engine.", self.predicted_e2e)):
             out.append(f"# HELP {name} {help_}")
             out.append(f"# TYPE {name} histogram")
             out.extend(hist.render(name, lb))

@@ -285,6 +285,8 @@ class MPClientBase(EngineCoreClient):
                                             parent_pid=os.getpid(), pace=pace, time_scale=time_scale,
                                             fake_step_time_s=fake_step_time_s))
         self.config = self._wait_ready(startup_timeout_s)
+        # the engine keeps simulated time (sim backend, or paced): outputs carry it
+        self.simulated = self.config.backend == "sim" or self.config.paced
         res.stop_r, res.stop_w = os.pipe()
         res.monitor = threading.Thread(target=_monitor, args=(res,), name="EngineCoreMonitor", daemon=True)
         res.monitor.start()
@@ -386,7 +388,8 @@ class SyncMPClient(MPClientBase):
 
     def __init__(self, args: EngineArgs, **kwargs: Any) -> None:
         super().__init__(args, **kwargs)
-        self._pending: deque[list[EngineCoreOutput]] = deque()
+        self._pending: deque[tuple[list[EngineCoreOutput], float]] = deque()  # (outputs, sim_time_s)
+        self.sim_arrivals: dict[str, float] = {}
         self._utility_results: dict[int, Any] = {}
         self._errors: list[m.RequestErrorMsg] = []  # requests the engine refused, raised by get_output
         self._idle_seq = -1
@@ -412,8 +415,10 @@ class SyncMPClient(MPClientBase):
                 self.last_stats = msg.stats
             if msg.idle_seq >= 0:
                 self._idle_seq = msg.idle_seq
+            if msg.sim_arrivals:
+                self.sim_arrivals.update(msg.sim_arrivals)
             if msg.outputs:
-                self._pending.append(msg.outputs)
+                self._pending.append((msg.outputs, msg.sim_time_s))
             if msg.errors:
                 self._errors.extend(msg.errors)
         elif isinstance(msg, m.UtilityResultMsg):
@@ -426,7 +431,10 @@ class SyncMPClient(MPClientBase):
             if self._idle_seq >= self._sent_seq:
                 return []
             self._dispatch(self._recv_one())
-        return self._pending.popleft()
+        outputs, sim_time_s = self._pending.popleft()
+        if self.simulated:
+            self.last_sim_time_s = sim_time_s
+        return outputs
 
     def _raise_request_error(self) -> None:
         if self._errors:
@@ -460,6 +468,7 @@ class AsyncMPClient(MPClientBase):
         self._queue: Optional[asyncio.Queue] = None
         self._reader: Optional[asyncio.Task] = None
         self._futures: dict[int, asyncio.Future] = {}
+        self.sim_arrivals: dict[str, float] = {}
         self.last_stats: Optional[m.EngineStats] = None
 
     def _attach(self) -> None:

@@ -43,6 +43,33 @@ class ParentState:
         return all(c.finish_reason is not None for c in self.children)
 
 
+def _sim_update(parent: ParentState, out: EngineCoreOutput, sim_time_s: float,
+                sim_arrivals: Optional[dict[str, float]]) -> None:
+    """Simulated arrival and token times of a parent request (the predicted latencies follow)."""
+    m = parent.metrics
+    if m.sim_arrival_time is None and sim_arrivals:
+        stamps = [sim_arrivals.pop(c.request_id) for c in parent.children if c.request_id in sim_arrivals]
+        if stamps:
+            m.sim_arrival_time = min(stamps)
+    if out.new_token_ids:
+        if m.sim_first_token_time is None:
+            m.sim_first_token_time = sim_time_s
+            if m.sim_arrival_time is not None:
+                m.predicted_ttft_s = sim_time_s - m.sim_arrival_time
+        m.sim_last_token_time = sim_time_s
+
+
+def _sim_finish(parent: ParentState, sim_time_s: float) -> None:
+    m = parent.metrics
+    m.sim_finished_time = sim_time_s
+    if m.sim_arrival_time is not None:
+        m.predicted_e2e_s = sim_time_s - m.sim_arrival_time
+    n = sum(len(c.detok.token_ids) for c in parent.children)
+    samples = len(parent.children)
+    if m.sim_first_token_time is not None and n > samples:
+        m.predicted_tpot_s = (sim_time_s - m.sim_first_token_time) / (n / samples - 1)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -70,8 +97,12 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated parents' outputs, and child ids the engine must abort (stop strings)."""
+    def process_outputs(self, outputs: list[EngineCoreOutput], sim_time_s: Optional[float] = None,
+                        sim_arrivals: Optional[dict[str, float]] = None) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated parents' outputs, and child ids the engine must abort (stop strings).
+
+        `sim_time_s` (sim backend): the simulated end of the step that computed `outputs`;
+        `sim_arrivals`: engine request id -> simulated arrival (entries of these requests are taken)."""
         touched: dict[str, ParentState] = {}
         to_abort: list[str] = []
         now = time.monotonic()
@@ -80,6 +111,8 @@ class OutputProcessor:
             if child is None or child.finish_reason is not None:
                 continue
             parent = self.parents[child.parent_id]
+            if sim_time_s is not None:
+                _sim_update(parent, out, sim_time_s, sim_arrivals)
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = [None if lp is None else logprobs_to_dict(lp)
                                           for lp in out.new_prompt_logprobs]
@@ -110,9 +143,12 @@ class OutputProcessor:
             touched[parent.request_id] = parent
         results = []
         for parent in touched.values():
-            results.append(self._make_output(parent))
             if parent.finished:
                 parent.metrics.finished_time = now
+                if sim_time_s is not None:
+                    _sim_finish(parent, sim_time_s)
+            results.append(self._make_output(parent))
+            if parent.finished:
                 del self.parents[parent.request_id]
         return results, to_abort
 

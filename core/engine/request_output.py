@@ -21,10 +21,22 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
+    """Host times (`time.monotonic()` in the front end, like vLLM) and, on the `sim` backend, the
+    twin's predictions: simulated times (`sim_*`, seconds on the engine's simulated clock,
+    `servetwin.core.engine.sim_clock`) and the predicted latencies they give (`predicted_*`, at the
+    engine boundary: from the request reaching the engine to its tokens being computed). The
+    predictions are None on the other backends."""
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_cached_tokens: int = 0
+    sim_arrival_time: Optional[float] = None
+    sim_first_token_time: Optional[float] = None
+    sim_last_token_time: Optional[float] = None
+    sim_finished_time: Optional[float] = None
+    predicted_ttft_s: Optional[float] = None
+    predicted_e2e_s: Optional[float] = None
+    predicted_tpot_s: Optional[float] = None  # (finish - first token) / (output tokens - 1), all samples
 
 
 @dataclass(slots=True)

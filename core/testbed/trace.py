@@ -5,11 +5,21 @@ Timing boundaries, defined once for both backends:
 - a token's time is the `t_end` of the step that sampled it (in async mode the output is processed one
   step later, but the token still belongs to the step that computed it);
 - TTFT = first token - arrival; TPOT = (finish - first token) / (output tokens - 1);
-  E2E = finish - arrival; queue = first scheduled - arrival; ITL = gaps between a request's tokens.
+  E2E = finish - arrival; queue = first scheduled - engine arrival; ITL = gaps between a request's tokens.
+
+Two boundaries, like `vllm bench serve` against `vllm serve`: `arrival_s` is when the client sent the
+request and `engine_arrival_s` when it reached the engine; `first_token_s` / `finish_s` are when the
+engine computed the first / last token, `client_first_token_s` / `client_finish_s` when the client
+received them. `ttft_s`, `tpot_s`, `e2e_s` (and `itls()`) are client-boundary figures; the engine's
+own are `engine_ttft_s`, `engine_tpot_s`, `engine_e2e_s` (from the engine arrival) and
+`engine_itls()`. Without a modelled front end (the offline front end, the torch backend driven
+in-process) both boundaries coincide. A modelled front end (`servetwin.sim.frontend`) gives the
+recorder a `DeliveryMap`: the client time at which the tokens of the step that ended at engine time t
+arrive.
 """
 from __future__ import annotations
 
-import json
+import bisect
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -47,7 +57,49 @@ REQUEST_COLUMNS = [
     "run", "backend", "request_id", "parent_id", "arrival_s", "first_scheduled_s", "first_token_s",
     "finish_s", "prompt_tokens", "cached_tokens", "output_tokens", "num_preemptions", "finish_reason",
     "ttft_s", "tpot_s", "e2e_s", "queue_s",
+    "engine_arrival_s", "client_first_token_s", "client_finish_s", "engine_ttft_s", "engine_tpot_s",
+    "engine_e2e_s", "frontend_in_s",
 ]
+
+
+class DeliveryMap:
+    """Engine step end -> client receipt of that step's tokens (filled in step order by a front end).
+
+    `split_first_chunk`: the first token reaches the client as two SSE events written back to back -
+    the chat endpoint's role chunk (which `vllm bench serve` takes as the first token) and then the
+    token's content - so the client's ITL list of every request starts with a gap of ~0."""
+
+    def __init__(self, split_first_chunk: bool = False) -> None:
+        self.split_first_chunk = split_first_chunk
+        self._by_end: dict[float, float] = {}
+        self._ends: list[float] = []
+        self._clients: list[float] = []
+
+    def add(self, t_engine: float, t_client: float) -> None:
+        self._by_end[t_engine] = t_client
+        if self._ends and t_engine < self._ends[-1]:
+            raise ValueError(f"DeliveryMap: step end {t_engine} added after {self._ends[-1]}")
+        self._ends.append(t_engine)
+        self._clients.append(t_client)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def client_time(self, t_engine: Optional[float]) -> Optional[float]:
+        """When the client got the tokens computed at `t_engine` (None: never delivered)."""
+        if t_engine is None:
+            return None
+        t = self._by_end.get(t_engine)
+        if t is not None:
+            return t
+        i = bisect.bisect_left(self._ends, t_engine - 1e-9 * max(1.0, abs(t_engine)))
+        if i < len(self._ends) and abs(self._ends[i] - t_engine) <= 1e-9 * max(1.0, abs(t_engine)):
+            return self._clients[i]
+        return None
+
+    @property
+    def last_client_time(self) -> Optional[float]:
+        return max(self._clients) if self._clients else None
 
 
 @dataclass(slots=True)
@@ -64,28 +116,47 @@ class RequestTrace:
     num_preemptions: int = 0
     finish_reason: Optional[str] = None
     token_times: list[float] = field(default_factory=list)
+    engine_arrival_s: Optional[float] = None  # None: the same as arrival_s (no front end in between)
 
-    def row(self, run: str, backend: str) -> dict[str, Any]:
-        ttft = e2e = tpot = queue = None
-        if self.first_token_s is not None:
-            ttft = self.first_token_s - self.arrival_s
-        if self.finish_s is not None:
-            e2e = self.finish_s - self.arrival_s
-            if self.output_tokens > 1 and self.first_token_s is not None:
-                tpot = (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
-        if self.first_scheduled_s is not None:
-            queue = self.first_scheduled_s - self.arrival_s
+    def _latencies(self, start: float, first: Optional[float], finish: Optional[float]
+                   ) -> tuple[Optional[float], Optional[float], Optional[float]]:
+        ttft = None if first is None else first - start
+        e2e = tpot = None
+        if finish is not None:
+            e2e = finish - start
+            if self.output_tokens > 1 and first is not None:
+                tpot = (finish - first) / (self.output_tokens - 1)
+        return ttft, tpot, e2e
+
+    def row(self, run: str, backend: str, delivery: Optional[DeliveryMap] = None) -> dict[str, Any]:
+        engine_in = self.arrival_s if self.engine_arrival_s is None else self.engine_arrival_s
+        c_first, c_finish = self.first_token_s, self.finish_s
+        if delivery is not None:
+            c_first = delivery.client_time(self.first_token_s)
+            if self.finish_reason != "abort":  # an abort is not a step's output
+                c_finish = delivery.client_time(self.finish_s)
+        ttft, tpot, e2e = self._latencies(self.arrival_s, c_first, c_finish)
+        e_ttft, e_tpot, e_e2e = self._latencies(engine_in, self.first_token_s, self.finish_s)
+        queue = None if self.first_scheduled_s is None else self.first_scheduled_s - engine_in
         return {"run": run, "backend": backend, "request_id": self.request_id, "parent_id": self.parent_id,
                 "arrival_s": self.arrival_s, "first_scheduled_s": self.first_scheduled_s,
                 "first_token_s": self.first_token_s, "finish_s": self.finish_s,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "output_tokens": self.output_tokens, "num_preemptions": self.num_preemptions,
                 "finish_reason": self.finish_reason, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e,
-                "queue_s": queue}
+                "queue_s": queue, "engine_arrival_s": engine_in, "client_first_token_s": c_first,
+                "client_finish_s": c_finish, "engine_ttft_s": e_ttft, "engine_tpot_s": e_tpot,
+                "engine_e2e_s": e_e2e, "frontend_in_s": engine_in - self.arrival_s}
 
-    def itls(self) -> list[float]:
+    def itls(self, delivery: Optional[DeliveryMap] = None) -> list[float]:
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        if delivery is None:
+            return [b - a for a, b in zip(t, t[1:])]
+        t = [x for x in map(delivery.client_time, t) if x is not None]
+        # tokens delivered together travel in one chunk: one ITL per chunk, as the client records it
+        t = [x for i, x in enumerate(t) if i == 0 or x != t[i - 1]]
+        gaps = [b - a for a, b in zip(t, t[1:])]
+        return [0.0] + gaps if delivery.split_first_chunk and t else gaps
 
 
 class TraceRecorder:
@@ -101,10 +172,18 @@ class TraceRecorder:
         self._step_rows: dict[int, dict[str, Any]] = {}  # step -> row, until its output is processed
         self._carried_preemptions = 0  # made in steps that scheduled nothing (no row of their own)
         self._t_end_by_step: list[Optional[float]] = []  # [scheduler step] -> t_end, for steps with implicit rows
+        self.delivery: Optional[DeliveryMap] = None  # set by a modelled front end (set_delivery)
 
-    def on_arrival(self, request: Request, arrival_s: float) -> None:
+    def on_arrival(self, request: Request, arrival_s: float, engine_arrival_s: Optional[float] = None) -> None:
+        """`arrival_s`: the client sent the request; `engine_arrival_s`: it reached the engine (None:
+        at once)."""
         self.requests[request.request_id] = RequestTrace(
-            request.request_id, request.parent_id, arrival_s, request.num_prompt_tokens)
+            request.request_id, request.parent_id, arrival_s, request.num_prompt_tokens,
+            engine_arrival_s=engine_arrival_s)
+
+    def set_delivery(self, delivery: Optional[DeliveryMap]) -> None:
+        """Client receipt times of each step's tokens (a modelled front end's); None: the engine's."""
+        self.delivery = delivery
 
     def on_step(self, result: StepResult, t_start: float, t_end: float) -> None:
         so = result.scheduled
@@ -249,9 +328,19 @@ class TraceRecorder:
 
     # -- output ------------------------------------------------------------------------------
     def request_rows(self) -> list[dict[str, Any]]:
-        return [t.row(self.run, self.backend) for t in self.requests.values()]
+        return [t.row(self.run, self.backend, self.delivery) for t in self.requests.values()]
 
     def itls(self) -> list[float]:
+        """Inter-token latencies at the client boundary."""
+        out: list[float] = []
+        for t in self.requests.values():
+            out.extend(t.itls(self.delivery))
+        return out
+
+    def engine_itls(self) -> list[float]:
+        """Inter-token latencies at the engine (step ends)."""
+        if self.delivery is None:
+            return self.itls()
         out: list[float] = []
         for t in self.requests.values():
             out.extend(t.itls())
@@ -267,37 +356,32 @@ class TraceRecorder:
         }
 
     def chrome_trace(self) -> dict[str, Any]:
-        """Chrome trace-event JSON (open in Perfetto): one slice per step, plus request lifetimes."""
-        events: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"{self.run} engine ({self.backend})"}},
-            {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": f"{self.run} requests"}},
-        ]
-        for row in self.steps:
-            events.append({"name": row["annotation"], "ph": "X", "pid": 1, "tid": 1,
-                           "ts": row["t_start_s"] * 1e6, "dur": max(row["duration_s"], 0.0) * 1e6,
-                           "args": {"step": row["step"], "tokens": row["total_tokens"],
-                                    "running": row["num_running"], "waiting": row["num_waiting"]}})
-        for i, t in enumerate(self.requests.values()):
-            end = t.finish_s if t.finish_s is not None else t.arrival_s
-            events.append({"name": t.request_id, "ph": "X", "pid": 2, "tid": 1 + i % 64,
-                           "ts": t.arrival_s * 1e6, "dur": max(end - t.arrival_s, 0.0) * 1e6,
-                           "args": {"prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
-                                    "ttft_s": None if t.first_token_s is None else t.first_token_s - t.arrival_s}})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        """Chrome trace-event JSON (open in Perfetto): `servetwin.core.testbed.perfetto`."""
+        from servetwin.core.testbed.perfetto import chrome_trace  # noqa: PLC0415
 
-    def write(self, out_dir: str) -> dict[str, str]:
-        """The tables and trace.json, each under a temporary name renamed when complete (never truncated)."""
+        return chrome_trace(self.run, self.backend, self.steps, list(self.requests.values()))
+
+    def write(self, out_dir: str, frames: Optional[dict[str, Any]] = None, trace: bool = True) -> dict[str, str]:
+        """Write the three tables (Parquet) and, unless `trace` is false, trace.json; `frames` are this
+        recorder's `frames()` when the caller already built them (building them is the costly part)."""
         os.makedirs(out_dir, exist_ok=True)
         paths = {}
-        for name, df in self.frames().items():
+        for name, df in (frames if frames is not None else self.frames()).items():
             path = os.path.join(out_dir, f"{name}.parquet")
             atomic_write_with(path, lambda tmp, df=df: df.to_parquet(tmp, index=False))
             paths[name] = path
-        path = os.path.join(out_dir, "trace.json")
-        with atomic_open(path) as f:
-            json.dump(self.chrome_trace(), f)
-        paths["trace"] = path
+        if trace:
+            path = os.path.join(out_dir, "trace.json")
+            self.write_trace(path)
+            paths["trace"] = path
         return paths
 
+    def write_trace(self, path: str) -> str:
+        from servetwin.core.testbed.perfetto import write_chrome_trace  # noqa: PLC0415
 
-__all__ = ["TraceRecorder", "RequestTrace", "LateTokens", "STEP_COLUMNS", "STEP_REQUEST_COLUMNS", "REQUEST_COLUMNS", "asdict"]
+        write_chrome_trace(path, self.chrome_trace())
+        return path
+
+
+__all__ = ["TraceRecorder", "RequestTrace", "DeliveryMap", "LateTokens", "STEP_COLUMNS", "STEP_REQUEST_COLUMNS",
+           "REQUEST_COLUMNS", "asdict"]

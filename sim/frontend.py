@@ -1,0 +1,397 @@
+"""The API-server front end as what it is: its own process, with one CPU shared by all its work.
+
+vLLM's `vllm serve` runs the OpenAI-compatible server (uvicorn, FastAPI, the chat template, the
+tokenizer, the output processor) in one Python process around one asyncio event loop, apart from the
+EngineCore process. Every request in flight is a task on that loop, so the work of all of them
+shares one CPU: under load, requests queue in the front end before the engine ever sees them, and
+output chunks wait for the CPU behind other requests' parsing. This module models that process:
+
+- ingress (per request, on the front-end CPU): HTTP parse and request validation (`c_req_s`), the
+  chat template for the chat endpoint (`c_chat_s`), tokenisation in proportion to the prompt
+  (`c_prompt_token_s`), building and encoding the engine request and its ZMQ send (`c_hop_s` +
+  `c_hop_token_s` per prompt token); then `latency_in_s` (off the CPU: socket and IPC hops) before
+  the request reaches the engine;
+- output (per engine step that produced tokens, on the front-end CPU): receiving and decoding the
+  step's outputs message (`c_step_s`), per output token its processing and detokenisation
+  (`c_token_out_s`), per request the SSE chunk write (`c_chunk_s`), per finished request the final
+  chunk, usage and `[DONE]` (`c_finish_s`); then `latency_out_s` (off the CPU) until the client
+  reads the chunk. When the front end falls behind, the steps waiting for the output handler are
+  handled as one batch whose tokens go out together, one chunk per request (vLLM's per-request
+  output collector merges outputs its streaming task has not sent yet): every message and token is
+  still processed, but each request writes one chunk per batch. On the chat
+  endpoint the first token goes out as two events, the role chunk (the client's first token) and its
+  content, so the client's ITLs of each request start with a ~0 gap (as `vllm bench serve` counts).
+
+The CPU is shared by weighted processor sharing (the fluid limit of an event loop's round robin over
+ready tasks): an ingress job is one task (weight 1); a step's output job stands for the output
+handler plus one streaming task per request in it (weight = requests in the step). One output
+handler processes the engine's step messages in order, so step k's output job starts when step k has
+ended and step k-1's output job is done. A burst of N equal requests therefore leaves the front end
+together after about N x ingress (what vLLM's server does under `--request-rate inf`), and a busy
+front end delays output chunks.
+
+`FrontendSpec` is data (coefficients + provenance), loaded like a hardware spec: a preset name, a
+YAML file, or a mapping with an optional `base: <preset>`. The presets are in
+`servetwin.sim.frontend_presets`; how they were obtained is in docs/frontend_model.md.
+
+The offline front end (`frontend: {type: offline}`, vLLM's `LLM.generate`) has no HTTP path and no
+per-request front-end cost in the loop: the simulation hands requests to the engine directly.
+"""
+from __future__ import annotations
+
+import copy
+import heapq
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import simpy
+
+from servetwin.core.testbed.trace import DeliveryMap
+from servetwin.sim.frontend_presets import FRONTEND_PRESETS
+from servetwin.sim.validate import check_keys, check_mapping, non_negative, one_of
+
+FRONTEND_TYPES = ("api_server", "offline")
+ENDPOINTS = ("chat", "completions")
+_EPS = 1e-12
+
+
+@dataclass(slots=True)
+class FrontendCoefficients:
+    """Seconds per unit of work on the front-end CPU (`c_*`) or off it (`latency_*`)."""
+    c_req_s: float = 0.0           # per request: HTTP parse, validation, request objects
+    c_chat_s: float = 0.0          # per chat request: message parsing + chat template rendering
+    c_prompt_token_s: float = 0.0  # per prompt token: tokenisation
+    c_hop_s: float = 0.0           # per request: engine request built, msgspec-encoded, sent over ZMQ
+    c_hop_token_s: float = 0.0     # per prompt token of that message
+    c_step_s: float = 0.0          # per engine outputs message: ZMQ receive + msgspec decode
+    c_token_out_s: float = 0.0     # per output token: output processing + detokenisation
+    c_chunk_s: float = 0.0         # per request per chunk sent: SSE serialisation + write
+    c_finish_s: float = 0.0        # per finished request: final chunk, usage, [DONE], response close
+    latency_in_s: float = 0.0      # client -> engine, not on the front-end CPU
+    latency_out_s: float = 0.0     # engine step end -> client, not on the front-end CPU
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, non_negative(getattr(self, f.name), f"frontend.coefficients.{f.name}"))
+
+    def ingress_work(self, prompt_tokens: int, chat: bool) -> float:
+        return (self.c_req_s + (self.c_chat_s if chat else 0.0) + self.c_hop_s
+                + (self.c_prompt_token_s + self.c_hop_token_s) * prompt_tokens)
+
+    def output_work(self, num_messages: int, num_tokens: int, num_chunks: int, num_finished: int) -> float:
+        return (self.c_step_s * num_messages + self.c_token_out_s * num_tokens + self.c_chunk_s * num_chunks
+                + self.c_finish_s * num_finished)
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+COEFFICIENT_FIELDS = tuple(f.name for f in fields(FrontendCoefficients))
+
+
+@dataclass(slots=True)
+class FrontendSpec:
+    name: str
+    coefficients: FrontendCoefficients = field(default_factory=FrontendCoefficients)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "coefficients": self.coefficients.to_dict(),
+                "provenance": copy.deepcopy(self.provenance)}
+
+
+def frontend_spec_from_dict(cfg: Mapping[str, Any], path: str = "frontend.coefficients") -> FrontendSpec:
+    """A `FrontendSpec` from `{name, coefficients, provenance}` (optionally `base: <preset>`)."""
+    cfg = check_mapping(cfg, path)
+    check_keys(cfg, ("name", "coefficients", "provenance", "base"), path)
+    merged: dict[str, Any] = {"name": "custom", "coefficients": {}, "provenance": {}}
+    if "base" in cfg:
+        merged = copy.deepcopy(FRONTEND_PRESETS[one_of(cfg["base"], FRONTEND_PRESETS, f"{path}.base")])
+    coeffs = dict(merged.get("coefficients", {}))
+    given = check_mapping(cfg.get("coefficients", {}), f"{path}.coefficients")
+    check_keys(given, COEFFICIENT_FIELDS, f"{path}.coefficients")
+    coeffs.update(given)
+    name = cfg.get("name", merged["name"])
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{path}.name: must be a non-empty string, got {name!r}")
+    values = {k: non_negative(v, f"{path}.coefficients.{k}") for k, v in coeffs.items()}
+    provenance = check_mapping(cfg.get("provenance", merged.get("provenance", {})), f"{path}.provenance")
+    return FrontendSpec(name, FrontendCoefficients(**values), copy.deepcopy(dict(provenance)))
+
+
+def load_frontend_spec(name_or_path: Any, path: str = "frontend.coefficients") -> FrontendSpec:
+    """A preset name (`vllm`, `servetwin`), a YAML file path, a mapping, or a `FrontendSpec`."""
+    if isinstance(name_or_path, FrontendSpec):
+        return name_or_path
+    if isinstance(name_or_path, Mapping):
+        return frontend_spec_from_dict(name_or_path, path)
+    key = str(name_or_path)
+    if key in FRONTEND_PRESETS:
+        return frontend_spec_from_dict(FRONTEND_PRESETS[key], f"{path}[{key}]")
+    p = Path(key)
+    if not p.is_file():
+        raise ValueError(f"{path}: {key!r} is neither a front-end preset ({', '.join(FRONTEND_PRESETS)}) "
+                         "nor an existing YAML file")
+    import yaml  # noqa: PLC0415
+
+    with open(p, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: {p} is not valid YAML: {exc}") from None
+    return frontend_spec_from_dict(data if data is not None else {}, path)
+
+
+def default_frontend_preset(device_type: str) -> str:
+    """vLLM's API server for GPU hardware (the twin predicts vLLM); servetwin's own server measured
+    on the development machine for `cpu` hardware (the torch backend's own front end)."""
+    return "servetwin" if device_type == "cpu" else "vllm"
+
+
+# -- the shared CPU -----------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Job:
+    work: float
+    weight: float
+    on_done: Callable[[float], None]
+    seq: int = 0
+    v_finish: float = 0.0
+    important: bool = True  # someone waits on it (the engine, a client): schedule a wake-up
+
+
+class SharedCPU:
+    """Weighted processor sharing in virtual time: with total weight W in service, virtual time runs
+    at 1/W; a job of work w and weight g started at virtual time V finishes when it reaches
+    V + w / g. Pure arithmetic (no SimPy): `advance(t)` completes, in order, every job done by t."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.virtual = 0.0
+        self.weight = 0.0
+        self.busy_s = 0.0
+        self._heap: list[tuple[float, int, _Job]] = []
+        self._seq = 0
+        self._important = 0
+
+    def add(self, t: float, job: _Job) -> None:
+        self.advance(t)
+        self._seq += 1
+        job.seq = self._seq
+        job.v_finish = self.virtual + job.work / job.weight
+        self.weight += job.weight
+        self._important += job.important
+        heapq.heappush(self._heap, (job.v_finish, job.seq, job))
+
+    def next_finish(self, important_only: bool = True) -> Optional[float]:
+        """Real time at which the first job finishes if nothing else arrives (None: idle, or only
+        unimportant jobs when `important_only`)."""
+        if not self._heap or (important_only and not self._important):
+            return None
+        return self.now + (self._heap[0][0] - self.virtual) * self.weight
+
+    def advance(self, t: float) -> None:
+        heap = self._heap
+        while heap:
+            v_fin, _, job = heap[0]
+            t_fin = self.now + (v_fin - self.virtual) * self.weight
+            if t_fin > t + _EPS * max(1.0, abs(t)):
+                break
+            heapq.heappop(heap)
+            t_fin = min(max(t_fin, self.now), t)
+            self.busy_s += t_fin - self.now
+            self.now, self.virtual = t_fin, v_fin
+            self.weight = self.weight - job.weight if heap else 0.0
+            self._important -= job.important
+            job.on_done(t_fin)  # may add jobs at t_fin (the output handler's next message)
+        if t > self.now:
+            if self.weight > 0:
+                self.virtual += (t - self.now) / self.weight
+                self.busy_s += t - self.now
+            self.now = t
+
+
+# -- the front-end process ------------------------------------------------------------------------
+@dataclass(slots=True)
+class _StepOutput:
+    """The outputs of one step, or of several consecutive steps waiting for the output handler."""
+    t_engines: list[float]
+    num_tokens: int  # output tokens in all of them
+    num_chunks: int  # chunks written: one per request (the largest step's count, a lower bound)
+    num_finished: int
+    done: list[simpy.Event]
+
+    def merge(self, t_engine: float, num_outputs: int, num_finished: int, done: list[simpy.Event]) -> None:
+        self.t_engines.append(t_engine)
+        self.num_tokens += num_outputs
+        self.num_chunks = max(self.num_chunks, num_outputs)
+        self.num_finished += num_finished
+        self.done.extend(done)
+
+
+class ApiServerFrontend:
+    """The API server between the clients and a `servetwin.sim.engine.Simulation`.
+
+    `submit(request)` is the clients' side (what an arrival process calls); `on_step_output(...)` is
+    the engine's side (called when a step's outputs are processed). `deliveries` maps each step's
+    end time to the time its tokens reach the client."""
+
+    def __init__(self, env: simpy.Environment, spec: FrontendSpec, endpoint: str,
+                 to_engine: Callable[[Any, simpy.Event], None]) -> None:
+        self.env = env
+        self.spec = spec
+        self.coeffs = spec.coefficients
+        self.endpoint = one_of(endpoint, ENDPOINTS, "frontend.endpoint")
+        self.chat = endpoint == "chat"
+        self.to_engine = to_engine
+        self.cpu = SharedCPU()
+        self.deliveries = DeliveryMap(split_first_chunk=self.chat)
+        self._outputs: deque[_StepOutput] = deque()
+        self._handler_busy = False
+        self._wake_at: Optional[float] = None
+        self.num_requests = 0
+        self.num_messages = 0
+
+    # -- clients -> engine --------------------------------------------------------------------------
+    def submit(self, request: Any) -> simpy.Event:
+        """A client sends `request` now; the returned event fires when its last chunk reached it."""
+        done = self.env.event()
+        self.num_requests += 1
+        work = self.coeffs.ingress_work(len(request.prompt_token_ids), self.chat)
+        self._add(_Job(work, 1.0, lambda t, r=request, d=done: self._ingress_done(t, r, d)))
+        return done
+
+    def _ingress_done(self, t: float, request: Any, done: simpy.Event) -> None:
+        delay = self.coeffs.latency_in_s + (t - self.env.now)  # t <= now: done while catching up
+        if delay > 0:
+            self.env.timeout(delay).callbacks.append(lambda _e: self.to_engine(request, done))
+        else:
+            self.to_engine(request, done)
+
+    # -- engine -> clients --------------------------------------------------------------------------
+    def on_step_output(self, t_engine: float, num_outputs: int, num_finished: int,
+                       done: list[simpy.Event]) -> None:
+        """The outputs of the step that ended at `t_engine` (`num_outputs` requests got tokens,
+        `num_finished` finished; `done`: the events of workload requests it completes)."""
+        if num_outputs <= 0 and not done:
+            return
+        self.cpu.advance(self.env.now)  # first: a job done by now must not start this one early
+        if self._outputs:  # the handler is behind: these go out with the steps already waiting
+            self._outputs[-1].merge(t_engine, num_outputs, num_finished, done)
+        else:
+            self._outputs.append(_StepOutput([t_engine], num_outputs, num_outputs, num_finished, list(done)))
+        if not self._handler_busy:
+            self._start_next(self.env.now)
+        self._schedule_wake()
+
+    def _start_next(self, t: float) -> None:
+        if not self._outputs:
+            self._handler_busy = False
+            return
+        out = self._outputs.popleft()
+        self._handler_busy = True
+        self.num_messages += 1
+        work = self.coeffs.output_work(len(out.t_engines), out.num_tokens, out.num_chunks, out.num_finished)
+        job = _Job(work, float(max(1, out.num_chunks)), lambda tf, o=out: self._output_done(tf, o),
+                   important=bool(out.done))
+        self.cpu.add(t, job)
+
+    def _output_done(self, t: float, out: _StepOutput) -> None:
+        t_client = t + self.coeffs.latency_out_s
+        for t_engine in out.t_engines:
+            self.deliveries.add(t_engine, t_client)
+        for ev in out.done:
+            delay = t_client - self.env.now
+            if delay > 0:
+                self.env.timeout(delay).callbacks.append(lambda _e, ev=ev: ev.succeed())
+            else:
+                ev.succeed()
+        self._start_next(t)
+
+    # -- time -----------------------------------------------------------------------------------
+    def _add(self, job: _Job) -> None:
+        self.cpu.add(self.env.now, job)
+        self._schedule_wake()
+
+    def _schedule_wake(self) -> None:
+        t = self.cpu.next_finish()
+        if t is None:
+            return
+        t = max(t, self.env.now)
+        if self._wake_at is not None and self._wake_at <= t + _EPS:
+            return  # an earlier wake-up is pending; it reschedules
+        self._wake_at = t
+        self.env.timeout(t - self.env.now).callbacks.append(lambda _e, at=t: self._wake(at))
+
+    def _wake(self, at: float) -> None:
+        if self._wake_at != at:
+            return  # superseded by an earlier wake-up
+        self._wake_at = None
+        self.cpu.advance(self.env.now)
+        self._schedule_wake()
+
+    def finish(self, t_end: Optional[float] = None) -> None:
+        """Complete every queued output (no more work arrives), up to `t_end` if given."""
+        while True:
+            t = self.cpu.next_finish(important_only=False)
+            if t is None or (t_end is not None and t > t_end):
+                break
+            self.cpu.advance(t)
+        if t_end is not None:
+            self.cpu.advance(max(t_end, self.cpu.now))
+
+    def summary(self, duration_s: float) -> dict[str, Any]:
+        busy = self.cpu.busy_s
+        return {"type": "api_server", "endpoint": self.endpoint, "coefficients": self.spec.name,
+                "requests": self.num_requests, "output_messages": self.num_messages,
+                "cpu_busy_s": busy, "cpu_utilization": (busy / duration_s) if duration_s > 0 else None}
+
+
+@dataclass(slots=True, frozen=True)
+class FrontendConfig:
+    """What an experiment says about the front end (`frontend:` in the experiment YAML)."""
+    type: str = "offline"
+    endpoint: str = "completions"
+    coefficients: Any = None  # preset name / YAML path / mapping; None: the hardware's default
+
+    def spec(self, device_type: str = "cuda") -> FrontendSpec:
+        return load_frontend_spec(self.coefficients if self.coefficients is not None
+                                  else default_frontend_preset(device_type))
+
+    def resolved(self, device_type: str) -> "FrontendConfig":
+        """The same front end with its coefficient set loaded (the hardware's default when not given)."""
+        if self.type != "api_server":
+            return self
+        return FrontendConfig(self.type, self.endpoint, self.spec(device_type))
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "api_server":
+            spec = self.coefficients
+            out.update(endpoint=self.endpoint,
+                       coefficients=spec.name if isinstance(spec, FrontendSpec) else spec)
+        return out
+
+
+def parse_frontend(cfg: Any, path: str = "frontend") -> FrontendConfig:
+    """`{type: api_server, endpoint: chat|completions, coefficients: ...}` or `{type: offline}`."""
+    cfg = check_mapping(cfg, path)
+    kind = one_of(cfg.get("type"), FRONTEND_TYPES, f"{path}.type")
+    if kind == "offline":
+        check_keys(cfg, {"type"}, path)
+        return FrontendConfig("offline")
+    check_keys(cfg, {"type", "endpoint", "coefficients"}, path)
+    endpoint = one_of(cfg.get("endpoint", "completions"), ENDPOINTS, f"{path}.endpoint")
+    coeffs = cfg.get("coefficients")
+    if coeffs is not None:
+        load_frontend_spec(coeffs, f"{path}.coefficients")  # validate now
+    return FrontendConfig("api_server", endpoint, copy.deepcopy(coeffs))
+
+
+def default_frontend(online: bool) -> FrontendConfig:
+    """No `frontend:` given: online arrivals (poisson, gamma, closed loop, trace) are served by an
+    API server (completions endpoint, what `vllm bench serve` uses by default); an offline batch
+    by the offline `LLM` (no HTTP)."""
+    return FrontendConfig("api_server", "completions") if online else FrontendConfig("offline")
