@@ -60,17 +60,14 @@ def test_staged_folder_moves_complete_files_only(tmp_path):
 
 # -- the run folder ---------------------------------------------------------------------------------
 def test_full_disk_while_writing_trace_json_leaves_no_truncated_trace(tmp_path, monkeypatch, capsys):
-    import servetwin.core.testbed.trace as trace_mod
+    import servetwin.core.testbed.perfetto as perfetto
 
-    real_dump = json.dump
-
-    def dump(obj, f, *a, **kw):
-        if isinstance(obj, dict) and "traceEvents" in obj:
-            f.write('{"traceEvents": [')
+    def write_text(path, text):  # the disk fills up half-way through trace.json
+        with atomic.atomic_open(path) as f:
+            f.write(text[: len(text) // 2])
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_dump(obj, f, *a, **kw)
 
-    monkeypatch.setattr(trace_mod.json, "dump", dump)
+    monkeypatch.setattr(perfetto, "atomic_write_text", write_text)
     path = write_yaml(tmp_path / "c.yaml", tiny())
     out = tmp_path / "out"
     assert main(["run", str(path), "-o", str(out), "--no-progress", "--no-plots"]) == 1
