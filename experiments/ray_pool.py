@@ -76,7 +76,8 @@ def _pack_path(path: str) -> bytes:
 def pack_task(task: PointTask) -> dict[str, Any]:
     """The task as plain data, with the bytes of the files its config names."""
     files = [(fields, path, _pack_path(path)) for fields, path in _file_fields(task.raw)]
-    return {"key": task.key, "raw": task.raw, "base_dir": task.base_dir, "write": task.write, "files": files}
+    return {"key": task.key, "raw": task.raw, "base_dir": task.base_dir, "write": task.write, "files": files,
+            "out_dir": None if task.out_dir is None else os.path.abspath(task.out_dir)}
 
 
 def _set(raw: dict[str, Any], fields: tuple[str, ...], value: str) -> None:
@@ -105,8 +106,9 @@ def run_packed(payload: dict[str, Any]) -> dict[str, Any]:
         result = execute_task(task, out_dir, in_worker=True)
         folder = None
         if out_dir is not None and os.path.isdir(out_dir):
+            final = payload.get("out_dir") or out_dir
             for name in _text_files(out_dir):
-                _replace_paths(name, path_map)
+                _replace_paths(name, _path_forms(name, out_dir, final, path_map))
             buf = io.BytesIO()
             with tarfile.open(fileobj=buf, mode="w") as tar:
                 tar.add(out_dir, arcname=".")
@@ -118,6 +120,21 @@ def run_packed(payload: dict[str, Any]) -> dict[str, Any]:
 
 def _text_files(root: str) -> list[str]:
     return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(TEXT_FILES)]
+
+
+def _path_forms(name: str, out_dir: str, final: str, path_map: dict[str, str]) -> dict[str, str]:
+    """The staged-file -> original-file map for one text file, in both forms the writers use: absolute,
+    and relative to the file's folder (config.yaml names files relative to itself), the relative original
+    computed from where the file will lie on the driver (`final`)."""
+    here = os.path.dirname(name)
+    there = os.path.join(final, os.path.relpath(here, out_dir))
+    forms = dict(path_map)
+    for local, original in path_map.items():
+        try:
+            forms[os.path.relpath(local, here)] = os.path.relpath(original, there)
+        except ValueError:  # another drive (Windows): only the absolute form applies
+            pass
+    return dict(sorted(forms.items(), key=lambda kv: -len(kv[0])))  # longest first: no partial replacement
 
 
 def _replace_paths(path: str, path_map: dict[str, str]) -> None:
