@@ -135,6 +135,20 @@ def aggregate_seeds(df, keys: list[str]):
     return pd.DataFrame(out)
 
 
+def _map_points(pool, tasks, done, retries: int, log, bar) -> bool:
+    """Run every task on `pool` (bounded retries); True when Ctrl-C stopped it. The pool and the
+    progress bar are closed either way."""
+    try:
+        map_with_retries(pool, tasks, done, retries=retries, log=log)
+        return False
+    except KeyboardInterrupt:
+        return True
+    finally:
+        pool.close()
+        if bar is not None:
+            bar.close()
+
+
 def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool = True,
               log: Optional[Callable[[str], None]] = None, seeds: Optional[list[int]] = None,
               ray: Any = None, retries: int = 0, overwrite: bool = False, folder: Optional[RunFolder] = None):
@@ -169,7 +183,6 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     all_backends = list(dict.fromkeys(b for p in points for b in _point_backends(p, exp)))
     log(f"sweep {exp.name}: {len(points)} points" + (f" x {len(seeds)} seeds" if seeds else "")
         + f" x {all_backends} on {pool.description}")
-    interrupted = False
     bar = None
     if progress:
         from tqdm import tqdm  # noqa: PLC0415
@@ -185,14 +198,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
             msg += f" - {result.error}"
         log(msg)
 
-    try:
-        map_with_retries(pool, tasks, done, retries=retries, log=log)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        pool.close()
-        if bar is not None:
-            bar.close()
+    interrupted = _map_points(pool, tasks, done, retries, log, bar)
     rows = []
     for t in tasks:
         result = results.get(t.key, PointResult("not run"))
@@ -330,15 +336,7 @@ def run_seeded(exp: ExperimentConfig, out_dir: str, seeds: list[int], jobs: int 
             bar.update(1)
         log(f"  {task.key}: {result.status} ({result.wall_s:.1f}s)" + (f" - {result.error}" if result.error else ""))
 
-    interrupted = False
-    try:
-        map_with_retries(pool, tasks, done, retries=retries, log=log)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        pool.close()
-        if bar is not None:
-            bar.close()
+    interrupted = _map_points(pool, tasks, done, retries, log, bar)
     rows = []
     for t in tasks:
         rows.extend(result_rows("run", {}, t.meta["seed"], results.get(t.key, PointResult("not run")),
