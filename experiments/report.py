@@ -83,7 +83,7 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
         blocks, bs = s["num_gpu_blocks"], s["block_size"]
         pool = s.get("kv_pool") or {}
         src = ""
-        if exp.engine.get("num_gpu_blocks") is not None:
+        if exp.engine.given.get("num_gpu_blocks") is not None:
             src = " (num_gpu_blocks given in the config)"
         elif pool:
             src = (f" (sized like the engine: {pool.get('available_kv_bytes', 0) / 2**30:.2f} GiB for KV after "
@@ -137,9 +137,9 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
 
 
 def combined_offline(exp) -> bool:
-    arrival = exp.workload.get("arrival")
-    return (arrival is None and "file" not in exp.workload) or (isinstance(arrival, dict)
-                                                               and arrival.get("type") == "offline")
+    from servetwin.sim.arrivals import Offline  # noqa: PLC0415
+
+    return isinstance(exp.workload.arrival, Offline)
 
 
 def annotation_histogram(frames: dict[str, dict], top_n: int = TOP_N) -> str:

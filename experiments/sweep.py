@@ -51,7 +51,8 @@ def _sigint_once(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def run_point(raw: dict[str, Any], base_dir: str, out_dir: str, in_worker: bool = False) -> dict[str, Any]:
+def run_point(raw: dict[str, Any], base_dir: str, out_dir: str, in_worker: bool = False,
+              config: Optional[ExperimentConfig] = None) -> dict[str, Any]:
     """Run one sweep point; never raises (except KeyboardInterrupt in-process): returns status + summary."""
     global _interrupted_once
     from servetwin.experiments.runner import run_experiment  # noqa: PLC0415
@@ -69,7 +70,7 @@ def run_point(raw: dict[str, Any], base_dir: str, out_dir: str, in_worker: bool 
             def log(msg: str) -> None:
                 logf.write(msg + "\n")
                 logf.flush()
-            exp = validate_config(raw, base_dir, raw.get("name", "point"))
+            exp = config if config is not None else validate_config(raw, base_dir, raw.get("name", "point"))
             combined = run_experiment(exp, out_dir, progress=False, log=log)
         return {"status": "ok", "summary": combined, "wall_s": time.perf_counter() - t0}
     except KeyboardInterrupt:
@@ -163,7 +164,8 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
         if jobs == 1 or len(points) == 1:
             for point in points:
                 try:
-                    done(point, run_point(point.raw, exp.base_dir, os.path.join(out_dir, point.name)))
+                    done(point, run_point(point.raw, exp.base_dir, os.path.join(out_dir, point.name),
+                                         config=point.config))
                 except KeyboardInterrupt:
                     path = os.path.join(out_dir, point.name, "summary.json")
                     summary = json.load(open(path)) if os.path.exists(path) else None
@@ -174,7 +176,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
             stop = ctx.Event()
             ex = ProcessPoolExecutor(max_workers=min(jobs, len(points)), mp_context=ctx, initializer=_worker_init,
                                      initargs=(stop,))
-            futures = {ex.submit(run_point, p.raw, exp.base_dir, os.path.join(out_dir, p.name), True): p
+            futures = {ex.submit(run_point, p.raw, exp.base_dir, os.path.join(out_dir, p.name), True, p.config): p
                        for p in points}
             try:
                 pending = set(futures)
@@ -217,7 +219,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     df = pd.DataFrame(rows)
     df.to_csv(os.path.join(out_dir, "sweep.csv"), index=False)
     plot = None
-    if exp.output.get("plots", True):
+    if exp.output.plots:
         from servetwin.experiments.plots import sweep_comparison  # noqa: PLC0415
         plot = sweep_comparison(df, os.path.join(out_dir, "sweep_comparison.png"))
     write_sweep_md(exp, df, out_dir, plot, interrupted)

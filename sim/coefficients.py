@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.sim.validate import check_keys, check_mapping, non_negative
 
 BASIS_TERMS: tuple[str, ...] = ("step", "req", "token", "layer", "linear", "attn_prefill",
@@ -61,7 +62,7 @@ class CostCoefficients:
         """From `{term: coefficient}` (the output of a fit); terms not given are 0."""
         unknown = set(values) - set(BASIS_TERMS)
         if unknown:
-            raise ValueError(f"coefficients.{sorted(unknown)[0]}: unknown basis term "
+            raise ConfigError(f"coefficients.{sorted(unknown)[0]}", "unknown basis term "
                              f"(allowed: {', '.join(BASIS_TERMS)})")
         return cls(**{f"c_{t}": float(values.get(t, 0.0)) for t in BASIS_TERMS})
 

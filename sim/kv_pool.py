@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len, num_blocks_for_memory
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
@@ -64,8 +65,8 @@ def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_m
         available = requested - weights - act - non_torch
     blocks = num_gpu_blocks if num_gpu_blocks is not None else num_blocks_for_memory(max(available, 0), spec)
     if blocks < 2:
-        raise ValueError(
-            f"gpu_memory_utilization: {hw.name} ({hw.memory_bytes / 2**30:.1f} GiB x {gpu_memory_utilization}) "
+        raise ConfigError(
+            "gpu_memory_utilization", f"{hw.name} ({hw.memory_bytes / 2**30:.1f} GiB x {gpu_memory_utilization}) "
             f"leaves {available / 2**30:.2f} GiB for the KV cache after {weights / 2**30:.2f} GiB of weights "
             f"and {act / 2**30:.2f} GiB of activations: not even 2 blocks fit. Use a bigger device, "
             "tensor_parallel_size, or an explicit num_gpu_blocks.")

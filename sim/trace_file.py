@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.sim.validate import int_at_least, non_negative
 
 _ALIASES = {
@@ -46,7 +47,7 @@ def _record(row: dict[str, Any], where: str) -> TraceRecord:
     vals = {name: _pick(row, name) for name in _ALIASES}
     for name in _REQUIRED:
         if vals[name] is None:
-            raise ValueError(f"{where}.{name}: required field is missing")
+            raise ConfigError(f"{where}.{name}", "required field is missing")
     arrival = non_negative(vals["arrival_s"], f"{where}.arrival_s")
     prompt = int_at_least(_int(vals["prompt_tokens"], f"{where}.prompt_tokens"), 1,
                           f"{where}.prompt_tokens")
@@ -58,9 +59,9 @@ def _record(row: dict[str, Any], where: str) -> TraceRecord:
         prefix = int_at_least(_int(vals["prefix_tokens"], f"{where}.prefix_tokens"), 0,
                               f"{where}.prefix_tokens")
     if prefix and group is None:
-        raise ValueError(f"{where}.prefix_group: required when prefix_tokens > 0")
+        raise ConfigError(f"{where}.prefix_group", "required when prefix_tokens > 0")
     if prefix > prompt:
-        raise ValueError(f"{where}.prefix_tokens: {prefix} exceeds prompt_tokens {prompt}")
+        raise ConfigError(f"{where}.prefix_tokens", f"{prefix} exceeds prompt_tokens {prompt}")
     return TraceRecord(arrival, prompt, output, group, prefix)
 
 
@@ -69,9 +70,9 @@ def _int(value: Any, where: str) -> int:
         try:
             f = float(value)
         except ValueError:
-            raise ValueError(f"{where}: must be an integer, got {value!r}") from None
+            raise ConfigError(f"{where}", f"must be an integer, got {value!r}") from None
         if not f.is_integer():
-            raise ValueError(f"{where}: must be an integer, got {value!r}")
+            raise ConfigError(f"{where}", f"must be an integer, got {value!r}")
         return int(f)
     return value
 
@@ -79,7 +80,7 @@ def _int(value: Any, where: str) -> int:
 def load_trace(path: str | Path, field_path: str = "workload.arrival.path") -> list[TraceRecord]:
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{field_path}: trace file not found: {p}")
+        raise ConfigError(f"{field_path}", f"trace file not found: {p}")
     records: list[TraceRecord] = []
     with open(p, encoding="utf-8", newline="") as f:
         if p.suffix.lower() in (".jsonl", ".json", ".ndjson"):
@@ -88,14 +89,14 @@ def load_trace(path: str | Path, field_path: str = "workload.arrival.path") -> l
                     try:
                         row = json.loads(line)
                     except json.JSONDecodeError as exc:
-                        raise ValueError(f"{p}:{lineno}: invalid JSON: {exc}") from None
+                        raise ConfigError(f"{p}:{lineno}", f"invalid JSON: {exc}") from None
                     if not isinstance(row, dict):
-                        raise ValueError(f"{p}:{lineno}: each line must be a JSON object")
+                        raise ConfigError(f"{p}:{lineno}", "each line must be a JSON object")
                     records.append(_record(row, f"{p}:{lineno}"))
         else:
             for lineno, row in enumerate(csv.DictReader(f), 2):
                 records.append(_record(row, f"{p}:{lineno}"))
     if not records:
-        raise ValueError(f"{field_path}: trace file {p} holds no requests")
+        raise ConfigError(f"{field_path}", f"trace file {p} holds no requests")
     order = sorted(range(len(records)), key=lambda i: records[i].arrival_s)
     return [records[i] for i in order]

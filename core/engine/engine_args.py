@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 
@@ -48,19 +49,19 @@ class EngineArgs:
             if key not in allowed:
                 close = difflib.get_close_matches(key, sorted(allowed), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"{key}: unknown engine argument{hint}; allowed: {sorted(allowed)}")
+                raise ConfigError(f"{key}", f"unknown engine argument{hint}; allowed: {sorted(allowed)}")
         args = cls(**kwargs)
         if args.num_gpu_blocks_override is not None and args.num_gpu_blocks is None:
             args.num_gpu_blocks = args.num_gpu_blocks_override
         if args.backend not in ("torch", "sim", "fake"):
-            raise ValueError(f"backend: must be 'torch', 'sim' or 'fake', got {args.backend!r}")
+            raise ConfigError("backend", f"must be 'torch', 'sim' or 'fake', got {args.backend!r}")
         if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {args.tensor_parallel_size!r}")
+            raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {args.tensor_parallel_size!r}")
         if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
-            raise ValueError(f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
+            raise ConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
         if (not isinstance(args.max_logprobs, int) or isinstance(args.max_logprobs, bool)
                 or args.max_logprobs < -1):
-            raise ValueError(f"max_logprobs: must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")
+            raise ConfigError("max_logprobs", f"must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")
         if args.num_gpu_blocks_override is not None:
             CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override)  # raises naming num_gpu_blocks
         # the KV-cache settings fail here, before any executor divides by a zero block size or

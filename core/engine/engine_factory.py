@@ -27,16 +27,20 @@ class ExecutorInfo:
 def _torch_executor(args: EngineArgs) -> ExecutorInfo:
     from servetwin.gpu.executor import TorchExecutor  # noqa: PLC0415
 
-    ex = TorchExecutor(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+    ex = _new_torch_executor(TorchExecutor, args)
+    path = getattr(ex, "model_path", None) or getattr(getattr(ex, "model_info", None), "path", None)
+    return ExecutorInfo(ex, ex.num_gpu_blocks, ex.max_model_len, ex.vocab_size, list(ex.eos_token_ids or []),
+                        str(path) if path else None)
+
+
+def _new_torch_executor(TorchExecutor, args: EngineArgs):
+    return TorchExecutor(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                        num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_num_batched_tokens=args.max_num_batched_tokens or max(8192, args.max_num_seqs),
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                        seed=args.seed, profile_dir=args.profile_dir)
-    path = getattr(ex, "model_path", None) or getattr(getattr(ex, "model_info", None), "path", None)
-    return ExecutorInfo(ex, ex.num_gpu_blocks, ex.max_model_len, ex.vocab_size, list(ex.eos_token_ids or []),
-                        str(path) if path else None)
 
 
 def _sim_executor(args: EngineArgs) -> ExecutorInfo:

@@ -26,6 +26,10 @@ class FakeExecutor:
         self.state = RunnerState()
         self.step_time_s = step_time_s
 
+    def reset(self) -> None:
+        """Forget every request (a new engine over this executor starts from an empty runner state)."""
+        self.state = RunnerState()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         rows = self.state.update(scheduler_output)
         step = scheduler_output.step

@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 SETTINGS_KEYS = {
@@ -48,22 +49,22 @@ def _req_int(r: dict, key: str, where: str, default: Any = None, minimum: int = 
     if v is None:
         return None
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise ValueError(f"{where}.{key}: must be an integer >= {minimum}, got {v!r}")
+        raise ConfigError(f"{where}.{key}", f"must be an integer >= {minimum}, got {v!r}")
     return v
 
 
 def parse_scenario(data: Any) -> Scenario:
     if not isinstance(data, dict) or "settings" not in data or "requests" not in data:
-        raise ValueError("scenario: expected a JSON object with 'settings' and 'requests'")
+        raise ConfigError("scenario", "expected a JSON object with 'settings' and 'requests'")
     s = data["settings"]
     if not isinstance(s, dict):
-        raise ValueError("settings: must be an object")
+        raise ConfigError("settings", "must be an object")
     unknown = set(s) - SETTINGS_KEYS
     if unknown:
-        raise ValueError(f"settings.{sorted(unknown)[0]}: unknown setting (allowed: {sorted(SETTINGS_KEYS)})")
+        raise ConfigError(f"settings.{sorted(unknown)[0]}", f"unknown setting (allowed: {sorted(SETTINGS_KEYS)})")
     missing = REQUIRED_SETTINGS - set(s)
     if missing:
-        raise ValueError(f"settings.{sorted(missing)[0]}: required")
+        raise ConfigError(f"settings.{sorted(missing)[0]}", "required")
     chunked = bool(s.get("enable_chunked_prefill", True))
     sched_kwargs = dict(
         max_num_seqs=s["max_num_seqs"], max_num_batched_tokens=s["max_num_batched_tokens"],
@@ -80,38 +81,38 @@ def parse_scenario(data: Any) -> Scenario:
         sched = SchedulerConfig(**sched_kwargs)
         cache = CacheConfig(block_size=s.get("block_size", 16), num_gpu_blocks=s["num_gpu_blocks"],
                             enable_prefix_caching=bool(s.get("enable_prefix_caching", False)))
-    except ValueError as e:
-        raise ValueError(f"settings.{e}") from None
+    except ConfigError as e:
+        raise e.within("settings") from None
     reqs = data["requests"]
     if not isinstance(reqs, list):
-        raise ValueError("requests: must be a list")
+        raise ConfigError("requests", "must be a list")
     out, seen = [], set()
     for i, r in enumerate(reqs):
         where = f"requests[{i}]"
         if not isinstance(r, dict):
-            raise ValueError(f"{where}: must be an object")
+            raise ConfigError(f"{where}", "must be an object")
         unknown = set(r) - REQUEST_KEYS
         if unknown:
-            raise ValueError(f"{where}.{sorted(unknown)[0]}: unknown key (allowed: {sorted(REQUEST_KEYS)})")
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}", f"unknown key (allowed: {sorted(REQUEST_KEYS)})")
         if "id" not in r:
-            raise ValueError(f"{where}.id: required")
+            raise ConfigError(f"{where}.id", "required")
         rid = str(r["id"])
         if rid in seen:
-            raise ValueError(f"{where}.id: duplicate id {rid!r}")
+            raise ConfigError(f"{where}.id", f"duplicate id {rid!r}")
         seen.add(rid)
         if "prompt_token_ids" in r:
             ids = r["prompt_token_ids"]
             if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise ValueError(f"{where}.prompt_token_ids: must be a non-empty list of token ids >= 0")
+                raise ConfigError(f"{where}.prompt_token_ids", "must be a non-empty list of token ids >= 0")
             prompt = list(ids)
         elif "prompt_len" in r:
             prompt = synthetic_prompt(_req_int(r, "prompt_len", where, minimum=1),
                                       _req_int(r, "prompt_seed", where, 0), r.get("prefix_token_ids"))
         else:
-            raise ValueError(f"{where}.prompt_token_ids: required (or prompt_len)")
+            raise ConfigError(f"{where}.prompt_token_ids", "required (or prompt_len)")
         arrival_time = r.get("arrival_time")
         if arrival_time is not None and not isinstance(arrival_time, (int, float)):
-            raise ValueError(f"{where}.arrival_time: must be a number, got {arrival_time!r}")
+            raise ConfigError(f"{where}.arrival_time", f"must be a number, got {arrival_time!r}")
         out.append(ScenarioRequest(
             id=rid, arrival_step=_req_int(r, "arrival_step", where, 0), prompt_token_ids=prompt,
             max_tokens=_req_int(r, "max_tokens", where, 16, minimum=1),
@@ -125,7 +126,7 @@ def load_scenario(path: str) -> Scenario:
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise ValueError(f"scenario: file not found: {path}") from None
+        raise ConfigError("scenario", f"file not found: {path}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"scenario: {path} is not valid JSON ({e})") from None
+        raise ConfigError("scenario", f"{path} is not valid JSON ({e})") from None
     return parse_scenario(data)

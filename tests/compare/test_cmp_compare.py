@@ -1,6 +1,7 @@
 """`servetwin compare` on tiny-llama: offline (identical steps, all keys), online, and refusing a mismatch."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -162,19 +163,19 @@ def test_contended_repeats_are_flagged_and_retried(tmp_path, monkeypatch):
     real = cmpmod.cpu_timed
     calls = {"n": 0}
 
-    def first_run_starved(engine, cpu_s):  # the first measured run "loses its CPU" in every step
+    @contextlib.contextmanager
+    def first_run_starved(executor, cpu_s):  # the first measured run "loses its CPU" in every step
         calls["n"] += 1
-        real(engine, cpu_s)
-        if calls["n"] == 1:
-            step = engine.step
-
-            def starved(*a, **k):
-                result = step(*a, **k)
-                if result.scheduled is not None:
-                    cpu_s[result.scheduled.step] = 0.0
-                return result
-
-            engine.step = starved
+        with real(executor, cpu_s):
+            if calls["n"] != 1:
+                yield
+                return
+            starve = lambda so, out: cpu_s.__setitem__(so.step, 0.0)  # noqa: E731  (after the real one)
+            executor.step_observers.append(starve)
+            try:
+                yield
+            finally:
+                executor.step_observers.remove(starve)
 
     monkeypatch.setattr(cmpmod, "cpu_timed", first_run_starved)
     cfg = tiny_config(tmp_path / "off.yaml")
