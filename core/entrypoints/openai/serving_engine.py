@@ -1,0 +1,244 @@
+"""What both OpenAI endpoints share (vLLM's `serving_engine.py`): the server state (the engine, loaded in
+the background), sampling parameters from a request, tokenisation with the context-length check,
+submission, and the stream plumbing (merging n > 1 prompts, disconnect watching, priming the first
+output so that a request the engine refuses still gets a proper 400)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator, Callable, Optional
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from servetwin.core.engine.async_llm import AsyncLLM
+from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.request_output import RequestOutput
+from servetwin.core.entrypoints.openai.protocol import APIError, CommonRequest, bad_request_from
+from servetwin.core.sampling_params import MAX_STOP_STRINGS_API, SamplingParams
+
+logger = logging.getLogger("servetwin.server")
+
+json_encoder = msgspec.json.Encoder()
+
+
+# -- the server state ---------------------------------------------------------------------------------
+class ServerState:
+    def __init__(self, args: EngineArgs, model_name: str, engine_kwargs: dict[str, Any]) -> None:
+        self.args = args
+        self.model_name = model_name
+        self.engine_kwargs = engine_kwargs
+        self.engine: Optional[AsyncLLM] = None
+        self.startup_error: Optional[BaseException] = None
+        self.closing = False
+        self.on_startup_failure: Optional[Callable[[BaseException], None]] = None
+        self.created = int(time.time())
+
+    async def start_engine(self) -> None:
+        try:
+            engine = await asyncio.to_thread(AsyncLLM, self.args, model_name=self.model_name, **self.engine_kwargs)
+        except asyncio.CancelledError:
+            if self.closing:  # the server stopped while the engine was loading: not a start-up failure
+                return
+            raise
+        except BaseException as e:  # noqa: BLE001
+            self.startup_error = e
+            logger.error("engine start-up failed: %s: %s", type(e).__name__, e)
+            if self.on_startup_failure is not None:
+                self.on_startup_failure(e)
+            return
+        if self.closing:
+            engine.shutdown()
+            return
+        self.engine = engine
+        logger.info("engine ready (pid %s): %s", engine.client.engine_pid, engine.config)
+
+    def ready_engine(self) -> AsyncLLM:
+        if self.engine is None:
+            if self.startup_error is not None:
+                raise APIError(f"engine failed to start: {self.startup_error}", None, 503, "ServiceUnavailableError")
+            raise APIError("the engine is still starting", None, 503, "ServiceUnavailableError")
+        if self.engine.errored:
+            raise APIError(f"engine is dead: {self.engine.dead_error}", None, 503, "ServiceUnavailableError")
+        return self.engine
+
+
+# -- helpers --------------------------------------------------------------------------------------------
+def sse(obj: Any) -> bytes:
+    return b"data: " + json_encoder.encode(obj) + b"\n\n"
+
+
+def token_str(tokenizer: Any, tid: int) -> str:
+    if tokenizer is None:
+        return f"token_id:{tid}"
+    return tokenizer.decode([tid])
+
+
+def common_params(req: CommonRequest, max_tokens: Optional[int], logprobs: Optional[int],
+                   prompt_logprobs: Optional[int], max_logprobs: int) -> SamplingParams:
+    if req.n < 1:
+        raise APIError(f"n: must be >= 1, got {req.n}", "n")
+    stop = req.stop
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS_API:
+        raise APIError(f"stop: at most {MAX_STOP_STRINGS_API} stop strings are allowed, got {len(stop)}", "stop")
+    if req.logit_bias:
+        raise APIError("logit_bias: not supported by servetwin", "logit_bias")
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and max_logprobs != -1 and value > max_logprobs:
+            raise APIError(f"{name}: requested {value} logprobs, more than max_logprobs={max_logprobs}", name)
+    kwargs: dict[str, Any] = dict(
+        n=req.n, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
+        min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise bad_request_from(e) from None
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams; cancelling the merge cancels (and aborts) them all."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, coro: Any) -> Any:
+    """Run `coro`; if the client goes away first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+_END = object()
+
+
+async def _next_or_end(it: AsyncIterator[Any]) -> Any:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def prime(request: Request, merged: AsyncIterator[tuple[int, RequestOutput]], default_param: str,
+                 aliases: Optional[dict[str, str]] = None) -> Any:
+    """Wait for the first output, so a request the engine refuses still gets a proper 400."""
+    try:
+        first = await unless_disconnected(request, _next_or_end(merged))
+    except ValueError as e:
+        raise bad_request_from(e, default_param, aliases) from None
+    if isinstance(first, Response):
+        with contextlib.suppress(Exception):
+            await merged.aclose()
+    return first
+
+
+async def chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is _END:
+        return
+    yield first
+    async for item in rest:
+        yield item
+
+class OpenAIServing:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in (self.state.model_name, self.state.args.model):
+            raise APIError(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
+
+    def _tokenize(self, engine: AsyncLLM, prompts: list[Any], params: SamplingParams, max_tokens_param: str,
+                  aliases: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+        """Tokenise every prompt and check that prompt + max_tokens fits max_model_len: a 400 like vLLM's
+        server (the offline `LLM` caps the output at max_model_len instead)."""
+        out = []
+        for prompt in prompts:
+            try:
+                text, ids = engine.input_processor.tokenize(prompt)
+            except ValueError as e:
+                raise bad_request_from(e, "prompt", aliases) from None
+            max_len = engine.max_model_len
+            if params.max_tokens is not None and 0 < len(ids) < max_len and len(ids) + params.max_tokens > max_len:
+                raise APIError(f"{max_tokens_param}: '{max_tokens_param}' is too large: {params.max_tokens}. This "
+                               f"model's maximum context length is {max_len} tokens and your request has "
+                               f"{len(ids)} input tokens ({params.max_tokens} > {max_len} - {len(ids)}).",
+                               max_tokens_param)
+            out.append({"prompt": text, "prompt_token_ids": ids})
+        return out
+
+    def _submit(self, engine: AsyncLLM, prompts: list[Any], params: SamplingParams, priority: int,
+                base_id: str, aliases: Optional[dict[str, str]] = None) -> list[Any]:
+        collectors = []
+        try:
+            with engine.client.batched():  # every prompt of the request reaches the engine together
+                for i, prompt in enumerate(prompts):
+                    collectors.append(engine.add_request(f"{base_id}-{i}", prompt, params, priority=priority))
+        except ValueError as e:
+            for c in collectors:
+                engine.abort(c.request_id)
+            raise bad_request_from(e, "prompt", aliases) from None
+        except Exception:
+            for c in collectors:
+                engine.abort(c.request_id)
+            raise
+        return collectors
+
+
+__all__ = ["ServerState", "OpenAIServing", "sse", "token_str", "common_params", "merge_streams",
+           "unless_disconnected", "prime", "chain", "json_encoder"]
