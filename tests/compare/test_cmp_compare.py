@@ -164,18 +164,20 @@ def test_contended_repeats_are_flagged_and_retried(tmp_path, monkeypatch):
     calls = {"n": 0}
 
     @contextlib.contextmanager
-    def first_run_starved(executor, cpu_s):  # the first measured run "loses its CPU" in every step
+    def first_run_starved(executor, cpu_s):
+        """The first measured run "loses its CPU" in every step, the others get all of it (set through
+        the executor's step_observers after the real one, so the machine's own load does not matter)."""
         calls["n"] += 1
+        starved = calls["n"] == 1
         with real(executor, cpu_s):
-            if calls["n"] != 1:
-                yield
-                return
-            starve = lambda so, out: cpu_s.__setitem__(so.step, 0.0)  # noqa: E731  (after the real one)
-            executor.step_observers.append(starve)
+            def fake_cpu(so, out):
+                cpu_s[so.step] = 0.0 if starved else out.timing.duration_s
+
+            executor.step_observers.append(fake_cpu)
             try:
                 yield
             finally:
-                executor.step_observers.remove(starve)
+                executor.step_observers.remove(fake_cpu)
 
     monkeypatch.setattr(cmpmod, "cpu_timed", first_run_starved)
     cfg = tiny_config(tmp_path / "off.yaml")
