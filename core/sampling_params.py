@@ -164,6 +164,11 @@ class SamplingParams:
     def all_stop_token_ids(self) -> set[int]:
         return self._all_stop_token_ids
 
+    @all_stop_token_ids.setter
+    def all_stop_token_ids(self, ids: set[int]) -> None:
+        """Restore the set computed in another process (`servetwin.core.engine.messages`)."""
+        self._all_stop_token_ids = set(ids)
+
     def update_from_generation_config(self, eos_token_ids: Optional[list[int] | int]) -> None:
         """Apply the model's EOS ids (primary first), as vLLM's input processor does."""
         if eos_token_ids is None:

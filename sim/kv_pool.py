@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.engine.executor import ExecutorInfo
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len, num_blocks_for_memory
+from servetwin.sim.executor import SimExecutor
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
 
@@ -74,9 +76,8 @@ def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_m
 
 
 def build_sim_executor(args: Any):
-    """`servetwin.core.engine.engine_factory` hook for `backend="sim"` (args: `servetwin.core.engine.engine_args.EngineArgs`)."""
-    from servetwin.core.engine.engine_factory import ExecutorInfo  # noqa: PLC0415
-    from servetwin.sim.executor import SimExecutor  # noqa: PLC0415
+    """The `sim` backend's `ExecutorBackend.from_engine_args` (args: `EngineArgs`): size the pool, build the
+    `SimExecutor`."""
 
     model = load_model_spec(args.model, dtype=None if args.dtype in (None, "auto") else args.dtype)
     hw = load_hardware(args.hardware or "h100-sxm")

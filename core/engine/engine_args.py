@@ -7,13 +7,14 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.engine.executor import registered_backends
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 
 @dataclass(slots=True)
 class EngineArgs:
     model: str = "tiny-llama"
-    backend: str = "torch"  # "torch" | "sim" | "fake"
+    backend: str = "torch"  # a registered executor backend: "torch" | "sim" | "fake" | a plugin's
     tokenizer: Optional[str] = None
     skip_tokenizer_init: bool = False
     dtype: str = "auto"
@@ -53,8 +54,10 @@ class EngineArgs:
         args = cls(**kwargs)
         if args.num_gpu_blocks_override is not None and args.num_gpu_blocks is None:
             args.num_gpu_blocks = args.num_gpu_blocks_override
-        if args.backend not in ("torch", "sim", "fake"):
-            raise ConfigError("backend", f"must be 'torch', 'sim' or 'fake', got {args.backend!r}")
+        registered = registered_backends()
+        if args.backend not in registered:
+            raise ConfigError("backend", f"must be a registered executor backend ({', '.join(map(repr, registered))}), "
+                                         f"got {args.backend!r}")
         if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {args.tensor_parallel_size!r}")
         if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
