@@ -3,8 +3,8 @@ steps per second and requests per second.
 
 Target: >= 1000x real time; below 200x is reported as a failure. For scale, Vidur 0.0.26 manages
 about 15x on a similar workload on this machine class. The simulator runs steady decodes implicitly
-(core/lazy_decode.py, exact); `--variants` also runs without them, and in sync scheduling with the
-decode fast-forward (sim/fast_forward.py) and step by step.
+(sim/scheduler.py + sim/lazy_decode.py, exact); `--variants` also runs without them, and in sync
+scheduling with the decode fast-forward (sim/fast_forward.py) and step by step.
 `--breakdown` also runs the same requests (arrivals, prompts) with one output token each - the
 per-request and per-step floor (admission, prefix hashing, prefill, completion, one engine step per
 arrival) - and splits the wall time into that floor and the per-row cost of decode steps.
@@ -12,13 +12,25 @@ arrival) - and splits the wall time into that floor and the per-row cost of deco
 `--bounds` times, alone, the prefix-cache block hashes vLLM's state holds (one sha256 per full block)
 plus one SimPy event and one cost-model prediction per step, and prints the speed that work caps.
 
+`--compare DIR` times another checkout of servetwin (e.g. `git worktree add /tmp/before <commit>`)
+side by side with this one on the same config, "as configured": `--repeats` fresh processes each,
+interleaved (before, after, after, before, ...) so the machine's drift hits both alike; it prints
+every run, the medians and the ratio.
+
 Usage: python benchmarks/sim_speed.py [--requests N] [--variants] [--breakdown] [--bounds]
+       python benchmarks/sim_speed.py --compare DIR [--repeats 3] [--requests N]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,9 +74,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="also the one-output-token floor run and the wall-time split")
     ap.add_argument("--bounds", action="store_true",
                     help="also time vLLM's block hashes and the per-step minimum alone")
+    ap.add_argument("--compare", metavar="DIR", help="time this other servetwin checkout side by side")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per checkout with --compare (default 3)")
     args = ap.parse_args(argv)
     cfg = yaml.safe_load(open(args.config))
     n = args.requests or cfg["workload"]["requests"]
+    if args.compare:
+        compare(Path(args.compare).resolve(), args.config, n, args.repeats)
+        return
     async_cfg = bool(cfg["engine"].get("async_scheduling", False))
     cases = [("as configured", async_cfg, True, True)]
     if args.variants:
@@ -85,6 +102,67 @@ def main(argv: list[str] | None = None) -> None:
         breakdown(cfg, n, results[0])
     if args.bounds:
         bounds(cfg, n, results[0])
+
+
+# A fresh interpreter that imports `servetwin` from checkout CHECKOUT (the repo root is the package:
+# a folder holding a `servetwin` link to it goes first on sys.path) and runs that checkout's own
+# `benchmarks/sim_speed.py:run_once` on the config as configured.
+_CHILD = """
+import importlib.util, json, os, sys, yaml
+link_dir, checkout, config, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+sys.path.insert(0, link_dir)
+import servetwin
+import servetwin.core.sched.scheduler as scheduler_module
+assert os.path.realpath(scheduler_module.__file__).startswith(checkout + "/"), (scheduler_module.__file__, checkout)
+spec = importlib.util.spec_from_file_location("sim_speed_under_test", checkout + "/benchmarks/sim_speed.py")
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+cfg = yaml.safe_load(open(config))
+r = mod.run_once(cfg, n, bool(cfg["engine"].get("async_scheduling", False)), True)
+print(json.dumps(r))
+"""
+
+
+def _run_checkout(checkout: Path, config: str, n: int) -> dict:
+    """The child's figures, plus `cpu_s`: its whole CPU time (imports and workload build included),
+    which a shared machine's other load disturbs less than the wall time."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with tempfile.TemporaryDirectory() as link_dir:
+        os.symlink(checkout, os.path.join(link_dir, "servetwin"))
+        env = dict(os.environ, PYTHONPATH="")
+        out = subprocess.run([sys.executable, "-c", _CHILD, link_dir, str(checkout), config, str(n)],
+                             capture_output=True, text=True, env=env, cwd=link_dir)
+    if out.returncode != 0:
+        raise SystemExit(f"--compare: the run of {checkout} failed:\n{out.stderr[-4000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return r
+
+
+def compare(other: Path, config: str, n: int, repeats: int) -> None:
+    """Medians of `repeats` interleaved runs of `other` ("before") and this checkout ("after")."""
+    if not (other / "benchmarks" / "sim_speed.py").is_file() or not (other / "__init__.py").is_file():
+        raise SystemExit(f"--compare: {other} is not a servetwin checkout (no benchmarks/sim_speed.py)")
+    checkouts = {"before": other, "after": ROOT}
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    print(f"{Path(config).name}: {n} requests, as configured; before = {other}, after = {ROOT}")
+    print(f"{'run':<10}{'checkout':<10}{'wall s':>9}{'x real time':>13}{'steps/s':>10}{'process cpu s':>15}")
+    for i in range(repeats):
+        for label in (("before", "after") if i % 2 == 0 else ("after", "before")):
+            r = _run_checkout(checkouts[label], config, n)
+            runs[label].append(r)
+            print(f"{i + 1:<10}{label:<10}{r['wall_s']:>9.2f}{r['x']:>13.1f}{r['steps_per_s']:>10.0f}"
+                  f"{r['cpu_s']:>15.2f}", flush=True)
+    if runs["before"][0]["steps"] != runs["after"][0]["steps"] or \
+            runs["before"][0]["simulated_s"] != runs["after"][0]["simulated_s"]:
+        print("note: the two checkouts simulate different runs (steps or simulated time differ)")
+    med = {label: statistics.median(r["x"] for r in rs) for label, rs in runs.items()}
+    cpu = {label: statistics.median(r["cpu_s"] for r in rs) for label, rs in runs.items()}
+    print(f"median x real time: before {med['before']:.1f}, after {med['after']:.1f}, "
+          f"after/before {med['after'] / med['before']:.3f} (> 1: after is faster)")
+    print(f"median process cpu s: before {cpu['before']:.2f}, after {cpu['after']:.2f}, "
+          f"after/before {cpu['after'] / cpu['before']:.3f} (< 1: after is faster)")
 
 
 def breakdown(cfg: dict, n: int, full: dict) -> None:

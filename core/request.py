@@ -62,7 +62,7 @@ class Request:
         "num_computed_tokens", "block_hashes", "_block_hasher", "cache_salt", "lora_request",
         "skip_reading_prefix_cache", "stop_reason", "num_preemptions", "is_prefill_chunk",
         "num_output_placeholders", "num_in_flight_tokens", "num_stale_output_tokens",
-        "num_cached_tokens", "parent_id", "events", "_next_hash_at", "_hash_block_size", "running_seq",
+        "num_cached_tokens", "parent_id", "events", "_next_hash_at", "_hash_block_size",
         "__weakref__",
     )
 
@@ -113,7 +113,6 @@ class Request:
         self._block_hasher: Optional[BlockHasher] = None
         self._hash_block_size = 0
         self._next_hash_at = 1 << 62
-        self.running_seq = -1  # order of (re)admission into the running list
         if block_hasher is not None:
             self.set_block_hasher(block_hasher, hash_block_size)
 

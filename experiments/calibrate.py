@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from servetwin.sim.coefficients import BASIS_TERMS
+from servetwin.sim.coefficients import BASIS_TERMS, GPU_ONLY_TERMS
 
 CONTENDED_BELOW = 0.9
 MEASURED_QUANTITY = ("wall time of one EngineCore.step() (schedule + execute_model + update_from_output), "
@@ -281,9 +281,11 @@ def step_rows(steps, step_requests) -> tuple[list[int], list[Any], np.ndarray, l
 
 def fit_terms(cost_model) -> list[str]:
     """Basis terms worth fitting on this backend (see the module docstring)."""
-    terms = [t for t in BASIS_TERMS if t not in ("comm", "ipc_step", "ipc_req")]
+    terms = [t for t in BASIS_TERMS if t not in ("comm", "ipc_step", "ipc_req") + GPU_ONLY_TERMS]
     if not cost_model.cuda_graphs:
         terms.remove("layer")  # always L on an eager backend: collinear with `step`
+    else:
+        terms[terms.index("layer")] = "layer_piecewise"  # graphs on: steps outside a full graph
     if cost_model.tp > 1:
         terms.append("comm")
     return terms
@@ -426,6 +428,9 @@ def calibration_document(base: str, cal: CalibrationFit, provenance: dict[str, A
     coeffs = cal.fit.to_coefficients(hw.coefficients).to_dict()
     if "layer" not in cal.terms:  # eager backend: the per-layer launch cost is inside `step`
         coeffs["c_layer"] = 0.0
+    for term in GPU_ONLY_TERMS:  # not fitted: what they stand for is inside the fitted terms now
+        if term not in cal.terms:
+            coeffs[f"c_{term}"] = 0.0
     doc: dict[str, Any] = {
         "base": base,
         "name": name or f"{hw.name}-{provenance.get('model', 'model')}-calibrated",
@@ -433,6 +438,8 @@ def calibration_document(base: str, cal: CalibrationFit, provenance: dict[str, A
         "peak_flops_bf16": hw.peak_flops_bf16, "peak_flops_fp32": hw.peak_flops_fp32,
         "memory_bandwidth": hw.memory_bandwidth, "memory_bytes": hw.memory_bytes,
         "interconnect_bandwidth": hw.interconnect_bandwidth, "interconnect_latency_s": hw.interconnect_latency_s,
+        "peak_flops_fp8": hw.peak_flops_fp8,
+        "efficiency": hw.efficiency.to_dict(),  # the basis the coefficients were fitted on
         "coefficients": {k: float(v) for k, v in coeffs.items()},
         "provenance": provenance,
     }

@@ -129,6 +129,14 @@ def _choice(*allowed: str) -> Callable[[Any, str], str]:
     return check
 
 
+def _optional_choice(*allowed: str) -> Callable[[Any, str], Optional[str]]:
+    def check(v: Any, path: str) -> Optional[str]:
+        if v is not None and v not in allowed:
+            raise ConfigError(path, f"must be null or one of {', '.join(map(repr, allowed))}, got {_fmt(v)}")
+        return v
+    return check
+
+
 def _device(v: Any, path: str) -> str:
     if not isinstance(v, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
         raise ConfigError(path, f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {_fmt(v)}")
@@ -210,6 +218,8 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "scheduler_reserve_full_isl": _bool,
     "watermark": _float(0.0, 1.0, high_open=True),
     "kv_cache_memory_bytes": _int(1, nullable=True),
+    "quantization": _optional_choice("fp8"),
+    "kv_cache_dtype": _choice("auto", "fp8"),
     "attention_backend": _choice(*ATTENTION_BACKENDS),
     "device": _device,
 }
@@ -482,6 +492,19 @@ def _check_hardware(exp: ExperimentConfig) -> None:
     load_model_spec(exp.model)
 
 
+SIM_ONLY_ENGINE_ARGS = {"quantization": None, "kv_cache_dtype": "auto"}  # name -> the value every backend runs
+
+
+def _check_sim_only_engine_args(exp: ExperimentConfig) -> None:
+    for backend in exp.backends:
+        if backend == "sim":
+            continue
+        for key, plain in SIM_ONLY_ENGINE_ARGS.items():
+            if exp.engine.given.get(key, plain) != plain:
+                raise ConfigError(f"engine.{key}", f"{exp.engine.given[key]!r} is simulated only (the {backend} "
+                                                   "backend runs the model's own dtype); use backends: [sim]")
+
+
 def _check_engine_semantics(exp: ExperimentConfig) -> None:
     """Cross-field checks that need the model (cheap for the sim: sizes its KV pool, no torch)."""
     if "sim" not in exp.backends:
@@ -497,7 +520,8 @@ def _check_engine_semantics(exp: ExperimentConfig) -> None:
         raise engine_field_path(e) from None
 
 
-CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_hardware, _check_engine_semantics)
+CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _check_hardware,
+                                                                 _check_engine_semantics)
 
 
 def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "experiment") -> ExperimentConfig:
@@ -732,8 +756,9 @@ def load_yaml(path: str | Path) -> Any:
 
 
 def load_config(path: str | Path, overrides: Optional[list[str]] = None, requests: Optional[int] = None,
-                notes: Optional[list[str]] = None) -> ExperimentConfig:
-    """Read, override (`--set`, `--requests`) and validate an experiment YAML file."""
+                notes: Optional[list[str]] = None, values: Optional[Mapping[str, Any]] = None) -> ExperimentConfig:
+    """Read, override (`--set` texts, `--requests`, `values`: dotted key -> value) and parse an experiment
+    YAML file. The result is parsed once: change a run by overriding here, not by editing the result."""
     p = Path(path)
     raw = load_yaml(p)
     if raw is None:
@@ -743,6 +768,8 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None, request
     for text in overrides or []:
         key, value = parse_override(text)
         set_dotted(raw, key, value)
+    for key, value in (values or {}).items():
+        set_dotted(raw, key, copy.deepcopy(value))
     if requests is not None:
         note = apply_requests_override(raw, requests)
         if note and notes is not None:

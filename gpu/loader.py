@@ -3,6 +3,11 @@
 `load_model(info, dtype, device)` builds the module on the meta device, materialises it on `device`
 and copies every tensor in, packing q/k/v into `qkv_proj` and gate/up into `gate_up_proj`. A tied
 `lm_head.weight` in the checkpoint is ignored; any other missing or unexpected tensor is an error.
+
+A directory holding `config.json` and `servetwin_random_weights.json` (`{"seed": N}`) instead of
+weights is a random-weight model of that shape: its tensors are drawn directly on `device` (seeded,
+O(1) activations), so a timing run of a full-size model (e.g. Llama-3.1-8B's shape on a GPU) needs
+neither a checkpoint nor the disk or network to hold one.
 """
 from __future__ import annotations
 
@@ -105,6 +110,24 @@ def load_weights(model: DecoderLM, path: Path) -> None:
         raise ValueError(f"checkpoint: {len(missing)} tensors missing in {path}: {missing[:8]}")
 
 
+RANDOM_WEIGHTS_MARKER = "servetwin_random_weights.json"
+
+
+@torch.no_grad()
+def randomize_weights(model: DecoderLM, seed: int) -> None:
+    """Seeded random weights drawn on the model's device: norms ~1, matrices scaled by 1/sqrt(fan-in)."""
+    for i, (name, p) in enumerate(model.named_parameters()):
+        gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i)
+        if name.endswith("norm.weight"):
+            p.normal_(1.0, 0.1, generator=gen)
+        elif name.endswith(".bias"):
+            p.normal_(0.0, 0.1, generator=gen)
+        elif "embed_tokens" in name:
+            p.normal_(0.0, 1.0, generator=gen)
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+
+
 def load_model(info: ModelInfo | str, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", max_positions: Optional[int] = None) -> DecoderLM:
     """Our `DecoderLM` with the checkpoint's weights, in `dtype` on `device`, in eval mode."""
@@ -114,9 +137,14 @@ def load_model(info: ModelInfo | str, dtype: torch.dtype = torch.float32,
     max_positions = max_positions or info.decoder_config.max_position_embeddings
     with torch.device("meta"):
         model = DecoderLM(info.decoder_config, max_positions, info.hf_config)
-    model = model.to_empty(device=device)
-    model.rotary.reset_cache()
-    load_weights(model, info.path)
+    marker = info.path / RANDOM_WEIGHTS_MARKER
+    if marker.exists():  # drawn in the target dtype on the device: no fp32 copy of a full-size model
+        model = model.to(dtype).to_empty(device=device)
+        randomize_weights(model, int(json.loads(marker.read_text()).get("seed", 0)))
+    else:
+        model = model.to_empty(device=device)
+        model.rotary.reset_cache()
+        load_weights(model, info.path)
     model = model.to(dtype)  # buffers: only floating params/buffers change; rope caches are re-made below
     model.rotary.reset_cache()
     logger.info("loaded %s (%s) from %s: %.1fM params, %s on %s", info.name, info.decoder_config.model_type,

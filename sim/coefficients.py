@@ -1,22 +1,51 @@
-"""`CostCoefficients`: the non-negative weights of the cost model's basis terms (data, not code).
+"""The cost model's data: `Efficiency` (physical efficiencies per kernel class) and `CostCoefficients`
+(the non-negative weights of the basis terms). Data, not code: presets and hardware YAML files carry
+both, with a provenance record per value (`HardwareSpec.provenance["coefficients"]`).
 
-The predicted step time is `sum(c_k * basis_k for k in BASIS_TERMS)`; `basis_k` is computed by
-`servetwin.sim.cost_model.CostModel.basis` and the coefficient of term `k` is the field `c_<k>`.
+`Efficiency` says how close each kernel class gets to the datasheet: a compute fraction of the dense
+peak, a bandwidth fraction of the datasheet memory bandwidth, and - where the physics says the shape
+matters - a half-saturation size (the shape at which the kernel reaches half its compute fraction).
+All fields at their defaults (1.0 and 0) give the ideal datasheet roofline, which is what every
+hardware file written before efficiencies existed gets (its `CostCoefficients` were fitted on that).
 
-| term           | basis value (per step)                             | coefficient unit           |
-|----------------|----------------------------------------------------|----------------------------|
-| `step`         | 1                                                  | s per step                 |
-| `req`          | scheduled requests                                 | s per request              |
-| `token`        | scheduled tokens (host-side input preparation)     | s per token                |
-| `layer`        | L when the step runs eagerly, 0 under a CUDA graph | s per layer (launches)     |
-| `linear`       | roofline seconds of the dense layers               | 1 / efficiency             |
-| `attn_prefill` | roofline seconds of attention for q > 1 rows       | 1 / efficiency             |
-| `attn_decode`  | roofline seconds of attention for q = 1 rows       | 1 / efficiency             |
-| `attn_shared`  | bandwidth seconds of KV reads of shared blocks     | 1 / efficiency             |
-| `lm_head`      | roofline seconds of the LM head + logits           | 1 / efficiency             |
-| `comm`         | tensor-parallel collective seconds                 | 1 / efficiency             |
-| `ipc_step`     | 1 with a multi-process front end, else 0           | s per step                 |
-| `ipc_req`      | scheduled requests with a multi-process front end  | s per request              |
+| field                     | kernel class              | meaning                                              |
+|---------------------------|---------------------------|------------------------------------------------------|
+| `gemm_compute`            | dense GEMMs, LM head      | fraction of dense peak a large GEMM reaches (MAMF)    |
+| `gemm_half_m`             | dense GEMMs, LM head      | token count M at which a GEMM reaches half of it     |
+| `gemm_bandwidth`          | weight streaming, elementwise | fraction of datasheet bandwidth                  |
+| `attn_prefill_compute`    | prefill attention         | fraction of peak at long keys-per-query              |
+| `attn_prefill_half_kv`    | prefill attention         | keys per query at which it reaches half of it        |
+| `attn_prefill_bandwidth`  | prefill attention KV I/O  | fraction of datasheet bandwidth                      |
+| `attn_decode_compute`     | decode attention          | fraction of peak                                     |
+| `attn_decode_bandwidth`   | decode attention KV reads | fraction of datasheet bandwidth (paged, per-request) |
+| `comm_bandwidth`          | TP all-reduce/all-gather  | NCCL bus bandwidth / link bandwidth                  |
+
+`CostCoefficients`: the predicted step time is `sum(c_k * basis_k for k in BASIS_TERMS)`; `basis_k` is
+computed by `servetwin.sim.cost_model.CostModel.basis` and the coefficient of term `k` is the field
+`c_<k>`. Roofline terms are seconds already (efficiencies applied), so their coefficient is a
+dimensionless correction (1.0 = the physics as stated); the rest are seconds per unit.
+
+| term              | basis value (per step)                                  | coefficient unit        |
+|-------------------|---------------------------------------------------------|-------------------------|
+| `step`            | 1                                                       | s per step (engine CPU) |
+| `req`             | scheduled requests                                      | s per request           |
+| `token`           | scheduled tokens (host-side input preparation)          | s per token             |
+| `layer`           | L when CUDA graphs are off (eager launches), else 0     | s per layer             |
+| `layer_piecewise` | L for a step outside a full CUDA graph while graphs are on | s per layer          |
+| `linear`          | roofline seconds of the dense GEMMs                     | correction              |
+| `elementwise`     | bandwidth seconds of norms, rope, activation, residuals | correction              |
+| `attn_prefill`    | roofline seconds of attention for q > 1 rows            | correction              |
+| `attn_decode`     | roofline seconds of attention for q = 1 rows            | correction              |
+| `attn_shared`     | bandwidth seconds of KV reads of shared blocks          | correction              |
+| `lm_head`         | roofline seconds of the LM head + logits                | correction              |
+| `sampler`         | bandwidth seconds of the sampler's passes over logits   | correction              |
+| `comm`            | tensor-parallel collective seconds                      | correction              |
+| `tp_step`         | 1 when tp > 1 (driver -> worker broadcast, sync)        | s per step              |
+| `ipc_step`        | 1 with a multi-process front end, else 0                | s per step              |
+| `ipc_req`         | scheduled requests with a multi-process front end       | s per request           |
+
+Terms added after the first calibrations (`layer_piecewise`, `elementwise`, `sampler`, `tp_step`)
+default to 0 so that older files predict what they always did.
 """
 from __future__ import annotations
 
@@ -24,10 +53,51 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
 from servetwin.core.config_error import ConfigError
-from servetwin.sim.validate import check_keys, check_mapping, non_negative
+from servetwin.sim.validate import check_keys, check_mapping, non_negative, positive
 
-BASIS_TERMS: tuple[str, ...] = ("step", "req", "token", "layer", "linear", "attn_prefill",
-                                "attn_decode", "attn_shared", "lm_head", "comm", "ipc_step", "ipc_req")
+BASIS_TERMS: tuple[str, ...] = ("step", "req", "token", "layer", "layer_piecewise", "linear", "elementwise",
+                                "attn_prefill", "attn_decode", "attn_shared", "lm_head", "sampler", "comm",
+                                "tp_step", "ipc_step", "ipc_req")
+# terms only a GPU step has (a CPU calibration leaves them out of its fit)
+GPU_ONLY_TERMS: tuple[str, ...] = ("layer_piecewise", "elementwise", "sampler", "tp_step")
+
+
+@dataclass(slots=True)
+class Efficiency:
+    gemm_compute: float = 1.0
+    gemm_half_m: float = 0.0
+    gemm_bandwidth: float = 1.0
+    attn_prefill_compute: float = 1.0
+    attn_prefill_half_kv: float = 0.0
+    attn_prefill_bandwidth: float = 1.0
+    attn_decode_compute: float = 1.0
+    attn_decode_bandwidth: float = 1.0
+    comm_bandwidth: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name.endswith(("_half_m", "_half_kv")):
+                setattr(self, f.name, non_negative(v, f"efficiency.{f.name}"))
+            else:
+                x = positive(v, f"efficiency.{f.name}")
+                if x > 1.0:
+                    raise ConfigError(f"efficiency.{f.name}", f"a fraction of the datasheet, must be <= 1, got {v!r}")
+                setattr(self, f.name, x)
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, cfg: Any, path: str = "efficiency", base: "Efficiency | None" = None) -> "Efficiency":
+        cfg = check_mapping(cfg, path)
+        check_keys(cfg, [f.name for f in fields(cls)], path)
+        values = base.to_dict() if base is not None else cls().to_dict()
+        values.update(cfg)
+        try:
+            return cls(**values)
+        except ConfigError as e:  # __post_init__ names the field under "efficiency"
+            raise ConfigError(path + e.path.removeprefix("efficiency"), e.message) from None
 
 
 @dataclass(slots=True)
@@ -36,12 +106,16 @@ class CostCoefficients:
     c_req: float = 0.0
     c_token: float = 0.0
     c_layer: float = 0.0
+    c_layer_piecewise: float = 0.0
     c_linear: float = 1.0
+    c_elementwise: float = 0.0
     c_attn_prefill: float = 1.0
     c_attn_decode: float = 1.0
     c_attn_shared: Optional[float] = None  # None: the same as c_attn_decode
     c_lm_head: float = 1.0
+    c_sampler: float = 0.0
     c_comm: float = 1.0
+    c_tp_step: float = 0.0
     c_ipc_step: float = 0.0
     c_ipc_req: float = 0.0
 
@@ -80,4 +154,3 @@ class CostCoefficients:
             # written before shared reads had a term of their own: they cost what any KV read costs
             values["c_attn_shared"] = values["c_attn_decode"]
         return cls(**values)
-

@@ -4,46 +4,64 @@ A step is a list of rows, one per scheduled request: `q` = tokens scheduled this
 already computed before the step (prefix-cache hits and earlier chunks included), `samples` = the
 chunk reaches the request's last known token (so the LM head and sampler run for it).
 
-Notation (per tensor-parallel rank): L layers, d hidden, V vocab, dh head dim,
-Hq = ceil(H/tp) query heads, Hk = ceil(H_kv/tp) KV heads, b bytes per element, P = dense peak
-FLOP/s for the model dtype, W = memory bandwidth, Wl = interconnect bandwidth, lat = collective
-latency, M = matmul weights of one layer (q, k, v, o, gate, up, down). Rows split by shape into
-prefill rows (q > 1) and decode rows (q = 1). T = scheduled tokens; T' = T padded up to the next
-CUDA-graph size when graphs are on and the step is decode-only (every q = 1) and T fits a graph;
-R = rows that sample. Every term is a roofline of the kernels it stands for (they run one after
-another, so their times add):
+Notation (per tensor-parallel rank): L layers, d hidden, V vocab, dh head dim, dff FFN width,
+Hq = ceil(H/tp) query heads, Hk = ceil(H_kv/tp) KV heads, bw = bytes per weight (1 with fp8
+weights), ba = bytes per activation element, bk = bytes per KV element (1 with kv_cache_dtype fp8),
+P = dense peak for the GEMM dtype (the fp8 peak for fp8 weights on a device with fp8 tensor cores,
+else bf16), Pa = the bf16 peak (attention), W = memory bandwidth, Wl = interconnect bandwidth,
+lat = collective latency, M = matmul weights of one layer (q, k, v, o, gate, up, down).
+Rows split by shape into prefill rows (q > 1) and decode rows (q = 1). T = scheduled tokens; T' = T
+padded up to the next CUDA-graph size when graphs are on and the step is decode-only (every q = 1)
+and T fits a graph; R = rows that sample.
 
-    linear       = max(2*T'*L*M/tp / P,  L*params_layer*b/tp / W)         weights read once per step
-    attn_prefill = max(L*4*Hq*dh*(sum q*s + (sum q^2 + sum q)/2) / P,      causal chunk after prefix
-                       L*2*Hk*dh*b*(sum (s+q) - S_pre + sum q) / W)        KV read + KV write
-    attn_decode  = max(L*4*Hq*dh*sum(s+1) / P,  L*2*Hk*dh*b*(sum (s+1) - S_dec + n_dec) / W)
-    attn_shared  = L*2*Hk*dh*b*(S_dec + S_pre) / W                          shared prefix blocks
-    lm_head      = max(2*R*d*V/tp / P,  (V*d*b + R*V*4)/tp / W)            one row per sampling row
-    comm         = 2L*(lat + 2(tp-1)/tp * T'*d*b / Wl)                      two ring all-reduces/layer
-                   + [R > 0] * (lat + (tp-1)/tp * R*V*b / Wl)               logits all-gather
-                   (0 when tp = 1)
-    layer        = L if the step runs eagerly, 0 when it replays a CUDA graph
-    step = 1, req = number of rows, token = T, ipc_step = [ipc], ipc_req = [ipc] * rows
+Efficiencies (`servetwin.sim.coefficients.Efficiency`, per kernel class, data with provenance):
+a compute fraction e and a bandwidth fraction u of the datasheet, and where the shape matters a
+half-saturation size h: a GEMM over M tokens reaches e*M/(M+h) of the peak (small token counts
+cannot fill the tensor cores: tile and wave quantisation), so its compute time is
+2*M*K*N / (P*e*M/(M+h)) = 2*K*N*(M + h) / (P*e) - as if every GEMM ran h extra rows. Prefill
+attention's efficiency depends on the keys each query attends to (chunk length and cached prefix
+together): x = pairs / sum q, e*x/(x+h), i.e. h extra keys per query. Each term is a roofline of the
+kernels it stands for (they run one after another, so their times add):
+
+    linear       = max(2*L*M*(T' + h_g)/tp / (P*e_g),  L*params_layer*bw/tp / (W*u_g))   weights read once
+    elementwise  = L*T*ba*(10d + 3*dff/tp + 2*(Hq + 2Hk)*dh) / (W*u_g)  norms, rope, SiLU*up, residuals
+    attn_prefill = max(L*4*Hq*dh*(pairs + h_a*sum q) / (Pa*e_a),                 causal chunk after prefix
+                       L*2*Hk*dh*bk*(sum (s+q) - S_pre + sum q) / (W*u_a))       KV read + KV write
+                   pairs = sum q*s + (sum q^2 + sum q)/2
+    attn_decode  = max(L*4*Hq*dh*sum(s+1) / (Pa*e_d),
+                       L*2*Hk*dh*bk*(sum (s+1) - S_dec + n_dec) / (W*u_d))       paged KV reads
+    attn_shared  = L*2*Hk*dh*bk*(S_dec + S_pre) / (W*u_d)                         shared prefix blocks
+    lm_head      = max(2*d*V*(R + h_g)/tp / (P*e_g),  (V*d*bw + R*V*4)/tp / (W*u_g))  sampling rows only
+    sampler      = SAMPLER_PASSES*R*V*4 / (W*u_g)                   fp32 passes over the logits
+    comm         = 2L*(lat + 2(tp-1)/tp * T'*d*ba / (Wl*u_c))       two ring all-reduces per layer
+                   + [R > 0] * (lat + (tp-1)/tp * R*V*ba / (Wl*u_c))  logits all-gather (0 when tp = 1)
+    layer        = L when CUDA graphs are off (every kernel launched from the host), else 0
+    layer_piecewise = L for a step outside a full CUDA graph while graphs are on (vLLM V1's
+                   piecewise graphs: attention is launched per layer), else 0
+    step = 1, req = number of rows, token = T, tp_step = [tp > 1], ipc_step = [ipc],
+    ipc_req = [ipc] * rows
 
     t_step = sum_k c_k * basis_k          (c_k >= 0, from `HardwareSpec.coefficients`)
 
-S = `shared_kv` tokens: KV of blocks that several scheduled requests hold (prefix-cache hits), counted
-once per extra holder (`SchedulerOutput.shared_kv_tokens`). Every row still reads them, but after
-the first read they may come from a cache (CPU caches, a GPU's L2), so their bytes have a term of
-their own; they are taken from the decode rows' reads first (S_dec = min(S, sum (s+1))), the rest
-from the prefill rows' cached prefixes (S_pre <= sum s). With c_attn_shared = c_attn_decode (and a
-memory-bound step) this equals pricing every read alike.
+The CPU terms (`step`, `req`, `token`) are the engine's own time per step (schedule, prepare inputs,
+sample bookkeeping, process outputs), which vLLM V1 without async scheduling does not overlap with
+the GPU. S = `shared_kv` tokens: KV of blocks that several scheduled requests hold (prefix-cache
+hits), counted once per extra holder (`SchedulerOutput.shared_kv_tokens`). Every row still reads
+them, but after the first read they may come from a cache (CPU caches, a GPU's L2), so their bytes
+have a term of their own; they are taken from the decode rows' reads first (S_dec = min(S, sum
+(s+1))), the rest from the prefill rows' cached prefixes (S_pre <= sum s).
 
-With every roofline multiplier c = 1 this is the ideal datasheet roofline plus fixed overheads;
-`servetwin.sim.calibration.fit_coefficients` fits the c_k by non-negative least squares from measured steps.
-Sums over rows (never means) keep skewed batches right.
+With every efficiency at 1 (h = 0) and every roofline coefficient 1 this is the ideal datasheet
+roofline plus fixed overheads; `servetwin.sim.calibration.fit_coefficients` fits the c_k by
+non-negative least squares from measured steps (the efficiencies stay fixed: they are the physics,
+the c_k the residual correction). Sums over rows (never means) keep skewed batches right.
 
 Monotonicity: more requests, longer cached contexts and longer chunks never lower the prediction
 of an eager step, and larger decode batches never lower it under CUDA graphs. Exceptions, both
 by design: (1) turning a decode row (q = 1) into a 2-token chunk moves its KV read into the
 prefill phase, where a compute-bound prefill hides it; (2) adding a chunk to a padded decode
-batch makes it run eagerly and unpadded, so the padding's GEMM work disappears (while the `layer`
-launch term appears).
+batch makes it run outside the full graph and unpadded, so the padding's GEMM work disappears
+(while the `layer_piecewise` launch term appears).
 """
 from __future__ import annotations
 
@@ -56,10 +74,13 @@ from typing import Any, Optional
 from servetwin.core.sched.output import SchedulerOutput
 from servetwin.core.outputs import StepTiming
 from servetwin.sim.coefficients import BASIS_TERMS, CostCoefficients
+from servetwin.core.kv_cache.kv_sizing import dtype_bytes
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
 
 LOGITS_BYTES = 4  # logits are materialised in fp32 for sampling
+SAMPLER_PASSES = 4  # fp32 passes over the logits: temperature, softmax, sample, logprob bookkeeping
+ELEMENTWISE_D = 10  # d-sized reads+writes per token per layer: 2 RMSNorms, 2 residual adds, rope
 
 
 def default_cuda_graph_sizes(max_size: int = 512) -> list[int]:
@@ -111,7 +132,7 @@ class StepSummary:
     def from_lists(cls, qs: Sequence[int], ss: Sequence[int], num_sampling: int,
                    implicit_decodes: int = 0, implicit_sum_s: int = 0, shared_kv: int = 0) -> "StepSummary":
         """From per-row scheduled tokens `qs`, computed-before tokens `ss` and the sampling count, plus
-        `implicit_decodes` sampling decode rows given only by their sum of `s` (core/lazy_decode.py)
+        `implicit_decodes` sampling decode rows given only by their sum of `s` (`SchedulerOutput.implicit_decodes`)
         and the step's `shared_kv` tokens."""
         p_reqs = p_q = p_q2 = p_qs = p_kv = 0
         d_reqs, d_s = implicit_decodes, implicit_sum_s
@@ -145,10 +166,15 @@ def _row_values(row: Any) -> tuple[int, int, bool]:
     return int(q), int(s), bool(rest[0]) if rest else True
 
 
+WEIGHT_QUANTIZATIONS = (None, "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
+
+
 class CostModel:
     def __init__(self, model: ModelSpec | str, hw: HardwareSpec | str, tp: int = 1,
                  cuda_graphs: Optional[bool] = None, graph_sizes: Optional[Sequence[int]] = None,
-                 ipc: bool = False, coefficients: Optional[CostCoefficients] = None) -> None:
+                 ipc: bool = False, coefficients: Optional[CostCoefficients] = None,
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto") -> None:
         self.model = load_model_spec(model)
         self.hw = load_hardware(hw)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -159,6 +185,10 @@ class CostModel:
         if tp > 1 and self.hw.interconnect_bandwidth <= 0:
             raise ValueError(f"tp: {tp} needs an interconnect, but hardware {self.hw.name!r} has "
                              "interconnect_bandwidth 0")
+        if quantization not in WEIGHT_QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {WEIGHT_QUANTIZATIONS[1:]} or None, got {quantization!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if cuda_graphs is None:
             cuda_graphs = self.hw.device_type == "cuda"
         if cuda_graphs and self.hw.device_type != "cuda":
@@ -170,17 +200,48 @@ class CostModel:
         self.cuda_graphs = bool(cuda_graphs)
         self.graph_sizes: list[int] = sizes if self.cuda_graphs else []
         self.ipc = bool(ipc)
+        self.quantization = quantization
+        self.kv_cache_dtype = kv_cache_dtype
         self.coefficients = coefficients if coefficients is not None else self.hw.coefficients
-        m, hw = self.model, self.hw
-        # the formula's per-step constants (model, hardware and tp are fixed from here on)
-        self._const = (m.num_layers, m.hidden_size, m.vocab_size, m.head_dim, m.dtype_bytes,
-                       hw.peak_flops(m.dtype), hw.memory_bandwidth, -(-m.num_heads // tp),
-                       -(-m.num_kv_heads // tp), tp, m.layer_matmul_params, m.layer_params,
-                       hw.interconnect_bandwidth, hw.interconnect_latency_s)
+        self._precompute()
+
+    def _precompute(self) -> None:
+        """The formula's per-shape constants: model, hardware, tp and dtypes are fixed from here on,
+        so `predict` is a handful of multiply-adds (it runs once per simulated step)."""
+        m, hw, e, tp = self.model, self.hw, self.hw.efficiency, self.tp
+        ba = m.dtype_bytes  # activations stay in the model dtype (fp8 runs W8A8 with bf16 outputs)
+        bw = 1 if self.quantization == "fp8" else ba
+        bk = 1 if self.kv_cache_dtype == "fp8" else (
+            ba if self.kv_cache_dtype == "auto" else dtype_bytes(self.kv_cache_dtype))
+        self.weight_bytes_per_param, self.kv_bytes_per_element = bw, bk
+        L, d, V, dh = m.num_layers, m.hidden_size, m.vocab_size, m.head_dim
+        hq, hk = -(-m.num_heads // tp), -(-m.num_kv_heads // tp)
+        peak_gemm = hw.peak_flops("fp8" if self.quantization == "fp8" and hw.has_fp8 else m.dtype)
+        peak_attn = hw.peak_flops(m.dtype)
+        W = hw.memory_bandwidth
+        wg, wa, wd = W * e.gemm_bandwidth, W * e.attn_prefill_bandwidth, W * e.attn_decode_bandwidth
+        lat = ar = ag = 0.0
+        if tp > 1:
+            frac = (tp - 1) / tp
+            link = hw.interconnect_bandwidth * e.comm_bandwidth
+            lat, ar, ag = hw.interconnect_latency_s, 2.0 * frac * d * ba / link, frac * V * ba / link
+        self._const = (
+            float(L), e.gemm_half_m, e.attn_prefill_half_kv, tp,
+            2.0 * L * m.layer_matmul_params / tp / (peak_gemm * e.gemm_compute),  # linear s per token
+            L * m.layer_params * bw / tp / wg,  # linear: weights once
+            L * ba * (ELEMENTWISE_D * d + 3 * m.intermediate_size / tp + 2 * (hq + 2 * hk) * dh) / wg,
+            L * 4.0 * hq * dh / (peak_attn * e.attn_prefill_compute),  # prefill attention s per pair
+            L * 2.0 * hk * dh * bk / wa,  # prefill attention s per KV token read or written
+            L * 4.0 * hq * dh / (peak_attn * e.attn_decode_compute),
+            L * 2.0 * hk * dh * bk / wd,  # decode attention s per KV token read
+            2.0 * d * V / tp / (peak_gemm * e.gemm_compute),  # LM head s per row
+            V * d * bw / tp / wg, V * LOGITS_BYTES / tp / wg,  # LM head weights, logits per row
+            SAMPLER_PASSES * V * LOGITS_BYTES / wg,  # sampler per row
+            lat, ar, ag)
 
     # -- shape helpers -------------------------------------------------------------------------
     def padded_tokens(self, step: StepSummary) -> tuple[int, bool]:
-        """(tokens the forward runs on, whether it replays a CUDA graph)."""
+        """(tokens the forward runs on, whether it replays a full CUDA graph)."""
         if self.cuda_graphs and step.uniform_decode and step.num_tokens <= self.graph_sizes[-1]:
             i = bisect.bisect_left(self.graph_sizes, step.num_tokens)
             return self.graph_sizes[i], True
@@ -195,30 +256,44 @@ class CostModel:
         """(basis values in `BASIS_TERMS` order, padded tokens): one implementation, used by `basis`
         and `predict`."""
         ipc = 1.0 if self.ipc else 0.0
+        (L, h_g, h_a, tp, lin_flop, lin_bytes, ew, ap_flop, ap_byte, ad_flop, ad_byte, lm_flop, lm_w,
+         lm_row, samp, lat, ar, ag) = self._const
         if st.num_reqs == 0:
-            return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, ipc, 0.0), 0
-        L, d, V, dh, b, peak, bw, hq, hk, tp, matmul_params, layer_params, link, lat = self._const
+            return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                    1.0 if tp > 1 else 0.0, ipc, 0.0), 0
         t_pad, graph = self.padded_tokens(st)
-        linear = max(2.0 * t_pad * L * matmul_params / tp / peak, L * layer_params * b / tp / bw)
+        linear = max(lin_flop * (t_pad + h_g), lin_bytes)
+        elementwise = ew * st.num_tokens
         pairs = st.prefill_sum_q_s + (st.prefill_sum_q2 + st.prefill_sum_q) / 2.0
         shared_dec = min(st.shared_kv, st.decode_sum_kv)
         shared_pre = min(st.shared_kv - shared_dec, st.prefill_sum_kv - st.prefill_sum_q)
-        attn_prefill = max(L * 4.0 * hq * dh * pairs / peak,
-                           L * 2.0 * hk * dh * b * (st.prefill_sum_kv - shared_pre + st.prefill_sum_q) / bw)
-        attn_decode = max(L * 4.0 * hq * dh * st.decode_sum_kv / peak,
-                          L * 2.0 * hk * dh * b * (st.decode_sum_kv - shared_dec + st.decode_reqs) / bw)
-        attn_shared = L * 2.0 * hk * dh * b * (shared_dec + shared_pre) / bw
+        if st.prefill_reqs:
+            attn_prefill = max(ap_flop * (pairs + h_a * st.prefill_sum_q),
+                               ap_byte * (st.prefill_sum_kv - shared_pre + st.prefill_sum_q))
+        else:
+            attn_prefill = 0.0
+        attn_decode = max(ad_flop * st.decode_sum_kv,
+                          ad_byte * (st.decode_sum_kv - shared_dec + st.decode_reqs))
+        attn_shared = ad_byte * (shared_dec + shared_pre)
         r = st.num_sampling
-        lm_head = max(2.0 * r * d * V / tp / peak, (V * d * b + r * V * LOGITS_BYTES) / tp / bw) if r else 0.0
+        if r:
+            lm_head = max(lm_flop * (r + h_g), lm_w + lm_row * r)
+            sampler = samp * r
+        else:
+            lm_head = sampler = 0.0
         comm = 0.0
         if tp > 1:
-            frac = (tp - 1) / tp
-            comm = 2 * L * (lat + 2.0 * frac * t_pad * d * b / link)
+            comm = 2.0 * L * (lat + ar * t_pad)
             if r:
-                comm += lat + frac * r * V * b / link
+                comm += lat + ag * r
+        if self.cuda_graphs:
+            layer, piecewise = 0.0, (0.0 if graph else L)
+        else:
+            layer, piecewise = L, 0.0
         reqs = float(st.num_reqs)
-        return (1.0, reqs, float(st.num_tokens), 0.0 if graph else float(L), linear, attn_prefill,
-                attn_decode, attn_shared, lm_head, comm, ipc, reqs if self.ipc else 0.0), t_pad
+        return (1.0, reqs, float(st.num_tokens), layer, piecewise, linear, elementwise, attn_prefill,
+                attn_decode, attn_shared, lm_head, sampler, comm, 1.0 if tp > 1 else 0.0, ipc,
+                reqs if self.ipc else 0.0), t_pad
 
     def basis(self, step: StepSummary | Iterable[Any]) -> dict[str, float]:
         """Basis terms of the step (see the module docstring); keys are `BASIS_TERMS`."""
@@ -227,14 +302,15 @@ class CostModel:
     def predict(self, step: StepSummary | Iterable[Any]) -> StepTiming:
         st = step if type(step) is StepSummary else self.summarize(step)
         terms, padded = self._terms(st)
-        (step_, req, token, layer, linear, attn_prefill, attn_decode, attn_shared, lm_head, comm,
-         ipc_step, ipc_req) = terms
+        (step_, req, token, layer, piecewise, linear, elementwise, attn_prefill, attn_decode, attn_shared,
+         lm_head, sampler, comm, tp_step, ipc_step, ipc_req) = terms
         c = self.coefficients
-        prepare = (c.c_step * step_ + c.c_req * req + c.c_token * token + c.c_ipc_step * ipc_step
-                   + c.c_ipc_req * ipc_req)
-        forward = (c.c_layer * layer + c.c_linear * linear + c.c_attn_prefill * attn_prefill
+        prepare = (c.c_step * step_ + c.c_req * req + c.c_token * token + c.c_tp_step * tp_step
+                   + c.c_ipc_step * ipc_step + c.c_ipc_req * ipc_req)
+        forward = (c.c_layer * layer + c.c_layer_piecewise * piecewise + c.c_linear * linear
+                   + c.c_elementwise * elementwise + c.c_attn_prefill * attn_prefill
                    + c.c_attn_decode * attn_decode + c.c_attn_shared * attn_shared + c.c_comm * comm)
-        sample = c.c_lm_head * lm_head
+        sample = c.c_lm_head * lm_head + c.c_sampler * sampler
         return StepTiming(duration_s=prepare + forward + sample, prepare_s=prepare,
                           forward_s=forward, sample_s=sample, padded_batch_size=padded)
 

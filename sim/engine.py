@@ -40,6 +40,7 @@ from servetwin.core.sched.scheduler import UnservableRequestError
 from servetwin.core.testbed.trace import TraceRecorder
 from servetwin.sim.arrivals import ArrivalProcess
 from servetwin.sim.fast_forward import fast_forward
+from servetwin.sim.scheduler import SimScheduler
 from servetwin.sim.workload import WorkloadRequest, build_workload, rng_streams
 
 DEFAULT_EOS_TOKEN_ID = 0  # fake tokens are >= 10, so 0 appears only where forced
@@ -78,11 +79,11 @@ class Simulation:
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.max_time_s = max_time_s
         self.recorder = TraceRecorder(run, "sim", record_step_requests=record_step_requests)
-        # Implicit steady decodes (core/lazy_decode.py): exact, and they make the per-request step rows
+        # Implicit steady decodes (sim/scheduler.py): exact, and they make the per-request step rows
         # implicit, so only without `step_requests`; they replace the (sync-only) decode fast-forward.
         ex = engine.executor
-        self.lazy_decode = bool(lazy_decode and not record_step_requests and hasattr(ex, "lazy_tokens")
-                                and getattr(ex, "token_rule", None) == "request")
+        self.lazy_decode = bool(lazy_decode and not record_step_requests and isinstance(engine.scheduler, SimScheduler)
+                                and hasattr(ex, "lazy_tokens") and getattr(ex, "token_rule", None) == "request")
         if self.lazy_decode:
             engine.scheduler.enable_lazy_decode(ex)
         self.fast_forward = fast_forward and not self.lazy_decode
@@ -206,6 +207,10 @@ class Simulation:
                     continue
             t0 = env.now
             result = engine.step()
+            if self.lazy_decode:  # tokens of implicit steps applied this step: before the step's own
+                late = engine.scheduler.take_late_tokens()
+                if late:
+                    self.recorder.on_late_tokens(late)
             so = result.scheduled
             duration = 0.0
             if so is not None:
@@ -234,7 +239,7 @@ class Simulation:
             self.env.run()
         self.result.end_time_s = float(self.env.now)
         if self.lazy_decode:  # tokens of requests still running when the run was cut
-            self.recorder.on_lazy_flush(self.engine.scheduler.flush_lazy())
+            self.recorder.on_late_tokens(self.engine.scheduler.flush_lazy())
         done = set(self.result.completion_s) | set(self.result.rejected)
         self.result.unfinished = [r.request_id for r in self.requests if r.request_id not in done]
         return self.result

@@ -4,7 +4,7 @@ Token rules (`token_rule`):
 - "request" (default): the k-th output token of a request is `(7k + salt) % M + 10` (M = 1000, less
   for a vocabulary under 1010 ids), the salt a function of the request alone (`request_token_salt`:
   the prompt when greedy, prompt and seed when seeded, else the request id) - so the tokens of steps
-  the scheduler runs implicitly (`core/lazy_decode.py`) can be produced late, batch composition never
+  the scheduler runs implicitly (`servetwin.sim.lazy_decode`) can be produced late, batch composition never
   changes them, and equal greedy prompts give equal outputs as with a real model;
 - "oracle": `servetwin.core.engine.executor.FakeExecutor`'s rule (row r of step k samples `(7k + r) % 1000 + 10`), the
   tokens of the recorded vLLM oracle (no implicit decodes with this rule).
@@ -28,6 +28,7 @@ from servetwin.core.sched.output import SchedulerOutput
 from servetwin.sim.cost_model import CostModel, StepSummary
 from servetwin.sim.hardware import HardwareSpec
 from servetwin.sim.model_spec import ModelSpec
+from servetwin.sim.scheduler import SimScheduler
 
 
 TOKEN_RULES = ("request", "oracle")
@@ -59,16 +60,22 @@ def request_token(salt: int, k: int, modulus: int = 1000) -> int:
 
 
 class SimExecutor:
+    # The engine builds this scheduler: vLLM's plus the simulator's exact shortcuts (off until the
+    # Simulation enables them), whose implicit decode rows only this executor runs.
+    scheduler_cls = SimScheduler
+
     def __init__(self, model: ModelSpec | str = "tiny-llama", hardware: HardwareSpec | str = "cpu",
                  tp: int = 1, cuda_graphs: Optional[bool] = None,
                  graph_sizes: Optional[Sequence[int]] = None, ipc: bool = False,
                  eos_token_id: Optional[int] = None,
                  output_lengths: Optional[Mapping[str, int]] = None,
-                 cost_model: Optional[CostModel] = None, token_rule: str = "request") -> None:
+                 cost_model: Optional[CostModel] = None, token_rule: str = "request",
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto") -> None:
         if token_rule not in TOKEN_RULES:
             raise ValueError(f"token_rule: unknown rule {token_rule!r} (allowed: {', '.join(TOKEN_RULES)})")
         self.cost_model = cost_model or CostModel(model, hardware, tp=tp, cuda_graphs=cuda_graphs,
-                                                  graph_sizes=graph_sizes, ipc=ipc)
+                                                  graph_sizes=graph_sizes, ipc=ipc, quantization=quantization,
+                                                  kv_cache_dtype=kv_cache_dtype)
         self.token_rule = token_rule
         # the "request" rule's tokens stay inside the model's vocabulary: ids 10 .. 10 + modulus - 1
         self.token_modulus = max(1, min(1000, self.cost_model.model.vocab_size - 10))
@@ -148,10 +155,10 @@ class SimExecutor:
                     tok += 1
             append([tok])
             counts[rid] = n_tok + 1
-        lazy = so.lazy  # implicit decode rows (core/lazy_decode.py): one sampled token each
+        implicit = so.implicit_decodes  # unlisted decode rows (SimScheduler): one sampled token each
         summary = StepSummary.from_lists(qs, ss, num_sampling,
-                                         implicit_decodes=lazy.num_reqs if lazy is not None else 0,
-                                         implicit_sum_s=lazy.sum_computed_before if lazy is not None else 0,
+                                         implicit_decodes=implicit.num_reqs if implicit is not None else 0,
+                                         implicit_sum_s=implicit.sum_computed_before if implicit is not None else 0,
                                          shared_kv=so.shared_kv_tokens)
         self.last_summary = summary
         if so.total_num_scheduled_tokens == 0:
@@ -175,7 +182,7 @@ class SimExecutor:
                 k = min(k, forced - outputs - 1)  # the forced EOS is output number `forced`
         return max(k, 0)
 
-    # -- implicit steady decodes (servetwin.core.sched.lazy_decode.LazyTokenSource) ---------------------------------
+    # -- implicit steady decodes (servetwin.sim.lazy_decode.LazyTokenSource) ----------------------
     def lazy_eligible(self, request) -> bool:
         """Whether `request` may run implicitly: its tokens depend on it alone and it can only stop
         by length (no forced EOS, no stop token ids, no EOS id its tokens could hit)."""

@@ -1,11 +1,18 @@
-"""`HardwareSpec`: one accelerator's peaks, memory, interconnect and cost-model coefficients.
+"""`HardwareSpec`: one accelerator's peaks, memory, interconnect, physical efficiencies and cost-model
+coefficients.
 
 Load a preset by name or a YAML file by path with `load_hardware(name_or_path)`; write one with
 `save_hardware`. A YAML file has the fields of `HardwareSpec` (`coefficients` and `provenance` are
 mappings) and may start from a preset with `base: <preset name>`, in which case only the fields it
 gives are replaced (coefficients are merged field by field). Unknown fields are errors naming them.
 Provenance is free-form but conventionally holds: source, calibrated, date, device, versions,
-samples, residuals.
+samples, residuals, and `coefficients`: `{field: where its value comes from}` for every efficiency
+and coefficient (the source it was read from, or what it was fitted on).
+
+`memory_bytes` is the total the CUDA driver reports (`torch.cuda.mem_get_info()[1]`, what vLLM's
+`gpu_memory_utilization` multiplies), a little less than the datasheet/nvidia-smi figure.
+`peak_flops_fp8` is the dense fp8 tensor peak (0: the device has no fp8 tensor cores; fp8 weights
+then run as weight-only quantization at the bf16 peak).
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import yaml
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.kv_sizing import dtype_bytes
-from servetwin.sim.coefficients import CostCoefficients
+from servetwin.sim.coefficients import CostCoefficients, Efficiency
 from servetwin.sim.hardware_presets import HARDWARE_PRESETS
 from servetwin.sim.validate import check_keys, check_mapping, non_negative, one_of, positive
 
@@ -33,15 +40,28 @@ class HardwareSpec:
     memory_bytes: int
     interconnect_bandwidth: float = 0.0  # bytes/s per direction per device (tensor parallel)
     interconnect_latency_s: float = 0.0  # per collective
+    peak_flops_fp8: float = 0.0  # dense fp8 FLOP/s; 0: no fp8 tensor cores
+    efficiency: Efficiency = field(default_factory=Efficiency)
     coefficients: CostCoefficients = field(default_factory=CostCoefficients)
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def peak_flops(self, dtype: str) -> float:
-        """Dense peak for the model's compute dtype (1-byte dtypes use the bf16 peak)."""
-        return self.peak_flops_fp32 if dtype_bytes(dtype) == 4 else self.peak_flops_bf16
+        """Dense peak for a compute dtype: fp32, bf16/fp16, or fp8 where the device has fp8 tensor
+        cores (elsewhere fp8 computes at the bf16 peak)."""
+        nbytes = dtype_bytes(dtype)
+        if nbytes == 4:
+            return self.peak_flops_fp32
+        if nbytes == 1 and self.peak_flops_fp8 > 0:
+            return self.peak_flops_fp8
+        return self.peak_flops_bf16
+
+    @property
+    def has_fp8(self) -> bool:
+        return self.peak_flops_fp8 > 0
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["efficiency"] = self.efficiency.to_dict()
         out["coefficients"] = self.coefficients.to_dict()
         out["provenance"] = copy.deepcopy(self.provenance)
         return out
@@ -61,6 +81,7 @@ def hardware_from_dict(cfg: Mapping[str, Any], path: str = "hardware") -> Hardwa
         merged = copy.deepcopy(HARDWARE_PRESETS[base])
     base_coeffs = (CostCoefficients.from_dict(merged["coefficients"], f"{path}.coefficients")
                    if "coefficients" in merged else None)
+    base_eff = Efficiency.from_dict(merged["efficiency"], f"{path}.efficiency") if "efficiency" in merged else None
     for key, value in cfg.items():
         if key != "base":
             merged[key] = value
@@ -82,6 +103,8 @@ def hardware_from_dict(cfg: Mapping[str, Any], path: str = "hardware") -> Hardwa
                                             f"{path}.interconnect_bandwidth"),
         interconnect_latency_s=non_negative(merged.get("interconnect_latency_s", 0.0),
                                             f"{path}.interconnect_latency_s"),
+        peak_flops_fp8=non_negative(merged.get("peak_flops_fp8", 0.0), f"{path}.peak_flops_fp8"),
+        efficiency=Efficiency.from_dict(cfg.get("efficiency", {}), f"{path}.efficiency", base=base_eff),
         coefficients=CostCoefficients.from_dict(merged.get("coefficients", {}),
                                                 f"{path}.coefficients", base=base_coeffs),
         provenance=copy.deepcopy(dict(provenance)),

@@ -1,73 +1,57 @@
 """Built-in hardware descriptions (data, same schema as a hardware YAML file).
 
-Peaks, bandwidths and memory sizes are vendor datasheet figures (dense, no sparsity; per device;
-interconnect bandwidth is per direction). The cost-model coefficients here are NOT calibrated:
-the roofline multipliers are 1 (ideal datasheet roofline) and the fixed overheads are rough
-placeholders. `servetwin.sim.calibration` fits real coefficients from measured steps; save those as a YAML
-file (`base: <preset>` plus `coefficients` and `provenance`) and load it by path.
+Peaks, bandwidths and interconnects are vendor datasheet figures (dense, no sparsity; per device;
+interconnect bandwidth is per direction). `memory_bytes` is the total the CUDA driver reports (what
+vLLM's `gpu_memory_utilization` multiplies), not the datasheet's round number.
+
+The GPU presets are calibrated (`servetwin.sim.gpu_calibration` holds the fit and its sources):
+`efficiency` comes from public per-kernel measurements (matmul, FlashAttention, NCCL, memory copy),
+the engine's CPU-time coefficients and the remaining GPU-side magnitudes are fitted on the published
+end-to-end vLLM runs (`servetwin validate`). One set per GPU, no per-case tuning. Every value's origin
+is in `provenance["coefficients"]`. The `cpu` preset stays an uncalibrated placeholder:
+`servetwin calibrate` fits real coefficients from measured steps.
 """
 from __future__ import annotations
 
 from typing import Any
 
-_UNCALIBRATED_GPU = {
-    "source": "vendor datasheet (peak FLOP/s, memory bandwidth, memory size, interconnect); "
-              "cost coefficients are uncalibrated placeholders (roofline multipliers 1.0, "
-              "overheads guessed)",
-    "calibrated": False,
-    "date": None,
-    "device": None,
-    "versions": {},
-    "samples": 0,
-    "residuals": None,
-}
+from servetwin.sim.gpu_calibration import GPU_CALIBRATION
 
-# Placeholder overheads for a CUDA GPU: ~0.5 ms per step (schedule, prepare inputs, sample,
-# detokenize), 10 us per request, ~20 us per layer when the step runs eagerly (kernel launches).
-_GPU_PLACEHOLDER_COEFFICIENTS = {
-    "c_step": 5.0e-4, "c_req": 1.0e-5, "c_token": 0.0, "c_layer": 2.0e-5,
-    "c_linear": 1.0, "c_attn_prefill": 1.0, "c_attn_decode": 1.0, "c_attn_shared": 1.0, "c_lm_head": 1.0, "c_comm": 1.0,
-    "c_ipc_step": 0.0, "c_ipc_req": 0.0,
-}
+GiB = 2**30
+MiB = 2**20
+
+
+def _gpu(name: str, peak_bf16: float, peak_fp32: float, peak_fp8: float, bandwidth: float,
+         memory_bytes: int, link: float, link_latency: float) -> dict[str, Any]:
+    cal = GPU_CALIBRATION[name]
+    return {
+        "name": name, "device_type": "cuda",
+        "peak_flops_bf16": peak_bf16, "peak_flops_fp32": peak_fp32, "peak_flops_fp8": peak_fp8,
+        "memory_bandwidth": bandwidth, "memory_bytes": memory_bytes,
+        "interconnect_bandwidth": link, "interconnect_latency_s": link_latency,
+        "efficiency": dict(cal["efficiency"]),
+        "coefficients": dict(cal["coefficients"]),
+        "provenance": dict(cal["provenance"]),
+    }
+
 
 HARDWARE_PRESETS: dict[str, dict[str, Any]] = {
-    "h100-sxm": {
-        "name": "h100-sxm", "device_type": "cuda",
-        "peak_flops_bf16": 989.4e12, "peak_flops_fp32": 66.9e12,
-        "memory_bandwidth": 3.35e12, "memory_bytes": 81559 * 2**20,
-        "interconnect_bandwidth": 450e9, "interconnect_latency_s": 8e-6,  # NVLink 4, 900 GB/s bidir.
-        "coefficients": dict(_GPU_PLACEHOLDER_COEFFICIENTS),
-        "provenance": dict(_UNCALIBRATED_GPU),
-    },
-    "h200": {
-        "name": "h200", "device_type": "cuda",
-        "peak_flops_bf16": 989.4e12, "peak_flops_fp32": 66.9e12,
-        "memory_bandwidth": 4.8e12, "memory_bytes": 143771 * 2**20,
-        "interconnect_bandwidth": 450e9, "interconnect_latency_s": 8e-6,
-        "coefficients": dict(_GPU_PLACEHOLDER_COEFFICIENTS),
-        "provenance": dict(_UNCALIBRATED_GPU),
-    },
-    "a100-80g": {
-        "name": "a100-80g", "device_type": "cuda",
-        "peak_flops_bf16": 312e12, "peak_flops_fp32": 19.5e12,
-        "memory_bandwidth": 2.039e12, "memory_bytes": 81920 * 2**20,
-        "interconnect_bandwidth": 300e9, "interconnect_latency_s": 10e-6,  # NVLink 3, 600 GB/s bidir.
-        "coefficients": dict(_GPU_PLACEHOLDER_COEFFICIENTS),
-        "provenance": dict(_UNCALIBRATED_GPU),
-    },
-    "l40s": {
-        "name": "l40s", "device_type": "cuda",
-        "peak_flops_bf16": 362.05e12, "peak_flops_fp32": 91.6e12,
-        "memory_bandwidth": 864e9, "memory_bytes": 46068 * 2**20,
-        "interconnect_bandwidth": 32e9, "interconnect_latency_s": 15e-6,  # PCIe 4.0 x16, no NVLink
-        "coefficients": dict(_GPU_PLACEHOLDER_COEFFICIENTS),
-        "provenance": dict(_UNCALIBRATED_GPU),
-    },
+    # H100 SXM5 80GB: 989.4 TFLOP/s bf16 / 1978.9 fp8 dense, 3.35 TB/s HBM3, NVLink 4 (900 GB/s
+    # bidirectional); CUDA reports 79.11 GiB (vLLM's log: "total_gpu_memory (79.11GiB)").
+    "h100-sxm": _gpu("h100-sxm", 989.4e12, 66.9e12, 1978.9e12, 3.35e12, 81008 * MiB, 450e9, 8e-6),
+    # H200 SXM 141GB: H100's compute, 4.8 TB/s HBM3e; CUDA reports 139.81 GiB.
+    "h200": _gpu("h200", 989.4e12, 66.9e12, 1978.9e12, 4.8e12, 143166 * MiB, 450e9, 8e-6),
+    # A100 SXM4 80GB: 312 TFLOP/s bf16, no fp8, 2.039 TB/s HBM2e, NVLink 3 (600 GB/s bidirectional);
+    # CUDA reports 79.15 GiB.
+    "a100-80g": _gpu("a100-80g", 312e12, 19.5e12, 0.0, 2.039e12, 81050 * MiB, 300e9, 10e-6),
+    # L40S 48GB: 362.05 TFLOP/s bf16 / 733 fp8 dense, 864 GB/s GDDR6, PCIe 4.0 x16 only;
+    # CUDA reports 44.52 GiB.
+    "l40s": _gpu("l40s", 362.05e12, 91.6e12, 733e12, 864e9, 45588 * MiB, 32e9, 15e-6),
     "cpu": {
         # The 2-core development machine class (Xeon with AVX-512/AMX, ~24 GiB RAM).
         "name": "cpu", "device_type": "cpu",
         "peak_flops_bf16": 3.2e11, "peak_flops_fp32": 3.2e11,
-        "memory_bandwidth": 2.4e10, "memory_bytes": 24 * 2**30,
+        "memory_bandwidth": 2.4e10, "memory_bytes": 24 * GiB,
         "interconnect_bandwidth": 0.0, "interconnect_latency_s": 0.0,
         "coefficients": {
             "c_step": 1.0e-3, "c_req": 5.0e-5, "c_token": 1.0e-6, "c_layer": 1.5e-4,

@@ -1,11 +1,28 @@
 """Size the simulated KV pool exactly as the engine would (spec section 5), and build the executor.
 
-On a CUDA device vLLM profiles one dummy forward of `max_num_batched_tokens` and keeps
-`gpu_memory_utilization x memory - (weights + activation peak + non-torch memory)` for the KV cache,
-then `num_blocks = available // bytes_per_block` (`servetwin.core.kv_cache.kv_sizing`). The simulator estimates the same
-terms from the model spec; an explicit `num_gpu_blocks` (e.g. the engine's logged count) or
+vLLM V1 (`gpu_worker.determine_available_memory`) profiles one dummy forward of
+`max_num_batched_tokens` (then a dummy sampler run over `min(max_num_seqs, tokens)` rows) and keeps
+
+    available = total_memory * gpu_memory_utilization - (weights + torch_peak_increase + non_torch_increase)
+
+for the KV cache, `num_blocks = available // bytes_per_block` (`servetwin.core.kv_cache.kv_sizing`).
+Its terms, as the simulator estimates them:
+- `total_memory`: what the CUDA driver reports (`HardwareSpec.memory_bytes`, e.g. 79.11 GiB on an
+  H100 80GB), not the datasheet's 80 GiB;
+- weights: the parameter count x bytes per weight (1 with fp8 weights), per tensor-parallel rank;
+- the activation peak: the larger of the forward's transient buffers and the sampler's (they are not
+  live at the same time): per token ACT_D_BUFFERS d-sized plus ACT_FF_BUFFERS dff-sized activations
+  (fitted to vLLM's logged peaks, see below), and per sampled row the bf16 logits plus
+  SAMPLER_FP32_COPIES fp32 copies of them;
+- non-torch memory: what the profile sees grow outside PyTorch's allocator since the worker started
+  (the CUDA context is created before the baseline, so it is not counted): cuBLAS/NCCL workspaces,
+  NON_TORCH_BYTES_CUDA, plus NCCL's buffers per extra rank under tensor parallelism.
+The fitted constants reproduce vLLM's logs: Llama-3.1-8B on an H100 (V1, 8192 batched tokens, 256
+sequences, utilisation 0.9: weights 14.99 GiB, activation peak 1.21 GiB, non-torch 0.32 GiB, KV
+54.68 GiB = 447,776 tokens) and Qwen2-7B on an A100-80GB at utilisation 0.5 (2048 tokens, 256
+sequences: 29,053 blocks). An explicit `num_gpu_blocks` (e.g. the engine's logged count) or
 `kv_cache_memory_bytes` bypasses the estimate. Matching the engine's block count matters more for
-accuracy than anything else in the pool (simulator_notes.md), so the summary reports it.
+accuracy than anything else in the pool, so the summary reports every term.
 """
 from __future__ import annotations
 
@@ -20,7 +37,11 @@ from servetwin.sim.executor import SimExecutor
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
 
-NON_TORCH_BYTES_CUDA = 512 * 2**20  # CUDA context, cuBLAS workspace, NCCL buffers (typical)
+NON_TORCH_BYTES_CUDA = 300 * 2**20  # cuBLAS workspace, allocator overheads (vLLM logs 0.1-0.35 GiB at tp 1)
+NON_TORCH_BYTES_PER_RANK = 256 * 2**20  # NCCL / custom all-reduce buffers per extra tensor-parallel rank
+ACT_D_BUFFERS = 13.0  # d-sized activations per token live at the forward's peak (residual, norms, q/k/v, o, ...)
+ACT_FF_BUFFERS = 1.8  # dff-sized ones (gate_up output, SiLU-and-mul output), fitted with ACT_D_BUFFERS
+SAMPLER_FP32_COPIES = 2  # fp32 logits and probabilities during the dummy sampler run
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,26 +62,33 @@ class KVPoolSize:
 
 
 def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int, tp: int = 1) -> int:
-    """Peak transient memory of the profiling forward: the widest per-token buffers of one layer
-    (residual + normed input + q/k/v + gate/up of the MLP) plus fp32 logits of the sampled rows."""
+    """Peak transient memory of vLLM's profiling run: max(forward buffers, sampler buffers)."""
     b = model.dtype_bytes
-    per_token = (2 * model.hidden_size + (model.q_dim + 2 * model.kv_dim) // tp
-                 + 2 * model.intermediate_size // tp) * b
-    logits = min(max_num_seqs, max_num_batched_tokens) * model.vocab_size * 4
-    return max_num_batched_tokens * per_token + logits
+    per_token = (ACT_D_BUFFERS * model.hidden_size + ACT_FF_BUFFERS * model.intermediate_size / tp) * b
+    forward = max_num_batched_tokens * per_token
+    rows = min(max_num_seqs, max_num_batched_tokens)
+    sampler = rows * model.vocab_size * (b + 4 * SAMPLER_FP32_COPIES)
+    return int(max(forward, sampler))
+
+
+def non_torch_bytes(hw: HardwareSpec, tp: int = 1) -> int:
+    if hw.device_type != "cuda":
+        return 0
+    return NON_TORCH_BYTES_CUDA + NON_TORCH_BYTES_PER_RANK * (tp - 1 if tp > 1 else 0)
 
 
 def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_memory_utilization: float = 0.92,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 128, tp: int = 1,
                  num_gpu_blocks: Optional[int] = None, kv_cache_memory_bytes: Optional[int] = None,
-                 kv_dtype: Optional[str] = None) -> KVPoolSize:
+                 kv_dtype: Optional[str] = None, quantization: Optional[str] = None) -> KVPoolSize:
     kv_heads = max(1, model.num_kv_heads // tp)
     spec = KVCacheSpec(num_layers=model.num_layers, num_kv_heads=kv_heads, head_size=model.head_dim,
-                       dtype=kv_dtype or model.dtype, block_size=block_size)
+                       dtype=kv_dtype if kv_dtype not in (None, "auto") else model.dtype, block_size=block_size)
     requested = math.ceil(hw.memory_bytes * gpu_memory_utilization)
-    weights = model.weight_bytes // tp
+    per_param = 1 if quantization == "fp8" else model.dtype_bytes
+    weights = model.num_parameters * per_param // tp
     act = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs, tp)
-    non_torch = NON_TORCH_BYTES_CUDA if hw.device_type == "cuda" else 0
+    non_torch = non_torch_bytes(hw, tp)
     if kv_cache_memory_bytes is not None:
         available = kv_cache_memory_bytes
     else:
@@ -82,13 +110,17 @@ def build_sim_executor(args: Any):
     model = load_model_spec(args.model, dtype=None if args.dtype in (None, "auto") else args.dtype)
     hw = load_hardware(args.hardware or "h100-sxm")
     mnbt = args.max_num_batched_tokens or max(8192, args.max_num_seqs)
+    quantization = getattr(args, "quantization", None)
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto") or "auto"
     pool = size_kv_pool(model, hw, args.block_size, args.gpu_memory_utilization, mnbt, args.max_num_seqs,
-                        args.tensor_parallel_size, args.num_gpu_blocks, args.kv_cache_memory_bytes)
+                        args.tensor_parallel_size, args.num_gpu_blocks, args.kv_cache_memory_bytes,
+                        kv_dtype=kv_cache_dtype, quantization=quantization)
     requested_len = args.max_model_len if args.max_model_len is not None else model.max_position_embeddings
     max_len = check_or_fit_max_model_len(pool.num_gpu_blocks, pool.kv_spec, requested_len,
                                          model.max_position_embeddings)
     executor = SimExecutor(model=model, hardware=hw, tp=args.tensor_parallel_size,
                            cuda_graphs=(not args.enforce_eager) and hw.device_type == "cuda",
-                           ipc=bool(getattr(args, "multiprocess", False)))
+                           ipc=bool(getattr(args, "multiprocess", False)),
+                           quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     executor.kv_pool = pool
     return ExecutorInfo(executor, pool.num_gpu_blocks, max_len, model.vocab_size, [], None)

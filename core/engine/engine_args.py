@@ -40,6 +40,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     device: str = "auto"
     hardware: Optional[str] = None  # simulator: hardware preset or YAML path
+    quantization: Optional[str] = None  # simulator: "fp8" weights (W8A8 where the device has fp8, else W8A16)
+    kv_cache_dtype: str = "auto"  # simulator: "auto" (the model dtype) or "fp8"
     multiprocess: bool = False
     profile_dir: Optional[str] = None
 
@@ -62,6 +64,10 @@ class EngineArgs:
             raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {args.tensor_parallel_size!r}")
         if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
             raise ConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
+        if args.quantization not in (None, "fp8"):
+            raise ConfigError("quantization", f"must be 'fp8' or null, got {args.quantization!r}")
+        if args.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError("kv_cache_dtype", f"must be 'auto' or 'fp8', got {args.kv_cache_dtype!r}")
         if (not isinstance(args.max_logprobs, int) or isinstance(args.max_logprobs, bool)
                 or args.max_logprobs < -1):
             raise ConfigError("max_logprobs", f"must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")

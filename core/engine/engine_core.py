@@ -25,7 +25,6 @@ class StepResult:
     stats: Optional[SchedulerStats] = None  # right after `scheduled` was built
     processed: Optional[SchedulerOutput] = None
     outputs: list[EngineCoreOutput] = field(default_factory=list)
-    lazy_flushed: Optional[list] = None  # servetwin.core.sched.lazy_decode.LazyFlush: tokens of earlier implicit steps
 
     @property
     def finished(self) -> list[EngineCoreOutput]:
@@ -33,9 +32,19 @@ class StepResult:
 
 
 class EngineCore:
+    """The engine loop around one scheduler and one executor.
+
+    The scheduler is vLLM's (`Scheduler`) unless the executor names a subclass it needs in a
+    `scheduler_cls` attribute (vLLM's `SchedulerConfig.scheduler_cls` plays that part there): the
+    simulator's executor runs the implicit decode rows only its `SimScheduler` produces.
+    """
+
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor,
                  log_stats: bool = True) -> None:
-        self.scheduler = Scheduler(scheduler_config, cache_config, log_stats=log_stats)
+        scheduler_cls = getattr(executor, "scheduler_cls", Scheduler)
+        if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
+            raise TypeError(f"scheduler_cls: {scheduler_cls!r} of {type(executor).__name__} is not a Scheduler subclass")
+        self.scheduler = scheduler_cls(scheduler_config, cache_config, log_stats=log_stats)
         self.executor = executor
         self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         self.batch_queue_size = 2 if scheduler_config.async_scheduling else 1
@@ -58,8 +67,6 @@ class EngineCore:
         if scheduler.has_requests():
             so = scheduler.schedule()
             so.step = self.step_counter if step_index is None else step_index
-            if scheduler.lazy is not None and scheduler.lazy.flushed:
-                result.lazy_flushed = scheduler.lazy.take_flushed()
             result.scheduled = so
             result.stats = scheduler.make_stats()
             mro = self.executor.execute_model(so)

@@ -131,7 +131,8 @@ class KVCacheManager:
                                computed: Optional[int] = None) -> list[KVCacheBlock]:
         """`allocate_slots(request, num_new_tokens)` for a running request (it holds blocks, no new
         prefix hits) whose new blocks the caller already knows to be free: the same effects, no checks.
-        `computed` overrides `request.num_computed_tokens` (an implicit decode's C, core/lazy_decode.py)."""
+        `computed` overrides `request.num_computed_tokens` (the C a scheduler subclass keeps implicitly:
+        the simulator's implicit decodes, servetwin.sim.lazy_decode)."""
         if computed is None:
             computed = request.num_computed_tokens
         need_slots = min(computed + num_new_tokens, self.max_model_len)

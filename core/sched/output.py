@@ -36,6 +36,25 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class ImplicitDecodes:
+    """Decode rows scheduled in aggregate, not listed (an extension point; vLLM has none).
+
+    The core `Scheduler` never produces them. A `Scheduler` subclass may schedule some decode rows
+    - one token each, sampling, after `s` computed tokens - without listing them in
+    `num_scheduled_tokens` / `scheduled_cached_reqs` (servetwin's simulator does, for speed:
+    `servetwin.sim.scheduler`). The contract:
+    - they count in `total_num_scheduled_tokens` (one token each) and are summarised here;
+    - an executor paired with such a subclass runs them (its cost includes them) but returns no
+      tokens for them: their outputs never reach `update_from_output`, the subclass applies them
+      itself later and reports them to the trace as `servetwin.core.testbed.trace.LateTokens`;
+    - the trace counts them in the step row (`num_reqs`, attention sums, `max_kv`).
+    """
+    num_reqs: int
+    sum_computed_before: int  # sum of s over the rows
+    max_computed_before: int  # max of s over the rows
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -52,7 +71,7 @@ class SchedulerOutput:
     # KV tokens of blocks held by more than one request, counted once per extra holder: block_size x
     # sum of (ref_cnt - 1) over held blocks after scheduling (prefix-cache sharing, for the cost model)
     shared_kv_tokens: int = 0
-    lazy: Any = None  # servetwin.core.sched.lazy_decode.LazyStep: implicit decode rows (simulator only), else None
+    implicit_decodes: Optional[ImplicitDecodes] = None  # unlisted decode rows (see ImplicitDecodes)
 
     @property
     def is_empty(self) -> bool:

@@ -4,10 +4,15 @@ There is no prefill or decode phase: each request has `num_computed_tokens` (C) 
 and every step hands out tokens so that C catches up. Running requests first (admission order), then
 waiting ones (only in a step without preemption). `async_scheduling=True` adds vLLM's one-step
 run-ahead: output placeholders for tokens sampled but not yet returned (spec 2.10).
+
+This module holds vLLM's behaviour only. servetwin's deliberate deviations are marked
+`DEVIATION from vLLM` where they live (README, "Where servetwin deviates from vLLM on purpose").
+Speed-ups that are not vLLM's (the simulator's implicit steady decodes and decode fast-forward) live
+in a subclass, `servetwin.sim.scheduler.SimScheduler`, built on the protected interface documented on
+`Scheduler`; tests/sim proves that subclass takes exactly this class's decisions.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -15,7 +20,6 @@ from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.kv_cache.hashing import get_hash_fn_by_name, get_request_block_hasher
 from servetwin.core.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from servetwin.core.kv_cache.kv_sizing import cdiv
-from servetwin.core.sched.lazy_decode import LazyDecodes, LazyFlush, LazyTokenSource
 from servetwin.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from servetwin.core.request import Request, RequestStatus
@@ -50,19 +54,27 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     return False
 
 
-def _running_seq(request: Request) -> int:
-    return request.running_seq
-
-
-def _row_running_seq(row: tuple[Request, int]) -> int:
-    return row[0].running_seq
-
-
 class UnservableRequestError(ValueError):
     """A request that could never fit the KV pool (vLLM would block its queue forever)."""
 
 
 class Scheduler:
+    """vLLM 0.33's scheduler.
+
+    Protected interface for subclasses (the contract `servetwin.sim.scheduler.SimScheduler` relies
+    on; a subclass overrides only public methods and must leave every decision, block id and output
+    equal to this class's):
+    - `_long_prefill_threshold()`: the step's cap on one request's chunk (0: none).
+    - `_running_tokens(request, threshold, max_model_len)`: the tokens the running pass gives
+      `request` before the step budgets cap them (0: skipped this step).
+    - `_schedule_waiting(threshold, token_budget, input_budget, new, resumed, req_to_new_blocks,
+      num_scheduled_tokens)`: the waiting pass with the budgets the running pass left; admitted
+      requests are appended to `running` (in admission order, at its end) and to the lists.
+    - `_finalise(new, resumed, running_reqs, preempted, req_to_new_blocks, num_scheduled_tokens)`:
+      builds the step's `SchedulerOutput` and advances C (vLLM's `_update_after_schedule`); the
+      caller has already incremented `current_step`.
+    """
+
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  log_stats: bool = True) -> None:
         if cache_config.num_gpu_blocks is None:
@@ -95,13 +107,13 @@ class Scheduler:
         self.current_step = 0
         self.num_preemptions_total = 0
         self._num_preempted_since_stats = 0
-        self._running_seq = 0
-        self._last_updated_step = -1  # scheduler step of the last output processed
-        self.lazy: Optional[LazyDecodes] = None  # implicit steady decodes (simulator speed), off by default
 
     # -- requests in and out -----------------------------------------------------------------
     def check_servable(self, request: Request) -> None:
-        """Reject a request that can never be served, instead of blocking the queue (spec 8.4)."""
+        """Reject a request that can never be served, instead of blocking the queue (spec 8.4).
+
+        DEVIATION from vLLM: vLLM 0.33 admits such a request and its waiting queue then blocks
+        forever (its input processor rejects only the empty and the too-long prompt)."""
         usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
         if request.num_prompt_tokens == 0:
             raise UnservableRequestError(f"prompt: request {request.request_id} has an empty prompt")
@@ -120,7 +132,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: duplicate request id {request.request_id!r}")
-        self.check_servable(request)
+        self.check_servable(request)  # DEVIATION from vLLM: see check_servable
         if self.block_hasher is not None and request._block_hasher is None:
             request.set_block_hasher(self.block_hasher, self.block_size)
         self.waiting.add_request(request)
@@ -135,15 +147,10 @@ class Scheduler:
         elif isinstance(request_ids, str):
             request_ids = (request_ids,)
         running_to_remove, waiting_to_remove, finished = set(), [], []
-        lazy = self.lazy
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None or request.is_finished():
                 continue
-            if lazy is not None:
-                if rid in lazy.members:
-                    lazy.materialise(lazy.members[rid], self.current_step, self._last_updated_step)
-                lazy.forget(rid)
             if request.status == RequestStatus.RUNNING:
                 running_to_remove.add(rid)
             else:
@@ -190,13 +197,6 @@ class Scheduler:
         return threshold
 
     def schedule(self) -> SchedulerOutput:
-        if self.lazy is not None:
-            so = self._schedule_lazy()
-            if so is not None:
-                return so
-        return self._schedule()
-
-    def _schedule(self) -> SchedulerOutput:
         self.current_step += 1
         kv = self.kv_cache_manager
         token_budget = self.max_num_scheduled_tokens
@@ -281,116 +281,6 @@ class Scheduler:
         return self._finalise(scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs,
                               preempted_reqs, req_to_new_blocks, num_scheduled_tokens)
 
-    # -- implicit steady decodes (core/lazy_decode.py) -----------------------------------------
-    def enable_lazy_decode(self, source: LazyTokenSource) -> None:
-        """Schedule steady decodes implicitly (exact; for executors that implement `source`)."""
-        self.lazy = LazyDecodes(source, self.block_size, self.max_model_len, self.async_scheduling,
-                                self.kv_cache_manager.enable_caching)
-
-    def flush_lazy(self) -> list[LazyFlush]:
-        """Materialise every member (between steps); returns every flush not yet taken."""
-        if self.lazy is None:
-            return []
-        self._materialise_all()
-        return self.lazy.take_flushed()
-
-    def _materialise_all(self) -> None:
-        lazy = self.lazy
-        for m in list(lazy.members.values()):
-            lazy.nonmembers[m.request.request_id] = lazy.materialise(m, self.current_step, self._last_updated_step)
-
-    def _schedule_lazy(self) -> Optional[SchedulerOutput]:
-        """A step with implicit members, or None (after materialising them all) when the normal code
-        could clip or preempt someone this step."""
-        lazy = self.lazy
-        step = self.current_step
-        kv = self.kv_cache_manager
-        req_to_blocks = kv.req_to_blocks
-        num_cached_block = kv.num_cached_block
-        block_size = self.block_size
-        last_updated = self._last_updated_step
-        in_place = {}  # request id -> member with a KV event this step (its row does the KV work)
-        for m in lazy.due(step):
-            if m.event < m.terminal:
-                in_place[m.request.request_id] = m
-            else:  # the last token or the length cap: the normal path
-                r = lazy.materialise(m, step, last_updated)
-                lazy.nonmembers[r.request_id] = r
-        if not lazy.members:
-            lazy.nonmembers = {r.request_id: r for r in self.running}
-        k = len(lazy.members)
-        threshold = self._long_prefill_threshold()
-        eager = sorted(lazy.nonmembers.values(), key=_running_seq)
-        rows, demand, blocks_needed = self._running_demand(eager, threshold)
-        if in_place:  # one token each, counted in k; a new block when C fills the blocks held
-            for rid, m in in_place.items():
-                if m.offset + step >= len(req_to_blocks[rid]) * block_size:
-                    blocks_needed += 1
-            rows += [(m.request, 1) for m in in_place.values()]
-            rows.sort(key=_row_running_seq)
-        if (k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)
-                or blocks_needed > kv.block_pool.free_block_queue.num_free_blocks):
-            self._materialise_all()  # their flushes stay queued for the engine
-            return None
-
-        self.current_step += 1
-        token_budget = self.max_num_scheduled_tokens - k
-        input_budget = self.max_num_batched_tokens - k
-        max_model_len = self.max_model_len
-        caching = kv.enable_caching
-        scheduled_new_reqs: list[Request] = []
-        scheduled_resumed_reqs: list[Request] = []
-        scheduled_running_reqs: list[Request] = []
-        req_to_new_blocks: dict[str, list] = {}
-        num_scheduled_tokens: dict[str, int] = {}
-        # The running pass of `_schedule` over the non-members, in running order. The checks above
-        # guarantee no budget clips anyone and every allocation succeeds (so there is no preemption).
-        # A decode row whose KV work (a new block, a block registered) was its only event goes
-        # implicit for this very step once that work is done.
-        for request, n in rows:
-            rid = request.request_id
-            m = in_place.get(rid) if in_place else None
-            if m is None:
-                computed = request.num_computed_tokens
-            else:  # its tokens (and so its block hashes) up to date, its C implicit
-                lazy.apply_outputs(m, last_updated)
-                computed = m.offset + step
-            blocks = req_to_blocks.get(rid)
-            if blocks is not None and computed + n <= len(blocks) * block_size:
-                new_blocks = []
-                if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
-                    kv.cache_blocks(request, min(computed + n, len(request._all_token_ids)))
-            elif blocks is not None:  # the KV check above guarantees these blocks are free
-                new_blocks = kv.allocate_running_slots(request, n, computed)
-            else:
-                new_blocks = kv.allocate_slots(request, n)
-                if new_blocks is None:
-                    raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
-            if m is not None:  # its token is in k already
-                if lazy.advance(m, step, len(req_to_blocks[rid]), num_cached_block.get(rid, 0)):
-                    continue
-                lazy.materialise(m, step, last_updated)  # listed after all
-                lazy.nonmembers[rid] = request
-            else:
-                token_budget -= n
-                input_budget -= n
-                if n == 1 and lazy.try_join(request, step, len(req_to_blocks[rid]),
-                                            num_cached_block.get(rid, 0)):
-                    del lazy.nonmembers[rid]
-                    continue
-            scheduled_running_reqs.append(request)
-            req_to_new_blocks[rid] = new_blocks
-            num_scheduled_tokens[rid] = n
-        self._schedule_waiting(threshold, token_budget, input_budget, scheduled_new_reqs,
-                               scheduled_resumed_reqs, req_to_new_blocks, num_scheduled_tokens)
-        lazy_step = lazy.step_aggregates(step)
-        so = self._finalise(scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs, [],
-                            req_to_new_blocks, num_scheduled_tokens)
-        if lazy_step is not None:
-            so.total_num_scheduled_tokens += lazy_step.num_reqs
-            so.lazy = lazy_step
-        return so
-
     @staticmethod
     def _running_tokens(request: Request, threshold: int, max_model_len: int) -> int:
         """Tokens the running pass gives `request` before the step budgets cap them (0: skipped)."""
@@ -402,23 +292,6 @@ class Scheduler:
         if 0 < threshold < n:
             n = threshold
         return min(n, max_model_len - computed - 1)
-
-    def _running_demand(self, requests: list[Request],
-                        threshold: int) -> tuple[list[tuple[Request, int]], int, int]:
-        """The rows `(request, tokens)` the running pass would schedule with unlimited budget, their
-        tokens and the new KV blocks they need."""
-        rows = []
-        tokens = blocks = 0
-        bs = self.block_size
-        req_to_blocks = self.kv_cache_manager.req_to_blocks
-        for r in requests:
-            n = self._running_tokens(r, threshold, self.max_model_len)
-            if n > 0:
-                rows.append((r, n))
-                tokens += n
-                held = req_to_blocks.get(r.request_id)
-                blocks += max(0, cdiv(r.num_computed_tokens + n, bs) - (len(held) if held else 0))
-        return rows, tokens, blocks
 
     def _schedule_waiting(self, threshold: int, token_budget: int, input_budget: int,
                           scheduled_new_reqs: list[Request], scheduled_resumed_reqs: list[Request],
@@ -455,10 +328,6 @@ class Scheduler:
             waiting.pop_request()
             self.deferred_waiting.discard(request.request_id)
             self.running.append(request)
-            self._running_seq += 1
-            request.running_seq = self._running_seq
-            if self.lazy is not None:
-                self.lazy.nonmembers[request.request_id] = request
             if request.status == RequestStatus.WAITING:
                 scheduled_new_reqs.append(request)
             elif request.status == RequestStatus.PREEMPTED:
@@ -577,18 +446,13 @@ class Scheduler:
         block_size = self.block_size
         preempted_status = RequestStatus.PREEMPTED
         running_status = RequestStatus.RUNNING
-        items = scheduler_output.num_scheduled_tokens.items()
-        lazy = self.lazy
-        pending = None
-        if lazy is not None and lazy.pending_update:
-            items, pending = self._merge_pending_outputs(scheduler_output, lazy)
-        for rid, n in items:
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status > preempted_status:
                 continue  # finished or aborted while the step was executing
             request.num_in_flight_tokens -= n
             i = index.get(rid)
-            generated = sampled[i] if i is not None else (pending.get(rid, ()) if pending else ())
+            generated = sampled[i] if i is not None else ()
             plp = prompt_logprobs.get(rid) if prompt_logprobs else None
             if not generated and plp is None:
                 continue  # a non-final prefill chunk samples nothing
@@ -642,26 +506,9 @@ class Scheduler:
             else:
                 stopped = set(map(id, stopped_running))
                 self.running = [r for r in self.running if id(r) not in stopped]
-            if lazy is not None:
-                for request in stopped_running:
-                    lazy.forget(request.request_id)
         if stopped_preempted:
             self.waiting.remove_requests(stopped_preempted)
-        self._last_updated_step = scheduler_output.scheduler_step
         return outputs
-
-    def _merge_pending_outputs(self, so: SchedulerOutput, lazy: LazyDecodes):
-        """This output's rows plus the members materialised since it was scheduled (async: their
-        token of this step is still to be applied), in running order like a normal step's rows."""
-        pending = {rid: [token] for rid, (_, token) in lazy.pending_update.items()}
-        lazy.pending_update = {}
-        requests = self.requests
-
-        def running_order(item: tuple[str, int]) -> int:
-            r = requests.get(item[0])
-            return r.running_seq if r is not None else -1
-        items = sorted([*so.num_scheduled_tokens.items(), *((rid, 1) for rid in pending)], key=running_order)
-        return items, pending
 
     def _update_async_bookkeeping(self, request: Request, num_generated: int, stopped: bool) -> None:
         """Returned tokens replace placeholders (or stale ones of a preempted request); only KV known
@@ -688,101 +535,6 @@ class Scheduler:
                 return generated[:k], True
         return generated, False
 
-    # -- exact fast-forward of steady decode steps (simulator speed) ---------------------------
-    def steady_decode_steps(self, limit: int) -> int:
-        """How many of the next steps (at most `limit`) are certain to schedule exactly one token for
-        every running request, in running order, with no admission, preemption, allocation failure or
-        length-capped finish. 0 when the state is not a steady decode (sync scheduling only).
-
-        EOS and stop tokens depend on the sampled tokens: ruling them out is the caller's job.
-        """
-        running = self.running
-        if (limit <= 0 or self.async_scheduling or self.waiting or not running or self.finished_req_ids
-                or self.reset_preempted_req_ids or self.lazy is not None):
-            return 0
-        num = len(running)
-        if num > self.max_num_scheduled_tokens or num > self.max_num_batched_tokens:
-            return 0
-        kv = self.kv_cache_manager
-        bs = self.block_size
-        caching = kv.enable_caching
-        k = limit
-        for r in running:
-            n_tok = len(r._all_token_ids)
-            computed = r.num_computed_tokens
-            if n_tok - computed != 1 or r.num_output_placeholders or not r._output_token_ids:
-                return 0  # not a decode (a 1-token last prefill chunk is a context request)
-            if caching and kv.num_cached_block.get(r.request_id, 0) < min(computed, len(r.block_hashes) * bs) // bs:
-                return 0  # registration lags: let a normal step catch it up
-            remaining = min(r.max_tokens - len(r._output_token_ids), self.max_model_len - n_tok)
-            if remaining - 1 < k:
-                k = remaining - 1
-                if k <= 0:
-                    return 0
-        free = kv.num_free_blocks
-        req_to_blocks = kv.req_to_blocks
-
-        def blocks_needed(steps: int) -> int:
-            return sum(max(0, cdiv(r.num_computed_tokens + steps, bs) - len(req_to_blocks[r.request_id]))
-                       for r in running)
-
-        if blocks_needed(k) > free:
-            lo, hi = 0, k  # largest steps with blocks_needed(steps) <= free
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if blocks_needed(mid) <= free:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            k = lo
-        return k
-
-    def fast_forward_decode(self, k: int, tokens: list[list[int]]) -> list[int]:
-        """Apply `k` steady decode steps at once (see `steady_decode_steps`); `tokens[i]` are the k
-        tokens sampled for `running[i]`. Block allocation and prefix-cache registration happen in the
-        exact step-by-step order (step, then running order), so the state equals k normal steps.
-        Returns the number of free blocks after each step's scheduling."""
-        kv = self.kv_cache_manager
-        bs = self.block_size
-        caching = kv.enable_caching
-        running = self.running
-        req_to_blocks = kv.req_to_blocks
-        events: list[tuple[int, int, int]] = []  # (window step, row, 0 = allocate / 1 = cache)
-        starts = []
-        for row, r in enumerate(running):
-            c0 = r.num_computed_tokens
-            starts.append(c0)
-            j = len(req_to_blocks[r.request_id]) * bs - c0
-            while j < k:
-                events.append((j, row, 0))
-                j += bs
-            if caching:
-                j = (bs - (c0 + 1) % bs) % bs
-                while j < k:
-                    events.append((j, row, 1))
-                    j += bs
-        for r, toks in zip(running, tokens):
-            r.append_output_token_ids(toks)
-        events.sort()
-        allocs = [0] * k
-        pool = kv.block_pool
-        for j, row, kind in events:
-            r = running[row]
-            if kind == 0:
-                req_to_blocks[r.request_id].extend(pool.get_new_blocks(1))
-                allocs[j] += 1
-            else:
-                kv.cache_blocks(r, starts[row] + j + 1)
-        for r, c0 in zip(running, starts):
-            r.num_computed_tokens = c0 + k
-        self.current_step += k
-        free = pool.get_num_free_blocks() + sum(allocs)
-        out = []
-        for a in allocs:
-            free -= a
-            out.append(free)
-        return out
-
     # -- stats and maintenance ---------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
@@ -800,8 +552,6 @@ class Scheduler:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         if reset_running_requests:
-            if self.lazy is not None:
-                self._materialise_all()
             while self.running:
                 request = self.running.pop()
                 self._preempt_request(request)

@@ -26,6 +26,22 @@ STEP_COLUMNS = [
 ]
 STEP_REQUEST_COLUMNS = ["run", "backend", "step", "request_id", "num_tokens", "num_computed_before", "phase",
                         "samples"]
+
+
+@dataclass(slots=True)
+class LateTokens:
+    """Tokens reported after their steps were processed: the outputs of `num_tokens` consecutive
+    scheduler steps from `first_step` (`SchedulerOutput.scheduler_step`), one token each.
+
+    The other half of the `servetwin.core.sched.output.ImplicitDecodes` contract: a scheduler that
+    schedules rows implicitly reports their tokens this way (the simulator's implicit decodes). A
+    step that can have such tokens is one with implicit rows; the recorder keeps its end time.
+    """
+    request_id: str
+    first_step: int
+    num_tokens: int
+
+
 REQUEST_COLUMNS = [
     "run", "backend", "request_id", "parent_id", "arrival_s", "first_scheduled_s", "first_token_s",
     "finish_s", "prompt_tokens", "cached_tokens", "output_tokens", "num_preemptions", "finish_reason",
@@ -91,8 +107,6 @@ class TraceRecorder:
 
     def on_step(self, result: StepResult, t_start: float, t_end: float) -> None:
         so = result.scheduled
-        if result.lazy_flushed:
-            self.on_lazy_flush(result.lazy_flushed)
         if so is not None:
             self._record_scheduled(result, t_start, t_end)
         if result.processed is not None:
@@ -124,15 +138,15 @@ class TraceRecorder:
             if kv > max_kv:
                 max_kv = kv
         num_reqs = len(nst)
-        lazy = so.lazy
-        if lazy is not None:  # implicit decode rows (core/lazy_decode.py): q = 1 after s tokens
-            num_reqs += lazy.num_reqs
-            sum_q2 += lazy.num_reqs
-            kv_lazy = lazy.sum_computed_before + lazy.num_reqs
-            sum_q_kv += kv_lazy
-            sum_kv += kv_lazy
-            max_kv = max(max_kv, lazy.max_computed_before + 1)
-            ends, step = self._t_end_by_step, so.scheduler_step
+        implicit = so.implicit_decodes
+        if implicit is not None:  # unlisted decode rows (ImplicitDecodes): q = 1 after s tokens
+            num_reqs += implicit.num_reqs
+            sum_q2 += implicit.num_reqs
+            kv_implicit = implicit.sum_computed_before + implicit.num_reqs
+            sum_q_kv += kv_implicit
+            sum_kv += kv_implicit
+            max_kv = max(max_kv, implicit.max_computed_before + 1)
+            ends, step = self._t_end_by_step, so.scheduler_step  # for their LateTokens
             if len(ends) <= step:
                 ends.extend([None] * (step + 1 - len(ends)))
             ends[step] = t_end
@@ -194,43 +208,29 @@ class TraceRecorder:
                 if row is not None:
                     row["num_finished"] += 1
 
-    def on_decode_window(self, first_step: int, t_starts: list[float], t_ends: list[float], req_ids: list[str],
-                         computed_before: list[int], free_after: list[int], num_gpu_blocks: int,
-                         shared_kv_tokens: int = 0) -> None:
-        """Rows for k fast-forwarded steady decode steps (the same rows k normal steps would give)."""
-        num = len(req_ids)
-        sum_c = sum(computed_before)
-        max_c = max(computed_before)
-        annotation = f"execute_context_0(0)_generation_{num}({num})"
-        usable = num_gpu_blocks - 1
-        for j, (t0, t1, free) in enumerate(zip(t_starts, t_ends, free_after)):
-            kv_sum = sum_c + num * (j + 1)
-            self.steps.append({
-                "run": self.run, "backend": self.backend, "step": first_step + j, "t_start_s": t0,
-                "t_end_s": t1, "duration_s": t1 - t0, "num_reqs": num, "num_context_reqs": 0,
-                "num_context_tokens": 0, "num_generation_reqs": num, "num_generation_tokens": num,
-                "total_tokens": num, "annotation": annotation, "sum_q2": num, "sum_q_kv": kv_sum,
-                "sum_kv": kv_sum, "max_kv": max_c + j + 1, "num_running": num, "num_waiting": 0,
-                "num_preempted": self._carried_preemptions if j == 0 else 0, "num_finished": 0, "kv_free_blocks": free,
-                "kv_usage": (1.0 - free / usable) if usable > 0 else 0.0, "prefix_queries": 0, "prefix_hits": 0,
-                "shared_kv_tokens": shared_kv_tokens})
-            if self.record_step_requests:
-                step = first_step + j
-                self.step_requests.extend((self.run, self.backend, step, rid, 1, c + j, "generation", True)
-                                          for rid, c in zip(req_ids, computed_before))
-        self._carried_preemptions = 0
-        k = len(t_ends)
-        for rid in req_ids:
+    def add_steps(self, rows: list[dict[str, Any]], step_requests: list[tuple],
+                  token_times: dict[str, list[float]]) -> None:
+        """Step rows built outside `on_step` (the simulator's decode fast-forward builds k rows in one
+        go): `rows` follow STEP_COLUMNS, `step_requests` STEP_REQUEST_COLUMNS (left out unless
+        `record_step_requests`), `token_times` are the tokens the rows produced, per request. The
+        first row takes the preemptions carried from steps that scheduled nothing."""
+        if rows:
+            rows[0]["num_preempted"] += self._carried_preemptions
+            self._carried_preemptions = 0
+        self.steps.extend(rows)
+        if self.record_step_requests:
+            self.step_requests.extend(step_requests)
+        for rid, times in token_times.items():
             trace = self.requests.get(rid)
             if trace is not None:
-                trace.token_times.extend(t_ends)
-                trace.output_tokens += k
+                trace.token_times.extend(times)
+                trace.output_tokens += len(times)
 
-    def on_lazy_flush(self, flushes: list) -> None:
-        """Tokens of implicit steps (servetwin.core.sched.lazy_decode.LazyFlush), applied when the request was
-        materialised: each token's time is its step's end, as for any other token."""
+    def on_late_tokens(self, late: list[LateTokens]) -> None:
+        """Tokens of implicit rows, reported after their steps (see `LateTokens`): each token's time
+        is its step's end, as for any other token."""
         t_end = self._t_end_by_step
-        for f in flushes:
+        for f in late:
             trace = self.requests.get(f.request_id)
             if trace is None:
                 continue
@@ -298,4 +298,4 @@ class TraceRecorder:
         return paths
 
 
-__all__ = ["TraceRecorder", "RequestTrace", "STEP_COLUMNS", "STEP_REQUEST_COLUMNS", "REQUEST_COLUMNS", "asdict"]
+__all__ = ["TraceRecorder", "RequestTrace", "LateTokens", "STEP_COLUMNS", "STEP_REQUEST_COLUMNS", "REQUEST_COLUMNS", "asdict"]

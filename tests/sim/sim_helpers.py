@@ -20,3 +20,33 @@ def small_workload(requests: int, seed: int, out_hi: int, prompt_hi: int, rate, 
     else:
         workload["prompt_tokens"] = {"type": "uniform", "low": 1, "high": prompt_hi}
     return workload
+
+
+def create_schedulers(**kw):
+    """A `SimScheduler` and a core `Scheduler` with the same configuration (sync, one KV group)."""
+    from servetwin.core.sched.config import CacheConfig, SchedulerConfig  # noqa: PLC0415
+    from servetwin.core.sched.scheduler import Scheduler  # noqa: PLC0415
+    from servetwin.sim.scheduler import SimScheduler  # noqa: PLC0415
+
+    cache_kw = {k: kw.pop(k) for k in ("block_size", "num_gpu_blocks", "enable_prefix_caching") if k in kw}
+    return tuple(cls(SchedulerConfig(**kw), CacheConfig(**cache_kw)) for cls in (SimScheduler, Scheduler))
+
+
+def make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int, arrival_time: float = 0.0,
+                 eos: int = 50256):
+    from servetwin.core.request import Request  # noqa: PLC0415
+    from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
+
+    sp = SamplingParams(max_tokens=max_tokens)
+    sp.update_from_generation_config(eos)
+    return Request(request_id, prompt_token_ids, sp, arrival_time=arrival_time)
+
+
+def sync_step(scheduler, token: int = 1000):
+    """schedule -> one token for every sampling row -> update_from_output; returns the outputs."""
+    from servetwin.core.outputs import ModelRunnerOutput  # noqa: PLC0415
+
+    so = scheduler.schedule()
+    ids = list(so.num_scheduled_tokens)
+    sampled = [[] if scheduler.requests[rid].is_prefill_chunk else [token] for rid in ids]
+    return so, scheduler.update_from_output(so, ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled))

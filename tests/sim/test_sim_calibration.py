@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from servetwin.sim.calibration import calibrated_hardware, fit_coefficients, nnls
-from servetwin.sim.coefficients import CostCoefficients
+from servetwin.sim.coefficients import BASIS_TERMS, CostCoefficients
 from servetwin.sim.cost_model import CostModel, RowShape, StepSummary
 from servetwin.sim.hardware import load_hardware, save_hardware
 
@@ -52,16 +52,19 @@ def _synthetic_steps(seed=1, n=300):
 
 
 def test_fit_recovers_known_coefficients():
-    truth = CostCoefficients(c_step=8e-4, c_req=2e-5, c_token=0.0, c_layer=3e-5, c_linear=1.4,
+    truth = CostCoefficients(c_step=8e-4, c_req=2e-5, c_token=0.0, c_layer_piecewise=3e-5, c_linear=1.4,
                              c_attn_prefill=1.9, c_attn_decode=1.2, c_attn_shared=0.4, c_lm_head=1.1, c_comm=1.5)
     cm = CostModel("llama-3.1-8b", "h100-sxm", tp=2, cuda_graphs=True, coefficients=truth)
     steps = _synthetic_steps()
     rows = [cm.basis(s) for s in steps]
     exact = [cm.predict(s).duration_s for s in steps]
-    fit = fit_coefficients(rows, exact)
-    assert fit.unidentified == ["ipc_step", "ipc_req"]
-    assert fit.rank == 10  # step, req, token, layer, linear, attn x3, lm_head, comm
-    for term in ("step", "req", "layer", "linear", "attn_prefill", "attn_decode", "attn_shared", "lm_head", "comm"):
+    # elementwise ~ token, sampler ~ sampling rows, tp_step ~ step at a fixed tp: collinear, left out
+    terms = [t for t in BASIS_TERMS if t not in ("elementwise", "sampler", "tp_step")]
+    fit = fit_coefficients(rows, exact, terms=terms)
+    assert fit.unidentified == ["layer", "ipc_step", "ipc_req"]  # graphs on: no fully eager step
+    assert fit.rank == 10  # step, req, token, layer_piecewise, linear, attn x3, lm_head, comm
+    for term in ("step", "req", "layer_piecewise", "linear", "attn_prefill", "attn_decode", "attn_shared",
+                 "lm_head", "comm"):
         assert fit.coefficients[term] == pytest.approx(truth.for_term(term), rel=1e-4), term
     assert fit.coefficients["token"] == pytest.approx(0.0, abs=1e-9)
     assert fit.max_abs_rel_err < 1e-6 and fit.r2 > 0.999999
@@ -71,7 +74,7 @@ def test_fit_recovers_known_coefficients():
     rng = np.random.default_rng(7)
     noisy = [t * (1 + 0.01 * rng.normal()) for t in exact]
     for weighting in ("absolute", "relative"):
-        nfit = fit_coefficients(rows, noisy, weighting=weighting)
+        nfit = fit_coefficients(rows, noisy, terms=terms, weighting=weighting)
         for term in ("linear", "attn_prefill", "attn_decode"):  # (attn_shared shares decode steps' shape)
             assert nfit.coefficients[term] == pytest.approx(truth.for_term(term), rel=0.1), term
         refit = CostModel("llama-3.1-8b", "h100-sxm", tp=2, coefficients=nfit.to_coefficients())

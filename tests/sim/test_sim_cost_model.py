@@ -9,7 +9,18 @@ from servetwin.core.sched.output import CachedRequestData, NewRequestData, Sched
 from servetwin.core.engine.runner_state import RunnerState
 from servetwin.sim.coefficients import BASIS_TERMS, CostCoefficients
 from servetwin.sim.cost_model import CostModel, RowShape, StepSummary, default_cuda_graph_sizes
+from servetwin.sim.coefficients import Efficiency
+from servetwin.sim.hardware import load_hardware
 from servetwin.sim.model_spec import PRESETS
+
+
+def ideal(name):
+    """The preset's datasheet with ideal efficiencies (1.0, no shape dependence) and the pre-calibration
+    placeholder overheads: the formula's rooflines checked by hand below."""
+    hw = load_hardware(name)
+    hw.efficiency = Efficiency()
+    hw.coefficients = CostCoefficients(c_step=5e-4, c_req=1e-5, c_layer=2e-5)
+    return hw
 
 H100_BW, H100_PEAK = 3.35e12, 989.4e12
 # llama-3.1-8b: d 4096, 32 layers, 32 heads, 8 KV heads, head dim 128, FFN 14336, vocab 128256.
@@ -23,7 +34,7 @@ def test_llama_8b_layer_counts_used_below():
 
 
 def test_pure_decode_on_h100_is_bandwidth_bound():
-    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    cm = CostModel("llama-3.1-8b", ideal("h100-sxm"))
     b = cm.basis([RowShape(q=1, s=1000)])
     assert b["linear"] == pytest.approx(32 * L8_LAYER * 2 / H100_BW)  # weights read once
     assert b["lm_head"] == pytest.approx((128256 * 4096 * 2 + 128256 * 4) / H100_BW)
@@ -35,7 +46,7 @@ def test_pure_decode_on_h100_is_bandwidth_bound():
 
 
 def test_8k_prefill_on_h100_is_compute_bound():
-    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    cm = CostModel("llama-3.1-8b", ideal("h100-sxm"))
     n = 8192
     b = cm.basis([RowShape(q=n, s=0)])
     linear_flops = 2 * n * 32 * L8_MATMUL
@@ -48,14 +59,14 @@ def test_8k_prefill_on_h100_is_compute_bound():
 
 
 def test_prefill_after_cached_prefix_attends_to_it():
-    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    cm = CostModel("llama-3.1-8b", ideal("h100-sxm"))
     cold = cm.basis([RowShape(q=512, s=0)])["attn_prefill"]
     warm = cm.basis([RowShape(q=512, s=8192)])["attn_prefill"]
     assert warm == pytest.approx(cold * (512 * 8192 + 512 * 513 / 2) / (512 * 513 / 2))
 
 
 def test_prediction_is_the_linear_combination_of_the_basis():
-    cm = CostModel("qwen3-8b", "a100-80g", tp=2)
+    cm = CostModel("qwen3-8b", ideal("a100-80g"), tp=2)
     rows = [RowShape(300, 4000, True), RowShape(1, 50, True), RowShape(1, 9000, True),
             RowShape(700, 0, False)]
     b = cm.basis(rows)
@@ -68,7 +79,7 @@ def test_prediction_is_the_linear_combination_of_the_basis():
 
 
 def test_sums_not_means_skewed_chunks_cost_more():
-    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    cm = CostModel("llama-3.1-8b", ideal("h100-sxm"))
     even = cm.basis([RowShape(1000, 0), RowShape(1000, 0)])["attn_prefill"]
     skew = cm.basis([RowShape(1900, 0), RowShape(100, 0)])["attn_prefill"]
     assert skew > 1.5 * even  # sum q^2: 3.62e6 vs 2.0e6
@@ -79,7 +90,7 @@ def test_sums_not_means_skewed_chunks_cost_more():
 
 
 def test_lm_head_runs_only_for_sampling_rows():
-    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    cm = CostModel("llama-3.1-8b", ideal("h100-sxm"))
     assert cm.basis([RowShape(512, 0, samples=False)])["lm_head"] == 0.0
     one = cm.basis([RowShape(512, 0, True)])["lm_head"]
     many = cm.basis([RowShape(1, 10, True)] * 2000)["lm_head"]
@@ -95,7 +106,7 @@ rows_strategy = st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 20000), 
        which=st.integers(0, 39), grow=st.integers(1, 500), model=st.sampled_from(
            ["llama-3.1-8b", "qwen3-0.6b", "llama-3.1-70b"]), tp=st.sampled_from([1, 2, 4]))
 def test_monotone_in_work_without_graphs(rows, extra, which, grow, model, tp):
-    cm = CostModel(model, "h100-sxm", tp=tp, cuda_graphs=False)
+    cm = CostModel(model, ideal("h100-sxm"), tp=tp, cuda_graphs=False)
     base = cm.predict(rows).duration_s
     # one more request
     assert cm.predict(rows + [(extra[0], extra[1], True)]).duration_s >= base
@@ -113,36 +124,37 @@ def test_monotone_in_work_without_graphs(rows, extra, which, grow, model, tp):
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 600), s=st.integers(0, 5000))
 def test_decode_batches_monotone_with_graphs(n, s):
-    cm = CostModel("llama-3.1-8b", "h100-sxm", cuda_graphs=True)
+    cm = CostModel("llama-3.1-8b", ideal("h100-sxm"), cuda_graphs=True)
     assert cm.predict([RowShape(1, s)] * (n + 1)).duration_s >= cm.predict([RowShape(1, s)] * n).duration_s
 
 
 def test_cuda_graph_padding_of_decode_batches():
-    cm = CostModel("llama-3.1-8b", "h100-sxm", cuda_graphs=True)
+    cm = CostModel("llama-3.1-8b", ideal("h100-sxm"), cuda_graphs=True)
     assert cm.graph_sizes == default_cuda_graph_sizes(512)
     assert cm.graph_sizes[:5] == [1, 2, 4, 8, 16] and cm.graph_sizes[-1] == 512
     three = cm.predict([RowShape(1, 100)] * 3)
     assert three.padded_batch_size == 4
     b3 = cm.basis([RowShape(1, 100)] * 3)
-    assert b3["layer"] == 0.0  # graph replay: no per-layer launches
+    assert b3["layer"] == b3["layer_piecewise"] == 0.0  # full graph replay: no per-layer launches
     assert b3["token"] == 3.0  # host-side work is on real tokens
     # 300 decodes pad to 304; at that size the GEMMs are compute-bound on an H100
     b300 = cm.basis([RowShape(1, 100)] * 300)
     assert cm.predict([RowShape(1, 100)] * 300).padded_batch_size == 304
     assert b300["linear"] == pytest.approx(2 * 304 * 32 * L8_MATMUL / H100_PEAK)
-    # above the largest captured size, and mixed batches, run eagerly and unpadded
+    # above the largest captured size, and mixed batches, run outside the full graph (piecewise) unpadded
     assert cm.predict([RowShape(1, 100)] * 513).padded_batch_size == 513
-    assert cm.basis([RowShape(1, 100)] * 513)["layer"] == 32.0
+    big = cm.basis([RowShape(1, 100)] * 513)
+    assert (big["layer"], big["layer_piecewise"]) == (0.0, 32.0)
     mixed = [RowShape(1, 100)] * 3 + [RowShape(5, 0)]
     assert cm.predict(mixed).padded_batch_size == 8
-    assert cm.basis(mixed)["layer"] == 32.0
+    assert cm.basis(mixed)["layer_piecewise"] == 32.0
 
 
 def test_graphs_off_and_custom_sizes():
-    off = CostModel("llama-3.1-8b", "h100-sxm", cuda_graphs=False)
+    off = CostModel("llama-3.1-8b", ideal("h100-sxm"), cuda_graphs=False)
     assert off.predict([RowShape(1, 100)] * 3).padded_batch_size == 3
     assert off.basis([RowShape(1, 100)] * 3)["layer"] == 32.0
-    custom = CostModel("llama-3.1-8b", "h100-sxm", graph_sizes=[8, 1])
+    custom = CostModel("llama-3.1-8b", ideal("h100-sxm"), graph_sizes=[8, 1])
     assert custom.predict([RowShape(1, 100)] * 3).padded_batch_size == 8
     with pytest.raises(ValueError, match="cuda_graphs"):
         CostModel("tiny-llama", "cpu", cuda_graphs=True)
@@ -151,8 +163,8 @@ def test_graphs_off_and_custom_sizes():
 
 def test_tensor_parallel_terms():
     rows = [RowShape(1, 100)] * 64
-    tp1 = CostModel("llama-3.1-70b", "h100-sxm", tp=1, cuda_graphs=False).basis(rows)
-    tp4 = CostModel("llama-3.1-70b", "h100-sxm", tp=4, cuda_graphs=False).basis(rows)
+    tp1 = CostModel("llama-3.1-70b", ideal("h100-sxm"), tp=1, cuda_graphs=False).basis(rows)
+    tp4 = CostModel("llama-3.1-70b", ideal("h100-sxm"), tp=4, cuda_graphs=False).basis(rows)
     assert tp1["comm"] == 0.0
     lat, link = 8e-6, 450e9
     expected = (2 * 80 * (lat + 2 * 0.75 * 64 * 8192 * 2 / link)
@@ -160,23 +172,23 @@ def test_tensor_parallel_terms():
     assert tp4["comm"] == pytest.approx(expected)
     assert tp4["linear"] == pytest.approx(tp1["linear"] / 4)  # memory-bound: weights split
     # 8 KV heads: beyond tp=8 they are replicated, so per-rank KV traffic stops shrinking
-    tp8 = CostModel("llama-3.1-70b", "h100-sxm", tp=8).basis(rows)["attn_decode"]
-    tp16 = CostModel("llama-3.1-70b", "h100-sxm", tp=16).basis(rows)["attn_decode"]
+    tp8 = CostModel("llama-3.1-70b", ideal("h100-sxm"), tp=8).basis(rows)["attn_decode"]
+    tp16 = CostModel("llama-3.1-70b", ideal("h100-sxm"), tp=16).basis(rows)["attn_decode"]
     assert tp16 == pytest.approx(tp8)
     with pytest.raises(ValueError, match="tp: 3 must divide"):
-        CostModel("llama-3.1-8b", "h100-sxm", tp=3)
+        CostModel("llama-3.1-8b", ideal("h100-sxm"), tp=3)
     with pytest.raises(ValueError, match="interconnect"):
         CostModel("tiny-llama", "cpu", tp=2)
 
 
 def test_ipc_terms_default_off():
     rows = [RowShape(1, 10)] * 5
-    off = CostModel("qwen3-0.6b", "h100-sxm").basis(rows)
-    on = CostModel("qwen3-0.6b", "h100-sxm", ipc=True).basis(rows)
+    off = CostModel("qwen3-0.6b", ideal("h100-sxm")).basis(rows)
+    on = CostModel("qwen3-0.6b", ideal("h100-sxm"), ipc=True).basis(rows)
     assert off["ipc_step"] == off["ipc_req"] == 0.0
     assert (on["ipc_step"], on["ipc_req"]) == (1.0, 5.0)
     coeffs = CostCoefficients(c_ipc_step=1e-3, c_ipc_req=1e-4)
-    cm = CostModel("qwen3-0.6b", "h100-sxm", ipc=True, coefficients=coeffs)
+    cm = CostModel("qwen3-0.6b", ideal("h100-sxm"), ipc=True, coefficients=coeffs)
     assert cm.predict(rows).prepare_s == pytest.approx(1e-3 + 5e-4)
 
 
@@ -223,7 +235,7 @@ def test_shared_prefix_reads_have_their_own_term():
     plain = StepSummary.from_rows(rows)
     shared = dataclasses.replace(plain, shared_kv=6000)
     per_token = 32 * 2 * 8 * 128 * 2 / H100_BW  # llama-3.1-8b KV bytes per token / bandwidth
-    cm = CostModel("llama-3.1-8b", "h100-sxm")
+    cm = CostModel("llama-3.1-8b", ideal("h100-sxm"))
     b0, b1 = cm.basis(plain), cm.basis(shared)
     assert b0["attn_shared"] == 0.0
     assert b1["attn_shared"] == pytest.approx(6000 * per_token)
@@ -233,7 +245,7 @@ def test_shared_prefix_reads_have_their_own_term():
     over = dataclasses.replace(plain, shared_kv=8308)
     b2 = cm.basis(over)
     assert b2["attn_shared"] == pytest.approx((8008 + 300) * per_token)
-    cheap = CostModel("llama-3.1-8b", "h100-sxm",
+    cheap = CostModel("llama-3.1-8b", ideal("h100-sxm"),
                       coefficients=dataclasses.replace(cm.coefficients, c_attn_shared=0.25))
     saved = cm.predict(shared).duration_s - cheap.predict(shared).duration_s
     assert saved == pytest.approx(0.75 * 6000 * per_token)
@@ -256,3 +268,52 @@ def test_the_scheduler_reports_shared_kv_tokens():
     sched.add_request(Request("b", common + [4, 5], sp, arrival_time=1.0))
     so = sched.schedule()
     assert so.shared_kv_tokens == 3 * 16
+
+
+def test_gemm_efficiency_saturates_with_token_count():
+    hw = ideal("h100-sxm")
+    hw.efficiency = Efficiency(gemm_compute=0.5, gemm_half_m=100.0)
+    cm = CostModel("llama-3.1-8b", hw, cuda_graphs=False)
+    for m in (64, 1000, 8192):
+        lin = cm.basis([RowShape(m, 0)])["linear"]
+        flops = 2 * m * 32 * L8_MATMUL
+        compute = flops / (H100_PEAK * 0.5 * m / (m + 100))  # e * M / (M + h) of the peak
+        assert lin == pytest.approx(max(compute, 32 * L8_LAYER * 2 / H100_BW))
+    # small token counts stay weight-bound; the achieved FLOP rate grows with M
+    rate = [2 * m * 32 * L8_MATMUL / cm.basis([RowShape(m, 0)])["linear"] for m in (512, 2048, 8192)]
+    assert rate[0] < rate[1] < rate[2] < 0.5 * H100_PEAK
+
+
+def test_prefill_attention_efficiency_depends_on_keys_per_query():
+    hw = ideal("h100-sxm")
+    hw.efficiency = Efficiency(attn_prefill_compute=0.66, attn_prefill_half_kv=215.0)
+    cm = CostModel("llama-3.1-8b", hw)
+    short, long_prefix = cm.basis([RowShape(512, 0)])["attn_prefill"], cm.basis([RowShape(512, 16384)])["attn_prefill"]
+    pairs_short, pairs_long = 512 * 513 / 2, 512 * 16384 + 512 * 513 / 2
+    assert (pairs_long / long_prefix) > 1.5 * (pairs_short / short)  # a cached prefix runs nearer the peak
+
+
+def test_fp8_weights_and_kv_cache():
+    hw = ideal("h100-sxm")
+    bf16 = CostModel("llama-3.1-8b", hw)
+    fp8 = CostModel("llama-3.1-8b", hw, quantization="fp8", kv_cache_dtype="fp8")
+    decode = [RowShape(1, 4000)] * 8
+    assert fp8.basis(decode)["linear"] == pytest.approx(bf16.basis(decode)["linear"] / 2)  # 1-byte weights
+    assert fp8.basis(decode)["attn_decode"] == pytest.approx(bf16.basis(decode)["attn_decode"] / 2)  # 1-byte KV
+    prefill = [RowShape(8192, 0)]
+    assert fp8.basis(prefill)["linear"] == pytest.approx(bf16.basis(prefill)["linear"] / 2, rel=1e-3)  # fp8 peak
+    a100 = CostModel("llama-3.1-8b", ideal("a100-80g"), quantization="fp8")  # no fp8 cores: W8A16
+    assert a100.basis(prefill)["linear"] == pytest.approx(
+        CostModel("llama-3.1-8b", ideal("a100-80g")).basis(prefill)["linear"])
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CostModel("llama-3.1-8b", hw, kv_cache_dtype="int4")
+
+
+def test_calibrated_presets_are_slower_than_the_datasheet():
+    rows = [RowShape(1, 1000)] * 8
+    ideal_t = CostModel("llama-3.1-8b", ideal("h100-sxm")).predict(rows).duration_s
+    cal_t = CostModel("llama-3.1-8b", "h100-sxm").predict(rows).duration_s
+    assert cal_t > ideal_t
+    h100 = CostModel("llama-3.1-8b", "h100-sxm").predict(rows).duration_s
+    h200 = CostModel("llama-3.1-8b", "h200").predict(rows).duration_s
+    assert 1.0 < h100 / h200 < 4.8 / 3.35  # part of a decode step does not scale with bandwidth

@@ -1,4 +1,7 @@
-"""Fast-forwarded steady decode windows give exactly the trace of step-by-step simulation."""
+"""Fast-forwarded steady decode windows (sim/fast_forward.py, SimScheduler) give exactly the trace of
+step-by-step simulation."""
+import os
+
 import pandas as pd
 from hypothesis import given, settings, strategies as st
 
@@ -7,6 +10,9 @@ from servetwin.core.engine.engine_factory import create_engine_core
 from servetwin.sim.engine import Simulation
 from servetwin.sim.workload import build_workload, rng_streams
 from sim_helpers import assert_same_block_pool, small_workload
+
+# more examples for a thorough local check: SERVETWIN_FF_EXAMPLES=300
+EXAMPLES = int(os.environ.get("SERVETWIN_FF_EXAMPLES", "25"))
 
 
 def _run(engine_kw: dict, workload: dict, fast: bool):
@@ -19,7 +25,7 @@ def _run(engine_kw: dict, workload: dict, fast: bool):
     return res, engine
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(
     caching=st.booleans(),
     block_size=st.sampled_from([1, 4, 16]),

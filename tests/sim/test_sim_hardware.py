@@ -10,12 +10,38 @@ def test_coefficient_fields_match_basis_terms():
     assert list(CostCoefficients().to_dict()) == [f"c_{t}" for t in BASIS_TERMS]
 
 
-@pytest.mark.parametrize("name", ["h100-sxm", "h200", "a100-80g", "l40s", "cpu"])
-def test_presets_load_and_are_marked_uncalibrated(name):
-    hw = load_hardware(name)
-    assert isinstance(hw, HardwareSpec) and hw.name == name
+def test_cpu_preset_is_marked_uncalibrated():
+    hw = load_hardware("cpu")
+    assert isinstance(hw, HardwareSpec) and hw.name == "cpu"
     assert hw.provenance["calibrated"] is False
     assert "uncalibrated" in hw.provenance["source"]
+
+
+@pytest.mark.parametrize("name", ["h100-sxm", "h200", "a100-80g", "l40s"])
+def test_gpu_presets_are_calibrated_with_a_source_per_value(name):
+    hw = load_hardware(name)
+    assert isinstance(hw, HardwareSpec) and hw.name == name
+    assert hw.provenance["calibrated"] is True
+    sources = hw.provenance["coefficients"]
+    for field in hw.efficiency.to_dict():
+        assert sources.get(f"efficiency.{field}"), field
+    for field in ("c_step", "c_req", "c_token"):
+        assert sources.get(f"coefficients.{field}"), field
+    # physical fractions of the datasheet, never above it
+    assert all(0 < v <= 1 for k, v in hw.efficiency.to_dict().items() if "half" not in k)
+
+
+def test_fp8_peak_where_the_device_has_it():
+    assert load_hardware("h100-sxm").peak_flops("fp8") == pytest.approx(2 * load_hardware("h100-sxm").peak_flops("bfloat16"), rel=1e-3)
+    assert load_hardware("a100-80g").peak_flops("fp8") == 312e12  # no fp8 tensor cores: bf16 peak
+
+
+def test_efficiency_fields_are_checked():
+    with pytest.raises(ValueError, match="hardware.efficiency.gemm_compute: a fraction of the datasheet"):
+        from servetwin.sim.hardware import hardware_from_dict
+        hardware_from_dict({"base": "h100-sxm", "efficiency": {"gemm_compute": 1.5}})
+    with pytest.raises(ValueError, match="hardware.efficiency.gemm_bogus: unknown field"):
+        hardware_from_dict({"base": "h100-sxm", "efficiency": {"gemm_bogus": 0.5}})
 
 
 def test_h100_datasheet_numbers():

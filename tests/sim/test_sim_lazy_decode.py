@@ -1,4 +1,4 @@
-"""Implicit steady decodes (core/lazy_decode.py) give exactly the trace of the normal step-by-step run:
+"""Implicit steady decodes (sim/scheduler.py, sim/lazy_decode.py) give exactly the trace of the normal step-by-step run:
 every step row, every request row, completion times and the final block pool (ids and hashes)."""
 import os
 
@@ -98,7 +98,7 @@ def test_implicit_decodes_replace_most_rows():
         nonlocal listed, implicit
         so = orig()
         listed += len(so.num_scheduled_tokens)
-        implicit += so.lazy.num_reqs if so.lazy is not None else 0
+        implicit += so.implicit_decodes.num_reqs if so.implicit_decodes is not None else 0
         return so
     engine.scheduler.schedule = count
     res = Simulation(engine, requests, spec.arrival, record_step_requests=False).run()
@@ -112,7 +112,7 @@ def test_block_boundaries_are_handled_in_place(async_scheduling, monkeypatch):
     """A member crossing block boundaries (a new block, a block registered) stays implicit: it is
     materialised about once (its last token), not once per block, and listed only around its prefill
     and its end - with a trace equal to the step-by-step run."""
-    from servetwin.core.sched.lazy_decode import LazyDecodes  # noqa: PLC0415
+    from servetwin.sim.lazy_decode import LazyDecodes  # noqa: PLC0415
 
     engine_kw = dict(enable_prefix_caching=True, num_gpu_blocks=600, max_num_seqs=8, max_model_len=512,
                      async_scheduling=async_scheduling, block_size=16)

@@ -1,9 +1,11 @@
 """Implicit steady decodes: the simulator's exact shortcut for per-row work (O(events) per step).
 
+The bookkeeping of `servetwin.sim.scheduler.SimScheduler`'s implicit members; not vLLM's behaviour.
+
 A running request in steady decode (one token per step, no stop token it could sample, no forced
 EOS) changes in a fully predictable way from step to step: C and the output grow by one. While such
 a request - a *member* - has no event, the scheduler schedules it *implicitly*: it is counted in the
-step's aggregates (`SchedulerOutput.lazy`: rows, sum and max of computed tokens) but not listed in
+step's aggregates (`SchedulerOutput.implicit_decodes`: rows, sum and max of computed tokens) but not listed in
 `num_scheduled_tokens`, not touched by `update_from_output`, and produces no `EngineCoreOutput`.
 
 A member's next event is the first step at which the normal code could do anything but "+1 token":
@@ -15,7 +17,8 @@ hashes exist) and its row of the running pass does the KV work in running order 
 then its next event is set (`advance`). At its terminal event (the last token, the length cap) - or
 whenever anything else needs its exact state - a member is *materialised*: the deferred steps are
 applied at once (C, in-flight counters, tokens, block hashes) and the request takes the normal path
-(and may join again after its row's KV work, `try_join`).
+(and may join again after its row's KV work, `try_join`). Its tokens reach the trace then, as
+`LateTokens` (`TraceRecorder.on_late_tokens` stamps each with its step's end).
 
 Budget and KV checks at the start of every step guarantee that the normal code would schedule every
 member one token without clipping or preemption; when they fail, every member is materialised first
@@ -38,6 +41,8 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from servetwin.core.request import Request, RequestStatus
+from servetwin.core.sched.output import ImplicitDecodes
+from servetwin.core.testbed.trace import LateTokens
 
 
 class LazyTokenSource(Protocol):
@@ -46,22 +51,6 @@ class LazyTokenSource(Protocol):
     def lazy_eligible(self, request: Request) -> bool: ...
 
     def lazy_tokens(self, request_id: str, n: int) -> list[int]: ...
-
-
-@dataclass(slots=True)
-class LazyStep:
-    """The implicit rows of one step: each a decode row (q = 1) after `s` computed tokens."""
-    num_reqs: int
-    sum_computed_before: int
-    max_computed_before: int
-
-
-@dataclass(slots=True)
-class LazyFlush:
-    """Tokens of `num_tokens` implicit steps starting at scheduler step `first_step`, applied late."""
-    request_id: str
-    first_step: int
-    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -91,7 +80,7 @@ class LazyDecodes:
         self._events: list[tuple[int, int, str]] = []  # (event step, seq, request id), lazily deleted
         self._offsets: list[tuple[int, int, str]] = []  # (-offset, seq, request id): the max C
         self._seq = 0
-        self.flushed: list[LazyFlush] = []
+        self.flushed: list[LateTokens] = []
         # async: request id -> (request, token of its pending step), made by `materialise`
         self.pending_update: dict[str, tuple[Request, int]] = {}
         self._eligible: dict[str, bool] = {}  # the source's verdict per running request
@@ -100,10 +89,10 @@ class LazyDecodes:
     def try_join(self, r: Request, step: int, kv_blocks: int, num_cached_blocks: int) -> bool:
         """Make `r` a member from `step` on if it is a steady decode (one token per step, nothing in
         flight but its last step's output) whose first event is at least a step away."""
-        if r.status != RequestStatus.RUNNING or r.num_stale_output_tokens or not r._output_token_ids:
+        if r.status != RequestStatus.RUNNING or r.num_stale_output_tokens or not r.num_output_tokens:
             return False  # (a one-token last prefill chunk looks like a decode but is a context row)
         c = r.num_computed_tokens
-        n_tok = len(r._all_token_ids)
+        n_tok = r.num_tokens
         if self.async_scheduling:
             if c != n_tok or r.num_output_placeholders != 1 or r.num_in_flight_tokens != 1:
                 return False
@@ -115,7 +104,7 @@ class LazyDecodes:
             ok = self._eligible[rid] = self.source.lazy_eligible(r)
         if not ok:
             return False
-        terminal = min(r.max_tokens - len(r._output_token_ids) - 1,  # the last token
+        terminal = min(r.max_tokens - r.num_output_tokens - 1,  # the last token
                        self.max_model_len - 2 - c)  # the length cap
         offset = min(self._kv_offset(c, kv_blocks, num_cached_blocks), terminal)
         if offset < 1:
@@ -224,7 +213,7 @@ class LazyDecodes:
             r.append_output_token_ids(tokens)
         n_told = m.out_from + n_out - m.flush_from  # applied in place before, and now
         if n_told:
-            self.flushed.append(LazyFlush(rid, m.flush_from, n_told))
+            self.flushed.append(LateTokens(rid, m.flush_from, n_told))
         return r
 
     def max_offset(self) -> int:
@@ -237,15 +226,15 @@ class LazyDecodes:
                 return -neg
             heapq.heappop(offsets)
 
-    def step_aggregates(self, step: int) -> Optional[LazyStep]:
+    def step_aggregates(self, step: int) -> Optional[ImplicitDecodes]:
         k = len(self.members)
         if not k:
             return None
-        return LazyStep(k, self.sum_offset + k * step, self.max_offset() + step)
+        return ImplicitDecodes(k, self.sum_offset + k * step, self.max_offset() + step)
 
-    def take_flushed(self) -> list[LazyFlush]:
+    def take_flushed(self) -> list[LateTokens]:
         out, self.flushed = self.flushed, []
         return out
 
 
-__all__ = ["LazyDecodes", "LazyFlush", "LazyStep", "LazyTokenSource"]
+__all__ = ["LazyDecodes", "LazyTokenSource"]

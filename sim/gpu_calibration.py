@@ -1,0 +1,106 @@
+"""The GPU presets' calibrated efficiencies and coefficients, each with where its value comes from.
+
+Two kinds of evidence, kept apart:
+- per-kernel public measurements fix the physical efficiencies (`Efficiency`): how close dense
+  matmuls, FlashAttention and NCCL collectives get to the datasheet, and how that depends on shape;
+- the published end-to-end vLLM runs under `servetwin validate`'s case directory (H100, vLLM 0.11
+  and the 2024 dashboard) fit what no kernel benchmark shows: the engine's CPU time per step and
+  per request, the bandwidth fraction decode reaches inside vLLM, the GEMM half-saturation size.
+One set per GPU, transferred across models, lengths and load; nothing is tuned per case. GPUs
+without an end-to-end case (H200, A100, L40S) take the engine's CPU terms from the H100 fit (same
+software on a comparable host) and their efficiencies from their own kernel measurements.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# -- sources (cited by the provenance records below) ------------------------------------------------
+MAMF = ("stas00/ml-engineering, compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS "
+        "comparison table' (bf16 torch.matmul, best shape): H100 SXM 792.1 of 989 TFLOPS (80.1%), "
+        "H100/H200 SXM 794.5 (80.3%), A100 SXM 267.9 of 312 (85.9%)")
+FA3 = ("FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608), forward speed, head dim 128, H100 80GB SXM5, "
+       "bf16: 467/565/625/638/646/648 TFLOPS at sequence 512/1k/2k/4k/8k/16k; least-squares fit of "
+       "e*x/(x+h) with x = keys per query: e = 0.66, h = 215")
+FA2 = ("FlashAttention-2 (Dao 2023, arXiv:2307.08691): forward reaches up to ~73% of A100's 312 TFLOPS "
+       "at long sequences (head dim 128), ~50% at 512; on H100 FA2 reaches 309-370 TFLOPS (FA3 paper, "
+       "same figure)")
+NCCL = ("nccl-tests all_reduce_perf reference bus bandwidth at large messages (docs.alayanew.com, "
+        "'NCCL-tests in practice'): 8xH100 SXM5 NVLink 460-480 GB/s, 8xA100 SXM4 230-250 GB/s, "
+        "H100 PCIe without NVLink 35-45 GB/s; fewer GPUs and mid-size messages reach less")
+HBM = ("sustained H100 HBM3 bandwidth: 3.02 TB/s device-to-device copy, 3.09 TB/s STREAM triad "
+       "(0.90-0.92 of 3.35 TB/s), public measurement log; weight streaming inside GEMMs reaches less")
+E2E = ("fitted on the published vLLM H100 runs (servetwin validate, cases A_latency_llama8b_tp1_h100, "
+       "A_throughput_llama8b_tp1_h100, B1_qwen3_8b_h100_sharegpt_c4, B3_qwen3_14b_h100_random_2k, "
+       "B5_qwen3_14b_h100_random_128; GPUStack performance lab and vLLM's 2024 performance dashboard)")
+ASSUMED_L40S = ("no public MAMF/FlashAttention figure found for L40S: Ada-generation fractions assumed "
+                "(power-limited 350 W part: in-engine matmul ~45% of peak, FlashAttention-2 ~55%)")
+
+# Fitted by benchmarks/fit_gpu_presets.py (2 rounds, loss 0.1235 = mean |log error| per case):
+# gemm_compute 0.3867, gemm_half_m 38.05, gemm_bandwidth 0.80, attn_decode_bandwidth 0.4673,
+# c_step 1.5e-3, c_req 1e-6 (the search's lower bound: per-request CPU is not resolved by these cases).
+_H100_EFF = {
+    "gemm_compute": 0.387, "gemm_half_m": 38.0, "gemm_bandwidth": 0.80,
+    "attn_prefill_compute": 0.66, "attn_prefill_half_kv": 215.0, "attn_prefill_bandwidth": 0.80,
+    "attn_decode_compute": 0.30, "attn_decode_bandwidth": 0.467, "comm_bandwidth": 0.80,
+}
+_H100_COEF = {
+    "c_step": 1.5e-3, "c_req": 1.0e-6, "c_token": 0.0, "c_layer": 4.0e-5, "c_layer_piecewise": 1.0e-5,
+    "c_linear": 1.0, "c_elementwise": 1.0, "c_attn_prefill": 1.0, "c_attn_decode": 1.0, "c_attn_shared": 1.0,
+    "c_lm_head": 1.0, "c_sampler": 1.0, "c_comm": 1.0, "c_tp_step": 5.0e-4, "c_ipc_step": 0.0, "c_ipc_req": 0.0,
+}
+_H100_SOURCES = {
+    "efficiency.gemm_compute": (f"{E2E}: the compute-bound 8192-token steps of B3 (ITL p99 642 ms, TPOT "
+                                f"206 ms) need 38.7% of the dense peak inside vLLM 0.11, half of what an "
+                                f"isolated matmul reaches ({MAMF}); the gap (sustained clocks under load, "
+                                f"the GEMM shapes of 5120-wide models, unfused epilogues) is not resolved "
+                                f"per kernel by the data"),
+    "efficiency.gemm_half_m": f"{E2E}: small-chunk steps of B1 and A_throughput",
+    "efficiency.gemm_bandwidth": f"{E2E}; bounded by {HBM}",
+    "efficiency.attn_prefill_compute": FA3,
+    "efficiency.attn_prefill_half_kv": FA3,
+    "efficiency.attn_prefill_bandwidth": "as gemm_bandwidth",
+    "efficiency.attn_decode_compute": "decode attention is bandwidth-bound for GQA models; placeholder",
+    "efficiency.attn_decode_bandwidth": E2E,
+    "efficiency.comm_bandwidth": NCCL,
+    "coefficients.c_step": E2E, "coefficients.c_req": E2E, "coefficients.c_token": E2E,
+    "coefficients.c_layer": "eager launches: ~10 kernels per layer at a few us each (enforce_eager)",
+    "coefficients.c_layer_piecewise": "vLLM V1 piecewise graphs: attention launched per layer",
+    "coefficients.c_tp_step": "vLLM's multiproc executor: SchedulerOutput broadcast to the workers per step",
+    "coefficients.roofline terms (c_linear .. c_comm)": "1.0: the physics as stated by the efficiencies",
+}
+
+
+def _record(sources: dict[str, str], note: str) -> dict[str, Any]:
+    return {"source": note, "calibrated": True, "date": "2026-12-01", "device": None,
+            "versions": {"vllm": "0.11.0 (V1) / 2024 dashboard (V0)"}, "samples": 5,
+            "residuals": "see docs/published_vllm.md", "coefficients": dict(sources)}
+
+
+GPU_CALIBRATION: dict[str, dict[str, Any]] = {
+    "h100-sxm": {"efficiency": dict(_H100_EFF), "coefficients": dict(_H100_COEF),
+                 "provenance": _record(_H100_SOURCES, "per-kernel public measurements + fit on the published "
+                                                      "vLLM H100 runs")},
+    "h200": {"efficiency": dict(_H100_EFF), "coefficients": dict(_H100_COEF),
+             "provenance": _record({**_H100_SOURCES, "all": "H100's set: same GH100 die and software; only the "
+                                    "datasheet bandwidth and memory differ"},
+                                   "H100's calibration transferred (same compute die); no H200 end-to-end case")},
+    "a100-80g": {"efficiency": {**_H100_EFF, "gemm_compute": 0.60, "attn_prefill_compute": 0.73,
+                                "attn_prefill_half_kv": 300.0, "comm_bandwidth": 0.80},
+                 "coefficients": dict(_H100_COEF),
+                 "provenance": _record({**_H100_SOURCES, "efficiency.gemm_compute": (
+                                            f"assumed: A100's isolated-matmul fraction 85.9% ({MAMF}) times "
+                                            f"0.7, the in-engine share assumed closer to it than on H100 (where "
+                                            f"it is 0.48); no A100 end-to-end case to fit it"),
+                                        "efficiency.attn_prefill_compute": FA2,
+                                        "efficiency.attn_prefill_half_kv": FA2,
+                                        "efficiency.comm_bandwidth": NCCL},
+                                       "A100 kernel measurements; engine CPU terms and decode bandwidth "
+                                       "fractions from the H100 fit")},
+    "l40s": {"efficiency": {**_H100_EFF, "gemm_compute": 0.45, "attn_prefill_compute": 0.55,
+                            "attn_prefill_half_kv": 300.0, "comm_bandwidth": 0.70},
+             "coefficients": dict(_H100_COEF),
+             "provenance": _record({**_H100_SOURCES, "efficiency.gemm_compute": ASSUMED_L40S,
+                                    "efficiency.attn_prefill_compute": ASSUMED_L40S,
+                                    "efficiency.comm_bandwidth": NCCL},
+                                   "assumed Ada fractions (see coefficients); engine CPU terms from the H100 fit")},
+}

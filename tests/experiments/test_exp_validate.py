@@ -1,0 +1,65 @@
+"""`servetwin validate`: runs a published-case directory and prints/writes the comparison (no accuracy
+assertion here: benchmarks/fit_gpu_presets.py and docs/published_vllm.md report accuracy)."""
+import json
+
+import pytest
+
+from servetwin.experiments.cli import main
+from servetwin.experiments.published import group_medians, predicted_value, validate_cases
+
+CASE = """\
+name: tiny_latency
+seed: 0
+model: llama-3.1-8b
+hardware: h100-sxm
+backends: [sim]
+engine: {max_num_seqs: 16, max_num_batched_tokens: 2048, max_model_len: 2048, gpu_memory_utilization: 0.9}
+workload: {requests: 4, prompt_tokens: 32, output_tokens: 8, arrival: {type: offline}, seed: 0}
+output: {step_requests: false, plots: false}
+"""
+
+
+def _case_dir(tmp_path, published):
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "tiny_latency.yaml").write_text(CASE)
+    (tmp_path / "published.json").write_text(json.dumps(
+        {"tiny_latency": {"source": "made up for the test", "published": published}}))
+    return tmp_path
+
+
+def test_validate_runs_one_case_and_writes_the_table(tmp_path, capsys):
+    d = _case_dir(tmp_path, {"lat_ms": 100.0, "tpot_mean": 5.0, "ttft_p50": 10.0, "e2e_mean": 90.0})
+    out = tmp_path / "docs" / "table.md"
+    assert main(["validate", str(d), "-o", str(out), "-q"]) == 0
+    text = capsys.readouterr().out
+    for metric in ("lat_ms", "tpot_mean", "ttft_p50", "e2e_mean"):
+        assert f"| tiny_latency | {metric} |" in text
+    assert "median abs error" in text and "cases run: 1/1" in text
+    assert out.read_text().startswith("# Published vLLM measurements vs servetwin predictions")
+    results = validate_cases(d)
+    errs = results[0].errors()
+    assert set(errs) == {"lat_ms", "tpot_mean", "ttft_p50", "e2e_mean"}
+    pred = dict((m, p) for m, _, p in results[0].rows)
+    assert errs["lat_ms"] == pytest.approx(pred["lat_ms"] / 100.0 - 1)  # signed: (predicted - published) / published
+    assert set(group_medians(results)) == {"throughput/duration", "TPOT/ITL", "TTFT", "E2E"}
+
+
+def test_validate_on_other_hardware_changes_the_prediction(tmp_path):
+    d = _case_dir(tmp_path, {"lat_ms": 100.0})
+    h100 = validate_cases(d)[0].rows[0][2]
+    a100 = validate_cases(d, hardware="a100-80g")[0].rows[0][2]
+    assert a100 > h100
+
+
+def test_validate_bad_directories_name_the_problem(tmp_path, capsys):
+    assert main(["validate", str(tmp_path)]) == 2
+    assert "published.json" in capsys.readouterr().err
+    d = _case_dir(tmp_path, {"lat_bogus": 1.0})
+    assert main(["validate", str(d)]) == 2
+    assert "unknown metric 'lat_bogus'" in capsys.readouterr().err
+
+
+def test_metric_mapping():
+    sim = {"duration_s": 2.0, "request_throughput_s": 3.0, "itl_s": {"p99": 0.04}}
+    assert predicted_value("dur_s", sim) == 2.0 and predicted_value("lat_p99_ms", sim) == 2000.0
+    assert predicted_value("itl_p99", sim) == pytest.approx(40.0) and predicted_value("req_s", sim) == 3.0

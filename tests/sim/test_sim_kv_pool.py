@@ -1,0 +1,50 @@
+"""KV pool sizing against vLLM's own memory-profile logs (sim/kv_pool.py's docstring cites them)."""
+import pytest
+
+from servetwin.core.kv_cache.kv_sizing import check_or_fit_max_model_len
+from servetwin.sim.hardware import load_hardware
+from servetwin.sim.kv_pool import size_kv_pool
+from servetwin.sim.model_spec import ModelSpec, load_model_spec
+
+GiB = 2**30
+QWEN2_7B = ModelSpec("qwen2-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,
+                     intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, qkv_bias=True,
+                     max_position_embeddings=32768)
+QWEN3_32B = ModelSpec("qwen3-32b", num_layers=64, hidden_size=5120, num_heads=64, num_kv_heads=8, head_dim=128,
+                      intermediate_size=25600, vocab_size=151936, tie_word_embeddings=False, qk_norm=True,
+                      max_position_embeddings=40960)
+
+
+def test_llama_8b_on_h100_matches_vllm_v1_log():
+    # vLLM V1: total 79.11 GiB x 0.90; weights 14.99 GiB, activation peak 1.21 GiB, non-torch 0.32 GiB,
+    # KV 54.68 GiB -> "GPU KV cache size: 447,776 tokens" (8192 batched tokens, 256 sequences)
+    pool = size_kv_pool(load_model_spec("llama-3.1-8b"), load_hardware("h100-sxm"), 16, 0.9, 8192, 256)
+    assert pool.weight_bytes / GiB == pytest.approx(14.99, abs=0.05)
+    assert pool.activation_peak_bytes / GiB == pytest.approx(1.21, abs=0.1)
+    assert pool.num_gpu_blocks * 16 == pytest.approx(447_776, rel=0.01)
+
+
+def test_qwen2_7b_on_a100_matches_vllm_log():
+    # vLLM's log at gpu_memory_utilization 0.5 on an A100-80GB: 29,053 blocks (2048 tokens, 256 sequences)
+    pool = size_kv_pool(QWEN2_7B, load_hardware("a100-80g"), 16, 0.5, 2048, 256)
+    assert pool.num_gpu_blocks == pytest.approx(29_053, rel=0.01)
+
+
+def test_qwen3_32b_on_one_h100():
+    # vLLM v0.26 on 1x H100 80GB at 0.90, max_model_len 8192: 61.03 GiB of weights, 8.52 GiB of KV cache
+    pool = size_kv_pool(QWEN3_32B, load_hardware("h100-sxm"), 16, 0.9, 8192, 1024)
+    assert pool.weight_bytes / GiB == pytest.approx(61.03, abs=0.05)
+    assert pool.available_kv_bytes / GiB == pytest.approx(8.52, rel=0.05)
+    # max_model_len 40960 needs 2,560 blocks (10 GiB): vLLM's check refuses it as well, naming what fits
+    with pytest.raises(ValueError, match=r"max_model_len: 40960 tokens need 2560 blocks .* largest max_model_len"):
+        check_or_fit_max_model_len(pool.num_gpu_blocks, pool.kv_spec, 40960, 40960)
+    assert 30_000 < check_or_fit_max_model_len(pool.num_gpu_blocks, pool.kv_spec, -1, 40960) < 40_960
+
+
+def test_fp8_weights_and_kv_cache_enlarge_the_pool():
+    hw = load_hardware("h100-sxm")
+    bf16 = size_kv_pool(QWEN3_32B, hw, 16, 0.9, 8192, 1024)
+    fp8 = size_kv_pool(QWEN3_32B, hw, 16, 0.9, 8192, 1024, quantization="fp8", kv_dtype="fp8")
+    assert fp8.weight_bytes == pytest.approx(bf16.weight_bytes / 2, rel=1e-6)
+    assert fp8.kv_spec.bytes_per_block == bf16.kv_spec.bytes_per_block // 2
+    assert fp8.num_gpu_blocks > 7 * bf16.num_gpu_blocks  # 30.5 GiB freed, blocks half the size
