@@ -1,4 +1,4 @@
-"""`SamplingParams` with vLLM 0.33.0's normalisation and validation (spec appendix B.1).
+"""`SamplingParams` with vLLM 0.33.0's normalisation and validation (docs/scheduler_behaviour.md §B.1).
 
 Every validation error is a `ValueError` naming the field and the bad value.
 """

@@ -1,4 +1,4 @@
-"""Size the simulated KV pool exactly as the engine would (spec section 5), and build the executor.
+"""Size the simulated KV pool exactly as the engine would (docs/scheduler_behaviour.md §5), and build the executor.
 
 vLLM V1 (`gpu_worker.determine_available_memory`) profiles one dummy forward of
 `max_num_batched_tokens` (then a dummy sampler run over `min(max_num_seqs, tokens)` rows) and keeps

@@ -50,7 +50,7 @@ class ExecutorBackend:
 class FakeExecutor:
     """Deterministic tokens, never EOS: row r of step s samples `(s*7 + r) % 1000 + 10`.
 
-    This is the token rule of the recorded vLLM oracle (`../shared/oracle`). `step_time_s` is the
+    This is the token rule of the recorded vLLM oracle (`tests/core/data/*.expected.jsonl`). `step_time_s` is the
     (constant) duration reported per step.
     """
 

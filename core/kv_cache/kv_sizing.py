@@ -1,4 +1,4 @@
-"""KV-cache sizing as vLLM 0.33.0 does it (spec section 5): page sizes, num_blocks, max_model_len fit."""
+"""KV-cache sizing as vLLM 0.33.0 does it (docs/scheduler_behaviour.md §5): page sizes, num_blocks, max_model_len fit."""
 from __future__ import annotations
 
 from dataclasses import dataclass

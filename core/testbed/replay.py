@@ -1,6 +1,6 @@
 """`servetwin replay`: run a scenario through the shared scheduler in lockstep with a fake sampler.
 
-Mirrors the loop that recorded `../shared/oracle` (vLLM 0.33.0's own scheduler): before step k add
+Mirrors the loop that recorded `tests/core/data/*.expected.jsonl` (vLLM 0.33.0's own scheduler): before step k add
 the requests whose `arrival_step == k` (file order); an idle step (nothing to run, arrivals pending)
 still advances the counter; `finished` and `num_free_blocks` belong to the step whose output was
 processed (in async mode that happens after the next step was scheduled).

@@ -1,4 +1,4 @@
-"""Scenario files (`architecture.md`): settings + step-indexed requests, validated with clear errors."""
+"""Scenario files (`docs/architecture.md`): settings + step-indexed requests, validated with clear errors."""
 from __future__ import annotations
 
 import json
