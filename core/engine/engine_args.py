@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
-from servetwin.core.engine.executor import registered_backends
+from servetwin.core.engine.executor import NO_BACKENDS, registered_backends
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 
@@ -58,8 +58,8 @@ class EngineArgs:
             args.num_gpu_blocks = args.num_gpu_blocks_override
         registered = registered_backends()
         if args.backend not in registered:
-            raise ConfigError("backend", f"must be a registered executor backend ({', '.join(map(repr, registered))}), "
-                                         f"got {args.backend!r}")
+            raise ConfigError("backend", f"must be a registered executor backend "
+                                         f"({', '.join(map(repr, registered)) or NO_BACKENDS}), got {args.backend!r}")
         if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {args.tensor_parallel_size!r}")
         if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):

@@ -92,6 +92,8 @@ FAKE_BACKEND = ExecutorBackend("fake", FakeExecutor, build_fake_executor)
 
 # -- the registry ---------------------------------------------------------------------------------
 ENTRY_POINT_GROUP = "servetwin.executors"
+NO_BACKENDS = ("none: the servetwin.executors entry points are missing - install the project "
+               "(`python -m pip install --no-deps -e .`, again after pyproject.toml changes)")
 
 
 class BackendUnavailableError(ConfigError):
@@ -112,7 +114,7 @@ def executor_backend(name: str) -> ExecutorBackend:
     then `load()`); core never imports a backend package itself."""
     eps = _entry_points()
     if name not in eps:
-        found = ", ".join(map(repr, sorted(eps))) or "none (is servetwin installed? `pip install -e .`)"
+        found = ", ".join(map(repr, sorted(eps))) or NO_BACKENDS
         raise BackendUnavailableError("backend", f"unknown executor backend {name!r}; registered: {found}")
     ep = eps[name]
     try:
@@ -131,5 +133,5 @@ def make_executor(name: str, **kwargs: Any) -> Executor:
     return executor_backend(name).executor_class(**kwargs)
 
 
-__all__ = ["Executor", "ExecutorBackend", "ExecutorInfo", "FakeExecutor", "BackendUnavailableError",
+__all__ = ["Executor", "ExecutorBackend", "ExecutorInfo", "FakeExecutor", "BackendUnavailableError", "NO_BACKENDS",
            "executor_backend", "make_executor", "registered_backends"]

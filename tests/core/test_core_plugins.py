@@ -38,6 +38,13 @@ def test_an_unknown_backend_lists_the_registered_ones():
         EngineArgs.from_kwargs(backend="tpu")
 
 
+def test_without_installed_entry_points_the_error_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(executor_mod, "_entry_points", lambda: {})
+    for call in (lambda: executor_backend("sim"), lambda: EngineArgs.from_kwargs(backend="sim")):
+        with pytest.raises(ConfigError, match=r"entry points are missing.*pip install --no-deps -e \."):
+            call()
+
+
 def test_a_registered_backend_that_fails_to_import_says_so(monkeypatch):
     broken = importlib.metadata.EntryPoint("broken", "servetwin_no_such_plugin_module:BACKEND",
                                            "servetwin.executors")
