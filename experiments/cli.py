@@ -40,7 +40,8 @@ def _extra_commands():
     import importlib
 
     out = []
-    for mod in ("servetwin.experiments.run_cli", "servetwin.experiments.compare_cli", "servetwin.experiments.serve_cli",
+    for mod in ("servetwin.experiments.run_cli", "servetwin.experiments.capacity_cli",
+                "servetwin.experiments.compare_cli", "servetwin.experiments.serve_cli",
                 "servetwin.experiments.validate_cli"):
         try:
             out.append(importlib.import_module(mod).register)

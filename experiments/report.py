@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import yaml
 
+from servetwin.experiments.slo import slo_markdown
+
 TOP_N = 10
 
 
@@ -181,7 +183,7 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
               "Throughput counts prompt + output tokens of completed sequences over the makespan (from t = 0 "
               "to the end of the last step); latencies follow `servetwin.core.testbed.trace` (a token's time is the end of the "
               "step that computed it). The sim's times are simulated, torch's are measured.", "",
-              "## Key observations", ""]
+              *slo_markdown(summaries), "## Key observations", ""]
     lines += [f"- {o}" for o in _observations(exp, summaries, frames)] + [""]
     lines += [f"## Most frequent step annotations (top {TOP_N})", "", annotation_histogram(frames), ""]
     if plot_paths:

@@ -53,6 +53,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"note: {args.config} has a sweep grid; `servetwin run` runs its base values only "
               "(use `servetwin sweep` for the grid)", file=sys.stderr)
     t0 = time.perf_counter()
+    seeds = _seeds(args, exp)
+    if seeds:
+        return _run_seeds(args, exp, out, seeds, t0)
     try:
         combined = run_experiment(exp, out, progress=not args.no_progress)
     except KeyboardInterrupt:
@@ -64,12 +67,37 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"{backend}: {s['completed']}/{s['requests']} requests in {s['duration_s']:.3f}s "
               f"({'simulated' if backend == 'sim' else 'measured'}), throughput {s['throughput_tok_s'] or 0:,.0f} tok/s, "
               f"TTFT p50 {ttft if ttft is None else f'{ttft * 1e3:.1f} ms'}, {s['preemptions']} preemptions")
+        if s.get("slo"):
+            print(f"{backend}: {slo_line(s['slo'])}")
         if s.get("rejected"):  # never servable (e.g. longer than max_model_len): say so, not just "0/N"
             rid, why = next(iter((s.get("rejected_examples") or {"?": "?"}).items()))
             print(f"warning: {backend}: {s['rejected']} of {s['requests']} requests were rejected as never "
                   f"servable, e.g. {rid}: {why}", file=sys.stderr)
     print(f"wrote {out}/ (report.md, summary.json, <backend>/ tables) in {time.perf_counter() - t0:.1f}s")
     return 0
+
+
+def _run_seeds(args: argparse.Namespace, exp, out: str, seeds: list[int], t0: float) -> int:
+    from servetwin.experiments.sweep import run_seeded  # noqa: PLC0415
+
+    try:
+        df, stats = run_seeded(exp, out, seeds, jobs=args.jobs, progress=not args.no_progress, ray=args.ray,
+                               retries=args.retries)
+    except KeyboardInterrupt:
+        print(f"interrupted: the seeds that finished are in {out}/seeds.csv", file=sys.stderr)
+        raise
+    for backend, s in stats.items():
+        def show(col: str, scale: float = 1.0, unit: str = "") -> str:
+            m = s[col]
+            if m["mean"] is None:
+                return "-"
+            half = "" if m["ci_lo"] is None else f" ± {(m['ci_hi'] - m['ci_lo']) / 2 * scale:.3g}"
+            return f"{m['mean'] * scale:.4g}{half}{unit}"
+        print(f"{backend}: {s['seeds_ok']}/{len(seeds)} seeds ok; throughput {show('throughput_tok_s')} tok/s, "
+              f"TTFT p50 {show('ttft_p50_s', 1e3, ' ms')}, p99 {show('ttft_p99_s', 1e3, ' ms')} (mean ± 95% CI)")
+    bad = df[df.status != "ok"]
+    print(f"wrote {out}/seeds.md, seeds.csv, summary.json and seed=*/ run folders in {time.perf_counter() - t0:.1f}s")
+    return 1 if len(bad) else 0
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -81,7 +109,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     check_output_dir(out)
     t0 = time.perf_counter()
     try:
-        df = run_sweep(exp, out, jobs=args.jobs, progress=not args.no_progress)
+        df = run_sweep(exp, out, jobs=args.jobs, progress=not args.no_progress, seeds=_seeds(args, exp),
+                       ray=args.ray, retries=args.retries)
     except KeyboardInterrupt:
         print(f"interrupted: the table of finished points is in {out}/sweep.csv", file=sys.stderr)
         raise
@@ -90,15 +119,55 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if len(bad) else 0
 
 
+def slo_line(ev: dict) -> str:
+    """`SLO met (ttft_p99_s 0.31 s <= 0.5 s; ...), goodput 41.6 req/s` for the console."""
+    parts = []
+    for c in ev["checks"]:
+        if c["kind"] == "target":
+            v = "-" if c["value"] is None else f"{c['value']:.4g} s"
+            parts.append(f"{c['name']} {v} {'<=' if c['met'] else '>'} {c['limit']:g} s")
+        elif c["kind"] == "attainment":
+            v = "-" if c["value"] is None else f"{100 * c['value']:.1f}%"
+            parts.append(f"deadlines met by {v} of requests ({'>=' if c['met'] else '<'} {100 * c['limit']:g}%)")
+    good = ev.get("goodput_req_s")
+    return (f"SLO {'met' if ev['met'] else 'MISSED'} ({'; '.join(parts)})"
+            + (f", goodput {good:.4g} req/s" if good is not None else ""))
+
+
+def _seeds(args: argparse.Namespace, exp) -> list[int]:
+    from servetwin.experiments.schema import seeds_for  # noqa: PLC0415
+
+    return seeds_for(exp, args.seeds)
+
+
+def add_pool_args(p: argparse.ArgumentParser, what: str = "point") -> None:
+    """-j, --ray [ADDRESS], --retries: how the points run (`servetwin.experiments.pool`)."""
+    p.add_argument("-j", "--jobs", type=int, default=1, help="parallel worker processes on this machine (default 1)")
+    p.add_argument("--ray", nargs="?", const=True, default=None, metavar="ADDRESS",
+                   help=f"run each {what} as a Ray task: without ADDRESS on a local Ray instance using this "
+                        "machine's CPUs; with one (`auto`, host:6379, ray://host:10001) on that cluster "
+                        "(needs `pip install 'servetwin[ray]'`; docs/ray.md)")
+    p.add_argument("--retries", type=int, default=2,
+                   help=f"rerun a {what} whose run raised or whose worker died up to this many times (default 2)")
+
+
+def add_seed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", type=int, metavar="N",
+                   help="repeat with N workload draws (seeds `seed`..`seed`+N-1; overrides the config's `seeds`)")
+
+
 def register(subparsers) -> None:
     r = subparsers.add_parser("run", help="run an experiment YAML on its backends (sim, torch)",
                               description="Run an experiment config: writes trace tables (Parquet), "
                                           "trace.json (Perfetto), summary.json, report.md and plots.")
     _common(r)
+    add_seed_args(r)
+    add_pool_args(r, "seed")
     r.set_defaults(func=_cmd_run)
     s = subparsers.add_parser("sweep", help="run the grid in an experiment's `sweep:` (parallel workers)",
                               description="Run every combination of the config's `sweep:` lists, each in its "
                                           "own subfolder, then write sweep.csv, sweep.md and comparison plots.")
     _common(s)
-    s.add_argument("-j", "--jobs", type=int, default=1, help="parallel worker processes (default 1)")
+    add_seed_args(s)
+    add_pool_args(s)
     s.set_defaults(func=_cmd_sweep)

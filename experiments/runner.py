@@ -196,6 +196,11 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str,
         "step0_annotation": str(steps.annotation.iloc[0]) if len(steps) else None,
         "kv_pool": kv_pool,
     }
+    if exp.slo is not None and not exp.slo.empty:
+        from servetwin.experiments.slo import evaluate_slo  # noqa: PLC0415
+
+        out["slo"] = evaluate_slo(exp.slo, reqs, run.recorder.itls(), duration)
+        out["goodput_req_s"] = out["slo"]["goodput_req_s"]
     if run.rejected:
         out["rejected_examples"] = dict(list(run.rejected.items())[:5])
     if run.error:
@@ -221,17 +226,14 @@ def write_json(path: str, data: Any) -> None:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
-                   log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
-    """Run every backend of `exp`, write everything under `out_dir`; returns the combined summary.
+def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Callable[[str], None]] = None,
+                 on_backend: Optional[Callable[[str, BackendRun, dict, dict], None]] = None):
+    """Run every backend of `exp` in memory: (combined summary, frames per backend, runs per backend).
 
-    On KeyboardInterrupt the files of what ran are written and the interrupt is re-raised."""
-    import yaml  # noqa: PLC0415
-
+    No file is written here; `on_backend(backend, run, frames, summary)` is called as each backend
+    finishes (run_experiment writes its tables there). Ctrl-C stops the current backend, skips the
+    rest and returns with `combined["interrupted"]` set."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
     engines = {}
     for backend in exp.backends:  # build every engine first: bad engine settings fail before any run
         t0 = time.perf_counter()
@@ -260,11 +262,10 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             if bar is not None:
                 bar.close()
         runs[backend] = run
-        bdir = os.path.join(out_dir, backend)
-        run.recorder.write(bdir)
         frames[backend] = run.recorder.frames()
         summaries[backend] = summarize(run, frames[backend], exp)
-        write_json(os.path.join(bdir, "summary.json"), summaries[backend])
+        if on_backend is not None:
+            on_backend(backend, run, frames[backend], summaries[backend])
         s = summaries[backend]
         timing = (f"{s['simulated_s']:.3f}s simulated in {s['wall_s']:.3f}s wall" if backend == "sim"
                   else f"{s['wall_s']:.2f}s wall")
@@ -276,11 +277,31 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             break
     combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
                 "workload": wsum, "backends": summaries}
+    return combined, frames, runs
+
+
+def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
+                   log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Run every backend of `exp`, write everything under `out_dir`; returns the combined summary.
+
+    On KeyboardInterrupt the files of what ran are written and the interrupt is re-raised."""
+    import yaml  # noqa: PLC0415
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+
+    def write_backend(backend: str, run: BackendRun, frames: dict, summary: dict) -> None:
+        bdir = os.path.join(out_dir, backend)
+        run.recorder.write(bdir)
+        write_json(os.path.join(bdir, "summary.json"), summary)
+
+    combined, frames, runs = run_backends(exp, progress, log, on_backend=write_backend)
     write_json(os.path.join(out_dir, "summary.json"), combined)
     from servetwin.experiments.report import write_report  # noqa: PLC0415
 
     write_report(exp, out_dir, combined, frames, {b: r.recorder.itls() for b, r in runs.items()},
                  plots=exp.output.plots)
-    if interrupted:
+    if combined["interrupted"]:
         raise KeyboardInterrupt
     return combined

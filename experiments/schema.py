@@ -427,6 +427,30 @@ def _parse_scenario_workload(w: dict[str, Any], seed: int, ctx: ParseContext) ->
                           requests=requests, given=w)
 
 
+def parse_seeds(value: Any, ctx: ParseContext) -> list[int]:
+    """`seeds: [0, 1, 2]` (distinct integers >= 0), or `seeds: N` for N seeds from `seed` on; null or
+    absent: one run with `seed`."""
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ConfigError("seeds", f"a count must be >= 1, got {value}")
+        return list(range(ctx.parsed["seed"], ctx.parsed["seed"] + value))
+    if not isinstance(value, list) or not value:
+        raise ConfigError("seeds", f"must be a non-empty list of integers (or a count), got {_fmt(value)}")
+    out = [_int(0)(s, f"seeds[{i}]") for i, s in enumerate(value)]
+    if len(set(out)) != len(out):
+        raise ConfigError("seeds", f"duplicate seeds in {out}")
+    return out
+
+
+def parse_slo_section(value: Any, ctx: ParseContext) -> Any:
+    """`slo:` targets and deadlines (`servetwin.experiments.slo.SloSpec`; empty: no SLO)."""
+    from servetwin.experiments.slo import parse_slo  # noqa: PLC0415
+
+    return parse_slo(value, "slo")
+
+
 def parse_sweep(value: Any, ctx: ParseContext) -> dict[str, list[Any]]:
     return _validate_sweep_shape(value or {})
 
@@ -444,12 +468,14 @@ SECTIONS: tuple[Section, ...] = (
     Section("name", parse_name, sweepable=False),
     Section("description", parse_description, sweepable=False),
     Section("seed", parse_seed),
+    Section("seeds", parse_seeds, sweepable=False),
     Section("model", parse_model),
     Section("hardware", parse_hardware),
     Section("backends", parse_backends),
     Section("engine", parse_engine),
     Section("workload", parse_workload),
     Section("output", parse_output),
+    Section("slo", parse_slo_section),
     Section("sweep", parse_sweep, sweepable=False),
 )
 TOP_KEYS = tuple(s.key for s in SECTIONS)
@@ -467,6 +493,8 @@ class ExperimentConfig:
     workload: WorkloadConfig
     output: OutputConfig
     sweep: dict[str, list[Any]]
+    seeds: list[int]  # repeat the run per seed (empty: once, with `seed`)
+    slo: Any  # servetwin.experiments.slo.SloSpec (empty: no SLO)
     raw: dict[str, Any] = field(default_factory=dict)  # the validated input (paths resolved)
     base_dir: str = "."
     hardware_spec: Any = None  # servetwin.sim.hardware.HardwareSpec, parsed when a backend is "sim"
@@ -659,6 +687,27 @@ def expand_sweep(exp: ExperimentConfig) -> list[SweepPoint]:
 
 
 # -- loading ------------------------------------------------------------------------------------
+def seeds_for(exp: ExperimentConfig, count: Optional[int] = None) -> list[int]:
+    """The seeds to run: `--seeds N` (N seeds from the config's `seed` on), else the config's `seeds`;
+    [] for a single run with the config's own seed."""
+    if count is not None:
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError("--seeds", f"must be an integer >= 1, got {count!r}")
+        return list(range(exp.seed, exp.seed + count))
+    return list(exp.seeds)
+
+
+def with_seed(raw: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A copy of a config drawn with `seed`: the run's seed and its workload's (which otherwise defaults
+    to it), without `seeds`."""
+    out = copy.deepcopy(raw)
+    out.pop("seeds", None)
+    out["seed"] = seed
+    if isinstance(out.get("workload"), dict):
+        out["workload"]["seed"] = seed
+    return out
+
+
 def check_output_file(path: str | Path, flag: str = "-o/--output") -> None:
     """Fail before any work when the output file cannot be written: it is a folder, or a file sits
     where one of its folders should be."""

@@ -1,92 +1,47 @@
-"""`servetwin sweep`: the grid in `sweep:`, one run per point (in parallel spawn workers), one table.
+"""`servetwin sweep`: the grid in `sweep:`, one run per point (and per seed), one table.
 
-    DIR/<point>/...        each point's run (the `servetwin run` layout), named by its values
-    DIR/sweep.csv          one row per (point, backend): swept values, status, key metrics
-    DIR/sweep.md           the table, ratios to the first point, links to the points' reports
+    DIR/<point>/...              each point's run (the `servetwin run` layout), named by its values
+    DIR/<point>/seed=<S>/...     with seeds (`seeds:` / `--seeds N`): one run folder per seed
+    DIR/sweep.csv                one row per (point, backend): swept values, status, metrics (with seeds:
+                                 the mean over seeds, plus <metric>_std, <metric>_ci_lo, <metric>_ci_hi,
+                                 the 95% t interval of the mean)
+    DIR/sweep_seeds.csv          with seeds: one row per (point, seed, backend)
+    DIR/sweep.md                 the tables, ratios to the first point, where each point ran, links
     DIR/sweep_comparison.png
+
+The points run through a `servetwin.experiments.pool` pool: local worker processes (`-j N`) or Ray
+(`--ray [ADDRESS]`); the folder and the tables are the same either way.
 """
 from __future__ import annotations
 
 import json
-import multiprocessing
+import math
 import os
-import signal
 import sys
-import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any, Callable, Optional
 
-from servetwin.experiments.schema import ExperimentConfig, SweepPoint, expand_sweep, validate_config
+from servetwin.experiments.pool import PointResult, PointTask, host_summary, make_pool, map_with_retries
+from servetwin.experiments.schema import ExperimentConfig, SweepPoint, expand_sweep, seeds_for, with_seed
 
+_LAT = [(f"{m}_{s}_s", (f"{m}_s", s)) for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")]
 METRICS = [
     ("requests", ("requests",)), ("completed", ("completed",)), ("num_steps", ("num_steps",)),
     ("duration_s", ("duration_s",)), ("wall_s", ("wall_s",)), ("throughput_tok_s", ("throughput_tok_s",)),
     ("output_tok_s", ("output_tok_s",)), ("request_throughput_s", ("request_throughput_s",)),
-    ("ttft_mean_s", ("ttft_s", "mean")), ("ttft_p50_s", ("ttft_s", "p50")), ("ttft_p90_s", ("ttft_s", "p90")),
-    ("ttft_p99_s", ("ttft_s", "p99")), ("tpot_p50_s", ("tpot_s", "p50")), ("tpot_p90_s", ("tpot_s", "p90")),
-    ("itl_p50_s", ("itl_s", "p50")), ("e2e_p50_s", ("e2e_s", "p50")), ("e2e_p90_s", ("e2e_s", "p90")),
+    *_LAT,
     ("preemptions", ("preemptions",)), ("prefix_hit_rate", ("prefix_hit_rate",)),
     ("prompt_tokens", ("prompt_tokens",)), ("prefill_tokens_computed", ("prefill_tokens_computed",)),
     ("prefill_saving_x", ("prefill_saving_x",)), ("num_gpu_blocks", ("num_gpu_blocks",)),
     ("max_model_len", ("max_model_len",)), ("kv_peak_usage", ("kv_peak_usage",)),
+    ("slo_met", ("slo", "met")), ("slo_attainment", ("slo", "attainment")),
+    ("goodput_req_s", ("slo", "goodput_req_s")), ("slo_binding", ("slo", "binding")),
 ]
-MD_COLUMNS = ["status", "completed", "duration_s", "throughput_tok_s", "output_tok_s", "ttft_p50_s", "ttft_p90_s",
-              "tpot_p50_s", "e2e_p90_s", "preemptions", "prefix_hit_rate", "prefill_tokens_computed"]
-
-_interrupted_once = False
-_stop_event = None  # set by the parent after Ctrl-C: queued points are skipped, not started
-
-
-def _worker_init(stop_event=None) -> None:
-    global _stop_event
-    _stop_event = stop_event
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # idle workers ignore Ctrl-C; a running point handles it
-
-
-def _sigint_once(signum, frame) -> None:
-    global _interrupted_once
-    if _interrupted_once:
-        return  # the terminal and the parent may both forward Ctrl-C: stop once, then finish writing
-    _interrupted_once = True
-    raise KeyboardInterrupt
-
-
-def run_point(raw: dict[str, Any], base_dir: str, out_dir: str, in_worker: bool = False,
-              config: Optional[ExperimentConfig] = None) -> dict[str, Any]:
-    """Run one sweep point; never raises (except KeyboardInterrupt in-process): returns status + summary."""
-    global _interrupted_once
-    from servetwin.experiments.runner import run_experiment  # noqa: PLC0415
-
-    if in_worker:
-        if _stop_event is not None and _stop_event.is_set():
-            return {"status": "not run", "wall_s": 0.0}
-        _interrupted_once = False
-        signal.signal(signal.SIGINT, _sigint_once)
-    os.makedirs(out_dir, exist_ok=True)
-    log_path = os.path.join(out_dir, "run.log")
-    t0 = time.perf_counter()
-    try:
-        with open(log_path, "w") as logf:
-            def log(msg: str) -> None:
-                logf.write(msg + "\n")
-                logf.flush()
-            exp = config if config is not None else validate_config(raw, base_dir, raw.get("name", "point"))
-            combined = run_experiment(exp, out_dir, progress=False, log=log)
-        return {"status": "ok", "summary": combined, "wall_s": time.perf_counter() - t0}
-    except KeyboardInterrupt:
-        summary = None
-        path = os.path.join(out_dir, "summary.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                summary = json.load(f)
-        if not in_worker:
-            raise
-        return {"status": "interrupted", "summary": summary, "wall_s": time.perf_counter() - t0}
-    except Exception as e:  # noqa: BLE001  (a failing point must not lose the others)
-        return {"status": "error", "error": f"{type(e).__name__}: {e}", "wall_s": time.perf_counter() - t0}
-    finally:
-        if in_worker:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+NON_NUMERIC = {"slo_binding"}
+MD_COLUMNS = ["status", "completed", "duration_s", "throughput_tok_s", "output_tok_s", "request_throughput_s",
+              "preemptions", "prefix_hit_rate", "prefill_tokens_computed"]
+SLO_MD_COLUMNS = ["slo_met", "slo_attainment", "goodput_req_s", "slo_binding"]
+LATENCY_MD_COLUMNS = [f"{m}_{s}_s" for m in ("ttft", "tpot", "itl", "e2e") for s in ("p50", "p90", "p99")]
+RUN_COLUMNS = ["host", "attempts", "point_wall_s"]  # where and how long each point ran
 
 
 def _value(v: Any) -> Any:
@@ -99,15 +54,30 @@ def _point_backends(point: SweepPoint, exp: ExperimentConfig) -> list[str]:
     return [backends] if isinstance(backends, str) else list(backends)
 
 
-def _rows(point: SweepPoint, result: dict[str, Any], backends: list[str], out_dir: str) -> list[dict]:
+def metric_row(summary: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The sweep columns of one backend's summary (None for a backend that did not run)."""
+    row: dict[str, Any] = {}
+    for col, path in METRICS:
+        v: Any = summary
+        for p in path:
+            v = v.get(p) if isinstance(v, dict) else None
+        row[col] = v
+    return row
+
+
+def result_rows(point: str, assignments: dict[str, Any], seed: Optional[int], result: PointResult,
+                backends: list[str], folder: str) -> list[dict[str, Any]]:
+    """One table row per backend of one finished (or failed) point."""
     rows = []
-    summaries = (result.get("summary") or {}).get("backends", {})
+    summaries = (result.summary or {}).get("backends", {})
     for backend in backends:
-        row: dict[str, Any] = {"point": point.name}
-        row.update({k: _value(v) for k, v in point.assignments.items()})
+        row: dict[str, Any] = {"point": point}
+        row.update({k: _value(v) for k, v in assignments.items()})
+        if seed is not None:
+            row["seed"] = seed
         row["backend"] = backend
         s = summaries.get(backend)
-        status = result["status"]
+        status = result.status
         if s is None and status == "ok":
             status = "not run"
         elif s is not None and s.get("interrupted"):
@@ -115,123 +85,152 @@ def _rows(point: SweepPoint, result: dict[str, Any], backends: list[str], out_di
         elif s is None and status == "interrupted":
             status = "not run"
         row["status"] = status
-        for col, path in METRICS:
-            v: Any = s
-            for p in path:
-                v = v.get(p) if isinstance(v, dict) else None
-            row[col] = v
-        row["error"] = result.get("error")
-        row["dir"] = os.path.relpath(os.path.join(out_dir, point.name), out_dir)
+        row.update(metric_row(s))
+        row["error"] = result.error
+        row["dir"] = folder
+        row.update(host=result.host or None, attempts=result.attempts, point_wall_s=result.wall_s)
         rows.append(row)
     return rows
 
 
+def aggregate_seeds(df, keys: list[str]):
+    """One row per (point, backend) from per-seed rows: numeric metrics as the mean over the seeds that
+    ran ok, with <metric>_std / _ci_lo / _ci_hi (95% t interval); status ok only if every seed is."""
+    import pandas as pd  # noqa: PLC0415
+
+    from servetwin.experiments.stats import mean_ci  # noqa: PLC0415
+
+    out = []
+    for (point, backend), sub in df.groupby(["point", "backend"], sort=False):
+        ok = sub[sub.status == "ok"]
+        first = sub.iloc[0]
+        row: dict[str, Any] = {"point": point}
+        row.update({k: first[k] for k in keys})
+        row["backend"] = backend
+        bad = sub[sub.status != "ok"]
+        row["status"] = "ok" if bad.empty else str(bad.status.iloc[0])
+        row["seeds"] = len(sub)
+        row["seeds_ok"] = len(ok)
+        for col, _ in METRICS:
+            if col in NON_NUMERIC:
+                vals = [v for v in ok[col] if isinstance(v, str)]
+                row[col] = max(set(vals), key=vals.count) if vals else None
+                continue
+            stats = mean_ci(ok[col].tolist())
+            if col == "slo_met":  # the share of seeds meeting the SLO
+                stats = mean_ci([float(v) for v in ok[col] if isinstance(v, (bool, int, float)) and v == v])
+            row[col] = stats["mean"]
+            row[f"{col}_std"] = stats["std"]
+            row[f"{col}_ci_lo"] = stats["ci_lo"]
+            row[f"{col}_ci_hi"] = stats["ci_hi"]
+        errors = [e for e in sub.error if isinstance(e, str) and e]
+        row["error"] = errors[0] if errors else None
+        row["dir"] = os.path.dirname(str(first["dir"])) or str(first["dir"])
+        row["host"] = ",".join(sorted({str(h) for h in sub.host if isinstance(h, str)})) or None
+        row["attempts"] = int(sub.attempts.max())
+        row["point_wall_s"] = float(sub.point_wall_s.sum())
+        out.append(row)
+    return pd.DataFrame(out)
+
+
 def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool = True,
-              log: Optional[Callable[[str], None]] = None):
-    """Run every point; write sweep.csv / sweep.md / sweep_comparison.png; returns the table (DataFrame).
-    On KeyboardInterrupt the table of what finished is written and the interrupt re-raised."""
+              log: Optional[Callable[[str], None]] = None, seeds: Optional[list[int]] = None,
+              ray: Any = None, retries: int = 0):
+    """Run every point (x seed); write sweep.csv / sweep.md / sweep_comparison.png; returns the table
+    (DataFrame). `ray`: None for the local pool of `jobs` workers, True / an address for Ray. On
+    KeyboardInterrupt the table of what finished is written and the interrupt re-raised."""
     import pandas as pd  # noqa: PLC0415
     import yaml  # noqa: PLC0415
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     if not exp.sweep:
         raise ValueError("sweep: the config has no `sweep:` grid (use `servetwin run` for a single run)")
-    if not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"--jobs: must be an integer >= 1, got {jobs!r}")
+    seeds = seeds_for(exp) if seeds is None else seeds
     points = expand_sweep(exp)  # validates the whole grid before anything runs
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+    tasks = []
+    for p in points:
+        for seed in seeds or [None]:
+            key = p.name if seed is None else f"{p.name}/seed={seed}"
+            raw = with_seed(p.raw, seed) if seed is not None else p.raw
+            tasks.append(PointTask(key, raw, exp.base_dir, "all", os.path.join(out_dir, key),
+                                   meta={"point": p, "seed": seed}))
+    results: dict[str, PointResult] = {}
+    pool = make_pool(jobs if ray is None else 1, ray)
     all_backends = list(dict.fromkeys(b for p in points for b in _point_backends(p, exp)))
-    log(f"sweep {exp.name}: {len(points)} points x {all_backends}, {min(jobs, len(points))} worker(s)")
-    results: dict[str, dict] = {}
+    log(f"sweep {exp.name}: {len(points)} points" + (f" x {len(seeds)} seeds" if seeds else "")
+        + f" x {all_backends} on {pool.description}")
     interrupted = False
     bar = None
     if progress:
         from tqdm import tqdm  # noqa: PLC0415
-        bar = tqdm(total=len(points), desc=f"sweep {exp.name}", unit="point", file=sys.stderr)
+        bar = tqdm(total=len(tasks), desc=f"sweep {exp.name}", unit="point", file=sys.stderr)
 
-    def done(point: SweepPoint, result: dict) -> None:
-        results[point.name] = result
+    def done(task: PointTask, result: PointResult) -> None:
+        results[task.key] = result
         if bar is not None:
             bar.update(1)
-        msg = f"  {point.name}: {result['status']} ({result.get('wall_s', 0):.1f}s)"
-        if result.get("error"):
-            msg += f" - {result['error']}"
+        msg = f"  {task.key}: {result.status} ({result.wall_s:.1f}s" + (f" on {result.host}" if result.host else "")
+        msg += (f", attempt {result.attempts}" if result.attempts > 1 else "") + ")"
+        if result.error:
+            msg += f" - {result.error}"
         log(msg)
 
     try:
-        if jobs == 1 or len(points) == 1:
-            for point in points:
-                try:
-                    done(point, run_point(point.raw, exp.base_dir, os.path.join(out_dir, point.name),
-                                         config=point.config))
-                except KeyboardInterrupt:
-                    path = os.path.join(out_dir, point.name, "summary.json")
-                    summary = json.load(open(path)) if os.path.exists(path) else None
-                    done(point, {"status": "interrupted", "summary": summary})
-                    raise
-        else:
-            ctx = multiprocessing.get_context("spawn")
-            stop = ctx.Event()
-            ex = ProcessPoolExecutor(max_workers=min(jobs, len(points)), mp_context=ctx, initializer=_worker_init,
-                                     initargs=(stop,))
-            futures = {ex.submit(run_point, p.raw, exp.base_dir, os.path.join(out_dir, p.name), True, p.config): p
-                       for p in points}
-            try:
-                pending = set(futures)
-                while pending:
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        point = futures[fut]
-                        try:
-                            done(point, fut.result())
-                        except Exception as e:  # noqa: BLE001  (a crashed worker)
-                            done(point, {"status": "error", "error": f"{type(e).__name__}: {e}"})
-            except KeyboardInterrupt:
-                stop.set()
-                for fut in futures:
-                    fut.cancel()
-                for proc in list(getattr(ex, "_processes", {}).values()):
-                    try:  # running points stop and write what they have (idle workers ignore it)
-                        os.kill(proc.pid, signal.SIGINT)
-                    except (ProcessLookupError, OSError):
-                        pass
-                for fut, point in futures.items():
-                    if fut.cancelled() or point.name in results:
-                        continue
-                    try:
-                        done(point, fut.result(timeout=120))
-                    except Exception as e:  # noqa: BLE001
-                        done(point, {"status": "interrupted", "error": f"{type(e).__name__}: {e}"})
-                raise
-            finally:
-                ex.shutdown(wait=True, cancel_futures=True)
+        map_with_retries(pool, tasks, done, retries=retries, log=log)
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        pool.close()
         if bar is not None:
             bar.close()
     rows = []
-    for point in points:
-        result = results.get(point.name, {"status": "not run"})
-        rows.extend(_rows(point, result, _point_backends(point, exp), out_dir))
-    df = pd.DataFrame(rows)
+    for t in tasks:
+        result = results.get(t.key, PointResult("not run"))
+        rows.extend(result_rows(t.meta["point"].name, t.meta["point"].assignments, t.meta["seed"], result,
+                                _point_backends(t.meta["point"], exp), t.key))
+    per_seed = pd.DataFrame(rows)
+    if seeds:
+        per_seed.to_csv(os.path.join(out_dir, "sweep_seeds.csv"), index=False)
+        df = aggregate_seeds(per_seed, list(exp.sweep))
+    else:
+        df = per_seed
     df.to_csv(os.path.join(out_dir, "sweep.csv"), index=False)
     plot = None
     if exp.output.plots:
         from servetwin.experiments.plots import sweep_comparison  # noqa: PLC0415
         plot = sweep_comparison(df, os.path.join(out_dir, "sweep_comparison.png"))
-    write_sweep_md(exp, df, out_dir, plot, interrupted)
+    ran = list(results.values())
+    for line in host_summary(ran):
+        log(f"ran on {line}")
+    write_sweep_md(exp, df, out_dir, plot, interrupted, seeds=seeds, hosts=host_summary(ran),
+                   pool=pool.description)
     if interrupted:
         raise KeyboardInterrupt
     return df
 
 
-def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str], interrupted: bool) -> str:
+def _cell(r, col: str, seeded: bool) -> Any:
+    v = r[col] if col in r else None
+    if not seeded or f"{col}_ci_hi" not in r:
+        return v
+    lo, hi = r[f"{col}_ci_lo"], r[f"{col}_ci_hi"]
+    if v is None or lo is None or hi is None or any(isinstance(x, float) and math.isnan(x) for x in (v, lo, hi)):
+        return v
+    from servetwin.experiments.report import fmt  # noqa: PLC0415
+
+    return f"{fmt(float(v))} ± {fmt((float(hi) - float(lo)) / 2)}"
+
+
+def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str], interrupted: bool,
+                   seeds: Optional[list[int]] = None, hosts: Optional[list[str]] = None,
+                   pool: Optional[str] = None) -> str:
     from servetwin.experiments.report import md_table  # noqa: PLC0415
 
     keys = list(exp.sweep)
+    seeded = bool(seeds)
     lines = [f"# Sweep {exp.name}", ""]
     if exp.description:
         lines += [exp.description.strip(), ""]
@@ -239,30 +238,146 @@ def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str],
         lines += ["**Interrupted (Ctrl-C): points marked 'interrupted' or 'not run' are incomplete.**", ""]
     lines += ["Swept: " + ", ".join(f"`{k}` in `{json.dumps(exp.sweep[k])}`" for k in keys) + "; backends: "
               + ", ".join(dict.fromkeys(df.backend)) + ".", ""]
-    cols = ["point"] + keys + ["backend"] + MD_COLUMNS
-    lines += ["## Results", "", md_table(cols, df[cols].values.tolist()), ""]
+    if seeded:
+        lines += [f"Seeds: {', '.join(map(str, seeds))} (each a new workload draw). Cells show the mean over "
+                  "the seeds ± the half-width of its 95% t interval; `sweep_seeds.csv` has every seed's row.", ""]
+    rows = lambda cols: [[_cell(r, c, seeded) for c in cols] for _, r in df.iterrows()]  # noqa: E731
+    cols = ["point"] + keys + ["backend"] + MD_COLUMNS + (["seeds_ok"] if seeded else [])
+    lines += ["## Results", "", md_table(cols, rows(cols)), ""]
+    lines += ["## Latency (s)", "", md_table(["point", "backend"] + LATENCY_MD_COLUMNS,
+                                            rows(["point", "backend"] + LATENCY_MD_COLUMNS)), ""]
+    if exp.slo is not None and not exp.slo.empty:
+        spec = ", ".join(f"`{k}` {v:g}" for k, v in exp.slo.to_dict().items())
+        lines += ["## SLO", "", f"SLO: {spec}. `slo_met`: " + ("the share of seeds meeting it" if seeded
+                  else "whether the run meets it") + "; attainment: the share of requests meeting every "
+                  "per-request deadline; goodput: those requests per second.", "",
+                  md_table(["point", "backend"] + SLO_MD_COLUMNS, rows(["point", "backend"] + SLO_MD_COLUMNS)), ""]
     ok = df[df.status == "ok"]
     if len(ok) > 1:
         lines += ["## Relative to the first point", ""]
         for backend in dict.fromkeys(ok.backend):
             sub = ok[ok.backend == backend]
             ref = sub.iloc[0]
-            rows = []
+            table = []
             for _, r in sub.iterrows():
                 def ratio(col: str) -> Optional[float]:
                     a, b = r[col], ref[col]
                     return float(a) / float(b) if a is not None and b not in (None, 0) and a == a and b == b else None
-                rows.append([r.point, ratio("duration_s"), ratio("throughput_tok_s"), ratio("ttft_p50_s"),
-                             ratio("e2e_p90_s"), ratio("prefill_tokens_computed")])
+                table.append([r.point, ratio("duration_s"), ratio("throughput_tok_s"), ratio("ttft_p50_s"),
+                              ratio("e2e_p90_s"), ratio("prefill_tokens_computed")])
             lines += [f"**{backend}** (reference: `{ref.point}`)", "",
-                      md_table(["point", "makespan", "throughput", "TTFT p50", "E2E p90", "prefill tokens"], rows), ""]
+                      md_table(["point", "makespan", "throughput", "TTFT p50", "E2E p90", "prefill tokens"], table),
+                      ""]
     errors = df[df.status == "error"]
     if len(errors):
         lines += ["## Errors", ""] + [f"- `{r.point}` ({r.backend}): {r.error}" for _, r in errors.iterrows()] + [""]
+    if hosts:
+        lines += ["## Where the points ran", "", f"Pool: {pool}." if pool else ""] + [f"- {h}" for h in hosts] + [""]
     if plot:
         lines += ["## Comparison", "", f"![sweep]({os.path.basename(plot)})", ""]
-    lines += ["## Points", ""] + [f"- [{p}]({p}/report.md)" for p in dict.fromkeys(df.point)]
+    lines += ["## Points", ""] + [f"- [{p}]({p}/report.md)" if not seeded else
+                                  f"- {p}: " + ", ".join(f"[seed {s}]({p}/seed={s}/report.md)" for s in seeds)
+                                  for p in dict.fromkeys(df.point)]
     path = os.path.join(out_dir, "sweep.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+# -- one config, several seeds (`servetwin run --seeds N`) ------------------------------------------
+def run_seeded(exp: ExperimentConfig, out_dir: str, seeds: list[int], jobs: int = 1, progress: bool = True,
+               log: Optional[Callable[[str], None]] = None, ray: Any = None, retries: int = 0):
+    """One run folder per seed (DIR/seed=S/), then DIR/seeds.csv (one row per seed and backend),
+    DIR/summary.json and DIR/seeds.md (per backend, every summary metric's mean, std and 95% t
+    interval over the seeds). Returns the per-seed table."""
+    import pandas as pd  # noqa: PLC0415
+    import yaml  # noqa: PLC0415
+
+    from servetwin.experiments.runner import write_json  # noqa: PLC0415
+    from servetwin.experiments.stats import mean_ci  # noqa: PLC0415
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+    base = exp.to_dict()
+    base.pop("sweep", None)
+    tasks = [PointTask(f"seed={s}", with_seed(base, s), exp.base_dir, "all", os.path.join(out_dir, f"seed={s}"),
+                       meta={"seed": s}) for s in seeds]
+    pool = make_pool(jobs if ray is None else 1, ray)
+    log(f"run {exp.name}: {len(seeds)} seeds x {exp.backends} on {pool.description}")
+    results: dict[str, PointResult] = {}
+    bar = None
+    if progress:
+        from tqdm import tqdm  # noqa: PLC0415
+        bar = tqdm(total=len(tasks), desc=f"{exp.name} seeds", unit="run", file=sys.stderr)
+
+    def done(task: PointTask, result: PointResult) -> None:
+        results[task.key] = result
+        if bar is not None:
+            bar.update(1)
+        log(f"  {task.key}: {result.status} ({result.wall_s:.1f}s)" + (f" - {result.error}" if result.error else ""))
+
+    interrupted = False
+    try:
+        map_with_retries(pool, tasks, done, retries=retries, log=log)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        pool.close()
+        if bar is not None:
+            bar.close()
+    rows = []
+    for t in tasks:
+        rows.extend(result_rows("run", {}, t.meta["seed"], results.get(t.key, PointResult("not run")),
+                                exp.backends, t.key))
+    df = pd.DataFrame(rows)
+    df.to_csv(os.path.join(out_dir, "seeds.csv"), index=False)
+    stats: dict[str, dict[str, Any]] = {}
+    for backend in exp.backends:
+        ok = df[(df.backend == backend) & (df.status == "ok")]
+        stats[backend] = {col: mean_ci([float(v) for v in ok[col] if isinstance(v, (bool, int, float))])
+                          for col, _ in METRICS if col not in NON_NUMERIC}
+        stats[backend]["seeds_ok"] = int(len(ok))
+    write_json(os.path.join(out_dir, "summary.json"),
+               {"name": exp.name, "interrupted": interrupted, "seeds": seeds, "level": 0.95, "backends": stats,
+                "runs": {t.key: (results[t.key].summary if t.key in results else None) for t in tasks}})
+    _write_seeds_md(exp, seeds, stats, df, out_dir, interrupted)
+    if interrupted:
+        raise KeyboardInterrupt
+    return df, stats
+
+
+def _write_seeds_md(exp: ExperimentConfig, seeds: list[int], stats: dict, df, out_dir: str,
+                    interrupted: bool) -> str:
+    from servetwin.experiments.report import fmt, md_table  # noqa: PLC0415
+
+    backends = list(stats)
+    lines = [f"# {exp.name}: {len(seeds)} seeds", ""]
+    if interrupted:
+        lines += ["**Interrupted (Ctrl-C): the statistics cover the seeds that finished.**", ""]
+    lines += [f"Seeds {', '.join(map(str, seeds))}, each a new workload draw (and engine seed); every cell is the "
+              "mean over the seeds that ran ok, ± the half-width of its 95% t interval, [min, max].", ""]
+    table = []
+    for col, _ in METRICS:
+        if col in NON_NUMERIC:
+            continue
+        cells = []
+        for b in backends:
+            s = stats[b][col]
+            if s["mean"] is None:
+                cells.append("-")
+            elif s["ci_lo"] is None:
+                cells.append(fmt(s["mean"]))
+            else:
+                cells.append(f"{fmt(s['mean'])} ± {fmt((s['ci_hi'] - s['ci_lo']) / 2)} "
+                             f"[{fmt(s['min'])}, {fmt(s['max'])}]")
+        if any(c != "-" for c in cells):
+            table.append([col] + cells)
+    lines += ["## Summary over seeds", "", md_table(["metric"] + backends, table), "",
+              "## Runs", ""] + [f"- [seed {s}](seed={s}/report.md): " + ", ".join(
+                  f"{r.backend} {r.status}" for _, r in df[df.seed == s].iterrows()) for s in seeds]
+    path = os.path.join(out_dir, "seeds.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return path

@@ -1,0 +1,109 @@
+"""The capacity search (bracket + k-section, confidence over seeds) and `servetwin capacity` end to end."""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from exptest_helpers import tiny, write_yaml
+
+from servetwin.experiments.capacity import CapacitySearch, judge
+from servetwin.experiments.cli import main
+
+
+def _ev(value: float, limit: float = 1.0) -> dict:
+    return {"met": value <= limit, "checks": [{"name": "ttft_p99_s", "kind": "target", "limit": limit,
+                                               "value": value, "met": value <= limit, "ratio": value / limit}]}
+
+
+def _drive(search: CapacitySearch, f, seeds: int, k: int = 1) -> dict:
+    while not search.done:
+        for load in search.next_loads(k):
+            search.record(load, [_ev(f(load, s)) for s in range(seeds)])
+    return search.result()
+
+
+def test_judge_needs_the_bound_over_seeds_within_the_limit():
+    assert judge(1.0, [_ev(0.5), _ev(0.6), _ev(0.55)], 0.9).passed
+    # every seed within the limit, but too spread out to be sure at 90% confidence
+    p = judge(1.0, [_ev(0.3), _ev(0.99), _ev(0.6)], 0.9)
+    assert not p.passed and p.ratios["ttft_p99_s"] > 1 and p.worst == "ttft_p99_s"
+    assert not judge(1.0, [_ev(0.5), None], 0.9).passed  # a failed run fails its probe
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_search_finds_a_noiseless_threshold_within_tolerance(k):
+    res = _drive(CapacitySearch(10.0, rel_tol=0.01), lambda x, s: x / 37.0, seeds=3, k=k)
+    lo, hi = res["interval"]
+    assert res["status"] == "ok" and lo <= 37.0 < hi and hi - lo <= 0.01 * lo
+    assert res["capacity"] == lo and res["binding"] == "ttft_p99_s"
+    assert all(c == pytest.approx(37.0, rel=0.01) for c in res["per_seed_capacity"])
+
+
+def test_search_under_noise_is_conservative_and_reports_the_seed_spread():
+    rng = np.random.default_rng(0)
+    scale = {s: 1 + 0.1 * rng.standard_normal() for s in range(4)}  # each seed its own capacity
+    f = lambda x, s: x / (50.0 * scale[s])  # noqa: E731
+    res = _drive(CapacitySearch(80.0, confidence=0.9), f, seeds=4)
+    caps = sorted(50.0 * v for v in scale.values())
+    assert res["capacity"] < np.mean(caps)  # the mean of the seeds' limits, bounded at 90%: below their mean
+    ci = res["per_seed_capacity_ci95"]
+    assert ci["n"] == 4 and ci["ci_lo"] < np.mean(caps) < ci["ci_hi"]
+    assert [c for c in res["per_seed_capacity"]] == pytest.approx([50.0 * scale[s] for s in range(4)], rel=0.02)
+
+
+def test_search_edges_and_integer_loads():
+    res = _drive(CapacitySearch(4.0, integer=True), lambda x, s: x / 6.5, seeds=2)
+    assert res["interval"] == [6.0, 7.0]
+    res = _drive(CapacitySearch(4.0), lambda x, s: 2.0, seeds=2)
+    assert res["status"] == "below_range" and res["capacity"] is None and "misses" in res["note"]
+
+
+def test_capacity_command_on_the_simulator(tmp_path, capsys):
+    cfg = tiny(workload__requests=30, workload__arrival={"type": "poisson", "rate": 20.0},
+               engine__max_num_seqs=4)
+    path = write_yaml(tmp_path / "c.yaml", cfg)
+    out = tmp_path / "cap"
+    rc = main(["capacity", str(path), "--slo", "ttft_p90_s=0.03", "--seeds", "2", "-o", str(out), "--no-progress",
+               "--tol", "0.1", "--grid", "engine.max_num_seqs=[1,4]"])
+    assert rc == 0
+    answer = json.loads((out / "capacity.json").read_text())
+    caps = {r["point"]: r for r in answer["searches"]}
+    assert set(caps) == {"max_num_seqs=1", "max_num_seqs=4"}
+    for r in caps.values():
+        lo, hi = r["interval"]
+        assert r["status"] == "ok" and lo < hi <= lo * 1.1 + 1e-9 and r["binding"] == "ttft_p90_s"
+        # the answer holds in the probes: the capacity passed, the upper end failed
+        assert [p["passed"] for p in r["curve"] if p["load"] == lo] == [True]
+        assert [p["passed"] for p in r["curve"] if p["load"] == hi] == [False]
+    assert caps["max_num_seqs=4"]["capacity"] > caps["max_num_seqs=1"]["capacity"]
+    assert answer["best"]["point"] == "max_num_seqs=4"
+    probes = pd.read_csv(out / "probes.csv")
+    assert {"load", "seed", "ttft_p90_s", "check_ttft_p90_s", "worst_ratio", "host"} <= set(probes.columns)
+    assert (probes.status == "ok").all() and set(probes.seed) == {0, 1}
+    md = (out / "capacity.md").read_text()
+    assert "## Latency vs load: max_num_seqs=4 [sim]" in md and "Serves the most" in md
+    assert (out / "capacity.png").is_file()
+    assert "serves the most: max_num_seqs=4" in capsys.readouterr().out
+
+
+def test_capacity_command_errors(tmp_path, capsys):
+    path = write_yaml(tmp_path / "c.yaml", tiny())
+    assert main(["capacity", str(path), "--slo", "ttft_p99_s=1", "-o", str(tmp_path / "o")]) == 2
+    assert "--over: workload.arrival is 'offline'" in capsys.readouterr().err
+    path = write_yaml(tmp_path / "p.yaml", tiny(workload__arrival={"type": "poisson", "rate": 5.0}))
+    assert main(["capacity", str(path), "-o", str(tmp_path / "o")]) == 2
+    assert "--slo: no SLO to search under" in capsys.readouterr().err
+    assert main(["capacity", str(path), "--slo", "ttft_p9_s=1", "-o", str(tmp_path / "o")]) == 2
+    assert "--slo.ttft_p9_s: unknown SLO" in capsys.readouterr().err
+    assert main(["capacity", str(path), "--slo", "ttft_p99_s=1", "--grid", "engine.max_num_seqs=4",
+                 "-o", str(tmp_path / "o")]) == 2
+    assert "--grid engine.max_num_seqs: must be a non-empty YAML list" in capsys.readouterr().err
+
+
+def test_ray_missing_says_how_to_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    path = write_yaml(tmp_path / "s.yaml", tiny(sweep={"engine.max_num_seqs": [1, 2]}))
+    assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--ray", "--no-progress"]) == 2
+    assert "--ray: Ray is not installed: pip install 'servetwin[ray]'" in capsys.readouterr().err
