@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from servetwin.experiments.capacity import CapacitySearch, run_ratio
-from servetwin.experiments.pool import PointResult, PointTask, host_summary, make_pool, map_with_retries
+from servetwin.experiments.pool import PointResult, PointTask, host_summary, map_with_retries
+from servetwin.experiments.pool_factory import make_pool
 from servetwin.experiments.schema import (ConfigError, ExperimentConfig, expand_sweep, parse_override,
                                           set_dotted, validate_config, with_seed)
 from servetwin.experiments.slo import SloSpec, parse_slo

@@ -238,7 +238,7 @@ def evaluate_slo(spec: SloSpec, requests, itls, duration_s: float) -> dict[str, 
 
 def slo_markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
     """The report's SLO section: per backend, each check's value, limit, attainment; goodput."""
-    from servetwin.experiments.report import fmt, md_table  # noqa: PLC0415
+    from servetwin.experiments.md_tables import fmt, md_table  # noqa: PLC0415
 
     evs = {b: s["slo"] for b, s in summaries.items() if s.get("slo")}
     if not evs:
