@@ -12,6 +12,7 @@ With the `fake` and `sim` backends the text side uses the built-in toy tokenizer
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -46,6 +47,11 @@ def register(subparsers: Any) -> None:
                    help="release outputs at the predicted step end times (default: on for --backend sim)")
     p.add_argument("--fake-step-time", type=float, default=None,
                    help="fake backend: constant step duration in seconds (paced like sim when --pace)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body in bytes; larger ones get a 413 before they are read "
+                        "(default 4 MiB = 4194304; 0: no limit)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` on /v1/* (default: $SERVETWIN_API_KEY; none: open)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     eng = p.add_argument_group("engine arguments (vLLM names)")
     for f in fields(EngineArgs):
@@ -109,13 +115,16 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"time_scale: must be > 0, got {ns.time_scale}")
     if not 0 < ns.port < 65536:
         raise ValueError(f"port: must be in [1, 65535], got {ns.port}")
+    if ns.max_request_bytes is not None and ns.max_request_bytes < 0:
+        raise ValueError(f"max_request_bytes: must be >= 0 (0: no limit), got {ns.max_request_bytes}")
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get("SERVETWIN_API_KEY") or None
     args = engine_args_from(ns)
     check_listen(ns.host, ns.port)  # before the engine loads (minutes for a big model), not after
     print(f"servetwin serve: {args.backend} backend, model {args.model!r} on http://{ns.host}:{ns.port} "
           "(the engine loads in the background; GET /health turns 200 when it is ready)", flush=True)
-    run_server(args, host=ns.host, port=ns.port, served_model_name=ns.served_model_name, pace=ns.pace,
-               time_scale=ns.time_scale, fake_step_time_s=ns.fake_step_time, log_level=ns.log_level)
-    return 0
+    return run_server(args, host=ns.host, port=ns.port, served_model_name=ns.served_model_name, pace=ns.pace,
+               time_scale=ns.time_scale, fake_step_time_s=ns.fake_step_time, log_level=ns.log_level,
+               max_request_bytes=ns.max_request_bytes, api_key=api_key)
 
 
 __all__ = ["register", "engine_args_from", "check_listen"]

@@ -190,6 +190,17 @@ class AsyncLLM:
             except EngineDeadError:
                 pass
 
+    def abort_all(self, exc: BaseException) -> int:
+        """Abort every request in flight; each consumer gets `exc` (graceful shutdown). Returns how many."""
+        ids = list(self.collectors)
+        with self.client.batched():  # one abort message for all of them
+            for request_id in ids:
+                collector = self.collectors.get(request_id)
+                self.abort(request_id)
+                if collector is not None:
+                    collector.put_error(exc)
+        return len(ids)
+
     # -- output handler -------------------------------------------------------------------------------
     async def _output_handler(self) -> None:
         client = self.client
@@ -220,6 +231,9 @@ class AsyncLLM:
                         client.abort_requests(to_abort)
                 for err in msg.errors or ():
                     self._fail_request(err.request_id, EngineRequestError(err.request_id, err.message))
+                # Messages queued while this one was processed would otherwise be taken without
+                # giving the loop a turn: let streams write and /health answer between batches.
+                await asyncio.sleep(0)
         except EngineDeadError as e:
             self._dead = e
         except asyncio.CancelledError:

@@ -1,7 +1,8 @@
 """The EngineCore process: builds the executor, sizes the KV cache, then runs the busy loop.
 
-Started by `servetwin.core.engine.mp_client` with the multiprocessing *spawn* context; its only arguments are the
-picklable `EngineArgs`, the two ZMQ addresses and a few loop options. Start-up: build the engine
+Started by `servetwin.core.engine.mp_client` as a fresh interpreter, `python -m servetwin.core.engine.engine_proc`
+(it imports only servetwin, never the caller's `__main__`); its only arguments - the picklable
+`EngineArgs`, the two ZMQ addresses and a few loop options - arrive pickled on its standard input. Start-up: build the engine
 (`create_engine_core`), then send one `EngineConfig` (the ready message with the final
 `num_gpu_blocks`, `max_model_len`, vocab size, EOS ids, model path) or a `StartupErrorMsg` with the
 exception text, and exit.
@@ -291,7 +292,7 @@ class EngineCoreProc:
 def run_engine_core(args: Any, input_addr: str, output_addr: str, parent_pid: int,
                     pace: bool = False, time_scale: float = 1.0,
                     fake_step_time_s: Optional[float] = None) -> None:
-    """Entry point of the spawned EngineCore process."""
+    """Body of the EngineCore process (`main()` reads these arguments from standard input)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides; it shuts us down
 
     def _term(signum: int, frame: Any) -> None:
@@ -359,3 +360,16 @@ def _send_startup_error(output_addr: str, e: BaseException) -> None:
     sock.send(m.encoder().encode(m.StartupErrorMsg(error_kind(e), str(e), traceback.format_exc())))
     sock.close()
     ctx.term()
+
+
+def main() -> None:
+    """`python -m servetwin.core.engine.engine_proc`: the arguments of `run_engine_core`, pickled on stdin."""
+    import pickle  # noqa: PLC0415
+
+    payload = pickle.load(sys.stdin.buffer)
+    sys.stdin.close()
+    run_engine_core(**payload)
+
+
+if __name__ == "__main__":
+    main()

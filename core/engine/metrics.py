@@ -183,6 +183,12 @@ class ServingMetrics:
         return "\n".join(out) + "\n"
 
 
+def render_engine_health(dead: bool) -> str:
+    """`servetwin:engine_dead`: 1 once the engine process died (the server then exits), else 0."""
+    return ("# HELP servetwin:engine_dead 1 when the engine process died (the server is about to exit).\n"
+            f"# TYPE servetwin:engine_dead gauge\nservetwin:engine_dead {int(dead)}\n")
+
+
 def parse_prometheus_text(text: str) -> dict[str, float]:
     """`{sample name with labels: value}` from exposition text (for tests and quick checks)."""
     values: dict[str, float] = {}

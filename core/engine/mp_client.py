@@ -2,14 +2,14 @@
 `AsyncMPClient`).
 
 Start-up: the client binds two ZMQ sockets on ipc:// paths in a private temp dir (input: client ->
-engine, PUSH/PULL; output: engine -> client, PUSH/PULL), starts `servetwin.core.engine.engine_proc.run_engine_core`
-with the multiprocessing *spawn* context (arguments: the picklable `EngineArgs` and the addresses),
-and waits - with a timeout - for the ready message (`EngineConfig`: final `num_gpu_blocks`,
+engine, PUSH/PULL; output: engine -> client, PUSH/PULL), starts the engine as a fresh interpreter,
+`python -m servetwin.core.engine.engine_proc` (`EngineProcess`; arguments: the picklable `EngineArgs`
+and the addresses, pickled on its standard input; it never imports the caller's `__main__`), and waits - with a timeout - for the ready message (`EngineConfig`: final `num_gpu_blocks`,
 `max_model_len`, vocab size, EOS ids, model path), exposed as `client.config`. When the child fails
 to start, its exception text is raised in the parent (a `ValueError` in the child is re-raised as a
 `ValueError` with the same message).
 
-Liveness: a monitor thread waits on the process sentinel. When the process dies without being asked
+Liveness: a monitor thread waits on the process (a pidfd). When the process dies without being asked
 to, the monitor marks the client dead and pushes an `EngineDeadMsg` into the client's own output
 socket, which wakes any caller blocked on it; every pending and later call raises `EngineDeadError`.
 
@@ -25,7 +25,10 @@ import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -105,10 +108,12 @@ class _Resources:
             if proc.is_alive():
                 proc.kill()
                 proc.join(2.0)
-        elif proc is not None and proc.pid is not None:
+        elif proc is not None:
             proc.join(0.1)
         if self.monitor is not None and self.monitor is not threading.current_thread():
             self.monitor.join(1.0)
+        if proc is not None:
+            proc.close()
         for sock in (self.input_socket, self.output_socket):
             if sock is not None:
                 try:
@@ -131,11 +136,96 @@ class _Resources:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+class EngineProcess:
+    """The EngineCore as a fresh interpreter: `python -m servetwin.core.engine.engine_proc`.
+
+    Not multiprocessing's spawn, which re-imports the caller's `__main__` in the child: scripts without a
+    main guard, `python -c`, scripts on standard input and notebooks all start it the same way. The child
+    gets the parent's environment (`sitecustomize`, `PYTHON*` variables apply as in any fresh
+    interpreter) and reads its arguments - the picklable `EngineArgs`, the
+    socket addresses, the loop options - from its standard input; the ready message (or the start-up
+    error) comes back over the output socket as before.
+    """
+
+    def __init__(self, popen: subprocess.Popen, cmd: list[str]) -> None:
+        self.popen = popen
+        self.cmd = cmd
+        self.pid = popen.pid
+        # readable once the process has exited (Linux >= 5.3); else the monitor polls
+        self.sentinel: Optional[int] = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                self.sentinel = os.pidfd_open(popen.pid)
+            except OSError:
+                self.sentinel = None
+
+    @classmethod
+    def start(cls, payload: dict[str, Any]) -> "EngineProcess":
+        cmd = [sys.executable, "-m", "servetwin.core.engine.engine_proc"]
+        env = dict(os.environ)
+        root = _import_root()
+        if root is not None:  # servetwin found through sys.path rather than installed: the child finds it too
+            env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, close_fds=True)
+        try:
+            pickle.dump(payload, popen.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            popen.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass  # the child died at once: _wait_ready reports its exit code
+        return cls(popen, cmd)
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def wait_exit(self, stop_r: int) -> bool:
+        """Block until the process exits (True) or `stop_r` becomes readable (False)."""
+        if self.sentinel is not None:
+            ready = multiprocessing.connection.wait([self.sentinel, stop_r])
+            return self.sentinel in ready
+        while not multiprocessing.connection.wait([stop_r], timeout=0.02):
+            if not self.is_alive():
+                return True
+        return False
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+    def close(self) -> None:
+        if self.sentinel is not None:
+            try:
+                os.close(self.sentinel)
+            except OSError:
+                pass
+            self.sentinel = None
+
+
+def _import_root() -> Optional[str]:
+    """The sys.path entry servetwin was imported from, when it is a plain `servetwin/` directory there."""
+    import servetwin  # noqa: PLC0415
+
+    pkg_dir = os.path.dirname(os.path.abspath(servetwin.__file__))
+    return os.path.dirname(pkg_dir) if os.path.basename(pkg_dir) == "servetwin" else None
+
+
 def _monitor(res: _Resources) -> None:
     """Wait for the engine process to exit; when nobody asked it to, declare the engine dead."""
     proc = res.proc
-    ready = multiprocessing.connection.wait([proc.sentinel, res.stop_r])
-    if proc.sentinel not in ready or res.shutting_down:
+    if not proc.wait_exit(res.stop_r) or res.shutting_down:
         return
     proc.join(0.5)
     res.dead = True
@@ -191,14 +281,9 @@ class MPClientBase(EngineCoreClient):
         res.output_socket.setsockopt(zmq.RCVHWM, 0)
         res.output_socket.bind(res.output_addr)
 
-        from servetwin.core.engine.engine_proc import run_engine_core  # noqa: PLC0415
-
-        ctx = multiprocessing.get_context("spawn")
-        res.proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=True,
-                               args=(args, input_addr, res.output_addr, os.getpid()),
-                               kwargs={"pace": pace, "time_scale": time_scale,
-                                       "fake_step_time_s": fake_step_time_s})
-        res.proc.start()
+        res.proc = EngineProcess.start(dict(args=args, input_addr=input_addr, output_addr=res.output_addr,
+                                            parent_pid=os.getpid(), pace=pace, time_scale=time_scale,
+                                            fake_step_time_s=fake_step_time_s))
         self.config = self._wait_ready(startup_timeout_s)
         res.stop_r, res.stop_w = os.pipe()
         res.monitor = threading.Thread(target=_monitor, args=(res,), name="EngineCoreMonitor", daemon=True)
@@ -231,8 +316,7 @@ class MPClientBase(EngineCoreClient):
             if not res.proc.is_alive():
                 raise EngineStartupError(
                     f"EngineCore process exited with code {res.proc.exitcode} before it was ready (see its "
-                    "output above). If a script creates an LLM at module level, guard it with "
-                    "`if __name__ == '__main__':` (the engine process is started with 'spawn').")
+                    f"output above; command: {' '.join(res.proc.cmd)})")
 
     # -- common ---------------------------------------------------------------------------------------
     @property

@@ -291,7 +291,7 @@ def test_dead_engine_turns_health_red_and_requests_fail_fast():
 
     srv = ServerProcess("--model", MODEL, "--backend", "fake", "--pace", "--fake-step-time", "0.005")
     try:
-        engine = [p for p in srv.engine_pids if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        engine = [p for p in srv.engine_pids if "engine_proc" in open(f"/proc/{p}/cmdline").read()]
         assert len(engine) == 1
         with httpx.Client(timeout=10) as http:
             with http.stream("POST", srv.url + "/v1/completions",

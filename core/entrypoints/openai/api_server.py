@@ -25,23 +25,52 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import sys
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineDeadError
-from servetwin.core.entrypoints.openai.protocol import APIError, error_response
+from servetwin.core.entrypoints.openai.middleware import DEFAULT_MAX_REQUEST_BYTES, APIKeyAuth, RequestSizeLimit
+from servetwin.core.entrypoints.openai.protocol import APIError, error_response, parse_json_body, status_type
 from servetwin.core.entrypoints.openai.serving_chat import OpenAIServingChat
 from servetwin.core.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from servetwin.core.entrypoints.openai.serving_engine import ServerState
+from servetwin.core.engine.metrics import render_engine_health
+from servetwin.core.entrypoints.openai.serving_engine import ServerShuttingDownError, ServerState, engine_error
+
+logger = logging.getLogger("servetwin.server")
+
+
+LARGE_BODY_BYTES = 256 * 1024
+ENGINE_DEAD_LINGER_S = 2.0  # after the engine died: streams end with their error event, /metrics says so
+SHUTDOWN_GRACE_S = 1  # uvicorn's wait for connections after SIGTERM (the streams are aborted at once)
+
+
+async def _watch_engine(state: ServerState) -> None:
+    """When the engine process dies, stop the server (vLLM does the same): an orchestrator restarts it."""
+    while not state.closing and (state.engine is None or not state.engine.errored):
+        if state.startup_error is not None:
+            return
+        await asyncio.sleep(0.1)
+    if state.closing:
+        return
+    state.engine_died = True
+    logger.error("the engine died (%s); the server stops in %.0f s", state.engine.dead_error, ENGINE_DEAD_LINGER_S)
+    await asyncio.sleep(ENGINE_DEAD_LINGER_S)
+    if state.on_engine_dead is not None:
+        state.on_engine_dead()
 
 
 # -- the app --------------------------------------------------------------------------------------------
 def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace: Optional[bool] = None,
               time_scale: float = 1.0, fake_step_time_s: Optional[float] = None,
-              startup_timeout_s: Optional[float] = None) -> FastAPI:
+              startup_timeout_s: Optional[float] = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              api_key: Optional[str] = None) -> FastAPI:
+    """The app; `max_request_bytes` (0: no limit) bounds request bodies, `api_key` guards `/v1/*`."""
     engine_kwargs: dict[str, Any] = {"pace": pace, "time_scale": time_scale, "fake_step_time_s": fake_step_time_s}
     if startup_timeout_s is not None:
         engine_kwargs["startup_timeout_s"] = startup_timeout_s
@@ -52,11 +81,14 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starter = asyncio.ensure_future(state.start_engine())
+        watchdog = asyncio.ensure_future(_watch_engine(state))
         app.state.starter = starter
         try:
             yield
         finally:
+            watchdog.cancel()
             state.closing = True
+            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             if state.engine is not None:
                 state.engine.shutdown()
             if not starter.done():
@@ -65,6 +97,22 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
 
     app = FastAPI(title="servetwin OpenAI-compatible server", lifespan=lifespan)
     app.state.servetwin = state
+    if max_request_bytes:
+        app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyAuth, api_key=api_key)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # 404 (no such route), 405 (wrong method): the same error shape as every other answer
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return error_response(APIError(message, None, e.status_code, status_type(e.status_code)),
+                              headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        return error_response(APIError(f"internal server error: {type(e).__name__}: {e}", None, 500,
+                                       "InternalServerError"))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -72,16 +120,13 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, e: EngineDeadError) -> JSONResponse:
-        return error_response(APIError(f"engine is dead: {e}", None, 500, "InternalServerError"))
+        return error_response(engine_error(e))
 
     async def _body(request: Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except Exception:  # noqa: BLE001
-            raise APIError("body: the request body is not valid JSON", "body") from None
-        if not isinstance(body, dict):
-            raise APIError("body: the request body must be a JSON object", "body")
-        return body
+        raw = await request.body()
+        if len(raw) < LARGE_BODY_BYTES:
+            return parse_json_body(raw)
+        return await state.run_cpu(parse_json_body, raw)  # megabytes of JSON: parsed off the event loop
 
     @app.get("/health")
     async def health() -> Response:
@@ -107,6 +152,7 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
             text = ServingMetrics(state.model_name).render()
         else:
             text = state.engine.metrics.render()
+        text += render_engine_health(state.engine_died or (state.engine is not None and state.engine.errored))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
@@ -123,24 +169,58 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
 def run_server(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: Optional[str] = None, pace: Optional[bool] = None, time_scale: float = 1.0,
                fake_step_time_s: Optional[float] = None, log_level: str = "warning",
-               startup_timeout_s: Optional[float] = None) -> None:
-    """Serve until SIGINT / SIGTERM. Raises the engine's start-up error if it fails to start."""
+               startup_timeout_s: Optional[float] = None, max_request_bytes: Optional[int] = None,
+               api_key: Optional[str] = None) -> int:
+    """Serve until SIGINT / SIGTERM (exit status 0) or until the engine process dies (1).
+
+    Raises the engine's start-up error if it fails to start. On SIGTERM / SIGINT the server stops
+    accepting connections, aborts every request in flight (a stream gets an error event, 503
+    `ServiceUnavailableError`, then `data: [DONE]`; a non-streamed request a 503), stops the engine and
+    returns, within about a second."""
     import uvicorn  # noqa: PLC0415
 
-    app = build_app(args, served_model_name=served_model_name, pace=pace, time_scale=time_scale,
-                    fake_step_time_s=fake_step_time_s, startup_timeout_s=startup_timeout_s)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
-                            access_log=False)
-    server = uvicorn.Server(config)
-    state: ServerState = app.state.servetwin
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # runs in the signal handler: the aborts go through the loop
+            if loop is not None and not state.closing:
+                loop.call_soon_threadsafe(_abort_in_flight)
+            super().handle_exit(sig, frame)
 
-    def _failed(e: BaseException) -> None:
+    app = build_app(args, served_model_name=served_model_name, pace=pace, time_scale=time_scale,
+                    fake_step_time_s=fake_step_time_s, startup_timeout_s=startup_timeout_s,
+                    max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes,
+                    api_key=api_key)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, access_log=False)
+    server = Server(config)
+    state: ServerState = app.state.servetwin
+    loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def _abort_in_flight() -> None:
+        state.closing = True
+        if state.engine is not None and not state.engine.errored:
+            n = state.engine.abort_all(ServerShuttingDownError("the server is shutting down"))
+            if n:
+                logger.warning("shutting down: aborted %d request(s) in flight", n)
+
+    def _stop(e: Optional[BaseException] = None) -> None:
         server.should_exit = True
 
-    state.on_startup_failure = _failed
-    server.run()
+    async def _serve() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        await server.serve()
+
+    state.on_startup_failure = _stop
+    state.on_engine_dead = _stop
+    asyncio.run(_serve())
     if state.startup_error is not None:
         raise state.startup_error
+    if state.engine_died:
+        reason = state.engine.dead_error if state.engine is not None else "unknown"
+        print(f"servetwin serve: the engine process died ({reason}); the server stopped", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 __all__ = ["build_app", "run_server"]

@@ -5,11 +5,20 @@ is a 400 naming the field (`param`), an unknown model a 404, a server that is no
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Optional, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from typing_extensions import Annotated
+
+# Every integer crosses to the engine as a 64-bit value (msgpack); a larger one is the client's error,
+# a 400 naming the field (vLLM bounds `seed` the same way, to torch.long's range).
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+StrictInt = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
+# JSON has no NaN / Infinity (Python's json module accepts them: refused when the body is parsed)
+Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
 # -- request schemas ------------------------------------------------------------------------------------
@@ -21,23 +30,23 @@ class CommonRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: Optional[str] = None
     n: StrictInt = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    temperature: Optional[Float] = None
+    top_p: Optional[Float] = None
     top_k: Optional[StrictInt] = None
-    min_p: Optional[float] = None
+    min_p: Optional[Float] = None
     seed: Optional[StrictInt] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[Float] = None
+    frequency_penalty: Optional[Float] = None
+    repetition_penalty: Optional[Float] = None
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, Float]] = None
     user: Optional[str] = None
     priority: StrictInt = 0
     return_tokens_as_token_ids: StrictBool = False  # vLLM extension: logprob tokens as "token_id:<id>"
@@ -80,8 +89,73 @@ def error_body(message: str, param: Optional[str], status: int, type_: str) -> d
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.param, e.status, e.type), status_code=e.status)
+_STATUS_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def status_type(status: int) -> str:
+    """The error `type` for an HTTP status (the OpenAI SDK's exception names)."""
+    return _STATUS_TYPES.get(status, "APIError")
+
+
+class ErrorJSONResponse(JSONResponse):
+    """ASCII-escaped JSON: an error message may quote a client's text, lone surrogates included."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def error_response(e: APIError, headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    return ErrorJSONResponse(error_body(e.message, e.param, e.status, e.type), status_code=e.status, headers=headers)
+
+
+def _find_surrogate(value: Any, path: str) -> Optional[str]:
+    """The path of the first string (or key) holding a lone surrogate (valid JSON, not valid text)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _find_surrogate(key, path) or _find_surrogate(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _find_surrogate(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (NaN / Infinity, which Python's json accepts, are refused)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        raise APIError("body: the request body is not valid JSON", "body") from None
+    if not isinstance(body, dict):
+        raise APIError("body: the request body must be a JSON object", "body")
+    return body
+
+
+def parse_request(cls: type[BaseModel], raw: dict[str, Any]) -> Any:
+    """Validate a request body into `cls`: a 400 naming the field for any bad value."""
+    where = _find_surrogate(raw, "")
+    if where is not None:
+        param = re.split(r"[.\[]", where, maxsplit=1)[0] or "body"
+        raise APIError(f"{param}: the text is not valid Unicode (a lone surrogate such as \\ud800, at {where})",
+                       param)
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        raise bad_request_from_validation(e) from None
 
 
 _PARAM_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?::|\s)")
@@ -110,4 +184,5 @@ def bad_request_from_validation(e: ValidationError) -> APIError:
 
 
 __all__ = ["StreamOptions", "CommonRequest", "CompletionRequest", "ChatMessage", "ChatCompletionRequest", "APIError",
-           "error_body", "error_response", "bad_request_from", "bad_request_from_validation"]
+           "error_body", "error_response", "status_type", "parse_request", "parse_json_body", "bad_request_from",
+           "bad_request_from_validation", "INT64_MIN", "INT64_MAX"]

@@ -8,24 +8,20 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import ValidationError
 
 from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.request_output import RequestOutput
 from servetwin.core.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, bad_request_from,
-                                                        bad_request_from_validation, error_body)
+                                                        error_body, parse_request)
 from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, chain, common_params,
-                                                              json_encoder, merge_streams, prime, sse,
-                                                              token_str, unless_disconnected)
+                                                              engine_error_event, json_encoder, merge_streams,
+                                                              prime, sse, token_str, unless_disconnected)
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, raw: dict[str, Any], request: Request) -> Response:
         engine = self.state.ready_engine()
-        try:
-            req = ChatCompletionRequest.model_validate(raw)
-        except ValidationError as e:
-            raise bad_request_from_validation(e) from None
+        req = parse_request(ChatCompletionRequest, raw)
         self._check_model(req.model)
         tok = engine.get_tokenizer()
         if tok is None or not hasattr(tok, "apply_chat_template"):
@@ -38,7 +34,9 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs: requires logprobs to be true", "top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = common_params(req, max_tokens, logprobs, None, self.state.args.max_logprobs)
+        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = common_params(req, max_tokens, logprobs, None, self.state.args.max_logprobs,
+                               {"max_tokens": max_tokens_param})
         messages = []
         for msg in req.messages:
             content = msg.content
@@ -51,13 +49,9 @@ class OpenAIServingChat(OpenAIServing):
                     parts.append(str(part.get("text", "")))
                 content = "".join(parts)
             messages.append({"role": msg.role, "content": content or ""})
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-            ids = list(tok.encode(text, add_special_tokens=False))
-        except Exception as e:  # noqa: BLE001 - template errors are the caller's
-            raise APIError(f"messages: cannot apply the chat template: {e}", "messages") from None
-        prompts = self._tokenize(engine, [{"prompt": text, "prompt_token_ids": ids}], params,
-                                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+        text, ids = await self.state.run_cpu(self._render, tok, messages, req.add_generation_prompt)
+        prompts = await self._tokenize(engine, [{"prompt": text, "prompt_token_ids": ids}], params,
+                                 max_tokens_param,
                                  {"prompt": "messages"})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         collectors = self._submit(engine, prompts, params, req.priority, request_id, {"prompt": "messages"})
@@ -72,6 +66,15 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(self._chat_stream(req, outputs, request_id, created, model, tok),
                                      media_type="text/event-stream")
         return await unless_disconnected(request, self._chat_full(req, outputs, request_id, created, model, tok))
+
+    @staticmethod
+    def _render(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """The chat template and its tokens (run in the tokenizer thread: both cost CPU time)."""
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return text, list(tok.encode(text, add_special_tokens=False))
+        except Exception as e:  # noqa: BLE001 - template errors are the caller's
+            raise APIError(f"messages: cannot apply the chat template: {e}", "messages") from None
 
     @staticmethod
     def _chat_echo(req: ChatCompletionRequest) -> str:
@@ -158,8 +161,8 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": ct,
                                                      "total_tokens": prompt_tokens + ct}})
-        except EngineDeadError as e:
-            yield sse(error_body(f"engine is dead: {e}", None, 500, "InternalServerError"))
+        except EngineDeadError as e:  # the engine died, or the server is stopping: an error event, then [DONE]
+            yield engine_error_event(e)
         except ValueError as e:
             err = bad_request_from(e, "messages", {"prompt": "messages"})
             yield sse(error_body(err.message, err.param, 400, err.type))

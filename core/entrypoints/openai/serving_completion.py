@@ -8,16 +8,15 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import ValidationError
 
 from servetwin.core.engine.async_llm import AsyncLLM
 from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.request_output import RequestOutput
 from servetwin.core.entrypoints.openai.protocol import (APIError, CompletionRequest, bad_request_from,
-                                                        bad_request_from_validation, error_body)
+                                                        error_body, parse_request)
 from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, chain, common_params,
-                                                              json_encoder, merge_streams, prime, sse,
-                                                              token_str, unless_disconnected)
+                                                              engine_error_event, json_encoder, merge_streams,
+                                                              prime, sse, token_str, unless_disconnected)
 
 
 # -- completions ----------------------------------------------------------------------------------------
@@ -59,10 +58,7 @@ def _completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[di
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, raw: dict[str, Any], request: Request) -> Response:
         engine = self.state.ready_engine()
-        try:
-            req = CompletionRequest.model_validate(raw)
-        except ValidationError as e:
-            raise bad_request_from_validation(e) from None
+        req = parse_request(CompletionRequest, raw)
         self._check_model(req.model)
         if req.suffix is not None:
             raise APIError("suffix: not supported by servetwin", "suffix")
@@ -74,7 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _completion_prompts(req)
         prompt_lps = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = common_params(req, req.max_tokens, req.logprobs, prompt_lps, self.state.args.max_logprobs)
-        prompts = self._tokenize(engine, prompts, params, "max_tokens")
+        prompts = await self._tokenize(engine, prompts, params, "max_tokens")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         collectors = self._submit(engine, prompts, params, req.priority, request_id)
         created = int(time.time())
@@ -174,8 +170,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": ct,
                                                      "total_tokens": p + ct}})
-        except EngineDeadError as e:
-            yield sse(error_body(f"engine is dead: {e}", None, 500, "InternalServerError"))
+        except EngineDeadError as e:  # the engine died, or the server is stopping: an error event, then [DONE]
+            yield engine_error_event(e)
         except ValueError as e:
             err = bad_request_from(e, "prompt")
             yield sse(error_body(err.message, err.param, 400, err.type))

@@ -5,7 +5,9 @@ output so that a request the engine refuses still gets a proper 400)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, AsyncIterator, Callable, Optional
@@ -16,13 +18,32 @@ from fastapi.responses import Response
 
 from servetwin.core.engine.async_llm import AsyncLLM
 from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.request_output import RequestOutput
-from servetwin.core.entrypoints.openai.protocol import APIError, CommonRequest, bad_request_from
+from servetwin.core.entrypoints.openai.protocol import APIError, CommonRequest, bad_request_from, error_body
 from servetwin.core.sampling_params import MAX_STOP_STRINGS_API, SamplingParams
 
 logger = logging.getLogger("servetwin.server")
 
 json_encoder = msgspec.json.Encoder()
+MAX_N_API = 128
+
+
+class ServerShuttingDownError(EngineDeadError):
+    """Requests in flight when the server stops (SIGTERM / SIGINT): aborted in the engine."""
+
+
+def engine_error(e: EngineDeadError) -> APIError:
+    """What a request learns when the engine went away under it: a 503 while the server shuts down
+    (retry elsewhere), a 500 when the engine process died."""
+    if isinstance(e, ServerShuttingDownError):
+        return APIError(str(e), None, 503, "ServiceUnavailableError")
+    return APIError(f"engine is dead: {e}", None, 500, "InternalServerError")
+
+
+def engine_error_event(e: EngineDeadError) -> bytes:
+    err = engine_error(e)
+    return sse(error_body(err.message, err.param, err.status, err.type))
 
 
 # -- the server state ---------------------------------------------------------------------------------
@@ -33,9 +54,20 @@ class ServerState:
         self.engine_kwargs = engine_kwargs
         self.engine: Optional[AsyncLLM] = None
         self.startup_error: Optional[BaseException] = None
-        self.closing = False
+        self.closing = False  # shutting down: new requests get a 503
+        self.engine_died = False  # the engine process died: the server reports it, then exits non-zero
         self.on_startup_failure: Optional[Callable[[BaseException], None]] = None
+        self.on_engine_dead: Optional[Callable[[], None]] = None
         self.created = int(time.time())
+        # Tokenising a large prompt or applying a chat template takes milliseconds to seconds of CPU: done
+        # in one worker thread (as vLLM's server does; HF fast tokenizers are not safe to share between
+        # threads), so the event loop keeps streaming and answering /health meanwhile.
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="servetwin-tokenizer")
+
+    async def run_cpu(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run CPU-heavy request preprocessing off the event loop (in the tokenizer thread)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, functools.partial(fn, *args, **kwargs))
 
     async def start_engine(self) -> None:
         try:
@@ -57,6 +89,8 @@ class ServerState:
         logger.info("engine ready (pid %s): %s", engine.client.engine_pid, engine.config)
 
     def ready_engine(self) -> AsyncLLM:
+        if self.closing:
+            raise APIError("the server is shutting down", None, 503, "ServiceUnavailableError")
         if self.engine is None:
             if self.startup_error is not None:
                 raise APIError(f"engine failed to start: {self.startup_error}", None, 503, "ServiceUnavailableError")
@@ -78,9 +112,12 @@ def token_str(tokenizer: Any, tid: int) -> str:
 
 
 def common_params(req: CommonRequest, max_tokens: Optional[int], logprobs: Optional[int],
-                   prompt_logprobs: Optional[int], max_logprobs: int) -> SamplingParams:
-    if req.n < 1:
-        raise APIError(f"n: must be >= 1, got {req.n}", "n")
+                   prompt_logprobs: Optional[int], max_logprobs: int,
+                   aliases: Optional[dict[str, str]] = None) -> SamplingParams:
+    """`SamplingParams` from a request; `aliases` renames fields in errors (chat: `max_tokens` given as
+    `max_completion_tokens`)."""
+    if not 1 <= req.n <= MAX_N_API:  # OpenAI's API bound: n = 10**4 would hold the engine for minutes
+        raise APIError(f"n: must be in [1, {MAX_N_API}], got {req.n}", "n")
     stop = req.stop
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS_API:
         raise APIError(f"stop: at most {MAX_STOP_STRINGS_API} stop strings are allowed, got {len(stop)}", "stop")
@@ -102,7 +139,7 @@ def common_params(req: CommonRequest, max_tokens: Optional[int], logprobs: Optio
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
-        raise bad_request_from(e) from None
+        raise bad_request_from(e, aliases=aliases) from None
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -203,17 +240,26 @@ class OpenAIServing:
         if model is not None and model not in (self.state.model_name, self.state.args.model):
             raise APIError(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
 
-    def _tokenize(self, engine: AsyncLLM, prompts: list[Any], params: SamplingParams, max_tokens_param: str,
-                  aliases: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
-        """Tokenise every prompt and check that prompt + max_tokens fits max_model_len: a 400 like vLLM's
-        server (the offline `LLM` caps the output at max_model_len instead)."""
+    async def _tokenize(self, engine: AsyncLLM, prompts: list[Any], params: SamplingParams,
+                        max_tokens_param: str, aliases: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+        """Tokenise every prompt (in the tokenizer thread) and check that prompt + max_tokens fits
+        max_model_len: a 400 like vLLM's server (the offline `LLM` caps the output at max_model_len)."""
+        return await self.state.run_cpu(self._tokenize_sync, engine, prompts, params, max_tokens_param, aliases)
+
+    @staticmethod
+    def _tokenize_sync(engine: AsyncLLM, prompts: list[Any], params: SamplingParams, max_tokens_param: str,
+                       aliases: Optional[dict[str, str]]) -> list[dict[str, Any]]:
         out = []
+        max_len = engine.max_model_len
         for prompt in prompts:
             try:
                 text, ids = engine.input_processor.tokenize(prompt)
             except ValueError as e:
                 raise bad_request_from(e, "prompt", aliases) from None
-            max_len = engine.max_model_len
+            if len(ids) >= max_len:  # also checked in add_request; here it costs the event loop nothing
+                param = (aliases or {}).get("prompt", "prompt")
+                raise APIError(f"{param}: the prompt is {len(ids)} tokens long; max_model_len is {max_len} and at "
+                               "least one output token must fit", param)
             if params.max_tokens is not None and 0 < len(ids) < max_len and len(ids) + params.max_tokens > max_len:
                 raise APIError(f"{max_tokens_param}: '{max_tokens_param}' is too large: {params.max_tokens}. This "
                                f"model's maximum context length is {max_len} tokens and your request has "
@@ -240,5 +286,5 @@ class OpenAIServing:
         return collectors
 
 
-__all__ = ["ServerState", "OpenAIServing", "sse", "token_str", "common_params", "merge_streams",
+__all__ = ["ServerShuttingDownError", "engine_error", "engine_error_event", "ServerState", "OpenAIServing", "sse", "token_str", "common_params", "merge_streams",
            "unless_disconnected", "prime", "chain", "json_encoder"]
