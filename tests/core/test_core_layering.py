@@ -123,7 +123,9 @@ def _graph() -> dict[str, set[str]]:
         for name, _ in imports_of(path, runtime_only=True):
             while name and name not in FILES:  # `from a.b import func`: the file a/b.py
                 name = name.rpartition(".")[0]
-            if name and name != mod and name.startswith(PACKAGE):
+            # importing one's own parent package (`import servetwin` to read its __file__) adds nothing:
+            # a package is always initialised before its submodules
+            if name and name != mod and name.startswith(PACKAGE) and not mod.startswith(name + "."):
                 graph[mod].add(name)
     return graph
 
