@@ -12,7 +12,10 @@ load, side by side: the wall time from the first request to the last stream's en
 (the engine's simulated busy time over the load, `servetwin:simulated_busy_seconds`, times the time
 scale: steps follow each other back to back while the engine has work), their ratio, the longest
 /health answer and the longest gap between two chunks of one stream (a stalled loop shows in both).
-Targets (issue 13): wall within 10% of predicted, /health within 100 ms throughout.
+Targets (issue 13): wall within 10% of predicted, /health within 100 ms throughout. Also printed: the
+incremental detokenizer's CPU time per token at both output lengths (constant: a window of ids is
+decoded per token, not the whole output), and the host's load average (the server, its engine and
+this client share the CPUs: on a loaded host the wall times measure the contention).
 
 Usage: python benchmarks/server_stall.py [--streams 128] [--tokens 2000] [--long-tokens 10000]
        [--model llama-3.1-8b] [--hardware h100-sxm] [--time-scale 1.0]
@@ -155,6 +158,19 @@ def run_load(server: Server, name: str, streams: int, tokens: int, time_scale: f
                       max(g for _, g in results), all(n == tokens for n, _ in results))
 
 
+def detokenizer_cost(n: int) -> float:
+    """CPU seconds per token of the front end's incremental detokenizer, one token per step (toy tokenizer)."""
+    from servetwin.core.engine.detokenizer import IncrementalDetokenizer  # noqa: PLC0415
+    from servetwin.core.engine.toy_tokenizer import ToyTokenizer  # noqa: PLC0415
+    from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
+
+    detok = IncrementalDetokenizer(ToyTokenizer(1024), SamplingParams(max_tokens=None, stop=["never"]), [1])
+    t0 = time.process_time()
+    for i in range(n):
+        detok.update([i % 1000])
+    return (time.process_time() - t0) / n
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=128)
@@ -190,6 +206,9 @@ def main() -> int:
         ok &= ratio <= 1.10 and r.health_max_s < 0.100 and r.tokens_ok and not r.health_failures
         print(f"{r.name:<24}{r.wall_s:>9.2f}{r.predicted_s:>13.2f}{ratio:>8.3f}{r.health_max_s * 1e3:>16.1f}"
               f"{r.health_polls:>7}{r.max_chunk_gap_s * 1e3:>18.1f}{str(r.tokens_ok):>11}")
+    for n in sorted({ns.tokens, ns.long_tokens} - {0}):
+        print(f"incremental detokenizer, {n} tokens one per step: {detokenizer_cost(n) * 1e6:.1f} us CPU per token")
+    print(f"host load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print("targets met" if ok else "targets NOT met")
     return 0 if ok else 1
 

@@ -380,6 +380,37 @@ def device_name(device: str) -> str:
     return f"{cpu_name()} ({os.cpu_count()} logical CPUs, {platform.machine()})"
 
 
+def machine_fingerprint(device: str = "cpu") -> dict[str, Any]:
+    """What a calibration is only valid for: CPU model and count (the engine's host-side time runs
+    there), the accelerator, the platform. Stored in a calibration's provenance as `machine`."""
+    fp: dict[str, Any] = {"cpu_model": cpu_name(), "logical_cpus": os.cpu_count(), "arch": platform.machine()}
+    if str(device).startswith("cuda"):
+        fp["gpu"] = device_name(device)
+    return fp
+
+
+def fingerprint_differences(calibration: dict[str, Any], machine: dict[str, Any], threads: int,
+                            dtype: Optional[str] = None) -> list[str]:
+    """Warnings for a comparison whose machine, thread count or dtype differ from the calibration's
+    (`calibration`: its provenance). Files written before `machine` existed: the `device` text."""
+    notes = []
+    cal_fp = calibration.get("machine") or {}
+    if not cal_fp and calibration.get("device"):
+        here = device_name("cpu") if "gpu" not in machine else machine["gpu"]
+        if str(calibration["device"]) != here:
+            notes.append(f"the calibration was made on {calibration['device']!r}, this machine is {here!r}")
+    for key, what in (("cpu_model", "CPU"), ("logical_cpus", "logical CPU count"), ("gpu", "GPU")):
+        if key in cal_fp and cal_fp.get(key) != machine.get(key):
+            notes.append(f"the calibration was made on another machine: {what} {cal_fp[key]!r}, here "
+                         f"{machine.get(key)!r}")
+    cal_threads = calibration.get("torch_threads")
+    if isinstance(cal_threads, int) and cal_threads != threads:
+        notes.append(f"the calibration was measured with {cal_threads} torch thread(s), this run uses {threads}")
+    if dtype and calibration.get("dtype") and calibration["dtype"] != dtype:
+        notes.append(f"the calibration was measured in {calibration['dtype']}, the torch backend runs {dtype}")
+    return notes
+
+
 def versions() -> dict[str, str]:
     import importlib.metadata as md  # noqa: PLC0415
 
@@ -584,6 +615,7 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
         "source": source, "calibrated": True,
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "device": dev_name, "device_type": "cuda" if str(device).startswith("cuda") else "cpu",
+        "machine": machine_fingerprint(device),
         "versions": versions(), "model": model, "dtype": spec_dtype, "attention_backend": attn,
         "cuda_graphs": bool(cuda_graphs), "torch_threads": nthreads, "backend": "torch",
         "measured": MEASURED_QUANTITY, "weighting": weighting,

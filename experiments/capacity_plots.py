@@ -39,8 +39,9 @@ def capacity_plot(answer: dict[str, Any], path: str) -> Optional[str]:
             pts = [p for p in r["curve"] if name in p["checks"] and p["checks"][name]["mean"] is not None]
             x = [p["load"] for p in pts]
             y = [p["checks"][name]["mean"] * scale for p in pts]
-            lo = [(p["checks"][name]["mean"] - (p["checks"][name]["ci_lo"] or p["checks"][name]["mean"])) * scale
-                  for p in pts]
+            # a t interval can reach below zero: on the log axis its lower end is the lowest seed's value
+            lo = [(p["checks"][name]["mean"] - max(p["checks"][name]["ci_lo"] or p["checks"][name]["mean"],
+                                                   p["checks"][name]["min"])) * scale for p in pts]
             hi = [((p["checks"][name]["ci_hi"] or p["checks"][name]["mean"]) - p["checks"][name]["mean"]) * scale
                   for p in pts]
             label = f"{r['point']} [{r['backend']}]" if len(searches) > 1 else r["backend"]
@@ -54,12 +55,12 @@ def capacity_plot(answer: dict[str, Any], path: str) -> Optional[str]:
         if limit is not None:
             ax.axhline(limit * scale, color="tab:red", ls="--", lw=1, label=f"SLO {limit * scale:g} {unit}")
         if is_time:
-            from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+            from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: PLC0415
 
             ax.set_yscale("log")
-            plain = FuncFormatter(lambda v, _: f"{v:g}")
-            ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(plain)
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(unit_label)
         ax.set_ylabel(f"{name} ({unit}), mean over seeds ± 95% CI")
         ax.set_title(name.replace("_s", "").replace("_", " "))

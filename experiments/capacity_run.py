@@ -144,7 +144,8 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
     pool = make_pool(jobs if ray is None else 1, ray)
-    log(f"capacity {exp.name}: {len(searches)} search(es) over {knob} from {_fmt_load(searches[0].search.start)}, "
+    first = ", ".join(_fmt_load(x) for x in (lo, hi) if x is not None) or _fmt_load(searches[0].search.start)
+    log(f"capacity {exp.name}: {len(searches)} search(es) over {knob} from {first}, "
         f"SLO {spec.to_dict()}, {len(seeds)} seeds per probe, confidence {confidence:g}, on {pool.description}")
     bar = None
     if progress:

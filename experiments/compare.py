@@ -37,7 +37,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from servetwin.experiments.calibrate import load_average, set_torch_threads, step_phase_class, step_rows
+from servetwin.experiments.calibrate import (fingerprint_differences, load_average, machine_fingerprint,
+                                             set_torch_threads, step_phase_class, step_rows)
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.schema import ExperimentConfig, engine_field_path, load_yaml, validate_config
 
@@ -370,7 +371,9 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     import yaml  # noqa: PLC0415
 
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+        from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
+        yaml.safe_dump(portable_config(exp.to_dict(), out_dir), f, sort_keys=False)
     cal_label, cal_prov = calibration_info(exp)
     if threads is None and isinstance(cal_prov.get("torch_threads"), int):
         threads = int(cal_prov["torch_threads"])
@@ -399,9 +402,12 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
         f"dtype {str(getattr(ex, 'dtype', '?')).replace('torch.', '')}, "
         f"attention {getattr(ex, 'attention_backend_name', '?')}, {nthreads} torch threads)")
     run_dtype = str(getattr(ex, "dtype", "")).replace("torch.", "")
-    if cal_prov.get("calibrated") and cal_prov.get("dtype") and cal_prov["dtype"] != run_dtype:
-        notes.append(f"the calibration was measured in {cal_prov['dtype']}, the torch backend runs {run_dtype}")
-        log(f"compare: warning: {notes[-1]}")
+    if cal_prov.get("calibrated"):
+        device = str(exp.engine.get("device", "cpu"))
+        for n in fingerprint_differences(cal_prov, machine_fingerprint(device if device != "auto" else "cpu"),
+                                         nthreads, run_dtype):
+            notes.append(n)
+            log(f"compare: warning: {n}")
     sim_engine, sinfo = build_sim_engine(exp, tinfo)
     cost_model = sinfo.executor.cost_model
     requests, arrival, rng = build_requests(exp, tinfo.vocab_size)
@@ -460,7 +466,7 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
         "model": exp.model, "calibration": cal_label,
         "calibration_provenance": {k: cal_prov.get(k) for k in ("source", "calibrated", "date", "device", "model",
                                                                 "dtype", "attention_backend", "cuda_graphs",
-                                                                "torch_threads", "samples", "versions")
+                                                                "torch_threads", "samples", "versions", "machine")
                                    if k in cal_prov},
         "repeats": repeats, "torch_threads": nthreads, "units": "percent (abs_pct = |pred - meas| / meas * 100)",
         "load_average": {"before": load_before, "after": load_after}, "notes": notes,
@@ -487,8 +493,9 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     plot_paths = {}
     if plots:
         from servetwin.experiments.compare_plots import comparison_plots  # noqa: PLC0415
+        from servetwin.experiments.plots import context_for  # noqa: PLC0415
 
-        plot_paths = comparison_plots(sim_frames, torch_frames, paired, out_dir)
+        plot_paths = comparison_plots(sim_frames, torch_frames, paired, out_dir, context_for(exp))
     result["plots"] = {k: os.path.basename(v) for k, v in plot_paths.items() if v}
     write_json(os.path.join(out_dir, "comparison.json"), result)
     from servetwin.experiments.compare_report import write_comparison_md  # noqa: PLC0415

@@ -1,15 +1,100 @@
-"""PNG plots of a run (latency CDFs, timeline, step time) and of a sweep (metrics per point)."""
+"""PNG plots of a run and of a sweep, drawn for a researcher who looks before reading tables.
+
+Run figures (every one titled with the run, model, hardware and key engine settings):
+- `latency_cdf.png`: TTFT / TPOT / ITL / E2E CDFs on a log time axis, backends overlaid on one axis,
+  p50 and p99 marked, SLO targets (`slo:`) drawn as vertical lines;
+- `timeline.png`: running / waiting, KV usage, token throughput and arrivals / completions over time,
+  preemptions marked on every panel;
+- `step_time.png`: step duration against scheduled tokens by phase;
+- `request_gantt.png`: queue / prefill / decode of a sample of requests, on the run's clock and aligned at
+  arrival.
+Sweep figure `sweep_comparison.png`: metric against the swept value (lines for numeric values, bars for
+categorical ones), error bars where the table carries a per-point spread (seeds), SLO lines.
+"""
 from __future__ import annotations
 
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
+from servetwin.experiments.units import axis_unit, format_seconds
+
 COLORS = {"sim": "tab:blue", "torch": "tab:orange"}
 PHASE_COLORS = {"prefill only": "tab:red", "decode only": "tab:green", "mixed": "tab:purple"}
-MAX_POINTS = 4000
+GANTT_COLORS = {"queue": "0.65", "prefill": "tab:red", "decode": "tab:green"}
+MAX_POINTS = 4000  # a CDF or a step series is thinned to about this many points (the shape is kept)
+GANTT_SAMPLE = 40
+DPI = 90
+SLO_RE = re.compile(r"^(ttft|tpot|itl|e2e)_(mean|p50|p90|p99)_s$")
 
 
+@dataclass(slots=True)
+class PlotContext:
+    """What every figure of a run says about the run: a title line, a settings line, the SLO targets."""
+    title: str = ""
+    settings: str = ""
+    slo: dict[str, float] = field(default_factory=dict)  # e.g. {"ttft_p99_s": 0.5}
+
+    def suptitle(self, fig, extra: str = "", **margins: float) -> None:
+        """The figure's title (wrapped to its width) and its margins (`_layout`'s keywords)."""
+        import textwrap  # noqa: PLC0415
+
+        head = " - ".join(p for p in (self.title, extra) if p)
+        width = int(fig.get_figwidth() * 11)  # characters of a 10 pt line across the figure
+        lines = textwrap.wrap(head, width) + textwrap.wrap(self.settings, width)
+        if lines:
+            fig.suptitle("\n".join(lines), fontsize=10)
+        _layout(fig, len(lines), **margins)
+
+    def slo_targets(self, metric: str) -> list[tuple[str, float]]:
+        """[(stat, seconds)] of the SLOs on one metric (`ttft`, `tpot`, `itl`, `e2e`)."""
+        out = []
+        for key, value in self.slo.items():
+            m = SLO_RE.match(str(key))
+            if m and m.group(1) == metric and isinstance(value, (int, float)):
+                out.append((m.group(2), float(value)))
+        return out
+
+
+def engine_settings(engine: Mapping[str, Any], num_gpu_blocks: Optional[int] = None) -> str:
+    """The engine settings that change results, in vLLM's names, on one line."""
+    parts = []
+    for key, label in (("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
+                       ("block_size", "block_size"), ("max_model_len", "max_model_len"),
+                       ("tensor_parallel_size", "TP"), ("policy", "policy")):
+        if engine.get(key) is not None:
+            parts.append(f"{label} {engine[key]}")
+    flags = [("enable_chunked_prefill", "chunked prefill"), ("enable_prefix_caching", "prefix caching"),
+             ("async_scheduling", "async scheduling")]
+    for key, label in flags:
+        if key in engine:
+            parts.append(label if engine[key] else f"no {label}")
+    if num_gpu_blocks:
+        parts.append(f"{num_gpu_blocks:,} KV blocks")
+    return ", ".join(parts)
+
+
+def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None) -> PlotContext:
+    """The title of a run's figures: `name: model on hardware (backends)` and its engine settings."""
+    summaries = summaries or {}
+    hw = exp.hardware if isinstance(exp.hardware, str) else "inline hardware"
+    hw = os.path.splitext(os.path.basename(hw))[0] if hw.endswith((".yaml", ".yml")) else hw
+    where = []
+    for b in exp.backends:
+        where.append(f"sim on {hw}" if b == "sim" else f"torch on {exp.engine.get('device') or 'auto device'}")
+    blocks = {s.get("num_gpu_blocks") for s in summaries.values() if s.get("num_gpu_blocks")}
+    slo = getattr(exp, "slo", None) or {}
+    return PlotContext(title=f"{exp.name}: {exp.model} ({', '.join(where)})",
+                       settings=engine_settings(exp.engine, blocks.pop() if len(blocks) == 1 else None),
+                       slo=dict(slo) if isinstance(slo, Mapping) else {})
+
+
+# -- matplotlib helpers -------------------------------------------------------------------------------
 def _plt():
     import matplotlib  # noqa: PLC0415
 
@@ -19,66 +104,198 @@ def _plt():
     return plt
 
 
+def _short_seconds(v: float, _pos=None) -> str:
+    return format_seconds(v, digits=3) if v > 0 else ""
+
+
+def log_time_axis(ax, axis: str = "x", span: Optional[tuple[float, float]] = None) -> None:
+    """A log axis in seconds whose tick labels carry their own unit (100 us, 10 ms, 1 s, 2 min); a span of
+    fewer than 2.5 decades also labels 2x and 5x."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: PLC0415
+
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
+    if span is None:  # the data drawn so far
+        lim = ax.dataLim.intervalx if axis == "x" else ax.dataLim.intervaly
+        span = (float(lim[0]), float(lim[1]))
+    narrow = span[0] > 0 and math.isfinite(span[1]) and math.log10(span[1] / span[0]) < 2.5
+    target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if narrow else (1.0,), numticks=12))
+    target.set_major_formatter(FuncFormatter(_short_seconds))
+    target.set_minor_formatter(NullFormatter())
+
+
+def _seconds_axis(ax, axis: str = "y") -> None:
+    """A linear axis in seconds whose tick labels carry their own unit."""
+    from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+
+    (ax.yaxis if axis == "y" else ax.xaxis).set_major_formatter(FuncFormatter(_short_seconds))
+
+
+def _layout(fig, title_lines: int, left: float = 0.85, right: float = 0.25, bottom: float = 0.6,
+            hspace: float = 0.45, wspace: float = 0.25, title_pad: float = 0.15) -> None:
+    """Fixed margins in inches (matplotlib's tight_layout costs as much as drawing the figure twice)."""
+    w, h = fig.get_figwidth(), fig.get_figheight()
+    top = 0.3 + 0.19 * title_lines + title_pad
+    fig.subplots_adjust(left=left / w, right=1 - right / w, bottom=bottom / h, top=1 - top / h,
+                        hspace=hspace, wspace=wspace)
+
+
+def _save(fig, path: str) -> str:
+    fig.savefig(path, dpi=DPI)
+    _plt().close(fig)
+    return path
+
+
+def _thin(x: np.ndarray, y: np.ndarray, n: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    if x.size <= n:
+        return x, y
+    idx = np.unique(np.linspace(0, x.size - 1, n).astype(int))
+    return x[idx], y[idx]
+
+
+def _binned_max(t: np.ndarray, v: np.ndarray, n: int = MAX_POINTS // 2) -> tuple[np.ndarray, np.ndarray]:
+    """At most n points of a step series: the maximum in each of n equal time bins (peaks are kept)."""
+    if t.size <= 2 * n:
+        return t, v
+    edges = np.linspace(t[0], t[-1], n + 1)
+    idx = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, n - 1)
+    out = np.full(n, -np.inf)
+    np.maximum.at(out, idx, v)
+    keep = np.isfinite(out)
+    return edges[:-1][keep], out[keep]
+
+
 def _cdf(values) -> tuple[np.ndarray, np.ndarray]:
     x = np.sort(np.asarray([v for v in values if v is not None], dtype=float))
     x = x[np.isfinite(x)]
     if x.size == 0:
         return x, x
     y = np.arange(1, x.size + 1) / x.size
-    if x.size > MAX_POINTS:
-        idx = np.unique(np.linspace(0, x.size - 1, MAX_POINTS).astype(int))
-        x, y = x[idx], y[idx]
-    return x, y
+    return _thin(x, y)
 
 
-def latency_cdfs(frames: dict[str, dict], itls: dict[str, list], path: str) -> Optional[str]:
+# -- latency CDFs --------------------------------------------------------------------------------------
+CDF_PANELS = (("ttft", "ttft_s", "TTFT (time to first token)"), ("tpot", "tpot_s", "TPOT (time per output token)"),
+              ("itl", "itl_s", "ITL (gap between tokens)"), ("e2e", "e2e_s", "E2E latency"))
+
+
+def _positive(values) -> tuple[np.ndarray, int]:
+    arr = np.asarray(values, dtype=float)  # None -> nan
+    arr = arr[np.isfinite(arr)]
+    return arr[arr > 0], int((arr <= 0).sum())
+
+
+def latency_cdfs(frames: dict[str, dict], itls: dict[str, list], path: str,
+                 ctx: Optional[PlotContext] = None) -> Optional[str]:
+    """CDFs on a log time axis, every backend on the same axis, p50 / p99 marked, SLOs as red lines."""
+    ctx = ctx or PlotContext()
     plt = _plt()
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    panels = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E latency")]
-    for ax, (key, title) in zip(axes.flat, panels):
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, (metric, key, title) in zip(axes.flat, CDF_PANELS):
+        zeros_note = []
+        lo, hi = math.inf, 0.0
         for backend, fr in frames.items():
-            values = itls.get(backend, []) if key == "itl_s" else fr["requests"][key].tolist()
-            x, y = _cdf(values)
-            if x.size:
-                ax.step(x * 1e3, y, where="post", label=backend, color=COLORS.get(backend))
-        ax.set_title(title)
-        ax.set_xlabel("ms")
-        ax.set_ylabel("fraction of requests" if key != "itl_s" else "fraction of gaps")
+            raw = itls.get(backend, []) if key == "itl_s" else fr["requests"][key].to_numpy()
+            values, zeros = _positive(raw)
+            if zeros:
+                zeros_note.append(f"{backend}: {zeros:,} zero gaps not shown")
+            if not values.size:
+                continue
+            color = COLORS.get(backend)
+            values = np.sort(values)
+            x, y = _thin(values, np.arange(1, values.size + 1) / values.size)
+            p50, p99 = (float(v) for v in np.percentile(values, [50, 99]))
+            ax.step(x, y, where="post", color=color, lw=1.4,
+                    label=f"{backend}: p50 {format_seconds(p50)}, p99 {format_seconds(p99)} (n={values.size:,})")
+            ax.plot([p50, p99], [0.5, 0.99], ls="none", marker="o", color=color, ms=6, mec="black", mew=0.6,
+                    zorder=5)
+            lo, hi = min(lo, float(values[0])), max(hi, float(values[-1]))
+        for stat, target in ctx.slo_targets(metric):
+            ax.axvline(target, color="red", ls="--", lw=1.2, label=f"SLO {stat} <= {format_seconds(target)}")
+        ax.axhline(0.5, color="0.6", lw=0.6, ls=":")
+        ax.axhline(0.99, color="0.6", lw=0.6, ls=":")
+        if ax.get_legend_handles_labels()[0]:
+            log_time_axis(ax, span=(lo, hi))
+            ax.legend(fontsize=7.5, loc="lower right")
+        else:
+            ax.text(0.5, 0.5, "no values recorded", ha="center", va="center", transform=ax.transAxes, color="0.4")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("latency (log scale)" + (f"; {'; '.join(zeros_note)}" if zeros_note else ""), fontsize=8)
+        ax.set_ylabel("fraction of gaps" if key == "itl_s" else "fraction of requests")
+        ax.grid(alpha=0.3, which="both")
+    ctx.suptitle(fig, "latency CDFs (dots: p50 and p99)")
+    return _save(fig, path)
+
+
+# -- timeline ------------------------------------------------------------------------------------------
+def _rate(times: np.ndarray, weights: Optional[np.ndarray], t_max: float, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Events (or weighted amounts) per second in `bins` equal time bins over [0, t_max]."""
+    edges = np.linspace(0.0, t_max, bins + 1)
+    counts, _ = np.histogram(times, bins=edges, weights=weights)
+    width = edges[1] - edges[0]
+    return edges, counts / width if width > 0 else counts
+
+
+def timeline(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = None) -> Optional[str]:
+    """Requests in the scheduler, KV usage, token throughput and arrivals / completions over time, every
+    backend on the same clock; steps that preempted are marked on every panel."""
+    ctx = ctx or PlotContext()
+    plt = _plt()
+    t_max = max((float(fr["steps"].t_end_s.max()) for fr in frames.values() if len(fr["steps"])), default=0.0)
+    div, unit = axis_unit(t_max)
+    bins = int(min(200, max(10, t_max and sum(len(fr["steps"]) for fr in frames.values()) // 20)))
+    fig, axes = plt.subplots(4, 1, figsize=(12, 10), sharex=True,
+                             gridspec_kw={"height_ratios": [1.3, 1, 1, 1]})
+    multi = len(frames) > 1
+    for backend, fr in frames.items():
+        st = fr["steps"]
+        if not len(st):
+            continue
+        color = COLORS.get(backend)
+        tag = f"{backend} " if multi else ""
+        t = st.t_start_s.to_numpy(dtype=float)
+        for col, ls, name in (("num_running", "-", "running"), ("num_waiting", "--", "waiting")):
+            x, y = _binned_max(t, st[col].to_numpy(dtype=float))
+            axes[0].step(x / div, y, where="post", color=color, ls=ls, lw=1.1, label=f"{tag}{name}")
+        x, y = _binned_max(t, st.kv_usage.to_numpy(dtype=float) * 100)
+        axes[1].step(x / div, y, where="post", color=color, lw=1.1, label=f"{tag}KV usage")
+        t_end = st.t_end_s.to_numpy(dtype=float)
+        for col, ls, name in (("num_context_tokens", "--", "prefill"), ("num_generation_tokens", "-", "decode")):
+            x, y = _rate(t_end, st[col].to_numpy(dtype=float), t_max, bins)
+            axes[2].stairs(y, x / div, color=color, ls=ls, lw=1.1, label=f"{tag}{name} tok/s")
+        req = fr["requests"]
+        arr = req.arrival_s.to_numpy(dtype=float)
+        fin = req.finish_s.dropna().to_numpy(dtype=float)
+        x, y = _rate(arr, None, t_max, bins)
+        axes[3].stairs(y, x / div, color=color, ls="--", lw=1.0, label=f"{tag}arrivals/s")
+        x, y = _rate(fin, None, t_max, bins)
+        axes[3].stairs(y, x / div, color=color, lw=1.2, label=f"{tag}completions/s")
+        pre = st[st.num_preempted > 0]
+        if len(pre):
+            tp = pre.t_start_s.to_numpy(dtype=float) / div
+            n = int(pre.num_preempted.sum())
+            for ax in axes[1:]:
+                ax.vlines(tp, 0, 1, transform=ax.get_xaxis_transform(), color="red", lw=0.6, alpha=0.35)
+            axes[0].scatter(tp, pre.num_running.to_numpy(dtype=float), marker="v", s=28, color="red",
+                            edgecolors=color, linewidths=0.8, zorder=5,
+                            label=f"{tag}preemption ({n:,} in {len(pre):,} steps)")
+    axes[0].set_ylabel("requests")
+    axes[0].set_title("requests in the scheduler (after scheduling each step; peaks kept)", fontsize=9)
+    axes[1].set_ylabel("KV blocks used (%)")
+    axes[1].set_ylim(0, 105)
+    axes[1].set_title("KV cache usage (red lines: steps that preempted)", fontsize=9)
+    axes[2].set_ylabel("tokens/s")
+    axes[2].set_title(f"scheduled tokens per second ({bins} bins)", fontsize=9)
+    axes[3].set_ylabel("requests/s")
+    axes[3].set_title("arrivals and completions per second", fontsize=9)
+    axes[3].set_xlabel(f"time since start ({unit})")
+    for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def timeline(frames: dict[str, dict], path: str) -> Optional[str]:
-    plt = _plt()
-    n = len(frames)
-    fig, axes = plt.subplots(2, n, figsize=(6 * n, 6), squeeze=False)
-    for col, (backend, fr) in enumerate(frames.items()):
-        st = fr["steps"]
-        ax = axes[0][col]
-        if len(st):
-            ax.step(st.t_start_s, st.num_running, where="post", label="running")
-            ax.step(st.t_start_s, st.num_waiting, where="post", label="waiting")
-            ax.legend()
-        ax.set_title(f"{backend}: requests in the scheduler")
-        ax.set_xlabel("time (s)")
-        ax.grid(alpha=0.3)
-        ax = axes[1][col]
-        if len(st):
-            ax.plot(st.t_start_s, st.kv_usage * 100, color="tab:red")
-        ax.set_title(f"{backend}: KV cache usage")
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("% of blocks")
-        ax.set_ylim(0, 105)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+            ax.legend(fontsize=7.5, loc="upper right", ncol=2 if multi else 1)
+    ctx.suptitle(fig, "timeline")
+    return _save(fig, path)
 
 
 def step_phase(steps) -> np.ndarray:
@@ -87,75 +304,268 @@ def step_phase(steps) -> np.ndarray:
     return np.where(ctx & gen, "mixed", np.where(ctx, "prefill only", "decode only"))
 
 
-def step_time(frames: dict[str, dict], path: str) -> Optional[str]:
+def step_time(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = None) -> Optional[str]:
+    ctx = ctx or PlotContext()
     plt = _plt()
     n = len(frames)
-    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(max(7.5, 6 * n), 4.8), squeeze=False, sharex=True, sharey=True)
     for col, (backend, fr) in enumerate(frames.items()):
         st = fr["steps"]
         ax = axes[0][col]
         if len(st):
             phase = step_phase(st)
+            tokens = st.total_tokens.to_numpy(dtype=float)
+            dur = st.duration_s.to_numpy(dtype=float)
             for name, color in PHASE_COLORS.items():
                 m = phase == name
                 if m.any():
-                    ax.scatter(st.total_tokens[m], st.duration_s[m] * 1e3, s=6, alpha=0.6, color=color,
-                               label=f"{name} ({int(m.sum())})", rasterized=True)
-            ax.legend()
-        ax.set_title(f"{backend}: step duration vs scheduled tokens")
-        ax.set_xlabel("scheduled tokens")
-        ax.set_ylabel("step duration (ms)")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+                    idx = np.flatnonzero(m)
+                    if idx.size > MAX_POINTS:  # an even subsample: the cloud's shape, not every point
+                        idx = idx[np.linspace(0, idx.size - 1, MAX_POINTS).astype(int)]
+                    ax.scatter(tokens[idx], dur[idx], s=6, alpha=0.5, color=color, label=f"{name} ({int(m.sum()):,})",
+                               rasterized=True)
+            ax.legend(fontsize=8)
+            ax.set_xscale("log")
+            log_time_axis(ax, "y")
+        ax.set_title(f"{backend}: step duration vs scheduled tokens", fontsize=10)
+        ax.set_xlabel("scheduled tokens in the step (log scale)")
+        ax.set_ylabel("step duration")
+        ax.grid(alpha=0.3, which="both")
+    ctx.suptitle(fig)
+    return _save(fig, path)
 
 
-def sweep_comparison(df, path: str) -> Optional[str]:
-    """Bars per sweep point (grouped by backend): throughput, output tok/s, TTFT p50/p90, prefill tokens."""
+# -- per-request view ----------------------------------------------------------------------------------
+def _sample_requests(req, n: int, consecutive: bool):
+    """n requests that were scheduled: consecutive arrivals from the middle of the run (a waterfall on
+    the run's clock), or evenly spaced over the whole run (the spread of lifetimes)."""
+    done = req[req.first_scheduled_s.notna()].sort_values("arrival_s")
+    if len(done) <= n:
+        return done
+    if consecutive:
+        start = (len(done) - n) // 2
+        return done.iloc[start:start + n]
+    return done.iloc[np.linspace(0, len(done) - 1, n).astype(int)]
+
+
+def _phases(sample) -> dict[str, np.ndarray]:
+    arr = sample.arrival_s.to_numpy(dtype=float)
+    sched = sample.first_scheduled_s.to_numpy(dtype=float)
+    end = sample.finish_s.to_numpy(dtype=float)
+    first = sample.first_token_s.to_numpy(dtype=float)
+    first = np.where(np.isnan(first), end, first)
+    end = np.where(np.isnan(end), first, end)
+    return {"arrival": arr, "queue": sched - arr, "prefill": np.nan_to_num(first - sched),
+            "decode": np.nan_to_num(end - first)}
+
+
+def _gantt_panel(ax, smp, aligned: bool) -> str:
+    ph = _phases(smp)
+    n = len(smp)
+    total = ph["queue"] + ph["prefill"] + ph["decode"]
+    y = np.empty(n)
+    y[np.argsort(total) if aligned else np.arange(n)] = np.arange(n)
+    if aligned:  # log scale from a floor below the shortest phase: a 5 ms queue next to a 5 s decode shows
+        pos = np.concatenate([v[v > 0] for v in (ph["queue"], ph["prefill"], ph["decode"])] or [np.ones(1)])
+        floor = 10 ** math.floor(math.log10(max(float(pos.min()) if pos.size else 1e-3, 1e-6)))
+        cum = np.cumsum([ph["queue"], ph["prefill"], ph["decode"]], axis=0)  # phase ends since arrival
+        edges = [np.full(n, floor)] + [np.maximum(c, floor) for c in cum]
+        div = 1.0
+    else:
+        t0 = float(ph["arrival"].min()) if n else 0.0
+        div, unit = axis_unit(float((ph["arrival"] + total).max() - t0) if n else 1.0)
+        edges = [ph["arrival"] - t0]
+        for name in ("queue", "prefill", "decode"):
+            edges.append(edges[-1] + ph[name])
+    for i, name in enumerate(("queue", "prefill", "decode")):
+        ax.barh(y, (edges[i + 1] - edges[i]) / div, left=edges[i] / div, height=0.8, color=GANTT_COLORS[name],
+                label=name)
+    pre = smp.num_preemptions.to_numpy() > 0
+    if pre.any():
+        ax.scatter(edges[-1][pre] / div, y[pre], marker="x", color="black", s=22, zorder=5,
+                   label="preempted (its bars include the recomputation)")
+    ax.set_ylim(n - 0.2, -0.8)
+    ax.set_yticks([])
+    ax.grid(alpha=0.3, axis="x", which="both")
+    if aligned:
+        log_time_axis(ax, "x")
+        ax.set_xlabel("time since arrival (log scale)")
+    else:
+        ax.set_xlabel(f"time ({unit}) since the first of these arrivals (t = {format_seconds(t0)})")
+    medians = ", ".join(f"{k} {format_seconds(float(np.median(ph[k])))}" for k in ("queue", "prefill", "decode"))
+    preempted = f"; {int(pre.sum())} preempted" if pre.any() else ""
+    return f"median {medians}{preempted}" if n else ""
+
+
+def request_gantt(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = None,
+                  sample: int = GANTT_SAMPLE) -> Optional[str]:
+    """Queue / prefill / decode per request: `sample` consecutive arrivals from the middle of the run on the
+    run's clock (left), and `sample` requests evenly spaced over the run aligned at arrival, sorted by E2E,
+    on a log axis (right). Prefill = first scheduled -> first token (its chunks and the waits between
+    them); decode = first token -> finish; a cross marks a request that was preempted."""
+    ctx = ctx or PlotContext()
+    plt = _plt()
+    rows = [(b, fr["requests"]) for b, fr in frames.items() if len(fr["requests"])]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(len(rows), 2, figsize=(13, 0.15 * sample * len(rows) + 2.6), squeeze=False)
+    handles: dict[str, Any] = {}
+    for r, (backend, req) in enumerate(rows):
+        left = _sample_requests(req, sample, consecutive=True)
+        med = _gantt_panel(axes[r][0], left, aligned=False)
+        axes[r][0].set_title(f"{backend}: {len(left)} consecutive arrivals (of {len(req):,}), on the run's clock\n"
+                             f"{med}", fontsize=9)
+        axes[r][0].set_ylabel("requests (by arrival)")
+        right = _sample_requests(req, sample, consecutive=False)
+        med = _gantt_panel(axes[r][1], right, aligned=True)
+        axes[r][1].set_title(f"{backend}: {len(right)} requests spread over the run, from arrival, sorted by E2E\n"
+                             f"{med}", fontsize=9)
+        axes[r][1].set_ylabel("requests (by E2E)")
+        for ax in axes[r]:
+            handles.update(zip(*reversed(ax.get_legend_handles_labels())))
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=9)
+    ctx.suptitle(fig, "per-request queue / prefill / decode", bottom=1.0, hspace=0.55, wspace=0.12,
+                 title_pad=0.35)
+    return _save(fig, path)
+
+
+RUN_FIGURES = ("latency_cdf", "timeline", "request_gantt", "step_time")
+
+
+def all_run_plots(frames: dict[str, dict], itls: dict[str, list], out_dir: str,
+                  ctx: Optional[PlotContext] = None, jobs=None) -> dict[str, Any]:
+    """Every run figure, each drawn by a forked child where the machine allows it
+    (`servetwin.experiments.background`); `jobs` (an OutputJobs) may already hold other files being written,
+    which this waits for too. Returns {figure: path or None}."""
+    from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
+
+    if not frames:
+        return {}
+    jobs = jobs if jobs is not None else OutputJobs()
+    if jobs.parallel:
+        _plt()  # import once, before forking: the children inherit it
+    path = {k: os.path.join(out_dir, f"{k}.png") for k in RUN_FIGURES}
+    jobs.submit("latency_cdf", latency_cdfs, (frames, itls, path["latency_cdf"], ctx), path["latency_cdf"])
+    jobs.submit("timeline", timeline, (frames, path["timeline"], ctx), path["timeline"])
+    jobs.submit("request_gantt", request_gantt, (frames, path["request_gantt"], ctx), path["request_gantt"])
+    jobs.submit("step_time", step_time, (frames, path["step_time"], ctx), path["step_time"])
+    done = jobs.wait()
+    return {k: done.get(k) for k in RUN_FIGURES}
+
+
+# -- sweeps --------------------------------------------------------------------------------------------
+SWEEP_PANELS = (
+    ("throughput_tok_s", (), "throughput (prompt + output tok/s)", None),
+    ("request_throughput_s", (), "completed requests/s", None),
+    ("ttft", ("p50", "p99", "p90"), "TTFT", "ttft"),
+    ("tpot", ("p50", "p99", "p90"), "TPOT", "tpot"),
+    ("e2e", ("p50", "p99", "p90"), "E2E latency", "e2e"),
+    ("duration_s", (), "makespan", "time"),
+)
+
+
+def is_numeric_axis(values) -> bool:
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return bool(vals) and all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+                              for v in vals) and len(set(vals)) > 1
+
+
+def spread(df, col: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """Per-point error bars of `col` when the table has them (seeds): (below, above) distances from the value.
+
+    Accepted columns: `<col>_ci_low` / `<col>_ci_high` (a 95% interval), `<col>_lo` / `<col>_hi`, or
+    `<col>_std` (symmetric)."""
+    pairs = [(lo, hi) for lo, hi in (("_ci_low", "_ci_high"), ("_lo", "_hi")) if col + lo in df and col + hi in df]
+    if col not in df or not (pairs or col + "_std" in df):
+        return None
+    v = df[col].to_numpy(dtype=float)
+    for lo, hi in pairs:
+        below = v - df[col + lo].to_numpy(dtype=float)
+        above = df[col + hi].to_numpy(dtype=float) - v
+        return np.nan_to_num(np.abs(below)), np.nan_to_num(np.abs(above))
+    if col + "_std" in df:
+        s = np.nan_to_num(df[col + "_std"].to_numpy(dtype=float))
+        return s, s
+    return None
+
+
+def _series_keys(df, keys: list[str], x_key: Optional[str]) -> list[str]:
+    return [k for k in keys if k != x_key and k in df] + ["backend"]
+
+
+def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
+                     keys: Optional[list[str]] = None) -> Optional[str]:
+    """Each metric against the swept value: lines over a numeric swept key (one line per backend and per
+    value of the other keys), grouped bars when every swept key is categorical. Latencies on a log axis,
+    p50 solid and p99 (p90 when p99 is absent) dashed; SLO targets as red lines; error bars from seeds."""
+    ctx = ctx or PlotContext()
     plt = _plt()
     ok = df[df.status.isin(["ok", "interrupted"])]
     if ok.empty:
         return None
+    keys = [k for k in (keys or []) if k in ok]
+    x_key = next((k for k in keys if is_numeric_axis(ok[k].tolist())), None)
+    fig, axes = plt.subplots(3, 2, figsize=(12, 11))
+    # lines: one per backend and per combination of the other swept keys; bars: one per backend
+    series_cols = _series_keys(ok, keys, x_key) if x_key is not None else ["backend"]
+    groups = list(ok.groupby(series_cols, sort=False, dropna=False)) if series_cols else [((), ok)]
     points = list(dict.fromkeys(ok.point))
-    backends = list(dict.fromkeys(ok.backend))
-    panels = [("throughput_tok_s", "throughput (tok/s)"), ("output_tok_s", "output tok/s"),
-              (("ttft_p50_s", "ttft_p90_s"), "TTFT p50 / p90 (s)"), ("prefill_tokens_computed", "prefill tokens computed"),
-              (("e2e_p50_s", "e2e_p90_s"), "E2E p50 / p90 (s)"), ("duration_s", "makespan (s)")]
-    fig, axes = plt.subplots(3, 2, figsize=(max(8, 1.6 * len(points) + 4), 11))
-    x = np.arange(len(points))
-    width = 0.8 / max(1, len(backends))
-    for ax, (key, title) in zip(axes.flat, panels):
-        for j, backend in enumerate(backends):
-            sub = ok[ok.backend == backend].set_index("point")
-            pos = x - 0.4 + width * (j + 0.5)
-            if isinstance(key, tuple):
-                lo = [sub[key[0]].get(p, np.nan) for p in points]
-                hi = [sub[key[1]].get(p, np.nan) for p in points]
-                ax.bar(pos, hi, width, color=COLORS.get(backend), alpha=0.35, label=f"{backend} p90")
-                ax.bar(pos, lo, width, color=COLORS.get(backend), label=f"{backend} p50")
-            else:
-                vals = [sub[key].get(p, np.nan) for p in points]
-                ax.bar(pos, vals, width, color=COLORS.get(backend), label=backend)
-        ax.set_title(title)
-        ax.set_xticks(x)
-        ax.set_xticklabels(points, rotation=20, ha="right", fontsize=8)
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    width = 0.8 / max(1, len(groups))
+    for ax, (metric, stats, title, kind) in zip(axes.flat, SWEEP_PANELS):
+        cols = ([f"{metric}_{s}_s" for s in stats if f"{metric}_{s}_s" in ok][:2] if stats else [metric])
+        for j, (gkey, sub) in enumerate(groups):
+            gkey = gkey if isinstance(gkey, tuple) else (gkey,)
+            label = ", ".join(f"{k.split('.')[-1]}={v}" if k != "backend" else str(v)
+                              for k, v in zip(series_cols, gkey))
+            backend = gkey[-1] if gkey else None
+            color = COLORS.get(backend) if len(groups) <= len(COLORS) else f"C{j % 10}"
+            for i, col in enumerate(cols):
+                if col not in sub or sub[col].isna().all():
+                    continue
+                stat = col[len(metric) + 1:-2] if stats else ""
+                err = spread(sub, col)
+                lab = f"{label} {stat}".strip()
+                if x_key is not None:
+                    s = sub.sort_values(x_key)
+                    err = spread(s, col)
+                    ax.errorbar(s[x_key].to_numpy(dtype=float), s[col].to_numpy(dtype=float),
+                                yerr=None if err is None else np.vstack(err), color=color,
+                                ls="-" if i == 0 else "--", marker="o" if i == 0 else "s", ms=4, capsize=3,
+                                label=lab)
+                else:
+                    pos = np.array([points.index(p) for p in sub.point]) - 0.4 + width * (j + 0.5)
+                    ax.bar(pos, sub[col].to_numpy(dtype=float), width, color=color, alpha=1.0 if i == 0 else 0.4,
+                           yerr=None if err is None else np.vstack(err), capsize=3, label=lab,
+                           zorder=2 if i == 0 else 1)
+        if kind in ("ttft", "tpot", "e2e"):
+            for stat, target in ctx.slo_targets(kind):
+                ax.axhline(target, color="red", ls="--", lw=1.2, label=f"SLO {stat} <= {format_seconds(target)}")
+        if kind in ("ttft", "tpot", "e2e") and x_key is not None and ax.get_legend_handles_labels()[0]:
+            log_time_axis(ax, "y")
+        elif kind is not None:
+            _seconds_axis(ax, "y")
+        if stats:
+            title += " (p50 solid, tail dashed; log scale)" if x_key is not None else " (p50 dark, tail light)"
+        ax.set_title(title, fontsize=9)
+        if x_key is not None:
+            xs = sorted(set(float(v) for v in ok[x_key].dropna()))
+            if xs[0] > 0 and xs[-1] / xs[0] >= 10:  # e.g. 8, 16, ..., 256: even spacing on a log axis
+                ax.set_xscale("log")
+            if len(xs) <= 12:  # ticks at the swept values
+                from matplotlib.ticker import NullFormatter  # noqa: PLC0415
 
-
-def all_run_plots(frames: dict[str, dict], itls: dict[str, list], out_dir: str) -> dict[str, Any]:
-    import os  # noqa: PLC0415
-
-    out = {}
-    if not frames:
-        return out
-    out["latency_cdf"] = latency_cdfs(frames, itls, os.path.join(out_dir, "latency_cdf.png"))
-    out["timeline"] = timeline(frames, os.path.join(out_dir, "timeline.png"))
-    out["step_time"] = step_time(frames, os.path.join(out_dir, "step_time.png"))
-    return out
+                ax.set_xticks(xs, [f"{v:g}" for v in xs])
+                ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlabel(x_key)
+        else:
+            first = ok.drop_duplicates("point").set_index("point")
+            labels = [", ".join(f"{k.split('.')[-1]}={first.at[p, k]}" for k in keys) or p for p in points]
+            ax.set_xticks(range(len(points)))
+            ax.set_xticklabels(labels, rotation=15 if len(points) > 3 else 0, ha="right" if len(points) > 3 else "center",
+                               fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7.5)
+    has_err = any(spread(ok, c) is not None for c in ok.columns)
+    ctx.suptitle(fig, "sweep" + (" (error bars: spread over seeds)" if has_err else ""))
+    return _save(fig, path)

@@ -8,8 +8,25 @@ import yaml
 
 from servetwin.experiments.md_tables import fmt, md_table
 from servetwin.experiments.slo import slo_markdown
+from servetwin.experiments.units import format_seconds
 
 TOP_N = 10
+
+
+def portable_config(cfg: Any, out_dir: str) -> Any:
+    """The validated config with every absolute path to an existing file rewritten relative to `out_dir`
+    (where config.yaml is written), so `DIR/config.yaml` runs again from any clone and names no home
+    directory; a path on another drive stays as it is."""
+    if isinstance(cfg, dict):
+        return {k: portable_config(v, out_dir) for k, v in cfg.items()}
+    if isinstance(cfg, list):
+        return [portable_config(v, out_dir) for v in cfg]
+    if isinstance(cfg, str) and os.path.isabs(cfg) and os.path.isfile(cfg):
+        try:
+            return os.path.relpath(cfg, os.path.abspath(out_dir))
+        except ValueError:  # another drive (Windows)
+            return cfg
+    return cfg
 
 
 SUMMARY_ROWS = [
@@ -95,8 +112,8 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
                 parts.append(f"{name}: {int(m.sum())} steps, mean {1e3 * float(st.duration_s[m].mean()):.3g} ms")
         obs.append(f"{head}: step time by phase - " + "; ".join(parts) + ".")
         if s.get("sim_speedup_x"):
-            obs.append(f"{head}: simulated {s['simulated_s']:.3f} s in {s['wall_s']:.2f} s of host time "
-                       f"({s['sim_speedup_x']:.1f}x real time).")
+            obs.append(f"{head}: simulated {format_seconds(s['simulated_s'])} in {format_seconds(s['wall_s'])} of "
+                       f"host time ({s['sim_speedup_x']:,.1f}x real time).")
     if "sim" in summaries and "torch" in summaries:
         a, b = summaries["sim"], summaries["torch"]
         if a["duration_s"] and b["duration_s"]:
@@ -135,20 +152,24 @@ def annotation_histogram(frames: dict[str, dict], top_n: int = TOP_N) -> str:
 
 
 def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, dict],
-                 itls: dict[str, list], plots: bool = True) -> str:
+                 itls: dict[str, list], plots: bool = True, jobs=None) -> str:
+    """report.md (and the figures unless `plots` is false); `jobs`: an OutputJobs still writing other
+    files of the run, waited for before the report is written."""
     summaries = combined["backends"]
     plot_paths: dict[str, Optional[str]] = {}
     if plots and frames:
-        from servetwin.experiments.plots import all_run_plots  # noqa: PLC0415
+        from servetwin.experiments.plots import all_run_plots, context_for  # noqa: PLC0415
 
-        plot_paths = all_run_plots(frames, itls, out_dir)
+        plot_paths = all_run_plots(frames, itls, out_dir, context_for(exp, summaries), jobs)
+    elif jobs is not None:
+        jobs.wait()
     w = combined.get("workload", {})
     lines = [f"# {exp.name}", ""]
     if exp.description:
         lines += [exp.description.strip(), ""]
     if combined.get("interrupted"):
         lines += ["**Interrupted (Ctrl-C): the files hold what finished before the interrupt.**", ""]
-    lines += ["## Config", "", "```yaml", yaml.safe_dump(exp.to_dict(), sort_keys=False).rstrip(), "```", ""]
+    lines += ["## Config", "", "```yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False).rstrip(), "```", ""]
     if w.get("requests"):
         lines += ["## Workload", "",
                   f"{w['requests']:,} requests ({w['sequences']:,} sequences), arrival `{w.get('arrival')}`, "
@@ -164,7 +185,10 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
     lines += [f"## Most frequent step annotations (top {TOP_N})", "", annotation_histogram(frames), ""]
     if plot_paths:
         lines += ["## Plots", ""]
-        titles = {"latency_cdf": "Latency CDFs", "timeline": "Running / waiting and KV usage over time",
+        titles = {"latency_cdf": "Latency CDFs (log time axis, p50 / p99 marked)",
+                  "timeline": "Timeline: running / waiting, KV usage, throughput, arrivals / completions, "
+                              "preemptions",
+                  "request_gantt": "Per-request queue / prefill / decode (a sample of requests)",
                   "step_time": "Step duration vs scheduled tokens (by phase)"}
         for key, path in plot_paths.items():
             if path:

@@ -62,18 +62,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"interrupted: partial results written to {out}/ (summary.json has \"interrupted\": true)",
               file=sys.stderr)
         raise
+    from servetwin.experiments.units import format_seconds  # noqa: PLC0415
+
     for backend, s in combined["backends"].items():
-        ttft = s["ttft_s"]["p50"]
-        print(f"{backend}: {s['completed']}/{s['requests']} requests in {s['duration_s']:.3f}s "
+        print(f"{backend}: {s['completed']}/{s['requests']} requests in {format_seconds(s['duration_s'])} "
               f"({'simulated' if backend == 'sim' else 'measured'}), throughput {s['throughput_tok_s'] or 0:,.0f} tok/s, "
-              f"TTFT p50 {ttft if ttft is None else f'{ttft * 1e3:.1f} ms'}, {s['preemptions']} preemptions")
+              f"TTFT p50 {format_seconds(s['ttft_s']['p50'])} p99 {format_seconds(s['ttft_s']['p99'])}, "
+              f"TPOT p50 {format_seconds(s['tpot_s']['p50'])}, {s['preemptions']} preemptions")
         if s.get("slo"):
             print(f"{backend}: {slo_line(s['slo'])}")
         if s.get("rejected"):  # never servable (e.g. longer than max_model_len): say so, not just "0/N"
             rid, why = next(iter((s.get("rejected_examples") or {"?": "?"}).items()))
             print(f"warning: {backend}: {s['rejected']} of {s['requests']} requests were rejected as never "
                   f"servable, e.g. {rid}: {why}", file=sys.stderr)
-    print(f"wrote {out}/ (report.md, summary.json, <backend>/ tables) in {time.perf_counter() - t0:.1f}s")
+    dirs = ", ".join(f"{b}/" for b in combined["backends"])
+    print(f"wrote {out}/ (report.md, summary.json, figures; tables and trace.json in {dirs}) in "
+          f"{format_seconds(time.perf_counter() - t0)}")
     return 0
 
 

@@ -45,6 +45,7 @@ class BackendRun:
     rejected: dict[str, str] = field(default_factory=dict)
     interrupted: bool = False
     error: Optional[str] = None
+    itls: Optional[list[float]] = None  # the recorder's itls(), computed once
 
 
 def _progress_bar(enabled: bool, total: int, desc: str):
@@ -145,7 +146,9 @@ def _nz(x: float) -> Optional[float]:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str, Any]:
+def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
+              itls: Optional[list[float]] = None) -> dict[str, Any]:
+    """The summary of one backend's run; `itls` are `run.recorder.itls()` when the caller has them."""
     steps, reqs = frames["steps"], frames["requests"]
     finished = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")]
     duration = float(steps.t_end_s.max()) if len(steps) else 0.0
@@ -176,7 +179,7 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str,
         "computed_tok_s": per_s(float(steps.total_tokens.sum())) if len(steps) else None,
         "request_throughput_s": per_s(run.completed),
         "ttft_s": dist_stats(reqs.ttft_s), "tpot_s": dist_stats(reqs.tpot_s),
-        "itl_s": dist_stats(run.recorder.itls()), "e2e_s": dist_stats(reqs.e2e_s),
+        "itl_s": dist_stats(run.recorder.itls() if itls is None else itls), "e2e_s": dist_stats(reqs.e2e_s),
         "queue_s": dist_stats(reqs.queue_s),
         "step_duration_s": dist_stats(steps.duration_s) if len(steps) else dist_stats([]),
         "preemptions": int(reqs.num_preemptions.sum()) if len(reqs) else 0,
@@ -199,7 +202,7 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig) -> dict[str,
     if exp.slo is not None and not exp.slo.empty:
         from servetwin.experiments.slo import evaluate_slo  # noqa: PLC0415
 
-        out["slo"] = evaluate_slo(exp.slo, reqs, run.recorder.itls(), duration)
+        out["slo"] = evaluate_slo(exp.slo, reqs, run.recorder.itls() if itls is None else itls, duration)
         out["goodput_req_s"] = out["slo"]["goodput_req_s"]
     if run.rejected:
         out["rejected_examples"] = dict(list(run.rejected.items())[:5])
@@ -263,12 +266,15 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
                 bar.close()
         runs[backend] = run
         frames[backend] = run.recorder.frames()
-        summaries[backend] = summarize(run, frames[backend], exp)
+        run.itls = run.recorder.itls()
+        summaries[backend] = summarize(run, frames[backend], exp, run.itls)
         if on_backend is not None:
             on_backend(backend, run, frames[backend], summaries[backend])
         s = summaries[backend]
-        timing = (f"{s['simulated_s']:.3f}s simulated in {s['wall_s']:.3f}s wall" if backend == "sim"
-                  else f"{s['wall_s']:.2f}s wall")
+        from servetwin.experiments.units import format_seconds  # noqa: PLC0415
+
+        timing = (f"{format_seconds(s['simulated_s'])} simulated in {format_seconds(s['wall_s'])} wall"
+                  if backend == "sim" else f"{format_seconds(s['wall_s'])} wall")
         log(f"[{backend}] {s['completed']}/{s['requests']} requests, {s['num_steps']} steps, {timing}"
             + (" (INTERRUPTED)" if run.interrupted else ""))
         engines[backend] = None  # free the engine (torch weights, KV cache) before the next backend
@@ -287,21 +293,27 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     On KeyboardInterrupt the files of what ran are written and the interrupt is re-raised."""
     import yaml  # noqa: PLC0415
 
+    from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
+    from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+        yaml.safe_dump(portable_config(exp.to_dict(), out_dir), f, sort_keys=False)
+    jobs = OutputJobs()  # trace.json and the figures: written by forked children
 
     def write_backend(backend: str, run: BackendRun, frames: dict, summary: dict) -> None:
         bdir = os.path.join(out_dir, backend)
-        run.recorder.write(bdir)
+        run.recorder.write(bdir, frames, trace=False)
+        trace_path = os.path.join(bdir, "trace.json")  # in a forked child while the next backend runs
+        jobs.submit(f"{backend}/trace.json", run.recorder.write_trace, (trace_path,), trace_path)
         write_json(os.path.join(bdir, "summary.json"), summary)
 
     combined, frames, runs = run_backends(exp, progress, log, on_backend=write_backend)
     write_json(os.path.join(out_dir, "summary.json"), combined)
     from servetwin.experiments.report import write_report  # noqa: PLC0415
 
-    write_report(exp, out_dir, combined, frames, {b: r.recorder.itls() for b, r in runs.items()},
-                 plots=exp.output.plots)
+    write_report(exp, out_dir, combined, frames, {b: r.itls for b, r in runs.items()}, plots=exp.output.plots,
+                 jobs=jobs)
     if combined["interrupted"]:
         raise KeyboardInterrupt
     return combined

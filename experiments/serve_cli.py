@@ -28,7 +28,7 @@ def _arg_type(field: Any) -> Any:
 
 
 def register(subparsers: Any) -> None:
-    from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
+    from servetwin.core.engine.engine_args import FIELD_HELP, EngineArgs  # noqa: PLC0415
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,16 +55,24 @@ def register(subparsers: Any) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     eng = p.add_argument_group("engine arguments (vLLM names)")
     for f in fields(EngineArgs):
-        if f.name in _OWN:
+        if f.name in _OWN or f.name == "num_gpu_blocks":  # one flag for both names, vLLM's first
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")]
+        if f.name == "num_gpu_blocks_override":
+            flags.append("--num-gpu-blocks")
+        if f.name == "policy":
+            flags.append("--scheduling-policy")  # vLLM's flag name
         default = None if f.default is MISSING else f.default
+        text = FIELD_HELP.get(f.name, f.name.replace("_", " "))
+        if default is not None and "default" not in text:
+            text += f" (default: {default})"
         typ = _arg_type(f)
         if typ is bool:
-            eng.add_argument(flag, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction, default=None,
-                             help=f"(default: {default})")
+            eng.add_argument(*flags, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                             help=text)
         else:
-            eng.add_argument(flag, dest=f"engine_{f.name}", type=typ, default=None, help=f"(default: {default})")
+            metavar = "N" if typ is int else "X" if typ is float else f.name.upper()
+            eng.add_argument(*flags, dest=f"engine_{f.name}", type=typ, default=None, metavar=metavar, help=text)
     p.set_defaults(func=_cmd_serve)
 
 

@@ -20,8 +20,7 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
-from servetwin.experiments.pool import PointResult, PointTask, host_summary, map_with_retries
-from servetwin.experiments.pool_factory import make_pool
+from servetwin.experiments.pool import PointResult, PointTask, host_summary, make_pool, map_with_retries
 from servetwin.experiments.schema import ExperimentConfig, SweepPoint, expand_sweep, seeds_for, with_seed
 
 _LAT = [(f"{m}_{s}_s", (f"{m}_s", s)) for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")]
@@ -150,7 +149,9 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     points = expand_sweep(exp)  # validates the whole grid before anything runs
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
+        from servetwin.experiments.report import portable_config  # noqa: PLC0415
+
+        yaml.safe_dump(portable_config(exp.to_dict(), out_dir), f, sort_keys=False)
     tasks = []
     for p in points:
         for seed in seeds or [None]:
@@ -201,8 +202,9 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     df.to_csv(os.path.join(out_dir, "sweep.csv"), index=False)
     plot = None
     if exp.output.plots:
-        from servetwin.experiments.plots import sweep_comparison  # noqa: PLC0415
-        plot = sweep_comparison(df, os.path.join(out_dir, "sweep_comparison.png"))
+        from servetwin.experiments.plots import context_for, sweep_comparison  # noqa: PLC0415
+        plot = sweep_comparison(df, os.path.join(out_dir, "sweep_comparison.png"), context_for(exp),
+                                keys=list(exp.sweep))
     ran = list(results.values())
     for line in host_summary(ran):
         log(f"ran on {line}")

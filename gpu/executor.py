@@ -64,7 +64,7 @@ def resolve_dtype(dtype: Optional[str | torch.dtype], device: torch.device, hf_c
 class TorchExecutor:
     def __init__(self, model: str = "tiny-llama", dtype: Optional[str] = None, device: str = "auto",
                  block_size: int = 16, num_gpu_blocks: Optional[int] = None,
-                 kv_cache_memory_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.92,
+                 kv_cache_memory_bytes: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
                  max_model_len: Optional[int] = None, enforce_eager: bool = False,
                  attention_backend: str = "auto", seed: int = 0, profile_dir: Optional[str] = None,

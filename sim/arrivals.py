@@ -89,6 +89,7 @@ class TraceArrivals(_OpenLoop):
     """Arrival times (and lengths, used by the workload builder) from a trace file."""
     path: str
     records: tuple[TraceRecord, ...]
+    hash_block_tokens: int = 512  # tokens behind one of a record's hash_ids
 
     def times(self, n: int, rng: np.random.Generator) -> np.ndarray:
         return np.array([r.arrival_s for r in self.records[:n]], dtype=float)
@@ -145,6 +146,11 @@ def parse_arrival(cfg: Any, path: str = "workload.arrival") -> ArrivalProcess:
                           non_negative(cfg.get("think_time_s", 0.0), f"{path}.think_time_s"),
                           one_of(cfg.get("think", "fixed"), ("fixed", "exponential"),
                                  f"{path}.think"))
-    check_keys(cfg, {"type", "path"}, path, required=["path"])
-    records = load_trace(cfg["path"], f"{path}.path")
-    return TraceArrivals(str(cfg["path"]), tuple(records))
+    check_keys(cfg, {"type", "path", "format", "columns", "time_unit", "hash_block_tokens"}, path, required=["path"])
+    columns = cfg.get("columns")
+    if columns is not None:
+        columns = dict(check_mapping(columns, f"{path}.columns"))
+    block = int_at_least(cfg.get("hash_block_tokens", 512), 1, f"{path}.hash_block_tokens")
+    records = load_trace(cfg["path"], f"{path}.path", fmt=cfg.get("format", "auto"), columns=columns,
+                         time_unit=cfg.get("time_unit", "s"), hash_block_tokens=block)
+    return TraceArrivals(str(cfg["path"]), tuple(records), block)

@@ -77,7 +77,7 @@ def non_torch_bytes(hw: HardwareSpec, tp: int = 1) -> int:
     return NON_TORCH_BYTES_CUDA + NON_TORCH_BYTES_PER_RANK * (tp - 1 if tp > 1 else 0)
 
 
-def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_memory_utilization: float = 0.92,
+def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 128, tp: int = 1,
                  num_gpu_blocks: Optional[int] = None, kv_cache_memory_bytes: Optional[int] = None,
                  kv_dtype: Optional[str] = None, quantization: Optional[str] = None) -> KVPoolSize:

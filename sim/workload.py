@@ -205,7 +205,7 @@ def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-",
     rng = rng_streams(spec.seed)
     if spec.trace is not None:
         records = spec.trace.records[:spec.requests] if spec.requests else spec.trace.records
-        prompts, outputs, groups = _trace_prompts(list(records), spec, rng["tokens"])
+        prompts, outputs, groups = _trace_prompts(list(records), spec, rng["tokens"], spec.trace.hash_block_tokens)
     elif spec.shared_prefix is not None:
         prompts, groups = _group_prompts(spec, rng["tokens"], rng["lengths"], rng["order"])
         outputs = spec.output_tokens.sample(rng["lengths"], len(prompts))
@@ -257,9 +257,27 @@ def _group_prompts(spec: WorkloadSpec, tok: np.random.Generator, lens: np.random
     return prompts, groups
 
 
-def _trace_prompts(records: list[TraceRecord], spec: WorkloadSpec, tok: np.random.Generator
-                   ) -> tuple[list[list[int]], list[int], list[Optional[int]]]:
-    """Prompts for trace records: members of a prefix group share the group's leading tokens."""
+def _hash_block_prompt(ids: tuple[int, ...], length: int, blocks: dict[int, list[int]], size: int,
+                       vocab: int, tok: np.random.Generator) -> list[int]:
+    """A prompt of `length` tokens made of the blocks behind its hash ids (a block's tokens are drawn
+    once, the first time its id appears, so equal ids give equal blocks and the prefix cache sees the
+    trace's sharing); tokens past the last id's block are the request's own."""
+    out: list[int] = []
+    for h in ids:
+        if len(out) >= length:
+            break
+        if h not in blocks:
+            blocks[h] = tok.integers(0, vocab, size=size).tolist()
+        out.extend(blocks[h])
+    if len(out) < length:
+        out.extend(tok.integers(0, vocab, size=length - len(out)).tolist())
+    return out[:length]
+
+
+def _trace_prompts(records: list[TraceRecord], spec: WorkloadSpec, tok: np.random.Generator,
+                   hash_block_tokens: int = 512) -> tuple[list[list[int]], list[int], list[Optional[int]]]:
+    """Prompts for trace records: members of a prefix group share the group's leading tokens; records
+    with hash ids are built block by block from them."""
     group_ids: dict[str, int] = {}
     group_len: dict[str, int] = {}
     for r in records:
@@ -275,7 +293,14 @@ def _trace_prompts(records: list[TraceRecord], spec: WorkloadSpec, tok: np.rando
         rest = tok.integers(0, spec.vocab_size, size=max(0, group_len[name] - 1)).tolist()
         shared[name] = ([int(first[gid])] + rest) if group_len[name] > 0 else []
     prompts, outputs, groups = [], [], []
+    blocks: dict[int, list[int]] = {}
     for r in records:
+        if r.hash_ids is not None:
+            plen = r.prompt_tokens if spec.max_prompt_tokens is None else min(r.prompt_tokens, spec.max_prompt_tokens)
+            prompts.append(_hash_block_prompt(r.hash_ids, plen, blocks, hash_block_tokens, spec.vocab_size, tok))
+            outputs.append(r.output_tokens)
+            groups.append(None)
+            continue
         prefix = shared[r.prefix_group][:r.prefix_tokens] if r.prefix_group is not None else []
         plen = r.prompt_tokens if spec.max_prompt_tokens is None else min(r.prompt_tokens,
                                                                           spec.max_prompt_tokens)

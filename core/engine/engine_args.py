@@ -30,7 +30,7 @@ class EngineArgs:
     async_scheduling: bool = False
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
-    gpu_memory_utilization: float = 0.92
+    gpu_memory_utilization: float = 0.9
     num_gpu_blocks: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None
     kv_cache_memory_bytes: Optional[int] = None
@@ -99,3 +99,34 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
             async_scheduling=self.async_scheduling,
             scheduler_reserve_full_isl=self.scheduler_reserve_full_isl, watermark=self.watermark)
+
+
+# One line per engine argument for `servetwin serve --help` (vLLM's meaning; servetwin's additions say so).
+FIELD_HELP: dict[str, str] = {
+    "tokenizer": "tokenizer name or path (default: the model's; 'toy': the built-in toy tokenizer)",
+    "skip_tokenizer_init": "no tokenizer: prompts must be token ids, outputs carry no text",
+    "dtype": "weights and activations dtype: auto, float32, bfloat16, float16",
+    "seed": "random seed of the sampler",
+    "block_size": "tokens per KV-cache block",
+    "max_num_batched_tokens": "token budget of one step (default: max(8192, max_num_seqs) with chunked prefill, else also >= max_model_len)",
+    "max_num_seqs": "most requests running at once",
+    "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
+    "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
+    "enable_chunked_prefill": "split long prompts over several steps, mixed with decodes",
+    "long_prefill_token_threshold": "cap on the prompt tokens one request gets per step (0: no cap)",
+    "policy": "scheduling policy: fcfs or priority (vLLM's --scheduling-policy)",
+    "async_scheduling": "schedule step n+1 while step n runs (vLLM's async scheduling)",
+    "scheduler_reserve_full_isl": "admit a request only if its whole prompt fits the free KV blocks",
+    "watermark": "share of KV blocks kept free when admitting new requests",
+    "gpu_memory_utilization": "share of device memory for weights, activations and KV cache (vLLM: 0.9)",
+    "num_gpu_blocks": "KV-cache blocks, instead of sizing from memory (vLLM's --num-gpu-blocks-override)",
+    "num_gpu_blocks_override": "KV-cache blocks, instead of sizing from memory",
+    "kv_cache_memory_bytes": "bytes for the KV cache, instead of gpu_memory_utilization",
+    "enforce_eager": "no CUDA graphs",
+    "tensor_parallel_size": "devices one model is split over (the simulator models the communication)",
+    "max_logprobs": "most logprobs a request may ask for (-1: no limit)",
+    "attention_backend": "attention kernel: auto, torch-paged, flash-attn",
+    "device": "torch device: auto, cpu, cuda, cuda:N",
+    "hardware": "simulator: a hardware preset (`servetwin presets`) or a hardware YAML",
+    "profile_dir": "torch backend: write a torch.profiler chrome trace and per-step timings here",
+}

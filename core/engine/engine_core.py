@@ -43,7 +43,8 @@ class EngineCore:
                  log_stats: bool = True) -> None:
         scheduler_cls = getattr(executor, "scheduler_cls", Scheduler)
         if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
-            raise TypeError(f"scheduler_cls: {scheduler_cls!r} of {type(executor).__name__} is not a Scheduler subclass")
+            raise TypeError(f"scheduler_cls: {scheduler_cls!r} of {type(executor).__name__} "
+                            "is not a Scheduler subclass")
         self.scheduler = scheduler_cls(scheduler_config, cache_config, log_stats=log_stats)
         self.executor = executor
         self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()

@@ -69,7 +69,7 @@ class CacheConfig:
     block_size: int = 16
     num_gpu_blocks: Optional[int] = None  # None: sized from memory by the executor
     enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.92
+    gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: Optional[int] = None
     prefix_caching_hash_algo: str = "sha256"
     cache_dtype: str = "auto"

@@ -9,7 +9,6 @@ Timing boundaries, defined once for both backends:
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -266,36 +265,32 @@ class TraceRecorder:
         }
 
     def chrome_trace(self) -> dict[str, Any]:
-        """Chrome trace-event JSON (open in Perfetto): one slice per step, plus request lifetimes."""
-        events: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"{self.run} engine ({self.backend})"}},
-            {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": f"{self.run} requests"}},
-        ]
-        for row in self.steps:
-            events.append({"name": row["annotation"], "ph": "X", "pid": 1, "tid": 1,
-                           "ts": row["t_start_s"] * 1e6, "dur": max(row["duration_s"], 0.0) * 1e6,
-                           "args": {"step": row["step"], "tokens": row["total_tokens"],
-                                    "running": row["num_running"], "waiting": row["num_waiting"]}})
-        for i, t in enumerate(self.requests.values()):
-            end = t.finish_s if t.finish_s is not None else t.arrival_s
-            events.append({"name": t.request_id, "ph": "X", "pid": 2, "tid": 1 + i % 64,
-                           "ts": t.arrival_s * 1e6, "dur": max(end - t.arrival_s, 0.0) * 1e6,
-                           "args": {"prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
-                                    "ttft_s": None if t.first_token_s is None else t.first_token_s - t.arrival_s}})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        """Chrome trace-event JSON (open in Perfetto): `servetwin.core.testbed.perfetto`."""
+        from servetwin.core.testbed.perfetto import chrome_trace  # noqa: PLC0415
 
-    def write(self, out_dir: str) -> dict[str, str]:
+        return chrome_trace(self.run, self.backend, self.steps, list(self.requests.values()))
+
+    def write(self, out_dir: str, frames: Optional[dict[str, Any]] = None, trace: bool = True) -> dict[str, str]:
+        """Write the three tables (Parquet) and, unless `trace` is false, trace.json; `frames` are this
+        recorder's `frames()` when the caller already built them (building them is the costly part)."""
         os.makedirs(out_dir, exist_ok=True)
         paths = {}
-        for name, df in self.frames().items():
+        for name, df in (frames if frames is not None else self.frames()).items():
             path = os.path.join(out_dir, f"{name}.parquet")
             df.to_parquet(path, index=False)
             paths[name] = path
-        path = os.path.join(out_dir, "trace.json")
-        with open(path, "w") as f:
-            json.dump(self.chrome_trace(), f)
-        paths["trace"] = path
+        if trace:
+            path = os.path.join(out_dir, "trace.json")
+            self.write_trace(path)
+            paths["trace"] = path
         return paths
 
+    def write_trace(self, path: str) -> str:
+        from servetwin.core.testbed.perfetto import write_chrome_trace  # noqa: PLC0415
 
-__all__ = ["TraceRecorder", "RequestTrace", "LateTokens", "STEP_COLUMNS", "STEP_REQUEST_COLUMNS", "REQUEST_COLUMNS", "asdict"]
+        write_chrome_trace(path, self.chrome_trace())
+        return path
+
+
+__all__ = ["TraceRecorder", "RequestTrace", "LateTokens", "STEP_COLUMNS", "STEP_REQUEST_COLUMNS",
+           "REQUEST_COLUMNS", "asdict"]

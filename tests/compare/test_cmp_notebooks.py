@@ -83,3 +83,30 @@ def test_predicted_vs_measured_notebook_runs_on_a_small_comparison(tmp_path, ker
     assert main(["compare", str(cfg), "-o", str(out), "--repeats", "2", "--no-plots"]) == 0
     nb = _execute("predicted_vs_measured.ipynb", {"COMPARE_DIR": str(out)}, kernel_name, tmp_path)
     assert _images(nb) >= 4
+
+
+@pytest.fixture(scope="module")
+def made_run(tmp_path_factory):
+    """A checkout after `make run`: the Makefile's two commands, outputs under a copy of the layout."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("checkout")
+    (root / "pyproject.toml").write_text("")  # what the notebooks look for to find the repo root
+    shutil.copytree(NOTEBOOKS, root / "notebooks")
+    default = ROOT / "experiments" / "configs" / "default.yaml"
+    assert main(["run", str(default), "-o", str(root / "runs" / "default"), "--no-progress", "--no-plots"]) == 0
+    assert main(["compare", str(default), "-o", str(root / "runs" / "compare-default"), "--no-plots"]) == 0
+    return root
+
+
+@pytest.mark.parametrize("cwd", [".", "notebooks"])
+@pytest.mark.parametrize("name", NOTEBOOK_NAMES)
+def test_notebooks_run_as_shipped_with_nbconvert_after_make_run(made_run, kernel_name, name, cwd, tmp_path):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+           f"--ExecutePreprocessor.kernel_name={kernel_name}", "--ExecutePreprocessor.timeout=180",
+           "--output-dir", str(tmp_path), str(made_run / "notebooks" / name)]
+    res = subprocess.run(cmd, cwd=made_run / cwd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _images(nbformat.read(tmp_path / name, as_version=4)) >= 4

@@ -70,3 +70,16 @@ def test_a_port_in_use_or_a_bad_host_fails_before_the_engine_loads():
     res = subprocess.run([PY, "-m", "servetwin.experiments.cli", "serve", "--backend", "fake", "--host", "256.1.1.1",
                           "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "servetwin serve: error: host: cannot resolve '256.1.1.1'" in res.stderr
+
+
+def test_serve_help_explains_engine_flags_with_vllm_metavars(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    assert "ENGINE_" not in text and "--num-gpu-blocks-override N, --num-gpu-blocks N" in text
+    assert "\n  --num-gpu-blocks N" not in text  # one option, two spellings (no second entry)
+    assert "most requests running at once (default: 128)" in text
+    for spelling in ("--num-gpu-blocks", "--num-gpu-blocks-override"):
+        ns = build_parser().parse_args(["serve", "--backend", "fake", spelling, "64", "--scheduling-policy", "priority"])
+        args = engine_args_from(ns)
+        assert args.num_gpu_blocks == 64 and args.policy == "priority"

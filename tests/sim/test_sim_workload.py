@@ -153,6 +153,10 @@ def test_trace_errors_name_file_line_and_field(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.csv:3\.prompt_tokens: must be an integer"):
         build_workload({"arrival": {"type": "trace", "path": str(p)}})
     p.write_text("arrival_s,prompt_tokens\n0,10\n")
+    # a column missing from the whole file: the error lists the columns found and the ones accepted
+    with pytest.raises(ValueError, match=r"bad\.csv has columns arrival_s, prompt_tokens; accepted: azure: "):
+        build_workload({"arrival": {"type": "trace", "path": str(p)}})
+    p.write_text("arrival_s,prompt_tokens,output_tokens\n0,10,\n")
     with pytest.raises(ValueError, match=r"bad\.csv:2\.output_tokens: required field is missing"):
         build_workload({"arrival": {"type": "trace", "path": str(p)}})
     p.write_text("arrival_s,prompt_tokens,output_tokens\n0,10,5\n")

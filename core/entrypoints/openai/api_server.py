@@ -5,6 +5,7 @@ Endpoints:
   `data: [DONE]`) and not; `n`, `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`
   (at most 4 strings, vLLM's API cap), `stop_token_ids`, `logprobs` (chat: `logprobs` + `top_logprobs`),
   `echo`, `ignore_eos`, `min_tokens`, penalties, `stream_options.include_usage`.
+- `POST /tokenize`, `POST /detokenize`, `GET /version` (vLLM's shapes, `serving_tokenization`);
 - `GET /v1/models`; `GET /health` (200 only once the engine is ready and alive, else 503);
   `GET /metrics` (Prometheus text, vLLM's metric names, see `servetwin.core.engine.metrics`).
 
@@ -35,12 +36,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineDeadError
+from servetwin.core.engine.metrics import render_engine_health
 from servetwin.core.entrypoints.openai.middleware import DEFAULT_MAX_REQUEST_BYTES, APIKeyAuth, RequestSizeLimit
 from servetwin.core.entrypoints.openai.protocol import APIError, error_response, parse_json_body, status_type
 from servetwin.core.entrypoints.openai.serving_chat import OpenAIServingChat
 from servetwin.core.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from servetwin.core.engine.metrics import render_engine_health
 from servetwin.core.entrypoints.openai.serving_engine import ServerShuttingDownError, ServerState, engine_error
+from servetwin.core.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, servetwin_version
 
 logger = logging.getLogger("servetwin.server")
 
@@ -77,6 +79,7 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
     state = ServerState(args, served_model_name or args.model, engine_kwargs)
     serving_completion = OpenAIServingCompletion(state)
     serving_chat = OpenAIServingChat(state)
+    serving_tokenization = OpenAIServingTokenization(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -162,6 +165,18 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await serving_chat.create_chat_completion(await _body(request), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await serving_tokenization.tokenize(await _body(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await serving_tokenization.detokenize(await _body(request))
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": servetwin_version()})
 
     return app
 

@@ -185,4 +185,27 @@ def bad_request_from_validation(e: ValidationError) -> APIError:
 
 __all__ = ["StreamOptions", "CommonRequest", "CompletionRequest", "ChatMessage", "ChatCompletionRequest", "APIError",
            "error_body", "error_response", "status_type", "parse_request", "parse_json_body", "bad_request_from",
-           "bad_request_from_validation", "INT64_MIN", "INT64_MAX"]
+           "bad_request_from_validation", "INT64_MIN", "INT64_MAX", "TokenizeCompletionRequest",
+           "TokenizeChatRequest", "DetokenizeRequest"]
+
+
+# -- tokenization (vLLM's /tokenize and /detokenize shapes) ---------------------------------------------
+class TokenizeCompletionRequest(BaseModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: Optional[StrictBool] = False
+
+
+class TokenizeChatRequest(BaseModel):
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    return_token_strs: Optional[StrictBool] = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: Optional[str] = None
+    tokens: list[StrictInt]

@@ -18,6 +18,30 @@ from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, cha
                                                               prime, sse, token_str, unless_disconnected)
 
 
+def render_chat(tok: Any, messages: list[Any], add_generation_prompt: bool,
+                continue_final_message: bool = False) -> tuple[str, list[int]]:
+    """The chat template applied to text-only messages: (prompt text, token ids without added specials)."""
+    flat = []
+    for msg in messages:
+        content = msg.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise APIError(f"messages: content part type {part.get('type')!r} is not supported "
+                                   "(only 'text')", "messages")
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        flat.append({"role": msg.role, "content": content or ""})
+    kwargs = {"continue_final_message": True} if continue_final_message else {}
+    try:
+        text = tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        ids = list(tok.encode(text, add_special_tokens=False))
+    except Exception as e:  # noqa: BLE001 - template errors are the caller's
+        raise APIError(f"messages: cannot apply the chat template: {e}", "messages") from None
+    return text, ids
+
+
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, raw: dict[str, Any], request: Request) -> Response:
         engine = self.state.ready_engine()

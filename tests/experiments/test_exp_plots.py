@@ -1,0 +1,82 @@
+"""Figures of a run and of a sweep: files, units, axis kinds, spread columns, SLO parsing."""
+import json
+
+import matplotlib
+import pandas as pd
+import pytest
+from exptest_helpers import tiny, write_yaml
+
+from servetwin.experiments import plots
+from servetwin.experiments.cli import main
+from servetwin.experiments.units import axis_unit, format_seconds
+
+matplotlib.use("Agg")
+
+
+@pytest.mark.parametrize("v, text", [(37.2961, "37.3 s"), (0.0371, "37.1 ms"), (0.00042, "420 us"),
+                                     (372.96, "6.22 min"), (None, "-"), (0, "0 s")])
+def test_format_seconds_picks_the_unit(v, text):
+    assert format_seconds(v) == text
+
+
+def test_axis_unit_keeps_seconds_up_to_ten_minutes():
+    assert axis_unit(164.0) == (1.0, "s") and axis_unit(0.2) == (1e-3, "ms") and axis_unit(3600)[1] == "min"
+
+
+def test_slo_targets_and_title():
+    ctx = plots.PlotContext(slo={"ttft_p99_s": 0.5, "tpot_p50_s": 0.05, "e2e_p90_s": 3, "deadline": 1})
+    assert ctx.slo_targets("ttft") == [("p99", 0.5)] and ctx.slo_targets("itl") == []
+    text = plots.engine_settings({"max_num_seqs": 8, "enable_prefix_caching": False, "async_scheduling": True}, 64)
+    assert text == "max_num_seqs 8, no prefix caching, async scheduling, 64 KV blocks"
+
+
+def test_run_with_preemptions_draws_every_figure(tmp_path):
+    cfg = tiny(engine__num_gpu_blocks=12, engine__max_num_seqs=8, engine__max_model_len=128, workload__requests=12,
+               workload__output_tokens=40)
+    out = tmp_path / "out"
+    assert main(["run", str(write_yaml(tmp_path / "t.yaml", cfg)), "-o", str(out), "--no-progress"]) == 0
+    s = json.loads((out / "summary.json").read_text())["backends"]["sim"]
+    assert s["preemptions"] > 0  # the timeline and the Gantt have something to mark
+    for name in plots.RUN_FIGURES:
+        assert (out / f"{name}.png").stat().st_size > 10_000, name
+    report = (out / "report.md").read_text()
+    assert "request_gantt.png" in report
+    trace = json.loads((out / "sim/trace.json").read_text())
+    assert any(e["ph"] == "i" for e in trace["traceEvents"])  # preemption instants
+
+
+def test_serial_drawing_gives_the_same_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("SERVETWIN_SERIAL_OUTPUT", "1")
+    out = tmp_path / "out"
+    assert main(["run", str(write_yaml(tmp_path / "t.yaml", tiny())), "-o", str(out), "--no-progress"]) == 0
+    assert all((out / f"{n}.png").is_file() for n in plots.RUN_FIGURES) and (out / "sim/trace.json").is_file()
+
+
+def _sweep_df(xs, backend="sim", spread=False):
+    rows = []
+    for i, x in enumerate(xs):
+        row = {"point": f"p{i}", "engine.max_num_seqs": x, "backend": backend, "status": "ok",
+               "throughput_tok_s": 100.0 * (i + 1), "request_throughput_s": 1.0 + i, "ttft_p50_s": 0.01 * (i + 1),
+               "ttft_p99_s": 0.05 * (i + 1), "tpot_p50_s": 0.01, "tpot_p99_s": 0.02, "e2e_p50_s": 1.0,
+               "e2e_p99_s": 2.0, "duration_s": 10.0 - i}
+        if spread:
+            row["ttft_p99_s_ci_low"], row["ttft_p99_s_ci_high"] = row["ttft_p99_s"] * 0.8, row["ttft_p99_s"] * 1.3
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def test_numeric_sweep_is_drawn_as_lines_with_error_bars(tmp_path):
+    df = _sweep_df([8, 16, 32], spread=True)
+    below, above = plots.spread(df, "ttft_p99_s")
+    assert below == pytest.approx([0.01, 0.02, 0.03]) and above == pytest.approx([0.015, 0.03, 0.045])
+    assert plots.spread(df, "ttft_p50_s") is None
+    assert plots.is_numeric_axis(df["engine.max_num_seqs"].tolist())
+    ctx = plots.PlotContext(title="t", slo={"ttft_p99_s": 0.1})
+    path = plots.sweep_comparison(df, str(tmp_path / "s.png"), ctx, keys=["engine.max_num_seqs"])
+    assert path and (tmp_path / "s.png").stat().st_size > 10_000
+
+
+def test_categorical_sweep_is_drawn_as_bars(tmp_path):
+    df = _sweep_df([True, False])
+    assert not plots.is_numeric_axis(df["engine.max_num_seqs"].tolist())
+    assert plots.sweep_comparison(df, str(tmp_path / "s.png"), None, keys=["engine.max_num_seqs"])

@@ -1,0 +1,23 @@
+"""`servetwin presets`: every preset listed with figures that match the published model sizes."""
+import json
+
+from servetwin.experiments.cli import main
+
+
+def test_presets_json_lists_models_with_their_published_sizes(capsys):
+    assert main(["presets", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    models = {m["name"]: m for m in out["models"]}
+    # parameter counts the configs imply (the model names round them)
+    for name, billions in {"qwen3-14b": 14.8, "qwen3-32b": 32.8, "mistral-7b": 7.25, "llama-3.1-405b": 405.9,
+                           "llama-3.1-8b": 8.03}.items():
+        assert abs(models[name]["params_b"] - billions) < 0.06, name
+    assert models["llama-3.1-405b"]["kv_kib_per_token"] == 126 * 2 * 8 * 128 * 2 / 1024
+    assert "mistralai/mistral-7b-instruct-v0.3" in models["mistral-7b"]["aliases"]
+    assert {h["name"] for h in out["hardware"]} >= {"h100-sxm", "h200", "cpu"}
+
+
+def test_presets_table(capsys):
+    assert main(["presets", "models"]) == 0
+    text = capsys.readouterr().out
+    assert "qwen3-32b" in text and "hardware" not in text.split("\n")[2]
