@@ -403,7 +403,7 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
         f"attention {getattr(ex, 'attention_backend_name', '?')}, {nthreads} torch threads)")
     run_dtype = str(getattr(ex, "dtype", "")).replace("torch.", "")
     if cal_prov.get("calibrated"):
-        device = str(exp.engine.get("device", "cpu"))
+        device = str(exp.engine.given.get("device", "cpu"))
         for n in fingerprint_differences(cal_prov, machine_fingerprint(device if device != "auto" else "cpu"),
                                          nthreads, run_dtype):
             notes.append(n)
