@@ -20,7 +20,8 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
-from servetwin.experiments.pool import PointResult, PointTask, host_summary, make_pool, map_with_retries
+from servetwin.experiments.pool import PointResult, PointTask, host_summary, map_with_retries
+from servetwin.experiments.pool_factory import make_pool
 from servetwin.experiments.schema import ExperimentConfig, SweepPoint, expand_sweep, seeds_for, with_seed
 
 _LAT = [(f"{m}_{s}_s", (f"{m}_s", s)) for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")]
