@@ -15,6 +15,7 @@ class StepTiming:
     forward_s: float = 0.0
     sample_s: float = 0.0
     padded_batch_size: int = 0
+    cpu_s: Optional[float] = None  # process CPU time of the step (measured backends; None: not measured)
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""`SamplingParams` with vLLM 0.33.0's normalisation and validation (spec appendix B.1).
+"""`SamplingParams` with vLLM 0.33.0's normalisation and validation (docs/scheduler_behaviour.md §B.1).
 
 Every validation error is a `ValueError` naming the field and the bad value.
 """
@@ -163,6 +163,11 @@ class SamplingParams:
     @property
     def all_stop_token_ids(self) -> set[int]:
         return self._all_stop_token_ids
+
+    @all_stop_token_ids.setter
+    def all_stop_token_ids(self, ids: set[int]) -> None:
+        """Restore the set computed in another process (`servetwin.core.engine.messages`)."""
+        self._all_stop_token_ids = set(ids)
 
     def update_from_generation_config(self, eos_token_ids: Optional[list[int] | int]) -> None:
         """Apply the model's EOS ids (primary first), as vLLM's input processor does."""

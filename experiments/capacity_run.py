@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from servetwin.experiments.capacity import CapacitySearch, run_ratio
-from servetwin.experiments.pool import PointResult, PointTask, host_summary, make_pool, map_with_retries
+from servetwin.experiments.pool import PointResult, PointTask, host_summary, map_with_retries
+from servetwin.experiments.pool_factory import make_pool
 from servetwin.experiments.schema import (ConfigError, ExperimentConfig, expand_sweep, parse_override,
                                           set_dotted, validate_config, with_seed)
-from servetwin.experiments.slo import SloError, SloSpec, parse_slo
+from servetwin.experiments.slo import SloSpec, parse_slo
 from servetwin.experiments.stats import mean_ci
 
 LOAD_KNOBS = ("workload.arrival.rate", "workload.arrival.clients")
@@ -39,13 +40,13 @@ class Search:
 
 
 def default_knob(exp: ExperimentConfig) -> str:
-    arrival = exp.workload.get("arrival")
+    arrival = exp.workload.given.get("arrival")
     kind = arrival.get("type") if isinstance(arrival, dict) else None
     if kind in ("poisson", "gamma"):
         return "workload.arrival.rate"
     if kind == "closed_loop":
         return "workload.arrival.clients"
-    raise ConfigError(f"--over: workload.arrival is {kind or 'offline'!r}, which has no load to raise; use a "
+    raise ConfigError("--over", f"workload.arrival is {kind or 'offline'!r}, which has no load to raise; use a "
                       "poisson / gamma arrival (workload.arrival.rate) or closed_loop (workload.arrival.clients)")
 
 
@@ -55,18 +56,18 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
     for item in items:
         key, values = parse_override(item)
         if not isinstance(values, list) or not values:
-            raise ConfigError(f"--grid {key}: must be a non-empty YAML list, e.g. --grid {key}=[2048,8192]")
+            raise ConfigError(f"--grid {key}", f"must be a non-empty YAML list, e.g. --grid {key}=[2048,8192]")
         if key in LOAD_KNOBS:
-            raise ConfigError(f"--grid {key}: is the searched load (--over), not a grid axis")
+            raise ConfigError(f"--grid {key}", "is the searched load (--over), not a grid axis")
         grid[key] = values
     return grid
 
 
 def _start_load(exp: ExperimentConfig, knob: str) -> float:
-    arrival = exp.workload.get("arrival") or {}
+    arrival = exp.workload.given.get("arrival") or {}
     field = knob.rsplit(".", 1)[1]
     if not isinstance(arrival, dict) or field not in arrival:
-        raise ConfigError(f"--over {knob}: the config has no {knob} to start from "
+        raise ConfigError(f"--over {knob}", f"the config has no {knob} to start from "
                           f"(workload.arrival is {arrival!r})")
     return float(arrival[field])
 
@@ -86,7 +87,9 @@ def build_searches(exp: ExperimentConfig, knob: str, grid: dict[str, list[Any]],
         try:
             points = expand_sweep(validate_config(gridded, exp.base_dir, exp.name))
         except ConfigError as e:
-            raise ConfigError(str(e).replace("sweep.", "--grid ", 1)) from None
+            # a grid error names the sweep key; on this command that key is a --grid flag
+            raise ConfigError("--grid " + e.path.removeprefix("sweep."), e.message) if e.path.startswith("sweep.") \
+                else e from None
     else:
         points = None
     start = _start_load(exp, knob)
@@ -126,18 +129,15 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
     log = log or (lambda msg: print(msg, file=sys.stderr))
     knob = knob or default_knob(exp)
     if knob not in LOAD_KNOBS:
-        raise ConfigError(f"--over: must be one of {', '.join(LOAD_KNOBS)}, got {knob!r}")
-    try:
-        spec = parse_slo(slo, "--slo") if slo else exp.slo
-    except SloError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError("--over", f"must be one of {', '.join(LOAD_KNOBS)}, got {knob!r}")
+    spec = parse_slo(slo, "--slo") if slo else exp.slo  # SloError is a ConfigError
     if spec is None or spec.empty:
-        raise ConfigError("--slo: no SLO to search under: give --slo ttft_p99_s=0.5 (repeatable) or an `slo:` "
+        raise ConfigError("--slo", "no SLO to search under: give --slo ttft_p99_s=0.5 (repeatable) or an `slo:` "
                           "mapping in the config")
     if not 0.5 <= confidence < 1:
-        raise ConfigError(f"--confidence: must be in [0.5, 1), got {confidence}")
+        raise ConfigError("--confidence", f"must be in [0.5, 1), got {confidence}")
     if not 0 < rel_tol < 1:
-        raise ConfigError(f"--tol: must be in (0, 1), got {rel_tol}")
+        raise ConfigError("--tol", f"must be in (0, 1), got {rel_tol}")
     seeds = seeds or list(range(exp.seed, exp.seed + DEFAULT_SEEDS))
     searches = build_searches(exp, knob, grid or {}, spec, confidence, rel_tol, lo, hi, max_probes)
     os.makedirs(out_dir, exist_ok=True)

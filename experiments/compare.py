@@ -24,6 +24,7 @@ model can beat).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -31,13 +32,15 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from servetwin.experiments.calibrate import (fingerprint_differences, load_average, machine_fingerprint,
                                              set_torch_threads, step_phase_class, step_rows)
-from servetwin.experiments.schema import ConfigError, ExperimentConfig, load_yaml, validate_config
+from servetwin.core.config_error import ConfigError
+from servetwin.experiments.schema import ExperimentConfig, engine_field_path, load_yaml, validate_config
 
 PHASES = ("prefill", "decode", "mixed")
 CONTENDED_BELOW = 0.9
@@ -60,7 +63,7 @@ def load_compare_config(path: str, calibration: Optional[str] = None, overrides:
     p = Path(path)
     raw = load_yaml(p)
     if not isinstance(raw, dict):
-        raise ConfigError(f"config: {p} must hold a mapping at the top level")
+        raise ConfigError("config", f"{p} must hold a mapping at the top level")
     for text in overrides or []:
         key, value = parse_override(text)
         set_dotted(raw, key, value)
@@ -69,7 +72,7 @@ def load_compare_config(path: str, calibration: Optional[str] = None, overrides:
     if calibration is not None:
         cal = Path(calibration).expanduser()
         if not cal.is_file():
-            raise ConfigError(f"--calibration: file not found: {calibration}")
+            raise ConfigError("--calibration", f"file not found: {calibration}")
         raw["hardware"] = str(cal.resolve())
     raw["backends"] = ["sim", "torch"]
     raw.pop("sweep", None)
@@ -111,21 +114,14 @@ def build_sim_engine(exp: ExperimentConfig, torch_info):
     args = sim_engine_args(exp, torch_info)
     try:
         return create_engine_core(args)
-    except ValueError as e:
-        raise ConfigError(f"engine: {e} [sim backend]") from None
+    except ConfigError as e:
+        e = engine_field_path(e)
+        raise ConfigError(e.path, f"{e.message} [sim backend]") from None
 
 
 def _reset_executor(ex) -> None:
-    """Forget every request the executor's runner state holds (between repeats on one executor)."""
-    from servetwin.core.engine.runner_state import RunnerState  # noqa: PLC0415
-
-    state = getattr(ex, "state", None)
-    if state is None:
-        return
-    sampler = getattr(ex, "sampler", None)
-    if sampler is not None and hasattr(sampler, "forget"):
-        sampler.forget(list(state.requests))
-    ex.state = RunnerState()
+    """Forget every request the executor holds (between repeats on one executor)."""
+    ex.reset()
 
 
 def warm_up(exp: ExperimentConfig, info, requests, n: int = 4, max_tokens: int = 4) -> float:
@@ -146,19 +142,21 @@ def warm_up(exp: ExperimentConfig, info, requests, n: int = 4, max_tokens: int =
     return time.perf_counter() - t0
 
 
-def cpu_timed(engine, cpu_s: dict[int, float]) -> None:
-    """Record the process CPU time of every engine step that scheduled work (`cpu_s[step]`): with one
-    torch thread, CPU time well below the step's wall time means other processes took the core."""
-    step = engine.step
+@contextlib.contextmanager
+def cpu_timed(executor, cpu_s: dict[int, float]) -> Iterator[None]:
+    """Record the process CPU time of every executed step (`cpu_s[step]`, from the executor's
+    `step_observers` hook): with one torch thread, CPU time well below the step's wall time means
+    other processes took the core."""
+    def observe(scheduler_output, model_output) -> None:
+        timing = model_output.timing
+        if timing is not None and timing.cpu_s is not None:
+            cpu_s[scheduler_output.step] = timing.cpu_s
 
-    def timed_step(*args, **kwargs):
-        c0 = time.process_time()
-        result = step(*args, **kwargs)
-        if result.scheduled is not None:
-            cpu_s[result.scheduled.step] = time.process_time() - c0
-        return result
-
-    engine.step = timed_step
+    executor.step_observers.append(observe)
+    try:
+        yield
+    finally:
+        executor.step_observers.remove(observe)
 
 
 def calibration_probe(exp: ExperimentConfig, info, cost_model, repeats: int = 2) -> dict[str, Any]:
@@ -203,12 +201,12 @@ def run_torch(exp: ExperimentConfig, info, requests, offline: bool, run_name: st
     _reset_executor(info.executor)
     engine, _ = create_engine_core(exp.engine_args("torch"), info=info)
     cpu_s: dict[int, float] = {}
-    cpu_timed(engine, cpu_s)
     recorder = TraceRecorder(run_name, "torch")
     rejected: dict[str, str] = {}
     reqs = [dataclasses.replace(r) for r in requests]
     t0 = time.perf_counter()
-    run_realtime(engine, reqs, recorder, offline=offline, seed=exp.seed, rejected=rejected)
+    with cpu_timed(info.executor, cpu_s):
+        run_realtime(engine, reqs, recorder, offline=offline, seed=exp.seed, rejected=rejected)
     return recorder, time.perf_counter() - t0, rejected, cpu_s
 
 
@@ -407,7 +405,7 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
         f"attention {getattr(ex, 'attention_backend_name', '?')}, {nthreads} torch threads)")
     run_dtype = str(getattr(ex, "dtype", "")).replace("torch.", "")
     if cal_prov.get("calibrated"):
-        device = str(exp.engine.get("device", "cpu"))
+        device = str(exp.engine.given.get("device", "cpu"))
         for n in fingerprint_differences(cal_prov, machine_fingerprint(device if device != "auto" else "cpu"),
                                          nthreads, run_dtype):
             notes.append(n)

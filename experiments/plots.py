@@ -88,11 +88,11 @@ def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None) -> PlotC
     hw = os.path.splitext(os.path.basename(hw))[0] if hw.endswith((".yaml", ".yml")) else hw
     where = []
     for b in exp.backends:
-        where.append(f"sim on {hw}" if b == "sim" else f"torch on {exp.engine.get('device') or 'auto device'}")
+        where.append(f"sim on {hw}" if b == "sim" else f"torch on {exp.engine.given.get('device') or 'auto device'}")
     blocks = {s.get("num_gpu_blocks") for s in summaries.values() if s.get("num_gpu_blocks")}
     slo = getattr(exp, "slo", None) or {}
     return PlotContext(title=f"{exp.name}: {exp.model} ({', '.join(where)})",
-                       settings=engine_settings(exp.engine, blocks.pop() if len(blocks) == 1 else None),
+                       settings=engine_settings(exp.engine.given, blocks.pop() if len(blocks) == 1 else None),
                        slo=dict(slo) if isinstance(slo, Mapping) else {})
 
 

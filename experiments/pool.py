@@ -247,16 +247,6 @@ class LocalPool:
             self._ex = None
 
 
-def make_pool(jobs: int = 1, ray: Any = None) -> PointPool:
-    """`ray`: None/False for the local pool; True for a local Ray instance; an address string to join a
-    cluster (`ray start --head` address, `auto`, or `ray://host:port`)."""
-    if ray is None or ray is False:
-        return LocalPool(jobs)
-    from servetwin.experiments.ray_pool import RayPool  # noqa: PLC0415
-
-    return RayPool(None if ray is True else str(ray))
-
-
 def host_summary(results: list[PointResult]) -> list[str]:
     """One line per host: how many points ran there and their wall time."""
     by_host: dict[str, list[float]] = {}

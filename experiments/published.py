@@ -101,11 +101,11 @@ def run_case(path: Path, hardware: Any = None, overrides: Optional[list[str]] = 
     from servetwin.experiments.runner import run_experiment  # noqa: PLC0415
     from servetwin.experiments.schema import ExperimentConfig, load_config  # noqa: PLC0415
 
-    exp: ExperimentConfig = load_config(path, overrides=list(overrides or []))
-    if hardware is not None:
-        exp.hardware = hardware
-    exp.backends = ["sim"]
-    exp.output = {**exp.output, "plots": False, "step_requests": False}
+    values: dict[str, Any] = {"backends": ["sim"], "output.plots": False, "output.step_requests": False}
+    if hardware is not None:  # a CLI value: a path in it is relative to the working directory
+        values["hardware"] = (str(Path(hardware).resolve()) if isinstance(hardware, (str, Path))
+                              and Path(hardware).is_file() else hardware)
+    exp: ExperimentConfig = load_config(path, overrides=list(overrides or []), values=values)
     with tempfile.TemporaryDirectory(prefix="servetwin-validate-") as out:
         summary = run_experiment(exp, out, progress=False, log=lambda msg: None)
     return summary["backends"]["sim"], []

@@ -7,28 +7,11 @@ from typing import Any, Optional
 import yaml
 
 from servetwin.core.testbed.atomic import atomic_write_text
+from servetwin.experiments.md_tables import fmt, md_table
 from servetwin.experiments.slo import slo_markdown
 from servetwin.experiments.units import format_seconds
 
 TOP_N = 10
-
-
-def fmt(v: Any, digits: int = 4) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, int):
-        return f"{v:,}"
-    if isinstance(v, float):
-        if v != v:
-            return "-"
-        if v == 0:
-            return "0"
-        if abs(v) >= 1000:
-            return f"{v:,.0f}"
-        return f"{v:.{digits}g}"
-    return str(v)
 
 
 def portable_config(cfg: Any, out_dir: str) -> Any:
@@ -45,13 +28,6 @@ def portable_config(cfg: Any, out_dir: str) -> Any:
         except ValueError:  # another drive (Windows)
             return cfg
     return cfg
-
-
-def md_table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(fmt(c) for c in row) + " |")
-    return "\n".join(lines)
 
 
 SUMMARY_ROWS = [
@@ -108,7 +84,7 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
         blocks, bs = s["num_gpu_blocks"], s["block_size"]
         pool = s.get("kv_pool") or {}
         src = ""
-        if exp.engine.get("num_gpu_blocks") is not None:
+        if exp.engine.given.get("num_gpu_blocks") is not None:
             src = " (num_gpu_blocks given in the config)"
         elif pool:
             src = (f" (sized like the engine: {pool.get('available_kv_bytes', 0) / 2**30:.2f} GiB for KV after "
@@ -176,9 +152,9 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
 
 
 def combined_offline(exp) -> bool:
-    arrival = exp.workload.get("arrival")
-    return (arrival is None and "file" not in exp.workload) or (isinstance(arrival, dict)
-                                                               and arrival.get("type") == "offline")
+    from servetwin.sim.arrivals import Offline  # noqa: PLC0415
+
+    return isinstance(exp.workload.arrival, Offline)
 
 
 def annotation_histogram(frames: dict[str, dict], top_n: int = TOP_N) -> str:

@@ -56,14 +56,14 @@ class RunFolder:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"{self.flag}: {self.path} is being written by another run right now; "
+            raise ConfigError(self.flag, f"{self.path} is being written by another run right now; "
                               "wait for it or choose another folder") from None
         self._fd = fd
         existing = sorted(set(os.listdir(self.path)) - self.keep)
         if existing and not self.overwrite:
             self.release()
             shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
-            raise ConfigError(f"{self.flag}: {self.path} is not empty ({shown}); pass --overwrite to replace "
+            raise ConfigError(self.flag, f"{self.path} is not empty ({shown}); pass --overwrite to replace "
                               "its contents, or choose another folder")
         return self
 

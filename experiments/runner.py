@@ -28,9 +28,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from servetwin.core.config_error import ConfigError, ModelNotFoundError
 from servetwin.core.testbed.atomic import atomic_open
 from servetwin.experiments.run_folder import RunFolder
-from servetwin.experiments.schema import ConfigError, ExperimentConfig
+from servetwin.experiments.schema import ExperimentConfig, engine_field_path
 from servetwin.experiments.workloads import build_requests, workload_summary
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
@@ -63,47 +64,43 @@ def _progress_bar(enabled: bool, total: int, desc: str):
 
 
 def create_engine(exp: ExperimentConfig, backend: str):
+    """(EngineCore, ExecutorInfo) of one backend; a bad field raises `ConfigError` naming its YAML path."""
     from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
 
-    args = exp.engine_args(backend)
     try:
-        return create_engine_core(args)
-    except FileNotFoundError as e:  # the torch loader: an unknown model name or a missing model path
-        msg = str(e)
-        raise ConfigError(f"{msg if msg.startswith('model') else f'model: {msg}'} [{backend} backend]") from None
-    except ValueError as e:
-        from servetwin.experiments.schema import ENGINE_FIELDS  # noqa: PLC0415
+        try:
+            return create_engine_core(exp.engine_args(backend))
+        except ModelNotFoundError as missing:
+            raise missing.as_config_error() from None
+    except ConfigError as e:
+        e = engine_field_path(e)
+        raise ConfigError(e.path, f"{e.message} [{backend} backend]") from None
 
-        msg = str(e)
-        head = msg.split(":", 1)[0]
-        if head in ENGINE_FIELDS:
-            raise ConfigError(f"engine.{msg} [{backend} backend]") from None
-        if msg.startswith(("engine", "model", "hardware", "workload")):
-            raise ConfigError(f"{msg} [{backend} backend]") from None
-        raise ConfigError(f"engine: {msg} [{backend} backend]") from None
+
+class _Progress:
+    """Counts finished (completed or rejected) workload requests on a progress bar."""
+
+    def __init__(self, bar) -> None:
+        self.bar = bar
+        self.completed = 0
+
+    def on_complete(self, request_id: str, t: float) -> None:
+        self.completed += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_reject(self, request_id: str, reason: str) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
 
 
 def _run_sim(exp: ExperimentConfig, engine, info, requests, arrival, rng, bar) -> BackendRun:
     from servetwin.sim.engine import Simulation  # noqa: PLC0415
 
-    class _ProgressSimulation(Simulation):
-        def _complete(self, result, t):  # count completed workload requests for the progress bar
-            before = len(self.result.completion_s)
-            super()._complete(result, t)
-            if bar is not None and len(self.result.completion_s) > before:
-                bar.update(len(self.result.completion_s) - before)
-
-        def _admit(self):
-            before = len(self.result.rejected)
-            super()._admit()
-            if bar is not None and len(self.result.rejected) > before:
-                bar.update(len(self.result.rejected) - before)
-
-    from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
-
-    frontend = exp.frontend.resolved(load_hardware(exp.engine_args("sim").hardware).device_type)
-    sim = _ProgressSimulation(engine, requests, arrival, rng=rng, run=exp.name,
-                              record_step_requests=exp.output["step_requests"], frontend=frontend)
+    progress = _Progress(bar)
+    frontend = exp.frontend.resolved(exp.hardware_spec.device_type)
+    sim = Simulation(engine, requests, arrival, rng=rng, run=exp.name, record_step_requests=exp.output.step_requests,
+                     frontend=frontend, on_complete=progress.on_complete, on_reject=progress.on_reject)
     t0 = time.perf_counter()
     interrupted = False
     try:
@@ -122,7 +119,7 @@ def _run_torch(exp: ExperimentConfig, engine, info, requests, arrival, bar) -> B
     from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
     from servetwin.sim.arrivals import Offline  # noqa: PLC0415
 
-    recorder = TraceRecorder(exp.name, "torch", record_step_requests=exp.output["step_requests"])
+    recorder = TraceRecorder(exp.name, "torch", record_step_requests=exp.output.step_requests)
     rejected: dict[str, str] = {}
     done: list[str] = []
     t0 = time.perf_counter()
@@ -351,7 +348,7 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     from servetwin.experiments.report import write_report  # noqa: PLC0415
 
     written = write_report(exp, out_dir, combined, frames, {b: r.itls for b, r in runs.items()},
-                           plots=exp.output["plots"], jobs=jobs)
+                           plots=exp.output.plots, jobs=jobs)
     for path in written:
         folder.record(os.path.relpath(path, out_dir))
     for backend in runs:

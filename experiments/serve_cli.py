@@ -32,8 +32,12 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-llama", help="model name or path (default: tiny-llama)")
-    p.add_argument("--backend", choices=["torch", "sim", "fake"], default="torch", help="executor (default: torch)")
+    p.add_argument("--config", metavar="EXPERIMENT.yaml",
+                   help="take model, hardware, seed and engine arguments from an experiment YAML (parsed as "
+                        "`servetwin run` parses it); options given here override them")
+    p.add_argument("--model", default=None, help="model name or path (default: the config's, else tiny-llama)")
+    p.add_argument("--backend", choices=["torch", "sim", "fake"], default=None,
+                   help="executor (default: the config's first backend, else torch)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
@@ -76,9 +80,23 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
 
     kwargs = {k[len("engine_"):]: v for k, v in vars(ns).items() if k.startswith("engine_") and v is not None}
-    if ns.backend in ("fake", "sim") and "tokenizer" not in kwargs and not kwargs.get("skip_tokenizer_init"):
+    base: dict[str, Any] = {}
+    backend = ns.backend
+    if getattr(ns, "config", None):
+        from servetwin.experiments.schema import BACKENDS, load_config  # noqa: PLC0415
+
+        exp = load_config(ns.config, values={"backends": [backend]} if backend in BACKENDS else None)
+        backend = backend or exp.backends[0]
+        args = exp.engine_args(backend)
+        base = {f.name: getattr(args, f.name) for f in fields(args)}
+    backend = backend or "torch"
+    model = ns.model or base.pop("model", None) or "tiny-llama"
+    base.pop("model", None)
+    kwargs = {**base, **kwargs}
+    if backend in ("fake", "sim") and kwargs.get("tokenizer") is None and not kwargs.get("skip_tokenizer_init"):
         kwargs["tokenizer"] = "toy"
-    return EngineArgs.from_kwargs(model=ns.model, backend=ns.backend, multiprocess=True, **kwargs)
+    kwargs.update(backend=backend, multiprocess=True)
+    return EngineArgs.from_kwargs(model=model, **kwargs)
 
 
 def check_listen(host: str, port: int) -> None:

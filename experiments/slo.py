@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
+
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
 SLO_STATS = ("mean", "p50", "p90", "p99")
 DEADLINE_METRICS = ("ttft", "tpot", "e2e")  # per request; ITL is per token
@@ -35,8 +37,8 @@ _TARGET_RE = re.compile(r"(ttft|tpot|itl|e2e)_(mean|p50|p90|p99)_s")
 _DEADLINE_RE = re.compile(r"(ttft|tpot|e2e)_s")
 
 
-class SloError(ValueError):
-    """A bad SLO specification; the message starts with the field path."""
+class SloError(ConfigError):
+    """A bad SLO specification, naming the field (`slo.ttft_p99_s`)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,7 +99,7 @@ def _limit(v: Any, path: str) -> float:
         except ValueError:
             pass
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise SloError(f"{path}: must be a positive number of seconds, got {v!r}")
+        raise SloError(f"{path}", f"must be a positive number of seconds, got {v!r}")
     return float(v)
 
 
@@ -111,7 +113,7 @@ def parse_slo(cfg: Any, path: str = "slo") -> SloSpec:
     if cfg is None:
         return SloSpec()
     if not isinstance(cfg, Mapping):
-        raise SloError(f"{path}: must be a mapping like {{ttft_p99_s: 0.5}}, got {type(cfg).__name__} {cfg!r}")
+        raise SloError(f"{path}", f"must be a mapping like {{ttft_p99_s: 0.5}}, got {type(cfg).__name__} {cfg!r}")
     targets: list[SloTarget] = []
     deadlines: list[SloDeadline] = []
     min_att: Optional[float] = None
@@ -124,19 +126,19 @@ def parse_slo(cfg: Any, path: str = "slo") -> SloSpec:
             deadlines.append(SloDeadline(m.group(1), _limit(value, where)))
         elif k == "min_attainment":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise SloError(f"{where}: must be a share in (0, 1], got {value!r}")
+                raise SloError(f"{where}", f"must be a share in (0, 1], got {value!r}")
             min_att = float(value)
         else:
             import difflib  # noqa: PLC0415
 
             close = difflib.get_close_matches(k, _allowed_keys(), n=1, cutoff=0.6)
             dym = f" (did you mean {close[0]}?)" if close else ""
-            raise SloError(f"{where}: unknown SLO{dym}; use <metric>_<stat>_s with metric one of "
+            raise SloError(f"{where}", f"unknown SLO{dym}; use <metric>_<stat>_s with metric one of "
                            f"{', '.join(SLO_METRICS)} and stat one of {', '.join(SLO_STATS)} (e.g. ttft_p99_s), "
                            f"a per-request deadline {', '.join(f'{m}_s' for m in DEADLINE_METRICS)}, "
                            "or min_attainment")
     if min_att is not None and not deadlines:
-        raise SloError(f"{path}.min_attainment: needs at least one per-request deadline "
+        raise SloError(f"{path}.min_attainment", "needs at least one per-request deadline "
                        f"({', '.join(f'{m}_s' for m in DEADLINE_METRICS)})")
     if deadlines and min_att is None:
         min_att = DEFAULT_MIN_ATTAINMENT
@@ -149,7 +151,7 @@ def parse_slo_args(items: list[str], flag: str = "--slo") -> dict[str, Any]:
     for item in items:
         for part in filter(None, (p.strip() for p in item.split(","))):
             if "=" not in part:
-                raise SloError(f"{flag} {part!r}: expected NAME=SECONDS, e.g. {flag} ttft_p99_s=0.5")
+                raise SloError(f"{flag} {part!r}", f"expected NAME=SECONDS, e.g. {flag} ttft_p99_s=0.5")
             key, value = (s.strip() for s in part.split("=", 1))
             out[key] = value
     return out
@@ -236,7 +238,7 @@ def evaluate_slo(spec: SloSpec, requests, itls, duration_s: float) -> dict[str, 
 
 def slo_markdown(summaries: dict[str, dict[str, Any]]) -> list[str]:
     """The report's SLO section: per backend, each check's value, limit, attainment; goodput."""
-    from servetwin.experiments.report import fmt, md_table  # noqa: PLC0415
+    from servetwin.experiments.md_tables import fmt, md_table  # noqa: PLC0415
 
     evs = {b: s["slo"] for b, s in summaries.items() if s.get("slo")}
     if not evs:

@@ -21,7 +21,8 @@ import sys
 from typing import Any, Callable, Optional
 
 from servetwin.core.testbed.atomic import atomic_write_text
-from servetwin.experiments.pool import PointResult, PointTask, host_summary, make_pool, map_with_retries
+from servetwin.experiments.pool import PointResult, PointTask, host_summary, map_with_retries
+from servetwin.experiments.pool_factory import make_pool
 from servetwin.experiments.run_folder import RunFolder
 from servetwin.experiments.schema import ExperimentConfig, SweepPoint, expand_sweep, seeds_for, with_seed
 
@@ -211,7 +212,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     else:
         df = per_seed
     plot = None
-    if exp.output.get("plots", True):
+    if exp.output.plots:
         from servetwin.experiments.plots import context_for, sweep_comparison  # noqa: PLC0415
         plot = sweep_comparison(df, os.path.join(out_dir, "sweep_comparison.png"), context_for(exp),
                                 keys=list(exp.sweep))

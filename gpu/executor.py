@@ -7,8 +7,10 @@ a CUDA graph on CUDA unless `enforce_eager`.
 """
 from __future__ import annotations
 
+from servetwin.core.config_error import ConfigError
 import logging
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -38,7 +40,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' requested but torch.cuda.is_available() is False")
+        raise ConfigError("device", "'cuda' requested but torch.cuda.is_available() is False")
     return dev
 
 
@@ -56,7 +58,7 @@ def resolve_dtype(dtype: Optional[str | torch.dtype], device: torch.device, hf_c
     try:
         return _DTYPES[str(dtype)]
     except KeyError:
-        raise ValueError(f"dtype: unknown dtype {dtype!r} (allowed: {sorted(_DTYPES)} or 'auto')") from None
+        raise ConfigError("dtype", f"unknown dtype {dtype!r} (allowed: {sorted(_DTYPES)} or 'auto')") from None
 
 
 class TorchExecutor:
@@ -77,7 +79,7 @@ class TorchExecutor:
         cfg = self.model_info.decoder_config
         derived_max_len = cfg.max_position_embeddings
         if max_model_len is not None and max_model_len > derived_max_len:
-            raise ValueError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
+            raise ConfigError("max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings "
                              f"({derived_max_len})")
         want_len = derived_max_len if max_model_len in (None, -1) else max_model_len
         self.model = load_model(self.model_info, self.dtype, self.device, max_positions=want_len)
@@ -115,6 +117,9 @@ class TorchExecutor:
         self.keep_logits = keep_logits
         self.last_logits: dict[str, torch.Tensor] = {}
         self._tokenizer: Any = None
+        # called after every step with (scheduler_output, model_output); e.g. `servetwin compare` reads
+        # each step's `timing.cpu_s` to tell a contended core from a slow step
+        self.step_observers: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]] = []
 
     # -- public helpers ------------------------------------------------------------------------
     @property
@@ -131,17 +136,28 @@ class TorchExecutor:
         """Write the chrome trace (when `profile_dir` is set)."""
         self.profiler.close()
 
+    def reset(self) -> None:
+        """Forget every request (a new engine over this executor starts from an empty runner state)."""
+        self.sampler.forget(list(self.state.requests))
+        self.state = RunnerState()
+
     # -- one step ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = scheduler_output
+        cpu0 = time.process_time()
         self.sampler.forget(list(so.finished_req_ids))
         rows = self.state.update(so)
         if not rows:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
-                                     timing=StepTiming(duration_s=0.0))
-        new_ids = {r.req_id for r in so.scheduled_new_reqs}
-        with self.profiler.step(step_annotation(rows, new_ids)), torch.inference_mode():
-            return self._execute(rows, so)
+            out = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                    timing=StepTiming(duration_s=0.0))
+        else:
+            new_ids = {r.req_id for r in so.scheduled_new_reqs}
+            with self.profiler.step(step_annotation(rows, new_ids)), torch.inference_mode():
+                out = self._execute(rows, so)
+        out.timing.cpu_s = time.process_time() - cpu0
+        for observe in self.step_observers:
+            observe(so, out)
+        return out
 
     def _common_metadata(self, batch: InputBatch, slot_mapping: torch.Tensor) -> CommonAttentionMetadata:
         dev = self.device

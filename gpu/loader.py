@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 import torch
 
 from servetwin.gpu.models.decoder import DecoderLM
-from servetwin.gpu.models.registry import ModelInfo, resolve_model
+from servetwin.gpu.models.registry import ModelInfo, ModelNotFoundError, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def safetensors_files(path: Path) -> list[Path]:
         return [single]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"model: no .safetensors weights in {path}")
+        raise ModelNotFoundError(f"no .safetensors weights in {path}")
     return files
 
 

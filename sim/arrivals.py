@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import simpy
 
+from servetwin.core.config_error import ConfigError
 from servetwin.sim.trace_file import TraceRecord, load_trace
 from servetwin.sim.validate import check_keys, check_mapping, int_at_least, non_negative, one_of, positive
 
@@ -50,7 +51,7 @@ class _OpenLoop:
             if delay > 0:
                 yield env.timeout(delay)
             elif delay < 0 and not np.isclose(delay, 0.0):
-                raise ValueError(f"arrivals: request {req.request_id} arrives at {req.arrival_s} s, "
+                raise ConfigError("arrivals", f"request {req.request_id} arrives at {req.arrival_s} s, "
                                  f"before the previous one (requests must be sorted by arrival_s)")
             submit(req)
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.sim.validate import check_keys, check_mapping, non_negative, positive
 
 BASIS_TERMS: tuple[str, ...] = ("step", "req", "token", "layer", "layer_piecewise", "linear", "elementwise",
@@ -81,7 +82,7 @@ class Efficiency:
             else:
                 x = positive(v, f"efficiency.{f.name}")
                 if x > 1.0:
-                    raise ValueError(f"efficiency.{f.name}: a fraction of the datasheet, must be <= 1, got {v!r}")
+                    raise ConfigError(f"efficiency.{f.name}", f"a fraction of the datasheet, must be <= 1, got {v!r}")
                 setattr(self, f.name, x)
 
     def to_dict(self) -> dict[str, float]:
@@ -95,8 +96,8 @@ class Efficiency:
         values.update(cfg)
         try:
             return cls(**values)
-        except ValueError as e:
-            raise ValueError(str(e).replace("efficiency.", f"{path}.", 1)) from None
+        except ConfigError as e:  # __post_init__ names the field under "efficiency"
+            raise ConfigError(path + e.path.removeprefix("efficiency"), e.message) from None
 
 
 @dataclass(slots=True)
@@ -135,7 +136,7 @@ class CostCoefficients:
         """From `{term: coefficient}` (the output of a fit); terms not given are 0."""
         unknown = set(values) - set(BASIS_TERMS)
         if unknown:
-            raise ValueError(f"coefficients.{sorted(unknown)[0]}: unknown basis term "
+            raise ConfigError(f"coefficients.{sorted(unknown)[0]}", "unknown basis term "
                              f"(allowed: {', '.join(BASIS_TERMS)})")
         return cls(**{f"c_{t}": float(values.get(t, 0.0)) for t in BASIS_TERMS})
 

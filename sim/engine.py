@@ -14,8 +14,11 @@ Order of events at one simulated time t (defined here, not left to event creatio
    at t and have no think time submit their next request (in completion order);
 3. the next engine step starts at t: every request submitted at or before t is added to the engine
    in submission order, then the step is scheduled.
-Step 3 waits on an event of priority `STEP_START_PRIORITY`, after SimPy's URGENT (0) and NORMAL (1)
-events at the same time, so everything of steps 1-2 (including events they cause at t) goes first.
+Step 3 waits (`Simulation._settle`) until no other event is scheduled at t, so everything of steps 1-2
+(including the events they cause at t) goes first.
+
+Drivers observe a run through callbacks, not by subclassing: `on_complete(request_id, t)` when a
+workload request's last sequence finishes, `on_reject(request_id, reason)` when one can never be served.
 
 Time stamps follow `servetwin.core.testbed.trace`: a token's time is the end of the step that computed it; a request
 completes at the end of the step that produced its last token.
@@ -29,7 +32,7 @@ engine as they arrive and complete at the engine.
 """
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -47,18 +50,8 @@ from servetwin.sim.fast_forward import fast_forward
 from servetwin.sim.scheduler import SimScheduler
 from servetwin.sim.workload import WorkloadRequest, build_workload, rng_streams
 
-STEP_START_PRIORITY = 2  # after simpy.events.URGENT (0) and NORMAL (1)
 DEFAULT_EOS_TOKEN_ID = 0  # fake tokens are >= 10, so 0 appears only where forced
 MAX_IDLE_ITERATIONS = 3  # engine iterations without progress before the loop waits or gives up
-
-
-def step_start_event(env: simpy.Environment) -> simpy.Event:
-    """An event at `env.now` processed after every URGENT/NORMAL event at the same time."""
-    event = simpy.Event(env)
-    event._ok = True  # what Event.succeed() sets, but scheduled with our own priority
-    event._value = None
-    env.schedule(event, priority=STEP_START_PRIORITY)
-    return event
 
 
 @dataclass(slots=True)
@@ -94,7 +87,9 @@ class Simulation:
                  arrival: ArrivalProcess, *, rng: Optional[np.random.Generator] = None,
                  run: str = "sim", eos_token_id: int = DEFAULT_EOS_TOKEN_ID,
                  max_time_s: Optional[float] = None, record_step_requests: bool = True,
-                 fast_forward: bool = True, lazy_decode: bool = True, frontend: Any = None) -> None:
+                 fast_forward: bool = True, lazy_decode: bool = True, frontend: Any = None,
+                 on_complete: Optional[Callable[[str, float], None]] = None,
+                 on_reject: Optional[Callable[[str, str], None]] = None) -> None:
         self.env = simpy.Environment()
         self.engine = engine
         self.requests = list(requests)
@@ -111,6 +106,8 @@ class Simulation:
             engine.scheduler.enable_lazy_decode(ex)
         self.fast_forward = fast_forward and not self.lazy_decode
         self.eos_token_id = eos_token_id
+        self.on_complete = on_complete
+        self.on_reject = on_reject
         self._inbox: list[_Pending] = []
         self._aborts: list[_Pending] = []  # client timeouts, applied at the next step start
         self._seq = -1
@@ -170,6 +167,8 @@ class Simulation:
             except UnservableRequestError as exc:
                 self.result.rejected[wreq.request_id] = str(exc)
                 pending.done.succeed()
+                if self.on_reject is not None:
+                    self.on_reject(wreq.request_id, str(exc))
                 continue
             pending.remaining = len(reqs)
             for req in reqs:
@@ -240,12 +239,20 @@ class Simulation:
             if pending.remaining == 0:
                 self.result.completion_s[pending.request.request_id] = t
                 done.append(pending.done)
+                if self.on_complete is not None:
+                    self.on_complete(pending.request.request_id, t)
         if self.frontend is None:
             for event in done:
                 event.succeed()
             return
         num_outputs = self._num_samples.pop(result.processed.step, 0) if result.processed is not None else 0
         self.frontend.on_step_output(t, num_outputs, num_finished, done)
+
+    def _settle(self) -> Generator[simpy.Event, Any, None]:
+        """Return once no other event is scheduled at the current time (public SimPy API only)."""
+        env = self.env
+        while env.peek() <= env.now:
+            yield env.timeout(0)
 
     def _engine(self) -> Generator[simpy.Event, Any, None]:
         env, engine = self.env, self.engine
@@ -261,7 +268,7 @@ class Simulation:
                 self._wake = env.event()
                 yield self._wake
                 idle = 0
-            yield step_start_event(env)
+            yield from self._settle()
             self._apply_aborts()
             self._admit()
             if not engine.has_work():

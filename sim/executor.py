@@ -90,6 +90,11 @@ class SimExecutor:
             self.set_output_length(rid, n)
         self.last_summary: Optional[StepSummary] = None
 
+    def reset(self) -> None:
+        """Forget every request (a new engine over this executor starts from an empty runner state)."""
+        for table in (self.num_tokens, self.num_prompt_tokens, self.salts, self.output_lengths):
+            table.clear()
+
     def set_output_length(self, request_id: str, n: int) -> None:
         """Force EOS as the `n`-th output token of `request_id`."""
         if self.eos_token_id is None:

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.kv_sizing import dtype_bytes
 from servetwin.sim.coefficients import CostCoefficients, Efficiency
 from servetwin.sim.hardware_presets import HARDWARE_PRESETS
@@ -87,9 +88,9 @@ def hardware_from_dict(cfg: Mapping[str, Any], path: str = "hardware") -> Hardwa
     for key in ("name", "device_type", "peak_flops_bf16", "peak_flops_fp32", "memory_bandwidth",
                 "memory_bytes"):
         if key not in merged:
-            raise ValueError(f"{path}.{key}: required field is missing")
+            raise ConfigError(f"{path}.{key}", "required field is missing")
     if not isinstance(merged["name"], str) or not merged["name"]:
-        raise ValueError(f"{path}.name: must be a non-empty string, got {merged['name']!r}")
+        raise ConfigError(f"{path}.name", f"must be a non-empty string, got {merged['name']!r}")
     provenance = check_mapping(merged.get("provenance", {}), f"{path}.provenance")
     return HardwareSpec(
         name=merged["name"],
@@ -119,13 +120,13 @@ def load_hardware(name_or_path: str | Path | HardwareSpec) -> HardwareSpec:
         return hardware_from_dict(HARDWARE_PRESETS[key], f"hardware[{key}]")
     path = Path(key)
     if not path.is_file():
-        raise ValueError(f"hardware: {key!r} is neither a preset ({', '.join(HARDWARE_PRESETS)}) "
+        raise ConfigError("hardware", f"{key!r} is neither a preset ({', '.join(HARDWARE_PRESETS)}) "
                          "nor an existing YAML file")
     with open(path, encoding="utf-8") as f:
         try:
             data = yaml.safe_load(f)
         except yaml.YAMLError as exc:
-            raise ValueError(f"hardware: {path} is not valid YAML: {exc}") from None
+            raise ConfigError("hardware", f"{path} is not valid YAML: {exc}") from None
     return hardware_from_dict(data if data is not None else {}, "hardware")
 
 

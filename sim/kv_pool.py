@@ -1,4 +1,4 @@
-"""Size the simulated KV pool exactly as the engine would (spec section 5), and build the executor.
+"""Size the simulated KV pool exactly as the engine would (docs/scheduler_behaviour.md §5), and build the executor.
 
 vLLM V1 (`gpu_worker.determine_available_memory`) profiles one dummy forward of
 `max_num_batched_tokens` (then a dummy sampler run over `min(max_num_seqs, tokens)` rows) and keeps
@@ -30,7 +30,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
+from servetwin.core.engine.executor import ExecutorInfo
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len, num_blocks_for_memory
+from servetwin.sim.executor import SimExecutor
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
 
@@ -92,8 +95,8 @@ def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_m
         available = requested - weights - act - non_torch
     blocks = num_gpu_blocks if num_gpu_blocks is not None else num_blocks_for_memory(max(available, 0), spec)
     if blocks < 2:
-        raise ValueError(
-            f"gpu_memory_utilization: {hw.name} ({hw.memory_bytes / 2**30:.1f} GiB x {gpu_memory_utilization}) "
+        raise ConfigError(
+            "gpu_memory_utilization", f"{hw.name} ({hw.memory_bytes / 2**30:.1f} GiB x {gpu_memory_utilization}) "
             f"leaves {available / 2**30:.2f} GiB for the KV cache after {weights / 2**30:.2f} GiB of weights "
             f"and {act / 2**30:.2f} GiB of activations: not even 2 blocks fit. Use a bigger device, "
             "tensor_parallel_size, or an explicit num_gpu_blocks.")
@@ -101,9 +104,8 @@ def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_m
 
 
 def build_sim_executor(args: Any):
-    """`servetwin.core.engine.engine_factory` hook for `backend="sim"` (args: `servetwin.core.engine.engine_args.EngineArgs`)."""
-    from servetwin.core.engine.engine_factory import ExecutorInfo  # noqa: PLC0415
-    from servetwin.sim.executor import SimExecutor  # noqa: PLC0415
+    """The `sim` backend's `ExecutorBackend.from_engine_args` (args: `EngineArgs`): size the pool, build the
+    `SimExecutor`."""
 
     model = load_model_spec(args.model, dtype=None if args.dtype in (None, "auto") else args.dtype)
     hw = load_hardware(args.hardware or "h100-sxm")

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from servetwin.core.config_error import ConfigError
 from servetwin.sim.validate import (as_float, as_int, check_keys, check_mapping, int_at_least, non_negative, positive)
 
 
@@ -114,7 +115,7 @@ class Empirical:
 def read_lengths_file(path: str | Path, field_path: str) -> tuple[int, ...]:
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{field_path}: file not found: {p}")
+        raise ConfigError(f"{field_path}", f"file not found: {p}")
     values: list[int] = []
     with open(p, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -122,7 +123,7 @@ def read_lengths_file(path: str | Path, field_path: str) -> tuple[int, ...]:
             if text:
                 values.append(int_at_least(_num(text, f"{p}:{lineno}"), 0, f"{p}:{lineno}"))
     if not values:
-        raise ValueError(f"{field_path}: {p} holds no lengths")
+        raise ConfigError(f"{field_path}", f"{p} holds no lengths")
     return tuple(values)
 
 
@@ -130,7 +131,7 @@ def _num(text: str, where: str) -> int:
     try:
         return as_int(float(text), where)
     except ValueError:
-        raise ValueError(f"{where}: not an integer length: {text!r}") from None
+        raise ConfigError(f"{where}", f"not an integer length: {text!r}") from None
 
 
 _FIELDS = {
@@ -149,7 +150,7 @@ def parse_length_dist(cfg: Any, path: str, min_value: int = 1) -> LengthDist:
     cfg = check_mapping(cfg, path)
     kind = cfg.get("type")
     if kind not in _FIELDS:
-        raise ValueError(f"{path}.type: must be one of {', '.join(map(repr, _FIELDS))}, got {kind!r}")
+        raise ConfigError(f"{path}.type", f"must be one of {', '.join(map(repr, _FIELDS))}, got {kind!r}")
     allowed, required = _FIELDS[kind]
     check_keys(cfg, allowed | {"type"}, path, required=sorted(required))
     if kind == "fixed":
@@ -164,18 +165,18 @@ def parse_length_dist(cfg: Any, path: str, min_value: int = 1) -> LengthDist:
     if kind == "lognormal":
         mean = positive(cfg["mean"], f"{path}.mean")
         if ("sigma" in cfg) == ("cv" in cfg):
-            raise ValueError(f"{path}: give exactly one of 'sigma' or 'cv'")
+            raise ConfigError(f"{path}", "give exactly one of 'sigma' or 'cv'")
         if "sigma" in cfg:
             return LogNormal(mean, non_negative(cfg["sigma"], f"{path}.sigma"), min_value)
         return LogNormal.from_cv(mean, non_negative(cfg["cv"], f"{path}.cv"), min_value)
     # empirical
     if ("values" in cfg) == ("path" in cfg):
-        raise ValueError(f"{path}: give exactly one of 'values' or 'path'")
+        raise ConfigError(f"{path}", "give exactly one of 'values' or 'path'")
     if "path" in cfg:
         values = read_lengths_file(cfg["path"], f"{path}.path")
     else:
         raw = cfg["values"]
         if not isinstance(raw, (list, tuple)) or not raw:
-            raise ValueError(f"{path}.values: must be a non-empty list of lengths")
+            raise ConfigError(f"{path}.values", "must be a non-empty list of lengths")
         values = tuple(int_at_least(v, 0, f"{path}.values[{i}]") for i, v in enumerate(raw))
     return Empirical(values, min_value)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 __all__ = ["ModelSpec", "SUPPORTED_MODEL_TYPES", "PRESETS", "ALIASES", "load_model_spec"]
@@ -82,5 +83,5 @@ def load_model_spec(name_or_path: str | Path | ModelSpec, dtype: str | None = No
     path = Path(name_or_path)
     if path.exists():
         return ModelSpec.from_hf_config(path, dtype=dtype)
-    raise ValueError(f"model: unknown model {str(name_or_path)!r} (presets: {', '.join(PRESETS)}; "
+    raise ConfigError("model", f"unknown model {str(name_or_path)!r} (presets: {', '.join(PRESETS)}; "
                      "or give a model directory / config.json path)")

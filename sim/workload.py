@@ -23,7 +23,8 @@ A workload config (all fields optional except where noted):
         suffix_tokens: 200             # length distribution, 0 allowed
         order: grouped              # grouped | interleaved | shuffled
       arrival: {type: poisson, rate: 4.0}   # see servetwin.sim.arrivals
-      file: trace.jsonl             # shorthand for arrival: {type: trace, path: trace.jsonl}
+      file: trace.jsonl             # the requests' lengths (and, without `arrival`, their times) from a
+                                    #   trace; `arrival: {type: trace, path: ...}` is the same without `file`
 
 Determinism: one `numpy.random.SeedSequence(seed)` is split into independent streams for tokens,
 lengths, arrivals, order and priorities, so changing the arrival process does not change prompts.
@@ -32,14 +33,16 @@ and different groups differ from their first token.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
+from servetwin.core.config_error import ConfigError
 from servetwin.sim.arrivals import ArrivalProcess, Offline, TraceArrivals, parse_arrival
 from servetwin.sim.lengths import Fixed, LengthDist, parse_length_dist
-from servetwin.sim.trace_file import TraceRecord
+from servetwin.sim.trace_file import TraceRecord, load_trace
 from servetwin.core.sampling_params import MAX_N_SEQUENCES
 from servetwin.sim.validate import as_int, check_keys, check_mapping, int_at_least, one_of, positive
 
@@ -85,9 +88,12 @@ class WorkloadSpec:
     max_output_tokens: Optional[int] = None
     finish: str = "max_tokens"
     timeout_s: Optional[float] = None
-    vocab_size: int = 32000
+    vocab_size: Optional[int] = None  # None: the model's vocabulary (given to `generate_requests`)
     seed: int = 0
     arrival: ArrivalProcess = field(default_factory=Offline)
+    trace: Optional[TraceArrivals] = None  # the trace whose records give the requests' lengths
+    path: str = "workload"  # where the section sits in its config (for errors found when generating)
+    trace_field: str = ""  # the field that names the trace file
 
     @classmethod
     def from_dict(cls, cfg: Any, path: str = "workload",
@@ -96,79 +102,82 @@ class WorkloadSpec:
         check_keys(cfg, {"seed", "requests", "vocab_size", "prompt_tokens", "output_tokens",
                          "max_prompt_tokens", "max_output_tokens", "n", "priority", "finish",
                          "shared_prefix", "arrival", "file", "timeout_s"}, path)
-        if "file" in cfg:
-            if "arrival" in cfg:
-                raise ValueError(f"{path}.file: give either file (a trace) or arrival, not both")
-            cfg = {**cfg, "arrival": {"type": "trace", "path": cfg["file"]}}
-            cfg.pop("file")
-        spec = cls()
+        spec = cls(path=path)
         spec.seed = int_at_least(cfg.get("seed", 0), 0, f"{path}.seed")
-        spec.vocab_size = int_at_least(cfg.get("vocab_size", vocab_size or 32000), 2,
-                                       f"{path}.vocab_size")
+        vocab = cfg.get("vocab_size", vocab_size)
+        spec.vocab_size = None if vocab is None else int_at_least(vocab, 2, f"{path}.vocab_size")
         spec.arrival = parse_arrival(cfg.get("arrival"), f"{path}.arrival")
-        is_trace = isinstance(spec.arrival, TraceArrivals)
+        if "file" in cfg:  # lengths from the file; its times unless an arrival process is given
+            spec.trace = TraceArrivals(str(cfg["file"]), tuple(load_trace(cfg["file"], f"{path}.file")))
+            spec.trace_field = f"{path}.file"
+            if "arrival" not in cfg:
+                spec.arrival = spec.trace
+        elif isinstance(spec.arrival, TraceArrivals):
+            spec.trace, spec.trace_field = spec.arrival, f"{path}.arrival.path"
+        is_trace = spec.trace is not None
+        source = f"{path}.file" if "file" in cfg else "a trace arrival"
         if "requests" in cfg:
             spec.requests = int_at_least(cfg["requests"], 1, f"{path}.requests")
             if spec.requests > MAX_REQUESTS:
-                raise ValueError(f"{path}.requests: at most {MAX_REQUESTS:,} requests per run (every request "
-                                 f"and its prompt are held in memory), got {spec.requests:,}")
+                raise ConfigError(f"{path}.requests", f"at most {MAX_REQUESTS:,} requests per run (every request "
+                                  f"and its prompt are held in memory), got {spec.requests:,}")
         for key in ("max_prompt_tokens", "max_output_tokens"):
             if cfg.get(key) is not None:
                 setattr(spec, key, int_at_least(cfg[key], 1, f"{path}.{key}"))
         spec.n = int_at_least(cfg.get("n", 1), 1, f"{path}.n")
         if spec.n > MAX_N_SEQUENCES:  # SamplingParams' own limit, reported at its field
-            raise ValueError(f"{path}.n: must be in [1, {MAX_N_SEQUENCES}], got {spec.n:,}")
+            raise ConfigError(f"{path}.n", f"must be in [1, {MAX_N_SEQUENCES}], got {spec.n:,}")
         prio = cfg.get("priority", 0)
         prios = prio if isinstance(prio, (list, tuple)) else [prio]
         if not prios:
-            raise ValueError(f"{path}.priority: must be an integer or a non-empty list")
+            raise ConfigError(f"{path}.priority", "must be an integer or a non-empty list")
         spec.priority = tuple(as_int(p, f"{path}.priority") for p in prios)
         spec.finish = one_of(cfg.get("finish", "max_tokens"), ("max_tokens", "eos"),
                              f"{path}.finish")
         if cfg.get("timeout_s") is not None:
             spec.timeout_s = positive(cfg["timeout_s"], f"{path}.timeout_s")
         if spec.finish == "eos" and spec.max_output_tokens is None:
-            raise ValueError(f"{path}.max_output_tokens: required when finish is 'eos' "
+            raise ConfigError(f"{path}.max_output_tokens", "required when finish is 'eos' "
                              "(it becomes every request's max_tokens)")
         if is_trace:
             for key in ("prompt_tokens", "output_tokens", "shared_prefix"):
                 if key in cfg:
-                    raise ValueError(f"{path}.{key}: not allowed with a trace arrival "
-                                     "(the trace gives the lengths)")
+                    raise ConfigError(f"{path}.{key}", f"not allowed with {source} "
+                                                       "(the trace gives the lengths)")
             return spec
         if "output_tokens" in cfg:
             spec.output_tokens = parse_length_dist(cfg["output_tokens"], f"{path}.output_tokens")
         if "shared_prefix" in cfg:
             if "prompt_tokens" in cfg:
-                raise ValueError(f"{path}.prompt_tokens: not allowed with prefix groups "
-                                 f"(use {path}.shared_prefix.suffix_tokens)")
+                raise ConfigError(f"{path}.prompt_tokens", f"not allowed with {path}.shared_prefix "
+                                                           f"(use {path}.shared_prefix.suffix_tokens)")
             spec.shared_prefix = _parse_prefix(cfg["shared_prefix"], f"{path}.shared_prefix", spec.vocab_size)
             total = spec.shared_prefix.groups * spec.shared_prefix.per_group
             if spec.requests is not None and spec.requests != total:
-                raise ValueError(f"{path}.requests: {spec.requests} disagrees with "
+                raise ConfigError(f"{path}.requests", f"{spec.requests} disagrees with "
                                  f"shared_prefix.groups * shared_prefix.per_group = {total}")
             spec.requests = total
             if total > MAX_REQUESTS:
-                raise ValueError(f"{path}.shared_prefix: groups * per_group = {total:,} requests, at most "
-                                 f"{MAX_REQUESTS:,} per run")
+                raise ConfigError(f"{path}.shared_prefix", f"groups * per_group = {total:,} requests, at most "
+                                  f"{MAX_REQUESTS:,} per run")
             if spec.max_prompt_tokens is not None and spec.shared_prefix.prefix_tokens >= spec.max_prompt_tokens:
-                raise ValueError(f"{path}.shared_prefix.prefix_tokens: {spec.shared_prefix.prefix_tokens} leaves "
+                raise ConfigError(f"{path}.shared_prefix.prefix_tokens", f"{spec.shared_prefix.prefix_tokens} leaves "
                                  f"no room under max_prompt_tokens {spec.max_prompt_tokens}")
         else:
             if "prompt_tokens" in cfg:
                 spec.prompt_tokens = parse_length_dist(cfg["prompt_tokens"], f"{path}.prompt_tokens")
             if spec.requests is None:
-                raise ValueError(f"{path}.requests: required field is missing")
+                raise ConfigError(f"{path}.requests", "required field is missing")
         return spec
 
 
-def _parse_prefix(cfg: Any, path: str, vocab_size: int) -> PrefixGroups:
+def _parse_prefix(cfg: Any, path: str, vocab_size: Optional[int]) -> PrefixGroups:
     cfg = check_mapping(cfg, path)
     check_keys(cfg, {"groups", "per_group", "prefix_tokens", "suffix_tokens", "order"}, path,
                required=["groups", "per_group", "prefix_tokens"])
     groups = int_at_least(cfg["groups"], 1, f"{path}.groups")
-    if groups > vocab_size:
-        raise ValueError(f"{path}.groups: {groups} groups cannot all start with a different token "
+    if vocab_size is not None and groups > vocab_size:
+        raise ConfigError(f"{path}.groups", f"{groups} groups cannot all start with a different token "
                          f"in a vocabulary of {vocab_size}")
     return PrefixGroups(
         groups=groups,
@@ -190,12 +199,33 @@ def _cap(x: np.ndarray, cap: Optional[int]) -> np.ndarray:
     return np.minimum(x, cap) if cap is not None else x
 
 
-def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-") -> list[WorkloadRequest]:
-    """All requests of the workload, sorted by arrival (closed-loop: arrival_s = 0 until issued)."""
+DEFAULT_VOCAB_SIZE = 32000  # prompts' token range when neither the workload nor a model gives one
+
+
+def _with_vocab(spec: WorkloadSpec, vocab_size: Optional[int]) -> WorkloadSpec:
+    """`spec` with its vocabulary fixed: its own (at most the model's), else the model's."""
+    if spec.vocab_size is not None:
+        if vocab_size is not None and spec.vocab_size > vocab_size:
+            raise ConfigError(f"{spec.path}.vocab_size",
+                              f"{spec.vocab_size} exceeds the model's vocabulary ({vocab_size})")
+        return spec
+    spec = dataclasses.replace(spec, vocab_size=vocab_size or DEFAULT_VOCAB_SIZE)
+    if spec.shared_prefix is not None and spec.shared_prefix.groups > spec.vocab_size:
+        raise ConfigError(f"{spec.path}.shared_prefix.groups",
+                          f"{spec.shared_prefix.groups} groups cannot all start with a different token "
+                          f"in a vocabulary of {spec.vocab_size}")
+    return spec
+
+
+def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-",
+                      vocab_size: Optional[int] = None) -> list[WorkloadRequest]:
+    """All requests of the workload, sorted by arrival (closed-loop: arrival_s = 0 until issued).
+    `vocab_size`: the model's vocabulary (prompts are drawn below it)."""
+    spec = _with_vocab(spec, vocab_size)
     rng = rng_streams(spec.seed)
-    if isinstance(spec.arrival, TraceArrivals):
-        records = spec.arrival.records[:spec.requests] if spec.requests else spec.arrival.records
-        prompts, outputs, groups = _trace_prompts(list(records), spec, rng["tokens"], spec.arrival.hash_block_tokens)
+    if spec.trace is not None:
+        records = spec.trace.records[:spec.requests] if spec.requests else spec.trace.records
+        prompts, outputs, groups = _trace_prompts(list(records), spec, rng["tokens"], spec.trace.hash_block_tokens)
     elif spec.shared_prefix is not None:
         prompts, groups = _group_prompts(spec, rng["tokens"], rng["lengths"], rng["order"])
         outputs = spec.output_tokens.sample(rng["lengths"], len(prompts))
@@ -204,8 +234,8 @@ def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-") -> list[Workl
         lens = _cap(spec.prompt_tokens.sample(rng["lengths"], n), spec.max_prompt_tokens)
         total = int(np.sum(lens, dtype=np.float64))
         if total > MAX_PROMPT_TOKENS:
-            raise ValueError(f"workload.prompt_tokens: {n:,} requests draw {total:,} prompt tokens, at most "
-                             f"{MAX_PROMPT_TOKENS:,} per run (lower workload.requests or the prompt lengths)")
+            raise ConfigError(f"{spec.path}.prompt_tokens", f"{n:,} requests draw {total:,} prompt tokens, at "
+                              f"most {MAX_PROMPT_TOKENS:,} per run (lower workload.requests or the prompt lengths)")
         prompts = [rng["tokens"].integers(0, spec.vocab_size, size=int(k)).tolist() for k in lens]
         outputs = spec.output_tokens.sample(rng["lengths"], n)
         groups = [None] * n
@@ -279,7 +309,7 @@ def _trace_prompts(records: list[TraceRecord], spec: WorkloadSpec, tok: np.rando
             group_ids.setdefault(r.prefix_group, len(group_ids))
             group_len[r.prefix_group] = max(group_len.get(r.prefix_group, 0), r.prefix_tokens)
     if len(group_ids) > spec.vocab_size:
-        raise ValueError(f"workload.arrival.path: {len(group_ids)} prefix groups cannot all start "
+        raise ConfigError(spec.trace_field, f"{len(group_ids)} prefix groups cannot all start "
                          f"with a different token in a vocabulary of {spec.vocab_size}")
     first = tok.permutation(spec.vocab_size)[:max(1, len(group_ids))]
     shared = {}
@@ -310,4 +340,4 @@ def build_workload(cfg: Any, vocab_size: Optional[int] = None, path: str = "work
                    id_prefix: str = "req-") -> tuple[WorkloadSpec, list[WorkloadRequest]]:
     """Parse a workload config and generate its requests."""
     spec = WorkloadSpec.from_dict(cfg, path, vocab_size=vocab_size)
-    return spec, generate_requests(spec, id_prefix)
+    return spec, generate_requests(spec, id_prefix, vocab_size)

@@ -22,6 +22,7 @@ import time
 from typing import Any, AsyncGenerator, Optional
 
 from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.core_client import make_client
 from servetwin.core.engine.engine_client import EngineCoreClient, EngineDeadError
 from servetwin.core.engine.input_processor import InputProcessor, PromptType, check_priority
 from servetwin.core.engine.metrics import ServingMetrics
@@ -76,7 +77,7 @@ class AsyncLLM:
         kwargs: dict[str, Any] = {"pace": self.pace, "time_scale": time_scale, "fake_step_time_s": fake_step_time_s}
         if startup_timeout_s is not None:
             kwargs["startup_timeout_s"] = startup_timeout_s
-        self.client = EngineCoreClient.make_client(True, True, args, **kwargs)
+        self.client = make_client(True, True, args, **kwargs)
         try:
             info = self.config = self.client.config
             self.tokenizer = load_tokenizer(tokenizer_path(args, info.model_path), info.vocab_size)

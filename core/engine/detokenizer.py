@@ -97,7 +97,11 @@ class IncrementalDetokenizer:
         """At the end of the request: the text of tokens still waiting for a character to complete."""
         if (self.params.detokenize and self.tokenizer is not None and self.stop_reason is None
                 and self.read_offset < len(self.token_ids)):
+            prev_len = len(self.output_text)
             self.output_text += self._decode_next(final=True)
+            # the held-back text may complete a stop string too (`a` of a token decoding to "a\ufffd")
+            if self.params.stop and len(self.token_ids) > self.params.min_tokens:
+                self._check_stop_strings(prev_len, len(self.token_ids), [])
 
     def visible_text(self, finished: bool) -> str:
         """Streaming holds back characters that could still become a stop string."""

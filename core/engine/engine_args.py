@@ -6,13 +6,15 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
+from servetwin.core.engine.executor import NO_BACKENDS, registered_backends
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 
 @dataclass(slots=True)
 class EngineArgs:
     model: str = "tiny-llama"
-    backend: str = "torch"  # "torch" | "sim" | "fake"
+    backend: str = "torch"  # a registered executor backend: "torch" | "sim" | "fake" | a plugin's
     tokenizer: Optional[str] = None
     skip_tokenizer_init: bool = False
     dtype: str = "auto"
@@ -50,23 +52,25 @@ class EngineArgs:
             if key not in allowed:
                 close = difflib.get_close_matches(key, sorted(allowed), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"{key}: unknown engine argument{hint}; allowed: {sorted(allowed)}")
+                raise ConfigError(f"{key}", f"unknown engine argument{hint}; allowed: {sorted(allowed)}")
         args = cls(**kwargs)
         if args.num_gpu_blocks_override is not None and args.num_gpu_blocks is None:
             args.num_gpu_blocks = args.num_gpu_blocks_override
-        if args.backend not in ("torch", "sim", "fake"):
-            raise ValueError(f"backend: must be 'torch', 'sim' or 'fake', got {args.backend!r}")
+        registered = registered_backends()
+        if args.backend not in registered:
+            raise ConfigError("backend", f"must be a registered executor backend "
+                                         f"({', '.join(map(repr, registered)) or NO_BACKENDS}), got {args.backend!r}")
         if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {args.tensor_parallel_size!r}")
+            raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {args.tensor_parallel_size!r}")
         if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
-            raise ValueError(f"device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
+            raise ConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
         if args.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization: must be 'fp8' or null, got {args.quantization!r}")
+            raise ConfigError("quantization", f"must be 'fp8' or null, got {args.quantization!r}")
         if args.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {args.kv_cache_dtype!r}")
+            raise ConfigError("kv_cache_dtype", f"must be 'auto' or 'fp8', got {args.kv_cache_dtype!r}")
         if (not isinstance(args.max_logprobs, int) or isinstance(args.max_logprobs, bool)
                 or args.max_logprobs < -1):
-            raise ValueError(f"max_logprobs: must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")
+            raise ConfigError("max_logprobs", f"must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")
         if args.num_gpu_blocks_override is not None:
             CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override)  # raises naming num_gpu_blocks
         # the KV-cache settings fail here, before any executor divides by a zero block size or

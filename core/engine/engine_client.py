@@ -1,6 +1,7 @@
 """Engine-core clients. `InprocClient` runs the `EngineCore` in the caller's process;
 `servetwin.core.engine.mp_client.SyncMPClient` / `AsyncMPClient` run it in a separate process (ZMQ + msgspec).
-`EngineCoreClient.make_client` picks one, like vLLM."""
+`servetwin.core.engine.core_client.make_client` picks one, like vLLM's `EngineCoreClient.make_client`
+(a module of its own, so neither client module imports the other's)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +9,8 @@ from typing import Any, Iterator, Optional
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_core import EngineCore, StepResult
-from servetwin.core.engine.engine_factory import ExecutorInfo, create_engine_core
+from servetwin.core.engine.engine_factory import create_engine_core
+from servetwin.core.engine.executor import ExecutorInfo
 from servetwin.core.outputs import EngineCoreOutput
 from servetwin.core.request import Request
 from servetwin.core.sampling_params import SamplingParams
@@ -29,22 +31,6 @@ class EngineCoreClient:
     config: Any
     last_sim_time_s: Optional[float] = None
     sim_arrivals: dict[str, float]
-
-    @staticmethod
-    def make_client(multiprocess_mode: bool, asyncio_mode: bool, args: EngineArgs,
-                    **kwargs: Any) -> "EngineCoreClient":
-        """vLLM's choice: asyncio needs the multi-process client; otherwise sync MP or in-process."""
-        if asyncio_mode and not multiprocess_mode:
-            raise NotImplementedError("Running EngineCore in asyncio without multiprocessing is not "
-                                      "supported (use multiprocess_mode=True).")
-        if multiprocess_mode:
-            from servetwin.core.engine import mp_client  # noqa: PLC0415
-
-            cls = mp_client.AsyncMPClient if asyncio_mode else mp_client.SyncMPClient
-            return cls(args, **kwargs)
-        if kwargs:
-            raise ValueError(f"{sorted(kwargs)[0]}: only the multi-process clients take this option")
-        return InprocClient(args)
 
     def validate_params(self, params: SamplingParams) -> None:
         """Raise a ValueError naming the field if `params` cannot be used with this client."""

@@ -47,6 +47,12 @@ IDLE_STATS_INTERVAL_S = 0.1
 IPC_PROFILE_LEN = 20000
 
 
+
+def error_kind(e: BaseException) -> str:
+    """The exception's name as the client re-raises it: subclasses of the kinds it knows
+    (`ConfigError`, `ModelNotFoundError`) travel as their base."""
+    return next((k.__name__ for k in (FileNotFoundError, ValueError) if isinstance(e, k)), type(e).__name__)
+
 class EngineCoreProc:
     def __init__(self, engine_core: Any, info: Any, args: Any, input_addr: str, output_addr: str,
                  parent_pid: int, pace: bool = False, time_scale: float = 1.0) -> None:
@@ -142,7 +148,7 @@ class EngineCoreProc:
                 if self.clock is not None:
                     self.clock.on_add(msg.request_id, self._sim_now() if self.pace else None)
             except ValueError as e:  # unservable / duplicate request: report it, keep serving
-                errors.append(m.RequestErrorMsg(msg.request_id, type(e).__name__, str(e)))
+                errors.append(m.RequestErrorMsg(msg.request_id, error_kind(e), str(e)))
         elif type(msg) is m.AbortMsg:
             self.engine.abort_requests(msg.request_ids)
         elif type(msg) is m.UtilityMsg:
@@ -175,7 +181,7 @@ class EngineCoreProc:
                                   sim_busy_s=self.clock.busy_s if self.clock else 0.0)
             self.send(m.UtilityResultMsg(msg.call_id, result))
         except Exception as e:  # noqa: BLE001 - the caller gets the error text
-            self.send(m.UtilityResultMsg(msg.call_id, None, f"{type(e).__name__}: {e}", type(e).__name__))
+            self.send(m.UtilityResultMsg(msg.call_id, None, f"{type(e).__name__}: {e}", error_kind(e)))
 
     def stats(self) -> Any:
         sched = self.engine.scheduler
@@ -359,7 +365,7 @@ def _send_startup_error(output_addr: str, e: BaseException) -> None:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 5000)
     sock.connect(output_addr)
-    sock.send(m.encoder().encode(m.StartupErrorMsg(type(e).__name__, str(e), traceback.format_exc())))
+    sock.send(m.encoder().encode(m.StartupErrorMsg(error_kind(e), str(e), traceback.format_exc())))
     sock.close()
     ctx.term()
 

@@ -1,11 +1,23 @@
-"""The `Executor` protocol that backends implement, and the deterministic fake executor."""
+"""The `Executor` protocol that backends implement, the one registry of backends, and the fake executor.
+
+A backend is a plugin: an `ExecutorBackend` object named by an entry point of the group
+`servetwin.executors` (pyproject.toml registers `sim`, `torch` and `fake`; another package can add
+its own). `executor_backend(name)` loads it by name, so core never imports `sim/` or `gpu/`.
+"""
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, runtime_checkable
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.outputs import ModelRunnerOutput, StepTiming
 from servetwin.core.sched.output import SchedulerOutput
 from servetwin.core.engine.runner_state import RunnerState
+
+if TYPE_CHECKING:
+    from servetwin.core.engine.engine_args import EngineArgs
 
 
 @runtime_checkable
@@ -13,6 +25,26 @@ class Executor(Protocol):
     """Executes one `SchedulerOutput` and returns the sampled tokens (and the step's timing)."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass(slots=True)
+class ExecutorInfo:
+    """An executor with the final KV pool size and `max_model_len` (what the scheduler is built for)."""
+    executor: Any
+    num_gpu_blocks: int
+    max_model_len: int
+    vocab_size: Optional[int] = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    model_path: Optional[str] = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorBackend:
+    """What a backend plugin registers: its executor class and how to build one from `EngineArgs`
+    (sizing the KV pool and `max_model_len` the way that backend does)."""
+    name: str
+    executor_class: type
+    from_engine_args: Callable[["EngineArgs"], ExecutorInfo]
 
 
 class FakeExecutor:
@@ -28,6 +60,10 @@ class FakeExecutor:
         self.state = RunnerState()
         self.step_time_s = step_time_s
         self.token_fn = token_fn
+
+    def reset(self) -> None:
+        """Forget every request (a new engine over this executor starts from an empty runner state)."""
+        self.state = RunnerState()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         rows = self.state.update(scheduler_output)
@@ -51,17 +87,56 @@ class FakeExecutor:
         )
 
 
-def make_executor(name: str, **kwargs) -> Executor:
-    """Find an executor by name with a lazy import, so core never imports a backend at load time."""
-    if name == "fake":
-        return FakeExecutor(**kwargs)
-    if name == "sim":
-        from servetwin.sim.executor import SimExecutor  # noqa: PLC0415
-        return SimExecutor(**kwargs)
-    if name == "torch":
-        from servetwin.gpu.executor import TorchExecutor  # noqa: PLC0415
-        return TorchExecutor(**kwargs)
-    raise ValueError(f"backend: unknown executor {name!r} (allowed: 'fake', 'sim', 'torch')")
+def build_fake_executor(args: "EngineArgs") -> ExecutorInfo:
+    max_len = args.max_model_len if args.max_model_len not in (None, -1) else 4096
+    return ExecutorInfo(FakeExecutor(), args.num_gpu_blocks or 8192, max_len)
 
 
-__all__ = ["Executor", "FakeExecutor", "make_executor", "Optional"]
+FAKE_BACKEND = ExecutorBackend("fake", FakeExecutor, build_fake_executor)
+
+
+# -- the registry ---------------------------------------------------------------------------------
+ENTRY_POINT_GROUP = "servetwin.executors"
+NO_BACKENDS = ("none: the servetwin.executors entry points are missing - install the project "
+               "(`python -m pip install --no-deps -e .`, again after pyproject.toml changes)")
+
+
+class BackendUnavailableError(ConfigError):
+    """A backend that is not registered, or whose plugin module fails to import (e.g. torch missing)."""
+
+
+def _entry_points() -> dict[str, Any]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def registered_backends() -> list[str]:
+    """The names of the executor backends installed (entry points of group `servetwin.executors`)."""
+    return sorted(_entry_points())
+
+
+def executor_backend(name: str) -> ExecutorBackend:
+    """Load a backend by name from its entry point, as vLLM loads its plugins (`entry_points(group=...)`,
+    then `load()`); core never imports a backend package itself."""
+    eps = _entry_points()
+    if name not in eps:
+        found = ", ".join(map(repr, sorted(eps))) or NO_BACKENDS
+        raise BackendUnavailableError("backend", f"unknown executor backend {name!r}; registered: {found}")
+    ep = eps[name]
+    try:
+        backend = ep.load()
+    except ImportError as e:
+        raise BackendUnavailableError("backend", f"executor backend {name!r} ({ep.value}) is registered but "
+                                                 f"cannot be imported: {e}") from e
+    if not isinstance(backend, ExecutorBackend):
+        raise BackendUnavailableError("backend", f"entry point {name!r} ({ep.value}) is a "
+                                                 f"{type(backend).__name__}, not an ExecutorBackend")
+    return backend
+
+
+def make_executor(name: str, **kwargs: Any) -> Executor:
+    """An executor of a registered backend, built from its constructor's keyword arguments."""
+    return executor_backend(name).executor_class(**kwargs)
+
+
+__all__ = ["Executor", "ExecutorBackend", "ExecutorInfo", "FakeExecutor", "BackendUnavailableError", "NO_BACKENDS",
+           "executor_backend", "make_executor", "registered_backends"]

@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Optional, Sequence, Union
 
 from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.core_client import make_client
 from servetwin.core.engine.engine_client import EngineCoreClient, EngineDeadError
 from servetwin.core.engine.input_processor import InputProcessor, PromptType, check_priority
 from servetwin.core.engine.output_processor import OutputProcessor
@@ -94,7 +95,7 @@ class LLMEngine:
 
     @staticmethod
     def _make_client(args: EngineArgs) -> EngineCoreClient:
-        return EngineCoreClient.make_client(bool(args.multiprocess), False, args)
+        return make_client(bool(args.multiprocess), False, args)
 
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams],
                     arrival_time: Optional[float] = None, priority: int = 0) -> str:

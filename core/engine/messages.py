@@ -110,7 +110,7 @@ def decode_params(msg: SamplingParamsMsg) -> SamplingParams:
     sp.stop = list(msg.stop)
     sp.stop_token_ids = list(msg.stop_token_ids)
     sp.output_kind = RequestOutputKind(msg.output_kind)
-    sp._all_stop_token_ids = set(msg.all_stop_token_ids)
+    sp.all_stop_token_ids = set(msg.all_stop_token_ids)
     return sp
 
 
@@ -152,7 +152,7 @@ InputMsg = Union[AddRequestMsg, AbortMsg, UtilityMsg, ShutdownMsg, BatchMsg]
 class EngineConfig(msgspec.Struct, tag="ready", array_like=True):
     """The final configuration the EngineCore process settled on (its ready message).
 
-    Same attribute names as `servetwin.core.engine.engine_factory.ExecutorInfo`, minus the executor object.
+    Same attribute names as `servetwin.core.engine.executor.ExecutorInfo`, minus the executor object.
     """
     num_gpu_blocks: int
     max_model_len: int

@@ -1,4 +1,4 @@
-"""Prefix-cache hit rate over a window of recent requests (vLLM `CachingMetrics`, spec 6.2)."""
+"""Prefix-cache hit rate over a window of recent requests (vLLM `CachingMetrics`, docs/scheduler_behaviour.md §6.2)."""
 from __future__ import annotations
 
 from collections import deque

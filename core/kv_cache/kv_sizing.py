@@ -1,7 +1,9 @@
-"""KV-cache sizing as vLLM 0.33.0 does it (spec section 5): page sizes, num_blocks, max_model_len fit."""
+"""KV-cache sizing as vLLM 0.33.0 does it (docs/scheduler_behaviour.md §5): page sizes, num_blocks, max_model_len fit."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from servetwin.core.config_error import ConfigError
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
                "bfloat16": 2, "bf16": 2, "fp8": 1, "float8": 1, "int8": 1}
@@ -15,7 +17,7 @@ def dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[str(dtype).replace("torch.", "")]
     except KeyError:
-        raise ValueError(f"dtype: unknown dtype {dtype!r} (allowed: {sorted(DTYPE_BYTES)})") from None
+        raise ConfigError("dtype", f"unknown dtype {dtype!r} (allowed: {sorted(DTYPE_BYTES)})") from None
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,16 +62,16 @@ def check_or_fit_max_model_len(num_blocks: int, spec: KVCacheSpec, max_model_len
     cannot fit (quoting the largest length that does) or not even one token fits.
     """
     if num_blocks <= 0:
-        raise ValueError("num_gpu_blocks: no available memory for the KV cache (0 blocks); "
+        raise ConfigError("num_gpu_blocks", "no available memory for the KV cache (0 blocks); "
                          "increase gpu_memory_utilization or the KV budget.")
     fits = max_len_that_fits(num_blocks, spec)
     if max_model_len == -1:
         if fits <= 0:
-            raise ValueError("max_model_len: the KV cache cannot serve even a single token.")
+            raise ConfigError("max_model_len", "the KV cache cannot serve even a single token.")
         return min(fits, derived_max_len)
     if cdiv(max_model_len, spec.block_size) > num_blocks - 1:
-        raise ValueError(
-            f"max_model_len: {max_model_len} tokens need {cdiv(max_model_len, spec.block_size)} blocks "
+        raise ConfigError(
+            "max_model_len", f"{max_model_len} tokens need {cdiv(max_model_len, spec.block_size)} blocks "
             f"but the KV cache has {num_blocks - 1} usable blocks; the largest max_model_len that fits "
             f"is {fits}. Lower max_model_len or give the KV cache more memory.")
     return max_model_len

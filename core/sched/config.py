@@ -4,12 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.sched.request_queue import SchedulingPolicy
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{name}", f"must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -38,24 +39,24 @@ class SchedulerConfig:
         _check_int("max_num_scheduled_tokens", self.max_num_scheduled_tokens, 1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy: must be 'fcfs' or 'priority', got {self.policy!r}")
+            raise ConfigError("policy", f"must be 'fcfs' or 'priority', got {self.policy!r}")
         if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark: must be in [0, 1), got {self.watermark!r}")
+            raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens: {self.max_num_batched_tokens} is smaller than max_model_len "
+            raise ConfigError(
+                "max_num_batched_tokens", f"{self.max_num_batched_tokens} is smaller than max_model_len "
                 f"({self.max_model_len}) with chunked prefill disabled, so the longest sequence could "
                 "never be scheduled; raise max_num_batched_tokens or lower max_model_len.")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= "
+            raise ConfigError("max_num_batched_tokens", f"{self.max_num_batched_tokens} must be >= "
                              f"max_num_seqs ({self.max_num_seqs})")
         if self.max_num_active_seqs is not None:
             _check_int("max_num_active_seqs", self.max_num_active_seqs, 1)
             if self.max_num_active_seqs > self.max_num_seqs:
-                raise ValueError(f"max_num_active_seqs: {self.max_num_active_seqs} must be <= "
+                raise ConfigError("max_num_active_seqs", f"{self.max_num_active_seqs} must be <= "
                                  f"max_num_seqs ({self.max_num_seqs})")
         if self.long_prefill_token_threshold > self.max_model_len:
-            raise ValueError(f"long_prefill_token_threshold: {self.long_prefill_token_threshold} must be "
+            raise ConfigError("long_prefill_token_threshold", f"{self.long_prefill_token_threshold} must be "
                              f"<= max_model_len ({self.max_model_len})")
 
     @property
@@ -78,11 +79,11 @@ class CacheConfig:
         if self.num_gpu_blocks is not None:
             _check_int("num_gpu_blocks", self.num_gpu_blocks, 2)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         if self.prefix_caching_hash_algo != "sha256":
-            raise ValueError(f"prefix_caching_hash_algo: only 'sha256' is supported, got "
+            raise ConfigError("prefix_caching_hash_algo", "only 'sha256' is supported, got "
                              f"{self.prefix_caching_hash_algo!r}")
 
 

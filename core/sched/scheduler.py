@@ -1,9 +1,9 @@
-"""The scheduler: vLLM 0.33.0's `Scheduler.schedule()` / `update_from_output()` (spec sections 2-3).
+"""The scheduler: vLLM 0.33.0's `Scheduler.schedule()` / `update_from_output()` (docs/scheduler_behaviour.md §2-3).
 
 There is no prefill or decode phase: each request has `num_computed_tokens` (C) and `num_tokens` (N)
 and every step hands out tokens so that C catches up. Running requests first (admission order), then
 waiting ones (only in a step without preemption). `async_scheduling=True` adds vLLM's one-step
-run-ahead: output placeholders for tokens sampled but not yet returned (spec 2.10).
+run-ahead: output placeholders for tokens sampled but not yet returned (docs/scheduler_behaviour.md §2.10).
 
 This module holds vLLM's behaviour only. servetwin's deliberate deviations are marked
 `DEVIATION from vLLM` where they live (README, "Where servetwin deviates from vLLM on purpose").
@@ -38,7 +38,7 @@ class SchedulerStats:
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
-    """0.33 order: EOS, stop token ids, length caps, then the min_tokens gate (spec 3.1)."""
+    """0.33 order: EOS, stop token ids, length caps, then the min_tokens gate (docs/scheduler_behaviour.md §3.1)."""
     sp = request.sampling_params
     last = request._output_token_ids[-1]
     if last == sp._eos_token_id:
@@ -110,7 +110,7 @@ class Scheduler:
 
     # -- requests in and out -----------------------------------------------------------------
     def check_servable(self, request: Request) -> None:
-        """Reject a request that can never be served, instead of blocking the queue (spec 8.4).
+        """Reject a request that can never be served, instead of blocking the queue (docs/scheduler_behaviour.md §8.4).
 
         DEVIATION from vLLM: vLLM 0.33 admits such a request and its waiting queue then blocks
         forever (its input processor rejects only the empty and the too-long prompt)."""

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 MAX_N = 16384  # SamplingParams' limit on n
@@ -28,12 +29,14 @@ REQUEST_KEYS = ("id", "arrival_step", "prompt_token_ids", "prompt_len", "prompt_
 ABORT_KEYS = ("step", "id", "phase")
 
 
-class ScenarioError(ValueError):
-    """A bad scenario file; `path` is the field (`requests[2].priority`), the message starts with it."""
+class ScenarioError(ConfigError):
+    """A bad scenario file; `path` is the field (`requests[2].priority`), the message starts with it.
 
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = path
+    A `ConfigError`, so drivers that embed a scenario (`workload.scenario`) nest it with `within`."""
+
+    def within(self, prefix: str) -> "ScenarioError":
+        e = ConfigError.within(self, prefix)
+        return ScenarioError(e.path, e.message)
 
 
 @dataclass(slots=True)
@@ -190,8 +193,8 @@ def _configs(s: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
         sched = SchedulerConfig(**{k: s[k] for k in _SCHED_FIELDS if k in s})
         cache = CacheConfig(block_size=s.get("block_size", 16), num_gpu_blocks=s["num_gpu_blocks"],
                             enable_prefix_caching=s.get("enable_prefix_caching", False))
-    except ValueError as e:  # the configs name the field first ("max_num_seqs: ...")
-        raise ScenarioError("settings." + str(e).split(":", 1)[0], str(e).split(":", 1)[-1].strip()) from None
+    except ConfigError as e:  # the configs name their own field ("max_num_seqs")
+        raise ScenarioError(e.path, e.message).within("settings") from None
     return sched, cache
 
 

@@ -1,4 +1,4 @@
-"""Step and request traces, the same schema for the simulator and the torch backend (architecture.md).
+"""Step and request traces, the same schema for the simulator and the torch backend (docs/architecture.md).
 
 Timing boundaries, defined once for both backends:
 - a step runs from `t_start` to `t_end` (simulated or measured seconds since the run started);

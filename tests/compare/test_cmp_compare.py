@@ -1,6 +1,7 @@
 """`servetwin compare` on tiny-llama: offline (identical steps, all keys), online, and refusing a mismatch."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -162,19 +163,21 @@ def test_contended_repeats_are_flagged_and_retried(tmp_path, monkeypatch):
     real = cmpmod.cpu_timed
     calls = {"n": 0}
 
-    def first_run_starved(engine, cpu_s):  # the first measured run "loses its CPU" in every step
+    @contextlib.contextmanager
+    def first_run_starved(executor, cpu_s):
+        """The first measured run "loses its CPU" in every step, the others get all of it (set through
+        the executor's step_observers after the real one, so the machine's own load does not matter)."""
         calls["n"] += 1
-        real(engine, cpu_s)
-        if calls["n"] == 1:
-            step = engine.step
+        starved = calls["n"] == 1
+        with real(executor, cpu_s):
+            def fake_cpu(so, out):
+                cpu_s[so.step] = 0.0 if starved else out.timing.duration_s
 
-            def starved(*a, **k):
-                result = step(*a, **k)
-                if result.scheduled is not None:
-                    cpu_s[result.scheduled.step] = 0.0
-                return result
-
-            engine.step = starved
+            executor.step_observers.append(fake_cpu)
+            try:
+                yield
+            finally:
+                executor.step_observers.remove(fake_cpu)
 
     monkeypatch.setattr(cmpmod, "cpu_timed", first_run_starved)
     cfg = tiny_config(tmp_path / "off.yaml")

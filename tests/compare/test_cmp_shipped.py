@@ -48,5 +48,5 @@ def test_compare_configs_validate_and_use_a_matching_calibration(path):
     hw = load_hardware(exp.hardware)
     assert hw.provenance.get("calibrated") is True
     assert hw.provenance["model"] == exp.model
-    assert exp.engine.get("dtype", hw.provenance["dtype"]) == hw.provenance["dtype"]
-    assert exp.engine["device"] == "cpu" and exp.engine["num_gpu_blocks"] >= 2
+    assert exp.engine.given.get("dtype", hw.provenance["dtype"]) == hw.provenance["dtype"]
+    assert exp.engine.given["device"] == "cpu" and exp.engine.given["num_gpu_blocks"] >= 2

@@ -1,6 +1,6 @@
 """Shared helpers for the tests of `core/` (the vLLM v1 scheduler / KV-cache re-implementation).
 
-The helper names mirror the harness described in spec section 7 (`create_scheduler`,
+The helper names mirror the harness described in docs/scheduler_behaviour.md §7 (`create_scheduler`,
 `create_requests`, `make_output`, `assert_scheduler_empty`) but are written from the described
 behaviour only.
 """
@@ -128,7 +128,7 @@ def running_ids(scheduler: Scheduler) -> list[str]:
 
 
 def check_block_accounting(kv: KVCacheManager) -> None:
-    """Reference counts, free queue and hash map are mutually consistent (spec 4.9, 4.10)."""
+    """Reference counts, free queue and hash map are mutually consistent (docs/scheduler_behaviour.md §4.9, §4.10)."""
     pool = kv.block_pool
     holders: dict[int, int] = {}
     for blocks in kv.req_to_blocks.values():

@@ -1,4 +1,4 @@
-"""Async scheduling (one-step run-ahead with output placeholders, spec 2.10) and the EngineCore loop."""
+"""Async scheduling (one-step run-ahead with output placeholders, docs/scheduler_behaviour.md §2.10) and the EngineCore loop."""
 from __future__ import annotations
 
 import pytest

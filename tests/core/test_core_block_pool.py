@@ -1,4 +1,4 @@
-"""KVCacheBlock, the free-block queue, the hash->block map and the BlockPool (spec 1.3-1.7, 4.8-4.11)."""
+"""KVCacheBlock, the free-block queue, the hash->block map and the BlockPool (docs/scheduler_behaviour.md §1.3-1.7, §4.8-4.11)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Prefix-cache hashing: NONE_HASH, hash_block_tokens, extra keys, the request block hasher (spec 4.1-4.3)."""
+"""Prefix-cache hashing: NONE_HASH, hash_block_tokens, extra keys, the request block hasher (docs/scheduler_behaviour.md §4.1-4.3)."""
 from __future__ import annotations
 
 import hashlib

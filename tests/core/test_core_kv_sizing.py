@@ -1,4 +1,4 @@
-"""KV-cache sizing (spec section 5) and the iteration annotation (spec 6.3)."""
+"""KV-cache sizing (docs/scheduler_behaviour.md §5) and the iteration annotation (§6.3)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""KVCacheManager + prefix caching, driven directly (spec 4.4-4.11, section 7.2 / 7.4 equivalents)."""
+"""KVCacheManager + prefix caching, driven directly (docs/scheduler_behaviour.md §4.4-4.11; vLLM test equivalents, §7)."""
 from __future__ import annotations
 
 import pytest

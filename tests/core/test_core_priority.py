@@ -1,4 +1,4 @@
-"""Priority scheduling (spec 1.11, 2.2 step 8, 8.11; section 7.1 priority tests)."""
+"""Priority scheduling (docs/scheduler_behaviour.md §1.11, §2.2, §8.11; vLLM's priority tests)."""
 from __future__ import annotations
 
 import random

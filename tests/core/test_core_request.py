@@ -1,4 +1,4 @@
-"""Request model, statuses, configs, and a few scheduler corner cases of spec sections 1, 3.3 and 8."""
+"""Request model, statuses, configs, and a few scheduler corner cases (docs/scheduler_behaviour.md §1, §3.3, §8)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""SamplingParams normalisation + validation (spec appendix B.1) and parallel-sampling fan-out (B.2)."""
+"""SamplingParams normalisation + validation (docs/scheduler_behaviour.md §B.1) and parallel-sampling fan-out (§B.2)."""
 from __future__ import annotations
 
 import math

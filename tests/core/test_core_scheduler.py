@@ -1,4 +1,4 @@
-"""Scheduler behaviour (spec sections 2, 3, 6, 8; section 7.1 equivalents), FCFS policy."""
+"""Scheduler behaviour (docs/scheduler_behaviour.md §2, §3, §6, §8; vLLM test equivalents, §7), FCFS policy."""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,6 @@
 """Hypothesis stateful tests: random configs and random add / abort / step sequences through
 `EngineCore` + `FakeExecutor`, with the scheduler and block-pool invariants checked after every
-operation (spec 2.4, 4.9, 4.10, 8), a final drain, and a determinism re-run of the same operations."""
+operation (docs/scheduler_behaviour.md §2.4, §4.9, §4.10, §8), a final drain, and a determinism re-run of the same operations."""
 from __future__ import annotations
 
 import os
@@ -231,7 +231,7 @@ class Harness:
 
     def _check_order(self, so, pre_running: list[Request], pre_waiting: list[Request],
                      pre_n: dict[str, int], free_after_schedule: int) -> None:
-        """Victims, scheduling order and admission order follow the policy (spec 2.2, 2.3, 2.5)."""
+        """Victims, scheduling order and admission order follow the policy (docs/scheduler_behaviour.md §2.2, §2.3, §2.5)."""
         victims = list(so.preempted_order)
         if self.cfg.policy == "fcfs":
             # victims are taken from the tail of `running`
@@ -260,7 +260,7 @@ class Harness:
             assert self.reqs[rid].num_preemptions == 0
         for rid in resumed:
             assert self.reqs[rid].num_preemptions > 0
-        # exact token counts (spec 2.2 steps 2-5, 2.3 step 6), re-derived from the pre-step state
+        # exact token counts (docs/scheduler_behaviour.md §2.2, §2.3), re-derived from the pre-step state
         cfg = self.cfg
         eligible = len(pre_running) + len(pre_waiting)
         T = cfg.threshold if eligible > 1 else 0
@@ -290,7 +290,7 @@ class Harness:
             want = min(want, budget)
             assert nst[rid] == want, (rid, nst[rid], want)
             budget -= want
-        # the waiting head was left behind only for a reason (spec 2.3): budget, admission cap,
+        # the waiting head was left behind only for a reason (docs/scheduler_behaviour.md §2.3): budget, admission cap,
         # head-of-line without chunking, or not enough free blocks for its (full) sequence
         if len(pre_waiting) > len(admitted) and not victims:
             head = pre_waiting[len(admitted)]

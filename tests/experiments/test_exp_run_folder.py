@@ -117,7 +117,7 @@ def test_a_failed_run_leaves_an_existing_folder_untouched(tmp_path, monkeypatch,
     before = _tree(out)
 
     def bad_engine(exp, backend):
-        raise ConfigError("engine.num_gpu_blocks: too small for one request [sim backend]")
+        raise ConfigError("engine.num_gpu_blocks", "too small for one request [sim backend]")
 
     monkeypatch.setattr(runner, "create_engine", bad_engine)
     assert main(["run", str(path), "-o", str(out), "--no-progress", "--overwrite"]) == 2

@@ -128,13 +128,13 @@ def test_shipped_configs_validate():
     default = load_config(CONFIGS / "default.yaml")
     assert default.backends == ["sim", "torch"] and default.model == "tiny-llama"
     bench = load_config(CONFIGS / "bench_h100_llama8b.yaml")
-    assert bench.workload["requests"] == 10000 and bench.workload["arrival"]["type"] == "poisson"
+    assert bench.workload.spec.requests == 10000 and type(bench.workload.arrival).__name__ == "Poisson"
 
 
 def test_requests_override_keeps_shared_prefix_groups_whole():
     notes = []
     exp = load_config(CONFIGS / "reward_prefix_caching.yaml", requests=32, notes=notes)
-    assert exp.workload["shared_prefix"]["groups"] == 8 and exp.workload["shared_prefix"]["per_group"] == 4
+    assert exp.workload.spec.shared_prefix.groups == 8 and exp.workload.spec.shared_prefix.per_group == 4
     assert notes and "8 groups x 4" in notes[0]
     exp = load_config(CONFIGS / "default.yaml", requests=3)
-    assert exp.workload["requests"] == 3
+    assert exp.workload.spec.requests == 3

@@ -80,6 +80,8 @@ def run(tok, params: SamplingParams, steps: list[list[int]]) -> IncrementalDetok
     for step in steps:
         if detok.update(step):
             break
+    else:  # the request ends: held-back text is flushed (and checked for stop strings) as at a finish
+        detok.flush()
     return detok
 
 

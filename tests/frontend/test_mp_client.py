@@ -11,6 +11,7 @@ import time
 import pytest
 
 from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.core_client import make_client
 from servetwin.core.engine.engine_client import EngineCoreClient, EngineDeadError, InprocClient
 from servetwin.core.engine.llm import LLM
 from servetwin.core.engine.mp_client import AsyncMPClient, SyncMPClient
@@ -39,11 +40,11 @@ def _workload():
 
 def test_make_client_picks_like_vllm():
     args = EngineArgs.from_kwargs(**FAKE)
-    inproc = EngineCoreClient.make_client(False, False, args)
+    inproc = make_client(False, False, args)
     assert isinstance(inproc, InprocClient)
     with pytest.raises(NotImplementedError):
-        EngineCoreClient.make_client(False, True, args)
-    client = EngineCoreClient.make_client(True, False, args)
+        make_client(False, True, args)
+    client = make_client(True, False, args)
     try:
         assert isinstance(client, SyncMPClient)
         for name in ("num_gpu_blocks", "max_model_len", "vocab_size", "eos_token_ids", "model_path"):

@@ -32,6 +32,20 @@ def test_engine_arguments_are_mapped_with_vllm_names():
     assert engine_args_from(ns).tokenizer is None
 
 
+def test_serve_takes_an_experiment_yaml_and_flags_override_it(tmp_path):
+    (tmp_path / "hw.yaml").write_text("base: cpu\nname: my-cpu\n")
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text("model: qwen3-0.6b\nhardware: hw.yaml\nbackends: [sim]\nseed: 3\n"
+                   "engine: {max_num_seqs: 5, num_gpu_blocks: 64, max_model_len: 256}\n"
+                   "workload: {requests: 1, prompt_tokens: 8, output_tokens: 2}\n")
+    args = engine_args_from(build_parser().parse_args(["serve", "--config", str(cfg)]))
+    assert (args.backend, args.model, args.seed, args.max_num_seqs, args.num_gpu_blocks) == ("sim", "qwen3-0.6b", 3, 5, 64)
+    assert args.hardware.name == "my-cpu" and args.tokenizer == "toy" and args.multiprocess  # hw.yaml next to the YAML
+    args = engine_args_from(build_parser().parse_args(["serve", "--config", str(cfg), "--max-num-seqs", "9",
+                                                       "--model", "tiny-llama"]))
+    assert (args.max_num_seqs, args.model) == (9, "tiny-llama")
+
+
 def test_engine_startup_error_exits_with_the_message():
     res = subprocess.run([PY, "-m", "servetwin.experiments.cli", "serve", "--backend", "fake", "--policy", "bogus",
                           "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -39,11 +39,13 @@ def test_the_wheel_has_one_top_level_name(wheel):
     if top_level in names:
         assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["servetwin"]
     for must in ("servetwin/__init__.py", "servetwin/core/sched/scheduler.py", "servetwin/sim/engine.py",
-                 "servetwin/gpu/executor.py", "servetwin/experiments/configs/default.yaml"):
+                 "servetwin/sim/plugin.py", "servetwin/gpu/plugin.py", "servetwin/gpu/executor.py",
+                 "servetwin/experiments/configs/default.yaml"):
         assert must in names
     assert not any(n.startswith("servetwin/tests/") for n in names)
     eps = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
     assert "[console_scripts]" in eps and "servetwin = servetwin.experiments.cli:main" in eps
+    assert "[servetwin.executors]" in eps and "sim = servetwin.sim.plugin:BACKEND" in eps
 
 
 def test_an_install_imports_as_servetwin_and_not_as_core(wheel, tmp_path):
@@ -61,6 +63,7 @@ def test_an_install_imports_as_servetwin_and_not_as_core(wheel, tmp_path):
     away = tmp_path / "elsewhere"  # not the repository: nothing but the install can be found
     away.mkdir()
     code = ("import importlib.util, servetwin, servetwin.core.sched.scheduler, servetwin.sim.engine\n"
+            "import servetwin.core.config_error\n"
             "print(servetwin.__file__)\n"
             "print([importlib.util.find_spec(m) is None for m in ('core', 'sim', 'gpu', 'experiments')])\n")
     out = subprocess.run([str(py), "-c", code], cwd=away, capture_output=True, text=True, env={"PATH": "/usr/bin"})

@@ -22,7 +22,7 @@ def test_llama_8b_kv_block_is_2_mib():
     assert spec.page_size_bytes == 64 * 1024
     assert spec.bytes_per_block == 2 * 1024 * 1024
     assert spec.bytes_per_token == 128 * 1024
-    assert num_blocks_for_memory(40 * 2**30, spec) == 20480  # spec section 5.3 worked example
+    assert num_blocks_for_memory(40 * 2**30, spec) == 20480  # docs/scheduler_behaviour.md §5.3 worked example
 
 
 def test_kv_spec_dtype_defaults_to_model_and_can_be_overridden():

@@ -136,7 +136,7 @@ def test_trace_csv_and_jsonl(tmp_path):
     ({"requests": 3, "shared_prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
      "workload.requests: 3 disagrees"),
     ({"prompt_tokens": 4, "shared_prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
-     "workload.prompt_tokens: not allowed with prefix groups"),
+     "workload.prompt_tokens: not allowed with workload.shared_prefix"),
     ({"max_prompt_tokens": 4, "shared_prefix": {"groups": 2, "per_group": 2, "prefix_tokens": 4}},
      "workload.shared_prefix.prefix_tokens: 4 leaves no room"),
     ({"requests": 5, "finish": "eos"}, "workload.max_output_tokens: required"),
