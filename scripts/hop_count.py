@@ -37,8 +37,8 @@ def main() -> int:
         if done or event != "call":
             return
         path = frame.f_code.co_filename
-        if not path.startswith(root) or "/tests/" in path:
-            return
+        if not path.startswith(root) or any(part in path for part in ("/tests/", "/scripts/", "site-packages")):
+            return  # only the package's own files (a venv inside the checkout is not the package)
         rel = os.path.relpath(path, root)
         calls.append(rel)
         if frame.f_code.co_name == "execute_model":
@@ -46,7 +46,7 @@ def main() -> int:
             f, chain = frame, []
             while f is not None:
                 p = f.f_code.co_filename
-                if p.startswith(root):
+                if p.startswith(root) and "site-packages" not in p and "/scripts/" not in p:
                     r = os.path.relpath(p, root)
                     if not chain or chain[-1] != r:
                         chain.append(r)
