@@ -435,23 +435,62 @@ def request_gantt(frames: dict[str, dict], path: str, ctx: Optional[PlotContext]
 RUN_FIGURES = ("latency_cdf", "timeline", "request_gantt", "step_time")
 
 
-def all_run_plots(frames: dict[str, dict], itls: dict[str, list], out_dir: str,
-                  ctx: Optional[PlotContext] = None, jobs=None) -> dict[str, Any]:
-    """Every run figure, each drawn by a forked child where the machine allows it
-    (`servetwin.experiments.background`); `jobs` (an OutputJobs) may already hold other files being written,
-    which this waits for too. Returns {figure: path or None}."""
+def warm_plotting() -> None:
+    """Import matplotlib and render one small figure (fonts, the Agg canvas, the PNG encoder loaded): what
+    `servetwin.experiments.background.Prewarmed` does while the backends run."""
+    import io  # noqa: PLC0415
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(1, 1))
+    ax.plot([1e-3, 1.0], [0, 1])
+    log_time_axis(ax)
+    ax.set_title("warm", fontsize=9)
+    fig.savefig(io.BytesIO(), dpi=20, format="png")
+    plt.close(fig)
+
+
+def draw_run_figures(frames: dict[str, dict], itls: dict[str, Any], out_dir: str,
+                     ctx: Optional[PlotContext] = None) -> dict[str, Optional[str]]:
+    """Every run figure, each in a forked child where the machine allows it; {figure: path or None}."""
     from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
 
-    if not frames:
-        return {}
-    jobs = jobs if jobs is not None else OutputJobs()
+    jobs = OutputJobs()
     if jobs.parallel:
         _plt()  # import once, before forking: the children inherit it
+    _submit_figures(jobs, frames, itls, out_dir, ctx)
+    done = jobs.wait()
+    return {k: done.get(k) for k in RUN_FIGURES}
+
+
+def _submit_figures(jobs, frames, itls, out_dir: str, ctx) -> None:
     path = {k: os.path.join(out_dir, f"{k}.png") for k in RUN_FIGURES}
     jobs.submit("latency_cdf", latency_cdfs, (frames, itls, path["latency_cdf"], ctx), path["latency_cdf"])
     jobs.submit("timeline", timeline, (frames, path["timeline"], ctx), path["timeline"])
     jobs.submit("request_gantt", request_gantt, (frames, path["request_gantt"], ctx), path["request_gantt"])
     jobs.submit("step_time", step_time, (frames, path["step_time"], ctx), path["step_time"])
+
+
+def all_run_plots(frames: dict[str, dict], itls: dict[str, list], out_dir: str,
+                  ctx: Optional[PlotContext] = None, jobs=None, worker=None) -> dict[str, Any]:
+    """Every run figure, each drawn by a forked child where the machine allows it
+    (`servetwin.experiments.background`); `jobs` (an OutputJobs) may already hold other files being written,
+    which this waits for too; `worker` (a `Prewarmed` child that imported matplotlib with
+    `warm_plotting` while the backends ran) draws them when given. Returns {figure: path or None}."""
+    from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
+
+    if not frames:
+        return {}
+    if worker is not None and worker.running:
+        # the figures read only these two tables: the per-request step rows (millions) stay here
+        slim = {b: {"steps": fr["steps"], "requests": fr["requests"]} for b, fr in frames.items()}
+        worker.submit(draw_run_figures, (slim, itls, out_dir, ctx))
+        if jobs is not None:
+            jobs.wait()
+        return worker.result()
+    jobs = jobs if jobs is not None else OutputJobs()
+    if jobs.parallel:
+        _plt()  # import once, before forking: the children inherit it
+    _submit_figures(jobs, frames, itls, out_dir, ctx)
     done = jobs.wait()
     return {k: done.get(k) for k in RUN_FIGURES}
 
