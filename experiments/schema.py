@@ -580,8 +580,21 @@ def _check_engine_semantics(exp: ExperimentConfig) -> None:
         raise engine_field_path(e) from None
 
 
+def _check_backend_args(exp: ExperimentConfig) -> None:
+    """Each backend's own cheap checks (`ExecutorBackend.check_args`: e.g. the torch backend's
+    `max_model_len` against the model's config.json), before any model load."""
+    from servetwin.core.engine.executor import check_engine_args  # noqa: PLC0415
+
+    for backend in exp.backends:
+        try:
+            check_engine_args(exp.engine_args(backend))
+        except ConfigError as e:
+            e = engine_field_path(e)
+            raise ConfigError(e.path, f"{e.message} [{backend} backend]") from None
+
+
 CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _check_hardware,
-                                                                 _check_engine_semantics)
+                                                                 _check_engine_semantics, _check_backend_args)
 
 
 def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "experiment") -> ExperimentConfig:

@@ -117,6 +117,7 @@ def check_listen(host: str, port: int) -> None:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
+    from servetwin.core.engine.executor import check_engine_args  # noqa: PLC0415
     from servetwin.core.entrypoints.openai.api_server import run_server  # noqa: PLC0415
 
     if not ns.time_scale > 0:
@@ -127,6 +128,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"max_request_bytes: must be >= 0 (0: no limit), got {ns.max_request_bytes}")
     api_key = ns.api_key if ns.api_key is not None else os.environ.get("SERVETWIN_API_KEY") or None
     args = engine_args_from(ns)
+    check_engine_args(args)  # the backend's cheap checks (e.g. torch: max_model_len vs the model's config)
     check_listen(ns.host, ns.port)  # before the engine loads (minutes for a big model), not after
     print(f"servetwin serve: {args.backend} backend, model {args.model!r} on http://{ns.host}:{ns.port} "
           "(the engine loads in the background; GET /health turns 200 when it is ready)", flush=True)

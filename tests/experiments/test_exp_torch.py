@@ -1,5 +1,7 @@
 """The torch backend path of `servetwin run` (tiny-llama on the CPU, a few requests)."""
 import json
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -7,6 +9,7 @@ from exptest_helpers import CONFIGS, tiny, write_yaml
 
 from servetwin.core.testbed.trace import REQUEST_COLUMNS, STEP_COLUMNS, STEP_REQUEST_COLUMNS
 from servetwin.experiments.cli import main
+from servetwin.experiments.schema import load_config
 
 
 def _torch_backend_or_skip():
@@ -116,3 +119,41 @@ def test_measure_flags_are_checked(tmp_path, capsys):
         assert not (tmp_path / "o").exists()  # refused before the output folder is touched
     assert main(["run", str(path), "-o", str(tmp_path / "o"), "--seeds", "2", "--retry-contended", "1"]) == 2
     assert "not supported with seeds" in capsys.readouterr().err
+
+
+def test_a_bad_torch_max_model_len_fails_at_config_time_without_torch(tmp_path):
+    # an HF model folder with only its config.json: no weights, so any model load would fail otherwise
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 128}))
+    cfg = tiny(backends=["torch"], model=str(model), engine__device="cpu", engine__max_model_len=256)
+    path = write_yaml(tmp_path / "t.yaml", cfg)
+    code = ("import sys\nfrom servetwin.experiments.schema import ConfigError, load_config\n"
+            f"try:\n    load_config({str(path)!r})\nexcept ConfigError as e:\n    print(e.path, '|', e.message)\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.splitlines() == [
+        "engine.max_model_len | 256 exceeds the model's max_position_embeddings (128) [torch backend]", "no torch"]
+    # within the limit the config is fine; the CLI says the same and exits 2 before building anything
+    cfg["engine"]["max_model_len"] = 128
+    load_config(write_yaml(tmp_path / "ok.yaml", cfg))
+    assert main(["run", str(path), "-o", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_torch_check_reads_only_configs_on_disk(tmp_path, monkeypatch):
+    from servetwin.gpu.models import model_files  # noqa: PLC0415
+
+    monkeypatch.setenv("SERVETWIN_CACHE", str(tmp_path / "cache"))
+    assert model_files.config_on_disk("tiny-llama") is None  # not built yet: checked when it loads
+    built = tmp_path / "cache" / "models" / "tiny-llama"
+    built.mkdir(parents=True)
+    (built / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    assert model_files.config_on_disk("tiny-llama") == built / "config.json"
+    assert model_files.max_position_embeddings(built / "config.json") == 4096
+    (built / "config.json").write_text(json.dumps({"model_type": "qwen2"}))  # absent: the type's default
+    assert model_files.max_position_embeddings(built / "config.json") is None
+    assert model_files.config_on_disk(str(tmp_path / "nowhere")) is None
+    from servetwin.gpu.models.tiny import TINY_MODELS  # noqa: PLC0415
+
+    assert tuple(TINY_MODELS) == model_files.TINY_MODEL_NAMES
