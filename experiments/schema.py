@@ -231,7 +231,9 @@ WORKLOAD_KEYS = ("requests", "arrival", "prompt_tokens", "output_tokens", "share
                  "vocab_size", "max_prompt_tokens", "max_output_tokens", "priority", "finish", "timeout_s",
                  "scenario", "lengths", "conversations")
 WORKLOAD_HINTS = {"num_requests": "requests", "prompt_len": "prompt_tokens", "output_len": "output_tokens",
-                  "prefix": "shared_prefix", "trace": "file", "prefix_len": "shared_prefix"}
+                  "prefix": "shared_prefix", "trace": "file", "prefix_len": "shared_prefix",
+                  "sharegpt": "lengths", "multi_turn": "conversations", "multiturn": "conversations",
+                  "chat": "conversations"}
 SHARED_PREFIX_KEYS = ("groups", "per_group", "prefix_tokens", "suffix_tokens", "order")
 # EngineArgs fields an experiment YAML sets at the top level, not under `engine:`
 TOP_LEVEL_ENGINE_ARGS = ("model", "seed", "hardware", "backend")
@@ -852,6 +854,10 @@ def apply_requests_override(raw: dict[str, Any], n: int) -> Optional[str]:
         w.pop("requests", None)
         return (f"--requests {n}: shared_prefix workload, using {groups} groups x {sp['per_group']} = "
                 f"{groups * sp['per_group']} requests")
+    conv = w.get("conversations")
+    if isinstance(conv, dict):  # the turns are drawn per conversation: N conversations
+        conv["count"] = n
+        return f"--requests {n}: conversations workload, using {n} conversations (each of several turns)"
     w["requests"] = n
     return None
 
