@@ -214,6 +214,11 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
                   f"last arrival at {w['last_arrival_s']:.3f} s; prompt tokens mean {w['prompt_tokens_mean']:.1f} "
                   f"(min {w['prompt_tokens_min']}, max {w['prompt_tokens_max']}, total {w['prompt_tokens_total']:,}); "
                   f"output tokens mean {w['output_tokens_mean']:.1f} (total {w['output_tokens_total']:,}).", ""]
+        if w.get("conversations"):
+            lines[-1:-1] = [f"{w['conversations']:,} multi-turn conversations, {w['turns_per_conversation_mean']:.2f} "
+                            f"turns each on average (at most {w['turns_max']}); a later turn's prompt is the history "
+                            "(previous prompt + the engine's answer) plus a new message, so the prefix-cache rows "
+                            "below show the sharing; arrival = conversation starts, lengths as planned."]
     lines += ["## Summary", "", summary_table(summaries) if summaries else "(no backend ran)", "",
               "Throughput counts prompt + output tokens of completed sequences over the makespan (from t = 0 "
               "to the client's last chunk; the end of the last step without a modelled front end); latencies "

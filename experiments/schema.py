@@ -231,9 +231,11 @@ OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests)
 WORKLOAD_KEYS = ("requests", "arrival", "prompt_tokens", "output_tokens", "shared_prefix", "n", "file", "seed",
                  "vocab_size", "max_prompt_tokens", "max_output_tokens", "priority", "finish", "timeout_s",
-                 "scenario")
+                 "scenario", "lengths", "conversations")
 WORKLOAD_HINTS = {"num_requests": "requests", "prompt_len": "prompt_tokens", "output_len": "output_tokens",
-                  "prefix": "shared_prefix", "trace": "file", "prefix_len": "shared_prefix"}
+                  "prefix": "shared_prefix", "trace": "file", "prefix_len": "shared_prefix",
+                  "sharegpt": "lengths", "multi_turn": "conversations", "multiturn": "conversations",
+                  "chat": "conversations"}
 SHARED_PREFIX_KEYS = ("groups", "per_group", "prefix_tokens", "suffix_tokens", "order")
 # EngineArgs fields an experiment YAML sets at the top level, not under `engine:`
 TOP_LEVEL_ENGINE_ARGS = ("model", "seed", "hardware", "backend")
@@ -378,7 +380,7 @@ def parse_workload(value: Any, ctx: ParseContext) -> WorkloadConfig:
     for src in ("file", "scenario"):
         if src in w:
             w[src] = resolve_path(w[src], f"workload.{src}", ctx.base_dir)
-            for key in ("prompt_tokens", "output_tokens", "shared_prefix"):
+            for key in ("prompt_tokens", "output_tokens", "shared_prefix", "lengths", "conversations"):
                 if key in w:
                     raise ConfigError(f"workload.{key}", f"not allowed with workload.{src} (the file gives the lengths)")
     if "shared_prefix" in w:
@@ -392,11 +394,16 @@ def parse_workload(value: Any, ctx: ParseContext) -> WorkloadConfig:
         dist = w.get(key)
         if isinstance(dist, Mapping) and "path" in dist:
             w[key] = {**dist, "path": resolve_path(dist["path"], f"workload.{key}.path", ctx.base_dir)}
-    suffix = w["shared_prefix"].get("suffix_tokens") if isinstance(w.get("shared_prefix"), Mapping) else None
-    if isinstance(suffix, Mapping) and "path" in suffix:
-        where = "workload.shared_prefix.suffix_tokens.path"
-        w["shared_prefix"] = {**w["shared_prefix"],
-                              "suffix_tokens": {**suffix, "path": resolve_path(suffix["path"], where, ctx.base_dir)}}
+    for section, keys in (("shared_prefix", ("suffix_tokens",)), ("lengths", ("prompt", "output")),
+                          ("conversations", ("turns", "first_prompt", "message_tokens", "output_tokens"))):
+        if section in w:
+            w[section] = _resolve_dist_paths(w[section], section, keys, ctx)
+    if isinstance(w.get("lengths"), Mapping) and isinstance(w["lengths"].get("path"), str):  # a pairs file
+        w["lengths"] = {**w["lengths"], "path": resolve_path(w["lengths"]["path"], "workload.lengths.path",
+                                                             ctx.base_dir)}
+    if "conversations" in w and "torch" in ctx.parsed["backends"]:
+        raise ConfigError("workload.conversations", "multi-turn conversations are only supported by the sim "
+                          "backend (each turn waits for the previous answer's tokens)")
     seed = _int(0)(w.get("seed", ctx.parsed["seed"]), "workload.seed")
     if "scenario" in w:
         return _parse_scenario_workload(w, seed, ctx)
@@ -409,6 +416,19 @@ def parse_workload(value: Any, ctx: ParseContext) -> WorkloadConfig:
         raise ConfigError("workload.arrival.type", "'closed_loop' is only supported by the sim backend "
                                                    "(the torch backend replays open-loop arrival times)")
     return WorkloadConfig(seed=seed, spec=spec, given=w)
+
+
+def _resolve_dist_paths(section: Any, name: str, keys: tuple[str, ...], ctx: ParseContext) -> Any:
+    """`section` with the `path` of each `{type: empirical, path: ...}` length form under `keys`
+    resolved against the config's folder (the section itself is validated by its parser)."""
+    if not isinstance(section, Mapping):
+        return section
+    out = dict(section)
+    for key in keys:
+        dist = out.get(key)
+        if isinstance(dist, Mapping) and isinstance(dist.get("path"), str):
+            out[key] = {**dist, "path": resolve_path(dist["path"], f"workload.{name}.{key}.path", ctx.base_dir)}
+    return out
 
 
 def _parse_scenario_workload(w: dict[str, Any], seed: int, ctx: ParseContext) -> WorkloadConfig:
@@ -850,6 +870,10 @@ def apply_requests_override(raw: dict[str, Any], n: int) -> Optional[str]:
         w.pop("requests", None)
         return (f"--requests {n}: shared_prefix workload, using {groups} groups x {sp['per_group']} = "
                 f"{groups * sp['per_group']} requests")
+    conv = w.get("conversations")
+    if isinstance(conv, dict):  # the turns are drawn per conversation: N conversations
+        conv["count"] = n
+        return f"--requests {n}: conversations workload, using {n} conversations (each of several turns)"
     w["requests"] = n
     return None
 
