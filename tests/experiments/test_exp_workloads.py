@@ -99,3 +99,13 @@ def test_shipped_chat_config_parses_and_its_sweep_is_caching_on_off():
     assert [p.assignments for p in expand_sweep(exp)] == [{"engine.enable_prefix_caching": True},
                                                           {"engine.enable_prefix_caching": False}]
     json.dumps(exp.to_dict())  # the config round-trips (config.yaml of a run)
+
+
+def test_shipped_sharegpt_config_keeps_vllms_limits_and_its_limits_sweep():
+    exp = load_config(CONFIGS / "sharegpt_like.yaml")
+    lim = exp.workload.spec.lengths.limits
+    assert (lim.min_tokens, lim.max_prompt_tokens, lim.max_total_tokens) == (4, 1024, 2048)
+    raw = exp.to_dict()
+    raw["sweep"] = {"workload.lengths.max_total_tokens": [1024, None]}
+    points = expand_sweep(validate_config(raw, CONFIGS))
+    assert [p.config.workload.spec.lengths.limits.max_total_tokens for p in points] == [1024, None]

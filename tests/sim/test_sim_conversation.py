@@ -27,10 +27,10 @@ def _engine(caching=True, async_scheduling=False, max_model_len=4096, blocks=300
                       SimExecutor(cost_model=cm))
 
 
-def _workload(count=5, turns=3, seed=0, think=0.25, arrival=None, **extra):
+def _workload(count=5, turns=3, seed=0, think_s=0.25, arrival=None, **extra):
     conv = {"count": count, "turns": turns, "first_prompt": {"type": "uniform", "low": 20, "high": 70},
             "message_tokens": {"type": "uniform", "low": 1, "high": 40},
-            "output_tokens": {"type": "uniform", "low": 1, "high": 50}, "think_time_s": think, **extra}
+            "output_tokens": {"type": "uniform", "low": 1, "high": 50}, "think_time_s": think_s, **extra}
     return {"seed": seed, "conversations": conv, "arrival": arrival or {"type": "poisson", "rate": 20.0}}
 
 
@@ -98,7 +98,7 @@ def test_without_prefix_caching_no_turn_hits():
 def test_a_modelled_front_end_sends_the_next_turn_after_the_client_got_the_answer():
     fe = FrontendConfig("api_server", "completions", FrontendSpec("test", FrontendCoefficients(
         c_req_s=0.002, c_chunk_s=0.001, c_step_s=0.0005, latency_in_s=0.001, latency_out_s=0.001)))
-    sim, reqs, rows = _run(_workload(think=0.0), frontend=fe, record_step_requests=False)
+    sim, reqs, rows = _run(_workload(think_s=0.0), frontend=fe, record_step_requests=False)
     for turns in _turns(reqs):
         for prev, turn in zip(turns, turns[1:]):
             assert turn.arrival_s == pytest.approx(rows.loc[prev.request_id, "client_finish_s"])
@@ -108,7 +108,7 @@ def test_a_modelled_front_end_sends_the_next_turn_after_the_client_got_the_answe
 
 
 def test_closed_loop_users_run_one_conversation_after_another():
-    sim, reqs, rows = _run(_workload(count=4, turns=2, think=0.0,
+    sim, reqs, rows = _run(_workload(count=4, turns=2, think_s=0.0,
                                      arrival={"type": "closed_loop", "clients": 2, "think_time_s": 1.0}))
     starts = {r.conversation.conversation: r.arrival_s for r in reqs if r.conversation.turn == 1}
     ends = {r.conversation.conversation: sim.result.completion_s[r.request_id] for r in reqs
@@ -148,9 +148,12 @@ def test_finish_eos_answers_end_with_the_forced_eos():
 
 
 def test_same_seed_same_conversations():
-    _, a = build_workload(_workload(turns={"type": "uniform", "low": 1, "high": 5}), vocab_size=1000)
-    _, b = build_workload(_workload(turns={"type": "uniform", "low": 1, "high": 5}), vocab_size=1000)
-    _, c = build_workload(_workload(turns={"type": "uniform", "low": 1, "high": 5}, seed=1), vocab_size=1000)
+    kw = dict(turns={"type": "uniform", "low": 1, "high": 5}, think_s=2.0, think="exponential")
+    _, a = build_workload(_workload(**kw), vocab_size=1000)
+    _, b = build_workload(_workload(**kw), vocab_size=1000)
+    _, c = build_workload(_workload(**kw, seed=1), vocab_size=1000)
+    thinks = [r.conversation.think_s for r in a if r.conversation.turn > 1]
+    assert len(set(thinks)) == len(thinks) > 3  # exponential, drawn when generated
     assert [(r.request_id, r.prompt_token_ids, r.max_tokens, r.conversation) for r in a] == \
         [(r.request_id, r.prompt_token_ids, r.max_tokens, r.conversation) for r in b]
     assert [r.prompt_token_ids for r in a] != [r.prompt_token_ids for r in c]
@@ -160,7 +163,7 @@ def test_same_seed_same_conversations():
 @given(seed=st.integers(0, 10_000), count=st.integers(1, 4), turns=st.integers(1, 4),
        think=st.sampled_from([0.0, 0.01]), async_scheduling=st.booleans(), lazy=st.booleans())
 def test_every_prompt_is_a_prefix_of_the_next_turns(seed, count, turns, think, async_scheduling, lazy):
-    sim, reqs, rows = _run(_workload(count=count, turns=turns, seed=seed, think=think),
+    sim, reqs, rows = _run(_workload(count=count, turns=turns, seed=seed, think_s=think),
                            _engine(async_scheduling=async_scheduling), record_step_requests=not lazy)
     assert len(sim.result.completion_s) == len(reqs)
     for ts in _turns(reqs):
