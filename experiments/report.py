@@ -131,6 +131,8 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
             if m.any():
                 parts.append(f"{name}: {int(m.sum())} steps, mean {1e3 * float(st.duration_s[m].mean()):.3g} ms")
         obs.append(f"{head}: step time by phase - " + "; ".join(parts) + ".")
+        if s.get("measurement"):
+            obs.append(f"{head}: {measurement_line(s['measurement'])}")
         if s.get("sim_speedup_x"):
             obs.append(f"{head}: simulated {format_seconds(s['simulated_s'])} in {format_seconds(s['wall_s'])} of "
                        f"host time ({s['sim_speedup_x']:,.1f}x real time).")
@@ -149,6 +151,21 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
             obs.append(f"scheduling: {same} of the first {n} steps have the same annotation in sim and torch "
                        f"({len(sa)} vs {len(sb)} steps in all{note}).")
     return obs
+
+
+def measurement_line(m: dict[str, Any]) -> str:
+    """How a torch run was measured: threads, warm-up, the contention check (`torch_measure`)."""
+    from servetwin.experiments.torch_measure import contention_warning  # noqa: PLC0415
+
+    c, retry = m["contention"], m["retry_contended"]
+    warm = "no warm-up" if m.get("warmup_s") is None else f"warm-up {format_seconds(m['warmup_s'])} (not recorded)"
+    line = (f"measured with {m['torch_threads']} torch thread(s), {warm}; contention check: "
+            f"{100 * (c.get('contended_step_share') or 0):.1f}% of the steps lost their CPU to other processes "
+            f"(median cpu_share {c.get('median_cpu_share') or 0:.2f})")
+    if m.get("discarded_runs"):
+        line += f"; {len(m['discarded_runs'])} contended run(s) discarded and run again"
+    warning = contention_warning(c, retry["max_contended_share"])
+    return line + (f". **Warning**: {warning}." if warning else ".")
 
 
 def combined_offline(exp) -> bool:
@@ -197,6 +214,11 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
                   f"last arrival at {w['last_arrival_s']:.3f} s; prompt tokens mean {w['prompt_tokens_mean']:.1f} "
                   f"(min {w['prompt_tokens_min']}, max {w['prompt_tokens_max']}, total {w['prompt_tokens_total']:,}); "
                   f"output tokens mean {w['output_tokens_mean']:.1f} (total {w['output_tokens_total']:,}).", ""]
+        if w.get("conversations"):
+            lines[-1:-1] = [f"{w['conversations']:,} multi-turn conversations, {w['turns_per_conversation_mean']:.2f} "
+                            f"turns each on average (at most {w['turns_max']}); a later turn's prompt is the history "
+                            "(previous prompt + the engine's answer) plus a new message, so the prefix-cache rows "
+                            "below show the sharing; arrival = conversation starts, lengths as planned."]
     lines += ["## Summary", "", summary_table(summaries) if summaries else "(no backend ran)", "",
               "Throughput counts prompt + output tokens of completed sequences over the makespan (from t = 0 "
               "to the client's last chunk; the end of the last step without a modelled front end); latencies "

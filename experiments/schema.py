@@ -8,6 +8,7 @@
     backends: [sim, torch]            # any non-empty subset of sim, torch
     engine:                           # vLLM engine-argument names (servetwin.core.engine.engine_args.EngineArgs)
       max_num_seqs: 128
+      scheduling_policy: priority     # vLLM's name of `policy` (fcfs | priority); give one of the two
       ...
     workload:
       requests: 100                   # number of requests (the count of a file/scenario to use)
@@ -61,7 +62,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from servetwin.core.config_error import ConfigError
-from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_args import EngineArgs, resolve_aliases
 
 __all__ = ["ConfigError", "ExperimentConfig", "EngineConfig", "WorkloadConfig", "OutputConfig", "ParseContext",
            "Section", "SECTIONS", "load_config", "validate_config", "expand_sweep", "SweepPoint"]
@@ -213,6 +214,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "num_gpu_blocks": _int(2, nullable=True),
     "max_model_len": _int(2, nullable=True, also=(-1,)),
     "policy": _choice("fcfs", "priority"),
+    "scheduling_policy": _choice("fcfs", "priority"),  # vLLM's name of `policy` (ENGINE_ARG_ALIASES)
     "async_scheduling": _bool,
     "tensor_parallel_size": _int(1),
     "dtype": _choice(*DTYPES),
@@ -229,9 +231,11 @@ OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests)
 WORKLOAD_KEYS = ("requests", "arrival", "prompt_tokens", "output_tokens", "shared_prefix", "n", "file", "seed",
                  "vocab_size", "max_prompt_tokens", "max_output_tokens", "priority", "finish", "timeout_s",
-                 "scenario")
+                 "scenario", "lengths", "conversations")
 WORKLOAD_HINTS = {"num_requests": "requests", "prompt_len": "prompt_tokens", "output_len": "output_tokens",
-                  "prefix": "shared_prefix", "trace": "file", "prefix_len": "shared_prefix"}
+                  "prefix": "shared_prefix", "trace": "file", "prefix_len": "shared_prefix",
+                  "sharegpt": "lengths", "multi_turn": "conversations", "multiturn": "conversations",
+                  "chat": "conversations"}
 SHARED_PREFIX_KEYS = ("groups", "per_group", "prefix_tokens", "suffix_tokens", "order")
 # EngineArgs fields an experiment YAML sets at the top level, not under `engine:`
 TOP_LEVEL_ENGINE_ARGS = ("model", "seed", "hardware", "backend")
@@ -320,6 +324,7 @@ def parse_engine(value: Any, ctx: ParseContext) -> EngineConfig:
         if key in engine:
             engine[key] = check(engine[key], f"engine.{key}")
     try:
+        engine = resolve_aliases(engine)  # one field per setting from here on (`given`, config.yaml)
         args = EngineArgs.from_kwargs(**engine, model=ctx.parsed["model"], seed=ctx.parsed["seed"],
                                       backend=ctx.parsed["backends"][0])
     except ConfigError as e:
@@ -375,7 +380,7 @@ def parse_workload(value: Any, ctx: ParseContext) -> WorkloadConfig:
     for src in ("file", "scenario"):
         if src in w:
             w[src] = resolve_path(w[src], f"workload.{src}", ctx.base_dir)
-            for key in ("prompt_tokens", "output_tokens", "shared_prefix"):
+            for key in ("prompt_tokens", "output_tokens", "shared_prefix", "lengths", "conversations"):
                 if key in w:
                     raise ConfigError(f"workload.{key}", f"not allowed with workload.{src} (the file gives the lengths)")
     if "shared_prefix" in w:
@@ -389,11 +394,16 @@ def parse_workload(value: Any, ctx: ParseContext) -> WorkloadConfig:
         dist = w.get(key)
         if isinstance(dist, Mapping) and "path" in dist:
             w[key] = {**dist, "path": resolve_path(dist["path"], f"workload.{key}.path", ctx.base_dir)}
-    suffix = w["shared_prefix"].get("suffix_tokens") if isinstance(w.get("shared_prefix"), Mapping) else None
-    if isinstance(suffix, Mapping) and "path" in suffix:
-        where = "workload.shared_prefix.suffix_tokens.path"
-        w["shared_prefix"] = {**w["shared_prefix"],
-                              "suffix_tokens": {**suffix, "path": resolve_path(suffix["path"], where, ctx.base_dir)}}
+    for section, keys in (("shared_prefix", ("suffix_tokens",)), ("lengths", ("prompt", "output")),
+                          ("conversations", ("turns", "first_prompt", "message_tokens", "output_tokens"))):
+        if section in w:
+            w[section] = _resolve_dist_paths(w[section], section, keys, ctx)
+    if isinstance(w.get("lengths"), Mapping) and isinstance(w["lengths"].get("path"), str):  # a pairs file
+        w["lengths"] = {**w["lengths"], "path": resolve_path(w["lengths"]["path"], "workload.lengths.path",
+                                                             ctx.base_dir)}
+    if "conversations" in w and "torch" in ctx.parsed["backends"]:
+        raise ConfigError("workload.conversations", "multi-turn conversations are only supported by the sim "
+                          "backend (each turn waits for the previous answer's tokens)")
     seed = _int(0)(w.get("seed", ctx.parsed["seed"]), "workload.seed")
     if "scenario" in w:
         return _parse_scenario_workload(w, seed, ctx)
@@ -406,6 +416,19 @@ def parse_workload(value: Any, ctx: ParseContext) -> WorkloadConfig:
         raise ConfigError("workload.arrival.type", "'closed_loop' is only supported by the sim backend "
                                                    "(the torch backend replays open-loop arrival times)")
     return WorkloadConfig(seed=seed, spec=spec, given=w)
+
+
+def _resolve_dist_paths(section: Any, name: str, keys: tuple[str, ...], ctx: ParseContext) -> Any:
+    """`section` with the `path` of each `{type: empirical, path: ...}` length form under `keys`
+    resolved against the config's folder (the section itself is validated by its parser)."""
+    if not isinstance(section, Mapping):
+        return section
+    out = dict(section)
+    for key in keys:
+        dist = out.get(key)
+        if isinstance(dist, Mapping) and isinstance(dist.get("path"), str):
+            out[key] = {**dist, "path": resolve_path(dist["path"], f"workload.{name}.{key}.path", ctx.base_dir)}
+    return out
 
 
 def _parse_scenario_workload(w: dict[str, Any], seed: int, ctx: ParseContext) -> WorkloadConfig:
@@ -580,8 +603,21 @@ def _check_engine_semantics(exp: ExperimentConfig) -> None:
         raise engine_field_path(e) from None
 
 
+def _check_backend_args(exp: ExperimentConfig) -> None:
+    """Each backend's own cheap checks (`ExecutorBackend.check_args`: e.g. the torch backend's
+    `max_model_len` against the model's config.json), before any model load."""
+    from servetwin.core.engine.executor import check_engine_args  # noqa: PLC0415
+
+    for backend in exp.backends:
+        try:
+            check_engine_args(exp.engine_args(backend))
+        except ConfigError as e:
+            e = engine_field_path(e)
+            raise ConfigError(e.path, f"{e.message} [{backend} backend]") from None
+
+
 CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _check_hardware,
-                                                                 _check_engine_semantics)
+                                                                 _check_engine_semantics, _check_backend_args)
 
 
 def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "experiment") -> ExperimentConfig:
@@ -834,6 +870,10 @@ def apply_requests_override(raw: dict[str, Any], n: int) -> Optional[str]:
         w.pop("requests", None)
         return (f"--requests {n}: shared_prefix workload, using {groups} groups x {sp['per_group']} = "
                 f"{groups * sp['per_group']} requests")
+    conv = w.get("conversations")
+    if isinstance(conv, dict):  # the turns are drawn per conversation: N conversations
+        conv["count"] = n
+        return f"--requests {n}: conversations workload, using {n} conversations (each of several turns)"
     w["requests"] = n
     return None
 

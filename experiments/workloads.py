@@ -50,8 +50,16 @@ def workload_summary(requests: list) -> dict[str, Any]:
     o = np.array([r.eos_at if getattr(r, "eos_at", None) is not None else r.max_tokens for r in requests])
     n = np.array([r.n for r in requests])
     arr = np.array([r.arrival_s for r in requests])
-    return {"requests": len(requests), "sequences": int(n.sum()),
-            "prompt_tokens_mean": float(p.mean()), "prompt_tokens_min": int(p.min()),
-            "prompt_tokens_max": int(p.max()), "prompt_tokens_total": int(p.sum()),
-            "output_tokens_mean": float(o.mean()), "output_tokens_total": int((o * n).sum()),
-            "last_arrival_s": float(arr.max())}
+    out = {"requests": len(requests), "sequences": int(n.sum()),
+           "prompt_tokens_mean": float(p.mean()), "prompt_tokens_min": int(p.min()),
+           "prompt_tokens_max": int(p.max()), "prompt_tokens_total": int(p.sum()),
+           "output_tokens_mean": float(o.mean()), "output_tokens_total": int((o * n).sum()),
+           "last_arrival_s": float(arr.max())}
+    turns = [r.conversation for r in requests if getattr(r, "conversation", None) is not None]
+    if turns:  # planned before the run: later turns' arrival times and answers come from the run
+        count = len({t.conversation for t in turns})
+        out.update(conversations=count, turns_per_conversation_mean=len(turns) / count,
+                   turns_max=max(t.turn for t in turns))
+        # the last conversation start (a later turn's arrival is set when it is sent)
+        out["last_arrival_s"] = float(max(r.arrival_s for r in requests if r.conversation.turn == 1))
+    return out

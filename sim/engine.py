@@ -19,6 +19,9 @@ Step 3 waits (`Simulation._settle`) until no other event is scheduled at t, so e
 
 Drivers observe a run through callbacks, not by subclassing: `on_complete(request_id, t)` when a
 workload request's last sequence finishes, `on_reject(request_id, reason)` when one can never be served.
+A workload request with `keep_output_tokens` (n = 1) gets the engine's output token ids in its
+`output_token_ids` when it completes (the multi-turn conversations of `servetwin.sim.conversation`
+build the next turn's prompt from them); an aborted or rejected one keeps None.
 
 Time stamps follow `servetwin.core.testbed.trace`: a token's time is the end of the step that computed it; a request
 completes at the end of the step that produced its last token.
@@ -71,6 +74,7 @@ class _Pending:
     done: simpy.Event
     remaining: int = 0
     t_engine: float = 0.0  # when it reached the engine
+    child: Optional[Request] = None  # the engine's request, kept when its output tokens are wanted
 
 
 def _num_samples(result: StepResult) -> int:
@@ -171,6 +175,10 @@ class Simulation:
                     self.on_reject(wreq.request_id, str(exc))
                 continue
             pending.remaining = len(reqs)
+            if wreq.keep_output_tokens:
+                if len(reqs) != 1:
+                    raise ValueError(f"workload: {wreq.request_id}: keep_output_tokens needs n = 1, got n = {wreq.n}")
+                pending.child = reqs[0]
             for req in reqs:
                 if wreq.eos_at is not None:
                     self.engine.executor.set_output_length(req.request_id, wreq.eos_at)
@@ -238,6 +246,8 @@ class Simulation:
             pending.remaining -= 1
             if pending.remaining == 0:
                 self.result.completion_s[pending.request.request_id] = t
+                if pending.child is not None:  # every token is in the request once it finished
+                    pending.request.output_token_ids = list(pending.child.output_token_ids)
                 done.append(pending.done)
                 if self.on_complete is not None:
                     self.on_complete(pending.request.request_id, t)

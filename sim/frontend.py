@@ -316,7 +316,9 @@ class ApiServerFrontend:
         self._schedule_wake()
 
     def _schedule_wake(self) -> None:
-        t = self.cpu.next_finish()
+        # a queued message that completes requests waits for the running one, important or not: its
+        # end must wake the handler (else the clients hear of their completion at the next event)
+        t = self.cpu.next_finish(important_only=not any(o.done for o in self._outputs))
         if t is None:
             return
         t = max(t, self.env.now)

@@ -22,12 +22,18 @@ A workload config (all fields optional except where noted):
         prefix_tokens: 8192
         suffix_tokens: 200             # length distribution, 0 allowed
         order: grouped              # grouped | interleaved | shuffled
+      lengths:                      # joint (prompt, output) pairs under vLLM's ShareGPT limits;
+        type: sharegpt_like         #   replaces prompt_tokens / output_tokens (servetwin.sim.length_pairs)
+        prompt: {type: lognormal, mean: 300, cv: 1.2}
+        output: {type: lognormal, mean: 250, cv: 1.0}
+      conversations: {...}          # multi-turn chats, see servetwin.sim.conversation; replaces
+                                    #   requests / prompt_tokens / output_tokens (arrival: their starts)
       arrival: {type: poisson, rate: 4.0}   # see servetwin.sim.arrivals
       file: trace.jsonl             # the requests' lengths (and, without `arrival`, their times) from a
                                     #   trace; `arrival: {type: trace, path: ...}` is the same without `file`
 
 Determinism: one `numpy.random.SeedSequence(seed)` is split into independent streams for tokens,
-lengths, arrivals, order and priorities, so changing the arrival process does not change prompts.
+lengths, arrivals, order and priorities, so changing the arrival process does not change prompts (conversations add a `think` stream).
 Prompts are token ids: a group's prefix is the same list for all its members (equal block hashes),
 and different groups differ from their first token.
 """
@@ -41,6 +47,9 @@ import numpy as np
 
 from servetwin.core.config_error import ConfigError
 from servetwin.sim.arrivals import ArrivalProcess, Offline, TraceArrivals, parse_arrival
+from servetwin.sim.conversation import (ANSWER_PLACEHOLDER, ConversationArrivals, ConversationsSpec, ConversationTurn,
+                                        check_start_process, parse_conversations, think_times)
+from servetwin.sim.length_pairs import JointLengths, parse_joint_lengths
 from servetwin.sim.lengths import Fixed, LengthDist, parse_length_dist
 from servetwin.sim.trace_file import TraceRecord, load_trace
 from servetwin.core.sampling_params import MAX_N_SEQUENCES
@@ -51,7 +60,8 @@ from servetwin.sim.validate import as_int, check_keys, check_mapping, int_at_lea
 MAX_REQUESTS = 10_000_000
 MAX_PROMPT_TOKENS = 200_000_000
 
-_STREAMS = ("tokens", "lengths", "arrivals", "order", "priority", "runtime")
+# appended streams leave the others unchanged (SeedSequence children are keyed by their index)
+_STREAMS = ("tokens", "lengths", "arrivals", "order", "priority", "runtime", "think")
 
 
 @dataclass(slots=True)
@@ -65,6 +75,11 @@ class WorkloadRequest:
     group: Optional[int] = None
     eos_at: Optional[int] = None  # force EOS as this output token (None: finish by max_tokens)
     timeout_s: Optional[float] = None  # the client aborts the request this long after its arrival
+    conversation: Optional[ConversationTurn] = None  # a turn of a multi-turn conversation
+    # the Simulation stores the finished request's output token ids in `output_token_ids` (n = 1;
+    # a conversation's next turn holds them in its prompt)
+    keep_output_tokens: bool = False
+    output_token_ids: Optional[list[int]] = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,6 +97,8 @@ class WorkloadSpec:
     prompt_tokens: LengthDist = field(default_factory=lambda: Fixed(128))
     output_tokens: LengthDist = field(default_factory=lambda: Fixed(128))
     shared_prefix: Optional[PrefixGroups] = None
+    lengths: Optional[JointLengths] = None  # joint (prompt, output) pairs; replaces the two dists
+    conversations: Optional[ConversationsSpec] = None
     n: int = 1
     priority: tuple[int, ...] = (0,)
     max_prompt_tokens: Optional[int] = None
@@ -101,7 +118,7 @@ class WorkloadSpec:
         cfg = check_mapping(cfg, path)
         check_keys(cfg, {"seed", "requests", "vocab_size", "prompt_tokens", "output_tokens",
                          "max_prompt_tokens", "max_output_tokens", "n", "priority", "finish",
-                         "shared_prefix", "arrival", "file", "timeout_s"}, path)
+                         "shared_prefix", "arrival", "file", "timeout_s", "lengths", "conversations"}, path)
         spec = cls(path=path)
         spec.seed = int_at_least(cfg.get("seed", 0), 0, f"{path}.seed")
         vocab = cfg.get("vocab_size", vocab_size)
@@ -140,10 +157,21 @@ class WorkloadSpec:
             raise ConfigError(f"{path}.max_output_tokens", "required when finish is 'eos' "
                              "(it becomes every request's max_tokens)")
         if is_trace:
-            for key in ("prompt_tokens", "output_tokens", "shared_prefix"):
+            for key in ("prompt_tokens", "output_tokens", "shared_prefix", "lengths", "conversations"):
                 if key in cfg:
                     raise ConfigError(f"{path}.{key}", f"not allowed with {source} "
                                                        "(the trace gives the lengths)")
+            return spec
+        if "conversations" in cfg:
+            return _with_conversations(spec, cfg, path)
+        if "lengths" in cfg:
+            for key in ("prompt_tokens", "output_tokens", "shared_prefix", "max_prompt_tokens"):
+                if key in cfg:
+                    raise ConfigError(f"{path}.{key}", f"not allowed with {path}.lengths (it draws the prompt and "
+                                      f"output lengths together, under its own limits)")
+            spec.lengths = parse_joint_lengths(cfg["lengths"], f"{path}.lengths")
+            if spec.requests is None:
+                raise ConfigError(f"{path}.requests", "required field is missing")
             return spec
         if "output_tokens" in cfg:
             spec.output_tokens = parse_length_dist(cfg["output_tokens"], f"{path}.output_tokens")
@@ -169,6 +197,19 @@ class WorkloadSpec:
             if spec.requests is None:
                 raise ConfigError(f"{path}.requests", "required field is missing")
         return spec
+
+
+def _with_conversations(spec: WorkloadSpec, cfg: Any, path: str) -> WorkloadSpec:
+    for key in ("requests", "prompt_tokens", "output_tokens", "shared_prefix", "lengths", "max_prompt_tokens"):
+        if key in cfg:
+            raise ConfigError(f"{path}.{key}", f"not allowed with {path}.conversations (it sets the turns and "
+                              "their lengths; max_context_tokens bounds a conversation)")
+    if spec.n != 1:
+        raise ConfigError(f"{path}.n", "must be 1 with conversations (the next turn holds one answer)")
+    spec.conversations = parse_conversations(cfg["conversations"], f"{path}.conversations")
+    check_start_process(spec.arrival, f"{path}.arrival")
+    spec.arrival = ConversationArrivals(spec.arrival)
+    return spec
 
 
 def _parse_prefix(cfg: Any, path: str, vocab_size: Optional[int]) -> PrefixGroups:
@@ -217,12 +258,17 @@ def _with_vocab(spec: WorkloadSpec, vocab_size: Optional[int]) -> WorkloadSpec:
     return spec
 
 
-def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-",
+def generate_requests(spec: WorkloadSpec, id_prefix: Optional[str] = None,
                       vocab_size: Optional[int] = None) -> list[WorkloadRequest]:
-    """All requests of the workload, sorted by arrival (closed-loop: arrival_s = 0 until issued).
-    `vocab_size`: the model's vocabulary (prompts are drawn below it)."""
+    """All requests of the workload, sorted by arrival (closed-loop: arrival_s = 0 until issued;
+    conversations: by conversation, then turn). `vocab_size`: the model's vocabulary (prompts are
+    drawn below it). Ids: `{id_prefix}N`, id_prefix "req-" by default; `{id_prefix}conv-C-turn-K`
+    for conversations, id_prefix "" by default."""
     spec = _with_vocab(spec, vocab_size)
     rng = rng_streams(spec.seed)
+    if spec.conversations is not None:
+        return _conversation_requests(spec, rng, id_prefix or "")
+    id_prefix = "req-" if id_prefix is None else id_prefix
     if spec.trace is not None:
         records = spec.trace.records[:spec.requests] if spec.requests else spec.trace.records
         prompts, outputs, groups = _trace_prompts(list(records), spec, rng["tokens"], spec.trace.hash_block_tokens)
@@ -231,13 +277,16 @@ def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-",
         outputs = spec.output_tokens.sample(rng["lengths"], len(prompts))
     else:
         n = spec.requests or 0
-        lens = _cap(spec.prompt_tokens.sample(rng["lengths"], n), spec.max_prompt_tokens)
+        if spec.lengths is not None:
+            lens, joint_outputs = spec.lengths.sample(rng["lengths"], n)
+        else:
+            lens = _cap(spec.prompt_tokens.sample(rng["lengths"], n), spec.max_prompt_tokens)
         total = int(np.sum(lens, dtype=np.float64))
         if total > MAX_PROMPT_TOKENS:
             raise ConfigError(f"{spec.path}.prompt_tokens", f"{n:,} requests draw {total:,} prompt tokens, at "
                               f"most {MAX_PROMPT_TOKENS:,} per run (lower workload.requests or the prompt lengths)")
         prompts = [rng["tokens"].integers(0, spec.vocab_size, size=int(k)).tolist() for k in lens]
-        outputs = spec.output_tokens.sample(rng["lengths"], n)
+        outputs = joint_outputs if spec.lengths is not None else spec.output_tokens.sample(rng["lengths"], n)
         groups = [None] * n
     count = len(prompts)
     outputs = _cap(np.asarray(outputs, dtype=np.int64), spec.max_output_tokens)
@@ -252,6 +301,52 @@ def generate_requests(spec: WorkloadSpec, id_prefix: str = "req-",
             request_id=f"{id_prefix}{i}", arrival_s=float(times[i]), prompt_token_ids=prompts[i],
             max_tokens=int(spec.max_output_tokens) if eos else out, n=spec.n,
             priority=int(prios[i]), group=groups[i], eos_at=out if eos else None, timeout_s=spec.timeout_s))
+    return requests
+
+
+def _conversation_requests(spec: WorkloadSpec, rng: dict[str, np.random.Generator],
+                           id_prefix: str) -> list[WorkloadRequest]:
+    """Every planned turn of every conversation; a later turn's prompt holds placeholder answer tokens
+    until `ConversationArrivals` rebuilds it from the engine's answer (servetwin.sim.conversation)."""
+    cs = spec.conversations
+    assert cs is not None
+    lens = rng["lengths"]
+    num_turns = cs.turns.sample(lens, cs.count)
+    first = cs.first_prompt.sample(lens, cs.count)
+    total = int(num_turns.sum())
+    messages = cs.message_tokens.sample(lens, total)
+    outputs = _cap(cs.output_tokens.sample(lens, total), spec.max_output_tokens)
+    thinks = think_times(cs, rng["think"], total)
+    start = spec.arrival.start
+    starts = np.zeros(cs.count) if start.closed_loop else start.times(cs.count, rng["arrivals"])
+    prios = rng["priority"].choice(np.asarray(spec.priority), size=total)
+    eos = spec.finish == "eos"
+    requests: list[WorkloadRequest] = []
+    planned_prompt_tokens = 0
+    j = 0  # index of the turn across conversations (into messages, outputs, ...)
+    for c in range(cs.count):
+        prompt: list[int] = []
+        for k in range(1, int(num_turns[c]) + 1):
+            out, m = int(outputs[j]), int(first[c] if k == 1 else messages[j])
+            size = len(prompt) + m
+            if k > 1 and cs.max_context_tokens is not None and size + out > cs.max_context_tokens:
+                j += int(num_turns[c]) - k + 1  # the context is full: the conversation ends
+                break
+            message = rng["tokens"].integers(0, spec.vocab_size, size=m).tolist()
+            prompt = prompt + message
+            planned_prompt_tokens += len(prompt)
+            if planned_prompt_tokens > MAX_PROMPT_TOKENS:
+                raise ConfigError(f"{spec.path}.conversations", f"the turns' prompts hold over {MAX_PROMPT_TOKENS:,} "
+                                  "tokens in all (every turn repeats its history): fewer conversations or turns, "
+                                  "or set max_context_tokens")
+            requests.append(WorkloadRequest(
+                request_id=f"{id_prefix}conv-{c}-turn-{k}", arrival_s=float(starts[c]), prompt_token_ids=prompt,
+                max_tokens=int(spec.max_output_tokens) if eos else out, priority=int(prios[j]),
+                eos_at=out if eos else None, timeout_s=spec.timeout_s,
+                conversation=ConversationTurn(c, k, m, float(thinks[j]) if k > 1 else 0.0),
+                keep_output_tokens=True))
+            prompt = prompt + [ANSWER_PLACEHOLDER] * out
+            j += 1
     return requests
 
 
@@ -337,7 +432,7 @@ def _trace_prompts(records: list[TraceRecord], spec: WorkloadSpec, tok: np.rando
 
 
 def build_workload(cfg: Any, vocab_size: Optional[int] = None, path: str = "workload",
-                   id_prefix: str = "req-") -> tuple[WorkloadSpec, list[WorkloadRequest]]:
+                   id_prefix: Optional[str] = None) -> tuple[WorkloadSpec, list[WorkloadRequest]]:
     """Parse a workload config and generate its requests."""
     spec = WorkloadSpec.from_dict(cfg, path, vocab_size=vocab_size)
     return spec, generate_requests(spec, id_prefix, vocab_size)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.kv_cache.hashing import get_hash_fn_by_name, get_request_block_hasher
 from servetwin.core.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
@@ -54,8 +55,9 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     return False
 
 
-class UnservableRequestError(ValueError):
-    """A request that could never fit the KV pool (vLLM would block its queue forever)."""
+class UnservableRequestError(ConfigError):
+    """A request that could never fit the KV pool (vLLM would block its queue forever); `path` is the
+    request's field at fault (`prompt`), `message` says why."""
 
 
 class Scheduler:
@@ -116,15 +118,15 @@ class Scheduler:
         forever (its input processor rejects only the empty and the too-long prompt)."""
         usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
         if request.num_prompt_tokens == 0:
-            raise UnservableRequestError(f"prompt: request {request.request_id} has an empty prompt")
+            raise UnservableRequestError("prompt", f"request {request.request_id} has an empty prompt")
         if request.num_prompt_tokens >= self.max_model_len:
             raise UnservableRequestError(
-                f"prompt: request {request.request_id} has {request.num_prompt_tokens} prompt tokens, "
+                "prompt", f"request {request.request_id} has {request.num_prompt_tokens} prompt tokens, "
                 f"max_model_len is {self.max_model_len} (the prompt plus at least one output token must fit)")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if cdiv(longest, self.block_size) > usable:
             raise UnservableRequestError(
-                f"prompt: request {request.request_id} can grow to {longest} tokens "
+                "prompt", f"request {request.request_id} can grow to {longest} tokens "
                 f"({request.num_prompt_tokens} prompt + up to {request.max_tokens} output), needing "
                 f"{cdiv(longest, self.block_size)} KV blocks, but the pool has only {usable} usable blocks "
                 f"of {self.block_size} tokens ({usable * self.block_size} tokens)")

@@ -128,7 +128,7 @@ class _Replay:
             try:
                 self.scheduler.add_request(req)
             except UnservableRequestError as e:
-                raise ScenarioError(f"requests[{index}]", str(e).split(": ", 1)[-1]) from None
+                raise ScenarioError(f"requests[{index}]", e.message) from None
             self.sampler.add(req.request_id, plan, req.sampling_params)
             ids.append(req.request_id)
         return ids
