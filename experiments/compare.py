@@ -24,26 +24,24 @@ model can beat).
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import itertools
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from servetwin.experiments.calibrate import (fingerprint_differences, load_average, machine_fingerprint,
-                                             set_torch_threads, step_phase_class, step_rows)
+                                             step_phase_class, step_rows)
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.schema import ExperimentConfig, engine_field_path, load_yaml, validate_config
+from servetwin.experiments.torch_measure import (CONTENDED_BELOW, apply_threads, calibration_info, contention_summary,
+                                                 measure, warm_up)
 
 PHASES = ("prefill", "decode", "mixed")
-CONTENDED_BELOW = 0.9
 TARGETS = {"step_p50": 5.0, "step_p90": 15.0, "makespan": 3.0, "e2e_p50": 5.0}
 LATENCIES = (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2e", "e2e_s"))
 
@@ -81,16 +79,6 @@ def load_compare_config(path: str, calibration: Optional[str] = None, overrides:
     return validate_config(raw, p.parent, default_name=re.sub(r"[^A-Za-z0-9._+=-]", "-", p.stem))
 
 
-def calibration_info(exp: ExperimentConfig) -> tuple[str, dict[str, Any]]:
-    """(the hardware used: file path or preset name, its provenance)."""
-    from servetwin.sim.hardware import hardware_from_dict, load_hardware  # noqa: PLC0415
-
-    hw = exp.hardware
-    spec = hardware_from_dict(hw, "hardware") if isinstance(hw, dict) else load_hardware(hw)
-    label = hw if isinstance(hw, str) else f"inline mapping ({spec.name})"
-    return label, dict(spec.provenance or {})
-
-
 # -- engines ----------------------------------------------------------------------------------------
 def build_torch_engine(exp: ExperimentConfig):
     from servetwin.experiments.runner import create_engine  # noqa: PLC0415
@@ -119,46 +107,6 @@ def build_sim_engine(exp: ExperimentConfig, torch_info):
         raise ConfigError(e.path, f"{e.message} [sim backend]") from None
 
 
-def _reset_executor(ex) -> None:
-    """Forget every request the executor holds (between repeats on one executor)."""
-    ex.reset()
-
-
-def warm_up(exp: ExperimentConfig, info, requests, n: int = 4, max_tokens: int = 4) -> float:
-    """A short unscored run of the first `n` prompts on a throwaway engine over the same executor."""
-    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
-    from servetwin.core.request import Request  # noqa: PLC0415
-    from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
-
-    t0 = time.perf_counter()
-    engine, _ = create_engine_core(exp.engine_args("torch"), info=info)
-    for i, r in enumerate(requests[:n]):
-        engine.add_request(Request(f"__warmup{i}", list(r.prompt_token_ids),
-                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
-                                   arrival_time=0.0))
-    while engine.has_work():
-        engine.step()
-    _reset_executor(info.executor)
-    return time.perf_counter() - t0
-
-
-@contextlib.contextmanager
-def cpu_timed(executor, cpu_s: dict[int, float]) -> Iterator[None]:
-    """Record the process CPU time of every executed step (`cpu_s[step]`, from the executor's
-    `step_observers` hook): with one torch thread, CPU time well below the step's wall time means
-    other processes took the core."""
-    def observe(scheduler_output, model_output) -> None:
-        timing = model_output.timing
-        if timing is not None and timing.cpu_s is not None:
-            cpu_s[scheduler_output.step] = timing.cpu_s
-
-    executor.step_observers.append(observe)
-    try:
-        yield
-    finally:
-        executor.step_observers.remove(observe)
-
-
 def calibration_probe(exp: ExperimentConfig, info, cost_model, repeats: int = 2) -> dict[str, Any]:
     """A few fixed designed steps (single prefills of 32/128/256 tokens, decode batches of 4 and 8) on the
     torch executor, scored with the simulator's cost model: how far the machine is, right now, from the
@@ -175,11 +123,11 @@ def calibration_probe(exp: ExperimentConfig, info, cost_model, repeats: int = 2)
                                max_num_batched_tokens=256, max_num_seqs=8, num_gpu_blocks=info.num_gpu_blocks)
     args = dataclasses.replace(exp.engine_args("torch"), max_num_batched_tokens=256, max_num_seqs=8,
                                enable_chunked_prefill=True, enable_prefix_caching=True)
-    _reset_executor(info.executor)
+    info.executor.reset()
     engine, _ = create_engine_core(args, info=info)
     recorder = TraceRecorder("probe", "torch")
     run_design(engine, recorder, design, info.vocab_size or 256, seed=99, warmup=False)
-    _reset_executor(info.executor)
+    info.executor.reset()
     frames = recorder.frames()
     pred = predicted_durations(frames, cost_model)
     meas = frames["steps"].duration_s.to_numpy(dtype=float)
@@ -193,21 +141,18 @@ def calibration_probe(exp: ExperimentConfig, info, cost_model, repeats: int = 2)
 
 
 def run_torch(exp: ExperimentConfig, info, requests, offline: bool, run_name: str):
-    """One measured run; returns (recorder, wall seconds, rejected, per-step CPU seconds)."""
+    """One measured run on a fresh engine over `info`'s executor; returns (trace frames, wall seconds)."""
     from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
     from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
     from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
 
-    _reset_executor(info.executor)
+    info.executor.reset()
     engine, _ = create_engine_core(exp.engine_args("torch"), info=info)
-    cpu_s: dict[int, float] = {}
     recorder = TraceRecorder(run_name, "torch")
-    rejected: dict[str, str] = {}
     reqs = [dataclasses.replace(r) for r in requests]
     t0 = time.perf_counter()
-    with cpu_timed(info.executor, cpu_s):
-        run_realtime(engine, reqs, recorder, offline=offline, seed=exp.seed, rejected=rejected)
-    return recorder, time.perf_counter() - t0, rejected, cpu_s
+    run_realtime(engine, reqs, recorder, offline=offline, seed=exp.seed, rejected={})
+    return recorder.frames(), time.perf_counter() - t0
 
 
 def run_sim(exp: ExperimentConfig, engine, requests, arrival, rng, run_name: str):
@@ -377,9 +322,7 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
                            probe_steps=probe_steps, log=log, folder=owned)
     import yaml  # noqa: PLC0415
     cal_label, cal_prov = calibration_info(exp)
-    if threads is None and isinstance(cal_prov.get("torch_threads"), int):
-        threads = int(cal_prov["torch_threads"])
-    nthreads = set_torch_threads(threads)
+    nthreads, _ = apply_threads(exp, threads)
     cal_model = cal_prov.get("model")
     notes: list[str] = []
     if cal_prov.get("calibrated") and cal_model:
@@ -419,32 +362,23 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     sim_rec, sim_wall, sim_rej = run_sim(exp, sim_engine, requests, arrival, rng, exp.name)
     sim_frames = sim_rec.frames()
     log(f"compare: sim {len(sim_frames['steps'])} steps, {makespan(sim_frames):.3f}s simulated in {sim_wall:.2f}s")
-    warm_s = warm_up(exp, tinfo, requests)
+    warm_s = warm_up(exp.engine_args("torch"), tinfo, requests)
     probe = calibration_probe(exp, tinfo, cost_model) if probe_steps else None
     if probe:
         log(f"compare: calibration probe: {probe['steps']} steps, signed median error "
             f"{probe['signed_pct_error_median']:+.2f}%")
-    torch_frames: list[dict] = []
-    torch_walls: list[float] = []
-    discarded: list[dict[str, Any]] = []
-    while len(torch_frames) < repeats:
-        rec, wall, _, cpu_s = run_torch(exp, tinfo, requests, offline, exp.name)
-        fr = rec.frames()
-        st = fr["steps"]
-        st["cpu_s"] = [cpu_s.get(int(k), np.nan) for k in st.step.to_numpy()]
-        st["cpu_share"] = st.cpu_s / (st.duration_s * nthreads)
-        contended = float(np.mean(st.cpu_share.to_numpy(dtype=float) < CONTENDED_BELOW)) if len(st) else 0.0
-        r = len(torch_frames)
-        if contended > max_contended_share and len(discarded) < retry_contended:
-            discarded.append({"attempt": r + len(discarded) + 1, "contended_step_share": contended,
-                              "makespan_s": makespan(fr), "load_average": load_average()})
-            log(f"compare: torch repeat {r + 1}/{repeats}: {contended * 100:.0f}% of the steps lost their CPU to "
-                f"other processes; discarded, running it again ({len(discarded)}/{retry_contended})")
-            continue
-        torch_frames.append(fr)
-        torch_walls.append(wall)
-        log(f"compare: torch repeat {r + 1}/{repeats}: {len(st)} steps, {makespan(fr):.3f}s measured, "
-            f"{contended * 100:.0f}% contended steps")
+
+    def once(cpu_s: dict[int, float]):
+        fr, wall = run_torch(exp, tinfo, requests, offline, exp.name)
+        return fr, fr["steps"], wall
+
+    measured = measure(once, ex, nthreads, repeats=repeats, retry_contended=retry_contended,
+                       max_contended_share=max_contended_share, log=log, label="compare: torch repeat")
+    torch_frames = [m.result for m in measured.kept]
+    torch_walls = [m.wall_s for m in measured.kept]
+    discarded = measured.discarded
+    for m in measured.kept:
+        m.result["steps"]["cpu_share"] = m.cpu_share
     load_after = load_average()
     close = getattr(ex, "close", None)
     if callable(close):
@@ -458,7 +392,7 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     for r, fr in enumerate(torch_frames):
         d = "torch" if r == 0 else f"torch_r{r}"
         for name, df in fr.items():  # the standard trace schema (the CPU columns go to steps_paired)
-            df = df.drop(columns=["cpu_s", "cpu_share"], errors="ignore")
+            df = df.drop(columns=["cpu_share"], errors="ignore")
             folder.write_with(os.path.join(d, f"{name}.parquet"), lambda tmp, df=df: df.to_parquet(tmp, index=False))
     base = {
         "mode": "offline" if offline else "online",
@@ -651,12 +585,7 @@ def _score(base: dict, exp, sim_frames: dict, torch_frames: list[dict], cost_mod
     paired["abs_pct_error"] = paired.signed_pct_error.abs()
     share = paired.cpu_share.to_numpy(dtype=float)
     full = share >= CONTENDED_BELOW
-    res["contention"] = {
-        "definition": (f"cpu_share = process CPU time of the step / (wall time x torch threads); a step with "
-                       f"cpu_share < {CONTENDED_BELOW} lost its core to other processes for part of the step"),
-        "median_cpu_share": float(np.nanmedian(share)) if share.size else None,
-        "contended_step_share": float(np.mean(~full)) if share.size else None,
-        "step_abs_pct_error_uncontended": pct_stats(paired.abs_pct_error.to_numpy()[full]),
-    }
+    res["contention"] = dict(contention_summary(share),
+                             step_abs_pct_error_uncontended=pct_stats(paired.abs_pct_error.to_numpy()[full]))
     res["_paired"] = paired
     return res

@@ -136,6 +136,8 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
             if m.any():
                 parts.append(f"{name}: {int(m.sum())} steps, mean {1e3 * float(st.duration_s[m].mean()):.3g} ms")
         obs.append(f"{head}: step time by phase - " + "; ".join(parts) + ".")
+        if s.get("measurement"):
+            obs.append(f"{head}: {measurement_line(s['measurement'])}")
         if s.get("sim_speedup_x"):
             obs.append(f"{head}: simulated {format_seconds(s['simulated_s'])} in {format_seconds(s['wall_s'])} of "
                        f"host time ({s['sim_speedup_x']:,.1f}x real time).")
@@ -154,6 +156,21 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
             obs.append(f"scheduling: {same} of the first {n} steps have the same annotation in sim and torch "
                        f"({len(sa)} vs {len(sb)} steps in all{note}).")
     return obs
+
+
+def measurement_line(m: dict[str, Any]) -> str:
+    """How a torch run was measured: threads, warm-up, the contention check (`torch_measure`)."""
+    from servetwin.experiments.torch_measure import contention_warning  # noqa: PLC0415
+
+    c, retry = m["contention"], m["retry_contended"]
+    warm = "no warm-up" if m.get("warmup_s") is None else f"warm-up {format_seconds(m['warmup_s'])} (not recorded)"
+    line = (f"measured with {m['torch_threads']} torch thread(s), {warm}; contention check: "
+            f"{100 * (c.get('contended_step_share') or 0):.1f}% of the steps lost their CPU to other processes "
+            f"(median cpu_share {c.get('median_cpu_share') or 0:.2f})")
+    if m.get("discarded_runs"):
+        line += f"; {len(m['discarded_runs'])} contended run(s) discarded and run again"
+    warning = contention_warning(c, retry["max_contended_share"])
+    return line + (f". **Warning**: {warning}." if warning else ".")
 
 
 def combined_offline(exp) -> bool:

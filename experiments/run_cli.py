@@ -51,11 +51,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
               "(use `servetwin sweep` for the grid)", file=sys.stderr)
     t0 = time.perf_counter()
     seeds = _seeds(args, exp)
+    measure = _measure_options(args)  # bad flags fail before the output folder is touched
+    if seeds and measure != type(measure)():
+        raise ValueError("--threads, --no-warmup, --retry-contended, --max-contended-share: not supported with "
+                         "seeds (each seed's run uses the defaults: the calibration's threads, a warm-up, no retry)")
     with RunFolder(out, overwrite=args.overwrite) as folder:
         if seeds:
             return _run_seeds(args, exp, out, seeds, t0, folder)
         try:
-            combined = run_experiment(exp, out, progress=not args.no_progress, folder=folder)
+            combined = run_experiment(exp, out, progress=not args.no_progress, folder=folder, measure=measure)
         except KeyboardInterrupt:
             print(f"interrupted: {interrupted_state(folder)}", file=sys.stderr)
             raise
@@ -69,6 +73,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
               + (f", {s['aborted_sequences']} sequences aborted by the client timeout" if s.get("aborted_sequences") else ""))
         if s.get("slo"):
             print(f"{backend}: {slo_line(s['slo'])}")
+        if s.get("measurement"):
+            c = s["measurement"]["contention"]
+            print(f"{backend}: {100 * (c['contended_step_share'] or 0):.0f}% of the measured steps contended "
+                  f"(median cpu_share {c['median_cpu_share'] or 0:.2f}, {s['measurement']['torch_threads']} "
+                  "torch thread(s))")
     print(f"wrote {out}/: {folder.describe()} in {format_seconds(time.perf_counter() - t0)}")
     rejected = {b: s for b, s in combined["backends"].items() if s.get("rejected")}
     for backend, s in rejected.items():  # never servable (e.g. longer than max_model_len): say so, not "0/N"
@@ -78,6 +87,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if any(s["rejected"] == s["requests"] for s in rejected.values()):
         return 2  # nothing was served: a config problem, and the run's figures mean nothing
     return 0
+
+
+def _measure_options(args: argparse.Namespace):
+    from servetwin.experiments.torch_measure import MeasureOptions  # noqa: PLC0415
+
+    return MeasureOptions(threads=args.threads, warmup=not args.no_warmup, retry_contended=args.retry_contended,
+                          max_contended_share=args.max_contended_share)
+
+
+def add_measure_args(p: argparse.ArgumentParser) -> None:
+    """How the torch backend is measured (`servetwin.experiments.torch_measure`)."""
+    g = p.add_argument_group("torch backend measurement")
+    g.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (default: the calibration's `torch_threads` when `hardware:` is a "
+                        "calibration, else torch's default)")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="no warm-up before the measured run (default: 4 short requests first, not recorded)")
+    g.add_argument("--retry-contended", type=int, default=0, metavar="K",
+                   help="run the torch backend again (at most K times in all) when more than "
+                        "--max-contended-share of its steps lost their CPU to other processes (default 0)")
+    g.add_argument("--max-contended-share", type=float, default=0.05, metavar="F",
+                   help="share of contended steps above which a run is contended: warned about, and rerun "
+                        "with --retry-contended (default 0.05)")
 
 
 def interrupted_state(folder) -> str:
@@ -181,6 +213,7 @@ def register(subparsers) -> None:
     _common(r)
     add_seed_args(r)
     add_pool_args(r, "seed")
+    add_measure_args(r)
     r.set_defaults(func=_cmd_run)
     s = subparsers.add_parser("sweep", help="run the grid in an experiment's `sweep:` (parallel workers)",
                               description="Run every combination of the config's `sweep:` lists, each in its "

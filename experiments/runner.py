@@ -10,7 +10,9 @@ Layout under the output folder DIR:
 
 Backend "sim" runs `servetwin.sim.engine.Simulation` (simulated time; the KV pool is sized by
 `servetwin.core.engine.engine_factory` -> `servetwin.sim.kv_pool`); backend "torch" runs `servetwin.core.testbed.realtime.run_realtime` over the
-`TorchExecutor` (wall-clock time). Both get the same request list. Ctrl-C stops the current backend,
+`TorchExecutor` (wall-clock time), after a warm-up that is not recorded, with the thread count and the
+per-step contention check of `servetwin.experiments.torch_measure` (in its summary as `measurement`).
+Both get the same request list. Ctrl-C stops the current backend,
 writes what it recorded (summary marked `"interrupted": true`) and skips the remaining backends.
 Every file is renamed into place complete and DIR/summary.json is written last (`run_folder`): a folder
 without it is incomplete, whatever stopped the run.
@@ -32,6 +34,7 @@ from servetwin.core.config_error import ConfigError, ModelNotFoundError
 from servetwin.core.testbed.atomic import atomic_open
 from servetwin.experiments.run_folder import RunFolder
 from servetwin.experiments.schema import ExperimentConfig, engine_field_path
+from servetwin.experiments.torch_measure import MeasureOptions, contention_warning
 from servetwin.experiments.workloads import build_requests, conversation_summary, workload_summary
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
@@ -53,6 +56,7 @@ class BackendRun:
     error: Optional[str] = None
     frontend: dict[str, Any] = field(default_factory=lambda: {"type": "offline"})
     itls: Optional[list[float]] = None  # the recorder's itls(), computed once
+    measurement: Optional[dict[str, Any]] = None  # torch: threads, warm-up, contention check
 
 
 def _progress_bar(enabled: bool, total: int, desc: str):
@@ -114,30 +118,60 @@ def _run_sim(exp: ExperimentConfig, engine, info, requests, arrival, rng, bar) -
                       len(sim.result.completion_s), dict(sim.result.rejected), interrupted, frontend=fe)
 
 
-def _run_torch(exp: ExperimentConfig, engine, info, requests, arrival, bar) -> BackendRun:
+def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: MeasureOptions, nthreads: int,
+               log: Callable[[str], None]) -> BackendRun:
+    """A warm-up (not recorded), then the measured run on a fresh engine over the same executor, run
+    again when contended if `opts.retry_contended` (`servetwin.experiments.torch_measure`)."""
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
     from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
-    from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
+    import pandas as pd  # noqa: PLC0415
+
+    from servetwin.core.testbed.trace import STEP_COLUMNS, TraceRecorder  # noqa: PLC0415
+    from servetwin.experiments.torch_measure import contention_summary, measure, warm_up  # noqa: PLC0415
     from servetwin.sim.arrivals import Offline  # noqa: PLC0415
 
-    recorder = TraceRecorder(exp.name, "torch", record_step_requests=exp.output.step_requests)
-    rejected: dict[str, str] = {}
-    done: list[str] = []
-    t0 = time.perf_counter()
-    interrupted = False
-    try:
-        run_realtime(engine, requests, recorder, offline=isinstance(arrival, Offline), progress=bar,
-                     seed=exp.seed, rejected=rejected, on_complete=lambda rid, t: done.append(rid))
-    except KeyboardInterrupt:
-        interrupted = True
-    wall = time.perf_counter() - t0
-    close = getattr(engine.executor, "close", None)
+    args = exp.engine_args("torch")
+    warm_s = warm_up(args, info, requests) if opts.warmup else None
+    if warm_s is not None:
+        log(f"[torch] warm-up: {min(4, len(requests))} requests in {warm_s:.2f}s (not recorded)")
+
+    def once(cpu_s: dict[int, float]):
+        info.executor.reset()
+        engine, _ = create_engine_core(args, info=info)
+        recorder = TraceRecorder(exp.name, "torch", record_step_requests=exp.output.step_requests)
+        rejected: dict[str, str] = {}
+        done: list[str] = []
+        if bar is not None:
+            bar.reset()
+        t0 = time.perf_counter()
+        interrupted = False
+        try:
+            run_realtime(engine, [dataclasses.replace(r) for r in requests], recorder,
+                         offline=isinstance(arrival, Offline), progress=bar, seed=exp.seed, rejected=rejected,
+                         on_complete=lambda rid, t: done.append(rid))
+        except KeyboardInterrupt:
+            interrupted = True
+        wall = time.perf_counter() - t0
+        steps = pd.DataFrame(recorder.steps, columns=STEP_COLUMNS)  # the full frames are built once, later
+        return (recorder, rejected, done, interrupted), steps, wall
+
+    measured = measure(once, info.executor, nthreads, retry_contended=opts.retry_contended,
+                       max_contended_share=opts.max_contended_share, log=log, label="[torch] measured run",
+                       stop=lambda result: result[3])
+    run = measured.kept[-1]
+    recorder, rejected, done, interrupted = run.result
+    close = getattr(info.executor, "close", None)
     if callable(close):
         close()
     # run_realtime drives the engine in-process: no front end is in the measured path
     fe = dict(exp.frontend.describe(), modelled=False, note="torch runs are measured at the engine "
               "(in-process, no HTTP front end): client = engine boundary")
-    return BackendRun("torch", recorder, info, wall, None, len(requests), len(done), rejected, interrupted,
-                      frontend=fe)
+    measurement = {"torch_threads": nthreads, "warmup_s": warm_s, "contention": contention_summary(run.cpu_share),
+                   "retry_contended": {"retries": opts.retry_contended,
+                                       "max_contended_share": opts.max_contended_share},
+                   "discarded_runs": measured.discarded}
+    return BackendRun("torch", recorder, info, run.wall_s, None, len(requests), len(done), rejected, interrupted,
+                      frontend=fe, measurement=measurement)
 
 
 # -- summaries ----------------------------------------------------------------------------------
@@ -231,6 +265,8 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
     conversations = conversation_summary(reqs)
     if conversations is not None:  # multi-turn workloads: the history's share found in the prefix cache
         out["conversations"] = conversations
+    if run.measurement is not None:
+        out["measurement"] = run.measurement
     if run.rejected:
         out["rejected_examples"] = dict(list(run.rejected.items())[:5])
     if run.error:
@@ -256,15 +292,24 @@ def write_json(path: str, data: Any) -> None:
 
 # -- the run ------------------------------------------------------------------------------------
 def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Callable[[str], None]] = None,
-                 on_backend: Optional[Callable[[str, BackendRun, dict, dict], None]] = None):
+                 on_backend: Optional[Callable[[str, BackendRun, dict, dict], None]] = None,
+                 measure: Optional[MeasureOptions] = None):
     """Run every backend of `exp` in memory: (combined summary, frames per backend, runs per backend).
 
     No file is written here; `on_backend(backend, run, frames, summary)` is called as each backend
     finishes (run_experiment writes its tables there). Ctrl-C stops the current backend, skips the
-    rest and returns with `combined["interrupted"]` set."""
+    rest and returns with `combined["interrupted"]` set. `measure`: how the torch backend is measured
+    (threads, warm-up, contended-run retries; default `MeasureOptions()`)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    opts = measure or MeasureOptions()
     engines = {}
+    nthreads = 0
     for backend in exp.backends:  # build every engine first: bad engine settings fail before any run
+        if backend == "torch":
+            from servetwin.experiments.torch_measure import apply_threads  # noqa: PLC0415
+
+            nthreads, source = apply_threads(exp, opts.threads)
+            log(f"[torch] {nthreads} torch thread(s) ({source})")
         t0 = time.perf_counter()
         engines[backend] = create_engine(exp, backend)
         info = engines[backend][1]
@@ -286,7 +331,8 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
             if backend == "sim":
                 run = _run_sim(exp, engine, info, reqs, arrival, rng, bar)
             else:
-                run = _run_torch(exp, engine, info, reqs, arrival, bar)
+                run = _run_torch(  # each measured run builds its own engine over this executor
+                    exp, info, reqs, arrival, bar, opts, nthreads, log)
         finally:
             if bar is not None:
                 bar.close()
@@ -303,6 +349,9 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
                   if backend == "sim" else f"{format_seconds(s['wall_s'])} wall")
         log(f"[{backend}] {s['completed']}/{s['requests']} requests, {s['num_steps']} steps, {timing}"
             + (" (INTERRUPTED)" if run.interrupted else ""))
+        warning = run.measurement and contention_warning(run.measurement["contention"], opts.max_contended_share)
+        if warning:
+            log(f"warning: [torch] {warning}")
         engines[backend] = None  # free the engine (torch weights, KV cache) before the next backend
         if run.interrupted:
             interrupted = True
@@ -314,17 +363,17 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
 
 def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
                    log: Optional[Callable[[str], None]] = None, overwrite: bool = False,
-                   folder: Optional[RunFolder] = None) -> dict[str, Any]:
+                   folder: Optional[RunFolder] = None, measure: Optional[MeasureOptions] = None) -> dict[str, Any]:
     """Run every backend of `exp`, write everything under `out_dir`; returns the combined summary.
 
     The folder protocol of `servetwin.experiments.run_folder`: locked while this run writes, a
     non-empty folder refused unless `overwrite`, nothing touched before the engines are built and the
     first backend ran, summary.json written last. On KeyboardInterrupt the files of what ran are
     written (summary marked interrupted) and the interrupt is re-raised. `folder`: one the caller
-    already acquired."""
+    already acquired. `measure`: how the torch backend is measured (`run_backends`)."""
     if folder is None:
         with RunFolder(out_dir, overwrite=overwrite) as owned:
-            return run_experiment(exp, out_dir, progress, log, folder=owned)
+            return run_experiment(exp, out_dir, progress, log, folder=owned, measure=measure)
     import yaml  # noqa: PLC0415
 
     from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
@@ -345,7 +394,7 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
         jobs.submit(f"{backend}/trace.json", run.recorder.write_trace, (trace_path,), trace_path)
         folder.write_json(os.path.join(backend, "summary.json"), summary)
 
-    combined, frames, runs = run_backends(exp, progress, log, on_backend=write_backend)
+    combined, frames, runs = run_backends(exp, progress, log, on_backend=write_backend, measure=measure)
     if not folder.written:
         write_config()
     from servetwin.experiments.report import write_report  # noqa: PLC0415

@@ -8,6 +8,7 @@
     backends: [sim, torch]            # any non-empty subset of sim, torch
     engine:                           # vLLM engine-argument names (servetwin.core.engine.engine_args.EngineArgs)
       max_num_seqs: 128
+      scheduling_policy: priority     # vLLM's name of `policy` (fcfs | priority); give one of the two
       ...
     workload:
       requests: 100                   # number of requests (the count of a file/scenario to use)
@@ -61,7 +62,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from servetwin.core.config_error import ConfigError
-from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_args import EngineArgs, resolve_aliases
 
 __all__ = ["ConfigError", "ExperimentConfig", "EngineConfig", "WorkloadConfig", "OutputConfig", "ParseContext",
            "Section", "SECTIONS", "load_config", "validate_config", "expand_sweep", "SweepPoint"]
@@ -213,6 +214,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "num_gpu_blocks": _int(2, nullable=True),
     "max_model_len": _int(2, nullable=True, also=(-1,)),
     "policy": _choice("fcfs", "priority"),
+    "scheduling_policy": _choice("fcfs", "priority"),  # vLLM's name of `policy` (ENGINE_ARG_ALIASES)
     "async_scheduling": _bool,
     "tensor_parallel_size": _int(1),
     "dtype": _choice(*DTYPES),
@@ -322,6 +324,7 @@ def parse_engine(value: Any, ctx: ParseContext) -> EngineConfig:
         if key in engine:
             engine[key] = check(engine[key], f"engine.{key}")
     try:
+        engine = resolve_aliases(engine)  # one field per setting from here on (`given`, config.yaml)
         args = EngineArgs.from_kwargs(**engine, model=ctx.parsed["model"], seed=ctx.parsed["seed"],
                                       backend=ctx.parsed["backends"][0])
     except ConfigError as e:
@@ -600,8 +603,21 @@ def _check_engine_semantics(exp: ExperimentConfig) -> None:
         raise engine_field_path(e) from None
 
 
+def _check_backend_args(exp: ExperimentConfig) -> None:
+    """Each backend's own cheap checks (`ExecutorBackend.check_args`: e.g. the torch backend's
+    `max_model_len` against the model's config.json), before any model load."""
+    from servetwin.core.engine.executor import check_engine_args  # noqa: PLC0415
+
+    for backend in exp.backends:
+        try:
+            check_engine_args(exp.engine_args(backend))
+        except ConfigError as e:
+            e = engine_field_path(e)
+            raise ConfigError(e.path, f"{e.message} [{backend} backend]") from None
+
+
 CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _check_hardware,
-                                                                 _check_engine_semantics)
+                                                                 _check_engine_semantics, _check_backend_args)
 
 
 def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "experiment") -> ExperimentConfig:

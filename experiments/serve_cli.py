@@ -16,7 +16,7 @@ import os
 from dataclasses import MISSING, fields
 from typing import Any
 
-_OWN = {"model", "backend", "multiprocess"}
+OWN_ARGS = {"model", "backend", "multiprocess"}
 
 
 def _arg_type(field: Any) -> Any:
@@ -28,7 +28,7 @@ def _arg_type(field: Any) -> Any:
 
 
 def register(subparsers: Any) -> None:
-    from servetwin.core.engine.engine_args import FIELD_HELP, EngineArgs  # noqa: PLC0415
+    from servetwin.core.engine.engine_args import ENGINE_ARG_ALIASES, FIELD_HELP, EngineArgs  # noqa: PLC0415
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,31 +55,41 @@ def register(subparsers: Any) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     eng = p.add_argument_group("engine arguments (vLLM names)")
     for f in fields(EngineArgs):
-        if f.name in _OWN or f.name == "num_gpu_blocks":  # one flag for both names, vLLM's first
+        if f.name in OWN_ARGS or f.name == "num_gpu_blocks":  # one flag for both names, vLLM's first
             continue
         flags = ["--" + f.name.replace("_", "-")]
         if f.name == "num_gpu_blocks_override":
             flags.append("--num-gpu-blocks")
-        if f.name == "policy":
-            flags.append("--scheduling-policy")  # vLLM's flag name
         default = None if f.default is MISSING else f.default
-        text = FIELD_HELP.get(f.name, f.name.replace("_", " "))
+        text = FIELD_HELP[f.name]
         if default is not None and "default" not in text:
             text += f" (default: {default})"
-        typ = _arg_type(f)
-        if typ is bool:
-            eng.add_argument(*flags, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction, default=None,
-                             help=text)
-        else:
-            metavar = "N" if typ is int else "X" if typ is float else f.name.upper()
-            eng.add_argument(*flags, dest=f"engine_{f.name}", type=typ, default=None, metavar=metavar, help=text)
+        _add_engine_flag(eng, flags, f.name, _arg_type(f), text)
+    for alias, name in ENGINE_ARG_ALIASES.items():  # vLLM's spelling: its own dest, so both given is an error
+        _add_engine_flag(eng, ["--" + alias.replace("_", "-")], alias, str, f"the same as --{name.replace('_', '-')}"
+                         " (vLLM's name; give one of the two)")
     p.set_defaults(func=_cmd_serve)
 
 
-def engine_args_from(ns: argparse.Namespace) -> Any:
-    from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
+def _add_engine_flag(group: Any, flags: list[str], name: str, typ: Any, text: str) -> None:
+    from servetwin.core.engine.engine_args import ENGINE_ARG_ALIASES, FIELD_CHOICES  # noqa: PLC0415
 
-    kwargs = {k[len("engine_"):]: v for k, v in vars(ns).items() if k.startswith("engine_") and v is not None}
+    if typ is bool:
+        group.add_argument(*flags, dest=f"engine_{name}", action=argparse.BooleanOptionalAction, default=None,
+                           help=text)
+        return
+    choices = FIELD_CHOICES.get(ENGINE_ARG_ALIASES.get(name, name))  # shown as {a,b} in place of a metavar
+    metavar = None if choices else "N" if typ is int else "X" if typ is float else name.upper()
+    group.add_argument(*flags, dest=f"engine_{name}", type=typ, default=None, metavar=metavar, choices=choices,
+                       help=text)
+
+
+def engine_args_from(ns: argparse.Namespace) -> Any:
+    from servetwin.core.engine.engine_args import EngineArgs, resolve_aliases  # noqa: PLC0415
+
+    # vLLM's alias names resolved among the flags first (both flags: an error); the config's values are ours
+    kwargs = resolve_aliases({k[len("engine_"):]: v for k, v in vars(ns).items()
+                              if k.startswith("engine_") and v is not None})
     base: dict[str, Any] = {}
     backend = ns.backend
     if getattr(ns, "config", None):
@@ -117,6 +127,7 @@ def check_listen(host: str, port: int) -> None:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
+    from servetwin.core.engine.executor import check_engine_args  # noqa: PLC0415
     from servetwin.core.entrypoints.openai.api_server import run_server  # noqa: PLC0415
 
     if not ns.time_scale > 0:
@@ -127,6 +138,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"max_request_bytes: must be >= 0 (0: no limit), got {ns.max_request_bytes}")
     api_key = ns.api_key if ns.api_key is not None else os.environ.get("SERVETWIN_API_KEY") or None
     args = engine_args_from(ns)
+    check_engine_args(args)  # the backend's cheap checks (e.g. torch: max_model_len vs the model's config)
     check_listen(ns.host, ns.port)  # before the engine loads (minutes for a big model), not after
     print(f"servetwin serve: {args.backend} backend, model {args.model!r} on http://{ns.host}:{ns.port} "
           "(the engine loads in the background; GET /health turns 200 when it is ready)", flush=True)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len
+from servetwin.gpu.models.model_files import check_max_model_len
 from servetwin.core.outputs import Logprobs, ModelRunnerOutput, StepTiming
 from servetwin.core.sched.output import SchedulerOutput
 from servetwin.core.engine.runner_state import RunnerState, ScheduledRow
@@ -78,9 +79,7 @@ class TorchExecutor:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         cfg = self.model_info.decoder_config
         derived_max_len = cfg.max_position_embeddings
-        if max_model_len is not None and max_model_len > derived_max_len:
-            raise ConfigError("max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings "
-                             f"({derived_max_len})")
+        check_max_model_len(max_model_len, derived_max_len)
         want_len = derived_max_len if max_model_len in (None, -1) else max_model_len
         self.model = load_model(self.model_info, self.dtype, self.device, max_positions=want_len)
         self.vocab_size = cfg.vocab_size

@@ -1,13 +1,23 @@
-"""The torch executor's plugin (entry point `torch` of the group `servetwin.executors`)."""
+"""The torch executor's plugin (entry point `torch` of the group `servetwin.executors`).
+
+It loads without torch (the executor class is named, imported on first use), so that its
+`check_args` runs at config time in a fraction of a second."""
 from __future__ import annotations
+
+import importlib.util
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.executor import ExecutorBackend, ExecutorInfo
-from servetwin.gpu.executor import TorchExecutor
+from servetwin.gpu.models.model_files import check_max_model_len, config_on_disk, max_position_embeddings
+
+if importlib.util.find_spec("torch") is None:  # registered but unusable: the registry says so by name
+    raise ImportError("No module named 'torch' (the torch backend needs it: pip install torch)")
 
 
 def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
     """Load the model and size the KV cache on the device (as vLLM's GPU worker does)."""
+    from servetwin.gpu.executor import TorchExecutor  # noqa: PLC0415
+
     ex = TorchExecutor(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                        num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                        gpu_memory_utilization=args.gpu_memory_utilization,
@@ -20,4 +30,14 @@ def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
                         str(path) if path else None)
 
 
-BACKEND = ExecutorBackend("torch", TorchExecutor, build_torch_executor)
+def check_torch_args(args: EngineArgs) -> None:
+    """`max_model_len` against the model's `max_position_embeddings`, read from its config.json when it
+    is on disk (no torch, no weights); a model not built or converted yet is checked when it loads."""
+    path = config_on_disk(args.model)
+    limit = max_position_embeddings(path) if path is not None else None
+    if limit is not None and args.max_model_len not in (None, -1):
+        check_max_model_len(args.max_model_len, limit)
+
+
+BACKEND = ExecutorBackend("torch", "servetwin.gpu.executor:TorchExecutor", build_torch_executor,
+                          check_args=check_torch_args)

@@ -11,6 +11,24 @@ from servetwin.core.engine.executor import NO_BACKENDS, registered_backends
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 
+# vLLM's engine-argument names for fields we name as its configs do (vLLM's `--scheduling-policy`
+# sets `SchedulerConfig.policy`): accepted as input, one field either way
+ENGINE_ARG_ALIASES: dict[str, str] = {"scheduling_policy": "policy"}
+
+
+def resolve_aliases(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with vLLM's alias names replaced by our field names; an alias and its field both
+    given is an error naming both."""
+    out = dict(kwargs)
+    for alias, name in ENGINE_ARG_ALIASES.items():
+        if alias in out:
+            if name in out:
+                raise ConfigError(alias, f"given together with {name!r}: both name one setting ({alias} is "
+                                         f"vLLM's name for {name}); give one of them")
+            out[name] = out.pop(alias)
+    return out
+
+
 @dataclass(slots=True)
 class EngineArgs:
     model: str = "tiny-llama"
@@ -47,6 +65,7 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        kwargs = resolve_aliases(kwargs)
         allowed = {f.name for f in fields(cls)}
         for key in kwargs:
             if key not in allowed:
@@ -101,6 +120,11 @@ class EngineArgs:
             scheduler_reserve_full_isl=self.scheduler_reserve_full_isl, watermark=self.watermark)
 
 
+# The values an argument takes, where they are a fixed set (`servetwin serve` offers them as choices)
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {"policy": ("fcfs", "priority"), "kv_cache_dtype": ("auto", "fp8"),
+                                             "quantization": ("fp8",),
+                                             "attention_backend": ("auto", "torch-paged", "flash-attn")}
+
 # One line per engine argument for `servetwin serve --help` (vLLM's meaning; servetwin's additions say so).
 FIELD_HELP: dict[str, str] = {
     "tokenizer": "tokenizer name or path (default: the model's; 'toy': the built-in toy tokenizer)",
@@ -114,7 +138,7 @@ FIELD_HELP: dict[str, str] = {
     "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
     "enable_chunked_prefill": "split long prompts over several steps, mixed with decodes",
     "long_prefill_token_threshold": "cap on the prompt tokens one request gets per step (0: no cap)",
-    "policy": "scheduling policy: fcfs or priority (vLLM's --scheduling-policy)",
+    "policy": "scheduling policy: fcfs or priority (vLLM's --scheduling-policy; give one of the two)",
     "async_scheduling": "schedule step n+1 while step n runs (vLLM's async scheduling)",
     "scheduler_reserve_full_isl": "admit a request only if its whole prompt fits the free KV blocks",
     "watermark": "share of KV blocks kept free when admitting new requests",
@@ -128,5 +152,7 @@ FIELD_HELP: dict[str, str] = {
     "attention_backend": "attention kernel: auto, torch-paged, flash-attn",
     "device": "torch device: auto, cpu, cuda, cuda:N",
     "hardware": "simulator: a hardware preset (`servetwin presets`) or a hardware YAML",
+    "quantization": "simulator: fp8 weights (W8A8 where the device has fp8, else W8A16); default: the model dtype",
+    "kv_cache_dtype": "simulator: KV-cache dtype, auto (the model dtype) or fp8",
     "profile_dir": "torch backend: write a torch.profiler chrome trace and per-step timings here",
 }

@@ -6,6 +6,7 @@ its own). `executor_backend(name)` loads it by name, so core never imports `sim/
 """
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,10 +42,23 @@ class ExecutorInfo:
 @dataclass(frozen=True, slots=True)
 class ExecutorBackend:
     """What a backend plugin registers: its executor class and how to build one from `EngineArgs`
-    (sizing the KV pool and `max_model_len` the way that backend does)."""
+    (sizing the KV pool and `max_model_len` the way that backend does).
+
+    `executor_class` may be named as "module:Class", imported on first use, so that the plugin itself
+    loads without the executor's heavy imports (torch) and `check_args` stays cheap. `check_args(args)`
+    (optional) validates the arguments against what the backend knows without loading anything (e.g.
+    the model's config on disk) and raises `ConfigError` naming the argument: experiment configs call
+    it when they are parsed, before any model load."""
     name: str
-    executor_class: type
+    executor_class: type | str
     from_engine_args: Callable[["EngineArgs"], ExecutorInfo]
+    check_args: Optional[Callable[["EngineArgs"], None]] = None
+
+    def load_executor_class(self) -> type:
+        if not isinstance(self.executor_class, str):
+            return self.executor_class
+        module, _, attr = self.executor_class.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
 
 class FakeExecutor:
@@ -135,8 +149,15 @@ def executor_backend(name: str) -> ExecutorBackend:
 
 def make_executor(name: str, **kwargs: Any) -> Executor:
     """An executor of a registered backend, built from its constructor's keyword arguments."""
-    return executor_backend(name).executor_class(**kwargs)
+    return executor_backend(name).load_executor_class()(**kwargs)
+
+
+def check_engine_args(args: "EngineArgs") -> None:
+    """The backend's cheap checks of `args` (`ExecutorBackend.check_args`), before any executor is built."""
+    check = executor_backend(args.backend).check_args
+    if check is not None:
+        check(args)
 
 
 __all__ = ["Executor", "ExecutorBackend", "ExecutorInfo", "FakeExecutor", "BackendUnavailableError", "NO_BACKENDS",
-           "executor_backend", "make_executor", "registered_backends"]
+           "check_engine_args", "executor_backend", "make_executor", "registered_backends"]

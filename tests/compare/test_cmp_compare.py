@@ -10,6 +10,7 @@ import pytest
 from cmptest_helpers import CALIBRATIONS, REQUIRED_KEYS, read_json, tiny_config
 
 import servetwin.experiments.compare as cmpmod
+import servetwin.experiments.torch_measure as measuremod
 from servetwin.experiments.cli import main
 from servetwin.sim.cost_model import CostModel
 from servetwin.sim.model_spec import load_model_spec
@@ -160,7 +161,7 @@ def test_compare_config_errors_name_the_field(tmp_path, capsys):
 
 
 def test_contended_repeats_are_flagged_and_retried(tmp_path, monkeypatch):
-    real = cmpmod.cpu_timed
+    real = measuremod.cpu_timed
     calls = {"n": 0}
 
     @contextlib.contextmanager
@@ -179,7 +180,7 @@ def test_contended_repeats_are_flagged_and_retried(tmp_path, monkeypatch):
             finally:
                 executor.step_observers.remove(fake_cpu)
 
-    monkeypatch.setattr(cmpmod, "cpu_timed", first_run_starved)
+    monkeypatch.setattr(measuremod, "cpu_timed", first_run_starved)
     cfg = tiny_config(tmp_path / "off.yaml")
     out = tmp_path / "out"
     assert main(["compare", str(cfg), "-o", str(out), "--no-plots", "--retry-contended", "1"]) == 0

@@ -65,3 +65,15 @@ def test_torch_missing_is_a_clear_error_and_the_sim_still_works():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.startswith("backend: executor backend 'torch' (servetwin.gpu.plugin:BACKEND) is registered "
                                  "but cannot be imported") and "torch" in out.stdout.split("imported:")[1]
+
+
+def test_the_torch_plugin_loads_without_torch_and_checks_args_cheaply():
+    code = ("import sys\nfrom servetwin.core.engine.executor import executor_backend, check_engine_args\n"
+            "from servetwin.core.engine.engine_args import EngineArgs\n"
+            "b = executor_backend('torch')\nassert b.check_args is not None and 'torch' not in sys.modules\n"
+            "check_engine_args(EngineArgs(backend='torch', model='/no/such/model', max_model_len=10**9))\n"
+            "assert 'torch' not in sys.modules\n"  # a model not on disk is checked when it loads
+            "print(b.load_executor_class().__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "TorchExecutor"
+    assert executor_backend("sim").check_args is None  # the sim checks when its (cheap) executor is built

@@ -138,3 +138,17 @@ def test_requests_override_keeps_shared_prefix_groups_whole():
     assert notes and "8 groups x 4" in notes[0]
     exp = load_config(CONFIGS / "default.yaml", requests=3)
     assert exp.workload.spec.requests == 3
+
+
+def test_scheduling_policy_is_vllms_name_of_policy(tmp_path):
+    exp = validate_config(tiny(engine__scheduling_policy="priority"))
+    assert exp.engine.args.policy == "priority"
+    assert exp.engine.given.get("policy") == "priority" and "scheduling_policy" not in exp.engine.given  # one field
+    assert exp.raw["engine"]["policy"] == "priority"
+    assert validate_config(tiny(engine__policy="priority")).engine.args.policy == "priority"
+    msg = _err(tiny(engine__scheduling_policy="priority", engine__policy="fcfs"))
+    assert msg.startswith("engine.scheduling_policy: given together with 'policy'")
+    assert _err(tiny(engine__scheduling_policy="lifo")).startswith("engine.scheduling_policy: must be one of")
+    # sweeps over vLLM's name work
+    points = expand_sweep(validate_config(tiny(sweep={"engine.scheduling_policy": ["fcfs", "priority"]})))
+    assert [p.config.engine.args.policy for p in points] == ["fcfs", "priority"]

@@ -47,10 +47,12 @@ def test_serve_takes_an_experiment_yaml_and_flags_override_it(tmp_path):
 
 
 def test_engine_startup_error_exits_with_the_message():
-    res = subprocess.run([PY, "-m", "servetwin.experiments.cli", "serve", "--backend", "fake", "--policy", "bogus",
-                          "--port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=60)
+    # (a bad --policy is now refused by argparse's choices; this one only the engine's config sees)
+    res = subprocess.run([PY, "-m", "servetwin.experiments.cli", "serve", "--backend", "fake",
+                          "--max-num-batched-tokens", "2", "--port", str(free_port())], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
     assert res.returncode == 2
-    assert "servetwin serve: error: policy: must be 'fcfs' or 'priority'" in res.stderr
+    assert "servetwin serve: error: max_num_batched_tokens: 2 must be >= max_num_seqs (128)" in res.stderr
 
 
 def test_a_port_in_use_or_a_bad_host_fails_before_the_engine_loads():
@@ -83,3 +85,28 @@ def test_serve_help_explains_engine_flags_with_vllm_metavars(capsys):
         ns = build_parser().parse_args(["serve", "--backend", "fake", spelling, "64", "--scheduling-policy", "priority"])
         args = engine_args_from(ns)
         assert args.num_gpu_blocks == 64 and args.policy == "priority"
+
+
+def test_scheduling_policy_and_policy_are_one_setting(tmp_path):
+    from servetwin.core.config_error import ConfigError  # noqa: PLC0415
+    from servetwin.core.engine.engine_args import FIELD_HELP, EngineArgs  # noqa: PLC0415
+
+    parse = build_parser().parse_args
+    assert engine_args_from(parse(["serve", "--backend", "fake", "--policy", "priority"])).policy == "priority"
+    with pytest.raises(ConfigError, match=r"^scheduling_policy: given together with 'policy'"):
+        engine_args_from(parse(["serve", "--backend", "fake", "--policy", "fcfs", "--scheduling-policy", "priority"]))
+    with pytest.raises(SystemExit):  # a fixed set of values is offered as argparse choices
+        parse(["serve", "--scheduling-policy", "lifo"])
+    # a config's policy is overridden by the flag under either name (no "both given" from the config)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: tiny-llama\nhardware: cpu\nbackends: [sim]\nengine: {policy: fcfs, num_gpu_blocks: 64, max_model_len: 256}\n"
+                   "workload: {requests: 1, prompt_tokens: 8, output_tokens: 4}\n")
+    ns = parse(["serve", "--config", str(cfg), "--backend", "fake", "--scheduling-policy", "priority"])
+    assert engine_args_from(ns).policy == "priority"
+    assert EngineArgs.from_kwargs(scheduling_policy="priority", backend="fake").policy == "priority"  # LLM(...) too
+    # every engine flag has its own help line
+    from dataclasses import fields  # noqa: PLC0415
+
+    from servetwin.experiments.serve_cli import OWN_ARGS  # noqa: PLC0415  (flags serve defines itself)
+
+    assert {f.name for f in fields(EngineArgs)} - OWN_ARGS <= set(FIELD_HELP)
