@@ -104,6 +104,11 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
             if s.get("prefix_hit_rate") is not None:
                 line += f", prefix-cache hit rate {100 * s['prefix_hit_rate']:.1f}%"
             obs.append(line + ".")
+            conv = s.get("conversations")
+            if conv and conv.get("later_turns_cached_share") is not None:
+                obs.append(f"{head}: later conversation turns ({conv['later_turns']:,}) found "
+                           f"{100 * conv['later_turns_cached_share']:.1f}% of their prompt tokens in the prefix "
+                           f"cache (first turns: {100 * (conv['first_turns_cached_share'] or 0):.1f}%).")
             ctx = st[st.num_context_reqs > 0]
             near = ctx[ctx.num_context_tokens <= ctx.num_context_reqs * bs]
             if len(near):

@@ -35,7 +35,7 @@ from servetwin.core.testbed.atomic import atomic_open
 from servetwin.experiments.run_folder import RunFolder
 from servetwin.experiments.schema import ExperimentConfig, engine_field_path
 from servetwin.experiments.torch_measure import MeasureOptions, contention_warning
-from servetwin.experiments.workloads import build_requests, workload_summary
+from servetwin.experiments.workloads import build_requests, conversation_summary, workload_summary
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
 # the engine-boundary figures next to the client-boundary `ttft_s` ... (equal without a front end)
@@ -266,6 +266,9 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
 
         out["slo"] = evaluate_slo(exp.slo, reqs, itls, duration)
         out["goodput_req_s"] = out["slo"]["goodput_req_s"]
+    conversations = conversation_summary(reqs)
+    if conversations is not None:  # multi-turn workloads: the history's share found in the prefix cache
+        out["conversations"] = conversations
     if run.measurement is not None:
         out["measurement"] = run.measurement
     if run.rejected:
