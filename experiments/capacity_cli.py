@@ -10,7 +10,8 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
     from servetwin.experiments.capacity_report import answer_line  # noqa: PLC0415
     from servetwin.experiments.capacity_run import parse_grid, run_capacity  # noqa: PLC0415
     from servetwin.experiments.run_cli import _load  # noqa: PLC0415
-    from servetwin.experiments.schema import check_output_dir, seeds_for  # noqa: PLC0415
+    from servetwin.experiments.run_folder import RunFolder, folder_summary_state  # noqa: PLC0415
+    from servetwin.experiments.schema import seeds_for  # noqa: PLC0415
     from servetwin.experiments.slo import parse_slo_args  # noqa: PLC0415
 
     exp = _load(args)
@@ -18,16 +19,23 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
     grid = parse_grid(args.grid)
     seeds = seeds_for(exp, args.seeds) or None
     out = args.output or os.path.join("runs", f"{exp.name}.capacity")
-    check_output_dir(out)
     t0 = time.perf_counter()
-    try:
-        answer = run_capacity(exp, out, knob=args.over, slo=slo, seeds=seeds, confidence=args.confidence,
-                              rel_tol=args.tol, grid=grid, jobs=args.jobs, ray=args.ray, retries=args.retries,
-                              lo=args.lo, hi=args.hi, max_probes=args.max_probes, progress=not args.no_progress,
-                              plots=not args.no_plots)
-    except KeyboardInterrupt:
-        print(f"interrupted: what the searches found so far is in {out}/capacity.md", flush=True)
-        raise
+    with RunFolder(out, overwrite=args.overwrite) as folder:
+        try:
+            answer = run_capacity(exp, out, knob=args.over, slo=slo, seeds=seeds, confidence=args.confidence,
+                                  rel_tol=args.tol, grid=grid, jobs=args.jobs, ray=args.ray,
+                                  retries=args.retries, lo=args.lo, hi=args.hi, max_probes=args.max_probes,
+                                  progress=not args.no_progress, plots=not args.no_plots, folder=folder)
+        except KeyboardInterrupt:
+            state = folder_summary_state(out, "capacity.json")  # written last: the truth about the folder
+            if state is None:
+                print(f"interrupted: {out}/ has no capacity.json: interrupted before or while writing, its "
+                      f"files are incomplete (written: {folder.describe()})", flush=True)
+            else:
+                print(f"interrupted: what the searches found so far is in {out}/capacity.md "
+                      f"(capacity.json has \"interrupted\": {str(bool(state.get('interrupted'))).lower()})",
+                      flush=True)
+            raise
     unit = "req/s" if answer["over"].endswith("rate") else "clients"
     for r in answer["searches"]:
         ci = r["per_seed_capacity_ci95"]
@@ -37,8 +45,7 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
         print(f"{name}: capacity {answer_line(r, unit)}, binding {r['binding']}{seed_part}, {r['probes']} probes")
     if answer.get("best") and len(answer["searches"]) > 1:
         print(f"serves the most: {answer['best']['point']} [{answer['best']['backend']}]")
-    print(f"wrote {out}/capacity.md, capacity.json, probes.csv" + (", capacity.png" if answer.get("plot") else "")
-          + f" in {time.perf_counter() - t0:.1f}s")
+    print(f"wrote {out}/: {folder.describe()} in {time.perf_counter() - t0:.1f}s")
     return 1 if answer["interrupted"] or any(r["capacity"] is None for r in answer["searches"]) else 0
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from servetwin.core.testbed.atomic import atomic_write_with
+
 
 def _plt():
     import matplotlib  # noqa: PLC0415
@@ -89,6 +91,8 @@ def capacity_plot(answer: dict[str, Any], path: str) -> Optional[str]:
     fig.suptitle(f"{answer['name']}: capacity under {spec} at {answer['confidence']:.0%} confidence, "
                  f"{len(answer['seeds'])} seeds ({caps}); x = failing probe", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:  # under a temporary name, renamed when complete (the run-folder protocol)
+        atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
     return path

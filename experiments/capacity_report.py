@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from servetwin.core.testbed.atomic import atomic_write_text
+
 from servetwin.experiments.report import fmt, md_table
 
 
@@ -32,7 +34,8 @@ def answer_line(r: dict[str, Any], unit: str) -> str:
     return f"{_load(lo)} {unit} (interval [{_load(lo)}, {_load(hi)}))"
 
 
-def write_capacity_md(answer: dict[str, Any], path: str) -> str:
+def capacity_markdown(answer: dict[str, Any]) -> str:
+    """capacity.md's text."""
     knob = answer["over"]
     unit = "req/s" if knob.endswith("rate") else "clients"
     spec = ", ".join(f"`{k}` {v:g}" for k, v in answer["slo"].items())
@@ -82,7 +85,11 @@ def write_capacity_md(answer: dict[str, Any], path: str) -> str:
         lines += ["## Plot", "", f"![capacity]({answer['plot']})", ""]
     if answer.get("hosts"):
         lines += ["## Where the probes ran", "", f"Pool: {answer['pool']}.", ""] + [f"- {h}" for h in answer["hosts"]]
-    lines += ["", "Files: `capacity.json` (everything above), `probes.csv` (one row per probe run)."]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    lines += ["", "Files: `capacity.json` (everything above; written last: a folder without it is incomplete), "
+              "`probes.csv` (one row per probe run), `config.yaml` (the validated config)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_capacity_md(answer: dict[str, Any], path: str) -> str:
+    atomic_write_text(path, capacity_markdown(answer))
     return path

@@ -8,6 +8,10 @@
     DIR/capacity.png     latency vs load per SLO target, with the limits and the capacities
 
 Probes write no run folders (only their summaries come back), so a search costs its simulations.
+DIR follows the run-folder protocol (`servetwin.experiments.run_folder`): locked while the search runs, a
+non-empty folder refused unless --overwrite, nothing touched before the first probe results are written,
+every file renamed into place complete and capacity.json last (its presence and its `interrupted` flag
+are the truth about the folder).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Any, Callable, Optional
 from servetwin.experiments.capacity import CapacitySearch, run_ratio
 from servetwin.experiments.pool import PointResult, PointTask, host_summary, map_with_retries
 from servetwin.experiments.pool_factory import make_pool
+from servetwin.experiments.run_folder import RunFolder
 from servetwin.experiments.schema import (ConfigError, ExperimentConfig, expand_sweep, parse_override,
                                           set_dotted, validate_config, with_seed)
 from servetwin.experiments.slo import SloSpec, parse_slo
@@ -121,11 +126,17 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
                  grid: Optional[dict[str, list[Any]]] = None, jobs: int = 1, ray: Any = None, retries: int = 2,
                  lo: Optional[float] = None, hi: Optional[float] = None, max_probes: int = 40,
                  progress: bool = True, plots: bool = True,
-                 log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+                 log: Optional[Callable[[str], None]] = None, overwrite: bool = False,
+                 folder: Optional[RunFolder] = None) -> dict[str, Any]:
     """Search the capacity of every grid point x backend; writes DIR/capacity.{json,md,png}, probes.csv.
-    `slo`: a mapping like the YAML's `slo:` (None: the config's). Returns the capacity.json content."""
-    import yaml  # noqa: PLC0415
-
+    `slo`: a mapping like the YAML's `slo:` (None: the config's). Returns the capacity.json content.
+    `folder`: a RunFolder of `out_dir` the caller already acquired (else one is acquired here, refusing a
+    non-empty folder unless `overwrite`). Ctrl-C stops the search, writes what it found (capacity.json
+    marked interrupted) and re-raises."""
+    if folder is None:
+        with RunFolder(out_dir, overwrite=overwrite) as owned:
+            return run_capacity(exp, out_dir, knob, slo, seeds, confidence, rel_tol, grid, jobs, ray, retries,
+                                lo, hi, max_probes, progress, plots, log, folder=owned)
     log = log or (lambda msg: print(msg, file=sys.stderr))
     knob = knob or default_knob(exp)
     if knob not in LOAD_KNOBS:
@@ -140,9 +151,6 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
         raise ConfigError("--tol", f"must be in (0, 1), got {rel_tol}")
     seeds = seeds or list(range(exp.seed, exp.seed + DEFAULT_SEEDS))
     searches = build_searches(exp, knob, grid or {}, spec, confidence, rel_tol, lo, hi, max_probes)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(exp.to_dict(), f, sort_keys=False)
     pool = make_pool(jobs if ray is None else 1, ray)
     first = ", ".join(_fmt_load(x) for x in (lo, hi) if x is not None) or _fmt_load(searches[0].search.start)
     log(f"capacity {exp.name}: {len(searches)} search(es) over {knob} from {first}, "
@@ -204,7 +212,7 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
             bar.close()
     answer = _answer(exp, knob, spec, seeds, searches, confidence, rel_tol, interrupted, pool.description,
                      host_summary(ran))
-    _write_outputs(out_dir, answer, rows, searches, spec, knob, plots)
+    _write_outputs(folder, exp, answer, rows, plots)
     if interrupted:
         raise KeyboardInterrupt
     return answer
@@ -267,19 +275,25 @@ def _answer(exp, knob, spec, seeds, searches, confidence, rel_tol, interrupted, 
             else None, "searches": results}
 
 
-def _write_outputs(out_dir: str, answer: dict, rows: list[dict], searches: list[Search], spec: SloSpec,
-                   knob: str, plots: bool) -> None:
+def _write_outputs(folder: RunFolder, exp: ExperimentConfig, answer: dict, rows: list[dict], plots: bool) -> None:
+    """config.yaml, probes.csv, capacity.png, capacity.md, then capacity.json: each renamed into place
+    complete, the answer last (the first write clears what an earlier run left, with --overwrite)."""
     import pandas as pd  # noqa: PLC0415
+    import yaml  # noqa: PLC0415
 
-    from servetwin.experiments.runner import write_json  # noqa: PLC0415
+    from servetwin.experiments.capacity_report import capacity_markdown  # noqa: PLC0415
+    from servetwin.experiments.report import portable_config  # noqa: PLC0415
 
-    pd.DataFrame(rows).to_csv(os.path.join(out_dir, "probes.csv"), index=False)
+    folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), folder.path), sort_keys=False))
+    frame = pd.DataFrame(rows)
+    folder.write_with("probes.csv", lambda tmp: frame.to_csv(tmp, index=False))
     plot = None
     if plots and any(r["curve"] for r in answer["searches"]):
         from servetwin.experiments.capacity_plots import capacity_plot  # noqa: PLC0415
-        plot = capacity_plot(answer, os.path.join(out_dir, "capacity.png"))
-    answer["plot"] = os.path.basename(plot) if plot else None
-    write_json(os.path.join(out_dir, "capacity.json"), answer)
-    from servetwin.experiments.capacity_report import write_capacity_md  # noqa: PLC0415
 
-    write_capacity_md(answer, os.path.join(out_dir, "capacity.md"))
+        plot = capacity_plot(answer, folder.file("capacity.png"))
+        if plot:
+            folder.record("capacity.png")
+    answer["plot"] = os.path.basename(plot) if plot else None
+    folder.write_text("capacity.md", capacity_markdown(answer))
+    folder.write_json("capacity.json", answer)  # last: its presence and "interrupted" are the truth

@@ -124,6 +124,31 @@ def log_time_axis(ax, axis: str = "x", span: Optional[tuple[float, float]] = Non
     target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if narrow else (1.0,), numticks=12))
     target.set_major_formatter(FuncFormatter(_short_seconds))
     target.set_minor_formatter(NullFormatter())
+    minor_log_grid(ax, axis, span)
+
+
+def minor_log_grid(ax, axis: str, span: tuple[float, float]) -> None:
+    """The 2..9 x 10^k grid lines of a log axis as one line collection instead of minor ticks: each minor
+    tick is five matplotlib artists (a figure's four log panels spent ~0.3 s creating ~200 of them); the
+    lines look the same as `grid(which="both")`'s, only the small tick marks between the labels go."""
+    from matplotlib.collections import LineCollection  # noqa: PLC0415
+    from matplotlib.ticker import NullLocator  # noqa: PLC0415
+
+    lo, hi = span
+    (ax.xaxis if axis == "x" else ax.yaxis).set_minor_locator(NullLocator())
+    if not (lo > 0 and math.isfinite(hi) and hi >= lo):
+        return
+    decades = range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 2)
+    at = [k * 10.0 ** e for e in decades for k in range(2, 10)]
+    if axis == "x":  # data coordinate along the axis, 0..1 across it; clipped to the view
+        segs, transform = [[(v, 0.0), (v, 1.0)] for v in at], ax.get_xaxis_transform()
+    else:
+        segs, transform = [[(0.0, v), (1.0, v)] for v in at], ax.get_yaxis_transform()
+    import matplotlib as mpl  # noqa: PLC0415
+
+    ax.add_collection(LineCollection(segs, transform=transform, colors=mpl.rcParams["grid.color"],
+                                     linewidths=mpl.rcParams["grid.linewidth"] * 0.8, alpha=0.3, zorder=1.5),
+                      autolim=False)
 
 
 def _seconds_axis(ax, axis: str = "y") -> None:
@@ -329,6 +354,7 @@ def step_time(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = N
                                rasterized=True)
             ax.legend(fontsize=8)
             ax.set_xscale("log")
+            minor_log_grid(ax, "x", (max(float(tokens.min()), 1.0), float(tokens.max())))
             log_time_axis(ax, "y")
         ax.set_title(f"{backend}: step duration vs scheduled tokens", fontsize=10)
         ax.set_xlabel("scheduled tokens in the step (log scale)")
@@ -362,6 +388,19 @@ def _phases(sample) -> dict[str, np.ndarray]:
             "decode": np.nan_to_num(end - first)}
 
 
+def _hbars(ax, y: np.ndarray, left: np.ndarray, right: np.ndarray, color, label: str, height: float = 0.8):
+    """Horizontal bars as one PolyCollection: `barh` makes a Rectangle per bar and updates the axes' limits
+    for each (240 bars cost ~0.3 s); the limits are set by the caller."""
+    from matplotlib.collections import PolyCollection  # noqa: PLC0415
+
+    h = height / 2
+    verts = np.stack([np.column_stack([left, y - h]), np.column_stack([right, y - h]),
+                      np.column_stack([right, y + h]), np.column_stack([left, y + h])], axis=1)
+    coll = PolyCollection(verts, facecolors=color, edgecolors="none", label=label, zorder=1)
+    ax.add_collection(coll, autolim=False)
+    return coll
+
+
 def _gantt_panel(ax, smp, aligned: bool) -> str:
     ph = _phases(smp)
     n = len(smp)
@@ -381,8 +420,13 @@ def _gantt_panel(ax, smp, aligned: bool) -> str:
         for name in ("queue", "prefill", "decode"):
             edges.append(edges[-1] + ph[name])
     for i, name in enumerate(("queue", "prefill", "decode")):
-        ax.barh(y, (edges[i + 1] - edges[i]) / div, left=edges[i] / div, height=0.8, color=GANTT_COLORS[name],
-                label=name)
+        _hbars(ax, y, edges[i] / div, edges[i + 1] / div, GANTT_COLORS[name], name)
+    lo = float(edges[0].min() / div) if n else 0.0
+    hi = float(edges[-1].max() / div) if n else 1.0
+    if aligned and hi > lo > 0:  # the bars' left edge, a 5% margin on the right (as barh's autoscale gave)
+        ax.set_xlim(lo, 10 ** (math.log10(hi) + 0.05 * (math.log10(hi) - math.log10(lo))))
+    elif hi > lo:
+        ax.set_xlim(lo, hi + 0.05 * (hi - lo))
     pre = smp.num_preemptions.to_numpy() > 0
     if pre.any():
         ax.scatter(edges[-1][pre] / div, y[pre], marker="x", color="black", s=22, zorder=5,
@@ -435,23 +479,62 @@ def request_gantt(frames: dict[str, dict], path: str, ctx: Optional[PlotContext]
 RUN_FIGURES = ("latency_cdf", "timeline", "request_gantt", "step_time")
 
 
-def all_run_plots(frames: dict[str, dict], itls: dict[str, list], out_dir: str,
-                  ctx: Optional[PlotContext] = None, jobs=None) -> dict[str, Any]:
-    """Every run figure, each drawn by a forked child where the machine allows it
-    (`servetwin.experiments.background`); `jobs` (an OutputJobs) may already hold other files being written,
-    which this waits for too. Returns {figure: path or None}."""
+def warm_plotting() -> None:
+    """Import matplotlib and render one small figure (fonts, the Agg canvas, the PNG encoder loaded): what
+    `servetwin.experiments.background.Prewarmed` does while the backends run."""
+    import io  # noqa: PLC0415
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(1, 1))
+    ax.plot([1e-3, 1.0], [0, 1])
+    log_time_axis(ax)
+    ax.set_title("warm", fontsize=9)
+    fig.savefig(io.BytesIO(), dpi=20, format="png")
+    plt.close(fig)
+
+
+def draw_run_figures(frames: dict[str, dict], itls: dict[str, Any], out_dir: str,
+                     ctx: Optional[PlotContext] = None) -> dict[str, Optional[str]]:
+    """Every run figure, each in a forked child where the machine allows it; {figure: path or None}."""
     from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
 
-    if not frames:
-        return {}
-    jobs = jobs if jobs is not None else OutputJobs()
+    jobs = OutputJobs()
     if jobs.parallel:
         _plt()  # import once, before forking: the children inherit it
+    _submit_figures(jobs, frames, itls, out_dir, ctx)
+    done = jobs.wait()
+    return {k: done.get(k) for k in RUN_FIGURES}
+
+
+def _submit_figures(jobs, frames, itls, out_dir: str, ctx) -> None:
     path = {k: os.path.join(out_dir, f"{k}.png") for k in RUN_FIGURES}
     jobs.submit("latency_cdf", latency_cdfs, (frames, itls, path["latency_cdf"], ctx), path["latency_cdf"])
     jobs.submit("timeline", timeline, (frames, path["timeline"], ctx), path["timeline"])
     jobs.submit("request_gantt", request_gantt, (frames, path["request_gantt"], ctx), path["request_gantt"])
     jobs.submit("step_time", step_time, (frames, path["step_time"], ctx), path["step_time"])
+
+
+def all_run_plots(frames: dict[str, dict], itls: dict[str, list], out_dir: str,
+                  ctx: Optional[PlotContext] = None, jobs=None, worker=None) -> dict[str, Any]:
+    """Every run figure, each drawn by a forked child where the machine allows it
+    (`servetwin.experiments.background`); `jobs` (an OutputJobs) may already hold other files being written,
+    which this waits for too; `worker` (a `Prewarmed` child that imported matplotlib with
+    `warm_plotting` while the backends ran) draws them when given. Returns {figure: path or None}."""
+    from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
+
+    if not frames:
+        return {}
+    if worker is not None and worker.running:
+        # the figures read only these two tables: the per-request step rows (millions) stay here
+        slim = {b: {"steps": fr["steps"], "requests": fr["requests"]} for b, fr in frames.items()}
+        worker.submit(draw_run_figures, (slim, itls, out_dir, ctx))
+        if jobs is not None:
+            jobs.wait()
+        return worker.result()
+    jobs = jobs if jobs is not None else OutputJobs()
+    if jobs.parallel:
+        _plt()  # import once, before forking: the children inherit it
+    _submit_figures(jobs, frames, itls, out_dir, ctx)
     done = jobs.wait()
     return {k: done.get(k) for k in RUN_FIGURES}
 

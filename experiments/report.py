@@ -104,6 +104,11 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
             if s.get("prefix_hit_rate") is not None:
                 line += f", prefix-cache hit rate {100 * s['prefix_hit_rate']:.1f}%"
             obs.append(line + ".")
+            conv = s.get("conversations")
+            if conv and conv.get("later_turns_cached_share") is not None:
+                obs.append(f"{head}: later conversation turns ({conv['later_turns']:,}) found "
+                           f"{100 * conv['later_turns_cached_share']:.1f}% of their prompt tokens in the prefix "
+                           f"cache (first turns: {100 * (conv['first_turns_cached_share'] or 0):.1f}%).")
             ctx = st[st.num_context_reqs > 0]
             near = ctx[ctx.num_context_tokens <= ctx.num_context_reqs * bs]
             if len(near):
@@ -191,16 +196,16 @@ def annotation_histogram(frames: dict[str, dict], top_n: int = TOP_N) -> str:
 
 
 def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, dict],
-                 itls: dict[str, list], plots: bool = True, jobs=None) -> list[str]:
+                 itls: dict[str, list], plots: bool = True, jobs=None, worker=None) -> list[str]:
     """The figures (unless `plots` is false), then report.md, each renamed into place complete; `jobs`: an
-    OutputJobs still writing other files of the run, waited for before the report is written. Returns the
-    paths written."""
+    OutputJobs still writing other files of the run, waited for before the report is written; `worker`: a
+    prewarmed child that draws the figures (`plots.all_run_plots`). Returns the paths written."""
     summaries = combined["backends"]
     plot_paths: dict[str, Optional[str]] = {}
     if plots and frames:
         from servetwin.experiments.plots import all_run_plots, context_for  # noqa: PLC0415
 
-        plot_paths = all_run_plots(frames, itls, out_dir, context_for(exp, summaries), jobs)
+        plot_paths = all_run_plots(frames, itls, out_dir, context_for(exp, summaries), jobs, worker)
     elif jobs is not None:
         jobs.wait()
     w = combined.get("workload", {})

@@ -35,7 +35,7 @@ from servetwin.core.testbed.atomic import atomic_open
 from servetwin.experiments.run_folder import RunFolder
 from servetwin.experiments.schema import ExperimentConfig, engine_field_path
 from servetwin.experiments.torch_measure import MeasureOptions, contention_warning
-from servetwin.experiments.workloads import build_requests, workload_summary
+from servetwin.experiments.workloads import build_requests, conversation_summary, workload_summary
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
 # the engine-boundary figures next to the client-boundary `ttft_s` ... (equal without a front end)
@@ -55,7 +55,7 @@ class BackendRun:
     interrupted: bool = False
     error: Optional[str] = None
     frontend: dict[str, Any] = field(default_factory=lambda: {"type": "offline"})
-    itls: Optional[list[float]] = None  # the recorder's itls(), computed once
+    itls: Optional[np.ndarray] = None  # the recorder's itl_array(), computed once
     measurement: Optional[dict[str, Any]] = None  # torch: threads, warm-up, contention check
 
 
@@ -176,7 +176,7 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
 
 # -- summaries ----------------------------------------------------------------------------------
 def _clean(values) -> np.ndarray:
-    arr = np.asarray([v for v in values if v is not None], dtype=float)
+    arr = np.asarray(values, dtype=float)  # None (an object column's missing value) becomes nan
     return arr[np.isfinite(arr)] if arr.size else arr
 
 
@@ -195,7 +195,11 @@ def _nz(x: float) -> Optional[float]:
 
 def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
               itls: Optional[list[float]] = None) -> dict[str, Any]:
-    """The summary of one backend's run; `itls` are `run.recorder.itls()` when the caller has them."""
+    """The summary of one backend's run; `itls` are `run.recorder.itl_array()` when the caller has them."""
+    if itls is None:
+        itls = run.recorder.itl_array()
+    # the engine's gaps are the client's when no front end is modelled: computed once
+    engine_itls = itls if run.recorder.delivery is None else run.recorder.engine_itl_array()
     steps, reqs = frames["steps"], frames["requests"]
     finished = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")]
     engine_duration = float(steps.t_end_s.max()) if len(steps) else 0.0
@@ -232,11 +236,11 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
         "computed_tok_s": per_s(float(steps.total_tokens.sum())) if len(steps) else None,
         "request_throughput_s": per_s(run.completed),
         "ttft_s": dist_stats(reqs.ttft_s), "tpot_s": dist_stats(reqs.tpot_s),
-        "itl_s": dist_stats(run.recorder.itls() if itls is None else itls), "e2e_s": dist_stats(reqs.e2e_s),
+        "itl_s": dist_stats(itls), "e2e_s": dist_stats(reqs.e2e_s),
         "queue_s": dist_stats(reqs.queue_s),
         "engine_duration_s": engine_duration,
         "engine_ttft_s": dist_stats(reqs.engine_ttft_s), "engine_tpot_s": dist_stats(reqs.engine_tpot_s),
-        "engine_itl_s": dist_stats(run.recorder.engine_itls()), "engine_e2e_s": dist_stats(reqs.engine_e2e_s),
+        "engine_itl_s": dist_stats(engine_itls), "engine_e2e_s": dist_stats(reqs.engine_e2e_s),
         "frontend_in_s": dist_stats(reqs.frontend_in_s),
         "frontend": run.frontend,
         "step_duration_s": dist_stats(steps.duration_s) if len(steps) else dist_stats([]),
@@ -260,8 +264,11 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
     if exp.slo is not None and not exp.slo.empty:
         from servetwin.experiments.slo import evaluate_slo  # noqa: PLC0415
 
-        out["slo"] = evaluate_slo(exp.slo, reqs, run.recorder.itls() if itls is None else itls, duration)
+        out["slo"] = evaluate_slo(exp.slo, reqs, itls, duration)
         out["goodput_req_s"] = out["slo"]["goodput_req_s"]
+    conversations = conversation_summary(reqs)
+    if conversations is not None:  # multi-turn workloads: the history's share found in the prefix cache
+        out["conversations"] = conversations
     if run.measurement is not None:
         out["measurement"] = run.measurement
     if run.rejected:
@@ -290,13 +297,15 @@ def write_json(path: str, data: Any) -> None:
 # -- the run ------------------------------------------------------------------------------------
 def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Callable[[str], None]] = None,
                  on_backend: Optional[Callable[[str, BackendRun, dict, dict], None]] = None,
-                 measure: Optional[MeasureOptions] = None):
+                 measure: Optional[MeasureOptions] = None, timings: Optional[dict] = None):
     """Run every backend of `exp` in memory: (combined summary, frames per backend, runs per backend).
 
     No file is written here; `on_backend(backend, run, frames, summary)` is called as each backend
     finishes (run_experiment writes its tables there). Ctrl-C stops the current backend, skips the
     rest and returns with `combined["interrupted"]` set. `measure`: how the torch backend is measured
-    (threads, warm-up, contended-run retries; default `MeasureOptions()`)."""
+    (threads, warm-up, contended-run retries; default `MeasureOptions()`). `timings["sim_end"]` is set
+    to the `time.perf_counter()` at which each backend's run returned (the last one's stays: where the
+    output phase starts)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     opts = measure or MeasureOptions()
     engines = {}
@@ -333,9 +342,11 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
         finally:
             if bar is not None:
                 bar.close()
+        if timings is not None:
+            timings["sim_end"] = time.perf_counter()
         runs[backend] = run
         frames[backend] = run.recorder.frames()
-        run.itls = run.recorder.itls()
+        run.itls = run.recorder.itl_array()
         summaries[backend] = summarize(run, frames[backend], exp, run.itls)
         if on_backend is not None:
             on_backend(backend, run, frames[backend], summaries[backend])
@@ -373,10 +384,17 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             return run_experiment(exp, out_dir, progress, log, folder=owned, measure=measure)
     import yaml  # noqa: PLC0415
 
-    from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
+    from servetwin.experiments.background import OutputJobs, Prewarmed  # noqa: PLC0415
     from servetwin.experiments.report import portable_config  # noqa: PLC0415
 
+    log = log or (lambda msg: print(msg, file=sys.stderr))
     jobs = OutputJobs()  # trace.json and the figures: written by forked children (each renamed into place)
+    worker = None
+    if exp.output.plots and jobs.parallel:  # matplotlib imported on a spare CPU while the backends run
+        from servetwin.experiments.plots import warm_plotting  # noqa: PLC0415
+
+        worker = Prewarmed(warm_plotting)
+    phase = {"sim_end": None}
 
     def write_config() -> None:
         folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
@@ -391,19 +409,29 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
         jobs.submit(f"{backend}/trace.json", run.recorder.write_trace, (trace_path,), trace_path)
         folder.write_json(os.path.join(backend, "summary.json"), summary)
 
-    combined, frames, runs = run_backends(exp, progress, log, on_backend=write_backend, measure=measure)
-    if not folder.written:
-        write_config()
-    from servetwin.experiments.report import write_report  # noqa: PLC0415
+    try:
+        combined, frames, runs = run_backends(exp, progress, log, on_backend=write_backend, measure=measure,
+                                              timings=phase)
+        if not folder.written:
+            write_config()
+        from servetwin.experiments.report import write_report  # noqa: PLC0415
 
-    written = write_report(exp, out_dir, combined, frames, {b: r.itls for b, r in runs.items()},
-                           plots=exp.output.plots, jobs=jobs)
+        written = write_report(exp, out_dir, combined, frames, {b: r.itls for b, r in runs.items()},
+                               plots=exp.output.plots, jobs=jobs, worker=worker)
+    finally:
+        if worker is not None:
+            worker.close()  # a child still waiting (the run failed before its figures): ended
     for path in written:
         folder.record(os.path.relpath(path, out_dir))
     for backend in runs:
         if os.path.exists(os.path.join(out_dir, backend, "trace.json")):
             folder.record(os.path.join(backend, "trace.json"))
     folder.write_json("summary.json", combined)  # last: its presence and "interrupted" are the truth
+    if phase["sim_end"] is not None:
+        from servetwin.experiments.units import format_seconds  # noqa: PLC0415
+
+        log(f"[outputs] tables, trace.json, {'figures, ' if exp.output.plots else ''}report and summary "
+            f"written in {format_seconds(time.perf_counter() - phase['sim_end'])} after the last backend's run")
     if combined["interrupted"]:
         raise KeyboardInterrupt
     return combined

@@ -190,7 +190,7 @@ def evaluate_slo(spec: SloSpec, requests, itls, duration_s: float) -> dict[str, 
 
     def column(metric: str):
         if metric == "itl":
-            return np.asarray([v for v in itls if v is not None], dtype=float)
+            return np.asarray(itls, dtype=float)  # a list's None becomes nan, dropped below
         return requests[f"{metric}_s"].to_numpy(dtype=float, na_value=np.nan)
 
     checks: list[dict[str, Any]] = []

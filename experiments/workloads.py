@@ -63,3 +63,19 @@ def workload_summary(requests: list) -> dict[str, Any]:
         # the last conversation start (a later turn's arrival is set when it is sent)
         out["last_arrival_s"] = float(max(r.arrival_s for r in requests if r.conversation.turn == 1))
     return out
+
+
+def conversation_summary(reqs: Any) -> Optional[dict[str, Any]]:
+    """How much of the conversations' prompts the prefix cache held, first turns vs later turns
+    (`reqs`: a run's requests table; None when it has no conversation turns)."""
+    turn = reqs.request_id.str.extract(r"conv-\d+-turn-(\d+)$", expand=False) if len(reqs) else None
+    if turn is None or turn.isna().all():
+        return None
+    first, later = reqs[turn == "1"], reqs[turn.notna() & (turn != "1")]
+
+    def share(rows: Any) -> Optional[float]:
+        total = int(rows.prompt_tokens.sum())
+        return int(rows.cached_tokens.sum()) / total if total else None
+
+    return {"first_turns": int(len(first)), "later_turns": int(len(later)),
+            "first_turns_cached_share": share(first), "later_turns_cached_share": share(later)}

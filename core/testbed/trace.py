@@ -97,6 +97,29 @@ class DeliveryMap:
             return self._clients[i]
         return None
 
+    def client_times(self, t_engine):
+        """`client_time` of every value of a float array at once (nan where it returns None)."""
+        import numpy as np  # noqa: PLC0415  (lazy, like pandas in TraceRecorder.frames())
+
+        t = np.asarray(t_engine, dtype=float)
+        ends = np.asarray(self._ends, dtype=float)
+        clients = np.asarray(self._clients, dtype=float)
+        out = np.full(t.shape, np.nan)
+        if not ends.size or not t.size:
+            return out
+        # an exact end: the dict's value, i.e. the latest delivery added for it
+        last = np.searchsorted(ends, t, side="right") - 1
+        exact = (last >= 0) & (ends[np.maximum(last, 0)] == t)
+        out[exact] = clients[last[exact]]
+        # otherwise the first end within the relative tolerance, as the bisect above finds it
+        tol = 1e-9 * np.maximum(1.0, np.abs(t))
+        i = np.searchsorted(ends, t - tol, side="left")
+        near = ~exact & (i < ends.size)
+        idx = np.minimum(i, ends.size - 1)
+        near &= np.abs(ends[idx] - t) <= tol
+        out[near] = clients[idx[near]]
+        return out
+
     @property
     def last_client_time(self) -> Optional[float]:
         return max(self._clients) if self._clients else None
@@ -332,19 +355,58 @@ class TraceRecorder:
 
     def itls(self) -> list[float]:
         """Inter-token latencies at the client boundary."""
-        out: list[float] = []
-        for t in self.requests.values():
-            out.extend(t.itls(self.delivery))
-        return out
+        return self.itl_array().tolist()
 
     def engine_itls(self) -> list[float]:
         """Inter-token latencies at the engine (step ends)."""
+        return self.engine_itl_array().tolist()
+
+    def itl_array(self):
+        """`itls()` as a float64 numpy array, in the same order (requests in arrival order, each one's gaps
+        in token order), computed in one vectorised pass over all token times (a 10,000-request run has
+        ~1M of them; a Python loop over them took seconds)."""
         if self.delivery is None:
-            return self.itls()
-        out: list[float] = []
-        for t in self.requests.values():
-            out.extend(t.itls())
-        return out
+            return self.engine_itl_array()
+        import numpy as np  # noqa: PLC0415  (lazy, like pandas in frames())
+
+        times, seg = self._token_times()
+        client = self.delivery.client_times(times)
+        ok = ~np.isnan(client)  # never delivered (RequestTrace.itls drops them)
+        client, seg = client[ok], seg[ok]
+        first = np.ones(client.size, dtype=bool)
+        first[1:] = seg[1:] != seg[:-1]
+        # tokens delivered together travel in one chunk: one ITL per chunk, as the client records it
+        keep = first.copy()
+        keep[1:] |= client[1:] != client[:-1]
+        client, first = client[keep], first[keep]
+        gaps = np.empty(client.size)
+        gaps[1:] = client[1:] - client[:-1]
+        if self.delivery.split_first_chunk:  # the role chunk, then the first token: a gap of ~0 first
+            gaps[first] = 0.0
+            return gaps
+        return gaps[~first]
+
+    def engine_itl_array(self):
+        """`engine_itls()` as a numpy array (the gaps of every request's token times, vectorised)."""
+        import numpy as np  # noqa: PLC0415
+
+        times, seg = self._token_times()
+        if times.size < 2:
+            return np.zeros(0)
+        gaps = times[1:] - times[:-1]  # the same subtraction as b - a per request
+        return gaps[seg[1:] == seg[:-1]]  # not from one request's last token to the next one's first
+
+    def _token_times(self):
+        """(every request's token times concatenated, the request's index for each) as numpy arrays."""
+        import itertools  # noqa: PLC0415
+
+        import numpy as np  # noqa: PLC0415
+
+        lists = [t.token_times for t in self.requests.values()]
+        lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        total = int(lengths.sum())
+        times = np.fromiter(itertools.chain.from_iterable(lists), dtype=float, count=total)
+        return times, np.repeat(np.arange(len(lists)), lengths)
 
     def frames(self) -> dict[str, Any]:
         import pandas as pd  # noqa: PLC0415  (lazy: pandas is only needed to write tables)

@@ -85,11 +85,18 @@ def test_run_shows_the_shared_history_in_the_prefix_cache(tmp_path, caching):
     reqs = pd.read_parquet(tmp_path / "out" / "sim" / "requests.parquet")
     later = reqs[~reqs.request_id.str.endswith("-turn-1")]
     assert len(later) == 12 and reqs.request_id.str.fullmatch(r"conv-\d+-turn-[123]").all()
+    conv = s["conversations"]
+    assert (conv["first_turns"], conv["later_turns"]) == (6, 12)
+    assert conv["later_turns_cached_share"] == pytest.approx(later.cached_tokens.sum() / later.prompt_tokens.sum())
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "multi-turn conversations" in report
     if caching:
         assert (later.cached_tokens >= 16).all() and s["prefix_hit_rate"] > 0.3
-        assert "multi-turn conversations" in (tmp_path / "out" / "report.md").read_text()
+        assert conv["later_turns_cached_share"] > 0.5 and conv["first_turns_cached_share"] == 0
+        assert "later conversation turns (12) found" in report
     else:
         assert (reqs.cached_tokens == 0).all() and not s["prefix_hit_rate"]
+        assert conv["later_turns_cached_share"] == 0
 
 
 def test_shipped_chat_config_parses_and_its_sweep_is_caching_on_off():
