@@ -160,7 +160,7 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
 
 def measurement_line(m: dict[str, Any]) -> str:
     """How a torch run was measured: threads, warm-up, the contention check (`torch_measure`)."""
-    from servetwin.experiments.torch_measure import contention_warning  # noqa: PLC0415
+    from servetwin.experiments.torch_measure import CONTENDED_ADVICE, is_contended  # noqa: PLC0415
 
     c, retry = m["contention"], m["retry_contended"]
     warm = "no warm-up" if m.get("warmup_s") is None else f"warm-up {format_seconds(m['warmup_s'])} (not recorded)"
@@ -169,8 +169,10 @@ def measurement_line(m: dict[str, Any]) -> str:
             f"(median cpu_share {c.get('median_cpu_share') or 0:.2f})")
     if m.get("discarded_runs"):
         line += f"; {len(m['discarded_runs'])} contended run(s) discarded and run again"
-    warning = contention_warning(c, retry["max_contended_share"])
-    return line + (f". **Warning**: {warning}." if warning else ".")
+    if is_contended(c, retry["max_contended_share"]):
+        return line + f". **Warning**: more than {100 * retry['max_contended_share']:g}% of the steps were " \
+                      f"contended: {CONTENDED_ADVICE}."
+    return line + "."
 
 
 def combined_offline(exp) -> bool:

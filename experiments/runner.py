@@ -129,10 +129,10 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
                log: Callable[[str], None]) -> BackendRun:
     """A warm-up (not recorded), then the measured run on a fresh engine over the same executor, run
     again when contended if `opts.retry_contended` (`servetwin.experiments.torch_measure`)."""
-    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
-    from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
     import pandas as pd  # noqa: PLC0415
 
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
+    from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
     from servetwin.core.testbed.trace import STEP_COLUMNS, TraceRecorder  # noqa: PLC0415
     from servetwin.experiments.torch_measure import contention_summary, measure, warm_up  # noqa: PLC0415
     from servetwin.sim.arrivals import Offline  # noqa: PLC0415

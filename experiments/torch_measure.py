@@ -169,12 +169,19 @@ def measure(run_once: Callable[[dict[int, float]], tuple[Any, Any, float]], exec
     return out
 
 
-def contention_warning(contention: dict[str, Any], max_contended_share: float) -> Optional[str]:
-    """The console/report warning for a run with too many contended steps, else None."""
+CONTENDED_ADVICE = ("the measured times are inflated by other load on this machine; run it again on a quiet "
+                    "machine or with --retry-contended K")
+
+
+def is_contended(contention: dict[str, Any], max_contended_share: float) -> bool:
     share = contention.get("contended_step_share")
-    if share is None or share <= max_contended_share:
+    return share is not None and share > max_contended_share
+
+
+def contention_warning(contention: dict[str, Any], max_contended_share: float) -> Optional[str]:
+    """The console warning for a run with too many contended steps, else None."""
+    if not is_contended(contention, max_contended_share):
         return None
-    return (f"{share * 100:.0f}% of the measured steps lost their CPU to other processes (cpu_share < "
-            f"{CONTENDED_BELOW}; median cpu_share {contention.get('median_cpu_share') or 0:.2f}): the measured "
-            "times are inflated by other load on this machine; run it again on a quiet machine or with "
-            "--retry-contended K")
+    median = contention.get("median_cpu_share") or 0.0
+    return (f"{contention['contended_step_share'] * 100:.0f}% of the measured steps lost their CPU to other "
+            f"processes (cpu_share < {CONTENDED_BELOW}; median cpu_share {median:.2f}): {CONTENDED_ADVICE}")

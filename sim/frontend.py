@@ -49,6 +49,7 @@ from typing import Any, Optional
 
 import simpy
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.testbed.trace import DeliveryMap
 from servetwin.sim.frontend_presets import FRONTEND_PRESETS
 from servetwin.sim.validate import check_keys, check_mapping, non_negative, one_of
@@ -116,7 +117,7 @@ def frontend_spec_from_dict(cfg: Mapping[str, Any], path: str = "frontend.coeffi
     coeffs.update(given)
     name = cfg.get("name", merged["name"])
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{path}.name: must be a non-empty string, got {name!r}")
+        raise ConfigError(f"{path}.name", f"must be a non-empty string, got {name!r}")
     values = {k: non_negative(v, f"{path}.coefficients.{k}") for k, v in coeffs.items()}
     provenance = check_mapping(cfg.get("provenance", merged.get("provenance", {})), f"{path}.provenance")
     return FrontendSpec(name, FrontendCoefficients(**values), copy.deepcopy(dict(provenance)))
@@ -133,7 +134,7 @@ def load_frontend_spec(name_or_path: Any, path: str = "frontend.coefficients") -
         return frontend_spec_from_dict(FRONTEND_PRESETS[key], f"{path}[{key}]")
     p = Path(key)
     if not p.is_file():
-        raise ValueError(f"{path}: {key!r} is neither a front-end preset ({', '.join(FRONTEND_PRESETS)}) "
+        raise ConfigError(f"{path}", f"{key!r} is neither a front-end preset ({', '.join(FRONTEND_PRESETS)}) "
                          "nor an existing YAML file")
     import yaml  # noqa: PLC0415
 
@@ -141,7 +142,7 @@ def load_frontend_spec(name_or_path: Any, path: str = "frontend.coefficients") -
         try:
             data = yaml.safe_load(f)
         except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: {p} is not valid YAML: {exc}") from None
+            raise ConfigError(f"{path}", f"{p} is not valid YAML: {exc}") from None
     return frontend_spec_from_dict(data if data is not None else {}, path)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.sim.validate import int_at_least, non_negative
 
 _ALIASES = {
@@ -50,7 +51,7 @@ def _record(row: dict[str, Any], where: str) -> TraceRecord:
     vals = {name: _pick(row, name) for name in _ALIASES}
     for name in _REQUIRED:
         if vals[name] is None:
-            raise ValueError(f"{where}.{name}: required field is missing")
+            raise ConfigError(f"{where}.{name}", f"required field is missing")
     arrival = non_negative(vals["arrival_s"], f"{where}.arrival_s")
     prompt = int_at_least(_int(vals["prompt_tokens"], f"{where}.prompt_tokens"), 1,
                           f"{where}.prompt_tokens")
@@ -62,12 +63,12 @@ def _record(row: dict[str, Any], where: str) -> TraceRecord:
         prefix = int_at_least(_int(vals["prefix_tokens"], f"{where}.prefix_tokens"), 0,
                               f"{where}.prefix_tokens")
     if prefix and group is None:
-        raise ValueError(f"{where}.prefix_group: required when prefix_tokens > 0")
+        raise ConfigError(f"{where}.prefix_group", f"required when prefix_tokens > 0")
     if prefix > prompt:
-        raise ValueError(f"{where}.prefix_tokens: {prefix} exceeds prompt_tokens {prompt}")
+        raise ConfigError(f"{where}.prefix_tokens", f"{prefix} exceeds prompt_tokens {prompt}")
     hash_ids = row.get("hash_ids")
     if hash_ids is not None and group is not None:
-        raise ValueError(f"{where}.hash_ids: give either hash_ids or prefix_group, not both")
+        raise ConfigError(f"{where}.hash_ids", f"give either hash_ids or prefix_group, not both")
     return TraceRecord(arrival, prompt, output, group, prefix,
                        None if hash_ids is None else _hash_ids(hash_ids, f"{where}.hash_ids"))
 
@@ -83,9 +84,9 @@ def _int(value: Any, where: str) -> int:
         try:
             f = float(value)
         except ValueError:
-            raise ValueError(f"{where}: must be an integer, got {value!r}") from None
+            raise ConfigError(f"{where}", f"must be an integer, got {value!r}") from None
         if not f.is_integer():
-            raise ValueError(f"{where}: must be an integer, got {value!r}")
+            raise ConfigError(f"{where}", f"must be an integer, got {value!r}")
         return int(f)
     return value
 
@@ -101,9 +102,9 @@ def _read_rows(p: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
                     try:
                         row = json.loads(line)
                     except json.JSONDecodeError as exc:
-                        raise ValueError(f"{p}:{lineno}: invalid JSON: {exc}") from None
+                        raise ConfigError(f"{p}:{lineno}", f"invalid JSON: {exc}") from None
                     if not isinstance(row, dict):
-                        raise ValueError(f"{p}:{lineno}: each line must be a JSON object")
+                        raise ConfigError(f"{p}:{lineno}", f"each line must be a JSON object")
                     columns.update(dict.fromkeys(row))
                     rows.append((f"{p}:{lineno}", row))
         else:
@@ -124,9 +125,9 @@ def load_trace(path: str | Path, field_path: str = "workload.arrival.path", fmt:
     base = field_path.rsplit(".", 1)[0]
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{field_path}: trace file not found: {p}")
+        raise ConfigError(f"{field_path}", f"trace file not found: {p}")
     if fmt not in FORMAT_NAMES:
-        raise ValueError(f"{base}.format: must be one of {', '.join(FORMAT_NAMES)}, got {fmt!r}")
+        raise ConfigError(f"{base}.format", f"must be one of {', '.join(FORMAT_NAMES)}, got {fmt!r}")
     rows, found = _read_rows(p)
     if columns:
         spec = mapped_format(columns, time_unit, hash_block_tokens, base)
@@ -134,10 +135,10 @@ def load_trace(path: str | Path, field_path: str = "workload.arrival.path", fmt:
         name = detect_format(found) if fmt == "auto" else (None if fmt == "servetwin" else fmt)
         spec = KNOWN_FORMATS.get(name) if name else None
         if spec is None and not all(any(a in found for a in _ALIASES[k]) for k in _REQUIRED):
-            raise ValueError(f"{field_path}: {p} has columns {', '.join(found) or '(none)'}; accepted: "
+            raise ConfigError(f"{field_path}", f"{p} has columns {', '.join(found) or '(none)'}; accepted: "
                              f"{accepted_columns()}; or map yours with {base}.columns")
         if spec is not None and not {spec.columns[k] for k in _REQUIRED} <= set(found):
-            raise ValueError(f"{field_path}: {p} has columns {', '.join(found) or '(none)'}, not the {spec.name} "
+            raise ConfigError(f"{field_path}", f"{p} has columns {', '.join(found) or '(none)'}, not the {spec.name} "
                              f"columns {', '.join(spec.columns[k] for k in _REQUIRED)}")
     if spec is not None:
         rows, skipped = normalize(rows, spec)
@@ -145,6 +146,6 @@ def load_trace(path: str | Path, field_path: str = "workload.arrival.path", fmt:
             logging.getLogger("servetwin").warning("%s: skipped %d failed requests (0 output tokens)", p, skipped)
     records = [_record(row, where) for where, row in rows]
     if not records:
-        raise ValueError(f"{field_path}: trace file {p} holds no requests")
+        raise ConfigError(f"{field_path}", f"trace file {p} holds no requests")
     order = sorted(range(len(records)), key=lambda i: records[i].arrival_s)
     return [records[i] for i in order]

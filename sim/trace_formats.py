@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
+
 FIELDS = ("arrival_s", "prompt_tokens", "output_tokens", "prefix_group", "prefix_tokens", "hash_ids")
 REQUIRED = ("arrival_s", "prompt_tokens", "output_tokens")
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "datetime": None}
@@ -79,7 +81,7 @@ def parse_datetime(value: Any, where: str) -> float:
     try:
         t = dt.datetime.fromisoformat(head + (f".{frac}" if frac else "") + zone)
     except ValueError:
-        raise ValueError(f"{where}: not a datetime, got {value!r}") from None
+        raise ConfigError(f"{where}", f"not a datetime, got {value!r}") from None
     if t.tzinfo is None:
         t = t.replace(tzinfo=dt.timezone.utc)
     return t.timestamp()
@@ -89,9 +91,9 @@ def _number(value: Any, where: str) -> float:
     try:
         x = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: must be a number, got {value!r}") from None
+        raise ConfigError(f"{where}", f"must be a number, got {value!r}") from None
     if not math.isfinite(x):
-        raise ValueError(f"{where}: must be finite, got {value!r}")
+        raise ConfigError(f"{where}", f"must be finite, got {value!r}")
     return x
 
 
@@ -100,9 +102,9 @@ def parse_hash_ids(value: Any, where: str) -> tuple[int, ...]:
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise ValueError(f"{where}: must be a list of integers, got {value!r}") from None
+            raise ConfigError(f"{where}", f"must be a list of integers, got {value!r}") from None
     if not isinstance(value, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in value):
-        raise ValueError(f"{where}: must be a list of integers, got {value!r}")
+        raise ConfigError(f"{where}", f"must be a list of integers, got {value!r}")
     return tuple(value)
 
 
@@ -118,7 +120,7 @@ def normalize(rows: list[tuple[str, dict[str, Any]]], fmt: TraceFormat
             value = row.get(col)
             if value in (None, ""):
                 if field in REQUIRED:
-                    raise ValueError(f"{where}.{col}: required column is empty or missing")
+                    raise ConfigError(f"{where}.{col}", f"required column is empty or missing")
                 continue
             if field == "arrival_s":
                 value = (parse_datetime(value, f"{where}.{col}") if scale is None
@@ -141,12 +143,12 @@ def mapped_format(columns: dict[str, Any], time_unit: str, hash_block_tokens: Op
     """A user's column mapping (`columns: {arrival_s: ts, ...}`) as a format."""
     for key, col in columns.items():
         if key not in FIELDS:
-            raise ValueError(f"{path}.columns.{key}: unknown field (allowed: {', '.join(FIELDS)})")
+            raise ConfigError(f"{path}.columns.{key}", f"unknown field (allowed: {', '.join(FIELDS)})")
         if not isinstance(col, str) or not col:
-            raise ValueError(f"{path}.columns.{key}: must be a column name, got {col!r}")
+            raise ConfigError(f"{path}.columns.{key}", f"must be a column name, got {col!r}")
     missing = [k for k in REQUIRED if k not in columns]
     if missing:
-        raise ValueError(f"{path}.columns.{missing[0]}: required (map {', '.join(REQUIRED)} to the file's columns)")
+        raise ConfigError(f"{path}.columns.{missing[0]}", f"required (map {', '.join(REQUIRED)} to the file's columns)")
     if time_unit not in TIME_UNITS:
-        raise ValueError(f"{path}.time_unit: must be one of {', '.join(TIME_UNITS)}, got {time_unit!r}")
+        raise ConfigError(f"{path}.time_unit", f"must be one of {', '.join(TIME_UNITS)}, got {time_unit!r}")
     return TraceFormat("columns", dict(columns), time_unit, hash_block_tokens)

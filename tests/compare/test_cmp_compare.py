@@ -172,7 +172,9 @@ def test_contended_repeats_are_flagged_and_retried(tmp_path, monkeypatch):
         starved = calls["n"] == 1
         with real(executor, cpu_s):
             def fake_cpu(so, out):
-                cpu_s[so.step] = 0.0 if starved else out.timing.duration_s
+                # all of it: twice the executor's step time, so that a loaded machine, where the recorded
+                # step (scheduling included) outlasts the executor's, cannot make it look contended
+                cpu_s[so.step] = 0.0 if starved else 2.0 * out.timing.duration_s
 
             executor.step_observers.append(fake_cpu)
             try:

@@ -96,7 +96,8 @@ def test_contended_torch_run_warns_and_is_retried(tmp_path, monkeypatch, capsys)
     assert "warning: [torch] 100% of the measured steps lost their CPU to other processes" in err
     m = json.loads((tmp_path / "a" / "summary.json").read_text())["backends"]["torch"]["measurement"]
     assert m["contention"]["contended_step_share"] == 1.0 and m["torch_threads"] == 1
-    assert "**Warning**: 100% of the measured steps" in (tmp_path / "a" / "report.md").read_text()
+    assert "100.0% of the steps lost their CPU" in (tmp_path / "a" / "report.md").read_text()
+    assert "**Warning**: more than 5% of the steps were contended" in (tmp_path / "a" / "report.md").read_text()
     # with --retry-contended the starved run is discarded and run again; the kept one is clean
     calls["n"] = 0
     assert main(["run", str(path), "-o", str(tmp_path / "b"), "--no-progress", "--no-plots", "--threads", "1",
