@@ -49,9 +49,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from servetwin.core.testbed.atomic import atomic_open
+from servetwin.experiments.torch_measure import CONTENDED_BELOW, cpu_shares, load_average, set_torch_threads
 from servetwin.sim.coefficients import BASIS_TERMS, GPU_ONLY_TERMS
 
-CONTENDED_BELOW = 0.9
 MEASURED_QUANTITY = ("wall time of one EngineCore.step() (schedule + execute_model + update_from_output), "
                      "time.perf_counter(), in-process engine (no IPC): what `servetwin run`/`compare` record "
                      "for the torch backend")
@@ -431,13 +431,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def load_average() -> Optional[list[float]]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 CUDA_PRESET_BY_NAME = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80g"), ("L40S", "l40s"))
 
 
@@ -508,16 +501,6 @@ def _plain(o: Any) -> Any:
 
 
 # -- the command ------------------------------------------------------------------------------------
-def set_torch_threads(threads: Optional[int]) -> int:
-    import torch  # noqa: PLC0415
-
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"--threads: must be >= 1, got {threads}")
-        torch.set_num_threads(int(threads))
-    return int(torch.get_num_threads())
-
-
 def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "auto", threads: Optional[int] = 1,
               design: str | CalibrationDesign = "default", repeats: Optional[int] = None,
               base: Optional[str] = None, weighting: str = "relative", trim: Optional[float] = 4.0,
@@ -588,8 +571,7 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
             recorder.write(trace_dir)
         frames = recorder.frames()
         steps, step_requests = frames["steps"], frames["step_requests"]
-        share = np.array([cpu_s.get(int(k), np.nan) for k in steps.step.to_numpy()]) / (
-            steps.duration_s.to_numpy(dtype=float) * nthreads)
+        share = cpu_shares(steps, cpu_s, nthreads)
         contended = {int(k) for k, sh in zip(steps.step.to_numpy(), share) if sh < CONTENDED_BELOW}
         extra["contention"] = {
             "definition": f"cpu_share = process CPU time / (wall time x threads) per step; < {CONTENDED_BELOW}: "

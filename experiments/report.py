@@ -145,9 +145,8 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
         a, b = summaries["sim"], summaries["torch"]
         if a["duration_s"] and b["duration_s"]:
             obs.append(f"torch measured makespan / sim predicted makespan = {b['duration_s'] / a['duration_s']:.3g} "
-                       f"({b['duration_s']:.3f} s vs {a['duration_s']:.3f} s; the sim's step times come from the "
-                       f"`{exp.hardware if isinstance(exp.hardware, str) else 'inline'}` hardware cost model, "
-                       "uncalibrated unless its provenance says otherwise).")
+                       f"({b['duration_s']:.3f} s vs {a['duration_s']:.3f} s; the sim's step times come from "
+                       f"{_cost_model_source(exp)}).")
         sa, sb = frames["sim"]["steps"], frames["torch"]["steps"]
         if len(sa) and len(sb):
             n = min(len(sa), len(sb))
@@ -156,6 +155,19 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
             obs.append(f"scheduling: {same} of the first {n} steps have the same annotation in sim and torch "
                        f"({len(sa)} vs {len(sb)} steps in all{note}).")
     return obs
+
+
+def _cost_model_source(exp) -> str:
+    """Which hardware the simulator's step costs come from, and whether it is a calibration (by file name:
+    the report names no absolute path)."""
+    from servetwin.experiments.torch_measure import calibration_info  # noqa: PLC0415
+
+    label, prov = calibration_info(exp)
+    name = os.path.basename(label) if isinstance(exp.hardware, str) and os.path.isabs(label) else label
+    if not prov.get("calibrated"):
+        return f"the `{name}` hardware cost model (uncalibrated coefficients)"
+    return (f"the calibration `{name}`, fitted on {prov.get('device', 'an unrecorded device')} with "
+            f"{prov.get('torch_threads', '?')} torch thread(s); `servetwin compare` measures its drift")
 
 
 def measurement_line(m: dict[str, Any]) -> str:

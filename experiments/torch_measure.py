@@ -1,4 +1,5 @@
-"""Measuring on the torch backend, shared by `servetwin run` and `servetwin compare`.
+"""Measuring on the torch backend, shared by `servetwin run`, `servetwin compare` and (threads,
+contention threshold) `servetwin calibrate`.
 
 - Threads: the torch thread count of a measured run is `--threads`, else the calibration's
   `torch_threads` (the simulator's step costs were fitted with that many), else torch's default.
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -21,9 +23,25 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from servetwin.experiments.calibrate import load_average, set_torch_threads
-
 CONTENDED_BELOW = 0.9
+
+
+def set_torch_threads(threads: Optional[int]) -> int:
+    """Set torch's CPU thread count (None: leave it); returns the count now."""
+    import torch  # noqa: PLC0415
+
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads: must be >= 1, got {threads}")
+        torch.set_num_threads(int(threads))
+    return int(torch.get_num_threads())
+
+
+def load_average() -> Optional[list[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 @dataclass(slots=True)

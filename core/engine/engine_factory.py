@@ -17,7 +17,10 @@ __all__ = ["ExecutorInfo", "create_executor", "create_engine_core"]
 
 
 def create_executor(args: EngineArgs) -> ExecutorInfo:
-    return executor_backend(args.backend).from_engine_args(args)
+    backend = executor_backend(args.backend)
+    if backend.check_args is not None:  # cheap checks first: a bad argument fails before a model load
+        backend.check_args(args)
+    return backend.from_engine_args(args)
 
 
 def create_engine_core(args: EngineArgs, info: Optional[ExecutorInfo] = None) -> tuple[EngineCore, ExecutorInfo]:

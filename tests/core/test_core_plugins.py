@@ -77,3 +77,15 @@ def test_the_torch_plugin_loads_without_torch_and_checks_args_cheaply():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.strip() == "TorchExecutor"
     assert executor_backend("sim").check_args is None  # the sim checks when its (cheap) executor is built
+
+
+def test_engines_run_the_backend_checks_before_building(tmp_path):
+    # a model folder with only a config.json: building would fail on the missing weights, the check comes first
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 64}')
+    code = ("import sys\nfrom servetwin.core.config_error import ConfigError\n"
+            "from servetwin.core.engine.engine_args import EngineArgs\n"
+            "from servetwin.core.engine.engine_factory import create_engine_core\n"
+            f"try:\n    create_engine_core(EngineArgs(backend='torch', model={str(tmp_path)!r}, max_model_len=65))\n"
+            "except ConfigError as e:\n    print(e)\nprint('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.splitlines() == ["max_model_len: 65 exceeds the model's max_position_embeddings (64)", "False"]

@@ -47,12 +47,14 @@ def test_torch_and_sim_backends_run_the_same_requests(tmp_path):
     assert summary["torch"]["simulated_s"] is None and summary["torch"]["wall_s"] > 0
     assert summary["torch"]["num_gpu_blocks"] == summary["sim"]["num_gpu_blocks"] == 64
     assert summary["torch"]["ttft_s"]["p50"] > 0
-    assert "torch measured makespan / sim predicted makespan" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "torch measured makespan / sim predicted makespan" in report
+    assert "from the `cpu` hardware cost model (uncalibrated coefficients)" in report
 
 
 def test_torch_run_is_warmed_up_and_checked_for_contention(tmp_path, capsys):
     _torch_backend_or_skip()
-    cfg = tiny(backends=["torch"], engine__device="cpu",
+    cfg = tiny(backends=["sim", "torch"], engine__device="cpu",
                hardware=str(CONFIGS.parent / "calibrations" / "cpu_tiny-llama.yaml"))
     cfg["workload"]["requests"] = 4
     out = tmp_path / "out"
@@ -68,7 +70,12 @@ def test_torch_run_is_warmed_up_and_checked_for_contention(tmp_path, capsys):
     assert m["torch_threads"] == 1 and m["warmup_s"] > 0 and m["discarded_runs"] == []
     assert 0 <= m["contention"]["contended_step_share"] <= 1 and m["contention"]["median_cpu_share"] > 0
     assert "[torch] 1 torch thread(s) (the calibration's torch_threads)" in err
-    assert "contention check:" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "contention check:" in report
+    # the sim/torch ratio names the calibration by its file name (no absolute path in the report)
+    assert "the sim's step times come from the calibration `cpu_tiny-llama.yaml`, fitted on " in report
+    ratio = next(line for line in report.splitlines() if "torch measured makespan" in line)
+    assert str(CONFIGS.parent) not in ratio
 
 
 def test_contended_torch_run_warns_and_is_retried(tmp_path, monkeypatch, capsys):
