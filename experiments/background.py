@@ -13,6 +13,7 @@ drawn after the simulation, from its data; only the import is off the critical p
 """
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -62,6 +63,9 @@ class OutputJobs:
         pid = os.fork()
         if pid == 0:  # the child: one file, then leave without the parent's atexit/cleanup
             code = 1
+            # no cyclic GC here: a collection writes to every object's header, copying every page of
+            # the shared heap (the child lives for one file)
+            gc.disable()
             try:
                 fn(*args)
                 code = 0
@@ -119,7 +123,11 @@ class Prewarmed:
         self._job = (fn, args)
         if self.pid is None:
             return
-        data = pickle.dumps(self._job, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            data = pickle.dumps(self._job, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # something unpicklable in the job: result() does it here
+            self.close()
+            return
 
         def send() -> None:
             try:
@@ -178,6 +186,11 @@ def _child(warm: Callable[[], Any], job_r: int, res_w: int) -> None:
             fn, args = pickle.loads(data)
             _send(res_w, pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL))
         code = 0
+    except BaseException:
+        if os.environ.get("SERVETWIN_DEBUG_OUTPUT") == "1":  # the parent redoes the job; say why here
+            import traceback  # noqa: PLC0415
+
+            traceback.print_exc()
     finally:
         os._exit(code)
 

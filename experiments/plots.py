@@ -515,28 +515,37 @@ def _submit_figures(jobs, frames, itls, out_dir: str, ctx) -> None:
 
 
 def all_run_plots(frames: dict[str, dict], itls: dict[str, list], out_dir: str,
-                  ctx: Optional[PlotContext] = None, jobs=None, worker=None) -> dict[str, Any]:
+                  ctx: Optional[PlotContext] = None, jobs=None, worker=None, wait: bool = True):
     """Every run figure, each drawn by a forked child where the machine allows it
     (`servetwin.experiments.background`); `jobs` (an OutputJobs) may already hold other files being written,
     which this waits for too; `worker` (a `Prewarmed` child that imported matplotlib with
-    `warm_plotting` while the backends ran) draws them when given. Returns {figure: path or None}."""
+    `warm_plotting` while the backends ran) draws them when given. Returns {figure: path or None}, or with
+    `wait=False` a function returning it once the figures are done (the caller works meanwhile)."""
     from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
 
     if not frames:
-        return {}
+        return {} if wait else dict
     if worker is not None and worker.running:
         # the figures read only these two tables: the per-request step rows (millions) stay here
         slim = {b: {"steps": fr["steps"], "requests": fr["requests"]} for b, fr in frames.items()}
         worker.submit(draw_run_figures, (slim, itls, out_dir, ctx))
-        if jobs is not None:
-            jobs.wait()
-        return worker.result()
+
+        def done_by_worker() -> dict[str, Any]:
+            if jobs is not None:
+                jobs.wait()
+            return worker.result()
+
+        return done_by_worker() if wait else done_by_worker
     jobs = jobs if jobs is not None else OutputJobs()
     if jobs.parallel:
         _plt()  # import once, before forking: the children inherit it
     _submit_figures(jobs, frames, itls, out_dir, ctx)
-    done = jobs.wait()
-    return {k: done.get(k) for k in RUN_FIGURES}
+
+    def done_here() -> dict[str, Any]:
+        done = jobs.wait()
+        return {k: done.get(k) for k in RUN_FIGURES}
+
+    return done_here() if wait else done_here
 
 
 # -- sweeps --------------------------------------------------------------------------------------------

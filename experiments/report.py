@@ -210,18 +210,24 @@ def annotation_histogram(frames: dict[str, dict], top_n: int = TOP_N) -> str:
 
 
 def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, dict],
-                 itls: dict[str, list], plots: bool = True, jobs=None, worker=None) -> list[str]:
-    """The figures (unless `plots` is false), then report.md, each renamed into place complete; `jobs`: an
-    OutputJobs still writing other files of the run, waited for before the report is written; `worker`: a
-    prewarmed child that draws the figures (`plots.all_run_plots`). Returns the paths written."""
+                 itls: dict[str, list], plots: bool = True, jobs=None, worker=None,
+                 plot_paths: Optional[dict[str, Optional[str]]] = None) -> list[str]:
+    """The figures (unless `plots` is false, or `plot_paths` says they are drawn already), then report.md,
+    each renamed into place complete; `jobs`: an OutputJobs still writing other files of the run, waited
+    for before the report is written; `worker`: a prewarmed child that draws the figures
+    (`plots.all_run_plots`). Returns the paths written."""
     summaries = combined["backends"]
-    plot_paths: dict[str, Optional[str]] = {}
-    if plots and frames:
+    if plot_paths is not None:
+        if jobs is not None:
+            jobs.wait()
+    elif plots and frames:
         from servetwin.experiments.plots import all_run_plots, context_for  # noqa: PLC0415
 
         plot_paths = all_run_plots(frames, itls, out_dir, context_for(exp, summaries), jobs, worker)
-    elif jobs is not None:
-        jobs.wait()
+    else:
+        plot_paths = {}
+        if jobs is not None:
+            jobs.wait()
     w = combined.get("workload", {})
     lines = [f"# {exp.name}", ""]
     if exp.description:

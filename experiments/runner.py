@@ -20,6 +20,7 @@ without it is incomplete, whatever stopped the run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -57,6 +58,12 @@ class BackendRun:
     frontend: dict[str, Any] = field(default_factory=lambda: {"type": "offline"})
     itls: Optional[np.ndarray] = None  # the recorder's itl_array(), computed once
     measurement: Optional[dict[str, Any]] = None  # torch: threads, warm-up, contention check
+    kv_pool: Optional[dict[str, Any]] = None  # the executor's KV pool sizing (`kv_pool_dict`)
+
+    def portable(self) -> "BackendRun":
+        """This run without its executor (the engine, torch weights): what the output process needs,
+        picklable."""
+        return dataclasses.replace(self, info=dataclasses.replace(self.info, executor=None))
 
 
 def _progress_bar(enabled: bool, total: int, desc: str):
@@ -198,12 +205,13 @@ def _nz(x: float) -> Optional[float]:
 
 
 def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
-              itls: Optional[list[float]] = None) -> dict[str, Any]:
-    """The summary of one backend's run; `itls` are `run.recorder.itl_array()` when the caller has them."""
+              itls: Optional[np.ndarray] = None, engine_itls: Optional[np.ndarray] = None) -> dict[str, Any]:
+    """The summary of one backend's run; `itls` / `engine_itls` are `run.recorder.itl_array()` /
+    `engine_itl_array()` when the caller has them."""
     if itls is None:
         itls = run.recorder.itl_array()
-    # the engine's gaps are the client's when no front end is modelled: computed once
-    engine_itls = itls if run.recorder.delivery is None else run.recorder.engine_itl_array()
+    if engine_itls is None:  # the client's gaps when no front end is modelled: computed once
+        engine_itls = itls if run.recorder.delivery is None else run.recorder.engine_itl_array()
     steps, reqs = frames["steps"], frames["requests"]
     finished = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")]
     engine_duration = float(steps.t_end_s.max()) if len(steps) else 0.0
@@ -223,10 +231,7 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
         return x / duration if duration > 0 else None
 
     info = run.info
-    kv_pool = None
-    pool = getattr(info.executor, "kv_pool", None)
-    if pool is not None and hasattr(pool, "to_dict"):
-        kv_pool = pool.to_dict()
+    kv_pool = run.kv_pool if run.kv_pool is not None else kv_pool_dict(info)
     out: dict[str, Any] = {
         "run": exp.name, "backend": run.backend, "interrupted": run.interrupted,
         "requests": run.num_requests, "sequences": int(len(reqs)), "completed": run.completed,
@@ -298,10 +303,25 @@ def write_json(path: str, data: Any) -> None:
         json.dump(data, f, indent=2, default=_json_default)
 
 
+def kv_pool_dict(info: Any) -> Optional[dict]:
+    pool = getattr(info.executor, "kv_pool", None)
+    return pool.to_dict() if pool is not None and hasattr(pool, "to_dict") else None
+
+
+def backend_line(backend: str, s: dict, interrupted: bool) -> str:
+    from servetwin.experiments.units import format_seconds  # noqa: PLC0415
+
+    timing = (f"{format_seconds(s['simulated_s'])} simulated in {format_seconds(s['wall_s'])} wall"
+              if backend == "sim" else f"{format_seconds(s['wall_s'])} wall")
+    return (f"[{backend}] {s['completed']}/{s['requests']} requests, {s['num_steps']} steps, {timing}"
+            + (" (INTERRUPTED)" if interrupted else ""))
+
+
 # -- the run ------------------------------------------------------------------------------------
 def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Callable[[str], None]] = None,
                  on_backend: Optional[Callable[[str, BackendRun, dict, dict], None]] = None,
-                 measure: Optional[MeasureOptions] = None, timings: Optional[dict] = None):
+                 measure: Optional[MeasureOptions] = None, timings: Optional[dict] = None,
+                 defer: bool = False):
     """Run every backend of `exp` in memory: (combined summary, frames per backend, runs per backend).
 
     No file is written here; `on_backend(backend, run, frames, summary)` is called as each backend
@@ -309,7 +329,8 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
     rest and returns with `combined["interrupted"]` set. `measure`: how the torch backend is measured
     (threads, warm-up, contended-run retries; default `MeasureOptions()`). `timings["sim_end"]` is set
     to the `time.perf_counter()` at which each backend's run returned (the last one's stays: where the
-    output phase starts)."""
+    output phase starts). `defer`: build no tables or summaries here (`write_outputs` does, in the
+    prewarmed output process): the frames and `combined["backends"]` come back empty."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     opts = measure or MeasureOptions()
     engines = {}
@@ -349,18 +370,17 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
         if timings is not None:
             timings["sim_end"] = time.perf_counter()
         runs[backend] = run
-        frames[backend] = run.recorder.frames()
-        run.itls = run.recorder.itl_array()
-        summaries[backend] = summarize(run, frames[backend], exp, run.itls)
-        if on_backend is not None:
-            on_backend(backend, run, frames[backend], summaries[backend])
-        s = summaries[backend]
-        from servetwin.experiments.units import format_seconds  # noqa: PLC0415
-
-        timing = (f"{format_seconds(s['simulated_s'])} simulated in {format_seconds(s['wall_s'])} wall"
-                  if backend == "sim" else f"{format_seconds(s['wall_s'])} wall")
-        log(f"[{backend}] {s['completed']}/{s['requests']} requests, {s['num_steps']} steps, {timing}"
-            + (" (INTERRUPTED)" if run.interrupted else ""))
+        run.kv_pool = kv_pool_dict(info)
+        if not defer:
+            frames[backend] = run.recorder.frames()
+            run.itls = run.recorder.itl_array()
+            summaries[backend] = summarize(run, frames[backend], exp, run.itls)
+            if on_backend is not None:
+                on_backend(backend, run, frames[backend], summaries[backend])
+            log(backend_line(backend, summaries[backend], run.interrupted))
+        else:
+            log(f"[{backend}] run finished ({run.completed}/{run.num_requests} requests"
+                + (", INTERRUPTED" if run.interrupted else "") + "); its tables and summary come with the outputs")
         warning = run.measurement and contention_warning(run.measurement["contention"], opts.max_contended_share)
         if warning:
             log(f"warning: [torch] {warning}")
@@ -388,48 +408,33 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
             return run_experiment(exp, out_dir, progress, log, folder=owned, measure=measure)
     import yaml  # noqa: PLC0415
 
-    from servetwin.experiments.background import OutputJobs, Prewarmed  # noqa: PLC0415
+    from servetwin.experiments.background import Prewarmed, parallel_ok  # noqa: PLC0415
     from servetwin.experiments.report import portable_config  # noqa: PLC0415
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    jobs = OutputJobs()  # trace.json and the figures: written by forked children (each renamed into place)
-    worker = None
-    if exp.output.plots and jobs.parallel:  # matplotlib imported on a spare CPU while the backends run
-        from servetwin.experiments.plots import warm_plotting  # noqa: PLC0415
-
-        worker = Prewarmed(warm_plotting)
+    # the write phase runs in a child that imported pandas, pyarrow and matplotlib on a spare CPU while
+    # the backends ran (~1 s of imports off the critical path); without one (one CPU, no fork) it runs here
+    worker = Prewarmed(functools.partial(warm_outputs, exp.output.plots)) if parallel_ok() else None
     phase = {"sim_end": None}
-
-    def write_config() -> None:
-        folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
-
-    def write_backend(backend: str, run: BackendRun, frames: dict, summary: dict) -> None:
-        if not folder.written:  # the first file of the run (the folder is cleared only now)
-            write_config()
-        bdir = folder.subdir(backend)
-        for path in run.recorder.write(bdir, frames, trace=False).values():
-            folder.record(os.path.relpath(path, out_dir))
-        trace_path = os.path.join(bdir, "trace.json")  # in a forked child while the next backend runs
-        jobs.submit(f"{backend}/trace.json", run.recorder.write_trace, (trace_path,), trace_path)
-        folder.write_json(os.path.join(backend, "summary.json"), summary)
-
     try:
-        combined, frames, runs = run_backends(exp, progress, log, on_backend=write_backend, measure=measure,
-                                              timings=phase)
-        if not folder.written:
-            write_config()
-        from servetwin.experiments.report import write_report  # noqa: PLC0415
-
-        written = write_report(exp, out_dir, combined, frames, {b: r.itls for b, r in runs.items()},
-                               plots=exp.output.plots, jobs=jobs, worker=worker)
+        combined, _, runs = run_backends(exp, progress, log, measure=measure, timings=phase, defer=True)
+        folder.begin()  # the first write: what an earlier run left is cleared only now
+        folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
+        step_rows = sum(len(r.recorder.step_requests) for r in runs.values())
+        if worker is not None and step_rows <= MAX_SHIPPED_STEP_ROWS:
+            worker.submit(write_outputs, (exp, out_dir, {b: r.portable() for b, r in runs.items()}, combined))
+            summaries, written = worker.result()
+        else:  # here (pickling millions of per-request step rows costs more than the imports); the
+            # prewarmed child, if any, still draws the figures
+            summaries, written = write_outputs(exp, out_dir, runs, combined, worker)
     finally:
         if worker is not None:
-            worker.close()  # a child still waiting (the run failed before its figures): ended
-    for path in written:
-        folder.record(os.path.relpath(path, out_dir))
-    for backend in runs:
-        if os.path.exists(os.path.join(out_dir, backend, "trace.json")):
-            folder.record(os.path.join(backend, "trace.json"))
+            worker.close()  # a child still waiting (the run failed before writing): ended
+    combined["backends"] = summaries
+    for backend, s in summaries.items():
+        log(backend_line(backend, s, s.get("interrupted", False)))
+    for rel in written:
+        folder.record(rel)
     folder.write_json("summary.json", combined)  # last: its presence and "interrupted" are the truth
     if phase["sim_end"] is not None:
         from servetwin.experiments.units import format_seconds  # noqa: PLC0415
@@ -439,3 +444,65 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     if combined["interrupted"]:
         raise KeyboardInterrupt
     return combined
+
+
+def warm_outputs(plots: bool) -> None:
+    """What the output process imports while the backends run: pandas with its Parquet engine (one tiny
+    table written to memory) and, for the figures, matplotlib (`plots.warm_plotting`)."""
+    import io  # noqa: PLC0415
+
+    import pandas as pd  # noqa: PLC0415
+
+    pd.DataFrame({"a": [1]}).to_parquet(io.BytesIO(), index=False)
+    if plots:
+        from servetwin.experiments.plots import warm_plotting  # noqa: PLC0415
+
+        warm_plotting()
+
+
+MAX_SHIPPED_STEP_ROWS = 200_000  # per-request step rows worth pickling to the output process
+
+
+def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRun], combined: dict[str, Any],
+                  worker=None) -> tuple[dict[str, dict], list[str]]:
+    """Every file of the finished backends but config.yaml and summary.json: trace.json and the figures
+    in forked children (started first: they need only the frames), the tables (Parquet) and each
+    backend's summary.json meanwhile, then report.md. Each file is renamed into place complete. `worker`:
+    a prewarmed child to draw the figures in (`plots.all_run_plots`). Returns (summary per backend, files
+    written relative to out_dir)."""
+    from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
+    from servetwin.experiments.report import write_report  # noqa: PLC0415
+
+    jobs = OutputJobs()
+    frames, summaries, written, engine_itls = {}, {}, [], {}
+    for backend, run in runs.items():
+        # everything that walks the recorder's Python objects first: after a fork each object touched
+        # (a reference count written) costs this process a page copy
+        frames[backend] = run.recorder.frames()
+        run.itls = run.recorder.itl_array()
+        engine_itls[backend] = run.itls if run.recorder.delivery is None else run.recorder.engine_itl_array()
+    for backend, run in runs.items():
+        os.makedirs(os.path.join(out_dir, backend), exist_ok=True)
+        trace_path = os.path.join(out_dir, backend, "trace.json")
+        jobs.submit(f"{backend}/trace.json", run.recorder.write_trace, (trace_path,), trace_path)
+    itls = {b: r.itls for b, r in runs.items()}
+    plot_paths = None
+    if exp.output.plots and frames:
+        from servetwin.experiments.plots import all_run_plots, context_for  # noqa: PLC0415
+
+        blocks = {b: {"num_gpu_blocks": r.info.num_gpu_blocks} for b, r in runs.items()}
+        figures = all_run_plots(frames, itls, out_dir, context_for(exp, blocks), jobs, worker, wait=False)
+    for backend, run in runs.items():
+        summaries[backend] = summarize(run, frames[backend], exp, run.itls, engine_itls[backend])
+        bdir = os.path.join(out_dir, backend)
+        for path in run.recorder.write(bdir, frames[backend], trace=False).values():
+            written.append(os.path.relpath(path, out_dir))
+        write_json(os.path.join(bdir, "summary.json"), summaries[backend])
+        written.append(os.path.join(backend, "summary.json"))
+    if exp.output.plots and frames:
+        plot_paths = figures()
+    paths = write_report(exp, out_dir, dict(combined, backends=summaries), frames, itls, plots=exp.output.plots,
+                         jobs=jobs, plot_paths=plot_paths)
+    written += [os.path.relpath(p, out_dir) for p in paths]
+    written += [os.path.join(b, "trace.json") for b in runs if os.path.exists(os.path.join(out_dir, b, "trace.json"))]
+    return summaries, written

@@ -1,0 +1,60 @@
+"""The output process (`Prewarmed`): a job runs in the prewarmed child, and the caller gets it done even
+when the child fails, the job cannot be pickled, or there is no child."""
+import os
+import threading
+
+from servetwin.experiments.background import Prewarmed
+
+PARENT = os.getpid()
+
+
+def _where(x):
+    return x * 2, os.getpid()
+
+
+def _fails_in_a_child(x):
+    if os.getpid() != PARENT:
+        raise RuntimeError("the child's disk is full")
+    return x + 1
+
+
+def _warm():
+    import json  # noqa: F401  (an import, as the real warm-up does)
+
+
+def test_the_job_runs_in_the_prewarmed_child():
+    w = Prewarmed(_warm, parallel=True)
+    assert w.running
+    w.submit(_where, (21,))
+    value, pid = w.result()
+    assert value == 42 and pid != PARENT
+    assert not w.running
+
+
+def test_a_job_that_fails_in_the_child_is_redone_here():
+    w = Prewarmed(_warm, parallel=True)
+    w.submit(_fails_in_a_child, (1,))
+    assert w.result() == 2
+
+
+def test_an_unpicklable_job_is_done_here_and_without_a_child_too():
+    w = Prewarmed(_warm, parallel=True)
+    lock = threading.Lock()  # cannot be pickled
+    w.submit(lambda lk: (lk.locked(), os.getpid()), (lock,))
+    assert w.result() == (False, PARENT)
+    inline = Prewarmed(_warm, parallel=False)
+    assert not inline.running
+    inline.submit(_where, (2,))
+    assert inline.result() == (4, PARENT)
+
+
+def test_close_ends_a_child_that_got_no_job():
+    w = Prewarmed(_warm, parallel=True)
+    pid = w.pid
+    w.close()
+    assert not w.running
+    try:
+        os.waitpid(pid, os.WNOHANG)
+        raise AssertionError("the child was not reaped")
+    except ChildProcessError:
+        pass  # reaped: no zombie left behind
