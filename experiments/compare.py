@@ -34,12 +34,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from servetwin.experiments.calibrate import step_phase_class, step_rows
+from servetwin.experiments.calibrate import calibration_mismatches, step_phase_class, step_rows
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.schema import ExperimentConfig, engine_field_path, load_yaml, validate_config
-from servetwin.experiments.torch_measure import (CONTENDED_BELOW, apply_threads, calibration_info,
-                                                 calibration_mismatches, contention_summary, load_average, measure,
-                                                 warm_up)
+from servetwin.experiments.torch_measure import (CONTENDED_BELOW, apply_threads, calibration_info, contention_summary,
+                                                 load_average, measure, warm_up)
 
 PHASES = ("prefill", "decode", "mixed")
 TARGETS = {"step_p50": 5.0, "step_p90": 15.0, "makespan": 3.0, "e2e_p50": 5.0}

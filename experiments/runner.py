@@ -134,8 +134,8 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
     from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
     from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
     from servetwin.core.testbed.trace import STEP_COLUMNS, TraceRecorder  # noqa: PLC0415
-    from servetwin.experiments.torch_measure import (calibration_mismatches, contention_summary,  # noqa: PLC0415
-                                                     measure, warm_up)
+    from servetwin.experiments.calibrate import calibration_mismatches  # noqa: PLC0415
+    from servetwin.experiments.torch_measure import contention_summary, measure, warm_up  # noqa: PLC0415
     from servetwin.sim.arrivals import Offline  # noqa: PLC0415
 
     args = exp.engine_args("torch")

@@ -99,19 +99,6 @@ def apply_threads(exp: Any, threads: Optional[int]) -> tuple[int, str]:
     return set_torch_threads(threads), source
 
 
-def calibration_mismatches(exp: Any, executor: Any, nthreads: int) -> list[str]:
-    """Warnings when `hardware:` is a calibration made on another machine, with another thread count
-    or in another dtype than this torch run (its simulated step costs then do not describe this run)."""
-    from servetwin.experiments.calibrate import fingerprint_differences, machine_fingerprint  # noqa: PLC0415
-
-    prov = calibration_info(exp)[1]
-    if not prov.get("calibrated"):
-        return []
-    device = str(exp.engine.given.get("device", "cpu"))
-    dtype = str(getattr(executor, "dtype", "")).replace("torch.", "")
-    return fingerprint_differences(prov, machine_fingerprint(device if device != "auto" else "cpu"), nthreads, dtype)
-
-
 def warm_up(args: Any, info: Any, requests: list, n: int = 4, max_tokens: int = 4) -> float:
     """A short unrecorded run of the first `n` prompts on a throwaway engine over `info`'s executor
     (`args`: the torch engine's arguments); the executor forgets them after. Returns its wall time."""
