@@ -49,7 +49,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from servetwin.core.testbed.atomic import atomic_open
-from servetwin.experiments.torch_measure import CONTENDED_BELOW, cpu_shares, load_average, set_torch_threads
+from servetwin.experiments.torch_measure import (CONTENDED_BELOW, calibration_info, cpu_shares, load_average,
+                                                 set_torch_threads)
 from servetwin.sim.coefficients import BASIS_TERMS, GPU_ONLY_TERMS
 
 MEASURED_QUANTITY = ("wall time of one EngineCore.step() (schedule + execute_model + update_from_output), "
@@ -410,6 +411,17 @@ def fingerprint_differences(calibration: dict[str, Any], machine: dict[str, Any]
     if dtype and calibration.get("dtype") and calibration["dtype"] != dtype:
         notes.append(f"the calibration was measured in {calibration['dtype']}, the torch backend runs {dtype}")
     return notes
+
+
+def calibration_mismatches(exp: Any, executor: Any, nthreads: int) -> list[str]:
+    """Warnings when `hardware:` is a calibration made on another machine, with another thread count
+    or in another dtype than this torch run (its simulated step costs then do not describe this run)."""
+    prov = calibration_info(exp)[1]
+    if not prov.get("calibrated"):
+        return []
+    device = str(exp.engine.given.get("device", "cpu"))
+    dtype = str(getattr(executor, "dtype", "")).replace("torch.", "")
+    return fingerprint_differences(prov, machine_fingerprint(device if device != "auto" else "cpu"), nthreads, dtype)
 
 
 def versions() -> dict[str, str]:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from servetwin.experiments.calibrate import fingerprint_differences, machine_fingerprint, step_phase_class, step_rows
+from servetwin.experiments.calibrate import calibration_mismatches, step_phase_class, step_rows
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.schema import ExperimentConfig, engine_field_path, load_yaml, validate_config
 from servetwin.experiments.torch_measure import (CONTENDED_BELOW, apply_threads, calibration_info, contention_summary,
@@ -345,13 +345,9 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     log(f"compare: torch engine ready in {time.perf_counter() - t0:.1f}s ({tinfo.num_gpu_blocks} KV blocks, "
         f"dtype {str(getattr(ex, 'dtype', '?')).replace('torch.', '')}, "
         f"attention {getattr(ex, 'attention_backend_name', '?')}, {nthreads} torch threads)")
-    run_dtype = str(getattr(ex, "dtype", "")).replace("torch.", "")
-    if cal_prov.get("calibrated"):
-        device = str(exp.engine.given.get("device", "cpu"))
-        for n in fingerprint_differences(cal_prov, machine_fingerprint(device if device != "auto" else "cpu"),
-                                         nthreads, run_dtype):
-            notes.append(n)
-            log(f"compare: warning: {n}")
+    for n in calibration_mismatches(exp, ex, nthreads):
+        notes.append(n)
+        log(f"compare: warning: {n}")
     sim_engine, sinfo = build_sim_engine(exp, tinfo)
     cost_model = sinfo.executor.cost_model
     requests, arrival, rng = build_requests(exp, tinfo.vocab_size)

@@ -181,6 +181,8 @@ def measurement_line(m: dict[str, Any]) -> str:
             f"(median cpu_share {c.get('median_cpu_share') or 0:.2f})")
     if m.get("discarded_runs"):
         line += f"; {len(m['discarded_runs'])} contended run(s) discarded and run again"
+    if m.get("calibration_mismatches"):
+        line += "; the simulator's calibration does not describe this run: " + "; ".join(m["calibration_mismatches"])
     if is_contended(c, retry["max_contended_share"]):
         return line + f". **Warning**: more than {100 * retry['max_contended_share']:g}% of the steps were " \
                       f"contended: {CONTENDED_ADVICE}."

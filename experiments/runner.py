@@ -134,10 +134,14 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
     from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
     from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
     from servetwin.core.testbed.trace import STEP_COLUMNS, TraceRecorder  # noqa: PLC0415
+    from servetwin.experiments.calibrate import calibration_mismatches  # noqa: PLC0415
     from servetwin.experiments.torch_measure import contention_summary, measure, warm_up  # noqa: PLC0415
     from servetwin.sim.arrivals import Offline  # noqa: PLC0415
 
     args = exp.engine_args("torch")
+    mismatches = calibration_mismatches(exp, info.executor, nthreads) if "sim" in exp.backends else []
+    for note in mismatches:  # the sim's step costs are then not this machine's
+        log(f"warning: [torch] {note}")
     warm_s = warm_up(args, info, requests) if opts.warmup else None
     if warm_s is not None:
         log(f"[torch] warm-up: {min(4, len(requests))} requests in {warm_s:.2f}s (not recorded)")
@@ -176,7 +180,7 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
     measurement = {"torch_threads": nthreads, "warmup_s": warm_s, "contention": contention_summary(run.cpu_share),
                    "retry_contended": {"retries": opts.retry_contended,
                                        "max_contended_share": opts.max_contended_share},
-                   "discarded_runs": measured.discarded}
+                   "discarded_runs": measured.discarded, "calibration_mismatches": mismatches}
     return BackendRun("torch", recorder, info, run.wall_s, None, len(requests), len(done), rejected, interrupted,
                       frontend=fe, measurement=measurement)
 

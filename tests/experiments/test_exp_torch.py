@@ -52,8 +52,12 @@ def test_torch_and_sim_backends_run_the_same_requests(tmp_path):
     assert "from the `cpu` hardware cost model (uncalibrated coefficients)" in report
 
 
-def test_torch_run_is_warmed_up_and_checked_for_contention(tmp_path, capsys):
+def test_torch_run_is_warmed_up_and_checked_for_contention(tmp_path, capsys, monkeypatch):
     _torch_backend_or_skip()
+    import servetwin.experiments.calibrate as calmod  # noqa: PLC0415
+
+    # another machine than the calibration's: said, as compare says it
+    monkeypatch.setattr(calmod, "device_name", lambda device="cpu": "Test CPU (999 logical CPUs)")
     cfg = tiny(backends=["sim", "torch"], engine__device="cpu",
                hardware=str(CONFIGS.parent / "calibrations" / "cpu_tiny-llama.yaml"))
     cfg["workload"]["requests"] = 4
@@ -70,8 +74,10 @@ def test_torch_run_is_warmed_up_and_checked_for_contention(tmp_path, capsys):
     assert m["torch_threads"] == 1 and m["warmup_s"] > 0 and m["discarded_runs"] == []
     assert 0 <= m["contention"]["contended_step_share"] <= 1 and m["contention"]["median_cpu_share"] > 0
     assert "[torch] 1 torch thread(s) (the calibration's torch_threads)" in err
+    assert "warning: [torch] the calibration was made on " in err
+    assert any("this machine is 'Test CPU (999 logical CPUs)'" in n for n in m["calibration_mismatches"])
     report = (out / "report.md").read_text()
-    assert "contention check:" in report
+    assert "contention check:" in report and "the simulator's calibration does not describe this run" in report
     # the sim/torch ratio names the calibration by its file name (no absolute path in the report)
     assert "the sim's step times come from the calibration `cpu_tiny-llama.yaml`, fitted on " in report
     ratio = next(line for line in report.splitlines() if "torch measured makespan" in line)
