@@ -63,7 +63,8 @@ class BackendRun:
     def portable(self) -> "BackendRun":
         """This run without its executor (the engine, torch weights): what the output process needs,
         picklable."""
-        return dataclasses.replace(self, info=dataclasses.replace(self.info, executor=None))
+        return dataclasses.replace(self, info=dataclasses.replace(self.info, executor=None),
+                                   recorder=self.recorder.packed())
 
 
 def _progress_bar(enabled: bool, total: int, desc: str):
