@@ -58,3 +58,35 @@ def test_close_ends_a_child_that_got_no_job():
         raise AssertionError("the child was not reaped")
     except ChildProcessError:
         pass  # reaped: no zombie left behind
+
+
+def test_the_output_process_writes_what_the_parent_would(tmp_path, monkeypatch):
+    """`servetwin run` through the prewarmed output process and written in the command's own process
+    (SERVETWIN_SERIAL_OUTPUT=1): the same files, the same tables, the same summaries."""
+    import json
+
+    import pandas as pd
+    from exptest_helpers import tiny, write_yaml
+
+    from servetwin.experiments import background
+    from servetwin.experiments.cli import main
+
+    cfg = write_yaml(tmp_path / "t.yaml", tiny(frontend={"type": "api_server"}))
+    outs = {}
+    for mode in ("child", "here"):
+        if mode == "here":
+            monkeypatch.setenv("SERVETWIN_SERIAL_OUTPUT", "1")
+        else:
+            assert background.parallel_ok()  # this machine has a spare CPU: the child path is taken
+        outs[mode] = tmp_path / mode
+        assert main(["run", str(cfg), "-o", str(outs[mode]), "--no-progress"]) == 0
+    names = {m: sorted(str(p.relative_to(o)) for p in o.rglob("*") if p.is_file()) for m, o in outs.items()}
+    assert names["child"] == names["here"] and "sim/trace.json" in names["child"]
+    for table in ("steps", "requests", "step_requests"):
+        pd.testing.assert_frame_equal(pd.read_parquet(outs["child"] / f"sim/{table}.parquet"),
+                                      pd.read_parquet(outs["here"] / f"sim/{table}.parquet"))
+    a, b = (json.loads((o / "summary.json").read_text()) for o in outs.values())
+    for s in (a, b):
+        for backend in s["backends"].values():
+            backend.pop("wall_s"), backend.pop("sim_speedup_x")
+    assert a == b and a["backends"]["sim"]["itl_s"]["count"] > 0
