@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import pathlib
 
 import yaml
@@ -39,3 +40,14 @@ def tiny(**changes) -> dict:
 def write_yaml(path: pathlib.Path, data: dict) -> pathlib.Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def folder_tree(root) -> dict[str, bytes]:
+    """Every file under `root` (relative path -> bytes): to assert a folder is left exactly as it was."""
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(folder, name)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = f.read()
+    return out

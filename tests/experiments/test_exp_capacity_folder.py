@@ -1,9 +1,8 @@
 """`servetwin capacity -o DIR` follows the run-folder protocol: one writer, no stale files, capacity.json last."""
 import json
-import os
 
 import pytest
-from exptest_helpers import tiny, write_yaml
+from exptest_helpers import folder_tree, tiny, write_yaml
 
 from servetwin.core.testbed import atomic
 from servetwin.experiments.cli import main
@@ -17,16 +16,6 @@ def _cfg(tmp_path):
                                                 workload__arrival={"type": "poisson", "rate": 20.0}))
 
 
-def _tree(root) -> dict[str, bytes]:
-    out = {}
-    for folder, _, files in os.walk(root):
-        for name in files:
-            p = os.path.join(folder, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, root)] = f.read()
-    return out
-
-
 def test_capacity_refuses_a_non_empty_folder_and_overwrite_clears_stale_files(tmp_path, capsys):
     path, out = _cfg(tmp_path), tmp_path / "cap"
     out.mkdir()
@@ -34,9 +23,9 @@ def test_capacity_refuses_a_non_empty_folder_and_overwrite_clears_stale_files(tm
     assert main(["capacity", str(path), "-o", str(out), *ARGS, "--no-plots"]) == 2
     err = capsys.readouterr().err
     assert "-o/--output:" in err and "not empty" in err and "--overwrite" in err
-    assert _tree(out) == {"old.png": b"from an earlier run"}
+    assert folder_tree(out) == {"old.png": b"from an earlier run"}
     assert main(["capacity", str(path), "-o", str(out), *ARGS, "--no-plots", "--overwrite"]) == 0
-    names = set(_tree(out))
+    names = set(folder_tree(out))
     assert names == {"config.yaml", "probes.csv", "capacity.md", "capacity.json"}  # old.png is gone
     assert json.loads((out / "capacity.json").read_text())["interrupted"] is False
     assert "wrote" in capsys.readouterr().out
@@ -54,12 +43,12 @@ def test_capacity_into_a_locked_folder_fails_naming_the_flag(tmp_path, capsys):
 def test_a_failed_capacity_run_leaves_an_existing_folder_untouched(tmp_path, capsys):
     path, out = _cfg(tmp_path), tmp_path / "cap"
     assert main(["capacity", str(path), "-o", str(out), *ARGS]) == 0
-    before = _tree(out)
+    before = folder_tree(out)
     assert "capacity.png" in before
     # a bad flag is found after the folder is locked: nothing of the old answer may change
     assert main(["capacity", str(path), "-o", str(out), *ARGS, "--overwrite", "--confidence", "2"]) == 2
     assert "--confidence" in capsys.readouterr().err
-    assert _tree(out) == before
+    assert folder_tree(out) == before
     fresh = tmp_path / "fresh"
     assert main(["capacity", str(path), "-o", str(fresh), *ARGS, "--confidence", "2"]) == 2
     assert not fresh.exists()  # a folder this run created is removed again
@@ -73,7 +62,7 @@ def test_capacity_json_is_written_last_and_every_file_atomically(tmp_path, monke
     monkeypatch.setattr(rf.RunFolder, "record", lambda self, rel: (order.append(rel), real(self, rel))[1])
     path, out = _cfg(tmp_path), tmp_path / "cap"
     assert main(["capacity", str(path), "-o", str(out), *ARGS]) == 0
-    assert order[-1] == "capacity.json" and set(order) == set(_tree(out))
+    assert order[-1] == "capacity.json" and set(order) == set(folder_tree(out))
     assert {"config.yaml", "probes.csv", "capacity.png", "capacity.md"} <= set(order)
 
 
@@ -96,7 +85,7 @@ def test_ctrl_c_during_the_search_leaves_a_folder_marked_interrupted(tmp_path, m
     assert '"interrupted": true' in text
     answer = json.loads((out / "capacity.json").read_text())
     assert answer["interrupted"] is True and answer["searches"][0]["probes"] >= 1
-    assert not [n for n in _tree(out) if atomic.TMP_MARK in n]
+    assert not [n for n in folder_tree(out) if atomic.TMP_MARK in n]
 
 
 def test_ctrl_c_while_writing_leaves_no_capacity_json_and_says_so(tmp_path, monkeypatch, capsys):
@@ -110,6 +99,6 @@ def test_ctrl_c_while_writing_leaves_no_capacity_json_and_says_so(tmp_path, monk
     assert main(["capacity", str(path), "-o", str(out), *ARGS]) == 130
     text = capsys.readouterr().out
     assert "has no capacity.json" in text and "what the searches found" not in text
-    names = set(_tree(out))
+    names = set(folder_tree(out))
     assert "capacity.json" not in names and "probes.csv" in names
     assert not [n for n in names if atomic.TMP_MARK in n]

@@ -4,23 +4,13 @@ import json
 import os
 
 import pytest
-from exptest_helpers import tiny, write_yaml
+from exptest_helpers import folder_tree, tiny, write_yaml
 
 from servetwin.core.testbed import atomic
 from servetwin.core.testbed.atomic import atomic_open, atomic_write_with, staged_folder
 from servetwin.experiments.cli import main
 from servetwin.experiments.run_folder import RunFolder
 from servetwin.experiments.schema import ConfigError
-
-
-def _tree(root) -> dict[str, bytes]:
-    out = {}
-    for folder, _, files in os.walk(root):
-        for name in files:
-            p = os.path.join(folder, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, root)] = f.read()
-    return out
 
 
 # -- the atomic helpers -----------------------------------------------------------------------------
@@ -72,7 +62,7 @@ def test_full_disk_while_writing_trace_json_leaves_no_truncated_trace(tmp_path, 
     out = tmp_path / "out"
     assert main(["run", str(path), "-o", str(out), "--no-progress", "--no-plots"]) == 1
     assert "No space left on device" in capsys.readouterr().err
-    files = _tree(out)
+    files = folder_tree(out)
     assert "sim/trace.json" not in files and "summary.json" not in files  # no summary vouches for it
     assert not [n for n in files if atomic.TMP_MARK in n]
     for name, data in files.items():  # what is there is complete
@@ -93,7 +83,7 @@ def test_ctrl_c_while_writing_the_report_leaves_no_summary_and_says_so(tmp_path,
     assert main(["run", str(path), "-o", str(out), "--no-progress", "--no-plots"]) == 130
     err = capsys.readouterr().err
     assert "has no summary.json" in err and "partial results" not in err
-    names = set(_tree(out))
+    names = set(folder_tree(out))
     assert "summary.json" not in names and "sim/summary.json" in names
 
 
@@ -114,7 +104,7 @@ def test_a_failed_run_leaves_an_existing_folder_untouched(tmp_path, monkeypatch,
     path = write_yaml(tmp_path / "c.yaml", tiny())
     out = tmp_path / "out"
     assert main(["run", str(path), "-o", str(out), "--no-progress"]) == 0
-    before = _tree(out)
+    before = folder_tree(out)
 
     def bad_engine(exp, backend):
         raise ConfigError("engine.num_gpu_blocks", "too small for one request [sim backend]")
@@ -122,7 +112,7 @@ def test_a_failed_run_leaves_an_existing_folder_untouched(tmp_path, monkeypatch,
     monkeypatch.setattr(runner, "create_engine", bad_engine)
     assert main(["run", str(path), "-o", str(out), "--no-progress", "--overwrite"]) == 2
     assert "engine.num_gpu_blocks" in capsys.readouterr().err
-    assert _tree(out) == before
+    assert folder_tree(out) == before
     fresh = tmp_path / "fresh"
     assert main(["run", str(path), "-o", str(fresh), "--no-progress"]) == 2
     assert not fresh.exists()  # a folder this run created is removed again
@@ -143,7 +133,7 @@ def test_summary_is_written_last(tmp_path, monkeypatch):
     assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress"]) == 0
     assert order[0] == "config.yaml" and order[-1] == "summary.json" and order.count("summary.json") == 1
     assert "report.md" in order and "sim/summary.json" in order
-    assert set(_tree(tmp_path / "out")) >= {"config.yaml", "report.md", "summary.json", "sim/trace.json",
+    assert set(folder_tree(tmp_path / "out")) >= {"config.yaml", "report.md", "summary.json", "sim/trace.json",
                                              "sim/steps.parquet", "sim/summary.json"}
 
 

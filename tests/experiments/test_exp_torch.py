@@ -58,6 +58,8 @@ def test_torch_run_is_warmed_up_and_checked_for_contention(tmp_path, capsys, mon
 
     # another machine than the calibration's: said, as compare says it
     monkeypatch.setattr(calmod, "device_name", lambda device="cpu": "Test CPU (999 logical CPUs)")
+    monkeypatch.setattr(calmod, "machine_fingerprint",
+                        lambda device="cpu": {"cpu_model": "Test CPU", "logical_cpus": 999, "arch": "x86_64"})
     cfg = tiny(backends=["sim", "torch"], engine__device="cpu",
                hardware=str(CONFIGS.parent / "calibrations" / "cpu_tiny-llama.yaml"))
     cfg["workload"]["requests"] = 4
@@ -75,7 +77,9 @@ def test_torch_run_is_warmed_up_and_checked_for_contention(tmp_path, capsys, mon
     assert 0 <= m["contention"]["contended_step_share"] <= 1 and m["contention"]["median_cpu_share"] > 0
     assert "[torch] 1 torch thread(s) (the calibration's torch_threads)" in err
     assert "warning: [torch] the calibration was made on " in err
-    assert any("this machine is 'Test CPU (999 logical CPUs)'" in n for n in m["calibration_mismatches"])
+    # files with a machine fingerprint name the CPU model; older ones (device text only) the device text
+    assert any("here 'Test CPU'" in n or "this machine is 'Test CPU (999 logical CPUs)'" in n
+               for n in m["calibration_mismatches"])
     report = (out / "report.md").read_text()
     assert "contention check:" in report and "the simulator's calibration does not describe this run" in report
     # the sim/torch ratio names the calibration by its file name (no absolute path in the report)
