@@ -36,7 +36,7 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
                       f"(capacity.json has \"interrupted\": {str(bool(state.get('interrupted'))).lower()})",
                       flush=True)
             raise
-    unit = "req/s" if answer["over"].endswith("rate") else "clients"
+    unit = answer["unit"]
     for r in answer["searches"]:
         ci = r["per_seed_capacity_ci95"]
         seed_part = (f"; per seed {ci['mean']:.4g} [{ci['ci_lo']:.4g}, {ci['ci_hi']:.4g}] (95% CI)"

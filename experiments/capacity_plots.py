@@ -29,7 +29,7 @@ def capacity_plot(answer: dict[str, Any], path: str) -> Optional[str]:
         return None
     names = list(dict.fromkeys(n for r in searches for p in r["curve"] for n in p["checks"]))
     limits = answer["slo"]
-    unit_label = "request rate (req/s)" if answer["over"].endswith("rate") else "closed-loop clients"
+    unit_label = answer["unit_label"]
     fig, axes = plt.subplots(1, len(names) + 1, figsize=(5.2 * (len(names) + 1), 4.4), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, name in zip(axes[0], names):

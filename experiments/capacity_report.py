@@ -37,7 +37,7 @@ def answer_line(r: dict[str, Any], unit: str) -> str:
 def capacity_markdown(answer: dict[str, Any]) -> str:
     """capacity.md's text."""
     knob = answer["over"]
-    unit = "req/s" if knob.endswith("rate") else "clients"
+    unit = answer["unit"]
     spec = ", ".join(f"`{k}` {v:g}" for k, v in answer["slo"].items())
     seeds = answer["seeds"]
     lines = [f"# Capacity of {answer['name']}", ""]

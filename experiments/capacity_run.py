@@ -261,6 +261,17 @@ def _curve(s: Search) -> list[dict[str, Any]]:
     return out
 
 
+def load_unit(exp: ExperimentConfig, knob: str) -> tuple[str, str]:
+    """The searched load's unit and axis label: a rate of requests, or of conversation starts
+    (`workload.conversations`: each start brings several turns), or closed-loop clients / users."""
+    conversations = exp.workload.spec is not None and getattr(exp.workload.spec, "conversations", None) is not None
+    if knob.endswith("rate"):
+        return (("conversations/s", "conversation start rate (conversations/s)") if conversations
+                else ("req/s", "request rate (req/s)"))
+    return ("users", "closed-loop users (one conversation at a time)") if conversations \
+        else ("clients", "closed-loop clients")
+
+
 def _answer(exp, knob, spec, seeds, searches, confidence, rel_tol, interrupted, pool, hosts) -> dict[str, Any]:
     results = []
     for s in searches:
@@ -269,7 +280,9 @@ def _answer(exp, knob, spec, seeds, searches, confidence, rel_tol, interrupted, 
         results.append(res)
     ok = [r for r in results if r["capacity"] is not None]
     best = max(ok, key=lambda r: r["capacity"]) if ok else None
-    return {"name": exp.name, "over": knob, "slo": spec.to_dict(), "seeds": seeds, "confidence": confidence,
+    unit, unit_label = load_unit(exp, knob)
+    return {"name": exp.name, "over": knob, "unit": unit, "unit_label": unit_label, "slo": spec.to_dict(),
+            "seeds": seeds, "confidence": confidence,
             "rel_tol": rel_tol, "interrupted": interrupted, "pool": pool, "hosts": hosts,
             "best": {"point": best["point"], "backend": best["backend"], "capacity": best["capacity"]} if best
             else None, "searches": results}

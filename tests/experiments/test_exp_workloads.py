@@ -116,3 +116,14 @@ def test_shipped_sharegpt_config_keeps_vllms_limits_and_its_limits_sweep():
     raw["sweep"] = {"workload.lengths.max_total_tokens": [1024, None]}
     points = expand_sweep(validate_config(raw, CONFIGS))
     assert [p.config.workload.spec.lengths.limits.max_total_tokens for p in points] == [1024, None]
+
+
+def test_capacity_over_conversations_counts_conversation_starts():
+    from servetwin.experiments.capacity_run import load_unit  # noqa: PLC0415
+
+    conv = validate_config(_conv_cfg())
+    assert load_unit(conv, "workload.arrival.rate") == ("conversations/s", "conversation start rate (conversations/s)")
+    assert load_unit(conv, "workload.arrival.clients")[0] == "users"
+    plain = validate_config(tiny())
+    assert load_unit(plain, "workload.arrival.rate")[0] == "req/s"
+    assert load_unit(plain, "workload.arrival.clients")[0] == "clients"
