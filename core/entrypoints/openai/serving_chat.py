@@ -61,19 +61,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = common_params(req, max_tokens, logprobs, None, self.state.args.max_logprobs,
                                {"max_tokens": max_tokens_param})
-        messages = []
-        for msg in req.messages:
-            content = msg.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise APIError(f"messages: content part type {part.get('type')!r} is not supported "
-                                       "(only 'text')", "messages")
-                    parts.append(str(part.get("text", "")))
-                content = "".join(parts)
-            messages.append({"role": msg.role, "content": content or ""})
-        text, ids = await self.state.run_cpu(self._render, tok, messages, req.add_generation_prompt)
+        # the chat template and its tokens run in the tokenizer thread: both cost CPU time
+        text, ids = await self.state.run_cpu(render_chat, tok, req.messages, req.add_generation_prompt)
         prompts = await self._tokenize(engine, [{"prompt": text, "prompt_token_ids": ids}], params,
                                  max_tokens_param,
                                  {"prompt": "messages"})
@@ -90,15 +79,6 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(self._chat_stream(req, outputs, request_id, created, model, tok),
                                      media_type="text/event-stream")
         return await unless_disconnected(request, self._chat_full(req, outputs, request_id, created, model, tok))
-
-    @staticmethod
-    def _render(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """The chat template and its tokens (run in the tokenizer thread: both cost CPU time)."""
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-            return text, list(tok.encode(text, add_special_tokens=False))
-        except Exception as e:  # noqa: BLE001 - template errors are the caller's
-            raise APIError(f"messages: cannot apply the chat template: {e}", "messages") from None
 
     @staticmethod
     def _chat_echo(req: ChatCompletionRequest) -> str:
