@@ -136,14 +136,32 @@ def aggregate_seeds(df, keys: list[str]):
     return pd.DataFrame(out)
 
 
-def _map_points(pool, tasks, done, retries: int, log, bar) -> bool:
-    """Run every task on `pool` (bounded retries); True when Ctrl-C stopped it. The pool and the
-    progress bar are closed either way."""
+def _map_points(pool, tasks: list[PointTask], retries: int, log, progress: Optional[tuple[str, str]]
+                ) -> tuple[dict[str, PointResult], bool]:
+    """Run every task on `pool` (bounded retries), logging each result and counting it on a progress bar
+    (`progress`: its description and unit; None: no bar). Returns the results by task key and whether
+    Ctrl-C stopped the run. The pool and the bar are closed either way."""
+    results: dict[str, PointResult] = {}
+    bar = None
+    if progress is not None:
+        from tqdm import tqdm  # noqa: PLC0415
+        bar = tqdm(total=len(tasks), desc=progress[0], unit=progress[1], file=sys.stderr)
+
+    def done(task: PointTask, result: PointResult) -> None:
+        results[task.key] = result
+        if bar is not None:
+            bar.update(1)
+        msg = f"  {task.key}: {result.status} ({result.wall_s:.1f}s" + (f" on {result.host}" if result.host else "")
+        msg += (f", attempt {result.attempts}" if result.attempts > 1 else "") + ")"
+        if result.error:
+            msg += f" - {result.error}"
+        log(msg)
+
     try:
         map_with_retries(pool, tasks, done, retries=retries, log=log)
-        return False
+        return results, False
     except KeyboardInterrupt:
-        return True
+        return results, True
     finally:
         pool.close()
         if bar is not None:
@@ -179,27 +197,12 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
             raw = with_seed(p.raw, seed) if seed is not None else p.raw
             tasks.append(PointTask(key, raw, exp.base_dir, "all", os.path.join(out_dir, key),
                                    meta={"point": p, "seed": seed}))
-    results: dict[str, PointResult] = {}
     pool = make_pool(jobs if ray is None else 1, ray)
     all_backends = list(dict.fromkeys(b for p in points for b in _point_backends(p, exp)))
     log(f"sweep {exp.name}: {len(points)} points" + (f" x {len(seeds)} seeds" if seeds else "")
         + f" x {all_backends} on {pool.description}")
-    bar = None
-    if progress:
-        from tqdm import tqdm  # noqa: PLC0415
-        bar = tqdm(total=len(tasks), desc=f"sweep {exp.name}", unit="point", file=sys.stderr)
-
-    def done(task: PointTask, result: PointResult) -> None:
-        results[task.key] = result
-        if bar is not None:
-            bar.update(1)
-        msg = f"  {task.key}: {result.status} ({result.wall_s:.1f}s" + (f" on {result.host}" if result.host else "")
-        msg += (f", attempt {result.attempts}" if result.attempts > 1 else "") + ")"
-        if result.error:
-            msg += f" - {result.error}"
-        log(msg)
-
-    interrupted = _map_points(pool, tasks, done, retries, log, bar)
+    results, interrupted = _map_points(pool, tasks, retries, log,
+                                       (f"sweep {exp.name}", "point") if progress else None)
     rows = []
     for t in tasks:
         result = results.get(t.key, PointResult("not run"))
@@ -325,19 +328,8 @@ def run_seeded(exp: ExperimentConfig, out_dir: str, seeds: list[int], jobs: int 
                        meta={"seed": s}) for s in seeds]
     pool = make_pool(jobs if ray is None else 1, ray)
     log(f"run {exp.name}: {len(seeds)} seeds x {exp.backends} on {pool.description}")
-    results: dict[str, PointResult] = {}
-    bar = None
-    if progress:
-        from tqdm import tqdm  # noqa: PLC0415
-        bar = tqdm(total=len(tasks), desc=f"{exp.name} seeds", unit="run", file=sys.stderr)
-
-    def done(task: PointTask, result: PointResult) -> None:
-        results[task.key] = result
-        if bar is not None:
-            bar.update(1)
-        log(f"  {task.key}: {result.status} ({result.wall_s:.1f}s)" + (f" - {result.error}" if result.error else ""))
-
-    interrupted = _map_points(pool, tasks, done, retries, log, bar)
+    results, interrupted = _map_points(pool, tasks, retries, log,
+                                       (f"{exp.name} seeds", "run") if progress else None)
     rows = []
     for t in tasks:
         rows.extend(result_rows("run", {}, t.meta["seed"], results.get(t.key, PointResult("not run")),
