@@ -17,13 +17,13 @@ class ConfigError(ValueError):
         super().__init__(f"{path}: {message}" if path else message)
 
     def within(self, prefix: str) -> "ConfigError":
-        """The same error for a document nested at `prefix` (`"engine"` + `"max_num_seqs"`)."""
+        """The same error (same class) for a document nested at `prefix` (`"engine"` + `"max_num_seqs"`)."""
         if not prefix:
             return self
         if not self.path:
-            return ConfigError(prefix, self.message)
+            return type(self)(prefix, self.message)
         sep = "" if self.path.startswith("[") else "."
-        return ConfigError(f"{prefix}{sep}{self.path}", self.message)
+        return type(self)(f"{prefix}{sep}{self.path}", self.message)
 
     def __reduce__(self):  # picklable across sweep worker processes
         return (type(self), (self.path, self.message))

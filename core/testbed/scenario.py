@@ -34,10 +34,6 @@ class ScenarioError(ConfigError):
 
     A `ConfigError`, so drivers that embed a scenario (`workload.scenario`) nest it with `within`."""
 
-    def within(self, prefix: str) -> "ScenarioError":
-        e = ConfigError.within(self, prefix)
-        return ScenarioError(e.path, e.message)
-
 
 @dataclass(slots=True)
 class ScenarioRequest:

@@ -26,6 +26,10 @@ def test_config_error_carries_the_field_path_apart_from_the_message():
     assert exc.value.path == "model"
     assert ConfigError("max_num_seqs", "m").within("engine").path == "engine.max_num_seqs"
     assert ConfigError("[2]", "m").within("backends").path == "backends[2]"
+    from servetwin.core.testbed.scenario import ScenarioError  # noqa: PLC0415
+
+    nested = ScenarioError("max_num_seqs", "m").within("settings")  # a subclass stays itself when nested
+    assert type(nested) is ScenarioError and str(nested) == "settings.max_num_seqs: m"
 
 
 def test_sections_parse_into_typed_objects():
