@@ -30,7 +30,6 @@ import socket
 import subprocess
 import multiprocessing
 import sys
-import threading
 import time
 from dataclasses import dataclass
 

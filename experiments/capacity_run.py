@@ -264,7 +264,7 @@ def _curve(s: Search) -> list[dict[str, Any]]:
 def load_unit(exp: ExperimentConfig, knob: str) -> tuple[str, str]:
     """The searched load's unit and axis label: a rate of requests, or of conversation starts
     (`workload.conversations`: each start brings several turns), or closed-loop clients / users."""
-    conversations = exp.workload.spec is not None and getattr(exp.workload.spec, "conversations", None) is not None
+    conversations = exp.workload.spec is not None and exp.workload.spec.conversations is not None
     if knob.endswith("rate"):
         return (("conversations/s", "conversation start rate (conversations/s)") if conversations
                 else ("req/s", "request rate (req/s)"))
