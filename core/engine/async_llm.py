@@ -7,7 +7,8 @@
 The engine core always runs in its own process (`AsyncMPClient`). One background task, the output
 handler, reads the engine's output messages, turns them into `RequestOutput`s (detokenisation, stop
 strings, n > 1 aggregation in the shared `OutputProcessor`) and hands each to its request's collector.
-A collector keeps only the newest (cumulative) output, so a slow consumer never blocks the others.
+A collector keeps only the newest output (DELTA outputs: their merge), so a slow consumer never blocks
+the others.
 Cancelling a `generate()` (or breaking out of it, or a failing consumer) aborts the request in the
 engine. When the engine process dies, every pending and later call raises `EngineDeadError`.
 
@@ -30,25 +31,31 @@ from servetwin.core.engine.mp_client import EngineRequestError
 from servetwin.core.engine.output_processor import OutputProcessor
 from servetwin.core.engine.parallel_sampling import fan_out
 from servetwin.core.engine.request_output import RequestOutput
-from servetwin.core.sampling_params import SamplingParams
+from servetwin.core.sampling_params import RequestOutputKind, SamplingParams
 
 OUTPUT_CHUNK = 256  # outputs processed between two yields to the event loop
 
 
 class RequestCollector:
-    """Newest cumulative output of one request (or an error), awaited by its consumer."""
+    """The output of one request not yet taken by its consumer (or an error): the newest one, or with
+    `delta` (DELTA outputs) the merge of every delta since the consumer last took one (vLLM's
+    `RequestOutputCollector`): a slow consumer gets fewer, larger chunks and never blocks the others."""
 
-    __slots__ = ("request_id", "output", "error", "event", "num_children")
+    __slots__ = ("request_id", "output", "error", "event", "num_children", "delta")
 
-    def __init__(self, request_id: str, num_children: int) -> None:
+    def __init__(self, request_id: str, num_children: int, delta: bool = False) -> None:
         self.request_id = request_id
         self.output: Optional[RequestOutput] = None
         self.error: Optional[BaseException] = None
         self.event = asyncio.Event()
         self.num_children = num_children
+        self.delta = delta
 
     def put(self, output: RequestOutput) -> None:
-        self.output = output
+        if self.delta and self.output is not None:
+            self.output.add(output)
+        else:
+            self.output = output
         self.event.set()
 
     def put_error(self, exc: BaseException) -> None:
@@ -144,7 +151,8 @@ class AsyncLLM:
         now = time.monotonic()
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, children,
                                           now if arrival_time is None else arrival_time)
-        collector = RequestCollector(request_id, len(children))
+        collector = RequestCollector(request_id, len(children),
+                                     delta=processed.params.output_kind == RequestOutputKind.DELTA)
         self.collectors[request_id] = collector
         self.metrics.on_arrival(request_id, len(processed.prompt_token_ids), now)
         try:
@@ -173,7 +181,8 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, *, priority: int = 0,
                        arrival_time: Optional[float] = None) -> AsyncGenerator[RequestOutput, None]:
-        """Cumulative `RequestOutput`s of one request; the last one has `finished=True`."""
+        """`RequestOutput`s of one request as its `output_kind` asks (cumulative by default, deltas,
+        or only the final one); the last one has `finished=True`."""
         collector = self.add_request(request_id, prompt, sampling_params, arrival_time, priority)
         async for out in self.stream(collector):
             yield out
@@ -222,10 +231,10 @@ class AsyncLLM:
                     if start:
                         await asyncio.sleep(0)
                     now = time.monotonic()
-                    results, to_abort = op.process_outputs(outputs[start:start + OUTPUT_CHUNK], sim_t,
-                                                           client.sim_arrivals)
+                    results, to_abort = op.process_outputs(
+                        outputs[start:start + OUTPUT_CHUNK], sim_t, client.sim_arrivals,
+                        lambda rid, n, done, reasons, m: metrics.on_progress(rid, n, done, reasons, m, now))
                     for out in results:
-                        metrics.on_output(out, now)
                         collector = collectors.get(out.request_id)
                         if collector is not None:
                             collector.put(out)

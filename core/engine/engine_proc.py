@@ -326,6 +326,9 @@ def run_engine_core(args: Any, input_addr: str, output_addr: str, parent_pid: in
             sys.exit(1)
         proc = EngineCoreProc(engine, info, args, input_addr, output_addr, parent_pid, pace=pace,
                               time_scale=time_scale)
+        from servetwin.core.gc_heap import freeze_gc_heap  # noqa: PLC0415
+
+        freeze_gc_heap()  # the engine, model and executor leave the collector's full passes (vLLM does too)
         proc.send_ready()
         try:
             proc.run()

@@ -119,10 +119,19 @@ class ServingMetrics:
         self._reqs[request_id] = _ReqTimes(time.monotonic() if t is None else t, prompt_tokens)
 
     def on_output(self, out: Any, now: float) -> None:
-        rt = self._reqs.get(out.request_id)
+        """`on_progress` from a cumulative `RequestOutput`."""
+        self.on_progress(out.request_id, sum(len(c.token_ids) for c in out.outputs), out.finished,
+                         [c.finish_reason for c in out.outputs], out.metrics, now)
+
+    def on_progress(self, request_id: str, num_tokens: int, finished: bool, finish_reasons: list[Optional[str]],
+                    req_metrics: Any, now: float) -> None:
+        """A request's state after an engine step: its output tokens so far (all samples), whether it
+        finished (and each sample's finish reason), its `RequestMetrics`. Called for every step that
+        touched the request, whatever its output kind delivers to the caller."""
+        rt = self._reqs.get(request_id)
         if rt is None:
             return
-        n = sum(len(c.token_ids) for c in out.outputs)
+        n = num_tokens
         if n > rt.num_tokens:
             if rt.first_token is None:
                 rt.first_token = now
@@ -132,15 +141,15 @@ class ServingMetrics:
             rt.last_token = now
             self.generation_tokens += n - rt.num_tokens
             rt.num_tokens = n
-            self._on_predicted_token(rt, out.metrics)
-        if out.finished:
-            del self._reqs[out.request_id]
+            self._on_predicted_token(rt, req_metrics)
+        if finished:
+            del self._reqs[request_id]
             self.e2e.observe(now - rt.arrival)
-            if out.metrics.predicted_e2e_s is not None:
-                self.predicted_e2e.observe(out.metrics.predicted_e2e_s)
+            if req_metrics.predicted_e2e_s is not None:
+                self.predicted_e2e.observe(req_metrics.predicted_e2e_s)
             self.prompt_tokens += rt.prompt_tokens
-            for c in out.outputs:
-                reason = c.finish_reason or "abort"
+            for reason in finish_reasons:
+                reason = reason or "abort"
                 self.finished[reason] = self.finished.get(reason, 0) + 1
 
     def _on_predicted_token(self, rt: _ReqTimes, m: Any) -> None:

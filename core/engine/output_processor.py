@@ -1,15 +1,24 @@
-"""Turns `EngineCoreOutput`s into `RequestOutput`s: detokenisation, stop strings, n > 1 aggregation."""
+"""Turns `EngineCoreOutput`s into `RequestOutput`s: detokenisation, stop strings, n > 1 aggregation.
+
+What a request gets follows its `SamplingParams.output_kind`, as in vLLM: CUMULATIVE (the default) the
+whole text and token ids so far at every step, DELTA only what is new since the last output (the server's
+streams: O(new tokens) per step instead of a copy of the whole output), FINAL_ONLY one output when the
+request finished (the server's non-streaming requests)."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from servetwin.core.engine.detokenizer import IncrementalDetokenizer
 from servetwin.core.outputs import EngineCoreOutput, Logprobs
 from servetwin.core.request import FinishReason
 from servetwin.core.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
-from servetwin.core.sampling_params import SamplingParams
+from servetwin.core.sampling_params import RequestOutputKind, SamplingParams
+
+# (parent request id, output tokens so far over all samples, finished, each sample's finish reason,
+# RequestMetrics): what `ServingMetrics.on_progress` takes, for every step that touched the request
+ProgressObserver = Callable[[str, int, bool, list, Any], None]
 
 
 def logprobs_to_dict(lp: Logprobs) -> dict[int, float]:
@@ -27,6 +36,9 @@ class ChildState:
     cumulative_logprob: float = 0.0
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
+    sent_text: int = 0  # DELTA: characters / tokens already delivered, whether the finish was
+    sent_tokens: int = 0
+    sent_finish: bool = False
 
 
 @dataclass(slots=True)
@@ -41,6 +53,14 @@ class ParentState:
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
+
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        return self.children[0].params.output_kind
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c.detok.token_ids) for c in self.children)
 
 
 def _sim_update(parent: ParentState, out: EngineCoreOutput, sim_time_s: float,
@@ -98,11 +118,14 @@ class OutputProcessor:
         return bool(self.parents)
 
     def process_outputs(self, outputs: list[EngineCoreOutput], sim_time_s: Optional[float] = None,
-                        sim_arrivals: Optional[dict[str, float]] = None) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated parents' outputs, and child ids the engine must abort (stop strings).
+                        sim_arrivals: Optional[dict[str, float]] = None,
+                        observe: Optional[ProgressObserver] = None) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated parents' outputs (as their output kind asks: a FINAL_ONLY request only
+        when it finished), and child ids the engine must abort (stop strings).
 
         `sim_time_s` (sim backend): the simulated end of the step that computed `outputs`;
-        `sim_arrivals`: engine request id -> simulated arrival (entries of these requests are taken)."""
+        `sim_arrivals`: engine request id -> simulated arrival (entries of these requests are taken);
+        `observe`: called for every parent these outputs touched (metrics), whatever it is delivered."""
         touched: dict[str, ParentState] = {}
         to_abort: list[str] = []
         now = time.monotonic()
@@ -143,12 +166,22 @@ class OutputProcessor:
             touched[parent.request_id] = parent
         results = []
         for parent in touched.values():
-            if parent.finished:
+            finished = parent.finished
+            if finished:
                 parent.metrics.finished_time = now
                 if sim_time_s is not None:
                     _sim_finish(parent, sim_time_s)
-            results.append(self._make_output(parent))
-            if parent.finished:
+            if observe is not None:
+                observe(parent.request_id, parent.num_output_tokens, finished,
+                        [c.finish_reason for c in parent.children], parent.metrics)
+            kind = parent.output_kind
+            if kind == RequestOutputKind.DELTA:
+                delta = self._make_delta(parent)
+                if delta.outputs or finished:
+                    results.append(delta)
+            elif finished or kind != RequestOutputKind.FINAL_ONLY:
+                results.append(self._make_output(parent))
+            if finished:
                 del self.parents[parent.request_id]
         return results, to_abort
 
@@ -173,6 +206,28 @@ class OutputProcessor:
                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             for c in parent.children
         ]
+        return self._request_output(parent, completions, finished)
+
+    def _make_delta(self, parent: ParentState) -> RequestOutput:
+        """What is new since the last output of each sample: text, token ids, logprobs, and its finish
+        (once). Samples with nothing new are left out; `RequestOutput.add` merges consecutive deltas."""
+        completions = []
+        for c in parent.children:
+            done = c.finish_reason is not None
+            text = c.detok.visible_text(done)
+            ids = c.detok.token_ids
+            if len(text) == c.sent_text and len(ids) == c.sent_tokens and (c.sent_finish or not done):
+                continue
+            completions.append(CompletionOutput(
+                index=c.index, text=text[c.sent_text:], token_ids=ids[c.sent_tokens:],
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=c.logprobs[c.sent_tokens:] if c.logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            c.sent_text, c.sent_tokens, c.sent_finish = len(text), len(ids), done
+        return self._request_output(parent, completions, parent.finished)
+
+    @staticmethod
+    def _request_output(parent: ParentState, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=completions, finished=finished,
                              prompt_logprobs=parent.prompt_logprobs,

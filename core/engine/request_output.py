@@ -50,3 +50,28 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, later: "RequestOutput") -> None:
+        """Merge the DELTA output that followed this one (vLLM's `RequestOutput.add`, used when the
+        consumer had not taken this one yet): text and token ids appended per sample, the newer
+        finish, metrics and cached-token count kept."""
+        by_index = {c.index: c for c in self.outputs}
+        for new in later.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                by_index[new.index] = new
+                continue
+            old.text += new.text
+            old.token_ids.extend(new.token_ids)  # a delta's lists are its own (slices): extended in place
+            if new.logprobs is not None:
+                if old.logprobs is None:
+                    old.logprobs = []
+                old.logprobs.extend(new.logprobs)
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs

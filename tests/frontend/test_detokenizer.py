@@ -122,8 +122,12 @@ def test_stop_strings_are_found_across_token_boundaries(kind, data):
     ends = [(full.find(s) + len(s), s) for s in (stop, other) if full.find(s) != -1]
     end, first = min(ends, key=lambda t: t[0])
     idx = end - len(first)
-    # the first token whose text completes the stop string is the last one kept
-    k = next(k for k in range(1, len(ids) + 1) if tok.decode(ids[:k], skip_special_tokens=True).startswith(full[:end]))
+    # the first token whose text completes the stop string is the last one kept; text that ends in an
+    # incomplete character is held back until the character completes (vLLM's incremental detokenizer),
+    # so a stop string followed by a split character is seen only then
+    prefixes = (tok.decode(ids[:k], skip_special_tokens=True) for k in range(1, len(ids) + 1))
+    seen = (i for i, text in enumerate(prefixes) if not text.endswith("\ufffd") and text.startswith(full[:end]))
+    k = 1 + next(seen, len(ids) - 1)  # never complete: found when the text is flushed at the end
     assert detok.stop_reason is not None
     assert detok.output_text == full[:end if include else idx]
     assert detok.stop_reason in (stop, other) and full[idx:end] == detok.stop_reason

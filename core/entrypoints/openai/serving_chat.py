@@ -125,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chat_stream(self, req: ChatCompletionRequest, outputs: AsyncIterator[Any], request_id: str,
                            created: int, model: str, tok: Any) -> AsyncIterator[bytes]:
-        sent_text: dict[int, int] = {}
+        # the outputs are deltas (RequestOutputKind.DELTA): only what is new since the previous chunk
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         prompt_tokens = 0
@@ -144,15 +144,14 @@ class OpenAIServingChat(OpenAIServing):
                 for c in out.outputs:
                     if c.index in finished:
                         continue
-                    n_text, n_tok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                    delta, new_ids = c.text[n_text:], c.token_ids[n_tok:]
+                    delta, new_ids = c.text, c.token_ids
                     if not delta and not new_ids and c.finish_reason is None:
                         continue
                     lp = None
                     if req.logprobs:
                         lp = self._chat_logprobs(None if req.return_tokens_as_token_ids else tok, new_ids,
-                                                 (c.logprobs or [])[n_tok:], req.top_logprobs or 0)
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                                                 c.logprobs or [], req.top_logprobs or 0)
+                    sent_tokens[c.index] = sent_tokens.get(c.index, 0) + len(new_ids)
                     if c.finish_reason is not None:
                         finished.add(c.index)
                     choices.append({"index": c.index, "delta": {"content": delta} if delta else {},

@@ -127,7 +127,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _completion_stream(self, engine: AsyncLLM, req: CompletionRequest, outputs: AsyncIterator[Any],
                                  request_id: str, created: int, model: str, tok: Any) -> AsyncIterator[bytes]:
-        sent_text: dict[tuple[int, int], int] = {}
+        # the outputs are deltas (RequestOutputKind.DELTA): only what is new since the previous chunk
+        started: set[tuple[int, int]] = set()
         sent_tokens: dict[tuple[int, int], int] = {}
         text_offset: dict[tuple[int, int], int] = {}
         finished: set[tuple[int, int]] = set()
@@ -141,10 +142,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     key = (i, c.index)
                     if key in finished:
                         continue
-                    first = key not in sent_text
-                    n_text, n_tok = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                    delta = c.text[n_text:]
-                    new_ids = c.token_ids[n_tok:]
+                    first = key not in started
+                    delta, new_ids = c.text, c.token_ids
                     if first and req.echo:
                         delta = self._echo_text(tok, out) + delta
                     if not delta and not new_ids and c.finish_reason is None and not first:
@@ -153,11 +152,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     if req.logprobs is not None:
                         prefix = self._echo_logprob_prefix(out) if (first and req.echo) else None
                         lp = _completion_logprobs(None if req.return_tokens_as_token_ids else tok, new_ids,
-                                                  (c.logprobs or [])[n_tok:], req.logprobs,
+                                                  c.logprobs or [], req.logprobs,
                                                   text_offset.get(key, 0), prefix)
                         if lp["tokens"]:
                             text_offset[key] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                    sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
+                    started.add(key)
+                    sent_tokens[key] = sent_tokens.get(key, 0) + len(new_ids)
                     if c.finish_reason is not None:
                         finished.add(key)
                     choices.append({"index": i * req.n + c.index, "text": delta, "logprobs": lp,

@@ -21,7 +21,8 @@ from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.request_output import RequestOutput
 from servetwin.core.entrypoints.openai.protocol import APIError, CommonRequest, bad_request_from, error_body
-from servetwin.core.sampling_params import MAX_STOP_STRINGS_API, SamplingParams
+from servetwin.core.gc_heap import freeze_gc_heap
+from servetwin.core.sampling_params import MAX_STOP_STRINGS_API, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("servetwin.server")
 
@@ -86,7 +87,10 @@ class ServerState:
             engine.shutdown()
             return
         self.engine = engine
-        logger.info("engine ready (pid %s): %s", engine.client.engine_pid, engine.config)
+        # the start-up heap leaves the garbage collector's full passes (each one stalled the loop)
+        frozen = freeze_gc_heap()
+        logger.info("engine ready (pid %s, %d start-up objects frozen): %s", engine.client.engine_pid, frozen,
+                    engine.config)
 
     def ready_engine(self) -> AsyncLLM:
         if self.closing:
@@ -130,7 +134,9 @@ def common_params(req: CommonRequest, max_tokens: Optional[int], logprobs: Optio
         n=req.n, seed=req.seed, stop=stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
         min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output)
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        # as vLLM's server: a stream takes only what is new at each step, a full response only the end
+        output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)
