@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 
+BACKGROUND_NICE = 5  # a background job's niceness: about a third of a normal process's CPU share when both wait
+
+
 def parallel_ok() -> bool:
     if not hasattr(os, "fork") or os.environ.get("SERVETWIN_SERIAL_OUTPUT") == "1":
         return False
@@ -50,7 +53,10 @@ class OutputJobs:
     parallel: bool = field(default_factory=parallel_ok)
     jobs: list[_Job] = field(default_factory=list)
 
-    def submit(self, key: str, fn: Callable[..., Any], args: tuple, path: str) -> None:
+    def submit(self, key: str, fn: Callable[..., Any], args: tuple, path: str, background: bool = False) -> None:
+        """`background`: the child lowers its CPU priority (`BACKGROUND_NICE`), so that on a machine with
+        fewer CPUs than jobs the work the run waits on longest (the parent's own, a job submitted later
+        that can only start then) takes the CPUs first."""
         job = _Job(key, fn, args, path)
         self.jobs.append(job)
         if os.path.exists(path):  # a file left by an earlier run must not pass for this job's
@@ -67,6 +73,8 @@ class OutputJobs:
             # the shared heap (the child lives for one file)
             gc.disable()
             try:
+                if background:
+                    os.nice(BACKGROUND_NICE)
                 fn(*args)
                 code = 0
             finally:

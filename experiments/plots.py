@@ -32,6 +32,7 @@ GANTT_COLORS = {"queue": "0.65", "prefill": "tab:red", "decode": "tab:green"}
 MAX_POINTS = 4000  # a CDF or a step series is thinned to about this many points (the shape is kept)
 GANTT_SAMPLE = 40
 DPI = 90
+PNG_COMPRESS_LEVEL = 1  # zlib level: ~10% larger files than the default 6, a third less encoding time
 SLO_RE = re.compile(r"^(ttft|tpot|itl|e2e)_(mean|p50|p90|p99)_s$")
 
 
@@ -169,7 +170,7 @@ def _layout(fig, title_lines: int, left: float = 0.85, right: float = 0.25, bott
 
 def _save(fig, path: str) -> str:
     # under a temporary name, renamed when complete: no half-written PNG, even on Ctrl-C or a full disk
-    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=DPI, format="png"))
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=DPI, format="png", pil_kwargs={"compress_level": PNG_COMPRESS_LEVEL}))
     _plt().close(fig)
     return path
 
@@ -507,11 +508,18 @@ def draw_run_figures(frames: dict[str, dict], itls: dict[str, Any], out_dir: str
 
 
 def _submit_figures(jobs, frames, itls, out_dir: str, ctx) -> None:
+    """Every run figure into `jobs`; `itls` may be a function computing them: the figures that need no
+    inter-token latencies are started before it is called (they are drawn while it runs)."""
     path = {k: os.path.join(out_dir, f"{k}.png") for k in RUN_FIGURES}
+    # in the background: these run while the ITLs are computed, and the latency CDFs (the last to
+    # start, the longest to draw) must not wait for them
+    late = callable(itls)
+    jobs.submit("timeline", timeline, (frames, path["timeline"], ctx), path["timeline"], background=late)
+    jobs.submit("request_gantt", request_gantt, (frames, path["request_gantt"], ctx), path["request_gantt"],
+                background=late)
+    jobs.submit("step_time", step_time, (frames, path["step_time"], ctx), path["step_time"], background=late)
+    itls = itls() if late else itls
     jobs.submit("latency_cdf", latency_cdfs, (frames, itls, path["latency_cdf"], ctx), path["latency_cdf"])
-    jobs.submit("timeline", timeline, (frames, path["timeline"], ctx), path["timeline"])
-    jobs.submit("request_gantt", request_gantt, (frames, path["request_gantt"], ctx), path["request_gantt"])
-    jobs.submit("step_time", step_time, (frames, path["step_time"], ctx), path["step_time"])
 
 
 def all_run_plots(frames: dict[str, dict], itls: dict[str, list], out_dir: str,
@@ -519,13 +527,18 @@ def all_run_plots(frames: dict[str, dict], itls: dict[str, list], out_dir: str,
     """Every run figure, each drawn by a forked child where the machine allows it
     (`servetwin.experiments.background`); `jobs` (an OutputJobs) may already hold other files being written,
     which this waits for too; `worker` (a `Prewarmed` child that imported matplotlib with
-    `warm_plotting` while the backends ran) draws them when given. Returns {figure: path or None}, or with
-    `wait=False` a function returning it once the figures are done (the caller works meanwhile)."""
+    `warm_plotting` while the backends ran) draws them when given. `itls` may be a function returning
+    them (called once; without a worker, after the figures that need no ITLs were started). Returns
+    {figure: path or None}, or with `wait=False` a function returning it once the figures are done (the
+    caller works meanwhile)."""
     from servetwin.experiments.background import OutputJobs  # noqa: PLC0415
 
     if not frames:
+        if callable(itls):
+            itls()
         return {} if wait else dict
     if worker is not None and worker.running:
+        itls = itls() if callable(itls) else itls
         # the figures read only these two tables: the per-request step rows (millions) stay here
         slim = {b: {"steps": fr["steps"], "requests": fr["requests"]} for b, fr in frames.items()}
         worker.submit(draw_run_figures, (slim, itls, out_dir, ctx))

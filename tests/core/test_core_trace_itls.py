@@ -1,4 +1,6 @@
 """The recorder's vectorised inter-token latencies equal the per-request definition (RequestTrace.itls)."""
+import pickle
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,9 +39,11 @@ def test_vectorised_itls_equal_the_per_request_definition(token_times, ends, lag
     assert rec.engine_itls() == _loop(rec, None)
     plain = _recorder(token_times, None)
     assert plain.itls() == plain.engine_itls() == _loop(plain, None)
-    twin = rec.packed()  # what the output process gets: one array of token times
+    # what the output process gets: one array of token times, the requests pickled as columns
+    twin = pickle.loads(pickle.dumps(rec.packed()))
     assert twin.itls() == rec.itls() and twin.engine_itls() == rec.engine_itls()
     assert all(not t.token_times for t in twin.requests.values()) and rec.request_rows() == twin.request_rows()
+    assert list(twin.requests) == list(rec.requests)
     times = [x for ts in token_times for x in ts]
     assert [None if v != v else v for v in delivery.client_times(times).tolist()] == \
         [delivery.client_time(t) for t in times]
