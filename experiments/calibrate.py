@@ -37,6 +37,7 @@ experiment's `hardware:` field accept.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import platform
@@ -457,11 +458,14 @@ def default_base(device: str) -> str:
 
 
 def calibration_document(base: str, cal: CalibrationFit, provenance: dict[str, Any],
-                         name: Optional[str] = None) -> dict[str, Any]:
-    """The YAML document: `base`, the preset's fields (self-contained), coefficients, provenance."""
+                         name: Optional[str] = None, efficiency: Any = None) -> dict[str, Any]:
+    """The YAML document: `base`, the preset's fields (self-contained), coefficients, provenance.
+    `efficiency`: the one the fit used when it is not the preset's (a measured GEMM curve)."""
     from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
 
     hw = load_hardware(base)
+    if efficiency is not None:
+        hw = dataclasses.replace(hw, efficiency=efficiency)
     coeffs = cal.fit.to_coefficients(hw.coefficients).to_dict()
     if "layer" not in cal.terms:  # eager backend: the per-layer launch cost is inside `step`
         coeffs["c_layer"] = 0.0
@@ -481,6 +485,34 @@ def calibration_document(base: str, cal: CalibrationFit, provenance: dict[str, A
         "provenance": provenance,
     }
     return doc
+
+
+def measure_gemm_curve(executor: Any, model: str, base: str, max_tokens: int,
+                       log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+    """Time the model's layer GEMMs at every token count the design can schedule
+    (`servetwin.gpu.gemm_profile`) and turn them into `Efficiency.gemm_m_curve` on top of the base
+    preset's efficiencies: (the efficiency, its provenance with the measured seconds)."""
+    from servetwin.gpu.gemm_profile import curve_token_counts, layer_gemm_seconds  # noqa: PLC0415
+    from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
+    from servetwin.sim.model_spec import load_model_spec  # noqa: PLC0415
+
+    dtype = str(executor.dtype).replace("torch.", "")
+    hw = load_hardware(base)
+    peak = hw.peak_flops(dtype)
+    flops_per_token = 2.0 * load_model_spec(model, dtype=dtype).layer_matmul_params
+    t0 = time.perf_counter()
+    seconds = layer_gemm_seconds(executor.model, curve_token_counts(max_tokens))
+    raw = {m: flops_per_token * m / (peak * t) for m, t in seconds.items()}
+    curve = [[m, min(f, 1.0)] for m, f in raw.items()]
+    log(f"calibrate: layer GEMMs timed at {len(seconds)} token counts in {time.perf_counter() - t0:.1f}s "
+        f"({min(raw.values()) * 100:.1f}-{max(raw.values()) * 100:.1f}% of the {peak / 1e9:.0f} GFLOP/s peak)")
+    efficiency = dataclasses.replace(hw.efficiency, gemm_m_curve=tuple(map(tuple, curve)))
+    provenance = {
+        "measured": "seconds of one layer's dense projections (qkv, o, gate_up, down) at M tokens, median of 5 "
+                    "(servetwin.gpu.gemm_profile); fraction = 2 * M * layer_matmul_params / (peak * seconds)",
+        "peak_flops": peak, "seconds": {int(m): float(t) for m, t in seconds.items()},
+        "clamped_to_peak": sorted(int(m) for m, f in raw.items() if f > 1.0)}
+    return efficiency, provenance
 
 
 def write_calibration(path: str, doc: dict[str, Any], header: str = "") -> str:
@@ -517,9 +549,11 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
               design: str | CalibrationDesign = "default", repeats: Optional[int] = None,
               base: Optional[str] = None, weighting: str = "relative", trim: Optional[float] = 4.0,
               from_run: Optional[str] = None, trace_dir: Optional[str] = None, enforce_eager: bool = False,
-              attention_backend: str = "auto", seed: int = 0,
+              attention_backend: str = "auto", seed: int = 0, gemm_curve: bool = True,
               log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
-    """Run (or read) measured steps, fit, write the calibration YAML; returns the document."""
+    """Run (or read) measured steps, fit, write the calibration YAML; returns the document. `gemm_curve`:
+    on a CPU, time the layer GEMMs at every token count first and fit on that curve
+    (`measure_gemm_curve`)."""
     import pandas as pd  # noqa: PLC0415
 
     from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
@@ -533,6 +567,7 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
     load_hardware(base)  # a bad preset fails before any work
     nthreads = set_torch_threads(threads)
     extra: dict[str, Any] = {}
+    efficiency = None  # the base preset's, unless a GEMM curve is measured
     if from_run is not None:
         tdir = os.path.join(from_run, "torch") if os.path.isdir(os.path.join(from_run, "torch")) else from_run
         try:
@@ -575,6 +610,8 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
         log(f"calibrate: {model} on {device} loaded in {time.perf_counter() - t0:.1f}s "
             f"(dtype {str(ex.dtype).replace('torch.', '')}, attention {ex.attention_backend_name}, "
             f"{nthreads} torch threads)")
+        if gemm_curve and ex.device.type == "cpu":
+            efficiency, extra["gemm_m_curve"] = measure_gemm_curve(ex, model, base, des.max_num_batched_tokens, log)
         recorder = TraceRecorder(f"calibrate-{model}", "torch")
         t0 = time.perf_counter()
         cpu_s = run_design(engine, recorder, des, info.vocab_size or 256, seed=seed, log=log)
@@ -598,7 +635,10 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
         design_dict = des.to_dict()
         del engine, ex, info
     spec = load_model_spec(model, dtype=spec_dtype)
-    cm = CostModel(spec, base, cuda_graphs=cuda_graphs)
+    hw = load_hardware(base)
+    if efficiency is not None:  # the measured GEMM curve: the basis the coefficients are fitted on
+        hw = dataclasses.replace(hw, efficiency=efficiency)
+    cm = CostModel(spec, hw, cuda_graphs=cuda_graphs)
     cal = fit_from_tables(steps, step_requests, cm, weighting=weighting, trim=trim,
                           exclude_steps=contended)
     fit = cal.fit
@@ -622,7 +662,7 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
                     if len(sys.argv) > 1 and sys.argv[1] == "calibrate" else None),
     }
     provenance.update(extra)
-    doc = calibration_document(base, cal, provenance)
+    doc = calibration_document(base, cal, provenance, efficiency=efficiency)
     header = (f"Written by `servetwin calibrate` - measured, not hand-edited.\n"
               f"Cost-model coefficients for {model} on this machine class ({dev_name}),\n"
               f"torch backend, {spec_dtype}, {attn} attention, {nthreads} torch thread(s).\n"

@@ -58,7 +58,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     calibrate(args.model, args.output, device=args.device, dtype=args.dtype, threads=args.threads,
               design=args.design, repeats=args.repeats, base=args.base, weighting=args.weighting,
               trim=None if args.no_trim else args.trim, from_run=args.from_run, trace_dir=args.trace_dir,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, seed=args.seed)
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, seed=args.seed,
+              gemm_curve=not args.no_gemm_curve)
     print(f"wrote {args.output}")
     return 0
 
@@ -121,6 +122,9 @@ def register(subparsers) -> None:
                    help="fit on an existing run's torch trace (DIR/torch/*.parquet) instead of measuring")
     k.add_argument("--trace-dir", metavar="DIR", help="also write the measured steps as trace tables here")
     k.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (CUDA only)")
+    k.add_argument("--no-gemm-curve", action="store_true",
+                   help="on a CPU, do not time the layer GEMMs per token count (efficiency.gemm_m_curve): fit "
+                        "on the base preset's smooth GEMM efficiency instead")
     k.add_argument("--attention-backend", default="auto", help="auto | torch-paged | flash-attn")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("-o", "--output", required=True, help="calibration YAML to write")

@@ -19,6 +19,15 @@ hardware file written before efficiencies existed gets (its `CostCoefficients` w
 | `attn_decode_compute`     | decode attention          | fraction of peak                                     |
 | `attn_decode_bandwidth`   | decode attention KV reads | fraction of datasheet bandwidth (paged, per-request) |
 | `comm_bandwidth`          | TP all-reduce/all-gather  | NCCL bus bandwidth / link bandwidth                  |
+| `gemm_m_curve`            | dense GEMMs of the layers | measured [M, fraction of peak] points (optional)     |
+
+`gemm_m_curve`, when given, replaces `gemm_compute * M / (M + gemm_half_m)` for the layers' GEMMs: the
+fraction of the dense peak they reach at M tokens, interpolated linearly between the points (the first
+and last point's value outside them). It is what `servetwin calibrate` measures on a CPU, where a BLAS
+library's GEMM time is not a smooth function of M (on the 2-vCPU AMD EPYC test machine, one thread,
+fp32: SmolLM2's 30 layers take 22 ms at M = 1, 125 ms at M = 8, 101 ms at M = 10, 142 ms at M = 16 -
+kernels switch with M); a half-saturation size cannot describe that, a measured curve can. The LM head
+keeps the smooth form (its N is the vocabulary, another shape).
 
 `CostCoefficients`: the predicted step time is `sum(c_k * basis_k for k in BASIS_TERMS)`; `basis_k` is
 computed by `servetwin.sim.cost_model.CostModel.basis` and the coefficient of term `k` is the field
@@ -73,11 +82,14 @@ class Efficiency:
     attn_decode_compute: float = 1.0
     attn_decode_bandwidth: float = 1.0
     comm_bandwidth: float = 1.0
+    gemm_m_curve: tuple[tuple[float, float], ...] = ()  # (M, fraction of peak), M ascending
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name.endswith(("_half_m", "_half_kv")):
+            if f.name == "gemm_m_curve":
+                self.gemm_m_curve = _m_curve(v, f"efficiency.{f.name}")
+            elif f.name.endswith(("_half_m", "_half_kv")):
                 setattr(self, f.name, non_negative(v, f"efficiency.{f.name}"))
             else:
                 x = positive(v, f"efficiency.{f.name}")
@@ -85,8 +97,24 @@ class Efficiency:
                     raise ConfigError(f"efficiency.{f.name}", f"a fraction of the datasheet, must be <= 1, got {v!r}")
                 setattr(self, f.name, x)
 
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["gemm_m_curve"] = [[m, e] for m, e in self.gemm_m_curve]  # lists: YAML has no tuples
+        if not self.gemm_m_curve:
+            del out["gemm_m_curve"]
+        return out
+
+    def gemm_fraction(self, m: float) -> float:
+        """Fraction of the dense peak the layers' GEMMs reach at M tokens (see the table above)."""
+        curve = self.gemm_m_curve
+        if not curve:
+            return self.gemm_compute * m / (m + self.gemm_half_m) if m > 0 else self.gemm_compute
+        if m <= curve[0][0]:
+            return curve[0][1]
+        for (m0, e0), (m1, e1) in zip(curve, curve[1:]):
+            if m <= m1:
+                return e0 + (e1 - e0) * (m - m0) / (m1 - m0)
+        return curve[-1][1]
 
     @classmethod
     def from_dict(cls, cfg: Any, path: str = "efficiency", base: "Efficiency | None" = None) -> "Efficiency":
@@ -98,6 +126,24 @@ class Efficiency:
             return cls(**values)
         except ConfigError as e:  # __post_init__ names the field under "efficiency"
             raise ConfigError(path + e.path.removeprefix("efficiency"), e.message) from None
+
+
+def _m_curve(value: Any, path: str) -> tuple[tuple[float, float], ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigError(path, f"must be a list of [M, fraction] pairs, got {value!r}")
+    points = []
+    for i, point in enumerate(value):
+        if isinstance(point, (str, bytes)) or not hasattr(point, "__len__") or len(point) != 2:
+            raise ConfigError(f"{path}[{i}]", f"must be a pair [M, fraction], got {point!r}")
+        m = positive(point[0], f"{path}[{i}][0]")
+        e = positive(point[1], f"{path}[{i}][1]")
+        if e > 1.0:
+            raise ConfigError(f"{path}[{i}][1]", f"a fraction of the dense peak, must be <= 1, got {point[1]!r}")
+        if points and m <= points[-1][0]:
+            raise ConfigError(f"{path}[{i}][0]", f"M must increase along the curve, got {point[0]!r} after "
+                                                 f"{points[-1][0]!r}")
+        points.append((float(m), float(e)))
+    return tuple(points)
 
 
 @dataclass(slots=True)

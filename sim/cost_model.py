@@ -61,7 +61,11 @@ of an eager step, and larger decode batches never lower it under CUDA graphs. Ex
 by design: (1) turning a decode row (q = 1) into a 2-token chunk moves its KV read into the
 prefill phase, where a compute-bound prefill hides it; (2) adding a chunk to a padded decode
 batch makes it run outside the full graph and unpadded, so the padding's GEMM work disappears
-(while the `layer_piecewise` launch term appears).
+(while the `layer_piecewise` launch term appears). (3) A measured GEMM curve
+(`Efficiency.gemm_m_curve`, from a CPU calibration) is followed as measured, dips included.
+
+With a measured curve, `linear`'s compute side is 2*L*M*T' / (P * f(T'))/tp, f the curve's fraction of
+the peak at T' tokens (interpolated; the LM head keeps the smooth form).
 """
 from __future__ import annotations
 
@@ -238,6 +242,13 @@ class CostModel:
             V * d * bw / tp / wg, V * LOGITS_BYTES / tp / wg,  # LM head weights, logits per row
             SAMPLER_PASSES * V * LOGITS_BYTES / wg,  # sampler per row
             lat, ar, ag)
+        # a measured GEMM curve (`Efficiency.gemm_m_curve`): the rows the linear term charges at T tokens,
+        # T * gemm_compute / fraction(T), tabulated once up to the curve's last point (then its slope)
+        self._gemm_rows: Optional[list[float]] = None
+        self._gemm_tail = 1.0
+        if e.gemm_m_curve:
+            self._gemm_rows = [t * e.gemm_compute / e.gemm_fraction(t) for t in range(int(e.gemm_m_curve[-1][0]) + 1)]
+            self._gemm_tail = e.gemm_compute / e.gemm_m_curve[-1][1]
 
     # -- shape helpers -------------------------------------------------------------------------
     def padded_tokens(self, step: StepSummary) -> tuple[int, bool]:
@@ -262,7 +273,11 @@ class CostModel:
             return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
                     1.0 if tp > 1 else 0.0, ipc, 0.0), 0
         t_pad, graph = self.padded_tokens(st)
-        linear = max(lin_flop * (t_pad + h_g), lin_bytes)
+        rows = self._gemm_rows
+        if rows is None:
+            linear = max(lin_flop * (t_pad + h_g), lin_bytes)
+        else:
+            linear = max(lin_flop * (rows[t_pad] if t_pad < len(rows) else t_pad * self._gemm_tail), lin_bytes)
         elementwise = ew * st.num_tokens
         pairs = st.prefill_sum_q_s + (st.prefill_sum_q2 + st.prefill_sum_q) / 2.0
         shared_dec = min(st.shared_kv, st.decode_sum_kv)

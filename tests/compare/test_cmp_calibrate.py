@@ -57,7 +57,7 @@ def test_calibrate_cli_recovers_synthetic_coefficients(tmp_path, monkeypatch):
     monkeypatch.setattr(calmod._Driver, "step", step)
     out = tmp_path / "cal.yaml"
     assert main(["calibrate", "--model", "tiny-llama", "--backend", "torch", "--design", "quick", "--no-trim",
-                 "-o", str(out)]) == 0
+                 "--no-gemm-curve", "-o", str(out)]) == 0  # the truth is on the preset's smooth GEMM basis
     hw = load_hardware(str(out))
     fitted = hw.coefficients
     res = hw.provenance["residuals"]
@@ -79,7 +79,7 @@ def test_calibrate_drops_contended_and_outlier_steps(tmp_path, monkeypatch):
     out = tmp_path / "cal.yaml"
     trace = tmp_path / "trace"
     assert main(["calibrate", "--model", "tiny-llama", "--design", "quick", "--trace-dir", str(trace),
-                 "-o", str(out)]) == 0
+                 "--no-gemm-curve", "-o", str(out)]) == 0
     prov = load_hardware(str(out)).provenance
     assert prov["contention"]["contended_steps"] == 2
     assert prov["residuals"]["dropped_as_contended"] == 2
@@ -130,6 +130,16 @@ def test_calibrate_real_quick_run_and_use_in_experiment(tmp_path):
     assert {"torch", "servetwin", "python"} <= set(prov["versions"])
     assert prov["samples"] >= 40
     assert 0 <= prov["residuals"]["all_samples"]["median_abs_rel_err"] < 1
+    # the layer GEMMs timed at every token count the design schedules: the curve the fit used
+    curve = hw.efficiency.gemm_m_curve
+    ms = [m for m, _ in curve]
+    assert ms[:64] == list(range(1, 65)) and ms[-1] == prov["design"]["max_num_batched_tokens"]
+    assert all(0 < f <= 1 for _, f in curve)
+    assert sorted(int(m) for m in prov["gemm_m_curve"]["seconds"]) == [int(m) for m in ms]
+    cm = CostModel(load_model_spec("tiny-llama", dtype="float32"), hw, cuda_graphs=False)
+    assert cm.basis([(7, 0, True)])["linear"] == pytest.approx(max(
+        2 * cm.model.num_layers * cm.model.layer_matmul_params * 7 / (hw.peak_flops_fp32 * hw.efficiency.gemm_fraction(7)),
+        cm.model.num_layers * cm.model.layer_params * 4 / hw.memory_bandwidth))
     # self-contained: carries the base preset's peaks as well as `base: cpu`
     base = load_hardware("cpu")
     assert "base: cpu" in text and hw.memory_bandwidth == base.memory_bandwidth

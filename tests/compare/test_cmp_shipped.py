@@ -9,7 +9,9 @@ from servetwin.experiments.schema import load_config
 from servetwin.sim.hardware import load_hardware
 from servetwin.sim.model_spec import load_model_spec
 
-SHIPPED = {"cpu_smollm2-135m.yaml": "smollm2-135m", "cpu_tiny-llama.yaml": "tiny-llama"}
+SHIPPED = {"cpu_smollm2-135m.yaml": "smollm2-135m", "cpu_tiny-llama.yaml": "tiny-llama",
+           "cpu_smollm2-135m-fp32-avx2.yaml": "smollm2-135m"}
+DTYPES = {"cpu_smollm2-135m.yaml": "bfloat16"}  # the others: float32
 COMPARE_CONFIGS = sorted(CONFIGS.glob("compare_*.yaml"))
 
 
@@ -26,7 +28,7 @@ def test_shipped_calibration_loads_with_provenance(name, model):
     assert prov["device"] and prov["date"] and prov["versions"]["torch"] and prov["versions"]["servetwin"]
     assert prov["attention_backend"] == "torch-paged" and prov["cuda_graphs"] is False
     assert prov["torch_threads"] >= 1 and prov["samples"] >= 100 and prov["design"]
-    assert prov["dtype"] == ("bfloat16" if model == "smollm2-135m" else "float32")
+    assert prov["dtype"] == DTYPES.get(name, "float32")
     res = prov["residuals"]
     for part in ("all_samples", "used_samples"):
         assert 0 <= res[part]["median_abs_rel_err"] <= res[part]["p90_abs_rel_err"]

@@ -317,3 +317,43 @@ def test_calibrated_presets_are_slower_than_the_datasheet():
     h100 = CostModel("llama-3.1-8b", "h100-sxm").predict(rows).duration_s
     h200 = CostModel("llama-3.1-8b", "h200").predict(rows).duration_s
     assert 1.0 < h100 / h200 < 4.8 / 3.35  # part of a decode step does not scale with bandwidth
+
+
+# -- a measured GEMM curve (Efficiency.gemm_m_curve) ------------------------------------------------------
+def _curve_hw(curve):
+    from servetwin.sim.hardware import hardware_from_dict
+
+    return hardware_from_dict({"base": "cpu", "name": "curve", "efficiency": {"gemm_m_curve": curve}})
+
+
+def test_a_gemm_curve_sets_the_linear_term_at_every_token_count_dips_included():
+    curve = [[1, 0.02], [8, 0.08], [10, 0.12], [16, 0.12], [64, 0.25]]
+    hw = _curve_hw(curve)
+    cm = CostModel("smollm2-135m", hw)
+    m = cm.model
+    flops = 2.0 * m.num_layers * m.layer_matmul_params
+    weights = m.num_layers * m.layer_params * m.dtype_bytes / hw.memory_bandwidth
+    for t, frac in [(1, 0.02), (8, 0.08), (9, 0.10), (10, 0.12), (16, 0.12), (40, 0.185), (64, 0.25), (300, 0.25)]:
+        expect = max(flops * t / (hw.peak_flops(m.dtype) * frac), weights)
+        assert cm.basis([(t, 0, True)])["linear"] == pytest.approx(expect, rel=1e-9), t
+    # the dip is followed: 10 tokens cost less than 8 (a BLAS kernel switch), as measured
+    assert cm.basis([(10, 0, True)])["linear"] < cm.basis([(8, 0, True)])["linear"]
+    # through the hardware dict and back (YAML lists), and without a curve the smooth form is unchanged
+    assert _curve_hw(hw.efficiency.to_dict()["gemm_m_curve"]).efficiency == hw.efficiency
+    plain = CostModel("smollm2-135m", "cpu")
+    assert "gemm_m_curve" not in plain.hw.efficiency.to_dict()
+
+
+@pytest.mark.parametrize("curve, path, message", [
+    ("fast", "hardware.efficiency.gemm_m_curve", "must be a list of [M, fraction] pairs"),
+    ([[1, 0.1, 3]], "hardware.efficiency.gemm_m_curve[0]", "must be a pair"),
+    ([[1, 1.5]], "hardware.efficiency.gemm_m_curve[0][1]", "must be <= 1"),
+    ([[0, 0.5]], "hardware.efficiency.gemm_m_curve[0][0]", "must be > 0"),
+    ([[4, 0.5], [2, 0.6]], "hardware.efficiency.gemm_m_curve[1][0]", "M must increase"),
+])
+def test_a_bad_gemm_curve_names_the_point(curve, path, message):
+    from servetwin.core.config_error import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _curve_hw(curve)
+    assert info.value.path == path and message in info.value.message
