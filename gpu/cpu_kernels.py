@@ -38,7 +38,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -422,11 +422,47 @@ class DecodeKernel:
 class SmallMLinear:
     """ctypes wrapper of `small_m_linear`: `F.linear` for a few float32 rows on the CPU."""
 
+    TUNE_ROWS = (2, 4, 8, 16, 32, 48)  # row counts timed against F.linear (the last: the largest it may take)
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.small_m_linear
         fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
+        self._max_rows: dict[int, int] = {}  # torch thread count -> rows up to which this kernel wins
+
+    def max_rows(self) -> int:
+        """Rows up to which this kernel is faster than `F.linear` on this CPU at the current thread count
+        (0: at none). Timed once per thread count on a decode-sized product, since the answer depends on
+        the CPU and its BLAS: on the Intel Xeon it was written on, MKL's small-M sgemm is slow and the
+        kernel won x1.4-1.9 at 4-16 rows; on the AVX2 AMD EPYC VM it loses to MKL at every row count
+        (1.2x slower at 2 rows, 4.8x at 16, 8x at 48: one thread, SmolLM2's projections)."""
+        n = torch.get_num_threads()
+        if n not in self._max_rows:
+            self._max_rows[n] = self._tune()
+        return self._max_rows[n]
+
+    @torch.inference_mode()
+    def _tune(self) -> int:
+        import time  # noqa: PLC0415
+
+        import torch.nn.functional as F  # noqa: PLC0415
+
+        def best_of(fn: Any, reps: int = 5) -> float:
+            fn()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(1536, 576, generator=gen)  # an FFN projection of a small model: decode-sized
+        wins = [m for m in self.TUNE_ROWS
+                if best_of(lambda x=torch.randn(m, 576, generator=gen): self(x, w))
+                < 0.9 * best_of(lambda x=torch.randn(m, 576, generator=gen): F.linear(x, w))]
+        return max(wins, default=0)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x `[M, K]`, weight `[N, K]`, bias `[N]` or None (contiguous float32) -> `[M, N]`."""

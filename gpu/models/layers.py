@@ -10,18 +10,20 @@ from torch import nn
 
 from servetwin.gpu.cpu_kernels import small_m_linear_kernel
 
-# Rows up to which `linear` uses the native kernel (measured, 2 threads, SmolLM2-135M's shapes:
-# x1.6-1.9 at 4-13 rows, x1.4 at 16, x1.2 at 24-32, parity at 48, MKL ahead from ~64 and at 1 row).
+# Rows up to which `linear` may use the native kernel (measured on an Intel Xeon, 2 threads, SmolLM2-135M's
+# shapes: x1.6-1.9 at 4-13 rows, x1.4 at 16, x1.2 at 24-32, parity at 48, MKL ahead from ~64 and at 1 row);
+# on each CPU the kernel's own `max_rows()` (timed against F.linear) decides how far it really goes.
 SMALL_M_MAX = 48
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear`; 2-D float32 CPU inputs of 2..SMALL_M_MAX rows (outside autograd) go to the native
-    kernel (`servetwin.gpu.cpu_kernels.small_m_linear`: same product, another summation order) when it builds."""
+    kernel (`servetwin.gpu.cpu_kernels.small_m_linear`: same product, another summation order) when it builds
+    and is faster on this CPU at that row count (`SmallMLinear.max_rows`)."""
     if (x.dim() == 2 and 2 <= x.shape[0] <= SMALL_M_MAX and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.is_contiguous()
             and (bias is None or bias.dtype == torch.float32) and not torch.is_grad_enabled()
-            and (kernel := small_m_linear_kernel()) is not None):
+            and (kernel := small_m_linear_kernel()) is not None and x.shape[0] <= kernel.max_rows()):
         return kernel(x.contiguous(), weight, bias)
     return F.linear(x, weight, bias)
 

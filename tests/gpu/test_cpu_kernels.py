@@ -34,25 +34,43 @@ def test_small_m_linear_matches_float64(M, N, K, with_bias):
     assert err <= max(2 * mkl_err, 1e-6 * K ** 0.5), (err, mkl_err)
 
 
-@needs_kernels
-def test_linear_uses_the_kernel_only_for_small_float32_batches(monkeypatch):
-    calls: list[int] = []
-    real = ck.small_m_linear_kernel()
+class _Spy:
+    """The real kernel, recording the row counts it is called with; `max_rows` as given."""
 
-    def spy(x, w, b=None):
-        calls.append(x.shape[0])
-        return real(x, w, b)
+    def __init__(self, max_rows: int) -> None:
+        self.real, self.rows, self.calls = ck.small_m_linear_kernel(), max_rows, []
+
+    def max_rows(self) -> int:
+        return self.rows
+
+    def __call__(self, x, w, b=None):
+        self.calls.append(x.shape[0])
+        return self.real(x, w, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("max_rows", [SMALL_M_MAX, 8, 0])
+def test_linear_uses_the_kernel_only_for_small_float32_batches_where_it_wins(monkeypatch, max_rows):
+    spy = _Spy(max_rows)
     monkeypatch.setattr(ck, "_linear", spy)
     w = torch.randn(40, 32)
     with torch.inference_mode():
-        for m in (1, 2, SMALL_M_MAX, SMALL_M_MAX + 1):
+        for m in (1, 2, 8, 9, SMALL_M_MAX, SMALL_M_MAX + 1):
             x = torch.randn(m, 32)
             torch.testing.assert_close(linear(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
         linear(torch.randn(4, 32, dtype=torch.float64), w.double())  # not float32
         linear(torch.randn(2, 3, 32), w)  # not 2-D
     x = torch.randn(4, 32, requires_grad=True)
     linear(x, w).sum().backward()  # autograd: F.linear
-    assert calls == [2, SMALL_M_MAX] and x.grad is not None
+    assert spy.calls == [m for m in (2, 8, 9, SMALL_M_MAX) if m <= max_rows] and x.grad is not None
+
+
+@needs_kernels
+def test_the_kernel_times_itself_against_f_linear_once_per_thread_count():
+    kernel = ck.small_m_linear_kernel()
+    rows = kernel.max_rows()
+    assert rows in (0,) + kernel.TUNE_ROWS and kernel.TUNE_ROWS[-1] == SMALL_M_MAX
+    assert kernel.max_rows() == rows  # the decision is kept: a step never pays for it again
 
 
 @needs_kernels
