@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -159,3 +160,28 @@ def test_lm_head_only_for_sampling_rows_gives_the_same_tokens():
     with_all, only_sampling = run(True), run(False)
     assert with_all == only_sampling
     assert only_sampling[0][0] == [] and only_sampling[1][2] == [] and all(only_sampling[2])
+
+
+@pytest.mark.parametrize("native, device, dtype, warns", [
+    (False, "cpu", torch.bfloat16, True),  # AVX2 only: emulated bf16, ~50x slower
+    (True, "cpu", torch.bfloat16, False),  # AVX512-BF16 / AMX
+    (None, "cpu", torch.bfloat16, False),  # unknown: no claim
+    (False, "cpu", torch.float32, False),
+    (False, "cuda", torch.bfloat16, False),
+])
+def test_bfloat16_on_a_cpu_without_native_bfloat16_is_warned_about(monkeypatch, native, device, dtype, warns):
+    import servetwin.gpu.executor as ex
+
+    monkeypatch.setattr(ex, "cpu_has_native_bf16", lambda: native)
+    warning = ex.slow_cpu_dtype_warning(torch.device(device), dtype)
+    assert (warning is not None) == warns
+    if warns:
+        assert "float32" in warning and "cpu_smollm2-135m-fp32-avx2.yaml" in warning
+
+
+def test_the_cpu_flags_are_read_where_linux_has_them():
+    from servetwin.gpu.executor import cpu_has_native_bf16
+
+    lines = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), None)
+    assert cpu_has_native_bf16() == (None if flags is None else bool(flags & {"avx512_bf16", "amx_bf16"}))
