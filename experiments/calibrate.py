@@ -503,10 +503,10 @@ def measure_gemm_curve(executor: Any, model: str, base: str, max_tokens: int,
     t0 = time.perf_counter()
     seconds = layer_gemm_seconds(executor.model, curve_token_counts(max_tokens))
     raw = {m: flops_per_token * m / (peak * t) for m, t in seconds.items()}
-    curve = [[m, min(f, 1.0)] for m, f in raw.items()]
+    curve = tuple((float(m), min(f, 1.0)) for m, f in raw.items())
     log(f"calibrate: layer GEMMs timed at {len(seconds)} token counts in {time.perf_counter() - t0:.1f}s "
         f"({min(raw.values()) * 100:.1f}-{max(raw.values()) * 100:.1f}% of the {peak / 1e9:.0f} GFLOP/s peak)")
-    efficiency = dataclasses.replace(hw.efficiency, gemm_m_curve=tuple(map(tuple, curve)))
+    efficiency = dataclasses.replace(hw.efficiency, gemm_m_curve=curve)
     provenance = {
         "measured": "seconds of one layer's dense projections (qkv, o, gate_up, down) at M tokens, median of 5 "
                     "(servetwin.gpu.gemm_profile); fraction = 2 * M * layer_matmul_params / (peak * seconds)",

@@ -92,10 +92,7 @@ class Efficiency:
             elif f.name.endswith(("_half_m", "_half_kv")):
                 setattr(self, f.name, non_negative(v, f"efficiency.{f.name}"))
             else:
-                x = positive(v, f"efficiency.{f.name}")
-                if x > 1.0:
-                    raise ConfigError(f"efficiency.{f.name}", f"a fraction of the datasheet, must be <= 1, got {v!r}")
-                setattr(self, f.name, x)
+                setattr(self, f.name, _fraction(v, f"efficiency.{f.name}"))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -103,18 +100,6 @@ class Efficiency:
         if not self.gemm_m_curve:
             del out["gemm_m_curve"]
         return out
-
-    def gemm_fraction(self, m: float) -> float:
-        """Fraction of the dense peak the layers' GEMMs reach at M tokens (see the table above)."""
-        curve = self.gemm_m_curve
-        if not curve:
-            return self.gemm_compute * m / (m + self.gemm_half_m) if m > 0 else self.gemm_compute
-        if m <= curve[0][0]:
-            return curve[0][1]
-        for (m0, e0), (m1, e1) in zip(curve, curve[1:]):
-            if m <= m1:
-                return e0 + (e1 - e0) * (m - m0) / (m1 - m0)
-        return curve[-1][1]
 
     @classmethod
     def from_dict(cls, cfg: Any, path: str = "efficiency", base: "Efficiency | None" = None) -> "Efficiency":
@@ -128,6 +113,13 @@ class Efficiency:
             raise ConfigError(path + e.path.removeprefix("efficiency"), e.message) from None
 
 
+def _fraction(value: Any, path: str) -> float:
+    x = positive(value, path)
+    if x > 1.0:
+        raise ConfigError(path, f"a fraction of the datasheet, must be <= 1, got {value!r}")
+    return x
+
+
 def _m_curve(value: Any, path: str) -> tuple[tuple[float, float], ...]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ConfigError(path, f"must be a list of [M, fraction] pairs, got {value!r}")
@@ -136,9 +128,7 @@ def _m_curve(value: Any, path: str) -> tuple[tuple[float, float], ...]:
         if isinstance(point, (str, bytes)) or not hasattr(point, "__len__") or len(point) != 2:
             raise ConfigError(f"{path}[{i}]", f"must be a pair [M, fraction], got {point!r}")
         m = positive(point[0], f"{path}[{i}][0]")
-        e = positive(point[1], f"{path}[{i}][1]")
-        if e > 1.0:
-            raise ConfigError(f"{path}[{i}][1]", f"a fraction of the dense peak, must be <= 1, got {point[1]!r}")
+        e = _fraction(point[1], f"{path}[{i}][1]")
         if points and m <= points[-1][0]:
             raise ConfigError(f"{path}[{i}][0]", f"M must increase along the curve, got {point[0]!r} after "
                                                  f"{points[-1][0]!r}")

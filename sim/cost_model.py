@@ -87,6 +87,17 @@ SAMPLER_PASSES = 4  # fp32 passes over the logits: temperature, softmax, sample,
 ELEMENTWISE_D = 10  # d-sized reads+writes per token per layer: 2 RMSNorms, 2 residual adds, rope
 
 
+def curve_fraction(curve: Sequence[tuple[float, float]], m: float) -> float:
+    """A measured GEMM curve's fraction of the peak at M tokens (`Efficiency.gemm_m_curve`): linear
+    between its points, the first / last point's value outside them."""
+    if m <= curve[0][0]:
+        return curve[0][1]
+    for (m0, e0), (m1, e1) in zip(curve, curve[1:]):
+        if m <= m1:
+            return e0 + (e1 - e0) * (m - m0) / (m1 - m0)
+    return curve[-1][1]
+
+
 def default_cuda_graph_sizes(max_size: int = 512) -> list[int]:
     """vLLM's default capture sizes: 1, 2, 4, then every 8 up to 256, then every 16 up to max."""
     sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_size + 1, 16))
@@ -247,7 +258,8 @@ class CostModel:
         self._gemm_rows: Optional[list[float]] = None
         self._gemm_tail = 1.0
         if e.gemm_m_curve:
-            self._gemm_rows = [t * e.gemm_compute / e.gemm_fraction(t) for t in range(int(e.gemm_m_curve[-1][0]) + 1)]
+            curve = e.gemm_m_curve
+            self._gemm_rows = [t * e.gemm_compute / curve_fraction(curve, t) for t in range(int(curve[-1][0]) + 1)]
             self._gemm_tail = e.gemm_compute / e.gemm_m_curve[-1][1]
 
     # -- shape helpers -------------------------------------------------------------------------

@@ -118,11 +118,6 @@ class ServingMetrics:
     def on_arrival(self, request_id: str, prompt_tokens: int, t: Optional[float] = None) -> None:
         self._reqs[request_id] = _ReqTimes(time.monotonic() if t is None else t, prompt_tokens)
 
-    def on_output(self, out: Any, now: float) -> None:
-        """`on_progress` from a cumulative `RequestOutput`."""
-        self.on_progress(out.request_id, sum(len(c.token_ids) for c in out.outputs), out.finished,
-                         [c.finish_reason for c in out.outputs], out.metrics, now)
-
     def on_progress(self, request_id: str, num_tokens: int, finished: bool, finish_reasons: list[Optional[str]],
                     req_metrics: Any, now: float) -> None:
         """A request's state after an engine step: its output tokens so far (all samples), whether it
@@ -131,16 +126,15 @@ class ServingMetrics:
         rt = self._reqs.get(request_id)
         if rt is None:
             return
-        n = num_tokens
-        if n > rt.num_tokens:
+        if num_tokens > rt.num_tokens:
             if rt.first_token is None:
                 rt.first_token = now
                 self.ttft.observe(now - rt.arrival)
             else:
                 self.itl.observe(now - rt.last_token)
             rt.last_token = now
-            self.generation_tokens += n - rt.num_tokens
-            rt.num_tokens = n
+            self.generation_tokens += num_tokens - rt.num_tokens
+            rt.num_tokens = num_tokens
             self._on_predicted_token(rt, req_metrics)
         if finished:
             del self._reqs[request_id]

@@ -90,6 +90,15 @@ def _sim_finish(parent: ParentState, sim_time_s: float) -> None:
         m.predicted_tpot_s = (sim_time_s - m.sim_first_token_time) / (n / samples - 1)
 
 
+def _completion(c: ChildState, text: str, from_char: int = 0, from_token: int = 0) -> CompletionOutput:
+    """A sample's output from its `from_char`-th character and `from_token`-th token on (0, 0: all of it,
+    CUMULATIVE; the delivered counts: DELTA). The lists are new (slices): the caller may extend them."""
+    return CompletionOutput(index=c.index, text=text[from_char:], token_ids=c.detok.token_ids[from_token:],
+                            cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                            logprobs=c.logprobs[from_token:] if c.logprobs is not None else None,
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -197,16 +206,8 @@ class OutputProcessor:
         return ids
 
     def _make_output(self, parent: ParentState) -> RequestOutput:
-        finished = parent.finished
-        completions = [
-            CompletionOutput(index=c.index, text=c.detok.visible_text(c.finish_reason is not None),
-                             token_ids=list(c.detok.token_ids),
-                             cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                             logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for c in parent.children
-        ]
-        return self._request_output(parent, completions, finished)
+        completions = [_completion(c, c.detok.visible_text(c.finish_reason is not None)) for c in parent.children]
+        return self._request_output(parent, completions, parent.finished)
 
     def _make_delta(self, parent: ParentState) -> RequestOutput:
         """What is new since the last output of each sample: text, token ids, logprobs, and its finish
@@ -215,15 +216,11 @@ class OutputProcessor:
         for c in parent.children:
             done = c.finish_reason is not None
             text = c.detok.visible_text(done)
-            ids = c.detok.token_ids
-            if len(text) == c.sent_text and len(ids) == c.sent_tokens and (c.sent_finish or not done):
+            n_ids = len(c.detok.token_ids)
+            if len(text) == c.sent_text and n_ids == c.sent_tokens and (c.sent_finish or not done):
                 continue
-            completions.append(CompletionOutput(
-                index=c.index, text=text[c.sent_text:], token_ids=ids[c.sent_tokens:],
-                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                logprobs=c.logprobs[c.sent_tokens:] if c.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-            c.sent_text, c.sent_tokens, c.sent_finish = len(text), len(ids), done
+            completions.append(_completion(c, text, c.sent_text, c.sent_tokens))
+            c.sent_text, c.sent_tokens, c.sent_finish = len(text), n_ids, done
         return self._request_output(parent, completions, parent.finished)
 
     @staticmethod

@@ -11,7 +11,7 @@ from cmptest_helpers import tiny_config
 import servetwin.experiments.calibrate as calmod
 from servetwin.experiments.cli import main
 from servetwin.sim.coefficients import CostCoefficients
-from servetwin.sim.cost_model import CostModel, StepSummary
+from servetwin.sim.cost_model import CostModel, StepSummary, curve_fraction
 from servetwin.sim.hardware import load_hardware
 from servetwin.sim.model_spec import load_model_spec
 
@@ -138,7 +138,7 @@ def test_calibrate_real_quick_run_and_use_in_experiment(tmp_path):
     assert sorted(int(m) for m in prov["gemm_m_curve"]["seconds"]) == [int(m) for m in ms]
     cm = CostModel(load_model_spec("tiny-llama", dtype="float32"), hw, cuda_graphs=False)
     assert cm.basis([(7, 0, True)])["linear"] == pytest.approx(max(
-        2 * cm.model.num_layers * cm.model.layer_matmul_params * 7 / (hw.peak_flops_fp32 * hw.efficiency.gemm_fraction(7)),
+        2 * cm.model.num_layers * cm.model.layer_matmul_params * 7 / (hw.peak_flops_fp32 * curve_fraction(curve, 7)),
         cm.model.num_layers * cm.model.layer_params * 4 / hw.memory_bandwidth))
     # self-contained: carries the base preset's peaks as well as `base: cpu`
     base = load_hardware("cpu")

@@ -10,7 +10,7 @@ from servetwin.core.engine import messages as m
 from servetwin.core.engine.metrics import ServingMetrics, parse_prometheus_text, sample
 from servetwin.core.outputs import EngineCoreOutput, Logprobs
 from servetwin.core.request import FinishReason
-from servetwin.core.engine.request_output import CompletionOutput, RequestOutput
+from servetwin.core.engine.request_output import RequestMetrics
 from servetwin.core.sampling_params import RequestOutputKind, SamplingParams
 from servetwin.core.engine.toy_tokenizer import ToyTokenizer
 from frontend_utils import run_script
@@ -94,9 +94,9 @@ def test_toy_tokenizer():
     assert text == "user: hi\nassistant:"
 
 
-def _output(rid: str, n_tokens: int, finished: bool, reason=None) -> RequestOutput:
-    return RequestOutput(rid, None, [1, 2, 3], [CompletionOutput(0, "", list(range(n_tokens)),
-                                                                   finish_reason=reason)], finished=finished)
+def _progress(met: ServingMetrics, rid: str, n_tokens: int, finished: bool, now: float, reason=None) -> None:
+    """One sample's state after a step, as the output processor reports it."""
+    met.on_progress(rid, n_tokens, finished, [reason], RequestMetrics(), now)
 
 
 def test_metrics_text_uses_vllm_names_and_counts_latencies():
@@ -104,9 +104,9 @@ def test_metrics_text_uses_vllm_names_and_counts_latencies():
     met.update_engine(m.EngineStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, prefix_cache_queries=64,
                                     prefix_cache_hits=32, num_preemptions=4))
     met.on_arrival("r", 3, t=10.0)
-    met.on_output(_output("r", 1, False), 10.2)   # TTFT 0.2
-    met.on_output(_output("r", 3, False), 10.25)  # ITL 0.05
-    met.on_output(_output("r", 4, True, "length"), 10.3)  # ITL 0.05, E2E 0.3
+    _progress(met, "r", 1, False, 10.2)   # TTFT 0.2
+    _progress(met, "r", 3, False, 10.25)  # ITL 0.05
+    _progress(met, "r", 4, True, 10.3, "length")  # ITL 0.05, E2E 0.3
     met.on_arrival("q", 5, t=11.0)
     met.on_abort("q")
     values = parse_prometheus_text(met.render())

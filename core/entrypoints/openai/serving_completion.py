@@ -128,8 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _completion_stream(self, engine: AsyncLLM, req: CompletionRequest, outputs: AsyncIterator[Any],
                                  request_id: str, created: int, model: str, tok: Any) -> AsyncIterator[bytes]:
         # the outputs are deltas (RequestOutputKind.DELTA): only what is new since the previous chunk
-        started: set[tuple[int, int]] = set()
-        sent_tokens: dict[tuple[int, int], int] = {}
+        sent_tokens: dict[tuple[int, int], int] = {}  # a key is here once its first chunk went out
         text_offset: dict[tuple[int, int], int] = {}
         finished: set[tuple[int, int]] = set()
         prompt_tokens: dict[int, int] = {}
@@ -142,7 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     key = (i, c.index)
                     if key in finished:
                         continue
-                    first = key not in started
+                    first = key not in sent_tokens
                     delta, new_ids = c.text, c.token_ids
                     if first and req.echo:
                         delta = self._echo_text(tok, out) + delta
@@ -156,7 +155,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                                   text_offset.get(key, 0), prefix)
                         if lp["tokens"]:
                             text_offset[key] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                    started.add(key)
                     sent_tokens[key] = sent_tokens.get(key, 0) + len(new_ids)
                     if c.finish_reason is not None:
                         finished.add(key)
