@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,30 @@ import numpy as np
 GROUPS = ("throughput/duration", "TPOT/ITL", "TTFT", "E2E")
 # published metric -> (summary.json key, statistic or None, scale to the published unit)
 _DIST = {"mean": "mean", "p50": "p50", "p99": "p99"}
+
+# Scheduler behaviour of the vLLM version a case was measured on, where it differs from vLLM 0.33's
+# (which core/ implements) and an engine setting expresses it. Applied where neither the case file
+# nor `--set` gives the setting; the case's notes say so.
+VERSION_ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
+    # 0.11 admits a waiting request when its first chunk fits the free blocks; 0.33 only when its whole
+    # prompt does. It matters where the KV pool holds few prompts (32k prompts, a 32B model on 80 GB).
+    "0.11": {"engine.scheduler_reserve_full_isl": False},
+}
+_VERSION = re.compile(r"\bvLLM\s+v?(\d+\.\d+)")
+
+
+def version_settings(engine_version: Any) -> dict[str, Any]:
+    """{dotted key: value} for a published.json `engine_version` such as "vLLM 0.11.0 (V1)"."""
+    m = _VERSION.search(engine_version) if isinstance(engine_version, str) else None
+    return dict(VERSION_ENGINE_SETTINGS.get(m.group(1), {})) if m else {}
+
+
+def _has_dotted(raw: Any, key: str) -> bool:
+    for part in key.split("."):
+        if not isinstance(raw, Mapping) or part not in raw:
+            return False
+        raw = raw[part]
+    return True
 
 
 def metric_group(metric: str) -> str:
@@ -95,20 +120,29 @@ def load_published(case_dir: str | Path) -> tuple[dict[str, Path], dict[str, Any
     return cases, published
 
 
-def run_case(path: Path, hardware: Any = None, overrides: Optional[list[str]] = None) -> tuple[dict[str, Any], list[str]]:
+def run_case(path: Path, hardware: Any = None, overrides: Optional[list[str]] = None,
+             engine_version: Any = None) -> tuple[dict[str, Any], list[str]]:
     """Run one case's sim backend (hardware: a preset name, YAML path or mapping replacing the
-    case's); returns (the sim summary, notes)."""
+    case's; engine_version: published.json's, for `VERSION_ENGINE_SETTINGS`); returns (the sim
+    summary, notes)."""
     from servetwin.experiments.runner import run_experiment  # noqa: PLC0415
-    from servetwin.experiments.schema import ExperimentConfig, load_config  # noqa: PLC0415
+    from servetwin.experiments.schema import ExperimentConfig, load_config, load_yaml, parse_override  # noqa: PLC0415
 
     values: dict[str, Any] = {"backends": ["sim"], "output.plots": False, "output.step_requests": False}
+    given = {parse_override(text)[0] for text in overrides or []}
+    raw = load_yaml(path)
+    notes = []
+    for key, value in version_settings(engine_version).items():
+        if key not in given and not _has_dotted(raw, key):
+            values[key] = value
+            notes.append(f"{key}={json.dumps(value)} (as {engine_version})")
     if hardware is not None:  # a CLI value: a path in it is relative to the working directory
         values["hardware"] = (str(Path(hardware).resolve()) if isinstance(hardware, (str, Path))
                               and Path(hardware).is_file() else hardware)
     exp: ExperimentConfig = load_config(path, overrides=list(overrides or []), values=values)
     with tempfile.TemporaryDirectory(prefix="servetwin-validate-") as out:
         summary = run_experiment(exp, out, progress=False, log=lambda msg: None)
-    return summary["backends"]["sim"], []
+    return summary["backends"]["sim"], notes
 
 
 def validate_cases(case_dir: str | Path, hardware: Any = None, only: Optional[list[str]] = None,
@@ -126,7 +160,7 @@ def validate_cases(case_dir: str | Path, hardware: Any = None, only: Optional[li
         entry = published[name]
         pub = {m: float(v) for m, v in entry["published"].items()}
         try:
-            sim, notes = run_case(path, hardware, overrides)
+            sim, notes = run_case(path, hardware, overrides, entry.get("engine_version"))
         except (ValueError, FileNotFoundError) as e:  # the case cannot run: reported, the others still run
             results.append(CaseResult(name, str(entry.get("source", "")), [(m, v, None) for m, v in pub.items()],
                                       error=str(e)))
@@ -173,4 +207,8 @@ def render_table(results: list[CaseResult], title: str = "Published vLLM vs serv
     lines += [f"| {g} | {_pct(v, signed=False)} |" for g, v in med.items()]
     ran = sum(1 for r in results if not r.error)
     lines += ["", f"cases run: {ran}/{len(results)}"]
+    noted = [r for r in results if r.notes]
+    if noted:
+        lines += ["", "Settings taken from the measured vLLM version (where the case file leaves them):"]
+        lines += [f"- {r.name}: {'; '.join(r.notes)}" for r in noted]
     return "\n".join(lines)

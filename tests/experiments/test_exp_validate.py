@@ -5,7 +5,8 @@ import json
 import pytest
 
 from servetwin.experiments.cli import main
-from servetwin.experiments.published import group_medians, predicted_value, validate_cases
+from servetwin.experiments.published import (group_medians, predicted_value, render_table, validate_cases,
+                                             version_settings)
 
 CASE = """\
 name: tiny_latency
@@ -63,3 +64,51 @@ def test_metric_mapping():
     sim = {"duration_s": 2.0, "request_throughput_s": 3.0, "itl_s": {"p99": 0.04}}
     assert predicted_value("dur_s", sim) == 2.0 and predicted_value("lat_p99_ms", sim) == 2000.0
     assert predicted_value("itl_p99", sim) == pytest.approx(40.0) and predicted_value("req_s", sim) == 3.0
+
+
+GATED_CASE = """\
+name: gated
+seed: 0
+model: llama-3.1-8b
+hardware: h100-sxm
+backends: [sim]
+engine: {max_num_seqs: 4, max_num_batched_tokens: 256, max_model_len: 1280, num_gpu_blocks: 100, block_size: 16%s}
+workload: {requests: 2, prompt_tokens: 1000, output_tokens: 40, arrival: {type: offline}, seed: 0}
+output: {step_requests: false, plots: false}
+"""
+
+
+def _gated_dir(tmp_path, engine_version, extra=""):
+    (tmp_path / "cases").mkdir(parents=True)
+    (tmp_path / "cases" / "gated.yaml").write_text(GATED_CASE % extra)
+    entry = {"source": "made up for the test", "published": {"ttft_mean": 100.0}}
+    if engine_version is not None:
+        entry["engine_version"] = engine_version
+    (tmp_path / "published.json").write_text(json.dumps({"gated": entry}))
+    return tmp_path
+
+
+def test_version_settings_follow_the_measured_vllm_version():
+    assert version_settings("vLLM 0.11.0 (V1)") == {"engine.scheduler_reserve_full_isl": False}
+    assert version_settings("vLLM v0.11.2") == {"engine.scheduler_reserve_full_isl": False}
+    assert version_settings("vLLM 0.33.0") == {}  # the version core/ implements
+    assert version_settings("vLLM performance dashboard (2024, version not shown)") == {}
+    assert version_settings(None) == {}
+
+
+def test_a_case_measured_on_vllm_0_11_runs_without_the_full_prompt_admission_gate(tmp_path):
+    # 2 x 1000-token prompts, 100 blocks of 16: the second prompt's first chunk fits beside the first
+    # request (vLLM 0.11 admits it), its whole prompt does not (0.33 makes it wait): its TTFT differs
+    modern = validate_cases(_gated_dir(tmp_path / "a", None))[0]
+    old = validate_cases(_gated_dir(tmp_path / "b", "vLLM 0.11.0 (V1)"))[0]
+    assert modern.error is None and old.error is None
+    assert not modern.notes
+    assert old.notes == ['engine.scheduler_reserve_full_isl=false (as vLLM 0.11.0 (V1))']
+    assert old.rows[0][2] != modern.rows[0][2]
+    # the case file's own setting and --set win over the version's, without a note
+    explicit = validate_cases(_gated_dir(tmp_path / "c", "vLLM 0.11.0 (V1)", ", scheduler_reserve_full_isl: true"))[0]
+    assert not explicit.notes and explicit.rows[0][2] == modern.rows[0][2]
+    forced = validate_cases(_gated_dir(tmp_path / "d", "vLLM 0.11.0 (V1)"),
+                            overrides=["engine.scheduler_reserve_full_isl=true"])[0]
+    assert not forced.notes and forced.rows[0][2] == modern.rows[0][2]
+    assert "Settings taken from the measured vLLM version" in render_table([old])
