@@ -62,7 +62,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from servetwin.core.config_error import ConfigError
-from servetwin.core.engine.engine_args import EngineArgs, resolve_aliases
+from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, resolve_aliases
 
 __all__ = ["ConfigError", "ExperimentConfig", "EngineConfig", "WorkloadConfig", "OutputConfig", "ParseContext",
            "Section", "SECTIONS", "load_config", "validate_config", "expand_sweep", "SweepPoint"]
@@ -575,6 +575,21 @@ def _check_hardware(exp: ExperimentConfig) -> None:
     load_model_spec(exp.model)
 
 
+def _apply_vllm_batch_defaults(exp: ExperimentConfig) -> None:
+    """`max_num_batched_tokens` / `max_num_seqs` left out of `engine:` take vLLM's defaults for the
+    simulated GPU and the entry point (an API-server front end: `vllm serve`'s, else the offline
+    `LLM`'s), as the run would get from vLLM; config.yaml records the values."""
+    if exp.hardware_spec is None:
+        return
+    given = exp.engine.given
+    filled = apply_batch_defaults({**given, "backend": "sim", "hardware": exp.hardware_spec},
+                                  api_server=exp.frontend.type == "api_server")
+    new = {k: filled[k] for k in ("max_num_batched_tokens", "max_num_seqs") if k in filled and k not in given}
+    if new:
+        exp.engine = EngineConfig(dataclasses.replace(exp.engine.args, **new), {**given, **new})
+        exp.raw["engine"] = dict(exp.engine.given)
+
+
 SIM_ONLY_ENGINE_ARGS = {"quantization": None, "kv_cache_dtype": "auto"}  # name -> the value every backend runs
 
 
@@ -617,6 +632,7 @@ def _check_backend_args(exp: ExperimentConfig) -> None:
 
 
 CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _check_hardware,
+                                                                 _apply_vllm_batch_defaults,
                                                                  _check_engine_semantics, _check_backend_args)
 
 

@@ -85,7 +85,7 @@ def _add_engine_flag(group: Any, flags: list[str], name: str, typ: Any, text: st
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
-    from servetwin.core.engine.engine_args import EngineArgs, resolve_aliases  # noqa: PLC0415
+    from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, resolve_aliases  # noqa: PLC0415
 
     # vLLM's alias names resolved among the flags first (both flags: an error); the config's values are ours
     kwargs = resolve_aliases({k[len("engine_"):]: v for k, v in vars(ns).items()
@@ -106,6 +106,8 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     if backend in ("fake", "sim") and kwargs.get("tokenizer") is None and not kwargs.get("skip_tokenizer_init"):
         kwargs["tokenizer"] = "toy"
     kwargs.update(backend=backend, multiprocess=True)
+    if not base:  # vllm serve's step budget and running cap for the device (an experiment resolved its own)
+        kwargs = apply_batch_defaults(kwargs, api_server=True)
     return EngineArgs.from_kwargs(model=model, **kwargs)
 
 

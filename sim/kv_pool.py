@@ -37,6 +37,7 @@ from servetwin.sim.executor import SimExecutor
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
 
+DEFAULT_HARDWARE = "h100-sxm"  # the simulated device when the engine arguments name none
 NON_TORCH_BYTES_CUDA = 300 * 2**20  # cuBLAS workspace, allocator overheads (vLLM logs 0.1-0.35 GiB at tp 1)
 NON_TORCH_BYTES_PER_RANK = 256 * 2**20  # NCCL / custom all-reduce buffers per extra tensor-parallel rank
 ACT_D_BUFFERS = 13.0  # d-sized activations per token live at the forward's peak (residual, norms, q/k/v, o, ...)
@@ -108,7 +109,7 @@ def build_sim_executor(args: Any):
     `SimExecutor`."""
 
     model = load_model_spec(args.model, dtype=None if args.dtype in (None, "auto") else args.dtype)
-    hw = load_hardware(args.hardware or "h100-sxm")
+    hw = load_hardware(args.hardware or DEFAULT_HARDWARE)
     mnbt = args.max_num_batched_tokens or max(8192, args.max_num_seqs)
     quantization = getattr(args, "quantization", None)
     kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto") or "auto"

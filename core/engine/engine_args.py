@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
-from servetwin.core.engine.executor import NO_BACKENDS, registered_backends
+from servetwin.core.engine.executor import NO_BACKENDS, executor_backend, registered_backends
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 
@@ -26,6 +26,45 @@ def resolve_aliases(kwargs: dict[str, Any]) -> dict[str, Any]:
                 raise ConfigError(alias, f"given together with {name!r}: both name one setting ({alias} is "
                                          f"vLLM's name for {name}); give one of them")
             out[name] = out.pop(alias)
+    return out
+
+
+# vLLM's defaults for the step's token budget and the running cap, by device and entry point
+# (EngineArgs._set_default_args, the same from 0.11 to 0.33): a GPU with at least 70 GiB that is
+# not an A100 gets the large set (an A100 regressed with it, vLLM PR #17885).
+LARGE_GPU_MEMORY_BYTES = 70 * 2**30
+VLLM_BATCH_DEFAULTS = {  # (large GPU, API server) -> (max_num_batched_tokens, max_num_seqs)
+    (True, False): (16384, 1024), (True, True): (8192, 1024),
+    (False, False): (8192, 256), (False, True): (2048, 256),
+}
+
+
+def vllm_default_batch_limits(device_name: str, device_memory_bytes: int, api_server: bool) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that vLLM picks on this GPU when neither is given:
+    `api_server` for `vllm serve`, else the offline `LLM` class."""
+    large = device_memory_bytes >= LARGE_GPU_MEMORY_BYTES and "a100" not in device_name.lower()
+    return VLLM_BATCH_DEFAULTS[(large, bool(api_server))]
+
+
+def apply_batch_defaults(kwargs: dict[str, Any], api_server: bool) -> dict[str, Any]:
+    """Engine keyword arguments with `max_num_batched_tokens` / `max_num_seqs`, where left out, set to
+    what vLLM picks on the backend's device (`ExecutorBackend.batch_defaults`: the simulator's GPU);
+    unchanged where the backend has no such defaults. Without chunked prefill the budget stays
+    EngineArgs' (>= max_model_len, as vLLM's)."""
+    if "max_num_seqs" in kwargs and "max_num_batched_tokens" in kwargs:
+        return kwargs
+    name = kwargs.get("backend", "torch")
+    if name not in registered_backends():
+        return kwargs  # EngineArgs.from_kwargs names the bad backend
+    limits = executor_backend(name).batch_defaults
+    limits = limits(kwargs.get("hardware"), api_server) if limits is not None else None
+    if limits is None:
+        return kwargs
+    tokens, seqs = limits
+    out = dict(kwargs)
+    out.setdefault("max_num_seqs", seqs)
+    if "max_num_batched_tokens" not in out and out.get("enable_chunked_prefill", True):
+        out["max_num_batched_tokens"] = max(tokens, out["max_num_seqs"])
     return out
 
 
@@ -132,8 +171,11 @@ FIELD_HELP: dict[str, str] = {
     "dtype": "weights and activations dtype: auto, float32, bfloat16, float16",
     "seed": "random seed of the sampler",
     "block_size": "tokens per KV-cache block",
-    "max_num_batched_tokens": "token budget of one step (default: max(8192, max_num_seqs) with chunked prefill, else also >= max_model_len)",
-    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one step (default on a simulated GPU: vLLM's for that GPU, 8192 "
+                              "for vllm serve on an H100/H200, 2048 on an A100/L40S; else max(8192, max_num_seqs); "
+                              "without chunked prefill also >= max_model_len)",
+    "max_num_seqs": "most requests running at once (default on a simulated GPU: vLLM's, 1024 on an H100/H200, "
+                    "256 on an A100/L40S; else 128)",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
     "enable_chunked_prefill": "split long prompts over several steps, mixed with decodes",

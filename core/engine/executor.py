@@ -48,11 +48,15 @@ class ExecutorBackend:
     loads without the executor's heavy imports (torch) and `check_args` stays cheap. `check_args(args)`
     (optional) validates the arguments against what the backend knows without loading anything (e.g.
     the model's config on disk) and raises `ConfigError` naming the argument: experiment configs call
-    it when they are parsed, before any model load."""
+    it when they are parsed, before any model load. `batch_defaults(hardware, api_server)` (optional)
+    gives the (max_num_batched_tokens, max_num_seqs) that vLLM would pick on the backend's device for
+    an API server or the offline `LLM` (vLLM's defaults depend on the GPU), or None where the
+    `EngineArgs` defaults stand; `apply_batch_defaults` fills them where the caller left them out."""
     name: str
     executor_class: type | str
     from_engine_args: Callable[["EngineArgs"], ExecutorInfo]
     check_args: Optional[Callable[["EngineArgs"], None]] = None
+    batch_defaults: Optional[Callable[[Any, bool], Optional[tuple[int, int]]]] = None
 
     def load_executor_class(self) -> type:
         if not isinstance(self.executor_class, str):

@@ -13,7 +13,7 @@ import os
 import weakref
 from typing import Any, Optional, Sequence, Union
 
-from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults
 from servetwin.core.engine.core_client import make_client
 from servetwin.core.engine.engine_client import EngineCoreClient, EngineDeadError
 from servetwin.core.engine.input_processor import InputProcessor, PromptType, check_priority
@@ -153,7 +153,9 @@ class LLM:
 
     def __init__(self, model: str = "tiny-llama", backend: str = "torch", **engine_args: Any) -> None:
         engine_args.setdefault("multiprocess", multiprocess_default())
-        self.args = EngineArgs.from_kwargs(model=model, backend=backend, **engine_args)
+        # the offline LLM's step budget and running cap for the backend's device, as vLLM's LLM picks them
+        engine_args = apply_batch_defaults({"backend": backend, **engine_args}, api_server=False)
+        self.args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.llm_engine = LLMEngine(self.args)
         # garbage collection and interpreter exit (weakref.finalize runs atexit too) stop the engine
         self._finalizer = weakref.finalize(self, self.llm_engine.client.shutdown)

@@ -152,3 +152,34 @@ def test_scheduling_policy_is_vllms_name_of_policy(tmp_path):
     # sweeps over vLLM's name work
     points = expand_sweep(validate_config(tiny(sweep={"engine.scheduling_policy": ["fcfs", "priority"]})))
     assert [p.config.engine.args.policy for p in points] == ["fcfs", "priority"]
+
+
+@pytest.mark.parametrize("hardware, frontend, expected", [
+    ("h100-sxm", "offline", (16384, 1024)),  # vLLM's LLM class on a GPU of >= 70 GiB
+    ("h100-sxm", "api_server", (8192, 1024)),  # vllm serve there
+    ("h200", "api_server", (8192, 1024)),
+    ("a100-80g", "offline", (8192, 256)),  # an A100 keeps the small set whatever its memory
+    ("a100-80g", "api_server", (2048, 256)),
+    ("l40s", "api_server", (2048, 256)),  # 44.5 GiB
+])
+def test_gpu_runs_take_vllms_batch_defaults_for_that_gpu(hardware, frontend, expected):
+    exp = validate_config({"model": "llama-3.1-8b", "hardware": hardware, "backends": ["sim"],
+                           "frontend": {"type": frontend},
+                           "workload": {"requests": 2, "prompt_tokens": 16, "output_tokens": 2}})
+    assert (exp.engine.args.max_num_batched_tokens, exp.engine.args.max_num_seqs) == expected
+    # recorded in config.yaml, and what the scheduler runs with
+    assert (exp.raw["engine"]["max_num_batched_tokens"], exp.raw["engine"]["max_num_seqs"]) == expected
+    assert exp.engine_args("sim").scheduler_config(4096).max_num_batched_tokens == expected[0]
+
+
+def test_given_batch_limits_win_and_cpu_runs_keep_servetwins_defaults():
+    work = {"requests": 2, "prompt_tokens": 16, "output_tokens": 2}
+    exp = validate_config({"model": "llama-3.1-8b", "hardware": "a100-80g", "backends": ["sim"],
+                           "engine": {"max_num_seqs": 512}, "workload": work})
+    assert (exp.engine.args.max_num_seqs, exp.engine.args.max_num_batched_tokens) == (512, 8192)  # budget >= seqs
+    exp = validate_config({"model": "llama-3.1-8b", "hardware": "a100-80g", "backends": ["sim"],
+                           "engine": {"max_num_batched_tokens": 4096}, "workload": work})
+    assert (exp.engine.args.max_num_seqs, exp.engine.args.max_num_batched_tokens) == (256, 4096)
+    exp = validate_config({"model": "tiny-llama", "hardware": "cpu", "backends": ["sim"], "workload": work})
+    assert (exp.engine.args.max_num_seqs, exp.engine.args.max_num_batched_tokens) == (128, None)
+    assert "max_num_seqs" not in exp.raw["engine"]

@@ -77,3 +77,19 @@ def test_server_metrics_carry_predicted_latencies():
     ttft_sum = sample(values, "servetwin:predicted_time_to_first_token_seconds_sum")
     assert 2e-3 < ttft_sum < 2.0
     assert sample(values, "servetwin:simulated_time_seconds") > 0
+
+
+def test_the_offline_llm_takes_vllms_batch_defaults_for_the_simulated_gpu():
+    from servetwin.core.engine.engine_args import apply_batch_defaults  # noqa: PLC0415
+
+    llm = LLM("llama-3.1-8b", backend="sim", hardware="a100-80g", multiprocess=False)
+    assert (llm.args.max_num_batched_tokens, llm.args.max_num_seqs) == (8192, 256)  # vLLM's LLM on an A100
+    llm = LLM("llama-3.1-8b", backend="sim", hardware="h100-sxm", max_num_seqs=32, multiprocess=False)
+    assert (llm.args.max_num_batched_tokens, llm.args.max_num_seqs) == (16384, 32)
+    # backends without device defaults, CPU hardware, and given values are left alone
+    assert apply_batch_defaults({"backend": "fake"}, api_server=True) == {"backend": "fake"}
+    assert apply_batch_defaults({"backend": "sim", "hardware": "cpu"}, api_server=True) == {"backend": "sim", "hardware": "cpu"}
+    given = {"backend": "sim", "max_num_seqs": 8, "max_num_batched_tokens": 64}
+    assert apply_batch_defaults(given, api_server=True) == given
+    assert apply_batch_defaults({"backend": "sim", "enable_chunked_prefill": False}, api_server=True) == {
+        "backend": "sim", "enable_chunked_prefill": False, "max_num_seqs": 1024}  # budget >= max_model_len

@@ -32,6 +32,17 @@ def test_engine_arguments_are_mapped_with_vllm_names():
     assert engine_args_from(ns).tokenizer is None
 
 
+def test_serve_on_a_simulated_gpu_takes_vllm_serves_batch_defaults():
+    def limits(*flags: str) -> tuple:
+        args = engine_args_from(build_parser().parse_args(["serve", "--backend", "sim", *flags]))
+        return args.max_num_batched_tokens, args.max_num_seqs
+
+    assert limits() == (8192, 1024)  # the default simulated GPU, an H100 SXM
+    assert limits("--hardware", "a100-80g") == (2048, 256)
+    assert limits("--hardware", "a100-80g", "--max-num-seqs", "64") == (2048, 64)
+    assert limits("--hardware", "cpu") == (None, 128)  # not a GPU: servetwin's own defaults
+
+
 def test_serve_takes_an_experiment_yaml_and_flags_override_it(tmp_path):
     (tmp_path / "hw.yaml").write_text("base: cpu\nname: my-cpu\n")
     cfg = tmp_path / "exp.yaml"
@@ -80,7 +91,8 @@ def test_serve_help_explains_engine_flags_with_vllm_metavars(capsys):
     text = capsys.readouterr().out
     assert "ENGINE_" not in text and "--num-gpu-blocks-override N, --num-gpu-blocks N" in text
     assert "\n  --num-gpu-blocks N" not in text  # one option, two spellings (no second entry)
-    assert "most requests running at once (default: 128)" in text
+    assert "most requests running at once (default on a simulated GPU: vLLM's" in " ".join(text.split())
+    assert "tokens per KV-cache block (default: 16)" in text  # a plain default is appended to the help text
     for spelling in ("--num-gpu-blocks", "--num-gpu-blocks-override"):
         ns = build_parser().parse_args(["serve", "--backend", "fake", spelling, "64", "--scheduling-policy", "priority"])
         args = engine_args_from(ns)
