@@ -207,8 +207,12 @@ def render_table(results: list[CaseResult], title: str = "Published vLLM vs serv
     lines += [f"| {g} | {_pct(v, signed=False)} |" for g, v in med.items()]
     ran = sum(1 for r in results if not r.error)
     lines += ["", f"cases run: {ran}/{len(results)}"]
-    noted = [r for r in results if r.notes]
-    if noted:
+    by_note: dict[str, list[str]] = {}
+    for r in results:
+        for note in r.notes:
+            by_note.setdefault(note, []).append(r.name)
+    if by_note:
         lines += ["", "Settings taken from the measured vLLM version (where the case file leaves them):"]
-        lines += [f"- {r.name}: {'; '.join(r.notes)}" for r in noted]
+        lines += [f"- {note}: {'every case' if len(names) == len(results) else ', '.join(names)}"
+                  for note, names in by_note.items()]
     return "\n".join(lines)
