@@ -16,8 +16,9 @@ from servetwin.core.request import FinishReason
 from servetwin.core.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
 from servetwin.core.sampling_params import RequestOutputKind, SamplingParams
 
-# (parent request id, output tokens so far over all samples, finished, each sample's finish reason,
-# RequestMetrics): what `ServingMetrics.on_progress` takes, for every step that touched the request
+# (parent request id, output tokens so far over all samples, finished, each sample's finish reason (when
+# finished, else empty), RequestMetrics): what `ServingMetrics.on_progress` takes, for every step that
+# touched the request
 ProgressObserver = Callable[[str, int, bool, list, Any], None]
 
 
@@ -182,14 +183,14 @@ class OutputProcessor:
                     _sim_finish(parent, sim_time_s)
             if observe is not None:
                 observe(parent.request_id, parent.num_output_tokens, finished,
-                        [c.finish_reason for c in parent.children], parent.metrics)
+                        [c.finish_reason for c in parent.children] if finished else [], parent.metrics)
             kind = parent.output_kind
             if kind == RequestOutputKind.DELTA:
-                delta = self._make_delta(parent)
+                delta = self._make_delta(parent, finished)
                 if delta.outputs or finished:
                     results.append(delta)
             elif finished or kind != RequestOutputKind.FINAL_ONLY:
-                results.append(self._make_output(parent))
+                results.append(self._make_output(parent, finished))
             if finished:
                 del self.parents[parent.request_id]
         return results, to_abort
@@ -205,11 +206,11 @@ class OutputProcessor:
             self.children.pop(c.request_id, None)
         return ids
 
-    def _make_output(self, parent: ParentState) -> RequestOutput:
+    def _make_output(self, parent: ParentState, finished: bool) -> RequestOutput:
         completions = [_completion(c, c.detok.visible_text(c.finish_reason is not None)) for c in parent.children]
-        return self._request_output(parent, completions, parent.finished)
+        return self._request_output(parent, completions, finished)
 
-    def _make_delta(self, parent: ParentState) -> RequestOutput:
+    def _make_delta(self, parent: ParentState, finished: bool) -> RequestOutput:
         """What is new since the last output of each sample: text, token ids, logprobs, and its finish
         (once). Samples with nothing new are left out; `RequestOutput.add` merges consecutive deltas."""
         completions = []
@@ -221,7 +222,7 @@ class OutputProcessor:
                 continue
             completions.append(_completion(c, text, c.sent_text, c.sent_tokens))
             c.sent_text, c.sent_tokens, c.sent_finish = len(text), n_ids, done
-        return self._request_output(parent, completions, parent.finished)
+        return self._request_output(parent, completions, finished)
 
     @staticmethod
     def _request_output(parent: ParentState, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
