@@ -18,6 +18,7 @@ hardware file written before efficiencies existed gets (its `CostCoefficients` w
 | `attn_prefill_bandwidth`  | prefill attention KV I/O  | fraction of datasheet bandwidth                      |
 | `attn_decode_compute`     | decode attention          | fraction of peak                                     |
 | `attn_decode_bandwidth`   | decode attention KV reads | fraction of datasheet bandwidth (paged, per-request) |
+| `attn_mixed_decode_rows`  | decode rows beside a chunk | query rows each pays per query head (0: none)       |
 | `comm_bandwidth`          | TP all-reduce/all-gather  | NCCL bus bandwidth / link bandwidth                  |
 | `gemm_m_curve`            | dense GEMMs of the layers | measured [M, fraction of peak] points (optional)     |
 
@@ -28,6 +29,14 @@ library's GEMM time is not a smooth function of M (on the 2-vCPU AMD EPYC test m
 fp32: SmolLM2's 30 layers take 22 ms at M = 1, 125 ms at M = 8, 101 ms at M = 10, 142 ms at M = 16 -
 kernels switch with M); a half-saturation size cannot describe that, a measured curve can. The LM head
 keeps the smooth form (its N is the vocabulary, another shape).
+
+`attn_mixed_decode_rows`: a step that carries a prefill chunk runs all its rows through one varlen
+attention call. FlashAttention-2's paged varlen kernel (vLLM's fork, csrc/flash_attn/flash_api.cpp and
+flash_fwd_launch_template.h: paged KV forces the split-KV kernel, kBlockM = 64) then gives each decode
+row a whole 64-row query tile per query head; only a decode-only call (max_seqlen_q == 1) packs a KV
+head's query heads into the tile (`seqlenq_ngroups_swapped`). So beside a chunk a decode row costs
+64 * Hq query rows of attention compute, not one, and on an A100 that is compute-bound. FlashAttention-3
+(Hopper) packs GQA heads for paged KV in every call (`get_pack_gqa`), so the H100/H200 sets keep 0.
 
 `CostCoefficients`: the predicted step time is `sum(c_k * basis_k for k in BASIS_TERMS)`; `basis_k` is
 computed by `servetwin.sim.cost_model.CostModel.basis` and the coefficient of term `k` is the field
@@ -81,6 +90,7 @@ class Efficiency:
     attn_prefill_bandwidth: float = 1.0
     attn_decode_compute: float = 1.0
     attn_decode_bandwidth: float = 1.0
+    attn_mixed_decode_rows: float = 0.0
     comm_bandwidth: float = 1.0
     gemm_m_curve: tuple[tuple[float, float], ...] = ()  # (M, fraction of peak), M ascending
 
@@ -89,7 +99,7 @@ class Efficiency:
             v = getattr(self, f.name)
             if f.name == "gemm_m_curve":
                 self.gemm_m_curve = _m_curve(v, f"efficiency.{f.name}")
-            elif f.name.endswith(("_half_m", "_half_kv")):
+            elif f.name.endswith(("_half_m", "_half_kv", "_rows")):
                 setattr(self, f.name, non_negative(v, f"efficiency.{f.name}"))
             else:
                 setattr(self, f.name, _fraction(v, f"efficiency.{f.name}"))

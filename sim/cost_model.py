@@ -30,6 +30,9 @@ kernels it stands for (they run one after another, so their times add):
                    pairs = sum q*s + (sum q^2 + sum q)/2
     attn_decode  = max(L*4*Hq*dh*sum(s+1) / (Pa*e_d),
                        L*2*Hk*dh*bk*(sum (s+1) - S_dec + n_dec) / (W*u_d))       paged KV reads
+                   beside a chunk (a prefill row in the step) with r = `attn_mixed_decode_rows` > 0, the
+                   compute side is L*4*Hq*dh*r*(sum(s+1) + h_a*n_dec) / (Pa*e_a): one varlen call, each
+                   decode row padded to r query rows per query head (FlashAttention-2: 64)
     attn_shared  = L*2*Hk*dh*bk*(S_dec + S_pre) / (W*u_d)                         shared prefix blocks
     lm_head      = max(2*d*V*(R + h_g)/tp / (P*e_g),  (V*d*bw + R*V*4)/tp / (W*u_g))  sampling rows only
     sampler      = SAMPLER_PASSES*R*V*4 / (W*u_g)                   fp32 passes over the logits
@@ -249,6 +252,8 @@ class CostModel:
             L * 2.0 * hk * dh * bk / wa,  # prefill attention s per KV token read or written
             L * 4.0 * hq * dh / (peak_attn * e.attn_decode_compute),
             L * 2.0 * hk * dh * bk / wd,  # decode attention s per KV token read
+            # decode rows beside a chunk: padded query rows at the varlen kernel's rate
+            L * 4.0 * hq * dh * e.attn_mixed_decode_rows / (peak_attn * e.attn_prefill_compute),
             2.0 * d * V / tp / (peak_gemm * e.gemm_compute),  # LM head s per row
             V * d * bw / tp / wg, V * LOGITS_BYTES / tp / wg,  # LM head weights, logits per row
             SAMPLER_PASSES * V * LOGITS_BYTES / wg,  # sampler per row
@@ -279,8 +284,8 @@ class CostModel:
         """(basis values in `BASIS_TERMS` order, padded tokens): one implementation, used by `basis`
         and `predict`."""
         ipc = 1.0 if self.ipc else 0.0
-        (L, h_g, h_a, tp, lin_flop, lin_bytes, ew, ap_flop, ap_byte, ad_flop, ad_byte, lm_flop, lm_w,
-         lm_row, samp, lat, ar, ag) = self._const
+        (L, h_g, h_a, tp, lin_flop, lin_bytes, ew, ap_flop, ap_byte, ad_flop, ad_byte, ad_mixed_flop,
+         lm_flop, lm_w, lm_row, samp, lat, ar, ag) = self._const
         if st.num_reqs == 0:
             return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
                     1.0 if tp > 1 else 0.0, ipc, 0.0), 0
@@ -299,8 +304,11 @@ class CostModel:
                                ap_byte * (st.prefill_sum_kv - shared_pre + st.prefill_sum_q))
         else:
             attn_prefill = 0.0
-        attn_decode = max(ad_flop * st.decode_sum_kv,
-                          ad_byte * (st.decode_sum_kv - shared_dec + st.decode_reqs))
+        decode_bytes = ad_byte * (st.decode_sum_kv - shared_dec + st.decode_reqs)
+        if st.prefill_reqs and ad_mixed_flop:
+            attn_decode = max(ad_mixed_flop * (st.decode_sum_kv + h_a * st.decode_reqs), decode_bytes)
+        else:
+            attn_decode = max(ad_flop * st.decode_sum_kv, decode_bytes)
         attn_shared = ad_byte * (shared_dec + shared_pre)
         r = st.num_sampling
         if r:

@@ -6,9 +6,11 @@ Two kinds of evidence, kept apart:
 - the published end-to-end vLLM runs under `servetwin validate`'s case directory (H100, vLLM 0.11
   and the 2024 dashboard) fit what no kernel benchmark shows: the engine's CPU time per step and
   per request, the bandwidth fraction decode reaches inside vLLM, the GEMM half-saturation size.
-One set per GPU, transferred across models, lengths and load; nothing is tuned per case. GPUs
-without an end-to-end case (H200, A100, L40S) take the engine's CPU terms from the H100 fit (same
-software on a comparable host) and their efficiencies from their own kernel measurements.
+One set per GPU, transferred across models, lengths and load; nothing is tuned per case. The A100
+set fits its two kernel rates (GEMM, vLLM's paged FlashAttention-2) on one model's published A100
+runs (Qwen3-14B) and is judged on another's (Qwen3-32B). GPUs without an end-to-end case (H200,
+L40S) take the engine's CPU terms from the H100 fit (same software on a comparable host) and their
+efficiencies from their own kernel measurements or stated assumptions.
 """
 from __future__ import annotations
 
@@ -32,6 +34,20 @@ HBM = ("sustained H100 HBM3 bandwidth: 3.02 TB/s device-to-device copy, 3.09 TB/
 E2E = ("fitted on the published vLLM H100 runs (servetwin validate, cases A_latency_llama8b_tp1_h100, "
        "A_throughput_llama8b_tp1_h100, B1_qwen3_8b_h100_sharegpt_c4, B3_qwen3_14b_h100_random_2k, "
        "B5_qwen3_14b_h100_random_128; GPUStack performance lab and vLLM's 2024 performance dashboard)")
+FA2_PAGED = ("vllm-project/flash-attention (the FlashAttention-2 build vLLM runs on sm80/sm89), "
+             "csrc/flash_attn/flash_api.cpp mha_varlen_fwd: a paged-KV call runs the split-KV kernel "
+             "(flash_fwd_launch_template.h run_mha_fwd_splitkv_dispatch: kBlockM = 64, kBlockN = 128 for head "
+             "dim 128); the GQA swap that packs a KV head's query heads into the tile "
+             "(seqlenq_ngroups_swapped) needs max_seqlen_q == 1, i.e. a decode-only call. vLLM V1's "
+             "FlashAttention backend sends a step's chunks and decodes in one varlen call, so beside a chunk "
+             "each decode row pays a 64-row query tile per query head")
+FA3_PACK = ("vllm-project/flash-attention hopper/flash_api.cpp get_pack_gqa: FlashAttention-3 packs GQA heads "
+            "for paged KV without TMA and for every varlen call (should_pack_gqa), so a decode row beside a "
+            "chunk costs what it costs in a decode-only step: 0")
+E2E_A100 = ("fitted on the published vLLM 0.11 A100 80GB runs of Qwen3-14B (GPUStack performance lab, "
+            "qwen3-14b/a100.md: ShareGPT 1000 and random 128/2k/4k/32k; benchmarks/published_cases, "
+            "benchmarks/fit_gpu_presets.py --preset a100-80g): a grid over gemm_compute x "
+            "attn_prefill_compute, optimum 0.80 / 0.50. The same lab's Qwen3-32B A100 runs stay held out")
 ASSUMED_L40S = ("no public MAMF/FlashAttention figure found for L40S: Ada-generation fractions assumed "
                 "(power-limited 350 W part: in-engine matmul ~45% of peak, FlashAttention-2 ~55%)")
 
@@ -61,6 +77,7 @@ _H100_SOURCES = {
     "efficiency.attn_prefill_bandwidth": "as gemm_bandwidth",
     "efficiency.attn_decode_compute": "decode attention is bandwidth-bound for GQA models; placeholder",
     "efficiency.attn_decode_bandwidth": E2E,
+    "efficiency.attn_mixed_decode_rows": FA3_PACK,
     "efficiency.comm_bandwidth": NCCL,
     "coefficients.c_step": E2E, "coefficients.c_req": E2E, "coefficients.c_token": E2E,
     "coefficients.c_layer": "eager launches: ~10 kernels per layer at a few us each (enforce_eager)",
@@ -84,23 +101,28 @@ GPU_CALIBRATION: dict[str, dict[str, Any]] = {
              "provenance": _record({**_H100_SOURCES, "all": "H100's set: same GH100 die and software; only the "
                                     "datasheet bandwidth and memory differ"},
                                    "H100's calibration transferred (same compute die); no H200 end-to-end case")},
-    "a100-80g": {"efficiency": {**_H100_EFF, "gemm_compute": 0.60, "attn_prefill_compute": 0.73,
-                                "attn_prefill_half_kv": 300.0, "comm_bandwidth": 0.80},
+    "a100-80g": {"efficiency": {**_H100_EFF, "gemm_compute": 0.80, "attn_prefill_compute": 0.50,
+                                "attn_prefill_half_kv": 300.0, "attn_mixed_decode_rows": 64.0,
+                                "comm_bandwidth": 0.80},
                  "coefficients": dict(_H100_COEF),
-                 "provenance": _record({**_H100_SOURCES, "efficiency.gemm_compute": (
-                                            f"assumed: A100's isolated-matmul fraction 85.9% ({MAMF}) times "
-                                            f"0.7, the in-engine share assumed closer to it than on H100 (where "
-                                            f"it is 0.48); no A100 end-to-end case to fit it"),
-                                        "efficiency.attn_prefill_compute": FA2,
+                 "provenance": _record({**_H100_SOURCES,
+                                        "efficiency.gemm_compute": f"{E2E_A100}; bounded by {MAMF}",
+                                        "efficiency.attn_prefill_compute": f"{E2E_A100}; below {FA2} (a "
+                                                                           f"128-row, non-paged kernel)",
                                         "efficiency.attn_prefill_half_kv": FA2,
+                                        "efficiency.attn_mixed_decode_rows": FA2_PAGED,
                                         "efficiency.comm_bandwidth": NCCL},
-                                       "A100 kernel measurements; engine CPU terms and decode bandwidth "
-                                       "fractions from the H100 fit")},
-    "l40s": {"efficiency": {**_H100_EFF, "gemm_compute": 0.45, "attn_prefill_compute": 0.55,
-                            "attn_prefill_half_kv": 300.0, "comm_bandwidth": 0.70},
+                                       "A100 kernel measurements and structure + fit on the published vLLM "
+                                       "A100 Qwen3-14B runs; engine CPU terms and decode bandwidth fractions "
+                                       "from the H100 fit")},
+    "l40s": {"efficiency": {**_H100_EFF, "gemm_compute": 0.45, "attn_prefill_compute": 0.38,
+                            "attn_prefill_half_kv": 300.0, "attn_mixed_decode_rows": 64.0, "comm_bandwidth": 0.70},
              "coefficients": dict(_H100_COEF),
              "provenance": _record({**_H100_SOURCES, "efficiency.gemm_compute": ASSUMED_L40S,
-                                    "efficiency.attn_prefill_compute": ASSUMED_L40S,
+                                    "efficiency.attn_prefill_compute": (
+                                        f"{ASSUMED_L40S}, times A100's ratio of vLLM's paged FlashAttention-2 "
+                                        f"kernel to the paper's (0.50 / 0.73): 0.38"),
+                                    "efficiency.attn_mixed_decode_rows": FA2_PAGED,
                                     "efficiency.comm_bandwidth": NCCL},
                                    "assumed Ada fractions (see coefficients); engine CPU terms from the H100 fit")},
 }

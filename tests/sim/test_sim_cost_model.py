@@ -293,6 +293,30 @@ def test_prefill_attention_efficiency_depends_on_keys_per_query():
     assert (pairs_long / long_prefix) > 1.5 * (pairs_short / short)  # a cached prefix runs nearer the peak
 
 
+def test_decode_rows_beside_a_chunk_pay_padded_query_tiles():
+    # FlashAttention-2's paged varlen call: beside a chunk each decode row costs r query rows per
+    # query head at the prefill kernel's rate; a decode-only step keeps its bandwidth-bound price
+    hw = ideal("a100-80g")
+    hw.efficiency = Efficiency(attn_prefill_compute=0.5, attn_prefill_half_kv=300.0, attn_mixed_decode_rows=64.0)
+    cm = CostModel("llama-3.1-8b", hw)
+    plain = CostModel("llama-3.1-8b", ideal("a100-80g"))
+    decodes = [RowShape(1, 3000)] * 10
+    assert cm.basis(decodes)["attn_decode"] == pytest.approx(plain.basis(decodes)["attn_decode"])
+    mixed = cm.basis(decodes + [RowShape(2048, 0)])["attn_decode"]
+    padded = 32 * 4 * 32 * 128 * 64 * (10 * 3001 + 300.0 * 10) / (312e12 * 0.5)  # L*4*Hq*dh*r*(sum kv + h*n)
+    assert mixed == pytest.approx(padded)
+    assert mixed > 3 * plain.basis(decodes + [RowShape(2048, 0)])["attn_decode"]  # compute-bound now
+    with pytest.raises(Exception, match="attn_mixed_decode_rows"):
+        Efficiency(attn_mixed_decode_rows=-1.0)
+
+
+def test_hopper_presets_pack_gqa_heads_beside_a_chunk():
+    # FlashAttention-3 packs a KV head's query heads for paged KV in every call: no padded tiles
+    for name in ("h100-sxm", "h200"):
+        assert load_hardware(name).efficiency.attn_mixed_decode_rows == 0
+    assert load_hardware("a100-80g").efficiency.attn_mixed_decode_rows == 64
+
+
 def test_fp8_weights_and_kv_cache():
     hw = ideal("h100-sxm")
     bf16 = CostModel("llama-3.1-8b", hw)

@@ -28,7 +28,7 @@ def test_gpu_presets_are_calibrated_with_a_source_per_value(name):
     for field in ("c_step", "c_req", "c_token"):
         assert sources.get(f"coefficients.{field}"), field
     # physical fractions of the datasheet, never above it
-    assert all(0 < v <= 1 for k, v in hw.efficiency.to_dict().items() if "half" not in k)
+    assert all(0 < v <= 1 for k, v in hw.efficiency.to_dict().items() if "half" not in k and not k.endswith("_rows"))
 
 
 def test_fp8_peak_where_the_device_has_it():
