@@ -32,6 +32,7 @@ VERSION_ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
     # 0.11 admits a waiting request when its first chunk fits the free blocks; 0.33 only when its whole
     # prompt does. It matters where the KV pool holds few prompts (32k prompts, a 32B model on 80 GB).
     "0.11": {"engine.scheduler_reserve_full_isl": False},
+    "0.9": {"engine.scheduler_reserve_full_isl": False},  # the full-prompt gate came after 0.11
 }
 _VERSION = re.compile(r"\bvLLM\s+v?(\d+\.\d+)")
 
