@@ -13,6 +13,7 @@ hardware file written before efficiencies existed gets (its `CostCoefficients` w
 | `gemm_compute`            | dense GEMMs, LM head      | fraction of dense peak a large GEMM reaches (MAMF)    |
 | `gemm_half_m`             | dense GEMMs, LM head      | token count M at which a GEMM reaches half of it     |
 | `gemm_bandwidth`          | weight streaming, elementwise | fraction of datasheet bandwidth                  |
+| `gemm_fp8_relative`       | fp8 (W8A8) GEMMs          | their fraction of the fp8 peak / `gemm_compute`     |
 | `attn_prefill_compute`    | prefill attention         | fraction of peak at long keys-per-query              |
 | `attn_prefill_half_kv`    | prefill attention         | keys per query at which it reaches half of it        |
 | `attn_prefill_bandwidth`  | prefill attention KV I/O  | fraction of datasheet bandwidth                      |
@@ -85,6 +86,7 @@ class Efficiency:
     gemm_compute: float = 1.0
     gemm_half_m: float = 0.0
     gemm_bandwidth: float = 1.0
+    gemm_fp8_relative: float = 1.0
     attn_prefill_compute: float = 1.0
     attn_prefill_half_kv: float = 0.0
     attn_prefill_bandwidth: float = 1.0

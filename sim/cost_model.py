@@ -8,7 +8,7 @@ Notation (per tensor-parallel rank): L layers, d hidden, V vocab, dh head dim, d
 Hq = ceil(H/tp) query heads, Hk = ceil(H_kv/tp) KV heads, bw = bytes per weight (1 with fp8
 weights), ba = bytes per activation element, bk = bytes per KV element (1 with kv_cache_dtype fp8),
 P = dense peak for the GEMM dtype (the fp8 peak for fp8 weights on a device with fp8 tensor cores,
-else bf16), Pa = the bf16 peak (attention), W = memory bandwidth, Wl = interconnect bandwidth,
+else bf16; fp8 GEMMs reach `gemm_fp8_relative` times the GEMM fraction e_g of it), Pa = the bf16 peak (attention), W = memory bandwidth, Wl = interconnect bandwidth,
 lat = collective latency, M = matmul weights of one layer (q, k, v, o, gate, up, down).
 Rows split by shape into prefill rows (q > 1) and decode rows (q = 1). T = scheduled tokens; T' = T
 padded up to the next CUDA-graph size when graphs are on and the step is decode-only (every q = 1)
@@ -25,6 +25,9 @@ kernels it stands for (they run one after another, so their times add):
 
     linear       = max(2*L*M*(T' + h_g)/tp / (P*e_g),  L*params_layer*bw/tp / (W*u_g))   weights read once
     elementwise  = L*T*ba*(10d + 3*dff/tp + 2*(Hq + 2Hk)*dh) / (W*u_g)  norms, rope, SiLU*up, residuals
+                   + with fp8 GEMMs (W8A8), L*T*5*(2d + Hq*dh + dff/tp) / (W*u_g): each GEMM input is
+                   quantised per step with a dynamic per-tensor scale (a max pass and a quantising
+                   pass over the bf16 input, a 1-byte write)
     attn_prefill = max(L*4*Hq*dh*(pairs + h_a*sum q) / (Pa*e_a),                 causal chunk after prefix
                        L*2*Hk*dh*bk*(sum (s+q) - S_pre + sum q) / (W*u_a))       KV read + KV write
                    pairs = sum q*s + (sum q^2 + sum q)/2
@@ -88,6 +91,7 @@ from servetwin.sim.model_spec import ModelSpec, load_model_spec
 LOGITS_BYTES = 4  # logits are materialised in fp32 for sampling
 SAMPLER_PASSES = 4  # fp32 passes over the logits: temperature, softmax, sample, logprob bookkeeping
 ELEMENTWISE_D = 10  # d-sized reads+writes per token per layer: 2 RMSNorms, 2 residual adds, rope
+FP8_QUANT_BYTES = 5  # per GEMM-input element, dynamic per-tensor fp8: 2-byte max pass + 2-byte read + 1-byte write
 
 
 def curve_fraction(curve: Sequence[tuple[float, float]], m: float) -> float:
@@ -234,7 +238,9 @@ class CostModel:
         self.weight_bytes_per_param, self.kv_bytes_per_element = bw, bk
         L, d, V, dh = m.num_layers, m.hidden_size, m.vocab_size, m.head_dim
         hq, hk = -(-m.num_heads // tp), -(-m.num_kv_heads // tp)
-        peak_gemm = hw.peak_flops("fp8" if self.quantization == "fp8" and hw.has_fp8 else m.dtype)
+        w8a8 = self.quantization == "fp8" and hw.has_fp8  # else W8A16: bf16 GEMMs on 1-byte weights
+        peak_gemm = hw.peak_flops("fp8" if w8a8 else m.dtype) * (e.gemm_fp8_relative if w8a8 else 1.0)
+        quant = FP8_QUANT_BYTES * (2 * d + hq * dh + m.intermediate_size / tp) if w8a8 else 0.0
         peak_attn = hw.peak_flops(m.dtype)
         W = hw.memory_bandwidth
         wg, wa, wd = W * e.gemm_bandwidth, W * e.attn_prefill_bandwidth, W * e.attn_decode_bandwidth
@@ -247,7 +253,7 @@ class CostModel:
             float(L), e.gemm_half_m, e.attn_prefill_half_kv, tp,
             2.0 * L * m.layer_matmul_params / tp / (peak_gemm * e.gemm_compute),  # linear s per token
             L * m.layer_params * bw / tp / wg,  # linear: weights once
-            L * ba * (ELEMENTWISE_D * d + 3 * m.intermediate_size / tp + 2 * (hq + 2 * hk) * dh) / wg,
+            L * (ba * (ELEMENTWISE_D * d + 3 * m.intermediate_size / tp + 2 * (hq + 2 * hk) * dh) + quant) / wg,
             L * 4.0 * hq * dh / (peak_attn * e.attn_prefill_compute),  # prefill attention s per pair
             L * 2.0 * hk * dh * bk / wa,  # prefill attention s per KV token read or written
             L * 4.0 * hq * dh / (peak_attn * e.attn_decode_compute),

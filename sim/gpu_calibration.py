@@ -19,7 +19,10 @@ from typing import Any
 # -- sources (cited by the provenance records below) ------------------------------------------------
 MAMF = ("stas00/ml-engineering, compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS "
         "comparison table' (bf16 torch.matmul, best shape): H100 SXM 792.1 of 989 TFLOPS (80.1%), "
-        "H100/H200 SXM 794.5 (80.3%), A100 SXM 267.9 of 312 (85.9%)")
+        "H100/H200 SXM 794.5 (80.3%), A100 SXM 267.9 of 312 (85.9%); fp8 (float8_e4m3fn, same table, torch 2.7): H100 SXM 1402.6 of 1979 "
+        "(70.9%), H200 SXM 1453.4 (73.4%)")
+MAMF_FP8 = (f"{MAMF}: fp8 GEMMs reach 70.9 / 80.3 = 0.883 of the bf16 fraction on an H100 SXM (H200: "
+            f"73.4 / 80.3 = 0.914); the in-engine fraction is assumed to scale the same way")
 FA3 = ("FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608), forward speed, head dim 128, H100 80GB SXM5, "
        "bf16: 467/565/625/638/646/648 TFLOPS at sequence 512/1k/2k/4k/8k/16k; least-squares fit of "
        "e*x/(x+h) with x = keys per query: e = 0.66, h = 215")
@@ -55,7 +58,7 @@ ASSUMED_L40S = ("no public MAMF/FlashAttention figure found for L40S: Ada-genera
 # gemm_compute 0.3867, gemm_half_m 38.05, gemm_bandwidth 0.80, attn_decode_bandwidth 0.4673,
 # c_step 1.5e-3, c_req 1e-6 (the search's lower bound: per-request CPU is not resolved by these cases).
 _H100_EFF = {
-    "gemm_compute": 0.387, "gemm_half_m": 38.0, "gemm_bandwidth": 0.80,
+    "gemm_compute": 0.387, "gemm_half_m": 38.0, "gemm_bandwidth": 0.80, "gemm_fp8_relative": 0.883,
     "attn_prefill_compute": 0.66, "attn_prefill_half_kv": 215.0, "attn_prefill_bandwidth": 0.80,
     "attn_decode_compute": 0.30, "attn_decode_bandwidth": 0.467, "comm_bandwidth": 0.80,
 }
@@ -72,6 +75,7 @@ _H100_SOURCES = {
                                 f"per kernel by the data"),
     "efficiency.gemm_half_m": f"{E2E}: small-chunk steps of B1 and A_throughput",
     "efficiency.gemm_bandwidth": f"{E2E}; bounded by {HBM}",
+    "efficiency.gemm_fp8_relative": MAMF_FP8,
     "efficiency.attn_prefill_compute": FA3,
     "efficiency.attn_prefill_half_kv": FA3,
     "efficiency.attn_prefill_bandwidth": "as gemm_bandwidth",
@@ -97,16 +101,18 @@ GPU_CALIBRATION: dict[str, dict[str, Any]] = {
     "h100-sxm": {"efficiency": dict(_H100_EFF), "coefficients": dict(_H100_COEF),
                  "provenance": _record(_H100_SOURCES, "per-kernel public measurements + fit on the published "
                                                       "vLLM H100 runs")},
-    "h200": {"efficiency": dict(_H100_EFF), "coefficients": dict(_H100_COEF),
+    "h200": {"efficiency": {**_H100_EFF, "gemm_fp8_relative": 0.914}, "coefficients": dict(_H100_COEF),
              "provenance": _record({**_H100_SOURCES, "all": "H100's set: same GH100 die and software; only the "
                                     "datasheet bandwidth and memory differ"},
                                    "H100's calibration transferred (same compute die); no H200 end-to-end case")},
-    "a100-80g": {"efficiency": {**_H100_EFF, "gemm_compute": 0.80, "attn_prefill_compute": 0.50,
-                                "attn_prefill_half_kv": 300.0, "attn_mixed_decode_rows": 64.0,
+    "a100-80g": {"efficiency": {**_H100_EFF, "gemm_compute": 0.80, "gemm_fp8_relative": 1.0,
+                                "attn_prefill_compute": 0.50, "attn_prefill_half_kv": 300.0, "attn_mixed_decode_rows": 64.0,
                                 "comm_bandwidth": 0.80},
                  "coefficients": dict(_H100_COEF),
                  "provenance": _record({**_H100_SOURCES,
                                         "efficiency.gemm_compute": f"{E2E_A100}; bounded by {MAMF}",
+                                        "efficiency.gemm_fp8_relative": "no fp8 tensor cores: fp8 weights run "
+                                                                        "W8A16 at the bf16 peak, so unused",
                                         "efficiency.attn_prefill_compute": f"{E2E_A100}; below {FA2} (a "
                                                                            f"128-row, non-paged kernel)",
                                         "efficiency.attn_prefill_half_kv": FA2,
@@ -119,6 +125,7 @@ GPU_CALIBRATION: dict[str, dict[str, Any]] = {
                             "attn_prefill_half_kv": 300.0, "attn_mixed_decode_rows": 64.0, "comm_bandwidth": 0.70},
              "coefficients": dict(_H100_COEF),
              "provenance": _record({**_H100_SOURCES, "efficiency.gemm_compute": ASSUMED_L40S,
+                                    "efficiency.gemm_fp8_relative": f"assumed the H100's ({MAMF_FP8})",
                                     "efficiency.attn_prefill_compute": (
                                         f"{ASSUMED_L40S}, times A100's ratio of vLLM's paged FlashAttention-2 "
                                         f"kernel to the paper's (0.50 / 0.73): 0.38"),

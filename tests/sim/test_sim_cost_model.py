@@ -333,6 +333,20 @@ def test_fp8_weights_and_kv_cache():
         CostModel("llama-3.1-8b", hw, kv_cache_dtype="int4")
 
 
+def test_fp8_gemms_reach_a_lower_fraction_and_pay_the_activation_quantisation():
+    hw = ideal("h100-sxm")
+    hw.efficiency = Efficiency(gemm_fp8_relative=0.883)
+    bf16, fp8 = CostModel("llama-3.1-8b", hw), CostModel("llama-3.1-8b", hw, quantization="fp8")
+    prefill = [RowShape(8192, 0)]
+    assert bf16.basis(prefill)["linear"] / fp8.basis(prefill)["linear"] == pytest.approx(2 * 0.883, rel=1e-3)
+    # W8A8: each GEMM input (d for qkv and gate/up, Hq*dh for o, dff for down) quantised, 5 bytes an element
+    extra = 32 * 8192 * 5 * (2 * 4096 + 32 * 128 + 14336) / H100_BW
+    assert fp8.basis(prefill)["elementwise"] - bf16.basis(prefill)["elementwise"] == pytest.approx(extra)
+    a100 = ideal("a100-80g")  # no fp8 tensor cores: W8A16, activations stay bf16
+    assert (CostModel("llama-3.1-8b", a100, quantization="fp8").basis(prefill)["elementwise"]
+            == pytest.approx(CostModel("llama-3.1-8b", a100).basis(prefill)["elementwise"]))
+
+
 def test_calibrated_presets_are_slower_than_the_datasheet():
     rows = [RowShape(1, 1000)] * 8
     ideal_t = CostModel("llama-3.1-8b", ideal("h100-sxm")).predict(rows).duration_s
