@@ -11,10 +11,11 @@ cases whose name contains the string. The per-kernel efficiencies from public me
 fixed (servetwin.sim.gpu_calibration); the parameters searched (`--params`, default: every entry of
 FIT, the H100 set) move coordinate-wise on a log grid - or, with `--grid`, every combination of the
 values given is run once and the best taken (leave-one-out then reuses those runs) - minimising the
-mean over cases of each case's mean |log(predicted / published)| over the figures the GPU side determines (throughput/duration,
-TPOT/ITL, and TTFT where it is queueing-dominated). Figures the API server dominates (a low-load
-TTFT, the 1000-request chat burst) are left to the front-end model. Prints the fitted values, then
-the validation table for the fitted set; `--loo` refits once per left-out case and predicts it.
+mean over cases of each case's mean |log(predicted / published)| over the figures the GPU side
+determines (throughput/duration, TPOT/ITL, and TTFT where it is queueing-dominated). Figures the
+API server dominates (a low-load TTFT, the 1000-request chat burst) are left to the front-end model.
+Prints the fitted values, then the validation table for the fitted set; `--loo` refits once per
+left-out case and predicts it.
 """
 from __future__ import annotations
 
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if grid:
         return main_grid(args, grid, selected, log)
     cal = GPU_CALIBRATION[args.preset]
-    start = {(s, n): float((cal["efficiency"] if s == "efficiency" else cal["coefficients"])[n]) for s, n, _, _ in params}
+    start = {(s, n): float((cal["efficiency"] if s == "efficiency" else cal["coefficients"])[n])
+             for s, n, _, _ in params}
     t0 = time.perf_counter()
     values, best = fit(args.dir, start, selected, args.rounds, log, params, args.preset)
     print_fit("", values, best, t0, evaluate(args.dir, values, selected, args.preset))

@@ -7,9 +7,10 @@ chunk reaches the request's last known token (so the LM head and sampler run for
 Notation (per tensor-parallel rank): L layers, d hidden, V vocab, dh head dim, dff FFN width,
 Hq = ceil(H/tp) query heads, Hk = ceil(H_kv/tp) KV heads, bw = bytes per weight (1 with fp8
 weights), ba = bytes per activation element, bk = bytes per KV element (1 with kv_cache_dtype fp8),
-P = dense peak for the GEMM dtype (the fp8 peak for fp8 weights on a device with fp8 tensor cores,
-else bf16; fp8 GEMMs reach `gemm_fp8_relative` times the GEMM fraction e_g of it), Pa = the bf16 peak (attention), W = memory bandwidth, Wl = interconnect bandwidth,
-lat = collective latency, M = matmul weights of one layer (q, k, v, o, gate, up, down).
+P = dense peak for the layers' GEMM dtype (the fp8 peak for fp8 weights on a device with fp8 tensor
+cores, where they reach `gemm_fp8_relative` times the fraction e_g; else bf16), Pa = the bf16 peak
+(attention and the LM head, which fp8 quantisation leaves in bf16), W = memory bandwidth, Wl =
+interconnect bandwidth, lat = collective latency, M = matmul weights of one layer (q, k, v, o, gate, up, down).
 Rows split by shape into prefill rows (q > 1) and decode rows (q = 1). T = scheduled tokens; T' = T
 padded up to the next CUDA-graph size when graphs are on and the step is decode-only (every q = 1)
 and T fits a graph; R = rows that sample.
@@ -37,7 +38,7 @@ kernels it stands for (they run one after another, so their times add):
                    compute side is L*4*Hq*dh*r*(sum(s+1) + h_a*n_dec) / (Pa*e_a): one varlen call, each
                    decode row padded to r query rows per query head (FlashAttention-2: 64)
     attn_shared  = L*2*Hk*dh*bk*(S_dec + S_pre) / (W*u_d)                         shared prefix blocks
-    lm_head      = max(2*d*V*(R + h_g)/tp / (P*e_g),  (V*d*bw + R*V*4)/tp / (W*u_g))  sampling rows only
+    lm_head      = max(2*d*V*(R + h_g)/tp / (Pa*e_g),  (V*d*ba + R*V*4)/tp / (W*u_g))  sampling rows only
     sampler      = SAMPLER_PASSES*R*V*4 / (W*u_g)                   fp32 passes over the logits
     comm         = 2L*(lat + 2(tp-1)/tp * T'*d*ba / (Wl*u_c))       two ring all-reduces per layer
                    + [R > 0] * (lat + (tp-1)/tp * R*V*ba / (Wl*u_c))  logits all-gather (0 when tp = 1)
@@ -91,7 +92,7 @@ from servetwin.sim.model_spec import ModelSpec, load_model_spec
 LOGITS_BYTES = 4  # logits are materialised in fp32 for sampling
 SAMPLER_PASSES = 4  # fp32 passes over the logits: temperature, softmax, sample, logprob bookkeeping
 ELEMENTWISE_D = 10  # d-sized reads+writes per token per layer: 2 RMSNorms, 2 residual adds, rope
-FP8_QUANT_BYTES = 5  # per GEMM-input element, dynamic per-tensor fp8: 2-byte max pass + 2-byte read + 1-byte write
+FP8_QUANT_BYTES = 5  # per GEMM-input element, dynamic per-tensor fp8: max pass (2) + read (2) + write (1)
 
 
 def curve_fraction(curve: Sequence[tuple[float, float]], m: float) -> float:
@@ -241,7 +242,7 @@ class CostModel:
         w8a8 = self.quantization == "fp8" and hw.has_fp8  # else W8A16: bf16 GEMMs on 1-byte weights
         peak_gemm = hw.peak_flops("fp8" if w8a8 else m.dtype) * (e.gemm_fp8_relative if w8a8 else 1.0)
         quant = FP8_QUANT_BYTES * (2 * d + hq * dh + m.intermediate_size / tp) if w8a8 else 0.0
-        peak_attn = hw.peak_flops(m.dtype)
+        peak_dtype = hw.peak_flops(m.dtype)  # attention and the LM head run in the model dtype
         W = hw.memory_bandwidth
         wg, wa, wd = W * e.gemm_bandwidth, W * e.attn_prefill_bandwidth, W * e.attn_decode_bandwidth
         lat = ar = ag = 0.0
@@ -253,15 +254,17 @@ class CostModel:
             float(L), e.gemm_half_m, e.attn_prefill_half_kv, tp,
             2.0 * L * m.layer_matmul_params / tp / (peak_gemm * e.gemm_compute),  # linear s per token
             L * m.layer_params * bw / tp / wg,  # linear: weights once
-            L * (ba * (ELEMENTWISE_D * d + 3 * m.intermediate_size / tp + 2 * (hq + 2 * hk) * dh) + quant) / wg,
-            L * 4.0 * hq * dh / (peak_attn * e.attn_prefill_compute),  # prefill attention s per pair
+            L * (ba * (ELEMENTWISE_D * d + 3 * m.intermediate_size / tp + 2 * (hq + 2 * hk) * dh)
+                 + quant) / wg,
+            L * 4.0 * hq * dh / (peak_dtype * e.attn_prefill_compute),  # prefill attention s per pair
             L * 2.0 * hk * dh * bk / wa,  # prefill attention s per KV token read or written
-            L * 4.0 * hq * dh / (peak_attn * e.attn_decode_compute),
+            L * 4.0 * hq * dh / (peak_dtype * e.attn_decode_compute),
             L * 2.0 * hk * dh * bk / wd,  # decode attention s per KV token read
             # decode rows beside a chunk: padded query rows at the varlen kernel's rate
-            L * 4.0 * hq * dh * e.attn_mixed_decode_rows / (peak_attn * e.attn_prefill_compute),
-            2.0 * d * V / tp / (peak_gemm * e.gemm_compute),  # LM head s per row
-            V * d * bw / tp / wg, V * LOGITS_BYTES / tp / wg,  # LM head weights, logits per row
+            L * 4.0 * hq * dh * e.attn_mixed_decode_rows / (peak_dtype * e.attn_prefill_compute),
+            # the LM head stays bf16 under fp8 quantisation (vLLM quantises the layers' linear ops only)
+            2.0 * d * V / tp / (peak_dtype * e.gemm_compute),  # LM head s per row
+            V * d * ba / tp / wg, V * LOGITS_BYTES / tp / wg,  # LM head weights, logits per row
             SAMPLER_PASSES * V * LOGITS_BYTES / wg,  # sampler per row
             lat, ar, ag)
         # a measured GEMM curve (`Efficiency.gemm_m_curve`): the rows the linear term charges at T tokens,

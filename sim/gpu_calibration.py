@@ -19,8 +19,8 @@ from typing import Any
 # -- sources (cited by the provenance records below) ------------------------------------------------
 MAMF = ("stas00/ml-engineering, compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS "
         "comparison table' (bf16 torch.matmul, best shape): H100 SXM 792.1 of 989 TFLOPS (80.1%), "
-        "H100/H200 SXM 794.5 (80.3%), A100 SXM 267.9 of 312 (85.9%); fp8 (float8_e4m3fn, same table, torch 2.7): H100 SXM 1402.6 of 1979 "
-        "(70.9%), H200 SXM 1453.4 (73.4%)")
+        "H100/H200 SXM 794.5 (80.3%), A100 SXM 267.9 of 312 (85.9%); fp8 (float8_e4m3fn, same table, "
+        "torch 2.7): H100 SXM 1402.6 of 1979 (70.9%), H200 SXM 1453.4 (73.4%)")
 MAMF_FP8 = (f"{MAMF}: fp8 GEMMs reach 70.9 / 80.3 = 0.883 of the bf16 fraction on an H100 SXM (H200: "
             f"73.4 / 80.3 = 0.914); the in-engine fraction is assumed to scale the same way")
 FA3 = ("FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608), forward speed, head dim 128, H100 80GB SXM5, "
@@ -106,8 +106,8 @@ GPU_CALIBRATION: dict[str, dict[str, Any]] = {
                                     "datasheet bandwidth and memory differ"},
                                    "H100's calibration transferred (same compute die); no H200 end-to-end case")},
     "a100-80g": {"efficiency": {**_H100_EFF, "gemm_compute": 0.80, "gemm_fp8_relative": 1.0,
-                                "attn_prefill_compute": 0.50, "attn_prefill_half_kv": 300.0, "attn_mixed_decode_rows": 64.0,
-                                "comm_bandwidth": 0.80},
+                                "attn_prefill_compute": 0.50, "attn_prefill_half_kv": 300.0,
+                                "attn_mixed_decode_rows": 64.0, "comm_bandwidth": 0.80},
                  "coefficients": dict(_H100_COEF),
                  "provenance": _record({**_H100_SOURCES,
                                         "efficiency.gemm_compute": f"{E2E_A100}; bounded by {MAMF}",

@@ -342,6 +342,9 @@ def test_fp8_gemms_reach_a_lower_fraction_and_pay_the_activation_quantisation():
     # W8A8: each GEMM input (d for qkv and gate/up, Hq*dh for o, dff for down) quantised, 5 bytes an element
     extra = 32 * 8192 * 5 * (2 * 4096 + 32 * 128 + 14336) / H100_BW
     assert fp8.basis(prefill)["elementwise"] - bf16.basis(prefill)["elementwise"] == pytest.approx(extra)
+    decode = [RowShape(1, 500)] * 4  # the LM head is not quantised: same bf16 weights and peak
+    assert fp8.basis(decode)["lm_head"] == pytest.approx(bf16.basis(decode)["lm_head"])
+    assert fp8.basis(prefill)["lm_head"] == pytest.approx(bf16.basis(prefill)["lm_head"])
     a100 = ideal("a100-80g")  # no fp8 tensor cores: W8A16, activations stay bf16
     assert (CostModel("llama-3.1-8b", a100, quantization="fp8").basis(prefill)["elementwise"]
             == pytest.approx(CostModel("llama-3.1-8b", a100).basis(prefill)["elementwise"]))
