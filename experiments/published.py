@@ -25,22 +25,29 @@ GROUPS = ("throughput/duration", "TPOT/ITL", "TTFT", "E2E")
 # published metric -> (summary.json key, statistic or None, scale to the published unit)
 _DIST = {"mean": "mean", "p50": "p50", "p99": "p99"}
 
-# Scheduler behaviour of the vLLM version a case was measured on, where it differs from vLLM 0.33's
-# (which core/ implements) and an engine setting expresses it. Applied where neither the case file
-# nor `--set` gives the setting; the case's notes say so.
-VERSION_ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
-    # 0.11 admits a waiting request when its first chunk fits the free blocks; 0.33 only when its whole
-    # prompt does. It matters where the KV pool holds few prompts (32k prompts, a 32B model on 80 GB).
-    "0.11": {"engine.scheduler_reserve_full_isl": False},
-    "0.9": {"engine.scheduler_reserve_full_isl": False},  # the full-prompt gate came after 0.11
-}
-_VERSION = re.compile(r"\bvLLM\s+v?(\d+\.\d+)")
+# Scheduler behaviour of the vLLM versions a case may be measured on, where it differs from vLLM
+# 0.33's (which core/ implements) and an engine setting expresses it: (newest version it applies to,
+# settings). Applied where neither the case file nor `--set` gives the setting; the case's notes say so.
+VERSION_ENGINE_SETTINGS: tuple[tuple[tuple[int, int], dict[str, Any]], ...] = (
+    # up to 0.11 a waiting request is admitted when its first chunk fits the free blocks; 0.33 admits it
+    # only when its whole prompt does. It matters where the KV pool holds few prompts (32k prompts, a
+    # 32B model on 80 GB).
+    ((0, 11), {"engine.scheduler_reserve_full_isl": False}),
+)
+_VERSION = re.compile(r"\bvLLM\s+v?(\d+)\.(\d+)")
 
 
 def version_settings(engine_version: Any) -> dict[str, Any]:
     """{dotted key: value} for a published.json `engine_version` such as "vLLM 0.11.0 (V1)"."""
     m = _VERSION.search(engine_version) if isinstance(engine_version, str) else None
-    return dict(VERSION_ENGINE_SETTINGS.get(m.group(1), {})) if m else {}
+    if m is None:
+        return {}
+    version = (int(m.group(1)), int(m.group(2)))
+    out: dict[str, Any] = {}
+    for newest, settings in VERSION_ENGINE_SETTINGS:
+        if version <= newest:
+            out.update(settings)
+    return out
 
 
 def _has_dotted(raw: Any, key: str) -> bool:

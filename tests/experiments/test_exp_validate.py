@@ -92,6 +92,8 @@ def test_version_settings_follow_the_measured_vllm_version():
     assert version_settings("vLLM 0.11.0 (V1)") == {"engine.scheduler_reserve_full_isl": False}
     assert version_settings("vLLM v0.11.2") == {"engine.scheduler_reserve_full_isl": False}
     assert version_settings("vLLM 0.9.2 (V1)") == {"engine.scheduler_reserve_full_isl": False}  # older still
+    assert version_settings("vLLM 0.10.1") == {"engine.scheduler_reserve_full_isl": False}
+    assert version_settings("vLLM 0.12.0") == {}  # newer than any version the settings are known for
     assert version_settings("vLLM 0.33.0") == {}  # the version core/ implements
     assert version_settings("vLLM performance dashboard (2024, version not shown)") == {}
     assert version_settings(None) == {}
