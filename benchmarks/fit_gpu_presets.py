@@ -57,11 +57,9 @@ def hardware_mapping(values: dict[tuple[str, str], float], preset: str = "h100-s
     return {"base": preset, "efficiency": eff, "coefficients": coef}
 
 
-def loss(results, exclude=()) -> float:
+def loss(results) -> float:
     per_case = []
     for r in results:
-        if r.name in exclude:
-            continue
         skip = FRONTEND_BOUND.get(r.name)
         if skip == "all":
             continue
@@ -116,12 +114,12 @@ def grid_best(table, names):
     return min(table, key=lambda point: loss([table[point][n] for n in names]))
 
 
-def parse_params(p, spec):
+def parse_params(p, spec, flag="--params"):
     known = {entry[1]: entry for entry in FIT + EXTRA}
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
-        p.error(f"--params: unknown parameter {unknown[0]!r} (known: {', '.join(known)})")
+        p.error(f"{flag}: unknown parameter {unknown[0]!r} (known: {', '.join(known)})")
     return [known[n] for n in names]
 
 
@@ -129,7 +127,10 @@ def parse_grid(p, specs):
     grid = {}
     for spec in specs:
         name, _, values = spec.partition("=")
-        (section, _, lo, hi), = parse_params(p, name)
+        entries = parse_params(p, name, "--grid")
+        if len(entries) != 1:
+            p.error(f"--grid {spec!r}: one parameter per --grid, e.g. gemm_compute=0.7,0.8")
+        (section, _, lo, hi), = entries
         try:
             points = [float(v) for v in values.split(",")]
         except ValueError:

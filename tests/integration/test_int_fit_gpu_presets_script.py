@@ -53,7 +53,13 @@ def test_grid_values_are_checked(tmp_path, capsys):
     assert "must lie in" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         fit.main([str(tmp_path), "--params", "no_such_parameter"])
-    assert "unknown parameter 'no_such_parameter'" in capsys.readouterr().err
+    assert "--params: unknown parameter 'no_such_parameter'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fit.main([str(tmp_path), "--grid", "no_such_parameter=0.5"])
+    assert "--grid: unknown parameter 'no_such_parameter'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fit.main([str(tmp_path), "--grid", "gemm_compute,c_step=0.5"])
+    assert "one parameter per --grid" in capsys.readouterr().err
 
 
 def test_coordinate_search_moves_toward_the_generating_point(tmp_path, capsys):
