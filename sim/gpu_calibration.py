@@ -39,8 +39,8 @@ E2E = ("fitted on the published vLLM H100 runs (servetwin validate, cases A_late
        "B5_qwen3_14b_h100_random_128; GPUStack performance lab and vLLM's 2024 performance dashboard)")
 FA2_PAGED = ("vllm-project/flash-attention (the FlashAttention-2 build vLLM runs on sm80/sm89), "
              "csrc/flash_attn/flash_api.cpp mha_varlen_fwd: a paged-KV call runs the split-KV kernel "
-             "(flash_fwd_launch_template.h run_mha_fwd_splitkv_dispatch: kBlockM = 64, kBlockN = 128 for head "
-             "dim 128); the GQA swap that packs a KV head's query heads into the tile "
+             "(flash_fwd_launch_template.h run_mha_fwd_splitkv_dispatch and its num_splits == 1 variant "
+             "run_mha_fwd_splitkv_align: kBlockM = 64 in both); the GQA swap that packs a KV head's query heads into the tile "
              "(seqlenq_ngroups_swapped) needs max_seqlen_q == 1, i.e. a decode-only call. vLLM V1's "
              "FlashAttention backend sends a step's chunks and decodes in one varlen call, so beside a chunk "
              "each decode row pays a 64-row query tile per query head")

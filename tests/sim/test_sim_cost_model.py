@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from servetwin.core.engine.runner_state import RunnerState
 from servetwin.sim.coefficients import BASIS_TERMS, CostCoefficients
@@ -306,7 +307,7 @@ def test_decode_rows_beside_a_chunk_pay_padded_query_tiles():
     padded = 32 * 4 * 32 * 128 * 64 * (10 * 3001 + 300.0 * 10) / (312e12 * 0.5)  # L*4*Hq*dh*r*(sum kv + h*n)
     assert mixed == pytest.approx(padded)
     assert mixed > 3 * plain.basis(decodes + [RowShape(2048, 0)])["attn_decode"]  # compute-bound now
-    with pytest.raises(Exception, match="attn_mixed_decode_rows"):
+    with pytest.raises(ConfigError, match="attn_mixed_decode_rows"):
         Efficiency(attn_mixed_decode_rows=-1.0)
 
 
@@ -393,8 +394,6 @@ def test_a_gemm_curve_sets_the_linear_term_at_every_token_count_dips_included():
     ([[4, 0.5], [2, 0.6]], "hardware.efficiency.gemm_m_curve[1][0]", "M must increase"),
 ])
 def test_a_bad_gemm_curve_names_the_point(curve, path, message):
-    from servetwin.core.config_error import ConfigError
-
     with pytest.raises(ConfigError) as info:
         _curve_hw(curve)
     assert info.value.path == path and message in info.value.message
