@@ -53,7 +53,7 @@ def apply_batch_defaults(kwargs: dict[str, Any], api_server: bool) -> dict[str, 
     EngineArgs' (>= max_model_len, as vLLM's)."""
     if "max_num_seqs" in kwargs and "max_num_batched_tokens" in kwargs:
         return kwargs
-    name = kwargs.get("backend", "torch")
+    name = kwargs.get("backend", next(f.default for f in fields(EngineArgs) if f.name == "backend"))
     if name not in registered_backends():
         return kwargs  # EngineArgs.from_kwargs names the bad backend
     limits = executor_backend(name).batch_defaults
