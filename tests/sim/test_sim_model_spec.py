@@ -70,7 +70,7 @@ def test_from_hf_config_defaults_and_qwen2_bias():
 
 def test_unsupported_model_type_and_missing_field_errors():
     with pytest.raises(ValueError, match="model.model_type"):
-        ModelSpec.from_hf_config({"model_type": "mixtral"})
+        ModelSpec.from_hf_config({"model_type": "falcon"})
     with pytest.raises(ValueError, match="model.vocab_size"):
         ModelSpec.from_hf_config({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
                                   "num_attention_heads": 4, "intermediate_size": 128})
