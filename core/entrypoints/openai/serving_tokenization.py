@@ -10,13 +10,12 @@ vLLM's benchmark client (`vllm bench serve`) asks /tokenize to align prompt leng
 from __future__ import annotations
 
 from importlib import metadata
-from typing import Any
+from typing import Any, Optional
 
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 from servetwin.core.entrypoints.openai.protocol import (APIError, DetokenizeRequest, TokenizeChatRequest,
-                                                        TokenizeCompletionRequest, bad_request_from_validation)
+                                                        TokenizeCompletionRequest)
 from servetwin.core.entrypoints.openai.serving_chat import render_chat
 from servetwin.core.entrypoints.openai.serving_engine import OpenAIServing
 
@@ -29,47 +28,54 @@ def servetwin_version() -> str:
 
 
 class OpenAIServingTokenization(OpenAIServing):
+    """Both routes tokenise / detokenise in the tokenizer thread (a 4 MB text takes seconds of CPU), so the
+    event loop keeps answering. They are not behind `--api-key`, as in vLLM (its key guards `/v1/*`
+    only): they cost the caller a request each, like `/health`, and reveal nothing but the tokenizer."""
+
     def _tokenizer(self, engine: Any, field: str) -> Any:
         tok = engine.get_tokenizer()
         if tok is None:
             raise APIError(f"{field}: this server has no tokenizer (started with skip_tokenizer_init)", field)
         return tok
 
-    async def tokenize(self, raw: dict[str, Any]) -> JSONResponse:
+    async def tokenize(self, raw: dict[str, Any], large: bool = False) -> JSONResponse:
         engine = self.state.ready_engine()
         schema = TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest
-        try:
-            req = schema.model_validate(raw)
-        except ValidationError as e:
-            raise bad_request_from_validation(e) from None
+        req = await self._parse(schema, raw, large)  # lone surrogates: a 400 naming the field
         self._check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             tok = self._tokenizer(engine, "messages")
             if req.continue_final_message and req.add_generation_prompt:
                 raise APIError("continue_final_message: cannot be true together with add_generation_prompt",
                                "continue_final_message")
-            text, ids = render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message)
-            if req.add_special_tokens:
-                ids = list(tok.encode(text, add_special_tokens=True))
         else:
             tok = self._tokenizer(engine, "prompt")
-            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                                "token_strs": None}
-        if req.return_token_strs:
-            body["token_strs"] = list(tok.convert_ids_to_tokens(ids))
-        return JSONResponse(body)
+        ids, strs = await self.state.run_cpu(_tokenize, tok, req)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                             "token_strs": strs})
 
-    async def detokenize(self, raw: dict[str, Any]) -> JSONResponse:
+    async def detokenize(self, raw: dict[str, Any], large: bool = False) -> JSONResponse:
         engine = self.state.ready_engine()
-        try:
-            req = DetokenizeRequest.model_validate(raw)
-        except ValidationError as e:
-            raise bad_request_from_validation(e) from None
+        req = await self._parse(DetokenizeRequest, raw, large)
         self._check_model(req.model)
         tok = self._tokenizer(engine, "tokens")
         vocab = engine.input_processor.vocab_size or (len(tok) if hasattr(tok, "__len__") else None)
-        bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            raise APIError(f"tokens: token id {bad[0]} is out of vocabulary (size {vocab})", "tokens")
-        return JSONResponse({"prompt": tok.decode(req.tokens)})
+        return JSONResponse({"prompt": await self.state.run_cpu(_detokenize, tok, req.tokens, vocab)})
+
+
+def _tokenize(tok: Any, req: Any) -> tuple[list[int], Optional[list[str]]]:
+    """(ids, token strings or None) of a /tokenize request; runs in the tokenizer thread."""
+    if isinstance(req, TokenizeChatRequest):
+        text, ids = render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message)
+        if req.add_special_tokens:
+            ids = list(tok.encode(text, add_special_tokens=True))
+    else:
+        ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    return ids, list(tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+
+
+def _detokenize(tok: Any, tokens: list[int], vocab: Optional[int]) -> str:
+    bad = next((t for t in tokens if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        raise APIError(f"tokens: token id {bad} is out of vocabulary (size {vocab})", "tokens")
+    return tok.decode(tokens)
