@@ -59,6 +59,10 @@ def _completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[di
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, raw: dict[str, Any], large: bool, request: Request) -> Response:
         engine = self.state.ready_engine()
+        prompt = raw.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            # before validation: pydantic holds the GIL for its whole pass over 10^5 prompts, even in a thread
+            check_seqs_per_request(len(prompt), 1, self.state.limits.max_seqs_per_request)
         req = await self._parse(CompletionRequest, raw, large)
         self._check_model(req.model)
         if req.suffix is not None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Any, Optional
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from servetwin.core.entrypoints.openai.protocol import (APIError, DetokenizeRequest, TokenizeChatRequest,
                                                         TokenizeCompletionRequest)
 from servetwin.core.entrypoints.openai.serving_chat import render_chat
-from servetwin.core.entrypoints.openai.serving_engine import OpenAIServing
+from servetwin.core.entrypoints.openai.serving_engine import OpenAIServing, json_encoder
 
 
 def servetwin_version() -> str:
@@ -38,7 +38,7 @@ class OpenAIServingTokenization(OpenAIServing):
             raise APIError(f"{field}: this server has no tokenizer (started with skip_tokenizer_init)", field)
         return tok
 
-    async def tokenize(self, raw: dict[str, Any], large: bool = False) -> JSONResponse:
+    async def tokenize(self, raw: dict[str, Any], large: bool = False) -> Response:
         engine = self.state.ready_engine()
         schema = TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest
         req = await self._parse(schema, raw, large)  # lone surrogates: a 400 naming the field
@@ -50,32 +50,33 @@ class OpenAIServingTokenization(OpenAIServing):
                                "continue_final_message")
         else:
             tok = self._tokenizer(engine, "prompt")
-        ids, strs = await self.state.run_cpu(_tokenize, tok, req)
-        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                             "token_strs": strs})
+        return Response(await self.state.run_cpu(_tokenize, tok, req, engine.max_model_len),
+                        media_type="application/json")
 
-    async def detokenize(self, raw: dict[str, Any], large: bool = False) -> JSONResponse:
+    async def detokenize(self, raw: dict[str, Any], large: bool = False) -> Response:
         engine = self.state.ready_engine()
         req = await self._parse(DetokenizeRequest, raw, large)
         self._check_model(req.model)
         tok = self._tokenizer(engine, "tokens")
         vocab = engine.input_processor.vocab_size or (len(tok) if hasattr(tok, "__len__") else None)
-        return JSONResponse({"prompt": await self.state.run_cpu(_detokenize, tok, req.tokens, vocab)})
+        return Response(await self.state.run_cpu(_detokenize, tok, req.tokens, vocab), media_type="application/json")
 
 
-def _tokenize(tok: Any, req: Any) -> tuple[list[int], Optional[list[str]]]:
-    """(ids, token strings or None) of a /tokenize request; runs in the tokenizer thread."""
+def _tokenize(tok: Any, req: Any, max_model_len: int) -> bytes:
+    """The /tokenize answer, encoded: runs in the tokenizer thread (encoding 10^6 ids as JSON on the
+    loop would stall it as much as tokenising)."""
     if isinstance(req, TokenizeChatRequest):
         text, ids = render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message)
         if req.add_special_tokens:
             ids = list(tok.encode(text, add_special_tokens=True))
     else:
         ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-    return ids, list(tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+    strs = list(tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+    return json_encoder.encode({"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs})
 
 
-def _detokenize(tok: Any, tokens: list[int], vocab: Optional[int]) -> str:
+def _detokenize(tok: Any, tokens: list[int], vocab: Optional[int]) -> bytes:
     bad = next((t for t in tokens if t < 0 or (vocab is not None and t >= vocab)), None)
     if bad is not None:
         raise APIError(f"tokens: token id {bad} is out of vocabulary (size {vocab})", "tokens")
-    return tok.decode(tokens)
+    return json_encoder.encode({"prompt": tok.decode(tokens)})
