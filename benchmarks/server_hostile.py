@@ -259,7 +259,8 @@ def _bomb(key: str) -> str:
 
 def cli_cases(d: Path) -> list[tuple[str, list[str], str]]:
     """(name, argv after `servetwin`, text the error must contain)."""
-    base = "model: tiny-llama\nbackends: [sim]\nworkload: {requests: 4, prompt_len: 8, output_len: 4}\n"
+    base = ("model: tiny-llama\nbackends: [sim]\nhardware: cpu\nworkload: {requests: 4, prompt_tokens: {type: fixed, "
+            "value: 8}, output_tokens: {type: fixed, value: 4}}\n")
 
     def cfg(name: str, text: str) -> str:
         p = d / f"{name}.yaml"
@@ -295,11 +296,11 @@ def cli_cases(d: Path) -> list[tuple[str, list[str], str]]:
         ("11 YAML int of 5000 digits", ["run", cfg("digits", base + "seed: " + "9" * 5000 + "\n"), "-o", out],
          "config"),
         ("11 non-UTF-8 YAML", ["run", cfg("latin1", b"model: caf\xe9\n"), "-o", out], "not UTF-8"),
-        ("11 model: /etc/passwd", ["run", cfg("passwd", "model: /etc/passwd\nbackends: [sim]\n"), "-o", out],
+        ("11 model: /etc/passwd", ["run", cfg("passwd", base.replace("tiny-llama", "/etc/passwd")), "-o", out],
          "model"),
-        ("11 model: /proc/self/mem", ["run", cfg("procmem", "model: /proc/self/mem\nbackends: [sim]\n"), "-o", out],
+        ("11 model: /proc/self/mem", ["run", cfg("procmem", base.replace("tiny-llama", "/proc/self/mem")), "-o", out],
          "model"),
-        ("9  model: 3 GiB config.json", ["run", cfg("bigcfg", f"model: {big_config}\nbackends: [sim]\n"), "-o", out],
+        ("9  model: 3 GiB config.json", ["run", cfg("bigcfg", base.replace("tiny-llama", str(big_config))), "-o", out],
          "model"),
         ("9  3 GiB trace file", ["run", with_trace("bigtrace", big_trace), "-o", out], "workload.arrival.path"),
         ("9  mooncake input_length 1e10", ["run", with_trace("moon", trace("moon.jsonl", json.dumps(

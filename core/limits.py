@@ -84,11 +84,22 @@ def decode_utf8(data: bytes, path: Any, where: str) -> str:
                                  "file?)") from None
 
 
-def load_json_text(text: str, path: Any, where: str, limit: int = MAX_NESTING_DEPTH) -> Any:
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        shown = dup if len(dup) <= 60 else dup[:57] + "..."
+        raise ValueError(f"duplicate key {shown!r}")
+    return out
+
+
+def load_json_text(text: str, path: Any, where: str, limit: int = MAX_NESTING_DEPTH, unique_keys: bool = False) -> Any:
     """`json.loads` for untrusted text: nesting, huge integers and syntax errors are `ConfigError`s at
-    `where` that name `path` and the position, never the text itself."""
+    `where` that name `path` and the position, never the text itself. `unique_keys`: a key given twice
+    in one object is an error (json keeps the last one silently)."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys if unique_keys else None)
     except RecursionError:
         raise ConfigError(where, f"{path} is nested more than {limit} levels deep") from None
     except json.JSONDecodeError as e:
@@ -100,8 +111,9 @@ def load_json_text(text: str, path: Any, where: str, limit: int = MAX_NESTING_DE
     return value
 
 
-def load_json_file(path: str | os.PathLike, where: str, max_bytes: int = MAX_CONFIG_FILE_BYTES) -> Any:
-    return load_json_text(read_text(path, where, max_bytes), path, where)
+def load_json_file(path: str | os.PathLike, where: str, max_bytes: int = MAX_CONFIG_FILE_BYTES,
+                   unique_keys: bool = False) -> Any:
+    return load_json_text(read_text(path, where, max_bytes), path, where, unique_keys=unique_keys)
 
 
 def _short(e: BaseException, limit: int = 120) -> str:
@@ -115,7 +127,7 @@ def check_tokens(value: int, where: str, limit: Optional[int] = None) -> int:
     size is built."""
     limit = MAX_TOKENS_PER_REQUEST if limit is None else limit
     if value > limit:
-        raise ConfigError(where, f"{value} tokens is more than the limit of {limit}")
+        raise ConfigError(where, f"{int(value)} tokens is more than the limit of {limit}")
     return value
 
 
