@@ -104,8 +104,9 @@ def load_json_text(text: str, path: Any, where: str, limit: int = MAX_NESTING_DE
         raise ConfigError(where, f"{path} is nested more than {limit} levels deep") from None
     except json.JSONDecodeError as e:
         raise ConfigError(where, f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except ValueError as e:  # e.g. an integer over sys.get_int_max_str_digits() digits
-        raise ConfigError(where, f"{path} is not valid JSON ({_short(e)})") from None
+    except ValueError as e:  # an integer over sys.get_int_max_str_digits() digits, a duplicate key
+        text = "an integer of too many digits" if "digits" in str(e) else _short(e)
+        raise ConfigError(where, f"{path} is not valid JSON ({text})") from None
     if nesting_depth(value, limit) > limit:
         raise ConfigError(where, f"{path} is nested more than {limit} levels deep")
     return value
