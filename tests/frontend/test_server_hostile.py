@@ -152,7 +152,7 @@ def test_oversized_and_too_many_headers_get_431(server):
 @pytest.mark.parametrize("partial", [
     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n",  # headers never end
     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{",
-])
+], ids=["slow-headers", "slow-body"])
 def test_slow_clients_are_dropped_at_the_read_timeout(server, partial):
     status, answer, took = raw(server, partial, timeout=READ_TIMEOUT_S + 10)
     assert status == 408 and took < READ_TIMEOUT_S + 5, (answer[:200], took)
