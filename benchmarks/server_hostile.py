@@ -18,7 +18,7 @@ Part 2, the command line: every hostile file case of issue 27 (items 2, 9, 10, 1
 5 s and under 500 MB peak RSS (`wait4`'s ru_maxrss), with no traceback and no file content echoed.
 Large files are sparse (no disk used). Only loopback addresses; every loop is bounded.
 
-Usage: python benchmarks/server_hostile.py [--part server|cli|both]
+Usage: python benchmarks/server_hostile.py [--part server|cli|both] [--backend fake|torch]
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import httpx
 
@@ -195,12 +195,13 @@ def server_cases(url: str, port: int) -> list[tuple[str, Callable[[], tuple[int,
     ]
 
 
-def run_server_part() -> bool:
+def run_server_part(backend: str) -> bool:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    model = ["--model", "fake-model", "--backend", "fake", "--num-gpu-blocks", "4096"] if backend == "fake" else \
+        ["--model", "tiny-llama", "--backend", "torch"]
     cmd = [sys.executable, "-m", "servetwin.experiments.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", "fake-model", "--backend", "fake", "--max-model-len", "4096", "--num-gpu-blocks", "4096",
-           "--read-timeout", str(READ_TIMEOUT_S)]
+           *model, "--max-model-len", "4096", "--read-timeout", str(READ_TIMEOUT_S)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     ok = True
     try:
@@ -369,11 +370,13 @@ def run_cli_part() -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--part", choices=["server", "cli", "both"], default="both")
+    ap.add_argument("--backend", choices=["fake", "torch"], default="fake",
+                    help="the server's backend (torch: tiny-llama with its Hugging Face tokenizer)")
     ns = ap.parse_args()
     print(f"host load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     ok = True
     if ns.part in ("server", "both"):
-        ok &= run_server_part()
+        ok &= run_server_part(ns.backend)
     if ns.part in ("cli", "both"):
         ok &= run_cli_part()
     print("\nALL PASS" if ok else "\nSOME FAILED")
