@@ -264,8 +264,9 @@ def run_server(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
     state.on_startup_failure = _stop
     state.on_engine_dead = _stop
     # uvicorn re-raises the signal it caught once it has shut down (so a process dies "by" it): SIGTERM is
-    # the orchestrator's normal stop, answered with exit status 0, so it lands on a handler that ignores it
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    # the orchestrator's normal stop, answered with exit status 0, so it lands on this handler instead,
+    # which also stops a server whose own handlers are not installed yet
+    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     try:
         run_event_loop(_serve())
     finally:
