@@ -159,6 +159,17 @@ def test_slow_clients_are_dropped_at_the_read_timeout(server, partial):
     assert "--read-timeout" in json_error(answer, 408)["message"]
 
 
+def test_a_slow_second_request_on_a_keep_alive_connection_gets_408(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=READ_TIMEOUT_S + 10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /health HTTP/1.1\r\n")  # and nothing more
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
 def test_a_keep_alive_connection_is_not_cut_by_the_read_timeout(server):
     with httpx.Client(timeout=10) as client:
         for _ in range(3):  # the deadline covers reading a request, not the idle time between (keep-alive's)

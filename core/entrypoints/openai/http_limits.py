@@ -78,7 +78,8 @@ def limited_http_protocol(limits: ServerLimits) -> Optional[type]:
             self.st_disarm()
             self.st_rejected = True
             if not self.transport.is_closing():
-                if self.cycle is None or not self.cycle.response_started:
+                # an answer only where no other response is on the wire (a pipelined one still streaming)
+                if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
                     self.transport.write(raw_error(status, reason, message, type_))
                 self.transport.close()
 
