@@ -22,13 +22,13 @@ back, the convention Mistral and Qwen use for their published "active" figures (
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, dtype_bytes
+from servetwin.core.limits import load_json_file
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "gpt_oss")
@@ -304,10 +304,13 @@ class ModelSpec:
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
-            if not path.is_file():
+            if not path.exists():
                 raise ValueError(f"model: no config.json at {path}")
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
+            # size, UTF-8, nesting and syntax checked before parsing; errors name `model` and the file
+            config = load_json_file(path, "model")
+            if not isinstance(config, Mapping):
+                raise ConfigError("model", f"{path} is not a model config (a JSON object with model_type, "
+                                  "hidden_size, ...)")
             name = name or path.parent.name
         cfg = dict(config)
         if "text_config" in cfg and "num_hidden_layers" not in cfg:
@@ -320,6 +323,12 @@ class ModelSpec:
                     "intermediate_size", "vocab_size"):
             if key not in cfg:
                 raise ValueError(f"model.{key}: required field is missing from config.json")
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = cfg.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                raise ConfigError(f"model.{key}", f"must be an integer >= 1 in config.json, got {shown}")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // heads

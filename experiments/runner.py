@@ -509,9 +509,18 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
             written.append(os.path.relpath(path, out_dir))
         write_json(os.path.join(bdir, "summary.json"), summaries[backend])
         written.append(os.path.join(backend, "summary.json"))
-    if exp.output.plots and frames:
-        plot_paths = figures()
-    paths = write_report(exp, out_dir, dict(combined, backends=summaries), frames, itls, plots=exp.output.plots,
+    plots = exp.output.plots
+    if plots and frames:
+        try:
+            plot_paths = figures()
+        except ValueError:
+            if not combined["interrupted"]:
+                raise
+            # interrupted early, the run may leave too little to draw (matplotlib: "Data cannot be
+            # log-scaled"): its tables, report and summary still come, without figures, and the interrupt
+            # still ends the command (exit 130), not this error (exit 2)
+            plots, plot_paths = False, None
+    paths = write_report(exp, out_dir, dict(combined, backends=summaries), frames, itls, plots=plots,
                          jobs=jobs, plot_paths=plot_paths)
     written += [os.path.relpath(p, out_dir) for p in paths]
     written += [os.path.join(b, "trace.json") for b in runs if os.path.exists(os.path.join(out_dir, b, "trace.json"))]

@@ -54,12 +54,11 @@ import itertools
 import json
 import math
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-import yaml
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, resolve_aliases
@@ -69,8 +68,18 @@ __all__ = ["ConfigError", "ExperimentConfig", "EngineConfig", "WorkloadConfig", 
 
 
 # -- small validators ---------------------------------------------------------------------------
+_SHORT = reprlib.Repr()  # bounded: formats a few items and levels of a value, never the whole of it
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 3, 6, 6
+
+
 def _fmt(v: Any) -> str:
-    return repr(v) if isinstance(v, str) else str(v)
+    """A value for an error message: bounded, whatever its size (an aliased YAML list may stand for
+    millions of items)."""
+    try:
+        return _SHORT.repr(v)
+    except ValueError:  # an integer over Python's 4300-digit formatting limit
+        return f"an integer of {v.bit_length()} bits" if isinstance(v, int) else type(v).__name__
 
 
 def _int(low: Optional[int] = None, nullable: bool = False, also: tuple = ()) -> Callable[[Any, str], Any]:
@@ -866,10 +875,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
         raise ConfigError(f"--set {text!r}", f"{key!r} is not a dotted key")
-    try:
-        return key, yaml.safe_load(value)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}", f"value is not valid YAML: {e}") from None
+    from servetwin.core.safe_yaml import load_yaml_text  # noqa: PLC0415
+
+    return key, load_yaml_text(value, "the value", f"--set {key}")
 
 
 def apply_requests_override(raw: dict[str, Any], n: int) -> Optional[str]:
@@ -894,37 +902,15 @@ def apply_requests_override(raw: dict[str, Any], n: int) -> Optional[str]:
     return None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last one
-    silently, so a second `engine:` block would drop the first without a word)."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: dict[Any, Any] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor`: keys after it override the merged ones, as YAML intends
-            key = self.construct_object(key_node, deep=True)
-            try:
-                hash(key)
-            except TypeError:
-                continue  # the base class reports unhashable keys
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first given on line {seen[key].start_mark.line + 1})",
-                    key_node.start_mark)
-            seen[key] = key_node
-        return super().construct_mapping(node, deep=deep)
-
-
 def load_yaml(path: str | Path) -> Any:
+    """An experiment YAML with the bounds of `servetwin.core.safe_yaml` (aliases, nesting, size, duplicate
+    keys, encoding): a `ConfigError` naming `config` and the file for anything else."""
+    from servetwin.core.safe_yaml import load_yaml_file  # noqa: PLC0415
+
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError("config", f"file not found: {p}")
-    with open(p, encoding="utf-8") as f:
-        try:
-            return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-        except yaml.YAMLError as e:
-            raise ConfigError("config", f"{p} is not valid YAML: {e}") from None
+    return load_yaml_file(p, "config")
 
 
 def load_config(path: str | Path, overrides: Optional[list[str]] = None, requests: Optional[int] = None,

@@ -136,13 +136,9 @@ def load_frontend_spec(name_or_path: Any, path: str = "frontend.coefficients") -
     if not p.is_file():
         raise ConfigError(f"{path}", f"{key!r} is neither a front-end preset ({', '.join(FRONTEND_PRESETS)}) "
                          "nor an existing YAML file")
-    import yaml  # noqa: PLC0415
+    from servetwin.core.safe_yaml import load_yaml_file  # noqa: PLC0415
 
-    with open(p, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}", f"{p} is not valid YAML: {exc}") from None
+    data = load_yaml_file(p, path)  # bounded: aliases, nesting, size, encoding
     return frontend_spec_from_dict(data if data is not None else {}, path)
 
 

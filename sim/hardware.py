@@ -122,11 +122,9 @@ def load_hardware(name_or_path: str | Path | HardwareSpec) -> HardwareSpec:
     if not path.is_file():
         raise ConfigError("hardware", f"{key!r} is neither a preset ({', '.join(HARDWARE_PRESETS)}) "
                          "nor an existing YAML file")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            raise ConfigError("hardware", f"{path} is not valid YAML: {exc}") from None
+    from servetwin.core.safe_yaml import load_yaml_file  # noqa: PLC0415
+
+    data = load_yaml_file(path, "hardware")  # bounded: aliases, nesting, size, encoding
     return hardware_from_dict(data if data is not None else {}, "hardware")
 
 

@@ -25,6 +25,7 @@ import json
 from collections import deque
 from typing import IO, Iterator
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import FakeExecutor
 from servetwin.core.engine.parallel_sampling import fan_out
 from servetwin.core.request import Request, RequestStatus
@@ -278,12 +279,28 @@ def replay(scenario: Scenario) -> Iterator[dict]:
     yield run.summary(step)
 
 
-def write_replay(scenario: Scenario, out: IO[str]) -> int:
-    n = 0
+DEFAULT_MAX_OUTPUT_BYTES = 1 << 30  # a replay's JSONL output (a recorded scenario's is a few MB)
+
+
+def replay_jsonl(scenario: Scenario, max_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> Iterator[str]:
+    """The replay's JSONL lines; a `ConfigError` once they pass `max_bytes` (0: no limit). A scenario with
+    `max_steps` around 10^9 and a late arrival writes a line per step: it would fill the disk."""
+    total = 0
     for line in replay(scenario):
-        out.write(json.dumps(line) + "\n")
+        text = json.dumps(line) + "\n"
+        total += len(text)
+        if max_bytes and total > max_bytes:
+            raise ConfigError("--max-output-bytes", f"the replay's output passed {max_bytes} bytes (raise the "
+                              "limit, or lower settings.max_steps)")
+        yield text
+
+
+def write_replay(scenario: Scenario, out: IO[str], max_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> int:
+    n = 0
+    for text in replay_jsonl(scenario, max_bytes):
+        out.write(text)
         n += 1
     return n
 
 
-__all__ = ["replay", "write_replay", "ScriptedSampler"]
+__all__ = ["replay", "replay_jsonl", "write_replay", "ScriptedSampler", "DEFAULT_MAX_OUTPUT_BYTES"]

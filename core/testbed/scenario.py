@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import MAX_TOKENS_PER_REQUEST, load_json_file
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 MAX_N = 16384  # SamplingParams' limit on n
@@ -200,7 +201,7 @@ def synthetic_prompt(prompt_len: int, prompt_seed: int = 0, prefix: Optional[lis
     return list(prefix or []) + body
 
 
-def _prompt(r: dict, where: str) -> list[int]:
+def _prompt(r: dict, where: str, max_len: int) -> list[int]:
     if "prompt_token_ids" in r:
         for k in ("prompt_len", "prompt_seed", "prefix_token_ids"):
             if k in r:
@@ -208,7 +209,7 @@ def _prompt(r: dict, where: str) -> list[int]:
         return _token_ids(r["prompt_token_ids"], f"{where}.prompt_token_ids", allow_empty=False)
     if "prompt_len" not in r:
         raise ScenarioError(f"{where}.prompt_token_ids", "required (or prompt_len)")
-    n = _int(r["prompt_len"], f"{where}.prompt_len", 1)
+    n = _int(r["prompt_len"], f"{where}.prompt_len", 1, max_len)  # checked before the prompt is built
     seed = _int(r.get("prompt_seed", 0), f"{where}.prompt_seed", 0)
     prefix = _token_ids(r.get("prefix_token_ids", []), f"{where}.prefix_token_ids", allow_empty=True)
     return synthetic_prompt(n, seed, prefix)
@@ -247,7 +248,7 @@ def _stop_at(v: Any, where: str, n: int, eos: int) -> dict[int, dict[int, int]]:
     return {i: plan for i in range(n)}
 
 
-def _parse_request(raw: Any, where: str, eos: int) -> ScenarioRequest:
+def _parse_request(raw: Any, where: str, eos: int, max_prompt_len: int = MAX_TOKENS_PER_REQUEST) -> ScenarioRequest:
     r = _object(raw, where)
     _check_keys(r, REQUEST_KEYS, where)
     if "id" not in r:
@@ -271,7 +272,7 @@ def _parse_request(raw: Any, where: str, eos: int) -> ScenarioRequest:
                                 f"tokens {BASE_TOKEN_RANGE.start}..{BASE_TOKEN_RANGE.stop - 1}")
     return ScenarioRequest(
         id=rid, arrival_step=_int(r.get("arrival_step", 0), f"{where}.arrival_step", 0),
-        prompt_token_ids=_prompt(r, where), max_tokens=max_tokens, priority=priority,
+        prompt_token_ids=_prompt(r, where, max_prompt_len), max_tokens=max_tokens, priority=priority,
         arrival_time=None if arrival_time is None else _number(arrival_time, f"{where}.arrival_time"),
         n=n, cache_salt=salt,
         ignore_eos=_bool(r.get("ignore_eos", True), f"{where}.ignore_eos"),
@@ -318,13 +319,15 @@ def parse_scenario(data: Any) -> Scenario:
     s = _parse_settings(data["settings"])
     sched, cache = _configs(s)
     eos = s.get("eos_token_id", 2)
+    # a prompt must leave room for one output token within max_model_len (when given)
+    max_prompt_len = min(MAX_TOKENS_PER_REQUEST, s.get("max_model_len", MAX_TOKENS_PER_REQUEST + 1) - 1)
     raw_reqs = data["requests"]
     if not isinstance(raw_reqs, list):
         raise ScenarioError("requests", f"must be a list, got {_fmt(raw_reqs)}")
     requests: list[ScenarioRequest] = []
     seen: dict[str, str] = {}  # engine request id -> the field that introduced it
     for i, raw in enumerate(raw_reqs):
-        r = _parse_request(raw, f"requests[{i}]", eos)
+        r = _parse_request(raw, f"requests[{i}]", eos, max_prompt_len)
         for cid in dict.fromkeys([r.id, *r.child_ids]):
             if cid in seen:
                 raise ScenarioError(f"requests[{i}].id", f"duplicate id {cid!r} (also {seen[cid]})")
@@ -337,13 +340,10 @@ def parse_scenario(data: Any) -> Scenario:
 
 
 def load_scenario(path: str) -> Scenario:
+    """A scenario file, read within `core.limits`' bounds (size, nesting, UTF-8; a key given twice is an
+    error, not silently the last value)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ScenarioError("scenario", f"file not found: {path}") from None
-    except IsADirectoryError:
-        raise ScenarioError("scenario", f"{path} is a folder, not a scenario file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ScenarioError("scenario", f"{path} is not valid JSON ({e})") from None
+        data = load_json_file(path, "scenario", unique_keys=True)
+    except ConfigError as e:
+        raise ScenarioError(e.path, e.message) from None
     return parse_scenario(data)
