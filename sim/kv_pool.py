@@ -33,6 +33,7 @@ from typing import Any, Optional
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import ExecutorInfo
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len, num_blocks_for_memory
+from servetwin.sim.cost_model import CostModel
 from servetwin.sim.executor import SimExecutor
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
@@ -86,8 +87,8 @@ def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_m
     spec = KVCacheSpec(num_layers=model.num_layers, num_kv_heads=kv_heads, head_size=model.head_dim,
                        dtype=kv_dtype if kv_dtype not in (None, "auto") else model.dtype, block_size=block_size)
     requested = math.ceil(hw.memory_bytes * gpu_memory_utilization)
-    per_param = 1 if quantization == "fp8" else model.dtype_bytes
-    weights = model.num_parameters * per_param // tp
+    # at their storage precision (an MoE model's MXFP4 experts: 4.25 bits); fp8 quantisation: 1 byte each
+    weights = (model.num_parameters if quantization == "fp8" else model.weight_bytes) // tp
     act = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs, tp)
     non_torch = non_torch_bytes(hw, tp)
     if kv_cache_memory_bytes is not None:
@@ -119,9 +120,10 @@ def build_sim_executor(args: Any):
     requested_len = args.max_model_len if args.max_model_len is not None else model.max_position_embeddings
     max_len = check_or_fit_max_model_len(pool.num_gpu_blocks, pool.kv_spec, requested_len,
                                          model.max_position_embeddings)
-    executor = SimExecutor(model=model, hardware=hw, tp=args.tensor_parallel_size,
+    cost_model = CostModel(model, hw, tp=args.tensor_parallel_size,
                            cuda_graphs=(not args.enforce_eager) and hw.device_type == "cuda",
-                           ipc=bool(getattr(args, "multiprocess", False)),
-                           quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+                           ipc=bool(getattr(args, "multiprocess", False)), quantization=quantization,
+                           kv_cache_dtype=kv_cache_dtype, async_scheduling=bool(args.async_scheduling))
+    executor = SimExecutor(cost_model=cost_model)
     executor.kv_pool = pool
     return ExecutorInfo(executor, pool.num_gpu_blocks, max_len, model.vocab_size, [], None)
