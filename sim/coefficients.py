@@ -29,7 +29,10 @@ for it on this GPU: its name (the kernel family, e.g. Marlin W4A16 for MXFP4 on 
 rate it computes at (`peak`: `bf16` for weight-only kernels that dequantise to bf16, `fp8` for MXFP4 x
 MXFP8 or block-scaled fp8, `fp4` for NVFP4 x NVFP4), its compute fraction of that peak, its
 half-saturation rows per expert (each touched expert's rows are padded to the kernel's M tile, so it
-runs as if it had `half_rows` more), and its bandwidth fraction when streaming expert weights. A format
+runs as if it had `half_rows` more), its bandwidth fraction when streaming expert weights, and the
+alignments its weight layout pads to (`align_hidden` for the hidden size, `align_intermediate` for each
+TP rank's share of the expert width: vLLM's `mxfp4_round_up_hidden_size_and_intermediate_size`, e.g.
+Marlin 256 / 128, FlashInfer TRT-LLM 256 / 256); the padded weights are read and multiplied. A format
 without an entry cannot be priced on that GPU: the cost model refuses it naming the field.
 
 `gemm_m_curve`, when given, replaces `gemm_compute * M / (M + gemm_half_m)` for the layers' GEMMs: the
@@ -83,7 +86,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 from servetwin.core.config_error import ConfigError
-from servetwin.sim.validate import check_keys, check_mapping, non_negative, positive
+from servetwin.sim.validate import check_keys, check_mapping, int_at_least, non_negative, positive
 
 BASIS_TERMS: tuple[str, ...] = ("step", "req", "token", "layer", "layer_piecewise", "linear", "elementwise",
                                 "attn_prefill", "attn_decode", "attn_shared", "lm_head", "sampler", "comm",
@@ -101,20 +104,25 @@ class MoEKernel:
     compute: float  # fraction of that peak a well-filled grouped GEMM reaches
     half_rows: float  # rows per expert at which it reaches half of it (the M tile's padding)
     bandwidth: float  # fraction of the datasheet bandwidth streaming the touched experts' weights
+    align_hidden: int = 1  # the kernel's weights pad the hidden size to a multiple of this
+    align_intermediate: int = 1  # ... and each TP rank's share of the expert width to a multiple of this
 
     @classmethod
     def from_dict(cls, cfg: Any, path: str) -> "MoEKernel":
         if isinstance(cfg, MoEKernel):
             return cfg
         cfg = check_mapping(cfg, path)
-        check_keys(cfg, [f.name for f in fields(cls)], path, required=[f.name for f in fields(cls)])
+        names = [f.name for f in fields(cls)]
+        check_keys(cfg, names, path, required=names[:5])
         if not isinstance(cfg["kernel"], str) or not cfg["kernel"]:
             raise ConfigError(f"{path}.kernel", f"must be a non-empty string, got {cfg['kernel']!r}")
         if cfg["peak"] not in MOE_PEAKS:
             raise ConfigError(f"{path}.peak", f"must be one of {', '.join(MOE_PEAKS)}, got {cfg['peak']!r}")
         return cls(cfg["kernel"], cfg["peak"], _fraction(cfg["compute"], f"{path}.compute"),
                    non_negative(cfg["half_rows"], f"{path}.half_rows"),
-                   _fraction(cfg["bandwidth"], f"{path}.bandwidth"))
+                   _fraction(cfg["bandwidth"], f"{path}.bandwidth"),
+                   int_at_least(cfg.get("align_hidden", 1), 1, f"{path}.align_hidden"),
+                   int_at_least(cfg.get("align_intermediate", 1), 1, f"{path}.align_intermediate"))
 
 
 @dataclass(slots=True)

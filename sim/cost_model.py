@@ -298,6 +298,7 @@ class CostModel:
         # the window layers' constants: the full layers' per-layer rates times Lw
         self._window_const = tuple(Lw * r for r in attn_rates) if Lw else ()
         self._moe_layers = float(n_moe)
+        self._moe_seconds: dict[int, float] = {}
         # a measured GEMM curve (`Efficiency.gemm_m_curve`): the rows the linear term charges at T tokens,
         # T * gemm_compute / fraction(T), tabulated once up to the curve's last point (then its slope)
         self._gemm_rows: Optional[list[float]] = None
@@ -370,7 +371,11 @@ class CostModel:
         else:
             layer, piecewise = L, 0.0
         reqs = float(st.num_reqs)
-        moe = self.moe.seconds(t_pad) if self.moe is not None else 0.0
+        moe = 0.0
+        if self.moe is not None:  # a function of the padded token count alone: memoised
+            moe = self._moe_seconds.get(t_pad)
+            if moe is None:
+                moe = self._moe_seconds[t_pad] = self.moe.seconds(t_pad)
         return (1.0, reqs, float(st.num_tokens), layer, piecewise, linear, elementwise, attn_prefill,
                 attn_decode, attn_shared, lm_head, sampler, comm, 1.0 if tp > 1 else 0.0, ipc,
                 reqs if self.ipc else 0.0, moe, self._moe_layers), t_pad

@@ -57,6 +57,9 @@ MARLIN = ("MARLIN (Frantar et al., PPoPP 2025; IST-DASLab/marlin README): the W4
 E2E_MOE = ("fitted on the nine published vLLM 0.13 gpt-oss-120b H100 runs (benchmarks/published_moe: "
            "InferenceMAX run 20667906037, TP 2/4/8 x 4/16/64 clients, 1k/1k; benchmarks/fit_gpu_presets.py "
            "benchmarks/published_moe --grid c_moe_layer=... --grid mxfp4_bandwidth=...)")
+MXFP4_PAD = ("vllm-project/vllm model_executor/layers/quantization/mxfp4.py "
+             "(mxfp4_round_up_hidden_size_and_intermediate_size): Marlin pads the hidden size to 256 and each "
+             "rank's expert width to 128 (n % 256, k % 128), FlashInfer TRT-LLM both to 256, CUTLASS both to 128")
 ASSUMED_MOE = ("assumed, no public per-kernel figure used: vLLM's Triton fused_moe with its tuned H100 configs, "
                "taken a little above the fitted dense in-engine fraction (grouped GEMMs of many small experts "
                "fill fewer waves); M tile 64, padding about half a tile per touched expert")
@@ -79,7 +82,8 @@ _H100_EFF = {
 # MoE grouped GEMMs on Hopper, per expert storage format (servetwin.sim.coefficients.MoEKernel)
 _H100_MOE = {
     # VLLM_MXFP4_USE_MARLIN=1 (the published runs): Marlin W4A16, MXFP4 weights dequantised to bf16 in registers
-    "mxfp4": {"kernel": "marlin_w4a16_moe", "peak": "bf16", "compute": 0.35, "half_rows": 16.0, "bandwidth": 0.70},
+    "mxfp4": {"kernel": "marlin_w4a16_moe", "peak": "bf16", "compute": 0.35, "half_rows": 16.0, "bandwidth": 0.70,
+              "align_hidden": 256, "align_intermediate": 128},
     "bf16": {"kernel": "triton_fused_moe", "peak": "bf16", "compute": 0.55, "half_rows": 32.0, "bandwidth": 0.75},
     "fp8": {"kernel": "triton_fused_moe_fp8_block", "peak": "fp8", "compute": 0.45, "half_rows": 32.0,
             "bandwidth": 0.75},
@@ -120,7 +124,7 @@ _H100_SOURCES = {
     "efficiency.moe_kernels": {
         "mxfp4": (f"Marlin W4A16 MoE (VLLM_MXFP4_USE_MARLIN=1): compute = 0.9 x the fitted dense in-engine "
                   f"fraction ({MARLIN}); bandwidth {E2E_MOE}; half_rows: Marlin's MoE block of 8-64 rows per "
-                  f"expert, about half a 32-row tile padded per touched expert"),
+                  f"expert, about half a 32-row tile padded per touched expert; alignments {MXFP4_PAD}"),
         "bf16": ASSUMED_MOE,
         "fp8": f"{ASSUMED_MOE}; at the fp8 peak x gemm_fp8_relative's ratio ({MAMF_FP8})",
     },
@@ -143,16 +147,19 @@ GPU_CALIBRATION: dict[str, dict[str, Any]] = {
                                    "H100's calibration transferred (same compute die); no H200 end-to-end case")},
     "b200": {"efficiency": {**_H100_EFF, "moe_kernels": {
         # FlashInfer's TRT-LLM MoE for MXFP4 weights with MXFP8 activations (tcgen05 at the fp8 rate)
-        "mxfp4": {**_H100_MOE["mxfp4"], "kernel": "flashinfer_trtllm_mxfp4_mxfp8", "peak": "fp8", "compute": 0.35},
+        "mxfp4": {**_H100_MOE["mxfp4"], "kernel": "flashinfer_trtllm_mxfp4_mxfp8", "peak": "fp8", "compute": 0.35,
+                  "align_hidden": 256, "align_intermediate": 256},
         # NVFP4 x NVFP4 (FlashInfer CUTLASS / TRT-LLM): the fp4 rate
-        "nvfp4": {**_H100_MOE["mxfp4"], "kernel": "flashinfer_cutlass_nvfp4", "peak": "fp4", "compute": 0.35},
+        "nvfp4": {**_H100_MOE["mxfp4"], "kernel": "flashinfer_cutlass_nvfp4", "peak": "fp4", "compute": 0.35,
+                  "align_hidden": 128, "align_intermediate": 128},
         "bf16": _H100_MOE["bf16"], "fp8": _H100_MOE["fp8"]}},
              "coefficients": dict(_H100_COEF),
              "provenance": _record({**{k: ASSUMED_B200 for k in _H100_SOURCES if k.startswith("efficiency.")},
                                     **{k: v for k, v in _H100_SOURCES.items() if k.startswith("coefficients.")},
                                     "efficiency.moe_kernels": {
-                                        "mxfp4": f"FlashInfer TRT-LLM MXFP4 x MXFP8 MoE at the fp8 peak; {ASSUMED_B200}",
-                                        "nvfp4": f"FlashInfer CUTLASS NVFP4 MoE at the fp4 peak; {ASSUMED_B200}",
+                                        "mxfp4": f"FlashInfer TRT-LLM MXFP4 x MXFP8 MoE at the fp8 peak; {ASSUMED_B200}; {MXFP4_PAD}",
+                                        "nvfp4": (f"FlashInfer CUTLASS NVFP4 MoE at the fp4 peak; {ASSUMED_B200}; "
+                                                  f"alignments as CUTLASS MXFP4's ({MXFP4_PAD})"),
                                         "bf16": ASSUMED_MOE, "fp8": ASSUMED_MOE},
                                     "peaks": B200_SPEC},
                                    "B200 datasheet peaks; H100's fractions and engine CPU terms transferred (no "

@@ -6,8 +6,11 @@ vLLM shards each expert's intermediate dimension across the tensor-parallel rank
 
     router   = max(2*d*E*(T + h_g) / (Pa*e_g),  d*E*ba / (W*u_g))       replicated on every rank, bf16
     n(T)     = E_r * (1 - (1 - k/E_r)^T)                                  experts touched (expected)
-    experts  = max(2*3*d*(f/tp)*(T*k + h_x*n(T)) / (P_x*e_x),            grouped GEMM, M tiles padded
-                   (n(T)*B_e/tp + T*k*(2d + 3f/tp)*ba) / (W*u_x))        touched weights + row I/O
+    experts  = max(2*3*d'*f'*(T*k + h_x*n(T)) / (P_x*e_x),               grouped GEMM, M tiles padded
+                   (n(T)*B_e' + T*k*(2d + 3f/tp)*ba) / (W*u_x))          touched weights + row I/O
+    d' = d rounded up to the kernel's `align_hidden`, f' = ceil(f/tp) rounded up to its
+    `align_intermediate` (the layout vLLM gives the kernel's weights), B_e' = one expert's weights on
+    this rank at that padded shape and the storage precision
     moe      = L_moe * (router + experts)
 
 `n(T)` is the exact expectation when every token picks k distinct experts uniformly and independently
@@ -93,12 +96,17 @@ class MoECost:
         d, f, E, ba = model.hidden_size, model.moe_intermediate_size, model.num_experts, model.dtype_bytes
         bits = weight_bits(model.expert_dtype or ("fp8" if quantization == "fp8" else model.dtype))
         peak_bf16 = hw.peak_flops(model.dtype)
+        # one expert's share on this rank as the kernel stores it: padded hidden x padded width / tp
+        f_rank = -(-f // tp)
+        d_pad = -(-d // kernel.align_hidden) * kernel.align_hidden
+        f_pad = -(-f_rank // kernel.align_intermediate) * kernel.align_intermediate
+        expert_rank = model.expert_params / tp * (3.0 * d_pad * f_pad) / (3.0 * d * f / tp)
         return cls(num_layers=L, num_experts=E, top_k=model.num_experts_per_tok, routing_skew=routing_skew,
                    kernel=kernel,
                    router_flop=L * 2.0 * d * E / (peak_bf16 * e.gemm_compute), router_half=e.gemm_half_m,
                    router_bytes=L * model.router_params * ba / (W * e.gemm_bandwidth),
-                   expert_flop=L * 2.0 * model.expert_matmul_params / tp / (peak * kernel.compute),
-                   expert_weight=L * model.expert_params * bits / 8.0 / tp / (W * kernel.bandwidth),
+                   expert_flop=L * 2.0 * 3.0 * d_pad * f_pad / (peak * kernel.compute),
+                   expert_weight=L * expert_rank * bits / 8.0 / (W * kernel.bandwidth),
                    expert_row_io=L * (2.0 * d + 3.0 * f / tp) * ba / (W * kernel.bandwidth))
 
     def touched(self, tokens: float) -> float:

@@ -39,15 +39,24 @@ def test_touched_experts_bounds_and_skew(tokens, experts, data, skew):
 
 
 def test_tensor_parallel_shards_the_experts_but_not_the_router():
-    hw = load_hardware("h100-sxm")
-    one, two = MoECost.build(GPT_OSS, hw, 1, None), MoECost.build(GPT_OSS, hw, 2, None)
+    unpadded = hardware_from_dict({"base": "h100-sxm", "efficiency": {"moe_kernels": {
+        "mxfp4": {"kernel": "k", "peak": "bf16", "compute": 0.4, "half_rows": 16, "bandwidth": 0.8}}}})
+    one, two = MoECost.build(GPT_OSS, unpadded, 1, None), MoECost.build(GPT_OSS, unpadded, 2, None)
     assert two.expert_flop == pytest.approx(one.expert_flop / 2)
     assert two.expert_weight == pytest.approx(one.expert_weight / 2)
     assert two.router_flop == one.router_flop and two.router_bytes == one.router_bytes
     # MXFP4: one expert's weights at 4.25 bits (gate, up, down + biases), all 36 layers, at the kernel's bandwidth
-    kernel = hw.efficiency.moe_kernels["mxfp4"]
-    assert one.expert_weight == pytest.approx(36 * GPT_OSS.expert_params * 4.25 / 8
-                                              / (hw.memory_bandwidth * kernel.bandwidth))
+    assert one.expert_weight == pytest.approx(36 * GPT_OSS.expert_params * 4.25 / 8 / (unpadded.memory_bandwidth * 0.8))
+
+
+def test_the_kernels_weight_layout_pads_hidden_and_each_ranks_width():
+    marlin = load_hardware("h100-sxm")  # Marlin: hidden to 256 (2880 -> 3072), width / tp to 128 (360 -> 384)
+    kernel = marlin.efficiency.moe_kernels["mxfp4"]
+    tp8 = MoECost.build(GPT_OSS, marlin, 8, None)
+    assert tp8.expert_flop == pytest.approx(36 * 2 * 3 * 3072 * 384 / (marlin.peak_flops_bf16 * kernel.compute))
+    trtllm = load_hardware("b200")  # FlashInfer TRT-LLM: width / tp to 256 (360 -> 512)
+    ratio = MoECost.build(GPT_OSS, trtllm, 8, None).expert_weight / MoECost.build(GPT_OSS, trtllm, 1, None).expert_weight
+    assert ratio == pytest.approx(512 / 3072)  # 2880 -> 3072 at TP 1
 
 
 def test_a_decode_step_reads_the_touched_experts_not_a_dense_mlp():
