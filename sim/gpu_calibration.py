@@ -82,7 +82,7 @@ _H100_EFF = {
 # MoE grouped GEMMs on Hopper, per expert storage format (servetwin.sim.coefficients.MoEKernel)
 _H100_MOE = {
     # VLLM_MXFP4_USE_MARLIN=1 (the published runs): Marlin W4A16, MXFP4 weights dequantised to bf16 in registers
-    "mxfp4": {"kernel": "marlin_w4a16_moe", "peak": "bf16", "compute": 0.35, "half_rows": 16.0, "bandwidth": 0.70,
+    "mxfp4": {"kernel": "marlin_w4a16_moe", "peak": "bf16", "compute": 0.35, "half_rows": 16.0, "bandwidth": 0.90,
               "align_hidden": 256, "align_intermediate": 128},
     "bf16": {"kernel": "triton_fused_moe", "peak": "bf16", "compute": 0.55, "half_rows": 32.0, "bandwidth": 0.75},
     "fp8": {"kernel": "triton_fused_moe_fp8_block", "peak": "fp8", "compute": 0.45, "half_rows": 32.0,
@@ -93,7 +93,7 @@ _H100_COEF = {
     "c_step": 1.5e-3, "c_req": 1.0e-6, "c_token": 0.0, "c_layer": 4.0e-5, "c_layer_piecewise": 1.0e-5,
     "c_linear": 1.0, "c_elementwise": 1.0, "c_attn_prefill": 1.0, "c_attn_decode": 1.0, "c_attn_shared": 1.0,
     "c_lm_head": 1.0, "c_sampler": 1.0, "c_comm": 1.0, "c_tp_step": 5.0e-4, "c_ipc_step": 0.0, "c_ipc_req": 0.0,
-    "c_moe": 1.0, "c_moe_layer": 0.0,
+    "c_moe": 1.0, "c_moe_layer": 7.5e-5,
 }
 _H100_SOURCES = {
     "efficiency.gemm_compute": (f"{E2E}: the compute-bound 8192-token steps of B3 (ITL p99 642 ms, TPOT "
