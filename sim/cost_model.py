@@ -47,6 +47,14 @@ kernels it stands for (they run one after another, so their times add):
                    piecewise graphs: attention is launched per layer), else 0
     step = 1, req = number of rows, token = T, tp_step = [tp > 1], ipc_step = [ipc],
     ipc_req = [ipc] * rows
+    moe          = router + routed experts of every MoE layer at T' tokens (`servetwin.sim.moe_cost`)
+    moe_layer    = number of MoE layers (the MoE block's kernel floor)
+
+An MoE model's M (in `linear`, `elementwise`) holds the attention projections, its dense layers' MLPs and
+any shared expert; its routed experts are `moe`, never a dense MLP. Sliding-window and chunked layers
+(`model.layer_types`) pay the attention terms with at most W keys per query (`_window_attention`); the
+full layers keep the formulas above. With async scheduling a step lasts max(prepare, forward + sample):
+the engine prepares the next step while the GPU runs this one.
 
     t_step = sum_k c_k * basis_k          (c_k >= 0, from `HardwareSpec.coefficients`)
 
