@@ -316,6 +316,16 @@ class CostModel:
             self._gemm_rows = [t * e.gemm_compute / curve_fraction(curve, t) for t in range(int(curve[-1][0]) + 1)]
             self._gemm_tail = e.gemm_compute / e.gemm_m_curve[-1][1]
 
+    @property
+    def weight_bytes_per_rank(self) -> int:
+        """Weights one tensor-parallel rank holds: the experts as their kernel stores them (padded,
+        `servetwin.sim.moe_cost`), the rest at `weight_bytes_per_param` (what the KV pool sizing subtracts)."""
+        m = self.model
+        if self.moe is None:
+            return m.num_parameters * self.weight_bytes_per_param // self.tp
+        rest = (m.num_parameters - m.num_expert_parameters) * self.weight_bytes_per_param / self.tp
+        return int(rest + m.num_experts * self.moe.expert_bytes)
+
     # -- shape helpers -------------------------------------------------------------------------
     def padded_tokens(self, step: StepSummary) -> tuple[int, bool]:
         """(tokens the forward runs on, whether it replays a full CUDA graph)."""

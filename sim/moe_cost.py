@@ -83,6 +83,7 @@ class MoECost:
     router_half: float
     router_bytes: float  # s to read the routers' weights
     expert_flop: float  # s per expert row (all MoE layers)
+    expert_bytes: float  # one expert's weights on this rank as the kernel stores them (all MoE layers)
     expert_weight: float  # s per touched expert's weights (all MoE layers)
     expert_row_io: float  # s per expert row's activations in and out (all MoE layers)
 
@@ -106,6 +107,7 @@ class MoECost:
                    router_flop=L * 2.0 * d * E / (peak_bf16 * e.gemm_compute), router_half=e.gemm_half_m,
                    router_bytes=L * model.router_params * ba / (W * e.gemm_bandwidth),
                    expert_flop=L * 2.0 * 3.0 * d_pad * f_pad / (peak * kernel.compute),
+                   expert_bytes=L * expert_rank * bits / 8.0,
                    expert_weight=L * expert_rank * bits / 8.0 / (W * kernel.bandwidth),
                    expert_row_io=L * (2.0 * d + 3.0 * f / tp) * ba / (W * kernel.bandwidth))
 

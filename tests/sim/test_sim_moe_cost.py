@@ -146,3 +146,12 @@ def test_routing_skew_is_checked():
     with pytest.raises(ConfigError) as e:
         CostModel(GPT_OSS, "h100-sxm", routing_skew=1.0)
     assert e.value.path == "routing_skew"
+
+
+def test_pool_sizing_takes_the_padded_expert_weights():
+    dense = CostModel("llama-3.1-8b", "h100-sxm")
+    assert dense.weight_bytes_per_rank == PRESETS["llama-3.1-8b"].num_parameters * 2  # unchanged for dense
+    tp2 = CostModel(GPT_OSS, "h100-sxm", tp=2)  # Marlin's layout: 3072 x 1536 per expert matrix on a rank
+    rest = (GPT_OSS.num_parameters - GPT_OSS.num_expert_parameters) * 2 / 2
+    experts = 128 * 36 * GPT_OSS.expert_params * (3072 * 1536) / (2880 * 2880) * 4.25 / 8
+    assert tp2.weight_bytes_per_rank == pytest.approx(rest + experts, rel=1e-9)
