@@ -60,9 +60,14 @@ E2E_MOE = ("fitted on the nine published vLLM 0.13 gpt-oss-120b H100 runs (bench
 MXFP4_PAD = ("vllm-project/vllm model_executor/layers/quantization/mxfp4.py "
              "(mxfp4_round_up_hidden_size_and_intermediate_size): Marlin pads the hidden size to 256 and each "
              "rank's expert width to 128 (n % 256, k % 128), FlashInfer TRT-LLM both to 256, CUTLASS both to 128")
-ASSUMED_MOE = ("assumed, no public per-kernel figure used: vLLM's Triton fused_moe with its tuned H100 configs, "
-               "taken a little above the fitted dense in-engine fraction (grouped GEMMs of many small experts "
-               "fill fewer waves); M tile 64, padding about half a tile per touched expert")
+ASSUMED_MOE = ("compute assumed (no public compute-bound figure used): vLLM's Triton fused_moe with its tuned H100 "
+               "configs, a little above the fitted dense in-engine fraction; BLOCK_SIZE_M 16-128 in vLLM's tuned "
+               "configs (vllm-project/vllm PR #3389), about half a 64-row tile padded per touched expert")
+TRITON_MOE = ("bandwidth: vllm-project/vllm PR #39902/#39904 ('Add tuned triton fused_moe configs on H100 for "
+              "gpt-oss'): tuned bf16 fused_moe kernel times for gpt-oss-120b's experts (E=128, top-4, 2880 x 2880) "
+              "at batch 1 / 8 / 256 / 512 / 1024: 85 / 502 / 2130 / 2200 / 2314 us, i.e. 0.70 / 0.85 / 0.90 / "
+              "0.87 / 0.84 of the H100's 3.35 TB/s for the touched experts' bytes (n(T) as in moe_cost): median "
+              "0.85")
 B200_SPEC = ("NVIDIA HGX B200 (1000 W) dense peaks, 8 TB/s HBM3e, NVLink 5 (1.8 TB/s bidirectional): "
              "glennklockwood.com/garden/processors/B200 and NVIDIA's HGX B200 figures")
 ASSUMED_B200 = ("no B200 end-to-end case in the training set and no public per-kernel fraction used: the H100's "
@@ -84,7 +89,7 @@ _H100_MOE = {
     # VLLM_MXFP4_USE_MARLIN=1 (the published runs): Marlin W4A16, MXFP4 weights dequantised to bf16 in registers
     "mxfp4": {"kernel": "marlin_w4a16_moe", "peak": "bf16", "compute": 0.35, "half_rows": 16.0, "bandwidth": 0.90,
               "align_hidden": 256, "align_intermediate": 128},
-    "bf16": {"kernel": "triton_fused_moe", "peak": "bf16", "compute": 0.55, "half_rows": 32.0, "bandwidth": 0.75},
+    "bf16": {"kernel": "triton_fused_moe", "peak": "bf16", "compute": 0.55, "half_rows": 32.0, "bandwidth": 0.85},
     "fp8": {"kernel": "triton_fused_moe_fp8_block", "peak": "fp8", "compute": 0.45, "half_rows": 32.0,
             "bandwidth": 0.75},
 }
@@ -125,8 +130,8 @@ _H100_SOURCES = {
         "mxfp4": (f"Marlin W4A16 MoE (VLLM_MXFP4_USE_MARLIN=1): compute = 0.9 x the fitted dense in-engine "
                   f"fraction ({MARLIN}); bandwidth {E2E_MOE}; half_rows: Marlin's MoE block of 8-64 rows per "
                   f"expert, about half a 32-row tile padded per touched expert; alignments {MXFP4_PAD}"),
-        "bf16": ASSUMED_MOE,
-        "fp8": f"{ASSUMED_MOE}; at the fp8 peak x gemm_fp8_relative's ratio ({MAMF_FP8})",
+        "bf16": f"{TRITON_MOE}; {ASSUMED_MOE}",
+        "fp8": f"{ASSUMED_MOE}; at the fp8 peak x gemm_fp8_relative's ratio ({MAMF_FP8}); bandwidth assumed",
     },
 }
 
@@ -160,7 +165,7 @@ GPU_CALIBRATION: dict[str, dict[str, Any]] = {
                                         "mxfp4": f"FlashInfer TRT-LLM MXFP4 x MXFP8 MoE at the fp8 peak; {ASSUMED_B200}; {MXFP4_PAD}",
                                         "nvfp4": (f"FlashInfer CUTLASS NVFP4 MoE at the fp4 peak; {ASSUMED_B200}; "
                                                   f"alignments as CUTLASS MXFP4's ({MXFP4_PAD})"),
-                                        "bf16": ASSUMED_MOE, "fp8": ASSUMED_MOE},
+                                        "bf16": f"{TRITON_MOE}; {ASSUMED_MOE}", "fp8": ASSUMED_MOE},
                                     "peaks": B200_SPEC},
                                    "B200 datasheet peaks; H100's fractions and engine CPU terms transferred (no "
                                    "B200 case in the training set)")},
