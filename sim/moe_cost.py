@@ -101,7 +101,7 @@ class MoECost:
         f_rank = -(-f // tp)
         d_pad = -(-d // kernel.align_hidden) * kernel.align_hidden
         f_pad = -(-f_rank // kernel.align_intermediate) * kernel.align_intermediate
-        expert_rank = model.expert_params / tp * (3.0 * d_pad * f_pad) / (3.0 * d * f / tp)
+        expert_rank = model.expert_params * (d_pad * f_pad) / (d * f)  # weights + biases, as stored
         return cls(num_layers=L, num_experts=E, top_k=model.num_experts_per_tok, routing_skew=routing_skew,
                    kernel=kernel,
                    router_flop=L * 2.0 * d * E / (peak_bf16 * e.gemm_compute), router_half=e.gemm_half_m,
