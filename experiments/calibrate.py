@@ -285,6 +285,8 @@ def step_rows(steps, step_requests) -> tuple[list[int], list[Any], np.ndarray, l
 def fit_terms(cost_model) -> list[str]:
     """Basis terms worth fitting on this backend (see the module docstring)."""
     terms = [t for t in BASIS_TERMS if t not in ("comm", "ipc_step", "ipc_req") + GPU_ONLY_TERMS]
+    if not cost_model.model.is_moe:
+        terms.remove("moe")  # always 0 for a dense model
     if not cost_model.cuda_graphs:
         terms.remove("layer")  # always L on an eager backend: collinear with `step`
     else:

@@ -12,7 +12,7 @@ and coefficient (the source it was read from, or what it was fitted on).
 `memory_bytes` is the total the CUDA driver reports (`torch.cuda.mem_get_info()[1]`, what vLLM's
 `gpu_memory_utilization` multiplies), a little less than the datasheet/nvidia-smi figure.
 `peak_flops_fp8` is the dense fp8 tensor peak (0: the device has no fp8 tensor cores; fp8 weights
-then run as weight-only quantization at the bf16 peak).
+then run as weight-only quantization at the bf16 peak); `peak_flops_fp4` the dense fp4 one (Blackwell).
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ class HardwareSpec:
     interconnect_bandwidth: float = 0.0  # bytes/s per direction per device (tensor parallel)
     interconnect_latency_s: float = 0.0  # per collective
     peak_flops_fp8: float = 0.0  # dense fp8 FLOP/s; 0: no fp8 tensor cores
+    peak_flops_fp4: float = 0.0  # dense fp4 (NVFP4 / MXFP4 x MXFP4) FLOP/s; 0: no fp4 tensor cores
     efficiency: Efficiency = field(default_factory=Efficiency)
     coefficients: CostCoefficients = field(default_factory=CostCoefficients)
     provenance: dict[str, Any] = field(default_factory=dict)
@@ -104,6 +105,7 @@ def hardware_from_dict(cfg: Mapping[str, Any], path: str = "hardware") -> Hardwa
         interconnect_latency_s=non_negative(merged.get("interconnect_latency_s", 0.0),
                                             f"{path}.interconnect_latency_s"),
         peak_flops_fp8=non_negative(merged.get("peak_flops_fp8", 0.0), f"{path}.peak_flops_fp8"),
+        peak_flops_fp4=non_negative(merged.get("peak_flops_fp4", 0.0), f"{path}.peak_flops_fp4"),
         efficiency=Efficiency.from_dict(cfg.get("efficiency", {}), f"{path}.efficiency", base=base_eff),
         coefficients=CostCoefficients.from_dict(merged.get("coefficients", {}),
                                                 f"{path}.coefficients", base=base_coeffs),
