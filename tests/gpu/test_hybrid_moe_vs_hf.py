@@ -150,3 +150,18 @@ def test_engine_core_greedy_equals_hf(name):
     assert not eng.has_work() and hits > 0
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == orc.generate_greedy(p, n_new), f"{name} prompt {i} (len {len(p)})"
+
+
+def test_llm_generate_tiny_gpt_oss_equals_hf():
+    """The offline front end on tiny-gpt-oss: text prompts longer than its 10-token window."""
+    from servetwin.core.engine.llm import LLM
+    orc = oracle("tiny-gpt-oss")
+    texts = ["The scheduler decides which requests run in each step. A request arrives with a prompt",
+             "What is the capital of France?"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(model="tiny-gpt-oss", backend="torch", multiprocess=False, device="cpu", num_gpu_blocks=64,
+             max_model_len=256, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        outs = llm.generate(texts, greedy)
+    assert len(outs[0].prompt_token_ids) > TINY_GPT_OSS_WINDOW
+    for out in outs:
+        assert list(out.outputs[0].token_ids) == orc.generate_greedy(out.prompt_token_ids, 12)
