@@ -160,6 +160,8 @@ def load_weights(model: DecoderLM, path: Path) -> None:
         if name not in params:
             raise ValueError(f"checkpoint: unexpected tensor {hf_name!r} in {path}")
         p = params[name]
+        if name.endswith((".mlp.w13", ".mlp.w2")):  # stored input-major: fill it through [E, out, in]
+            p = p.transpose(-1, -2)
         if cfg.model_type == "gpt_oss" and shard is None:  # MXFP4 rows are already output features
             tensor = (_deinterleave(tensor, 1) if name.endswith("mlp.w13") else tensor) if mxfp4 \
                 else _gpt_oss_experts(name, tensor)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,6 +16,16 @@ from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.sched.output import CachedRequestData, NewRequestData
 from servetwin.gpu.models.tiny import TINY_GPT_OSS_WINDOW, TINY_SLIDING_WINDOW
 from backend_helpers import GREEDY, check_step_logits, make_executor, oracle, step
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """HF's and our forwards of these tiny models are per-op overhead: one thread avoids OpenMP barrier
+    spinning when the 2 cores are shared (measured: 3-5x faster under load)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 NEW_MODELS = ["tiny-mistral-sw", "tiny-mixtral", "tiny-qwen3-moe", "tiny-gpt-oss"]
 # fp32: the experts' weighted outputs are summed per token in another order than HF's (one index_add_
@@ -66,12 +75,12 @@ def test_hand_built_steps_cross_the_window(name, mode, block_size):
     run(step(3, new=[NewRequestData("C", pc, GREEDY, blocks["C"], hit)],
              cached=CachedRequestData(["A", "B"], [None, None], [37, 6], [1, 1]),
              num_scheduled={"A": 1, "B": 1, "C": len(pc) - hit}))
-    for s in range(4, 12):  # decodes walk A and C across block and window edges
+    for s in range(4, 9):  # decodes walk A and C across block and window edges
         done = {r: len(p) + len(out_tokens[r]) - 1 for r, p in (("A", pa), ("B", pb), ("C", pc))}
         run(step(s, cached=CachedRequestData(["A", "B", "C"], [None] * 3, [done["A"], done["B"], done["C"]],
                                              [len(out_tokens[r]) for r in "ABC"]),
                  num_scheduled={"A": 1, "B": 1, "C": 1}))
-    assert [len(out_tokens[r]) for r in "ABC"] == [10, 10, 9]
+    assert [len(out_tokens[r]) for r in "ABC"] == [7, 7, 6]
 
 
 def _poison_out_of_window(ex, window: int) -> int:
@@ -128,8 +137,8 @@ def test_engine_core_greedy_equals_hf(name):
     rng = random.Random(hash(name) % 1000)
     shared = [rng.randrange(3, 320) for _ in range(20)]
     prompts = [shared + [rng.randrange(3, 320) for _ in range(n)] for n in (5, 14)]
-    prompts += [[rng.randrange(3, 320) for _ in range(n)] for n in (3, 41)]
-    n_new = 14
+    prompts += [[rng.randrange(3, 320) for _ in range(n)] for n in (3, 31)]
+    n_new = 10
     arrivals = {0: [0, 3], 3: [1], 5: [2]}
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     hits = 0
