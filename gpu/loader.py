@@ -209,6 +209,7 @@ def randomize_weights(model: DecoderLM, seed: int) -> None:
     """Seeded random weights drawn on the model's device: norms ~1, matrices scaled by 1/sqrt(fan-in)."""
     for i, (name, p) in enumerate(model.named_parameters()):
         gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i)
+        fan_in = p.shape[-2] if name.endswith((".mlp.w13", ".mlp.w2")) else p.shape[-1]  # experts: input-major
         if name.endswith("norm.weight"):
             p.normal_(1.0, 0.1, generator=gen)
         elif name.endswith(".bias"):
@@ -216,7 +217,7 @@ def randomize_weights(model: DecoderLM, seed: int) -> None:
         elif "embed_tokens" in name:
             p.normal_(0.0, 1.0, generator=gen)
         else:
-            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+            p.normal_(0.0, fan_in ** -0.5, generator=gen)
 
 
 def load_model(info: ModelInfo | str, dtype: torch.dtype = torch.float32,

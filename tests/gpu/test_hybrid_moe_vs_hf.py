@@ -33,6 +33,18 @@ NEW_MODELS = ["tiny-mistral-sw", "tiny-mixtral", "tiny-qwen3-moe", "tiny-gpt-oss
 MOE_ATOL = 6e-5
 
 
+@pytest.mark.parametrize("name", NEW_MODELS)
+def test_spec_parameter_count_equals_hf_and_ours(name):
+    """core's ModelSpec counts (sinks, router / expert biases, dense layers, tied heads) on real modules."""
+    from transformers import AutoModelForCausalLM
+    from servetwin.gpu.loader import load_model
+    from servetwin.gpu.models.registry import resolve_model
+    info = resolve_model(name)
+    hf = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=torch.float32, local_files_only=True)
+    n_hf = sum(p.numel() for p in hf.parameters())
+    assert info.spec.num_parameters == n_hf == sum(p.numel() for p in load_model(info).parameters())
+
+
 def test_tiny_models_attention_and_moe_fields():
     from servetwin.gpu.models.registry import resolve_model
     sw = resolve_model("tiny-mistral-sw").decoder_config
