@@ -21,6 +21,7 @@ from servetwin.core.outputs import Logprobs, ModelRunnerOutput, StepTiming
 from servetwin.core.sched.output import SchedulerOutput
 from servetwin.core.engine.runner_state import RunnerState, ScheduledRow
 from servetwin.gpu.attention import CommonAttentionMetadata, select_attention_backend
+from servetwin.gpu.attention.layer_plans import build_layer_metadata
 from servetwin.gpu.cuda_graphs import CudaGraphRunner, default_capture_sizes
 from servetwin.gpu.input_batch import InputBatch, build_block_table, prepare_inputs, to_device
 from servetwin.gpu.kv_cache import allocate_kv_caches, cpu_num_blocks, cuda_num_blocks
@@ -87,6 +88,15 @@ def slow_cpu_dtype_warning(device: torch.device, dtype: torch.dtype) -> Optional
             "experiments/calibrations/cpu_smollm2-135m-fp32-avx2.yaml)")
 
 
+def cuda_graph_unsupported_reason(cfg: Any) -> Optional[str]:
+    """Why decode steps of this model cannot replay a captured CUDA graph (None: they can)."""
+    if cfg.moe is not None:
+        return "the MoE layers dispatch to a data-dependent set of experts"
+    if not cfg.all_full_attention:
+        return "sliding-window / chunked layers plan per-request key windows on the host"
+    return None
+
+
 class TorchExecutor:
     def __init__(self, model: str = "tiny-llama", dtype: Optional[str] = None, device: str = "auto",
                  block_size: int = 16, num_gpu_blocks: Optional[int] = None,
@@ -116,7 +126,8 @@ class TorchExecutor:
                                    block_size=block_size)
         self.attn_backend = select_attention_backend(attention_backend, self.device, self.dtype, block_size,
                                                      cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                                     torch_paged_mode)
+                                                     torch_paged_mode, cfg.attention_sinks,
+                                                     any(w.chunk_size for w in cfg.layer_windows))
         self.model.set_attention_backend(self.attn_backend)
         if self.device.type == "cuda":
             n = cuda_num_blocks(self.kv_spec, num_gpu_blocks, kv_cache_memory_bytes, self.device,
@@ -132,7 +143,9 @@ class TorchExecutor:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d", n, block_size,
                     n * self.kv_spec.bytes_per_block / 2**20, self.kv_spec.dtype, self.max_model_len)
         self.graph_runner: Optional[CudaGraphRunner] = None
-        if self.device.type == "cuda" and not enforce_eager:
+        if self.device.type == "cuda" and not enforce_eager and (reason := cuda_graph_unsupported_reason(cfg)):
+            logger.info("CUDA graphs off: %s", reason)
+        elif self.device.type == "cuda" and not enforce_eager:
             sizes = cuda_graph_sizes or default_capture_sizes(max_num_seqs)
             self.graph_runner = CudaGraphRunner(self.model, self.attn_backend, self.kv_caches, block_size,
                                                 self.pad_block_id, self.max_model_len, self.device, sizes)
@@ -203,7 +216,8 @@ class TorchExecutor:
         use_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         if not use_graph:
             slot_mapping = to_device(batch.slot_mapping, self.device)
-            attn_meta = self.attn_backend.build_metadata(self._common_metadata(batch, slot_mapping))
+            attn_meta = build_layer_metadata(self.attn_backend, [self._common_metadata(batch, slot_mapping)],
+                                             self.model.layer_windows)
         sample_idx = [i for i, r in enumerate(rows) if r.samples]
         # LM-head rows: every request's last token with keep_logits (tests read them all), else only
         # the requests that sample this step (a partial prefill chunk needs no logits)
@@ -280,7 +294,7 @@ class TorchExecutor:
             block_size=B, query_start_loc=to_device(qsl, dev), seq_lens=to_device(seq_lens, dev),
             block_table=to_device(block_table, dev), slot_mapping=to_device(positions, dev),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-        meta = self.attn_backend.build_metadata(common)
+        meta = build_layer_metadata(self.attn_backend, [common], self.model.layer_windows)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         hidden = self.model(ids, to_device(positions, dev), caches, meta)
         idx = torch.arange(min(self.max_num_seqs, num_tokens), device=dev)

@@ -75,7 +75,7 @@ def make_executor(name: str, **kw) -> TorchExecutor:
     return TorchExecutor(name, device="cpu", keep_logits=True, **kw)
 
 
-def check_step_logits(ex: TorchExecutor, orc: HFOracle, so, out) -> int:
+def check_step_logits(ex: TorchExecutor, orc: HFOracle, so, out, atol: float = ATOL) -> int:
     """Compare every scheduled row's logits with HF; returns the number of rows checked."""
     for rid, n in so.num_scheduled_tokens.items():
         st = ex.state.requests[rid]
@@ -83,7 +83,7 @@ def check_step_logits(ex: TorchExecutor, orc: HFOracle, so, out) -> int:
         upto = st.num_computed_tokens  # after this step's advance
         prefix = st.token_ids[:upto]
         ref = orc.last_logits(prefix)
-        torch.testing.assert_close(ex.last_logits[rid], ref, atol=ATOL, rtol=1e-5,
+        torch.testing.assert_close(ex.last_logits[rid], ref, atol=atol, rtol=1e-5,
                                    msg=lambda m: f"step {so.step} request {rid}: {m}")
         if sampled:
             assert sampled == [int(ref.argmax())], f"step {so.step} {rid}: greedy token differs"
