@@ -28,6 +28,25 @@ class CommonAttentionMetadata:
     seq_lens_cpu: np.ndarray
 
 
+@dataclass(slots=True)
+class GroupedAttentionMetadata:
+    """A step's attention metadata when the model has several KV cache groups: one backend metadata
+    per group (its own block table and slot mapping), and the group of each layer. Layer i reads
+    `for_layer(i)`; a one-group model gets its backend metadata itself, not this wrapper."""
+    groups: list
+    layer_to_group: tuple[int, ...]
+
+    def for_layer(self, layer_index: int):
+        return self.groups[self.layer_to_group[layer_index]]
+
+
+def metadata_for_layer(attn_metadata, layer_index: int):
+    """The metadata layer `layer_index` attends with (the step's own, or its KV group's)."""
+    if type(attn_metadata) is GroupedAttentionMetadata:
+        return attn_metadata.for_layer(layer_index)
+    return attn_metadata
+
+
 def copy_tensors_into(static: object, fresh: object) -> None:
     """Copy every tensor field of the dataclass `fresh` into the same-shaped field of `static`.
 

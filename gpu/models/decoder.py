@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from servetwin.gpu.attention.backend import AttentionBackend
+from servetwin.gpu.attention.metadata import metadata_for_layer
 from servetwin.gpu.models.config import DecoderConfig
 from servetwin.gpu.models.layers import RMSNorm, SwiGLU, linear
 from servetwin.gpu.models.rope import RotaryEmbedding
@@ -84,8 +85,8 @@ class DecoderLM(nn.Module):
                 attn_metadata: Any) -> torch.Tensor:
         self.rotary.new_forward()
         x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv, attn_metadata)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(positions, x, kv, metadata_for_layer(attn_metadata, i))  # its KV group's table
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

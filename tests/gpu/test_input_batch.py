@@ -12,7 +12,7 @@ PAD = 99
 
 
 def row(req_id, tokens, num_prompt, blocks, computed, scheduled):
-    st = CachedRequestState(req_id, list(tokens), num_prompt, list(blocks), None, computed + scheduled)
+    st = CachedRequestState(req_id, list(tokens), num_prompt, (list(blocks),), None, computed + scheduled)
     return ScheduledRow(req_id, st, computed, scheduled)
 
 
