@@ -43,9 +43,11 @@ class KVCacheCoordinator:
     # -- demand and allocation (summed / in group order) ------------------------------------------
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, hits: BlocksPerGroup,
                                    total_computed_tokens: int, apply_admission_cap: bool = False) -> int:
-        return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, h, total_computed_tokens,
-                                                apply_admission_cap)
-                   for m, h in zip(self.single_type_managers, hits))
+        total = 0  # (plain loops: this runs for every allocation)
+        for m, h in zip(self.single_type_managers, hits):
+            total += m.get_num_blocks_to_allocate(request_id, num_tokens, h, total_computed_tokens,
+                                                  apply_admission_cap)
+        return total
 
     def save_new_computed_blocks(self, request_id: str, hits: BlocksPerGroup,
                                  total_computed_tokens: int) -> None:
@@ -53,7 +55,7 @@ class KVCacheCoordinator:
             m.save_new_computed_blocks(request_id, h, total_computed_tokens)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> BlocksPerGroup:
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers)
+        return tuple([m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers])
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         for m in self.single_type_managers:
