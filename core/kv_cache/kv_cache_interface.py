@@ -3,7 +3,7 @@
 
 Every group uses the pool's one block size, so a spec carries only what its attention type adds.
 `max_admission_blocks_per_request` is vLLM's per-request cap that the admission gate and the
-startup fit check both use for a group that recycles its blocks (docs/scheduler_behaviour.md §9).
+startup fit check both use for a group that recycles its blocks (docs/scheduler_behaviour.md §4.12).
 """
 from __future__ import annotations
 
