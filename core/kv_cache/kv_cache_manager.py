@@ -148,7 +148,8 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that are full of known tokens in the prefix cache."""
-        self.coordinator.cache_blocks(request, num_tokens)
+        for manager in self.coordinator.single_type_managers:  # (the scheduler's hot path: no extra layer)
+            manager.cache_blocks(request, num_tokens)
 
     def free(self, request: Request) -> None:
         """Free the request's blocks group by group, each tail first."""
