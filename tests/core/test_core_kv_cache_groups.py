@@ -49,9 +49,11 @@ class KVGroupsMachine(RuleBasedStateMachine):
 
     @initialize(groups=group_mixes(), block_size=st.sampled_from([1, 2, 4, 8]),
                 caching=st.booleans(), async_sched=st.booleans(), num_blocks=st.integers(10, 40),
-                retention=st.sampled_from([0, None]))
+                retention=st.sampled_from([0, None, "interval"]))
     def setup(self, groups, block_size, caching, async_sched, num_blocks, retention):
         self.groups, self.block_size = groups, block_size
+        if retention == "interval":  # one window tail kept per 2 blocks (needs a sliding-window group)
+            retention = 2 * block_size if any(isinstance(g, SW) for g in groups) else 0
         self.sched = Scheduler(
             SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4, max_model_len=64,
                             async_scheduling=async_sched),
