@@ -66,8 +66,14 @@ class KVPoolSize:
             return None
         return self.kv_plan.kv_cache_groups
 
+    @property
+    def bytes_per_block(self) -> int:
+        """One pool block: a page of each layer of one KV cache group (all layers for one group)."""
+        layers = self.kv_spec.num_layers if self.kv_plan is None else self.kv_plan.group_size
+        return layers * self.kv_spec.page_size_bytes
+
     def to_dict(self) -> dict[str, Any]:
-        return {"num_gpu_blocks": self.num_gpu_blocks, "bytes_per_block": self.kv_spec.bytes_per_block,
+        return {"num_gpu_blocks": self.num_gpu_blocks, "bytes_per_block": self.bytes_per_block,
                 "requested_bytes": self.requested_bytes, "weight_bytes": self.weight_bytes,
                 "activation_peak_bytes": self.activation_peak_bytes, "non_torch_bytes": self.non_torch_bytes,
                 "available_kv_bytes": self.available_kv_bytes}

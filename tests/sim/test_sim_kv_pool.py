@@ -76,6 +76,7 @@ def test_gpt_oss_like_layers_give_two_groups_and_twice_the_blocks(monkeypatch):
     assert full_pool.kv_cache_groups is None  # one full-attention group: the scheduler's default
     assert pool.kv_cache_groups == (SlidingWindowSpec(128), FullAttentionSpec())
     assert pool.num_gpu_blocks == pytest.approx(2 * full_pool.num_gpu_blocks, abs=1)
+    assert pool.bytes_per_block * 2 == full_pool.bytes_per_block == full_pool.kv_spec.bytes_per_block
     off = size_kv_pool(hybrid, hw, 16, 0.9, 8192, 256, disable_hybrid_kv_cache_manager=True)
     assert off.kv_cache_groups is None and off.num_gpu_blocks == full_pool.num_gpu_blocks
 
