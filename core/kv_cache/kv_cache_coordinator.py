@@ -70,7 +70,7 @@ class KVCacheCoordinator:
             m.free(request_id)
 
     def get_blocks(self, request_id: str) -> BlocksPerGroup:
-        return tuple(m.req_to_blocks.get(request_id, []) for m in self.single_type_managers)
+        return tuple([m.req_to_blocks.get(request_id, []) for m in self.single_type_managers])
 
     # -- cache hits --------------------------------------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: list[bytes],

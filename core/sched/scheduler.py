@@ -57,7 +57,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 
 def _block_ids(blocks_per_group) -> tuple[list[int], ...]:
     """Block ids per KV cache group, group order (null entries are block 0)."""
-    return tuple([b.block_id for b in blocks] for blocks in blocks_per_group)
+    return tuple([[b.block_id for b in blocks] for blocks in blocks_per_group])
 
 
 class UnservableRequestError(ConfigError):
