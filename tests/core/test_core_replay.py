@@ -48,6 +48,7 @@ def _finished_pairs(rec: dict) -> list[list[str]]:
 def test_every_scenario_has_an_expected_trace():
     assert len(SCENARIOS) >= 13
     assert sum(name.startswith("d_") for name in SCENARIOS) == 6  # the recorded event scenarios
+    assert sum(name.startswith("h_") for name in SCENARIOS) == 6  # the recorded KV-cache-group scenarios
     for name in SCENARIOS:
         assert (DATA / f"{name}.expected.jsonl").exists(), name
 
