@@ -43,6 +43,8 @@ class KVCacheManager:
                  kv_cache_groups: Optional[tuple[KVCacheGroupSpec, ...]] = None,
                  prefix_cache_retention_interval: Optional[int] = 0,
                  max_in_flight_tokens: Optional[int] = None) -> None:
+        """`max_in_flight_tokens` sizes the window groups' admission cap (the scheduler passes
+        `SchedulerConfig.max_in_flight_tokens`; None: max_model_len, no cap below the sequence)."""
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark: must be in [0, 1), got {watermark}")
         self.block_size = block_size

@@ -50,15 +50,8 @@ def test_fp8_weights_and_kv_cache_enlarge_the_pool():
     assert fp8.num_gpu_blocks > 7 * bf16.num_gpu_blocks  # 30.5 GiB freed, blocks half the size
 
 
-def test_gpt_oss_like_layers_give_two_groups_and_twice_the_blocks(monkeypatch):
-    """Alternating sliding-window (128) / full layers: vLLM's groups [sliding 128, full] of 12 layers
-    each share one pool whose block is one page of 12 layers, so the pool has 2x the blocks of the
-    same model with every layer full attention (and the scheduler gets the groups)."""
+def _gpt_oss_like():
     from dataclasses import dataclass
-    from types import SimpleNamespace
-
-    from servetwin.core.kv_cache.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-    from servetwin.sim.kv_pool import build_sim_executor
 
     @dataclass(slots=True, frozen=True)
     class HybridSpec(ModelSpec):  # the fields core/model_spec.py's ModelSpec is getting
@@ -67,9 +60,17 @@ def test_gpt_oss_like_layers_give_two_groups_and_twice_the_blocks(monkeypatch):
 
     kw = dict(num_layers=24, hidden_size=2880, num_heads=64, num_kv_heads=8, head_dim=64,
               intermediate_size=2880, vocab_size=201088, tie_word_embeddings=False, max_position_embeddings=8192)
-    dense = ModelSpec("all-full", **kw)
-    hybrid = HybridSpec("gpt-oss-like", **kw, layer_types=("sliding_attention", "full_attention") * 12,
-                        sliding_window=128)
+    return ModelSpec("all-full", **kw), HybridSpec("gpt-oss-like", **kw, sliding_window=128,
+                                                   layer_types=("sliding_attention", "full_attention") * 12)
+
+
+def test_gpt_oss_like_layers_give_two_groups_and_twice_the_blocks():
+    """Alternating sliding-window (128) / full layers: vLLM's groups [sliding 128, full] of 12 layers
+    each share one pool whose block is one page of 12 layers, so the pool has 2x the blocks of the
+    same model with every layer full attention."""
+    from servetwin.core.kv_cache.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    dense, hybrid = _gpt_oss_like()
     hw = load_hardware("h100-sxm")
     full_pool = size_kv_pool(dense, hw, 16, 0.9, 8192, 256)
     pool = size_kv_pool(hybrid, hw, 16, 0.9, 8192, 256)
@@ -80,12 +81,19 @@ def test_gpt_oss_like_layers_give_two_groups_and_twice_the_blocks(monkeypatch):
     off = size_kv_pool(hybrid, hw, 16, 0.9, 8192, 256, disable_hybrid_kv_cache_manager=True)
     assert off.kv_cache_groups is None and off.num_gpu_blocks == full_pool.num_gpu_blocks
 
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_the_sim_engine_schedules_with_the_models_groups(monkeypatch, disable):
     import servetwin.sim.kv_pool as kv_pool
-    args = SimpleNamespace(model="x", dtype=None, hardware="h100-sxm", max_num_batched_tokens=8192,
-                           max_num_seqs=256, block_size=16, gpu_memory_utilization=0.9, tensor_parallel_size=1,
-                           num_gpu_blocks=None, kv_cache_memory_bytes=None, max_model_len=None,
-                           enforce_eager=True, async_scheduling=False, disable_hybrid_kv_cache_manager=False)
+    from servetwin.core.engine.engine_args import EngineArgs
+    from servetwin.core.engine.engine_factory import create_engine_core
+
+    _, hybrid = _gpt_oss_like()
     monkeypatch.setattr(kv_pool, "load_model_spec", lambda name, dtype=None: hybrid)
-    info = build_sim_executor(args)
-    assert info.kv_cache_groups == pool.kv_cache_groups and info.num_gpu_blocks == pool.num_gpu_blocks
-    assert info.max_model_len == 8192
+    engine, info = create_engine_core(EngineArgs.from_kwargs(
+        model="gpt-oss-like", backend="sim", hardware="h100-sxm", max_num_seqs=256,
+        disable_hybrid_kv_cache_manager=disable))
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.block_pool.num_gpu_blocks == info.num_gpu_blocks and info.max_model_len == 8192
+    assert [type(m).__name__ for m in kv.coordinator.single_type_managers] == (
+        ["FullAttentionManager"] if disable else ["SlidingWindowManager", "FullAttentionManager"])
