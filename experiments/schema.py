@@ -622,7 +622,7 @@ def _check_engine_semantics(exp: ExperimentConfig) -> None:
     try:
         info = build_sim_executor(args)
         args.scheduler_config(info.max_model_len)
-        args.cache_config(info.num_gpu_blocks)
+        args.cache_config(info.num_gpu_blocks, info.kv_cache_groups)
     except ConfigError as e:
         raise engine_field_path(e) from None
 

@@ -8,6 +8,7 @@ a CUDA graph on CUDA unless `enforce_eager`.
 from __future__ import annotations
 
 from servetwin.core.config_error import ConfigError
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Optional
@@ -15,6 +16,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from servetwin.core.kv_cache.kv_cache_interface import ONE_FULL_GROUP
+from servetwin.core.kv_cache.kv_cache_planning import check_or_fit_max_model_len_groups, model_kv_plan
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len
 from servetwin.gpu.models.model_files import check_max_model_len
 from servetwin.core.outputs import Logprobs, ModelRunnerOutput, StepTiming
@@ -105,7 +108,8 @@ class TorchExecutor:
                  max_model_len: Optional[int] = None, enforce_eager: bool = False,
                  attention_backend: str = "auto", seed: int = 0, profile_dir: Optional[str] = None,
                  torch_paged_mode: str = "auto", cuda_graph_sizes: Optional[list[int]] = None,
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, disable_hybrid_kv_cache_manager: bool = False,
+                 async_scheduling: bool = False) -> None:
         torch.manual_seed(seed)
         self.device = resolve_device(device)
         self.model_info: ModelInfo = resolve_model(model)
@@ -124,26 +128,39 @@ class TorchExecutor:
         self.kv_spec = KVCacheSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                    head_size=cfg.head_dim, dtype=str(self.dtype).replace("torch.", ""),
                                    block_size=block_size)
+        # KV cache groups from the layers' attention types; a pool block = one page of `group_size` layers
+        self.kv_plan = model_kv_plan(cfg, disable_hybrid_kv_cache_manager)
+        self.kv_cache_groups = None if self.kv_plan.kv_cache_groups == ONE_FULL_GROUP else self.kv_plan.kv_cache_groups
+        pool_spec = dataclasses.replace(self.kv_spec, num_layers=self.kv_plan.group_size)
         self.attn_backend = select_attention_backend(attention_backend, self.device, self.dtype, block_size,
                                                      cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                                      torch_paged_mode, cfg.attention_sinks,
                                                      any(w.chunk_size for w in cfg.layer_windows))
         self.model.set_attention_backend(self.attn_backend)
         if self.device.type == "cuda":
-            n = cuda_num_blocks(self.kv_spec, num_gpu_blocks, kv_cache_memory_bytes, self.device,
+            n = cuda_num_blocks(pool_spec, num_gpu_blocks, kv_cache_memory_bytes, self.device,
                                 gpu_memory_utilization,
                                 lambda: self._dummy_forward(min(max_num_batched_tokens, want_len)))
         else:
-            n = cpu_num_blocks(self.kv_spec, num_gpu_blocks, kv_cache_memory_bytes)
-        self.max_model_len = check_or_fit_max_model_len(n, self.kv_spec, -1 if max_model_len == -1 else want_len,
-                                                        derived_max_len)
+            n = cpu_num_blocks(pool_spec, num_gpu_blocks, kv_cache_memory_bytes)
+        if self.kv_cache_groups is None:
+            self.max_model_len = check_or_fit_max_model_len(
+                n, self.kv_spec, -1 if max_model_len == -1 else want_len, derived_max_len)
+        else:
+            self.max_model_len = check_or_fit_max_model_len_groups(
+                n, self.kv_cache_groups, block_size, -1 if max_model_len == -1 else want_len, derived_max_len,
+                max_num_batched_tokens * (2 if async_scheduling else 1))
         self.num_gpu_blocks = n
         self.pad_block_id = n  # the extra block past the scheduler's pool
-        self.kv_caches = allocate_kv_caches(self.kv_spec, n, self.dtype, self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d", n, block_size,
-                    n * self.kv_spec.bytes_per_block / 2**20, self.kv_spec.dtype, self.max_model_len)
+        self.kv_caches = allocate_kv_caches(self.kv_spec, n, self.dtype, self.device,
+                                            None if self.kv_cache_groups is None else self.kv_plan.layer_to_group)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d, %d KV cache group(s)",
+                    n, block_size, n * pool_spec.bytes_per_block / 2**20, self.kv_spec.dtype, self.max_model_len,
+                    len(self.kv_plan.kv_cache_groups))
         self.graph_runner: Optional[CudaGraphRunner] = None
-        if self.device.type == "cuda" and not enforce_eager and (reason := cuda_graph_unsupported_reason(cfg)):
+        reason = cuda_graph_unsupported_reason(cfg) or (
+            None if self.kv_cache_groups is None else "a CUDA graph captures one block table, not one per KV cache group")
+        if self.device.type == "cuda" and not enforce_eager and reason:
             logger.info("CUDA graphs off: %s", reason)
         elif self.device.type == "cuda" and not enforce_eager:
             sizes = cuda_graph_sizes or default_capture_sizes(max_num_seqs)
@@ -198,14 +215,26 @@ class TorchExecutor:
             observe(so, out)
         return out
 
-    def _common_metadata(self, batch: InputBatch, slot_mapping: torch.Tensor) -> CommonAttentionMetadata:
+    def _common_metadata(self, batch: InputBatch, slot_mapping: torch.Tensor,
+                         block_table: Optional[np.ndarray] = None) -> CommonAttentionMetadata:
         dev = self.device
         return CommonAttentionMetadata(
             num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens, max_query_len=batch.max_query_len,
             max_seq_len=batch.max_seq_len, block_size=self.block_size,
             query_start_loc=to_device(batch.query_start_loc, dev), seq_lens=to_device(batch.seq_lens, dev),
-            block_table=to_device(batch.block_table, dev), slot_mapping=slot_mapping,
-            query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens)
+            block_table=to_device(batch.block_table if block_table is None else block_table, dev),
+            slot_mapping=slot_mapping, query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens)
+
+    def _attention_metadata(self, batch: InputBatch) -> Any:
+        """The plan of every layer (`build_layer_metadata`): with several KV cache groups each group
+        has its own block table and slot mapping, and each layer reads its group's, with its window."""
+        if self.kv_cache_groups is None:
+            commons = [self._common_metadata(batch, to_device(batch.slot_mapping, self.device))]
+            return build_layer_metadata(self.attn_backend, commons, self.model.layer_windows)
+        commons = [self._common_metadata(batch, to_device(slots, self.device), table)
+                   for table, slots in zip(batch.block_tables, batch.slot_mappings)]
+        return build_layer_metadata(self.attn_backend, commons, self.model.layer_windows,
+                                    self.kv_plan.layer_to_group)
 
     def _execute(self, rows: list[ScheduledRow], so: SchedulerOutput) -> ModelRunnerOutput:
         timer = StepTimer(self.device)
@@ -215,9 +244,7 @@ class TorchExecutor:
         positions = to_device(batch.positions, self.device)
         use_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         if not use_graph:
-            slot_mapping = to_device(batch.slot_mapping, self.device)
-            attn_meta = build_layer_metadata(self.attn_backend, [self._common_metadata(batch, slot_mapping)],
-                                             self.model.layer_windows)
+            attn_meta = self._attention_metadata(batch)
         sample_idx = [i for i, r in enumerate(rows) if r.samples]
         # LM-head rows: every request's last token with keep_logits (tests read them all), else only
         # the requests that sample this step (a partial prefill chunk needs no logits)

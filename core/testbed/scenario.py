@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.kv_cache.kv_cache_interface import parse_kv_cache_groups
 from servetwin.core.limits import MAX_TOKENS_PER_REQUEST, load_json_file
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
@@ -161,6 +162,8 @@ SETTINGS: dict[str, tuple[_Reader, bool]] = {
     "max_num_active_seqs": (lambda v, p: _opt_int(v, p, 1), False),
     "eos_token_id": (lambda v, p: _opt_int(v, p, 0), False),
 }
+# KV cache groups (the oracle's HYBRID contract), read apart: `null` retention means dense, not default
+HYBRID_SETTINGS = ("kv_cache_groups", "prefix_cache_retention_interval")
 _SCHED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                  "long_prefill_token_threshold", "policy", "max_model_len", "scheduler_reserve_full_isl",
                  "watermark", "async_scheduling", "long_prefill_token_threshold_adaptive", "max_num_active_seqs")
@@ -168,7 +171,7 @@ _SCHED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefi
 
 def _parse_settings(raw: Any) -> dict[str, Any]:
     s = _object(raw, "settings")
-    _check_keys(s, tuple(SETTINGS), "settings")
+    _check_keys(s, tuple(SETTINGS) + HYBRID_SETTINGS, "settings")
     out = {}
     for name, (read, required) in SETTINGS.items():
         if name not in s:
@@ -178,6 +181,9 @@ def _parse_settings(raw: Any) -> dict[str, Any]:
         value = read(s[name], f"settings.{name}")
         if value is not None:
             out[name] = value
+    for name in HYBRID_SETTINGS:
+        if name in s:
+            out[name] = s[name]
     eos = out.get("eos_token_id")
     if eos is not None and eos in BASE_TOKEN_RANGE:
         raise ScenarioError("settings.eos_token_id", f"{eos} collides with the fake sampler's base tokens "
@@ -188,8 +194,11 @@ def _parse_settings(raw: Any) -> dict[str, Any]:
 def _configs(s: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
     try:
         sched = SchedulerConfig(**{k: s[k] for k in _SCHED_FIELDS if k in s})
+        groups = parse_kv_cache_groups(s["kv_cache_groups"]) if "kv_cache_groups" in s else None
         cache = CacheConfig(block_size=s.get("block_size", 16), num_gpu_blocks=s["num_gpu_blocks"],
-                            enable_prefix_caching=s.get("enable_prefix_caching", False))
+                            enable_prefix_caching=s.get("enable_prefix_caching", False),
+                            kv_cache_groups=groups,
+                            prefix_cache_retention_interval=s.get("prefix_cache_retention_interval", 0))
     except ConfigError as e:  # the configs name their own field ("max_num_seqs")
         raise ScenarioError(e.path, e.message).within("settings") from None
     return sched, cache

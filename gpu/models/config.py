@@ -99,6 +99,22 @@ class DecoderConfig:
     def all_full_attention(self) -> bool:
         return all(w.is_full for w in self.layer_windows)
 
+    # -- the layer description the KV cache planner reads (`core.kv_cache.kv_cache_planning.model_kv_plan`)
+    @property
+    def layer_types(self) -> Optional[tuple[str, ...]]:
+        if not self.layer_windows:
+            return None
+        return tuple(FULL_ATTENTION if w.is_full else SLIDING_ATTENTION if w.sliding_window is not None
+                     else CHUNKED_ATTENTION for w in self.layer_windows)
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        return next((w.sliding_window for w in self.layer_windows if w.sliding_window is not None), None)
+
+    @property
+    def attention_chunk_size(self) -> Optional[int]:
+        return next((w.chunk_size for w in self.layer_windows if w.chunk_size is not None), None)
+
     @classmethod
     def from_hf(cls, hf: Any) -> "DecoderConfig":
         model_type = getattr(hf, "model_type", "")

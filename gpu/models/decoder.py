@@ -100,6 +100,7 @@ class DecoderLM(nn.Module):
                 attn_metadata: Any) -> torch.Tensor:
         self.rotary.new_forward()
         x = self.embed_tokens(input_ids)
+        # one plan for every layer, or one per layer (its KV group's table and its window)
         per_layer = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
         for layer, kv, meta in zip(self.layers, kv_caches, per_layer):
             x = layer(positions, x, kv, meta)

@@ -38,10 +38,12 @@ class HFOracle:
 
     @torch.inference_mode()
     def generate_greedy(self, prompt: Sequence[int], n: int) -> list[int]:
-        ids = torch.tensor([list(prompt)])
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+        """n greedy tokens, EOS included when it is the argmax (what `ignore_eos` generates; HF
+        `generate`'s min_new_tokens would mask EOS instead, and random weights do pick it)."""
+        seq = list(prompt)
+        for _ in range(n):
+            seq.append(int(self.last_logits(seq).argmax()))
+        return seq[len(prompt):]
 
 
 def step(step_idx: int, new: Sequence[NewRequestData] = (), cached: Optional[CachedRequestData] = None,

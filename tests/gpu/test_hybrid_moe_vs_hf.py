@@ -5,6 +5,7 @@ past the window and preemption; and the blocks a window leaves behind are never 
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -57,13 +58,23 @@ def test_tiny_models_attention_and_moe_fields():
     assert resolve_model("tiny-mixtral").decoder_config.moe.renormalize
 
 
+def group_ids(ex, ids: list[int]) -> tuple[list[int], ...]:
+    """One logical block table in each of the executor's KV cache groups, on disjoint blocks (the j-th
+    layers of the groups share one KV tensor, so two groups must never share a block)."""
+    return tuple([b + g * GROUP_STRIDE for b in ids] for g in range(len(ex.kv_plan.kv_cache_groups)))
+
+
+GROUP_STRIDE = 64
+
+
 @pytest.mark.parametrize("name,mode,block_size", [("tiny-mistral-sw", "batched", 4), ("tiny-mistral-sw", "split", 16),
                                                   ("tiny-gpt-oss", "loop", 4), ("tiny-gpt-oss", "batched", 16),
                                                   ("tiny-mixtral", "split", 8), ("tiny-qwen3-moe", "batched", 8)])
 def test_hand_built_steps_cross_the_window(name, mode, block_size):
     """A 37-token prompt in chunks of 9 + 28 (the second crosses the window edge), a prefix hit of two
     shared blocks, decodes beyond the window next to a fresh prompt, preempt + resume."""
-    ex, orc = make_executor(name, torch_paged_mode=mode, block_size=block_size, max_model_len=128), oracle(name)
+    ex, orc = (make_executor(name, torch_paged_mode=mode, block_size=block_size, max_model_len=128,
+                             num_gpu_blocks=2 * GROUP_STRIDE + 1), oracle(name))
     rng = random.Random(13)
     pa = [rng.randrange(3, 320) for _ in range(37)]
     pb = [rng.randrange(3, 320) for _ in range(6)]
@@ -81,10 +92,10 @@ def test_hand_built_steps_cross_the_window(name, mode, block_size):
             out_tokens[rid].extend(toks)
         check_step_logits(ex, orc, so, out, MOE_ATOL)
 
-    run(step(1, new=[NewRequestData("A", pa, GREEDY, blocks["A"], 0)], num_scheduled={"A": 9}))
-    run(step(2, new=[NewRequestData("B", pb, GREEDY, blocks["B"], 0)],
+    run(step(1, new=[NewRequestData("A", pa, GREEDY, group_ids(ex, blocks["A"]), 0)], num_scheduled={"A": 9}))
+    run(step(2, new=[NewRequestData("B", pb, GREEDY, group_ids(ex, blocks["B"]), 0)],
              cached=CachedRequestData(["A"], [None], [9], [0]), num_scheduled={"A": 28, "B": 6}))
-    run(step(3, new=[NewRequestData("C", pc, GREEDY, blocks["C"], hit)],
+    run(step(3, new=[NewRequestData("C", pc, GREEDY, group_ids(ex, blocks["C"]), hit)],
              cached=CachedRequestData(["A", "B"], [None, None], [37, 6], [1, 1]),
              num_scheduled={"A": 1, "B": 1, "C": len(pc) - hit}))
     for s in range(4, 9):  # decodes walk A and C across block and window edges
@@ -101,7 +112,7 @@ def _poison_out_of_window(ex, window: int) -> int:
     bs, n = ex.block_size, 0
     for st in ex.state.requests.values():
         first = max(0, st.num_computed_tokens - window + 1) // bs
-        for b in st.block_ids[:first]:
+        for b in st.block_ids[0][:first]:  # tiny-mistral-sw: one sliding-window group
             for k, v in ex.kv_caches:
                 k[b].fill_(float("nan"))
                 v[b].fill_(float("nan"))
@@ -118,8 +129,8 @@ def test_out_of_window_blocks_are_never_read(mode):
     rng = random.Random(21)
     pa = [rng.randrange(3, 320) for _ in range(30)]
     pb = [rng.randrange(3, 320) for _ in range(17)]
-    new = [NewRequestData("A", pa, GREEDY, list(range(1, 13)), 0),
-           NewRequestData("B", pb, GREEDY, list(range(13, 22)), 0)]
+    new = [NewRequestData("A", pa, GREEDY, (list(range(1, 13)),), 0),
+           NewRequestData("B", pb, GREEDY, (list(range(13, 22)),), 0)]
     ex.execute_model(step(1, new=new, num_scheduled={"A": 20, "B": 17}))
     poisoned = _poison_out_of_window(ex, TINY_SLIDING_WINDOW)
     out = ex.execute_model(so := step(2, cached=CachedRequestData(["A", "B"], [None, None], [20, 17], [0, 1]),
@@ -141,17 +152,22 @@ def test_out_of_window_blocks_are_never_read(mode):
 def test_engine_core_greedy_equals_hf(name):
     """The real scheduler with prefix caching on, a 16-token budget (chunks cross the window), shared
     prefixes (hits) and a small pool (preemption): every row's logits, then whole generations vs
-    HF `generate`."""
-    ex, orc = make_executor(name, num_gpu_blocks=22, max_model_len=128, block_size=8,
+    HF's greedy tokens."""
+    # tiny-gpt-oss holds blocks in two KV cache groups (sliding 10, full): a pool as tight per group
+    ex, orc = make_executor(name, num_gpu_blocks=40 if name == "tiny-gpt-oss" else 22, max_model_len=128, block_size=8,
                             torch_paged_mode="split" if name != "tiny-gpt-oss" else "batched"), oracle(name)
     eng = EngineCore(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=5, max_model_len=128),
-                     CacheConfig(block_size=8, num_gpu_blocks=ex.num_gpu_blocks, enable_prefix_caching=True), ex)
-    rng = random.Random(hash(name) % 1000)
+                     CacheConfig(block_size=8, num_gpu_blocks=ex.num_gpu_blocks, enable_prefix_caching=True,
+                                 kv_cache_groups=ex.kv_cache_groups), ex)
+    rng = random.Random(zlib.crc32(name.encode()))  # str hash() is salted per process
     shared = [rng.randrange(3, 320) for _ in range(20)]
     prompts = [shared + [rng.randrange(3, 320) for _ in range(n)] for n in (5, 14)]
     prompts += [[rng.randrange(3, 320) for _ in range(n)] for n in (3, 31)]
+    # an exact resend: a sliding-window group keeps (sparse retention) only the window tail before the
+    # prompt's replay boundary, so tiny-mistral-sw (no full-attention group) hits there and only there
+    prompts.append(list(prompts[0]))
     n_new = 10
-    arrivals = {0: [0, 3], 3: [1], 5: [2]}
+    arrivals = {0: [0, 3], 3: [1], 5: [2], 8: [4]}
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     hits = 0
     for s in range(400):
