@@ -8,6 +8,12 @@ import time
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    if args.measured:  # a profiler trace of a run elsewhere (vLLM, servetwin): servetwin.experiments.vllm_import
+        from servetwin.experiments.vllm_import.trace_cli import cmd_compare_measured  # noqa: PLC0415
+
+        return cmd_compare_measured(args)
+    if args.config is None:
+        raise ValueError("config: the experiment YAML is required")
     from servetwin.experiments.compare import CompositionMismatch, compare, load_compare_config  # noqa: PLC0415
     from servetwin.experiments.run_folder import RunFolder  # noqa: PLC0415
 
@@ -72,7 +78,7 @@ def register(subparsers) -> None:
                     "workloads must schedule identical steps on both backends (else exit status 1, naming the "
                     "first differing step); online workloads (Poisson etc. arrivals, in wall time on torch) "
                     "report how many steps stayed identical.")
-    c.add_argument("config", help="experiment YAML (e.g. experiments/configs/compare_smollm2_offline.yaml)")
+    c.add_argument("config", nargs="?", help="experiment YAML (e.g. experiments/configs/compare_smollm2_offline.yaml)")
     c.add_argument("-o", "--output", help="output folder (default: runs/compare-<name>)")
     c.add_argument("--calibration", metavar="FILE",
                    help="calibration YAML (from `servetwin calibrate`) used as the simulator's hardware; "
@@ -92,6 +98,9 @@ def register(subparsers) -> None:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field by dotted path (repeatable)")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    c.add_argument("--measured", nargs="+", metavar="TRACE",
+                   help="compare the simulator with these profiler traces (vLLM's Chrome traces, one per rank) "
+                        "instead of running the torch backend: predicted vs measured step time by phase")
     c.add_argument("--overwrite", action="store_true",
                    help="replace the contents of a non-empty output folder (default: refuse it)")
     c.set_defaults(func=_cmd_compare)
