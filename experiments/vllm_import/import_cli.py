@@ -63,6 +63,7 @@ def register(subparsers) -> None:
     b.add_argument("--name", help="case name (default: the file's stem)")
     b.add_argument("--overwrite", action="store_true", help="replace a case of the same name")
     b.set_defaults(func=_cmd_bench)
-    from servetwin.experiments.vllm_import import trace_cli  # noqa: PLC0415
+    from servetwin.experiments.vllm_import import server_log, trace_cli  # noqa: PLC0415
 
     trace_cli.register(sub)
+    server_log.register(sub)
