@@ -120,3 +120,24 @@ def test_a_truncated_file_is_an_error_naming_it(tmp_path, cut, name):
     with pytest.raises(ConfigError) as err:  # never another exception
         load_bench_file(bad)
     assert "cut.json" in err.value.path
+
+
+def test_run_writes_vllm_bench_json_that_imports_and_validates_exactly(tmp_path, capsys):
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("name: written\nseed: 0\nmodel: llama-3.1-8b\nhardware: h100-sxm\nbackends: [sim]\n"
+                   "frontend: {type: api_server, endpoint: completions}\n"
+                   "workload: {requests: 12, prompt_tokens: {type: uniform, low: 50, high: 600},\n"
+                   "           output_tokens: {type: uniform, low: 5, high: 40}, arrival: {type: offline}}\n"
+                   "output: {step_requests: false, plots: false}\n")
+    bench = tmp_path / "bench.json"
+    assert main(["run", str(exp), "-o", str(tmp_path / "run"), "--save-vllm-bench", str(bench)]) == 0
+    doc = json.loads(bench.read_text())
+    assert doc["backend"] == "servetwin-sim" and doc["request_rate"] == "inf" and doc["completed"] == 12
+    assert len(doc["input_lens"]) == 12 and doc["mean_ttft_ms"] > 0 and "p99_e2el_ms" in doc
+    assert main(["import", "vllm-bench", str(bench), "--hardware", "h100-sxm", "--tensor-parallel-size", "1",
+                 "-o", str(tmp_path / "case")]) == 0
+    capsys.readouterr()
+    assert main(["validate", str(tmp_path / "case"), "-q"]) == 0
+    out = capsys.readouterr().out
+    for group in ("throughput/duration", "TPOT/ITL", "TTFT", "E2E"):
+        assert f"| {group} | 0.0% |" in out  # the same run, replayed from vLLM's format
