@@ -171,10 +171,11 @@ def _frontend(record: BenchRecord, notes: list[str]) -> dict[str, Any]:
     return {"type": "api_server", "endpoint": "chat" if chat else "completions"}
 
 
-def build_case(record: BenchRecord, opts: ImportOptions) -> ImportedCase:
-    """The case for one record (ConfigError naming the flag or field that is missing)."""
+def build_case(record: BenchRecord, opts: ImportOptions, prefix: str = "") -> ImportedCase:
+    """The case for one record (ConfigError naming the flag or field that is missing); `prefix` goes in
+    front of its name (records of several files in one directory)."""
     notes = list(record.notes)
-    name = case_name(record, opts.name)
+    name = prefix + case_name(record, opts.name)
     model = resolve_model(record, opts)
     if not opts.hardware:
         said = f" (the file says {record.hardware_name!r})" if record.hardware_name else ""
