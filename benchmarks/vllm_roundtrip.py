@@ -25,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import yaml
 
 TRUTH = {"c_step": 0.0021, "c_req": 1.5e-05, "c_token": 2.0e-07, "c_layer": 0.0, "c_layer_piecewise": 1.4e-05,

@@ -30,11 +30,11 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.testbed.step_ranges import CPU_CATEGORY, GPU_CATEGORY
 
 PLAIN = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
 _SUMS = r"\(sq(\d+)sk(\d+)sqsq(\d+)sqsk(\d+)\)"
 DETAILED = re.compile(rf"^execute_(\d+)_context_(\d+){_SUMS}_generation_(\d+){_SUMS}$")
-CPU_CATEGORY, GPU_CATEGORY = "user_annotation", "gpu_user_annotation"
 SUM_COLUMNS = ("ctx_sum_seq", "ctx_sum_q2", "ctx_sum_q_seq", "gen_sum_seq", "gen_sum_q2", "gen_sum_q_seq")
 EXTRA_COLUMNS = ("cpu_duration_s", "gpu_duration_s", "gap_before_s", "rank_count") + SUM_COLUMNS
 
@@ -173,30 +173,13 @@ def step_table_annotations(steps, step_requests, detailed: bool) -> list[str]:
 
 def write_profiler_trace(steps, path: str | Path, step_requests=None, detailed: bool = False,
                          gpu: bool = True, process: str = "servetwin") -> Path:
-    """Write a step table as a Chrome trace: per step a `user_annotation` range (and a
-    `gpu_user_annotation` one when `gpu`) named as vLLM names it, at the step's start with its duration.
-    `.gz` paths are gzip-compressed, as vLLM's `*.pt.trace.json.gz`."""
-    from servetwin.core.testbed.atomic import atomic_open  # noqa: PLC0415
+    """Write a step table as a Chrome trace (`servetwin.core.testbed.step_ranges`): per step a
+    `user_annotation` range (and a `gpu_user_annotation` one when `gpu`) named as vLLM names it, at the
+    step's start with its duration; `.gz` paths are gzip-compressed, as vLLM's `*.pt.trace.json.gz`."""
+    from servetwin.core.testbed.step_ranges import write_step_ranges  # noqa: PLC0415
 
     if detailed and step_requests is None:
         raise ValueError("write_profiler_trace: the detailed annotation needs the step_requests table")
     names = step_table_annotations(steps, step_requests, detailed)
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": process}},
-        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "engine steps (CPU)"}}]
-    if gpu:
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 1, "args": {"name": "stream 7 (GPU)"}})
-    for name, t, d in zip(names, steps.t_start_s.to_numpy(dtype=float), steps.duration_s.to_numpy(dtype=float)):
-        base = {"ph": "X", "name": name, "pid": 0, "ts": round(t * 1e6, 3), "dur": round(d * 1e6, 3)}
-        events.append({**base, "cat": CPU_CATEGORY, "tid": 0})
-        if gpu:
-            events.append({**base, "cat": GPU_CATEGORY, "tid": 1})
-    text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
-    p = Path(path)
-    if p.name.endswith(".gz"):
-        with atomic_open(str(p), "wb", encoding=None) as f:
-            f.write(gzip.compress(text.encode()))
-    else:
-        with atomic_open(str(p)) as f:
-            f.write(text)
-    return p
+    return write_step_ranges(path, zip(names, steps.t_start_s.to_numpy(dtype=float), steps.duration_s.to_numpy(dtype=float)),
+                             gpu=gpu, process=process)
