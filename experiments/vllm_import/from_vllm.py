@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import gzip
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -50,6 +51,41 @@ def nearest_preset(hardware: Optional[str]) -> str:
                                     f"({', '.join(HARDWARE_PRESETS)})")
 
 
+@dataclass(slots=True)
+class StartSet:
+    """Where a fit starts: `base` is the preset the written file names; `hardware` what the simulator runs on
+    first (the preset, or a given hardware file's values); `efficiency` / `values` a given file's (e.g. a
+    CPU calibration's measured GEMM curve, which a profiler trace cannot give: its GEMMs are in native
+    kernels the CPU profiler does not list)."""
+    base: str
+    hardware: Any
+    efficiency: Any = None
+    values: Optional[dict[str, Any]] = None
+
+
+def start_set(hardware: Optional[str]) -> StartSet:
+    """`--hardware`: a preset, a GPU name (the nearest preset), or a hardware YAML naming its `base` preset."""
+    import yaml  # noqa: PLC0415
+
+    from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
+    from servetwin.sim.hardware_presets import HARDWARE_PRESETS  # noqa: PLC0415
+
+    if not hardware or not Path(hardware).is_file():
+        base = nearest_preset(hardware)
+        return StartSet(base, base)
+    try:
+        raw = yaml.safe_load(Path(hardware).read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError("--hardware", f"{hardware} is not valid YAML: {e}") from None
+    base = raw.get("base") if isinstance(raw, dict) else None
+    if base not in HARDWARE_PRESETS:
+        raise ConfigError("--hardware", f"{hardware}: a hardware file to start from must name its preset (base: "
+                                        f"{', '.join(HARDWARE_PRESETS)})")
+    hw = load_hardware(hardware)
+    values = {"efficiency": hw.efficiency.to_dict(), "coefficients": hw.coefficients.to_dict()}
+    return StartSet(base, {"base": base, **values}, hw.efficiency, values)
+
+
 def is_chrome_trace(path: str | Path) -> bool:
     head = Path(path).read_bytes()[:4096]
     if head[:2] == b"\x1f\x8b":
@@ -72,7 +108,8 @@ def classify(files: list[str]) -> tuple[list[str], list[str]]:
 
 
 # -- step-level fit from profiler traces ----------------------------------------------------------------
-def trace_runs(traces: list[str], experiments: list[str], base: str, log: Callable[[str], None]) -> list[tuple[str, Any]]:
+def trace_runs(traces: list[str], experiments: list[str], hardware: Any, log: Callable[[str], None]
+               ) -> list[tuple[str, Any]]:
     """[(label, MatchedSteps)] per measured run."""
     from servetwin.experiments.vllm_import.measured_steps import load_sim_experiment, match_steps  # noqa: PLC0415
     from servetwin.experiments.vllm_import.profiler_trace import read_profiler_traces  # noqa: PLC0415
@@ -89,7 +126,7 @@ def trace_runs(traces: list[str], experiments: list[str], base: str, log: Callab
                                           f"({len(traces)}), got {len(experiments)}")
     runs = []
     for group, exp_path in zip(groups, experiments):
-        m = match_steps(read_profiler_traces(group), load_sim_experiment(exp_path, hardware=base), log)
+        m = match_steps(read_profiler_traces(group), load_sim_experiment(exp_path, hardware=hardware), log)
         log(f"calibrate: {', '.join(Path(g).name for g in group)}: {len(m.measured_index)}/{m.measured_total} "
             f"steps matched with {Path(exp_path).name}")
         runs.append((" + ".join(group), m))
@@ -116,10 +153,10 @@ def fit_runs(runs: list[tuple[str, Any]], trim: Optional[float]):
     return fit_from_tables(steps, rows, runs[0][1].cost_model, trim=trim)
 
 
-def coefficients_of(cal, base: str) -> dict[str, float]:
+def coefficients_of(cal, start: StartSet) -> dict[str, float]:
     from servetwin.experiments.calibrate import calibration_document  # noqa: PLC0415
 
-    return calibration_document(base, cal, {})["coefficients"]
+    return calibration_document(start.base, cal, {}, efficiency=start.efficiency)["coefficients"]
 
 
 def step_errors(m, cost_model, coefficients: dict[str, float]) -> np.ndarray:
@@ -138,10 +175,10 @@ def _err_stats(rel: np.ndarray) -> dict[str, float]:
     return {"steps": int(a.size), "median_abs_rel_err": float(np.median(a)), "p90_abs_rel_err": float(np.quantile(a, 0.9))}
 
 
-def trace_fit(runs, base: str, trim: Optional[float], log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+def trace_fit(runs, start: StartSet, trim: Optional[float], log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
     """(the pooled fit, {in_sample, leave_one_file_out} errors per run)."""
     cal = fit_runs(runs, trim)
-    coeffs = coefficients_of(cal, base)
+    coeffs = coefficients_of(cal, start)
     cm = runs[0][1].cost_model
     report: dict[str, Any] = {"terms_fitted": list(cal.terms),
                               "in_sample": {label: _err_stats(step_errors(m, cm, coeffs)) for label, m in runs}}
@@ -149,20 +186,20 @@ def trace_fit(runs, base: str, trim: Optional[float], log: Callable[[str], None]
         loo = {}
         for k, (label, m) in enumerate(runs):
             others = runs[:k] + runs[k + 1:]
-            loo[label] = _err_stats(step_errors(m, cm, coefficients_of(fit_runs(others, trim), base)))
+            loo[label] = _err_stats(step_errors(m, cm, coefficients_of(fit_runs(others, trim), start)))
             log(f"calibrate: without {label}: median |error| {100 * loo[label]['median_abs_rel_err']:.2f}%")
         report["leave_one_file_out"] = loo
     return cal, report
 
 
-def iterate_trace_fit(traces: list[str], experiments: list[str], base: str, trim: Optional[float],
+def iterate_trace_fit(traces: list[str], experiments: list[str], start: StartSet, trim: Optional[float],
                       provenance: dict[str, Any], log: Callable[[str], None], rounds: int = 4):
     """Match, fit, and match again on the simulator with the fitted coefficients: an online run's schedule
     (arrivals through a front end) depends on the step times, so the first matching, on the preset's,
     pairs some steps wrongly. Stops when every step matches or the matched count stops growing."""
     from servetwin.experiments.calibrate import calibration_document  # noqa: PLC0415
 
-    hardware: Any = base
+    hardware: Any = start.hardware
     best = None
     for k in range(rounds):
         runs = trace_runs(traces, experiments, hardware, log)
@@ -170,13 +207,14 @@ def iterate_trace_fit(traces: list[str], experiments: list[str], base: str, trim
         total = sum(m.measured_total for _, m in runs)
         if best is not None and matched <= best[0]:
             break
-        cal, report = trace_fit(runs, base, trim, log)
-        doc = calibration_document(base, cal, provenance, name=f"{base}-from-vllm")
+        cal, report = trace_fit(runs, start, trim, log)
+        doc = calibration_document(start.base, cal, provenance, name=f"{start.base}-from-vllm",
+                                   efficiency=start.efficiency)
         report["matched_steps"] = f"{matched}/{total} (round {k + 1})"
         best = (matched, cal, report, doc)
         if matched == total:
             break
-        hardware = {"base": base, "efficiency": doc["efficiency"], "coefficients": doc["coefficients"]}
+        hardware = {"base": start.base, "efficiency": doc["efficiency"], "coefficients": doc["coefficients"]}
     _, cal, report, doc = best
     return cal, report, doc
 
@@ -235,24 +273,26 @@ def calibrate_from_vllm(files: list[str], out_path: str, *, hardware: Optional[s
     from servetwin.experiments.calibrate import write_calibration  # noqa: PLC0415
     from servetwin.experiments.preset_fit import hardware_mapping  # noqa: PLC0415
 
-    base = nearest_preset(hardware)
+    start = start_set(hardware)
+    base = start.base
     opts.hardware = base
     traces, benches = classify(files)
     provenance: dict[str, Any] = {
         "source": "servetwin calibrate --from-vllm", "calibrated": True, "base_preset": base,
+        "start": hardware if start.values is not None else base,
         "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
         "files": {"profiler_traces": traces, "bench_results": benches, "experiments": list(experiments)}}
     if traces:
-        cal, report, doc = iterate_trace_fit(traces, experiments, base, trim, provenance, log)
+        cal, report, doc = iterate_trace_fit(traces, experiments, start, trim, provenance, log)
         provenance["method"] = ("step-level NNLS on the profiler traces' steps, matched with the simulated run "
                                 "(re-simulated with the fitted coefficients until the matching stops improving)")
         provenance["step_errors"] = report
         if benches:
-            start = {"efficiency": doc["efficiency"], "coefficients": doc["coefficients"]}
-            provenance["bench_check"] = bench_fit(benches, opts, base, start, False, rounds, log)[1]
+            fitted = {"efficiency": doc["efficiency"], "coefficients": doc["coefficients"]}
+            provenance["bench_check"] = bench_fit(benches, opts, base, fitted, False, rounds, log)[1]
     elif benches:
-        values, report = bench_fit(benches, opts, base, None, True, rounds, log, params)
-        mapping = hardware_mapping(values, base)
+        values, report = bench_fit(benches, opts, base, start.values, True, rounds, log, params)
+        mapping = hardware_mapping(values, base, start.values)
         doc = {"base": base, "name": f"{base}-from-vllm", "efficiency": mapping["efficiency"],
                "coefficients": mapping["coefficients"], "provenance": provenance}
         provenance["method"] = "end-to-end search (servetwin.experiments.preset_fit) on the bench results"
@@ -261,7 +301,7 @@ def calibrate_from_vllm(files: list[str], out_path: str, *, hardware: Optional[s
     else:
         raise ConfigError("--from-vllm", "no file given")
     header = ("Written by `servetwin calibrate --from-vllm` - fitted, not hand-edited.\n"
-              f"Starts from the {base} preset; the files it was fitted on are in provenance.files.\n"
+              f"Starts from {provenance['start']}; the files it was fitted on are in provenance.files.\n"
               "Use as `hardware: <this file>` in run, capacity and sweep.")
     write_calibration(out_path, doc, header)
     return doc

@@ -99,3 +99,19 @@ def test_bench_results_fit_end_to_end(tmp_path):
     case = "f0_er0080_vllm0.25.1_sweep_opt125m_c2_p8_run0"
     assert prov["bench_errors"]["in_sample"][case]["signed_errors"]
     assert load_hardware(str(tmp_path / "gpu.yaml")).coefficients.c_step == pytest.approx(prov["fitted"]["coefficients.c_step"])
+
+
+def test_a_hardware_file_can_be_the_start(measured, tmp_path):
+    from servetwin.experiments.vllm_import.from_vllm import start_set
+
+    d, files = measured
+    start = tmp_path / "start.yaml"
+    start.write_text(yaml.safe_dump({"base": "h100-sxm", "efficiency": {"gemm_compute": 0.5}}))
+    s = start_set(str(start))
+    assert s.base == "h100-sxm" and s.values["efficiency"]["gemm_compute"] == 0.5
+    doc = calibrate_from_vllm([str(files[0][0])], str(tmp_path / "out.yaml"), hardware=str(start),
+                              experiments=[str(files[0][1])], opts=ImportOptions(), trim=None)
+    assert doc["efficiency"]["gemm_compute"] == 0.5 and doc["provenance"]["start"] == str(start)
+    (tmp_path / "nobase.yaml").write_text(yaml.safe_dump({"efficiency": {"gemm_compute": 0.5}}))
+    with pytest.raises(ConfigError, match="must name its preset"):
+        start_set(str(tmp_path / "nobase.yaml"))
