@@ -11,13 +11,21 @@ def _cmd_import_trace(args: argparse.Namespace) -> int:
     from servetwin.core.testbed.atomic import atomic_write_with  # noqa: PLC0415
     from servetwin.experiments.vllm_import.profiler_trace import read_profiler_traces  # noqa: PLC0415
 
+    import pandas as pd  # noqa: PLC0415
+
+    from servetwin.core.testbed.trace import REQUEST_COLUMNS, STEP_REQUEST_COLUMNS  # noqa: PLC0415
+
     steps = read_profiler_traces(args.traces, run=args.run)
-    out = Path(args.output)
+    out = Path(args.output) / "measured"  # a run folder's layout: the trace-analysis notebook reads it
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_with(str(out / "steps.parquet"), lambda tmp: steps.to_parquet(tmp, index=False))
+    tables = {"steps": steps, "step_requests": pd.DataFrame(columns=STEP_REQUEST_COLUMNS),
+              "requests": pd.DataFrame(columns=REQUEST_COLUMNS)}  # a profiler trace has no per-request rows
+    for name, table in tables.items():
+        atomic_write_with(str(out / f"{name}.parquet"), lambda tmp, t=table: t.to_parquet(tmp, index=False))
     gpu = steps.gpu_duration_s.notna().all()
     print(f"{len(steps)} steps from {len(args.traces)} trace file(s) ({'GPU' if gpu else 'CPU'} durations); "
-          f"wrote {out / 'steps.parquet'}")
+          f"wrote {out}/steps.parquet (trace-analysis notebook: RUN_DIR = {str(args.output)!r}, "
+          f"BACKENDS = ['measured'])")
     return 0
 
 
@@ -52,8 +60,9 @@ def register(sub) -> None:
                                           "-> a per-step table in servetwin's trace schema",
                        description="Reads every execute_context_X(a)_generation_Y(b) range: CPU duration, GPU "
                                    "duration (gpu_user_annotation), gap to the previous step, composition. "
-                                   "Writes DIR/steps.parquet (what the trace-analysis notebook reads).")
+                                   "Writes DIR/measured/steps.parquet (and empty per-request tables): a run "
+                                   "folder the trace-analysis notebook reads with BACKENDS = ['measured'].")
     t.add_argument("traces", nargs="+", help="Chrome trace files, one per rank")
-    t.add_argument("-o", "--output", required=True, help="folder for steps.parquet")
+    t.add_argument("-o", "--output", required=True, help="folder for measured/steps.parquet")
     t.add_argument("--run", default="measured", help="run name in the table (default: measured)")
     t.set_defaults(func=_cmd_import_trace)

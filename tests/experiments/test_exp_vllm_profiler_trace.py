@@ -119,3 +119,13 @@ def test_bad_traces_name_the_problem(tmp_path, capsys):
         (tmp_path / name).write_bytes(data)
         assert main(["import", "vllm-trace", str(tmp_path / name), "-o", str(tmp_path / "out")]) == 2
         assert expected[name] in capsys.readouterr().err
+
+
+def test_import_writes_a_run_folder_the_notebook_reads(torch_trace, tmp_path):
+    import pandas as pd
+
+    _, frames, path = torch_trace
+    assert main(["import", "vllm-trace", str(path), "-o", str(tmp_path)]) == 0
+    tables = {n: pd.read_parquet(tmp_path / "measured" / f"{n}.parquet") for n in ("steps", "step_requests", "requests")}
+    assert tables["steps"].annotation.tolist() == frames["steps"].annotation.tolist()
+    assert len(tables["step_requests"]) == 0 and "request_id" in tables["requests"].columns
