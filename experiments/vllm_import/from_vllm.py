@@ -1,7 +1,8 @@
 """`servetwin calibrate --from-vllm FILES... -o my_gpu.yaml`: a hardware file fitted on what vLLM wrote.
 
 Files are told apart by content: Chrome traces (`traceEvents`, plain or gzip) are profiler traces,
-JSON / JSONL benchmark results are `vllm bench serve` files (`bench_file`). Two fits, from the nearest
+JSON / JSONL benchmark results are `vllm bench serve` files (`bench_file`), anything else a server log
+(`server_log`: its engine settings go into the bench files' cases). Two fits, from the nearest
 preset (`--hardware`: a preset, or a GPU name such as "NVIDIA H100 80GB HBM3"):
 
 - profiler traces (with `--experiment`, the measured run's workload and engine settings: one YAML for
@@ -97,14 +98,19 @@ def is_chrome_trace(path: str | Path) -> bool:
     return b"traceEvents" in head
 
 
-def classify(files: list[str]) -> tuple[list[str], list[str]]:
-    """(traces, bench files); a file that is neither is a ConfigError naming it."""
-    traces, benches = [], []
+def classify(files: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(profiler traces, bench results, server logs): a trace holds `traceEvents`, a bench result starts
+    as JSON, anything else is read as a server log (whose readers name a file that is none of them)."""
+    traces, benches, logs = [], [], []
     for f in files:
         if not Path(f).is_file():
             raise ConfigError(f, "file not found")
-        (traces if is_chrome_trace(f) else benches).append(f)
-    return traces, benches
+        if is_chrome_trace(f):
+            traces.append(f)
+        else:
+            head = Path(f).read_bytes()[:64].lstrip()
+            (benches if head[:1] in (b"{", b"[") else logs).append(f)
+    return traces, benches, logs
 
 
 # -- step-level fit from profiler traces ----------------------------------------------------------------
@@ -276,12 +282,17 @@ def calibrate_from_vllm(files: list[str], out_path: str, *, hardware: Optional[s
     start = start_set(hardware)
     base = start.base
     opts.hardware = base
-    traces, benches = classify(files)
+    traces, benches, logs = classify(files)
+    for path in logs:  # the server's engine settings, for the bench files' cases
+        from servetwin.experiments.vllm_import.server_log import apply_to_options, read_server_log  # noqa: PLC0415
+
+        apply_to_options(read_server_log(path), opts, path)
     provenance: dict[str, Any] = {
         "source": "servetwin calibrate --from-vllm", "calibrated": True, "base_preset": base,
         "start": hardware if start.values is not None else base,
         "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "files": {"profiler_traces": traces, "bench_results": benches, "experiments": list(experiments)}}
+        "files": {"profiler_traces": traces, "bench_results": benches, "server_logs": logs,
+                  "experiments": list(experiments)}}
     if traces:
         cal, report, doc = iterate_trace_fit(traces, experiments, start, trim, provenance, log)
         provenance["method"] = ("step-level NNLS on the profiler traces' steps, matched with the simulated run "

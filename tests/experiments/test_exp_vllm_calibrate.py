@@ -92,10 +92,12 @@ def test_traces_need_the_run_and_the_gpu(measured, capsys):
 def test_bench_results_fit_end_to_end(tmp_path):
     src = str(DATA / "er0080_vllm0.25.1_sweep_opt125m_c2_p8_run0.json")
     params = [p for p in FIT if p[1] == "c_step"]
-    doc = calibrate_from_vllm([src], str(tmp_path / "gpu.yaml"), hardware="h100-sxm", experiments=[],
+    log = str(DATA.parent / "vllm_logs" / "pr24162_v0.10.2dev_qwen2.5-0.5b_tp2.log")  # a server log joins the mix
+    doc = calibrate_from_vllm([src, log], str(tmp_path / "gpu.yaml"), hardware="h100-sxm", experiments=[],
                               opts=ImportOptions(model="llama-3.1-8b", tensor_parallel_size=1), params=params)
     prov = doc["provenance"]
     assert prov["files"]["bench_results"] == [src] and "coefficients.c_step" in prov["fitted"]
+    assert prov["files"]["server_logs"] == [log]
     case = "f0_er0080_vllm0.25.1_sweep_opt125m_c2_p8_run0"
     assert prov["bench_errors"]["in_sample"][case]["signed_errors"]
     assert load_hardware(str(tmp_path / "gpu.yaml")).coefficients.c_step == pytest.approx(prov["fitted"]["coefficients.c_step"])
