@@ -59,6 +59,9 @@ def test_formats_differences():
 
 
 def test_inferencemax_aggregate_needs_the_workload_flags():
+    # Built here from the keys InferenceMAX's aggregation writes (InferenceMAX/InferenceMAX utils/process_result.py:
+    # hw, tp, ep, conc, model, framework, precision, *_per_gpu throughputs, the *_ms latencies renamed without the
+    # suffix, in seconds); the values are made up, not a measurement.
     rec = parse_record({"hw": "h200", "tp": 8, "ep": 1, "conc": 64, "model": "deepseek-ai/DeepSeek-R1",
                         "framework": "vllm", "precision": "fp8", "tput_per_gpu": 1000.0,
                         "output_tput_per_gpu": 400.0, "mean_ttft": 0.25, "median_tpot": 0.02}, "agg.json")
