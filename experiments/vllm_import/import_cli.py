@@ -15,6 +15,14 @@ def _options(args: argparse.Namespace):
     opts = ImportOptions(model=args.model, hardware=args.hardware, tensor_parallel_size=args.tensor_parallel_size,
                          vllm_version=args.vllm_version, num_prompts=args.num_prompts, input_len=args.input_len,
                          output_len=args.output_len, name=args.name)
+    for text in args.engine or []:  # the server's flags a result file cannot record (quantization, ...)
+        import yaml  # noqa: PLC0415
+
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--engine: expected KEY=VALUE (a vLLM engine argument), got {text!r}")
+        opts.engine[key.strip()] = yaml.safe_load(value)
+        opts.engine_sources[key.strip()] = f"{value} from --engine"
     if args.server_log:
         from servetwin.experiments.vllm_import.server_log import apply_to_options, read_server_log  # noqa: PLC0415
 
@@ -57,6 +65,9 @@ def register(subparsers) -> None:
     b.add_argument("--tensor-parallel-size", "-tp", type=int, help="tensor parallel size of the server")
     b.add_argument("--vllm-version", help="the server's vLLM version (e.g. 0.11.0): its scheduler settings apply")
     b.add_argument("--server-log", help="the vLLM server's log: version, TP, KV blocks, engine arguments")
+    b.add_argument("--engine", action="append", metavar="KEY=VALUE",
+                   help="an engine setting of the server (vLLM's name, e.g. quantization=fp8, max_num_seqs=256); "
+                        "repeatable; checked when the case runs")
     b.add_argument("--num-prompts", type=int, help="request count, for files without one")
     b.add_argument("--input-len", type=int, help="prompt tokens per request, for files without token totals")
     b.add_argument("--output-len", type=int, help="output tokens per request, for files without token totals")

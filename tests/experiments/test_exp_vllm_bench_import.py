@@ -144,3 +144,15 @@ def test_run_writes_vllm_bench_json_that_imports_and_validates_exactly(tmp_path,
     out = capsys.readouterr().out
     for group in ("throughput/duration", "TPOT/ITL", "TTFT", "E2E"):
         assert f"| {group} | 0.0% |" in out  # the same run, replayed from vLLM's format
+
+
+def test_engine_flags_the_file_cannot_record(tmp_path, capsys):
+    src = str(DATA / "dstack_vllm0.6.3dev_8xh100_llama31-405b-fp8_qps16_p1000_detailed.json")
+    base = ["import", "vllm-bench", src, "--model", "llama-3.1-405b", "--hardware", "h100-sxm", "-tp", "8"]
+    assert main(base + ["--engine", "quantization", "-o", str(tmp_path / "bad")]) == 2
+    assert "--engine: expected KEY=VALUE" in capsys.readouterr().err
+    assert main(base + ["--engine", "quantization=fp8", "--engine", "max_num_seqs=256", "-o", str(tmp_path)]) == 0
+    import yaml
+
+    case = yaml.safe_load(next((tmp_path / "cases").glob("*.yaml")).read_text())
+    assert case["engine"] == {"tensor_parallel_size": 8, "quantization": "fp8", "max_num_seqs": 256}
