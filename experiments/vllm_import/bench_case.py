@@ -53,9 +53,10 @@ class ImportedCase:
 
 
 def case_name(record: BenchRecord, given: Optional[str] = None) -> str:
-    base = given or Path(record.where.split(":")[0].split("[")[0]).stem
-    tail = record.where[len(record.where.split(":")[0].split("[")[0]):]
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", base + (f"_r{tail.strip(':[]')}" if tail else "")).strip("_.")
+    """The file's stem (or `given`), `_r<N>` for record N of a JSONL file or list (`where` is `f.jsonl:3`)."""
+    m = re.fullmatch(r"(.*?)(?::(\d+)|\[(\d+)\])?", record.where)
+    stem, number = Path(m.group(1)).stem, m.group(2) or m.group(3)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", (given or stem) + (f"_r{number}" if number else "")).strip("_.")
     return name or "case"
 
 
