@@ -52,7 +52,8 @@ def _extra_commands():
     out = []
     for mod in ("servetwin.experiments.run_cli", "servetwin.experiments.capacity_cli",
                 "servetwin.experiments.compare_cli", "servetwin.experiments.serve_cli",
-                "servetwin.experiments.validate_cli", "servetwin.experiments.presets_cli"):
+                "servetwin.experiments.validate_cli", "servetwin.experiments.presets_cli",
+                "servetwin.experiments.vllm_import.import_cli"):
         try:
             out.append(importlib.import_module(mod).register)
         except ModuleNotFoundError as e:

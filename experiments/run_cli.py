@@ -55,6 +55,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if seeds and measure != type(measure)():
         raise ValueError("--threads, --no-warmup, --retry-contended, --max-contended-share: not supported with "
                          "seeds (each seed's run uses the defaults: the calibration's threads, a warm-up, no retry)")
+    if args.save_vllm_bench:
+        if seeds:
+            raise ValueError("--save-vllm-bench: not supported with seeds (one file describes one run)")
+        from servetwin.experiments.schema import ensure_output_file  # noqa: PLC0415
+
+        ensure_output_file(args.save_vllm_bench, "--save-vllm-bench")
     with RunFolder(out, overwrite=args.overwrite) as folder:
         if seeds:
             return _run_seeds(args, exp, out, seeds, t0, folder)
@@ -79,6 +85,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
                   f"(median cpu_share {c['median_cpu_share'] or 0:.2f}, {s['measurement']['torch_threads']} "
                   "torch thread(s))")
     print(f"wrote {out}/: {folder.describe()} in {format_seconds(time.perf_counter() - t0)}")
+    if args.save_vllm_bench:
+        from servetwin.experiments.vllm_import.bench_writer import write_vllm_bench  # noqa: PLC0415
+
+        print(f"wrote {', '.join(map(str, write_vllm_bench(exp, out, args.save_vllm_bench)))} (vllm bench serve JSON)")
     rejected = {b: s for b, s in combined["backends"].items() if s.get("rejected")}
     for backend, s in rejected.items():  # never servable (e.g. longer than max_model_len): say so, not "0/N"
         rid, why = next(iter((s.get("rejected_examples") or {"?": "?"}).items()))
@@ -211,6 +221,9 @@ def register(subparsers) -> None:
                               description="Run an experiment config: writes trace tables (Parquet), "
                                           "trace.json (Perfetto), summary.json, report.md and plots.")
     _common(r)
+    r.add_argument("--save-vllm-bench", metavar="FILE",
+                   help="also write the results as `vllm bench serve --save-result --save-detailed` JSON "
+                        "(one file per backend: FILE, or FILE's stem + .<backend>.json)")
     add_seed_args(r)
     add_pool_args(r, "seed")
     add_measure_args(r)

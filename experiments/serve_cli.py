@@ -63,6 +63,9 @@ def register(subparsers: Any) -> None:
                    help="seconds an idle keep-alive connection is kept (default 5, uvicorn's and vLLM's)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer <key>` on /v1/* (default: $SERVETWIN_API_KEY; none: open)")
+    p.add_argument("--profiler-dir", default=None, metavar="DIR",
+                   help="enable vLLM's POST /start_profile and /stop_profile, writing the steps in between here as a "
+                        "Chrome trace (torch: torch.profiler; sim: the predicted steps); default $VLLM_TORCH_PROFILER_DIR")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     eng = p.add_argument_group("engine arguments (vLLM names)")
     for f in fields(EngineArgs):
@@ -177,7 +180,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
           "(the engine loads in the background; GET /health turns 200 when it is ready)", flush=True)
     return run_server(args, host=ns.host, port=ns.port, served_model_name=ns.served_model_name, pace=ns.pace,
                time_scale=ns.time_scale, fake_step_time_s=ns.fake_step_time, log_level=ns.log_level,
-               limits=limits, api_key=api_key)
+               limits=limits, api_key=api_key,
+               profiler_dir=ns.profiler_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None)
 
 
 __all__ = ["register", "engine_args_from", "check_listen", "server_limits"]

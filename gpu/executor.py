@@ -192,6 +192,15 @@ class TorchExecutor:
         """Write the chrome trace (when `profile_dir` is set)."""
         self.profiler.close()
 
+    # -- vLLM's /start_profile and /stop_profile --------------------------------------------------
+    def start_profile(self, profile_dir: str) -> None:
+        self.profiler.start(profile_dir)
+
+    def stop_profile(self) -> Optional[str]:
+        """Write the steps since `start_profile` as `<dir>/servetwin-torch.<ms>.pt.trace.json` (None: not on)."""
+        path = self.profiler.stop(f"servetwin-torch.{time.time_ns() // 1_000_000}.pt.trace.json")
+        return None if path is None else str(path)
+
     def reset(self) -> None:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
         self.sampler.forget(list(self.state.requests))

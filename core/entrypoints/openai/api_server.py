@@ -75,9 +75,11 @@ async def _watch_engine(state: ServerState) -> None:
 def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace: Optional[bool] = None,
               time_scale: float = 1.0, fake_step_time_s: Optional[float] = None,
               startup_timeout_s: Optional[float] = None, limits: Optional[ServerLimits] = None,
-              api_key: Optional[str] = None) -> FastAPI:
+              api_key: Optional[str] = None, profiler_dir: Optional[str] = None) -> FastAPI:
     """The app; `limits` bound request bodies and prompts per request (`ServerLimits`, defaults when
-    None), `api_key` guards `/v1/*`."""
+    None), `api_key` guards `/v1/*`; `profiler_dir`: vLLM's `POST /start_profile` and `/stop_profile`
+    write the steps in between there (the torch backend: a torch.profiler trace; the simulator: its
+    predicted steps in the same shape)."""
     limits = limits or ServerLimits()
     engine_kwargs: dict[str, Any] = {"pace": pace, "time_scale": time_scale, "fake_step_time_s": fake_step_time_s}
     if startup_timeout_s is not None:
@@ -189,6 +191,16 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
     async def version() -> JSONResponse:
         return JSONResponse({"version": servetwin_version()})
 
+    if profiler_dir is not None:  # as vLLM: the routes exist only with a profiler directory
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            await state.ready_engine().start_profile(profiler_dir)
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> JSONResponse:
+            return JSONResponse({"trace": await state.ready_engine().stop_profile()})
+
     return app
 
 
@@ -222,7 +234,7 @@ def run_server(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: Optional[str] = None, pace: Optional[bool] = None, time_scale: float = 1.0,
                fake_step_time_s: Optional[float] = None, log_level: str = "warning",
                startup_timeout_s: Optional[float] = None, limits: Optional[ServerLimits] = None,
-               api_key: Optional[str] = None) -> int:
+               api_key: Optional[str] = None, profiler_dir: Optional[str] = None) -> int:
     """Serve until SIGTERM (returns 0), SIGINT (`KeyboardInterrupt` once shut down: the CLI exits 130) or
     until the engine process dies (1).
 
@@ -241,7 +253,7 @@ def run_server(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
 
     app = build_app(args, served_model_name=served_model_name, pace=pace, time_scale=time_scale,
                     fake_step_time_s=fake_step_time_s, startup_timeout_s=startup_timeout_s, limits=limits,
-                    api_key=api_key)
+                    api_key=api_key, profiler_dir=profiler_dir)
     server = Server(uvicorn_config(app, host=host, port=port, log_level=log_level, limits=limits))
     state: ServerState = app.state.servetwin
     loop: Optional[asyncio.AbstractEventLoop] = None
