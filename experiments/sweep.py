@@ -197,6 +197,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
             raw = with_seed(p.raw, seed) if seed is not None else p.raw
             tasks.append(PointTask(key, raw, exp.base_dir, "all", os.path.join(out_dir, key),
                                    meta={"point": p, "seed": seed}))
+    folder.own(*(os.path.join(t.key, "run.log") for t in tasks))  # the workers write them, a point may fail first
     pool = make_pool(jobs if ray is None else 1, ray)
     all_backends = list(dict.fromkeys(b for p in points for b in _point_backends(p, exp)))
     log(f"sweep {exp.name}: {len(points)} points" + (f" x {len(seeds)} seeds" if seeds else "")
@@ -326,6 +327,7 @@ def run_seeded(exp: ExperimentConfig, out_dir: str, seeds: list[int], jobs: int 
     base.pop("sweep", None)
     tasks = [PointTask(f"seed={s}", with_seed(base, s), exp.base_dir, "all", os.path.join(out_dir, f"seed={s}"),
                        meta={"seed": s}) for s in seeds]
+    folder.own(*(os.path.join(t.key, "run.log") for t in tasks))
     pool = make_pool(jobs if ray is None else 1, ray)
     log(f"run {exp.name}: {len(seeds)} seeds x {exp.backends} on {pool.description}")
     results, interrupted = _map_points(pool, tasks, retries, log,
