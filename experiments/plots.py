@@ -28,7 +28,7 @@ from servetwin.core.testbed.atomic import atomic_write_with
 
 COLORS = {"sim": "tab:blue", "torch": "tab:orange"}
 PHASE_COLORS = {"prefill only": "tab:red", "decode only": "tab:green", "mixed": "tab:purple"}
-GANTT_COLORS = {"queue": "0.65", "prefill": "tab:red", "decode": "tab:green"}
+GANTT_COLORS = {"front end": "goldenrod", "queue": "0.65", "prefill": "tab:red", "decode": "tab:green"}
 MAX_POINTS = 4000  # a CDF or a step series is thinned to about this many points (the shape is kept)
 GANTT_SAMPLE = 40
 DPI = 90
@@ -287,6 +287,10 @@ def timeline(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = No
         for col, ls, name in (("num_running", "-", "running"), ("num_waiting", "--", "waiting")):
             x, y = _binned_max(t, st[col].to_numpy(dtype=float))
             axes[0].step(x / div, y, where="post", color=color, ls=ls, lw=1.1, label=f"{tag}{name}")
+        queued = frontend_queue(fr["requests"])
+        if queued is not None:  # sent by the client, not yet at the engine: what sets client TTFT online
+            x, y = _binned_max(*queued)
+            axes[0].step(x / div, y, where="post", color=color, ls=":", lw=1.3, label=f"{tag}in the front end")
         x, y = _binned_max(t, st.kv_usage.to_numpy(dtype=float) * 100)
         axes[1].step(x / div, y, where="post", color=color, lw=1.1, label=f"{tag}KV usage")
         t_end = st.t_end_s.to_numpy(dtype=float)
@@ -310,7 +314,8 @@ def timeline(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = No
                             edgecolors=color, linewidths=0.8, zorder=5,
                             label=f"{tag}preemption ({n:,} in {len(pre):,} steps)")
     axes[0].set_ylabel("requests")
-    axes[0].set_title("requests in the scheduler (after scheduling each step; peaks kept)", fontsize=9)
+    axes[0].set_title("requests in the scheduler (after scheduling each step) and in the API server's queue "
+                      "(dotted, when modelled); peaks kept", fontsize=9)
     axes[1].set_ylabel("KV blocks used (%)")
     axes[1].set_ylim(0, 105)
     axes[1].set_title("KV cache usage (red lines: steps that preempted)", fontsize=9)
@@ -325,6 +330,19 @@ def timeline(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = No
             ax.legend(fontsize=7.5, loc="upper right", ncol=2 if multi else 1)
     ctx.suptitle(fig, "timeline")
     return _save(fig, path)
+
+
+def frontend_queue(req) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(times, requests in the front end just after each): sent by their client, not yet at the engine
+    (None when no front end is modelled)."""
+    engine = _engine_arrival(req)
+    if engine is None:
+        return None
+    arr = req.arrival_s.to_numpy(dtype=float)
+    t = np.concatenate([arr, engine])
+    step = np.concatenate([np.ones(arr.size), -np.ones(engine.size)])
+    order = np.lexsort((-step, t))  # at equal times: the arrival first, so a zero-length stay still shows
+    return t[order], np.cumsum(step[order])
 
 
 def step_phase(steps) -> np.ndarray:
@@ -379,14 +397,31 @@ def _sample_requests(req, n: int, consecutive: bool):
 
 
 def _phases(sample) -> dict[str, np.ndarray]:
+    """Per request: its arrival and the durations of its phases, in order (`front end`: client send ->
+    engine arrival, only when a front end is modelled; `queue`: the engine's queue)."""
     arr = sample.arrival_s.to_numpy(dtype=float)
     sched = sample.first_scheduled_s.to_numpy(dtype=float)
     end = sample.finish_s.to_numpy(dtype=float)
     first = sample.first_token_s.to_numpy(dtype=float)
     first = np.where(np.isnan(first), end, first)
     end = np.where(np.isnan(end), first, end)
-    return {"arrival": arr, "queue": sched - arr, "prefill": np.nan_to_num(first - sched),
-            "decode": np.nan_to_num(end - first)}
+    engine = _engine_arrival(sample)
+    out = {"arrival": arr}
+    if engine is not None:
+        out["front end"] = engine - arr
+    out.update({"queue": sched - (arr if engine is None else engine), "prefill": np.nan_to_num(first - sched),
+                "decode": np.nan_to_num(end - first)})
+    return out
+
+
+def _engine_arrival(req) -> Optional[np.ndarray]:
+    """When each request reached the engine, if a modelled front end delayed any (else None)."""
+    if "engine_arrival_s" not in req:
+        return None
+    engine = req.engine_arrival_s.to_numpy(dtype=float)
+    arr = req.arrival_s.to_numpy(dtype=float)
+    engine = np.where(np.isnan(engine), arr, engine)
+    return engine if (engine > arr).any() else None
 
 
 def _hbars(ax, y: np.ndarray, left: np.ndarray, right: np.ndarray, color, label: str, height: float = 0.8):
@@ -404,23 +439,24 @@ def _hbars(ax, y: np.ndarray, left: np.ndarray, right: np.ndarray, color, label:
 
 def _gantt_panel(ax, smp, aligned: bool) -> str:
     ph = _phases(smp)
+    names = [k for k in GANTT_COLORS if k in ph]
     n = len(smp)
-    total = ph["queue"] + ph["prefill"] + ph["decode"]
+    total = sum(ph[k] for k in names)
     y = np.empty(n)
     y[np.argsort(total) if aligned else np.arange(n)] = np.arange(n)
     if aligned:  # log scale from a floor below the shortest phase: a 5 ms queue next to a 5 s decode shows
-        pos = np.concatenate([v[v > 0] for v in (ph["queue"], ph["prefill"], ph["decode"])] or [np.ones(1)])
+        pos = np.concatenate([ph[k][ph[k] > 0] for k in names] or [np.ones(1)])
         floor = 10 ** math.floor(math.log10(max(float(pos.min()) if pos.size else 1e-3, 1e-6)))
-        cum = np.cumsum([ph["queue"], ph["prefill"], ph["decode"]], axis=0)  # phase ends since arrival
+        cum = np.cumsum([ph[k] for k in names], axis=0)  # phase ends since arrival
         edges = [np.full(n, floor)] + [np.maximum(c, floor) for c in cum]
         div = 1.0
     else:
         t0 = float(ph["arrival"].min()) if n else 0.0
         div, unit = axis_unit(float((ph["arrival"] + total).max() - t0) if n else 1.0)
         edges = [ph["arrival"] - t0]
-        for name in ("queue", "prefill", "decode"):
+        for name in names:
             edges.append(edges[-1] + ph[name])
-    for i, name in enumerate(("queue", "prefill", "decode")):
+    for i, name in enumerate(names):
         _hbars(ax, y, edges[i] / div, edges[i + 1] / div, GANTT_COLORS[name], name)
     lo = float(edges[0].min() / div) if n else 0.0
     hi = float(edges[-1].max() / div) if n else 1.0
@@ -440,14 +476,14 @@ def _gantt_panel(ax, smp, aligned: bool) -> str:
         ax.set_xlabel("time since arrival (log scale)")
     else:
         ax.set_xlabel(f"time ({unit}) since the first of these arrivals (t = {format_seconds(t0)})")
-    medians = ", ".join(f"{k} {format_seconds(float(np.median(ph[k])))}" for k in ("queue", "prefill", "decode"))
+    medians = ", ".join(f"{k} {format_seconds(float(np.median(ph[k])))}" for k in names)
     preempted = f"; {int(pre.sum())} preempted" if pre.any() else ""
     return f"median {medians}{preempted}" if n else ""
 
 
 def request_gantt(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = None,
                   sample: int = GANTT_SAMPLE) -> Optional[str]:
-    """Queue / prefill / decode per request: `sample` consecutive arrivals from the middle of the run on the
+    """(Front end /) queue / prefill / decode per request: `sample` consecutive arrivals from the middle of the run on the
     run's clock (left), and `sample` requests evenly spaced over the run aligned at arrival, sorted by E2E,
     on a log axis (right). Prefill = first scheduled -> first token (its chunks and the waits between
     them); decode = first token -> finish; a cross marks a request that was preempted."""
@@ -472,7 +508,8 @@ def request_gantt(frames: dict[str, dict], path: str, ctx: Optional[PlotContext]
         for ax in axes[r]:
             handles.update(zip(*reversed(ax.get_legend_handles_labels())))
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=9)
-    ctx.suptitle(fig, "per-request queue / prefill / decode", bottom=1.0, hspace=0.55, wspace=0.12,
+    phases = " / ".join(k for k in GANTT_COLORS if k in handles)
+    ctx.suptitle(fig, f"per-request {phases}", bottom=1.0, hspace=0.55, wspace=0.12,
                  title_pad=0.35)
     return _save(fig, path)
 

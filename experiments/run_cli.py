@@ -21,6 +21,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(value parsed as YAML; repeatable)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the contents of a non-empty output folder (default: refuse it)")
+    p.add_argument("--api-server-count", type=int, metavar="N",
+                   help="sim: N API-server processes, each with its own CPU, requests spread over them "
+                        "(vLLM's `vllm serve --api-server-count N`; docs/frontend_model.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -33,6 +36,8 @@ def _load(args: argparse.Namespace):
         overrides.append(f"backends=[{', '.join(args.backend)}]")
     if args.no_plots:
         overrides.append("output.plots=false")
+    if args.api_server_count is not None:
+        overrides.append(f"frontend.api_server_count={args.api_server_count}")
     notes: list[str] = []
     exp = load_config(args.config, overrides=overrides, requests=args.requests, notes=notes)
     for note in notes:
@@ -73,6 +78,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
               + (f", {s['aborted_sequences']} sequences aborted by the client timeout" if s.get("aborted_sequences") else ""))
         if s.get("slo"):
             print(f"{backend}: {slo_line(s['slo'])}")
+        if s.get("binding"):
+            print(f"{backend}: {s['binding']['line']}")
         if s.get("measurement"):
             c = s["measurement"]["contention"]
             print(f"{backend}: {100 * (c['contended_step_share'] or 0):.0f}% of the measured steps contended "

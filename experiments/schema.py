@@ -473,6 +473,8 @@ def parse_frontend_section(value: Any, ctx: ParseContext) -> Any:
 
         offline = isinstance(w.arrival, Offline)
         return default_frontend(online=not offline)
+    if isinstance(value, Mapping) and "type" not in value and value:  # `--api-server-count 4` alone: a server
+        value = {"type": "api_server", **value}
     if isinstance(value, Mapping) and isinstance(value.get("coefficients"), str):
         cand = Path(value["coefficients"]).expanduser()
         if not cand.is_absolute() and (ctx.base_dir / cand).is_file():

@@ -38,10 +38,11 @@ METRICS = [
     ("max_model_len", ("max_model_len",)), ("kv_peak_usage", ("kv_peak_usage",)),
     ("slo_met", ("slo", "met")), ("slo_attainment", ("slo", "attainment")),
     ("goodput_req_s", ("slo", "goodput_req_s")), ("slo_binding", ("slo", "binding")),
+    ("bound_by", ("binding", "resource")),
 ]
-NON_NUMERIC = {"slo_binding"}
+NON_NUMERIC = {"slo_binding", "bound_by"}
 MD_COLUMNS = ["status", "completed", "duration_s", "throughput_tok_s", "output_tok_s", "request_throughput_s",
-              "preemptions", "prefix_hit_rate", "prefill_tokens_computed"]
+              "preemptions", "prefix_hit_rate", "prefill_tokens_computed", "bound_by"]
 SLO_MD_COLUMNS = ["slo_met", "slo_attainment", "goodput_req_s", "slo_binding"]
 LATENCY_MD_COLUMNS = [f"{m}_{s}_s" for m in ("ttft", "tpot", "itl", "e2e") for s in ("p50", "p90", "p99")]
 RUN_COLUMNS = ["host", "attempts", "point_wall_s"]  # where and how long each point ran
@@ -245,6 +246,23 @@ def _cell(r, col: str, seeded: bool) -> Any:
     return f"{fmt(float(v))} ± {fmt((float(hi) - float(lo)) / 2)}"
 
 
+def bound_by_line(df) -> str:
+    """The sweep's binding resources (`bound_by`, experiments/binding.py); when every point is bound by
+    the arrival rate, say that their throughputs cannot differ."""
+    from servetwin.experiments.binding import LABELS  # noqa: PLC0415
+
+    kinds = [k for k in (df["bound_by"] if "bound_by" in df else []) if isinstance(k, str)]
+    if not kinds:
+        return "No point finished: nothing to say."
+    if set(kinds) == {"arrival_rate"}:
+        return ("Every point is bound by the arrival rate: each keeps up with the offered load, so their "
+                "throughputs are that rate and cannot differ (a difference in the table is the workload's "
+                "tail, not the configuration); compare latencies, or raise the rate (`servetwin capacity`).")
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    return "Bound by: " + ", ".join(f"{LABELS[k]} at {n} of {len(kinds)} points" for k, n in counts.items()) + \
+        " (column `bound_by`; each point's report.md says why)."
+
+
 def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str], interrupted: bool,
                    seeds: Optional[list[int]] = None, hosts: Optional[list[str]] = None,
                    pool: Optional[str] = None) -> str:
@@ -265,6 +283,7 @@ def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str],
     rows = lambda cols: [[_cell(r, c, seeded) for c in cols] for _, r in df.iterrows()]  # noqa: E731
     cols = ["point"] + keys + ["backend"] + MD_COLUMNS + (["seeds_ok"] if seeded else [])
     lines += ["## Results", "", md_table(cols, rows(cols)), ""]
+    lines += ["## What limits the results", "", bound_by_line(df), ""]
     lines += ["## Latency (s)", "", md_table(["point", "backend"] + LATENCY_MD_COLUMNS,
                                             rows(["point", "backend"] + LATENCY_MD_COLUMNS)), ""]
     if exp.slo is not None and not exp.slo.empty:
