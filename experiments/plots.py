@@ -92,9 +92,42 @@ def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None) -> PlotC
         where.append(f"sim on {hw}" if b == "sim" else f"torch on {exp.engine.given.get('device') or 'auto device'}")
     blocks = {s.get("num_gpu_blocks") for s in summaries.values() if s.get("num_gpu_blocks")}
     slo = getattr(exp, "slo", None) or {}
-    return PlotContext(title=f"{exp.name}: {exp.model} ({', '.join(where)})",
-                       settings=engine_settings(exp.engine.given, blocks.pop() if len(blocks) == 1 else None),
+    swept = {k.split(".", 1)[1] for k in (getattr(exp, "sweep", None) or {}) if k.startswith("engine.")}
+    given = {k: v for k, v in exp.engine.given.items() if k not in swept}  # a sweep's figure names no one point's value
+    return PlotContext(title=f"{exp.name}: {exp.model} ({', '.join(where)}){workload_label(exp)}",
+                       settings=engine_settings(given, blocks.pop() if len(blocks) == 1 else None),
                        slo=dict(slo) if isinstance(slo, Mapping) else {})
+
+
+def folder_title(folder: str) -> str:
+    """The CLI figures' title (`name: model (sim on hardware), workload` and the engine settings) for a
+    run or compare folder, from its config.yaml: what the notebooks put above their figures."""
+    from servetwin.experiments.schema import load_config  # noqa: PLC0415
+
+    path = os.path.join(folder, "config.yaml")
+    try:
+        ctx = context_for(load_config(path))
+    except Exception as e:  # noqa: BLE001  (a title must not stop a notebook: say why it is plain)
+        return f"{os.path.basename(os.path.normpath(folder))} (no title: {path}: {e})"
+    return f"{ctx.title}\n{ctx.settings}" if ctx.settings else ctx.title
+
+
+def workload_label(exp) -> str:
+    """`, 1,000 requests at 20 req/s (poisson)` from the validated config (so a `--set` shows in the
+    title); the swept workload fields are left out, as the engine's are."""
+    swept = set(getattr(exp, "sweep", None) or {})
+    given = exp.workload.given or {}
+    n = given.get("requests")
+    parts = [] if n is None or "workload.requests" in swept else [f"{n:,} requests"]
+    arrival = exp.workload.arrival
+    kind = type(arrival).__name__.lower()
+    if getattr(arrival, "rate", None) and "workload.arrival.rate" not in swept:
+        parts.append(f"at {arrival.rate:g} req/s ({kind})")
+    elif getattr(arrival, "clients", None) and "workload.arrival.clients" not in swept:
+        parts.append(f"{arrival.clients} closed-loop clients")
+    elif kind == "offline":
+        parts.append("(offline batch)")
+    return (", " + " ".join(parts)) if parts else ""
 
 
 # -- matplotlib helpers -------------------------------------------------------------------------------
@@ -157,6 +190,27 @@ def _seconds_axis(ax, axis: str = "y") -> None:
     from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
 
     (ax.yaxis if axis == "y" else ax.xaxis).set_major_formatter(FuncFormatter(_short_seconds))
+
+
+def zero_based_axis(ax, seconds: bool = False) -> None:
+    """A y axis from 0 with plain tick labels (no offset, no scientific notation): a 0.004% difference
+    between sweep points looks like one, not like a cliff under a `+1.219e4` offset. In seconds, the ticks
+    are round numbers of the largest value's unit (0, 2, 4, 6 min), each label different."""
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter  # noqa: PLC0415
+
+    top = ax.dataLim.intervaly[1]
+    if not math.isfinite(top) or top <= 0:
+        return
+    ax.set_ylim(0, top * 1.12)
+    if not seconds:
+        fmt = ScalarFormatter(useOffset=False)
+        fmt.set_scientific(False)
+        ax.yaxis.set_major_formatter(fmt)
+        return
+    div, unit = axis_unit(top)
+    ticks = [t for t in MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(0, top * 1.12 / div)
+             if 0 <= t <= top * 1.12 / div]
+    ax.set_yticks([t * div for t in ticks], [f"{t:g} {unit}" if t else "0" for t in ticks])
 
 
 def _layout(fig, title_lines: int, left: float = 0.85, right: float = 0.25, bottom: float = 0.6,
@@ -648,6 +702,7 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
     ok = df[df.status.isin(["ok", "interrupted"])]
     if ok.empty:
         return None
+    partial = set(ok.point[ok.status == "interrupted"])  # drawn hatched / hollow and labelled
     keys = [k for k in (keys or []) if k in ok]
     x_key = next((k for k in keys if is_numeric_axis(ok[k].tolist())), None)
     fig, axes = plt.subplots(3, 2, figsize=(12, 11))
@@ -673,22 +728,37 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
                 if x_key is not None:
                     s = sub.sort_values(x_key)
                     err = spread(s, col)
-                    ax.errorbar(s[x_key].to_numpy(dtype=float), s[col].to_numpy(dtype=float),
-                                yerr=None if err is None else np.vstack(err), color=color,
+                    x, y = s[x_key].to_numpy(dtype=float), s[col].to_numpy(dtype=float)
+                    ax.errorbar(x, y, yerr=None if err is None else np.vstack(err), color=color,
                                 ls="-" if i == 0 else "--", marker="o" if i == 0 else "s", ms=4, capsize=3,
                                 label=lab)
+                    cut = s.point.isin(partial).to_numpy()
+                    if cut.any():  # an interrupted point's figures cover part of its workload
+                        ax.scatter(x[cut], y[cut], s=90, facecolors="white", edgecolors=color, hatch="////",
+                                   zorder=4, label="interrupted (partial)" if i == 0 and j == 0 else None)
+                        for xi, yi in zip(x[cut], y[cut]):
+                            ax.annotate("partial", (xi, yi), textcoords="offset points", xytext=(6, 6), fontsize=7)
                 else:
                     pos = np.array([points.index(p) for p in sub.point]) - 0.4 + width * (j + 0.5)
-                    ax.bar(pos, sub[col].to_numpy(dtype=float), width, color=color, alpha=1.0 if i == 0 else 0.4,
-                           yerr=None if err is None else np.vstack(err), capsize=3, label=lab,
-                           zorder=2 if i == 0 else 1)
+                    bars = ax.bar(pos, sub[col].to_numpy(dtype=float), width, color=color,
+                                  alpha=1.0 if i == 0 else 0.4, yerr=None if err is None else np.vstack(err),
+                                  capsize=3, label=lab, zorder=2 if i == 0 else 1)
+                    for bar, p in zip(bars, sub.point):
+                        if p in partial:
+                            bar.set_hatch("////")
+                            bar.set_edgecolor("black")
+                            if i == 0:
+                                ax.annotate("partial", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                            textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
         if kind in ("ttft", "tpot", "e2e"):
             for stat, target in ctx.slo_targets(kind):
                 ax.axhline(target, color="red", ls="--", lw=1.2, label=f"SLO {stat} <= {format_seconds(target)}")
         if kind in ("ttft", "tpot", "e2e") and x_key is not None and ax.get_legend_handles_labels()[0]:
             log_time_axis(ax, "y")
-        elif kind is not None:
+        elif kind in ("ttft", "tpot", "e2e"):
             _seconds_axis(ax, "y")
+        else:  # throughputs and the makespan: from 0, so equal points look equal
+            zero_based_axis(ax, seconds=kind == "time")
         if stats:
             title += " (p50 solid, tail dashed; log scale)" if x_key is not None else " (p50 dark, tail light)"
         ax.set_title(title, fontsize=9)
@@ -712,5 +782,6 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7.5)
     has_err = any(spread(ok, c) is not None for c in ok.columns)
-    ctx.suptitle(fig, "sweep" + (" (error bars: spread over seeds)" if has_err else ""))
+    ctx.suptitle(fig, "sweep" + (" (error bars: spread over seeds)" if has_err else "")
+                 + (f"; {len(partial)} interrupted point(s) hatched" if partial else ""))
     return _save(fig, path)

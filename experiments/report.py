@@ -134,7 +134,7 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
         for name in ("prefill only", "mixed", "decode only"):
             m = phase == name
             if m.any():
-                parts.append(f"{name}: {int(m.sum())} steps, mean {1e3 * float(st.duration_s[m].mean()):.3g} ms")
+                parts.append(f"{name}: {int(m.sum())} steps, mean {format_seconds(float(st.duration_s[m].mean()))}")
         obs.append(f"{head}: step time by phase - " + "; ".join(parts) + ".")
         if s.get("measurement"):
             obs.append(f"{head}: {measurement_line(s['measurement'])}")

@@ -139,13 +139,17 @@ def _run_seeds(args: argparse.Namespace, exp, out: str, seeds: list[int], t0: fl
     except KeyboardInterrupt:
         print(f"interrupted: {interrupted_state(folder)}", file=sys.stderr)
         raise
+    from servetwin.experiments.md_tables import fmt_to  # noqa: PLC0415
+
     for backend, s in stats.items():
         def show(col: str, scale: float = 1.0, unit: str = "") -> str:
             m = s[col]
             if m["mean"] is None:
                 return "-"
-            half = "" if m["ci_lo"] is None else f" ± {(m['ci_hi'] - m['ci_lo']) / 2 * scale:.3g}"
-            return f"{m['mean'] * scale:.4g}{half}{unit}"
+            if m["ci_lo"] is None:
+                return f"{m['mean'] * scale:.4g}{unit}"
+            width = (m["ci_hi"] - m["ci_lo"]) * scale  # digits the interval justifies
+            return f"{fmt_to(m['mean'] * scale, width)} ± {fmt_to(width / 2, width)}{unit}"
         print(f"{backend}: {s['seeds_ok']}/{len(seeds)} seeds ok; throughput {show('throughput_tok_s')} tok/s, "
               f"TTFT p50 {show('ttft_p50_s', 1e3, ' ms')}, p99 {show('ttft_p99_s', 1e3, ' ms')} (mean ± 95% CI)")
     bad = df[df.status != "ok"]
@@ -177,12 +181,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def slo_line(ev: dict) -> str:
-    """`SLO met (ttft_p99_s 0.31 s <= 0.5 s; ...), goodput 41.6 req/s` for the console."""
+    """`SLO met (ttft_p99_s 310 ms <= 500 ms; ...), goodput 41.6 req/s` for the console."""
+    from servetwin.experiments.units import format_seconds  # noqa: PLC0415
+
     parts = []
     for c in ev["checks"]:
         if c["kind"] == "target":
-            v = "-" if c["value"] is None else f"{c['value']:.4g} s"
-            parts.append(f"{c['name']} {v} {'<=' if c['met'] else '>'} {c['limit']:g} s")
+            v = format_seconds(c["value"])
+            parts.append(f"{c['name']} {v} {'<=' if c['met'] else '>'} {format_seconds(c['limit'])}")
         elif c["kind"] == "attainment":
             v = "-" if c["value"] is None else f"{100 * c['value']:.1f}%"
             parts.append(f"deadlines met by {v} of requests ({'>=' if c['met'] else '<'} {100 * c['limit']:g}%)")
