@@ -316,7 +316,9 @@ def _answer(exp, knob, spec, seeds, searches, confidence, rel_tol, interrupted, 
         results.append(res)
     best = separated_best(results)
     unit, unit_label = load_unit(exp, knob)
-    return {"name": exp.name, "over": knob, "unit": unit, "unit_label": unit_label, "slo": spec.to_dict(),
+    from servetwin.experiments.plots import context_for  # noqa: PLC0415  (no matplotlib: the title only)
+
+    return {"name": exp.name, "title": context_for(exp, varied=(knob,)).title, "over": knob, "unit": unit, "unit_label": unit_label, "slo": spec.to_dict(),
             "seeds": seeds, "confidence": confidence,
             "rel_tol": rel_tol, "interrupted": interrupted, "pool": pool, "hosts": hosts,
             "best": {"point": best["point"], "backend": best["backend"], "capacity": best["capacity"]} if best

@@ -82,8 +82,9 @@ def engine_settings(engine: Mapping[str, Any], num_gpu_blocks: Optional[int] = N
     return ", ".join(parts)
 
 
-def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None) -> PlotContext:
-    """The title of a run's figures: `name: model on hardware (backends)` and its engine settings."""
+def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None, varied: tuple[str, ...] = ()) -> PlotContext:
+    """The title of a run's figures: `name: model on hardware (backends)` and its engine settings.
+    `varied`: dotted keys the figure varies besides the sweep's (a capacity search's load), left out."""
     summaries = summaries or {}
     hw = exp.hardware if isinstance(exp.hardware, str) else "inline hardware"
     hw = os.path.splitext(os.path.basename(hw))[0] if hw.endswith((".yaml", ".yml")) else hw
@@ -92,9 +93,9 @@ def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None) -> PlotC
         where.append(f"sim on {hw}" if b == "sim" else f"torch on {exp.engine.given.get('device') or 'auto device'}")
     blocks = {s.get("num_gpu_blocks") for s in summaries.values() if s.get("num_gpu_blocks")}
     slo = getattr(exp, "slo", None) or {}
-    swept = {k.split(".", 1)[1] for k in (getattr(exp, "sweep", None) or {}) if k.startswith("engine.")}
+    swept = {k.split(".", 1)[1] for k in [*(getattr(exp, "sweep", None) or {}), *varied] if k.startswith("engine.")}
     given = {k: v for k, v in exp.engine.given.items() if k not in swept}  # a sweep's figure names no one point's value
-    return PlotContext(title=f"{exp.name}: {exp.model} ({', '.join(where)}){workload_label(exp)}",
+    return PlotContext(title=f"{exp.name}: {exp.model} ({', '.join(where)}){workload_label(exp, varied)}",
                        settings=engine_settings(given, blocks.pop() if len(blocks) == 1 else None),
                        slo=dict(slo) if isinstance(slo, Mapping) else {})
 
@@ -112,10 +113,10 @@ def folder_title(folder: str) -> str:
     return f"{ctx.title}\n{ctx.settings}" if ctx.settings else ctx.title
 
 
-def workload_label(exp) -> str:
+def workload_label(exp, varied: tuple[str, ...] = ()) -> str:
     """`, 1,000 requests at 20 req/s (poisson)` from the validated config (so a `--set` shows in the
-    title); the swept workload fields are left out, as the engine's are."""
-    swept = set(getattr(exp, "sweep", None) or {})
+    title); the swept (and `varied`) workload fields are left out, as the engine's are."""
+    swept = set(getattr(exp, "sweep", None) or {}) | set(varied)
     given = exp.workload.given or {}
     n = given.get("requests")
     parts = [] if n is None or "workload.requests" in swept else [f"{n:,} requests"]
