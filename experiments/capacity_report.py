@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from servetwin.core.testbed.atomic import atomic_write_text
 
-from servetwin.experiments.md_tables import fmt_to
+from servetwin.experiments.md_tables import fmt_pm, fmt_to
 from servetwin.experiments.report import fmt, md_table
 
 
@@ -19,7 +19,7 @@ def _pm(stats: dict[str, Any]) -> str:
         return "-"
     if stats.get("ci_lo") is None:
         return fmt(stats["mean"])
-    return f"{fmt(stats['mean'])} ± {fmt((stats['ci_hi'] - stats['ci_lo']) / 2)}"
+    return fmt_pm(stats["mean"], stats["ci_lo"], stats["ci_hi"])
 
 
 def _ratio(r: Optional[float]) -> str:
@@ -53,7 +53,9 @@ def limited_line(r: dict[str, Any], unit: str) -> str:
     line = b["line"]
     if b["resource"] == "arrival_rate" and b.get("latency"):  # keeps up: the SLO is bound by a latency part
         line = f"{b['latency']['line']}; the server keeps up with the load ({line.split(' (', 1)[1][:-1]})"
-    return f"at {_load(b['load'])} {unit} ({share}): {line}"
+    lo, hi = r["interval"]
+    load = fmt_to(b["load"], hi - lo) if lo is not None and hi is not None else _load(b["load"])
+    return f"at {load} {unit} ({share}): {line}"
 
 
 def winner_lines(answer: dict[str, Any]) -> list[str]:

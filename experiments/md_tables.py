@@ -34,6 +34,12 @@ def fmt_to(v: Optional[float], width: Optional[float]) -> str:
     return f"{v:,.{decimals}f}"
 
 
+def fmt_pm(mean: float, lo: float, hi: float, scale: float = 1.0) -> str:
+    """`mean ± half-width` of an interval [lo, hi], both with the digits its width justifies."""
+    width = (hi - lo) * scale
+    return f"{fmt_to(mean * scale, width)} ± {fmt_to(width / 2, width)}"
+
+
 def md_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in rows:

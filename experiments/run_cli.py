@@ -139,7 +139,7 @@ def _run_seeds(args: argparse.Namespace, exp, out: str, seeds: list[int], t0: fl
     except KeyboardInterrupt:
         print(f"interrupted: {interrupted_state(folder)}", file=sys.stderr)
         raise
-    from servetwin.experiments.md_tables import fmt_to  # noqa: PLC0415
+    from servetwin.experiments.md_tables import fmt_pm  # noqa: PLC0415
 
     for backend, s in stats.items():
         def show(col: str, scale: float = 1.0, unit: str = "") -> str:
@@ -148,8 +148,7 @@ def _run_seeds(args: argparse.Namespace, exp, out: str, seeds: list[int], t0: fl
                 return "-"
             if m["ci_lo"] is None:
                 return f"{m['mean'] * scale:.4g}{unit}"
-            width = (m["ci_hi"] - m["ci_lo"]) * scale  # digits the interval justifies
-            return f"{fmt_to(m['mean'] * scale, width)} ± {fmt_to(width / 2, width)}{unit}"
+            return fmt_pm(m["mean"], m["ci_lo"], m["ci_hi"], scale) + unit  # digits the interval justifies
         print(f"{backend}: {s['seeds_ok']}/{len(seeds)} seeds ok; throughput {show('throughput_tok_s')} tok/s, "
               f"TTFT p50 {show('ttft_p50_s', 1e3, ' ms')}, p99 {show('ttft_p99_s', 1e3, ' ms')} (mean ± 95% CI)")
     bad = df[df.status != "ok"]

@@ -241,9 +241,9 @@ def _cell(r, col: str, seeded: bool) -> Any:
     lo, hi = r[f"{col}_ci_lo"], r[f"{col}_ci_hi"]
     if v is None or lo is None or hi is None or any(isinstance(x, float) and math.isnan(x) for x in (v, lo, hi)):
         return v
-    from servetwin.experiments.report import fmt  # noqa: PLC0415
+    from servetwin.experiments.md_tables import fmt_pm  # noqa: PLC0415
 
-    return f"{fmt(float(v))} ± {fmt((float(hi) - float(lo)) / 2)}"
+    return fmt_pm(float(v), float(lo), float(hi))
 
 
 def bound_by_line(df) -> str:
@@ -375,7 +375,7 @@ def run_seeded(exp: ExperimentConfig, out_dir: str, seeds: list[int], jobs: int 
 
 def _write_seeds_md(exp: ExperimentConfig, seeds: list[int], stats: dict, df, out_dir: str,
                     interrupted: bool) -> str:
-    from servetwin.experiments.report import fmt, md_table  # noqa: PLC0415
+    from servetwin.experiments.md_tables import fmt, fmt_pm, md_table  # noqa: PLC0415
 
     backends = list(stats)
     lines = [f"# {exp.name}: {len(seeds)} seeds", ""]
@@ -395,8 +395,7 @@ def _write_seeds_md(exp: ExperimentConfig, seeds: list[int], stats: dict, df, ou
             elif s["ci_lo"] is None:
                 cells.append(fmt(s["mean"]))
             else:
-                cells.append(f"{fmt(s['mean'])} ± {fmt((s['ci_hi'] - s['ci_lo']) / 2)} "
-                             f"[{fmt(s['min'])}, {fmt(s['max'])}]")
+                cells.append(f"{fmt_pm(s['mean'], s['ci_lo'], s['ci_hi'])} [{fmt(s['min'])}, {fmt(s['max'])}]")
         if any(c != "-" for c in cells):
             table.append([col] + cells)
     lines += ["## Summary over seeds", "", md_table(["metric"] + backends, table), "",
