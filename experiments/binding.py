@@ -74,7 +74,9 @@ def binding_resource(s: dict[str, Any], offered: Optional[float],
             if step.get("mean") is not None and s.get("engine_duration_s") else None)
     unfinished = s.get("requests", 0) - s.get("completed", 0) - s.get("rejected", 0)
     floor = 5 * (step.get("p50") or 0.0)  # a few steps of wait is no queue
-    grew = {k: late - early for k, (early, late) in (growth or {}).items() if late > GROWTH * early + floor}
+    # a batch sent at once always waits longer at its end: growth says something of open-loop traffic only
+    grew = {k: late - early for k, (early, late) in (growth or {}).items()
+            if offered is not None and late > GROWTH * early + floor}
     stable = growth is not None and not unfinished and not grew
     facts = [f"KV peak {_pct(kv)}" + (f", {preempt} preemptions" if preempt else ", no preemption")]
     if fe_util is not None:

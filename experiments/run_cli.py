@@ -173,6 +173,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             else:
                 print(f"interrupted: {out}/ has no sweep.csv (interrupted while writing)", file=sys.stderr)
             raise
+    from servetwin.experiments.sweep import bound_by_line  # noqa: PLC0415
+
+    print(bound_by_line(df))
     bad = df[df.status != "ok"]
     print(f"wrote {out}/: {folder.describe()}, {df.point.nunique()} point folders ({len(df)} rows, "
           f"{len(bad)} not ok) in {time.perf_counter() - t0:.1f}s")

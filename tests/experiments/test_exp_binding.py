@@ -81,7 +81,7 @@ def test_engine_slo_names_parse_and_typos_suggest_them():
         parse_slo({"engine_ttft_p999_s": 1})
 
 
-def test_a_sweep_of_arrival_bound_points_says_throughput_cannot_differ(tmp_path):
+def test_a_sweep_of_arrival_bound_points_says_throughput_cannot_differ(tmp_path, capsys):
     cfg = tiny(workload__requests=20, workload__arrival={"type": "poisson", "rate": 2.0},
                sweep={"engine.max_num_seqs": [4, 8]})
     out = tmp_path / "sw"
@@ -90,3 +90,4 @@ def test_a_sweep_of_arrival_bound_points_says_throughput_cannot_differ(tmp_path)
     df = pd.read_csv(out / "sweep.csv")
     assert list(df.bound_by) == ["arrival_rate", "arrival_rate"]
     assert "throughputs are that rate and cannot differ" in (out / "sweep.md").read_text()
+    assert "Every point is bound by the arrival rate" in capsys.readouterr().out  # the console says it too
