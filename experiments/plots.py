@@ -673,9 +673,10 @@ def is_numeric_axis(values) -> bool:
 def spread(df, col: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """Per-point error bars of `col` when the table has them (seeds): (below, above) distances from the value.
 
-    Accepted columns: `<col>_ci_low` / `<col>_ci_high` (a 95% interval), `<col>_lo` / `<col>_hi`, or
-    `<col>_std` (symmetric)."""
-    pairs = [(lo, hi) for lo, hi in (("_ci_low", "_ci_high"), ("_lo", "_hi")) if col + lo in df and col + hi in df]
+    Accepted columns: `<col>_ci_lo` / `<col>_ci_hi` (the 95% interval a seeded sweep writes, clipped at
+    physical bounds), `<col>_ci_low` / `<col>_ci_high`, `<col>_lo` / `<col>_hi`, or `<col>_std` (symmetric)."""
+    pairs = [(lo, hi) for lo, hi in (("_ci_lo", "_ci_hi"), ("_ci_low", "_ci_high"), ("_lo", "_hi"))
+             if col + lo in df and col + hi in df]
     if col not in df or not (pairs or col + "_std" in df):
         return None
     v = df[col].to_numpy(dtype=float)
@@ -755,7 +756,9 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
             for stat, target in ctx.slo_targets(kind):
                 ax.axhline(target, color="red", ls="--", lw=1.2, label=f"SLO {stat} <= {format_seconds(target)}")
         if kind in ("ttft", "tpot", "e2e") and x_key is not None and ax.get_legend_handles_labels()[0]:
-            log_time_axis(ax, "y")
+            drawn = ok[[c for c in cols if c in ok]].to_numpy(dtype=float)
+            drawn = drawn[np.isfinite(drawn) & (drawn > 0)]  # the values, not error bars clipped at 0
+            log_time_axis(ax, "y", (float(drawn.min()), float(drawn.max())) if drawn.size else None)
         elif kind in ("ttft", "tpot", "e2e"):
             _seconds_axis(ax, "y")
         else:  # throughputs and the makespan: from 0, so equal points look equal
@@ -783,6 +786,6 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7.5)
     has_err = any(spread(ok, c) is not None for c in ok.columns)
-    ctx.suptitle(fig, "sweep" + (" (error bars: spread over seeds)" if has_err else "")
+    ctx.suptitle(fig, "sweep" + (" (error bars: 95% interval of the mean over seeds)" if has_err else "")
                  + (f"; {len(partial)} interrupted point(s) hatched" if partial else ""))
     return _save(fig, path)

@@ -127,3 +127,11 @@ def test_sweep_figure_subtitle_names_no_swept_value(tmp_path):
     ctx = plots.context_for(exp)
     assert "max_num_seqs" not in ctx.settings and "max_num_batched_tokens 64" in ctx.settings
     assert ctx.title.endswith("9 requests at 3 req/s (poisson)")  # the --set shows in the title
+
+
+def test_seeded_sweep_error_bars_are_the_clipped_interval_not_the_std():
+    df = _sweep_df([8, 16])
+    df["ttft_p99_s_ci_lo"], df["ttft_p99_s_ci_hi"] = [0.0, 0.08], [0.2, 0.12]
+    df["ttft_p99_s_std"] = [1.0, 1.0]  # symmetric std bars would reach below zero
+    below, above = plots.spread(df, "ttft_p99_s")
+    assert below == pytest.approx([0.05, 0.02]) and above == pytest.approx([0.15, 0.02])
