@@ -111,7 +111,7 @@ def binding_resource(s: dict[str, Any], offered: Optional[float],
         why = ("requests queue for the engine's batch slots and its steps set the pace" if grew else
                "no other limit is near saturation: the engine's steps set the pace")
     return {"resource": resource, "line": f"bound by {LABELS[resource]}: {why} ({'; '.join(facts)})",
-            "latency": ttft_parts(s, kv >= KV_FULL or bool(preempt))}
+            "facts": "; ".join(facts), "latency": ttft_parts(s, kv >= KV_FULL or bool(preempt))}
 
 
 def ttft_parts(s: dict[str, Any], kv_bound: bool) -> Optional[dict[str, Any]]:

@@ -52,7 +52,7 @@ def limited_line(r: dict[str, Any], unit: str) -> str:
     share = f"{b['seeds']} of {b['of']} seeds" if b["of"] > 1 else "the run"
     line = b["line"]
     if b["resource"] == "arrival_rate" and b.get("latency"):  # keeps up: the SLO is bound by a latency part
-        line = f"{b['latency']['line']}; the server keeps up with the load ({line.split(' (', 1)[1][:-1]})"
+        line = f"{b['latency']['line']}; the server keeps up with the load ({b['facts']})"
     lo, hi = r["interval"]
     load = fmt_to(b["load"], hi - lo) if lo is not None and hi is not None else _load(b["load"])
     return f"at {load} {unit} ({share}): {line}"
