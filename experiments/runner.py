@@ -274,8 +274,11 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
     if exp.slo is not None and not exp.slo.empty:
         from servetwin.experiments.slo import evaluate_slo  # noqa: PLC0415
 
-        out["slo"] = evaluate_slo(exp.slo, reqs, itls, duration)
+        out["slo"] = evaluate_slo(exp.slo, reqs, itls, duration, engine_itls)
         out["goodput_req_s"] = out["slo"]["goodput_req_s"]
+    from servetwin.experiments.binding import binding_resource, offered_rate, wait_growth  # noqa: PLC0415
+
+    out["binding"] = binding_resource(out, offered_rate(exp, reqs), wait_growth(reqs))
     conversations = conversation_summary(reqs)
     if conversations is not None:  # multi-turn workloads: the history's share found in the prefix cache
         out["conversations"] = conversations

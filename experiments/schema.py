@@ -290,6 +290,9 @@ def parse_hardware(value: Any, ctx: ParseContext) -> Any:
     """A preset name, a hardware/calibration YAML path (relative to the YAML) or an inline mapping."""
     from servetwin.sim.hardware import HARDWARE_PRESETS  # noqa: PLC0415  (no torch: cheap)
 
+    from servetwin.experiments.auto_calibration import AUTO  # noqa: PLC0415
+    from servetwin.sim.hardware import preset_name, unknown_hardware  # noqa: PLC0415
+
     hw = "h100-sxm" if value is None else value
     if isinstance(hw, Mapping):
         return copy.deepcopy(dict(hw))
@@ -297,11 +300,16 @@ def parse_hardware(value: Any, ctx: ParseContext) -> Any:
         raise ConfigError("hardware", f"must be a preset name, a YAML path or a mapping, got {_fmt(hw)}")
     if hw in HARDWARE_PRESETS:
         return hw
+    if hw.strip().lower() == AUTO:  # this machine's CPU, calibrated on first use (experiments/auto_calibration.py)
+        return AUTO
     p = Path(hw).expanduser()
     p = p if p.is_absolute() else ctx.base_dir / p
     if not p.is_file():
-        raise ConfigError("hardware", f"{hw!r} is neither a preset ({', '.join(HARDWARE_PRESETS)}) nor an existing "
-                                      f"YAML file (relative to the config file's folder {ctx.base_dir})")
+        preset = preset_name(hw)  # `H100`, `A100`: any case, the common names
+        if preset is not None:
+            return preset
+        raise unknown_hardware(hw, f" (relative to the config file's folder {ctx.base_dir}); `auto` calibrates "
+                                   "this machine's CPU")
     return str(p.resolve())
 
 
@@ -482,6 +490,8 @@ def parse_frontend_section(value: Any, ctx: ParseContext) -> Any:
 
         offline = isinstance(w.arrival, Offline)
         return default_frontend(online=not offline)
+    if isinstance(value, Mapping) and "type" not in value and value:  # `--api-server-count 4` alone: a server
+        value = {"type": "api_server", **value}
     if isinstance(value, Mapping) and isinstance(value.get("coefficients"), str):
         cand = Path(value["coefficients"]).expanduser()
         if not cand.is_absolute() and (ctx.base_dir / cand).is_file():
@@ -572,6 +582,24 @@ class ExperimentConfig:
         return copy.deepcopy(self.raw)
 
 
+def _resolve_auto_hardware(exp: ExperimentConfig) -> None:
+    """`hardware: auto`: this machine's CPU calibration for the model, measured on first use and cached
+    (experiments/auto_calibration.py); config.yaml keeps `auto`, the run's provenance names the file."""
+    from servetwin.experiments.auto_calibration import AUTO, ensure_calibration  # noqa: PLC0415
+
+    if exp.hardware != AUTO:
+        return
+    device = str(exp.engine.given.get("device", "cpu"))
+    if device.startswith("cuda"):
+        raise ConfigError("hardware", "auto calibrates this machine's CPU; for a GPU give its preset, or "
+                                      "calibrate it with `servetwin calibrate --device cuda`")
+    if "sim" not in exp.backends:
+        exp.hardware = "cpu"  # nothing is simulated: no calibration needed (torch runs use its own threads)
+        return
+    dtype = str(exp.engine.given.get("dtype", "auto"))
+    exp.hardware = ensure_calibration(exp.model, "float32" if dtype == "auto" else dtype)
+
+
 def _check_hardware(exp: ExperimentConfig) -> None:
     """The simulator's hardware and model spec (cheap: no torch)."""
     if "sim" not in exp.backends:
@@ -640,7 +668,8 @@ def _check_backend_args(exp: ExperimentConfig) -> None:
             raise ConfigError(e.path, f"{e.message} [{backend} backend]") from None
 
 
-CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _check_hardware,
+CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _resolve_auto_hardware,
+                                                                 _check_hardware,
                                                                  _apply_vllm_batch_defaults,
                                                                  _check_engine_semantics, _check_backend_args)
 

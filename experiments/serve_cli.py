@@ -119,6 +119,11 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     kwargs = {**base, **kwargs}
     if backend in ("fake", "sim") and kwargs.get("tokenizer") is None and not kwargs.get("skip_tokenizer_init"):
         kwargs["tokenizer"] = "toy"
+        import sys  # noqa: PLC0415
+
+        print(f"note: the {backend} backend counts text with the toy tokenizer (one token per word, not "
+              f"{model}'s tokenizer): a text prompt's token count, and so its predicted time, differ from "
+              "the real model's; send token ids, or give --tokenizer PATH", file=sys.stderr)
     kwargs.update(backend=backend, multiprocess=True)
     if not base:  # vllm serve's step budget and running cap for the device (an experiment resolved its own)
         kwargs = apply_batch_defaults(kwargs, api_server=True)

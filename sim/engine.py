@@ -130,7 +130,8 @@ class Simulation:
         if frontend is not None and frontend.type == "api_server":
             from servetwin.sim.frontend import ApiServerFrontend  # noqa: PLC0415
 
-            self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend)
+            self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend,
+                                              frontend.api_server_count)
 
     # -- submission ------------------------------------------------------------------------------
     def submit(self, request: WorkloadRequest, done: Optional[simpy.Event] = None) -> simpy.Event:
