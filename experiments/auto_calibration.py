@@ -26,38 +26,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from servetwin.experiments.cpu_info import cpu_name, isa_flags, torch_version
+
 AUTO = "auto"
-# flags that select different torch/oneDNN CPU kernels (vector width, bf16 dot products, matrix tiles)
-SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 THREADS = 1  # the shipped calibrations' choice: one torch thread leaves a core to the rest of the process
-
-
-def isa_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
-    """The `SPEED_FLAGS` this CPU has (Linux /proc/cpuinfo; elsewhere none are known: [])."""
-    try:
-        with open(cpuinfo, encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    have = set(line.split(":", 1)[1].split())
-                    return [flag for flag in SPEED_FLAGS if flag in have]
-    except OSError:
-        pass
-    return []
-
-
-def torch_version() -> str:
-    import importlib.metadata as md  # noqa: PLC0415  (not `import torch`: seconds, and not needed here)
-
-    try:
-        return md.version("torch")
-    except md.PackageNotFoundError:
-        return "not installed"
 
 
 def fingerprint(model: str, dtype: str, threads: int = THREADS) -> dict[str, Any]:
     """What a CPU calibration is valid for: equal fingerprints, equal kernels and step costs."""
-    from servetwin.experiments.calibrate import cpu_name  # noqa: PLC0415
-
     return {"model": model, "cpu_model": cpu_name(), "isa_flags": isa_flags(), "logical_cpus": os.cpu_count(),
             "torch_threads": threads, "torch": torch_version(), "dtype": dtype, "arch": platform.machine()}
 

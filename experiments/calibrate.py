@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from servetwin.core.testbed.atomic import atomic_open
+from servetwin.experiments.cpu_info import cpu_name, isa_flags, torch_version
 from servetwin.experiments.torch_measure import (CONTENDED_BELOW, calibration_info, cpu_shares, load_average,
                                                  set_torch_threads)
 from servetwin.sim.coefficients import BASIS_TERMS, GPU_ONLY_TERMS
@@ -366,17 +367,6 @@ def fit_from_tables(steps, step_requests, cost_model, weighting: str = "relative
 
 
 # -- provenance -----------------------------------------------------------------------------------
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_name(device: str) -> str:
     import torch  # noqa: PLC0415
 
@@ -389,8 +379,6 @@ def machine_fingerprint(device: str = "cpu") -> dict[str, Any]:
     """What a calibration is only valid for: CPU model and count (the engine's host-side time runs
     there), the ISA flags that change CPU kernel speed, torch's version, the accelerator, the platform.
     Stored in a calibration's provenance as `machine`."""
-    from servetwin.experiments.auto_calibration import isa_flags, torch_version  # noqa: PLC0415
-
     fp: dict[str, Any] = {"cpu_model": cpu_name(), "logical_cpus": os.cpu_count(), "arch": platform.machine(),
                           "isa_flags": isa_flags(), "torch": torch_version()}
     if str(device).startswith("cuda"):

@@ -9,8 +9,8 @@ from servetwin.core.config_error import ConfigError
 from servetwin.core.model_spec import (FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec, weight_bits)
 
 # The published config.json fields that matter (Hugging Face model pages; gpt-oss-120b's is in
-# tests/core/data/gpt-oss-120b.config.json whole).
-GPT_OSS_120B = json.loads((Path(__file__).parent / "data" / "gpt-oss-120b.config.json").read_text())
+# tests/core/data/models/gpt-oss-120b/config.json whole).
+GPT_OSS_120B = json.loads((Path(__file__).parent / "data" / "models" / "gpt-oss-120b" / "config.json").read_text())
 GPT_OSS_20B = {**GPT_OSS_120B, "num_hidden_layers": 24, "num_local_experts": 32,
                "layer_types": GPT_OSS_120B["layer_types"][:24]}
 QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
