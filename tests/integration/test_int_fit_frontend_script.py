@@ -3,11 +3,9 @@ API-server cases whose 'published' figures are the sim's own at a known `latency
 offline cases, and refuses held-out directories."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from inttest_helpers import load_benchmark
+from inttest_helpers import load_benchmark, publish, write_case_dir
 from servetwin.experiments.published import validate_cases
 
 CASE = """\
@@ -25,18 +23,13 @@ TRUE_LATENCY = 0.02
 
 
 def _case_dir(tmp_path):
-    (tmp_path / "cases").mkdir()
     api = "{type: api_server, endpoint: completions}"
     cases = {"short": (api, 100), "long": (api, 800), "offline": ("{type: offline}", 100)}
-    for name, (frontend, prompt) in cases.items():
-        (tmp_path / "cases" / f"{name}.yaml").write_text(CASE.format(name=name, frontend=frontend, prompt=prompt))
-    (tmp_path / "published.json").write_text(json.dumps({n: {"source": "t", "published": {"ttft_mean": 1.0}}
-                                                         for n in cases}))
+    write_case_dir(tmp_path, {name: CASE.format(name=name, frontend=frontend, prompt=prompt)
+                              for name, (frontend, prompt) in cases.items()}, "ttft_mean")
     truth = validate_cases(tmp_path, overrides=[
         f"frontend.coefficients={{base: vllm, coefficients: {{latency_in_s: {TRUE_LATENCY}}}}}"])
-    published = {r.name: {"source": "the sim at latency_in_s 0.02", "published": {"ttft_mean": r.rows[0][2]}}
-                 for r in truth}
-    (tmp_path / "published.json").write_text(json.dumps(published))
+    publish(tmp_path, truth, "ttft_mean", "the sim at latency_in_s 0.02")
     return tmp_path
 
 
