@@ -16,9 +16,14 @@ output chunks wait for the CPU behind other requests' parsing. This module model
   (`c_token_out_s`), per request the SSE chunk write (`c_chunk_s`), per finished request the final
   chunk, usage and `[DONE]` (`c_finish_s`); then `latency_out_s` (off the CPU) until the client
   reads the chunk. When the front end falls behind, the steps waiting for the output handler are
-  handled as one batch whose tokens go out together, one chunk per request (vLLM's per-request
-  output collector merges outputs its streaming task has not sent yet): every message and token is
-  still processed, but each request writes one chunk per batch. On the chat
+  handled as one batch whose tokens go out together, one chunk per request: every message and token
+  is still processed, but each request writes one chunk per batch. This is vLLM's coalescing (v0.11-
+  v0.13, `RequestOutputCollector.put` in vllm/v1/engine/output_processor.py): the output handler
+  puts each step's `RequestOutput` into the request's one-slot collector, and in DELTA (streaming)
+  mode an output its streaming task has not taken yet is merged with the new one (`RequestOutput.add`,
+  tokens and text appended), so a chunk carries every token produced since that request's last chunk.
+  An idle front end thus writes one chunk per token (`--stream-interval`, v0.12+, default 1, would
+  hold chunks back on purpose; the modelled runs leave it at 1). On the chat
   endpoint the first token goes out as two events, the role chunk (the client's first token) and its
   content, so the client's ITLs of each request start with a ~0 gap (as `vllm bench serve` counts).
 

@@ -3,6 +3,7 @@ compare their traces and check the scheduler invariants on every step row."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,6 +52,22 @@ def load_benchmark(name: str) -> Any:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def write_case_dir(case_dir: Path, cases: dict[str, str], metric: str) -> None:
+    """A `servetwin validate` directory: cases/NAME.yaml from `cases`, and a placeholder published.json
+    with one `metric` per case (overwritten by `publish`)."""
+    (case_dir / "cases").mkdir()
+    for name, text in cases.items():
+        (case_dir / "cases" / f"{name}.yaml").write_text(text)
+    (case_dir / "published.json").write_text(json.dumps({n: {"source": "test", "published": {metric: 1.0}}
+                                                         for n in cases}))
+
+
+def publish(case_dir: Path, results: list, metric: str, source: str) -> None:
+    """Write validate results' predictions of `metric` (each case's first row) as the 'published' figures."""
+    published = {r.name: {"source": source, "published": {metric: r.rows[0][2]}} for r in results}
+    (case_dir / "published.json").write_text(json.dumps(published))
 
 
 def run_sim(scenario: Scenario, fast_forward: bool = True) -> tuple[dict[str, pd.DataFrame], Any]:

@@ -3,11 +3,9 @@ leave-one-case-out (two tiny compute-bound cases whose 'published' figures are t
 known A100 GEMM rate)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from inttest_helpers import load_benchmark
+from inttest_helpers import load_benchmark, publish, write_case_dir
 
 CASE = """\
 name: {name}
@@ -24,16 +22,10 @@ TRUE_GEMM = 0.7
 
 
 def _case_dir(tmp_path, fit):
-    (tmp_path / "cases").mkdir()
     names = {"long_prompts": 1500, "short_prompts": 600}
-    for name, prompt in names.items():
-        (tmp_path / "cases" / f"{name}.yaml").write_text(CASE.format(name=name, prompt=prompt))
-    (tmp_path / "published.json").write_text(json.dumps({n: {"source": "test", "published": {"dur_s": 1.0}}
-                                                         for n in names}))
+    write_case_dir(tmp_path, {name: CASE.format(name=name, prompt=prompt) for name, prompt in names.items()}, "dur_s")
     truth = fit.evaluate(tmp_path, {("efficiency", "gemm_compute"): TRUE_GEMM}, None, "a100-80g")
-    published = {r.name: {"source": "the sim at gemm_compute 0.7", "published": {"dur_s": r.rows[0][2]}}
-                 for r in truth}
-    (tmp_path / "published.json").write_text(json.dumps(published))
+    publish(tmp_path, truth, "dur_s", "the sim at gemm_compute 0.7")
     return tmp_path
 
 

@@ -245,3 +245,23 @@ def test_api_server_count_must_be_a_positive_integer(bad):
 
     with pytest.raises(ConfigError, match="frontend.api_server_count"):
         parse_frontend({"type": "api_server", "api_server_count": bad})
+
+
+def _chunks(sim, request_id):
+    """The client's chunks of one request: its tokens grouped by the time they reached the client."""
+    times = [sim.frontend.deliveries.client_time(t) for t in sim.recorder.requests[request_id].token_times]
+    assert None not in times and times == sorted(times)  # every token delivered, in order
+    return [times.count(t) for t in dict.fromkeys(times)]
+
+
+def test_chunks_carry_one_token_when_idle_and_merge_when_the_front_end_is_busy():
+    """vLLM's per-request output collector merges the outputs its streaming task has not written yet
+    (DELTA mode): an idle front end writes one chunk per token, a busy one fewer chunks of several
+    tokens each (what a client then sees as ITL > TPOT)."""
+    sim, _ = _run(_reqs(4, out=20), _api(c_chunk_s=1e-5, c_token_out_s=1e-6), record_step_requests=False)
+    assert all(_chunks(sim, f"r{i}") == [1] * 20 for i in range(4))
+    # 40 requests x (0.4 ms per chunk + 0.05 ms per token) = 18 ms of output work per 10 ms step
+    sim, _ = _run(_reqs(40, out=60), _api(c_chunk_s=4e-4, c_token_out_s=5e-5), record_step_requests=False)
+    chunks = [_chunks(sim, f"r{i}") for i in range(40)]
+    assert all(sum(c) == 60 and len(c) < 60 and max(c) > 1 for c in chunks)
+    assert len(sim.recorder.itls()) == sum(len(c) - 1 for c in chunks)  # the client records one ITL per chunk
