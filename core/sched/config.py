@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.kv_cache.hashing import HASH_ALGOS, get_hash_fn_by_name
 from servetwin.core.sched.request_queue import SchedulingPolicy
 
 
@@ -71,7 +72,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: Optional[int] = None
-    prefix_caching_hash_algo: str = "sha256"
+    prefix_caching_hash_algo: str = "sha256"  # vLLM's names, plus "builtin" (core/kv_cache/hashing.py)
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -82,9 +83,13 @@ class CacheConfig:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
-        if self.prefix_caching_hash_algo != "sha256":
-            raise ConfigError("prefix_caching_hash_algo", "only 'sha256' is supported, got "
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ConfigError("prefix_caching_hash_algo", f"must be one of {', '.join(HASH_ALGOS)}, got "
                              f"{self.prefix_caching_hash_algo!r}")
+        try:
+            get_hash_fn_by_name(self.prefix_caching_hash_algo)
+        except ValueError as exc:  # an optional package is missing
+            raise ConfigError("prefix_caching_hash_algo", str(exc).split(": ", 1)[1]) from None
 
 
 def field_names(cls: type) -> set[str]:
