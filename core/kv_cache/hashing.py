@@ -145,8 +145,6 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256) -> Calla
         # extra keys: LoRA in every block, the cache salt only in the block at token 0
         lora_keys = (generate_block_hash_extra_keys(request, 1)
                      if getattr(request, "lora_request", None) is not None else None)
-        if lora_keys is None and fast and (start or getattr(request, "cache_salt", None) is None):
-            return _builtin_chain(prev, tokens, start, num_tokens, block_size)
         while start + block_size <= num_tokens:
             end = start + block_size
             extra = generate_block_hash_extra_keys(request, start) if start == 0 else lora_keys
@@ -155,18 +153,26 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256) -> Calla
             start = end
         return new_hashes
 
-    fast = hash_fn is builtin
-    request_block_hasher.block_size = block_size  # type: ignore[attr-defined]
-    return request_block_hasher
+    def builtin_request_block_hasher(request: Any) -> list[bytes]:
+        """`request_block_hasher` with `builtin` inlined (the simulator's hot path: a decode's block)."""
+        hashes = request.block_hashes
+        start = len(hashes) * block_size
+        tokens = request.all_token_ids
+        num_tokens = len(tokens)
+        if start + block_size > num_tokens:
+            return []
+        if (getattr(request, "lora_request", None) is not None
+                or (not start and getattr(request, "cache_salt", None) is not None)):
+            return request_block_hasher(request)  # extra keys: the general path
+        parent = int.from_bytes(hashes[-1] if hashes else NONE_HASH, "little")
+        out = []
+        while start + block_size <= num_tokens:
+            end = start + block_size
+            parent = hash((parent, tuple(tokens[start:end]))) & _MASK64  # = builtin((prev, tokens, None))
+            out.append(parent.to_bytes(8, "little"))
+            start = end
+        return out
 
-
-def _builtin_chain(prev: bytes, tokens: list[int], start: int, num_tokens: int, block_size: int) -> list[bytes]:
-    """`builtin` over the full blocks from `start` on, without extra keys (the hasher's hot loop)."""
-    out = []
-    parent = int.from_bytes(prev, "little")
-    while start + block_size <= num_tokens:
-        end = start + block_size
-        parent = hash((parent, tuple(tokens[start:end]))) & _MASK64
-        out.append(parent.to_bytes(8, "little"))
-        start = end
-    return out
+    hasher = builtin_request_block_hasher if hash_fn is builtin else request_block_hasher
+    hasher.block_size = block_size  # type: ignore[attr-defined]
+    return hasher
