@@ -188,3 +188,20 @@ def test_run_collects_young_garbage_rarely_and_restores_the_thresholds():
         assert gc.get_threshold() == (700, 10, 10)
     finally:
         gc.set_threshold(*old)
+
+
+def test_builtin_hash_runs_the_same_simulation_as_sha256():
+    """Decisions depend only on hash equality: a prefix-sharing run (implicit decodes, async, output
+    blocks of equal greedy prompts hashing equal) gives the same trace with either hash."""
+    def run(algo):
+        args = {"backend": "sim", "model": "llama-3.1-8b", "hardware": "h100-sxm", "max_num_seqs": 16,
+                "max_model_len": 4096, "async_scheduling": True, "num_gpu_blocks": 400,
+                "prefix_caching_hash_algo": algo}
+        wl = {"seed": 1, "shared_prefix": {"groups": 3, "per_group": 4, "prefix_tokens": 256, "suffix_tokens": 40},
+              "output_tokens": {"type": "uniform", "low": 20, "high": 80}, "arrival": {"type": "poisson", "rate": 40}}
+        res = simulate_workload(args, wl, record_step_requests=False)
+        rec = res.recorder
+        return rec.steps, {rid: (t.token_times, t.cached_tokens) for rid, t in rec.requests.items()}
+    steps, requests = run("builtin")
+    assert (steps, requests) == run("sha256")
+    assert any(cached for _, cached in requests.values())  # the prefix cache was hit
