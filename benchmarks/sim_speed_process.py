@@ -131,7 +131,8 @@ def compare_config(before: Path, config: Path, sizes: list[int], repeats: int, s
         if dropped:
             print(f"note: {label} ({checkout}) does not know engine settings {dropped}: left out of its run")
     rate = yaml.safe_load(config.read_text())["workload"].get("arrival", {}).get("rate")
-    print(f"\n{config.name} (arrival rate {rate} req/s): before = {before}, after = {ROOT}")
+    overrides = f", --set {' '.join(sets)}" if sets else ""
+    print(f"\n{config.name} (its arrival rate {rate} req/s{overrides}): before = {before}, after = {ROOT}")
     print(f"{'requests':>9} {'run':>3} {'checkout':<8}{'process s':>10}{'x real':>8}{'cpu s':>8}"
           f"{'RSS MB':>8}{'loop s':>8}{'x loop':>8}{'steps':>8}")
     runs = []
