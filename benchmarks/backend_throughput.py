@@ -80,7 +80,8 @@ def run_servetwin(args, prompts, olens) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     warm = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)]
     llm.generate([prompts[0][:32]], warm)
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in olens]
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=not args.disable_detokenize)
+              for o in olens]
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -91,6 +92,7 @@ def run_servetwin(args, prompts, olens) -> dict[str, Any]:
     kernels = "native CPU kernels" if decode_kernel() is not None else "no native CPU kernels (pure torch)"
     return {"name": "servetwin (torch backend)", "wall_s": wall, "cpu_s": cpu, "load_s": load_s, "tokens": tokens,
             "extra": f"max_num_seqs={args.batch_size}, {blocks} KV blocks, "
+                     f"{'token ids only (no detokenization)' if args.disable_detokenize else 'detokenized'}, "
                      f"max_model_len={max_model_len}, preemptions={stats.get('num_preemptions')}, {kernels}"}
 
 
@@ -231,6 +233,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--skip", action="append", default=[], choices=["hf", "cb"])
     ap.add_argument("--no-cpu-kernels", action="store_true",
                     help="servetwin without its native CPU kernels (SERVETWIN_CPU_KERNELS=0): the pure-torch path")
+    ap.add_argument("--disable-detokenize", action="store_true",
+                    help="servetwin returns token ids only (SamplingParams.detokenize=False, vLLM's "
+                         "benchmark_throughput flag), like HF generate, which never detokenizes")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
     args.min_output = min(args.min_output, args.max_output)

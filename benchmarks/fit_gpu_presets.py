@@ -6,7 +6,8 @@ leave-one-case-out errors.
         --grid gemm_compute=0.7,0.75,0.8,0.85 --grid attn_prefill_compute=0.4,0.45,0.5,0.55,0.6 \
         --match qwen3_14b_a100 --loo
 
-DIR has the shape `servetwin validate` reads (cases/*.yaml + published.json); `--match` keeps the
+The search is `servetwin.experiments.preset_fit` (shared with `servetwin calibrate --from-vllm`);
+this script prints its result. DIR has the shape `servetwin validate` reads (cases/*.yaml + published.json); `--match` keeps the
 cases whose name contains the string. The per-kernel efficiencies from public measurements stay
 fixed (servetwin.sim.gpu_calibration); the parameters searched (`--params`, default: every entry of
 FIT, the H100 set) move coordinate-wise on a log grid - or, with `--grid`, every combination of the
@@ -20,98 +21,14 @@ left-out case and predicts it.
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
 import sys
 import time
 
-from servetwin.experiments.published import (
-    group_medians, load_published, metric_group, render_table, validate_cases)
+from servetwin.experiments.preset_fit import (  # noqa: F401  (the fitting lives in the package)
+    EXTRA, FIT, FIT_METRICS, FRONTEND_BOUND, evaluate, fit, grid_best, grid_fit, hardware_mapping, loo_cases, loss,
+    start_values)
+from servetwin.experiments.published import group_medians, load_published, render_table
 from servetwin.sim.gpu_calibration import GPU_CALIBRATION
-
-# (section, field, low, high): searched on a log grid between the bounds
-FIT = [
-    ("efficiency", "gemm_compute", 0.25, 0.86),  # at most A100's isolated-matmul fraction (MAMF 85.9%)
-    ("efficiency", "gemm_half_m", 8.0, 1024.0),
-    ("efficiency", "gemm_bandwidth", 0.6, 0.92),
-    ("efficiency", "attn_decode_bandwidth", 0.25, 0.92),
-    ("coefficients", "c_step", 2e-4, 4e-3),
-    ("coefficients", "c_req", 1e-6, 1e-4),
-]
-# searched only when named in --params
-EXTRA = [
-    ("efficiency", "attn_prefill_compute", 0.25, 0.9),
-    ("efficiency", "attn_mixed_decode_rows", 1.0, 128.0),
-]
-# figures left to the front-end model (API-server CPU and HTTP): not fitted here
-FRONTEND_BOUND = {"B5_qwen3_14b_h100_random_128": "all", "B1_qwen3_8b_h100_sharegpt_c4": "TTFT"}
-# one figure per group and case is enough: req_s, tot_tok_s and dur_s say the same thing
-FIT_METRICS = ("dur_s", "req_s", "lat_ms", "tpot_mean", "tpot_p50", "itl_p50", "itl_p99", "ttft_mean", "ttft_p50")
-
-
-def hardware_mapping(values: dict[tuple[str, str], float], preset: str = "h100-sxm") -> dict:
-    cal = GPU_CALIBRATION[preset]
-    eff, coef = dict(cal["efficiency"]), dict(cal["coefficients"])
-    for (section, name), v in values.items():
-        (eff if section == "efficiency" else coef)[name] = v
-    return {"base": preset, "efficiency": eff, "coefficients": coef}
-
-
-def loss(results) -> float:
-    per_case = []
-    for r in results:
-        skip = FRONTEND_BOUND.get(r.name)
-        if skip == "all":
-            continue
-        if r.error:
-            return math.inf
-        errs = []
-        for m, pub, p in r.rows:
-            if m not in FIT_METRICS or p is None or p <= 0 or (skip and metric_group(m) == skip):
-                continue
-            errs.append(abs(math.log(p / pub)))
-        if errs:
-            per_case.append(sum(errs) / len(errs))
-    return sum(per_case) / len(per_case) if per_case else math.inf
-
-
-def evaluate(case_dir, values, cases, preset):
-    return validate_cases(case_dir, hardware=hardware_mapping(values, preset), only=cases)
-
-
-def fit(case_dir, start, cases, rounds, log, params, preset):
-    values = dict(start)
-    best = loss(evaluate(case_dir, values, cases, preset))
-    for rnd in range(rounds):
-        for section, name, lo, hi in params:
-            key = (section, name)
-            cur = values[key]
-            span = (math.log(hi) - math.log(lo)) / (4 * (rnd + 1))
-            for mult in (-2, -1, 1, 2):
-                cand = min(hi, max(lo, math.exp(math.log(cur) + mult * span)))
-                if cand == values[key]:
-                    continue
-                trial = {**values, key: cand}
-                val = loss(evaluate(case_dir, trial, cases, preset))
-                if val < best:
-                    best, values = val, trial
-            log(f"  round {rnd + 1} {name} = {values[key]:.4g} (loss {best:.4f})")
-    return values, best
-
-
-def grid_fit(case_dir, grid, cases, preset, log):
-    """Every point of the grid ({(section, name): [values]}) run once on every case:
-    {point: {case: CaseResult}}, point = the tuple of values in the grid's key order."""
-    table = {}
-    for point in itertools.product(*grid.values()):
-        results = evaluate(case_dir, dict(zip(grid, point)), cases, preset)
-        table[point] = {r.name: r for r in results}
-        log(f"  grid {point}: loss {loss(results):.4f}")
-    return table
-
-
-def grid_best(table, names):
-    return min(table, key=lambda point: loss([table[point][n] for n in names]))
 
 
 def parse_params(p, spec, flag="--params"):
@@ -147,11 +64,6 @@ def print_fit(title, values, best_loss, t0, results):
         print(f"  {s}.{n}: {v:.4g}")
     print(f"loss {best_loss:.4f} ({time.perf_counter() - t0:.0f} s)\n")
     print(render_table(results))
-
-
-def loo_cases(selected):
-    """(left-out case, the others) for every case the GPU fit sees."""
-    return [(name, [c for c in selected if c != name]) for name in selected if FRONTEND_BOUND.get(name) != "all"]
 
 
 def print_loo(held):
@@ -199,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--match: no case name contains {args.match!r}")
     if grid:
         return main_grid(args, grid, selected, log)
-    cal = GPU_CALIBRATION[args.preset]
-    start = {(s, n): float((cal["efficiency"] if s == "efficiency" else cal["coefficients"])[n])
-             for s, n, _, _ in params}
+    start = start_values(params, args.preset)
     t0 = time.perf_counter()
     values, best = fit(args.dir, start, selected, args.rounds, log, params, args.preset)
     print_fit("", values, best, t0, evaluate(args.dir, values, selected, args.preset))

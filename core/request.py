@@ -63,6 +63,7 @@ class Request:
         "skip_reading_prefix_cache", "stop_reason", "num_preemptions", "is_prefill_chunk",
         "num_output_placeholders", "num_in_flight_tokens", "num_stale_output_tokens",
         "num_cached_tokens", "parent_id", "events", "_next_hash_at", "_hash_block_size",
+        "shared_prefix_boundary",
         "__weakref__",
     )
 
@@ -107,6 +108,9 @@ class Request:
         self.num_in_flight_tokens = 0
         self.num_stale_output_tokens = 0
         self.num_cached_tokens = -1  # prefix hit at first admission
+        # the full-attention hit when it was longer than the hit of every KV cache group together
+        # (sliding-window groups then retain their blocks before it; kv_cache_manager)
+        self.shared_prefix_boundary: Optional[int] = None
         self.parent_id = parent_id
         self.events: list[tuple[str, float]] = []
         self.block_hashes: list[bytes] = []

@@ -136,8 +136,8 @@ class SamplingParams:
                 raise bad(name, v, "must be -1 (whole vocabulary) or an int >= 0")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", self.seed, "must be an int")
-        if not all(_is_int(t) for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "must be a list of ints")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):  # token ids are never negative
+            raise bad("stop_token_ids", self.stop_token_ids, "must be a list of ints >= 0")
         if not all(isinstance(s, str) for s in self.stop):
             raise bad("stop", self.stop, "must be a string or a list of strings")
         if any(s == "" for s in self.stop):

@@ -285,6 +285,8 @@ def step_rows(steps, step_requests) -> tuple[list[int], list[Any], np.ndarray, l
 def fit_terms(cost_model) -> list[str]:
     """Basis terms worth fitting on this backend (see the module docstring)."""
     terms = [t for t in BASIS_TERMS if t not in ("comm", "ipc_step", "ipc_req") + GPU_ONLY_TERMS]
+    if not cost_model.model.is_moe:
+        terms.remove("moe")  # always 0 for a dense model
     if not cost_model.cuda_graphs:
         terms.remove("layer")  # always L on an eager backend: collinear with `step`
     else:
@@ -385,8 +387,12 @@ def device_name(device: str) -> str:
 
 def machine_fingerprint(device: str = "cpu") -> dict[str, Any]:
     """What a calibration is only valid for: CPU model and count (the engine's host-side time runs
-    there), the accelerator, the platform. Stored in a calibration's provenance as `machine`."""
-    fp: dict[str, Any] = {"cpu_model": cpu_name(), "logical_cpus": os.cpu_count(), "arch": platform.machine()}
+    there), the ISA flags that change CPU kernel speed, torch's version, the accelerator, the platform.
+    Stored in a calibration's provenance as `machine`."""
+    from servetwin.experiments.auto_calibration import isa_flags, torch_version  # noqa: PLC0415
+
+    fp: dict[str, Any] = {"cpu_model": cpu_name(), "logical_cpus": os.cpu_count(), "arch": platform.machine(),
+                          "isa_flags": isa_flags(), "torch": torch_version()}
     if str(device).startswith("cuda"):
         fp["gpu"] = device_name(device)
     return fp
@@ -406,6 +412,17 @@ def fingerprint_differences(calibration: dict[str, Any], machine: dict[str, Any]
         if key in cal_fp and cal_fp.get(key) != machine.get(key):
             notes.append(f"the calibration was made on another machine: {what} {cal_fp[key]!r}, here "
                          f"{machine.get(key)!r}")
+    if "isa_flags" in cal_fp and set(cal_fp["isa_flags"]) != set(machine.get("isa_flags", [])):
+        there, here = set(cal_fp["isa_flags"]), set(machine.get("isa_flags", []))
+        diff = [f"{f} only here" for f in sorted(here - there)] + [f"{f} only there" for f in sorted(there - here)]
+        notes.append(f"the calibration's CPU has other kernel-speed flags ({', '.join(diff)}); use "
+                     "`hardware: auto` to calibrate this machine")
+    elif "isa_flags" not in cal_fp and cal_fp:
+        notes.append("the calibration does not record its CPU's ISA flags (AVX2 / AVX-512 / AMX), so it cannot "
+                     f"be checked against this one ({', '.join(machine.get('isa_flags', [])) or 'none known'}); "
+                     "`hardware: auto` calibrates this machine")
+    if cal_fp.get("torch") and machine.get("torch") and cal_fp["torch"] != machine["torch"]:
+        notes.append(f"the calibration was measured with torch {cal_fp['torch']}, here {machine['torch']}")
     cal_threads = calibration.get("torch_threads")
     if isinstance(cal_threads, int) and cal_threads != threads:
         notes.append(f"the calibration was measured with {cal_threads} torch thread(s), this run uses {threads}")

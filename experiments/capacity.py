@@ -209,6 +209,7 @@ class CapacitySearch:
         binding = self.probes[hi].worst if hi is not None else (self.probes[lo].worst if lo is not None else None)
         status = "ok" if lo is not None and hi is not None else ("above_range" if hi is None else "below_range")
         crossings = self.seed_crossings()
+        per_seed = mean_ci(crossings)  # clipped at 0: a load is never negative
         return {
             "status": status,
             "capacity": lo,
@@ -218,6 +219,6 @@ class CapacitySearch:
             "seeds": max((len(p.evaluations) for p in self.probes.values()), default=0),
             "probes": len(self.probes),
             "per_seed_capacity": crossings,
-            "per_seed_capacity_ci95": mean_ci(crossings),
+            "per_seed_capacity_ci95": per_seed,
             "note": self.note,
         }

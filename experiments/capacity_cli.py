@@ -7,7 +7,8 @@ import time
 
 
 def _cmd_capacity(args: argparse.Namespace) -> int:
-    from servetwin.experiments.capacity_report import answer_line  # noqa: PLC0415
+    from servetwin.experiments.capacity_report import (answer_line, limited_line, per_seed_line,  # noqa: PLC0415
+                                                       winner_lines)
     from servetwin.experiments.capacity_run import parse_grid, run_capacity  # noqa: PLC0415
     from servetwin.experiments.run_cli import _load  # noqa: PLC0415
     from servetwin.experiments.run_folder import RunFolder, folder_summary_state  # noqa: PLC0415
@@ -39,12 +40,12 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
     unit = answer["unit"]
     for r in answer["searches"]:
         ci = r["per_seed_capacity_ci95"]
-        seed_part = (f"; per seed {ci['mean']:.4g} [{ci['ci_lo']:.4g}, {ci['ci_hi']:.4g}] (95% CI)"
-                     if ci.get("ci_lo") is not None else "")
+        seed_part = f"; per seed {per_seed_line(ci)} (95% CI)" if ci.get("ci_lo") is not None else ""
         name = f"{r['point']} [{r['backend']}]" if r["point"] != "base" else r["backend"]
-        print(f"{name}: capacity {answer_line(r, unit)}, binding {r['binding']}{seed_part}, {r['probes']} probes")
-    if answer.get("best") and len(answer["searches"]) > 1:
-        print(f"serves the most: {answer['best']['point']} [{answer['best']['backend']}]")
+        print(f"{name}: capacity {answer_line(r, unit)}, binding SLO {r['binding']}{seed_part}, {r['probes']} probes")
+        print(f"{name}: {limited_line(r, unit)}")
+    for line in winner_lines(answer)[:1]:
+        print(line.replace("**", ""))
     print(f"wrote {out}/: {folder.describe()} in {time.perf_counter() - t0:.1f}s")
     return 1 if answer["interrupted"] or any(r["capacity"] is None for r in answer["searches"]) else 0
 

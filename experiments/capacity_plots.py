@@ -6,6 +6,7 @@ import math
 from typing import Any, Optional
 
 from servetwin.core.testbed.atomic import atomic_write_with
+from servetwin.experiments.binding import LABELS
 
 
 def _plt():
@@ -88,8 +89,11 @@ def capacity_plot(answer: dict[str, Any], path: str) -> Optional[str]:
     spec = ", ".join(f"{k} {v:g}" for k, v in limits.items())
     caps = "; ".join(f"{r['point'] if len(searches) > 1 else r['backend']}: "
                      f"{'-' if r['capacity'] is None else format(r['capacity'], 'g')}" for r in searches)
-    fig.suptitle(f"{answer['name']}: capacity under {spec} at {answer['confidence']:.0%} confidence, "
-                 f"{len(answer['seeds'])} seeds ({caps}); x = failing probe", fontsize=10)
+    bound = "; ".join(f"{r['point'] if len(searches) > 1 else r['backend']} limited by "
+                      f"{LABELS[r['limited_by']['resource']]}" for r in searches if r.get("limited_by"))
+    fig.suptitle(f"{answer.get('title') or answer['name']}\ncapacity under {spec} at {answer['confidence']:.0%} "
+                 f"confidence, {len(answer['seeds'])} seeds ({caps}); x = failing probe"
+                 + (f"\n{bound} (capacity.md: why)" if bound else ""), fontsize=10)
     fig.tight_layout()
     try:  # under a temporary name, renamed when complete (the run-folder protocol)
         atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))

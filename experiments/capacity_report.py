@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from servetwin.core.testbed.atomic import atomic_write_text
 
+from servetwin.experiments.md_tables import fmt_pm, fmt_to
 from servetwin.experiments.report import fmt, md_table
 
 
@@ -18,7 +19,7 @@ def _pm(stats: dict[str, Any]) -> str:
         return "-"
     if stats.get("ci_lo") is None:
         return fmt(stats["mean"])
-    return f"{fmt(stats['mean'])} ± {fmt((stats['ci_hi'] - stats['ci_lo']) / 2)}"
+    return fmt_pm(stats["mean"], stats["ci_lo"], stats["ci_hi"])
 
 
 def _ratio(r: Optional[float]) -> str:
@@ -31,7 +32,42 @@ def answer_line(r: dict[str, Any], unit: str) -> str:
         return f"below {_load(hi)} {unit} (every probe down to it misses the SLO)"
     if r["status"] == "above_range":
         return f"above {_load(lo)} {unit} (every probe up to it meets the SLO)"
-    return f"{_load(lo)} {unit} (interval [{_load(lo)}, {_load(hi)}))"
+    w = hi - lo
+    return f"{fmt_to(lo, w)} {unit} (interval [{fmt_to(lo, w)}, {fmt_to(hi, w)}))"
+
+
+def per_seed_line(ci: dict[str, Any]) -> str:
+    """`mean [lo, hi]` of the per-seed crossings, digits following the interval's width."""
+    if ci.get("ci_lo") is None:
+        return fmt(ci.get("mean"))
+    w = ci["ci_hi"] - ci["ci_lo"]
+    return f"{fmt_to(ci['mean'], w)} [{fmt_to(ci['ci_lo'], w)}, {fmt_to(ci['ci_hi'], w)}]"
+
+
+def limited_line(r: dict[str, Any], unit: str) -> str:
+    """What binds the answer: the resource the runs at the capacity name (experiments/binding.py)."""
+    b = r.get("limited_by")
+    if not b:
+        return "-"
+    share = f"{b['seeds']} of {b['of']} seeds" if b["of"] > 1 else "the run"
+    line = b["line"]
+    if b["resource"] == "arrival_rate" and b.get("latency"):  # keeps up: the SLO is bound by a latency part
+        line = f"{b['latency']['line']}; the server keeps up with the load ({b['facts']})"
+    lo, hi = r["interval"]
+    load = fmt_to(b["load"], hi - lo) if lo is not None and hi is not None else _load(b["load"])
+    return f"at {load} {unit} ({share}): {line}"
+
+
+def winner_lines(answer: dict[str, Any]) -> list[str]:
+    """Name the configuration serving the most only when its interval separates from the others'."""
+    if len(answer["searches"]) < 2:
+        return []
+    b = answer.get("best")
+    if b:
+        return [f"**Serves the most:** `{b['point']}` on {b['backend']} ({_load(b['capacity'])} {answer['unit']}): "
+                "its interval is clear of every other configuration's.", ""]
+    return ["**No configuration is clearly ahead:** their capacity intervals overlap (more seeds or a tighter "
+            "`--tol` may separate them).", ""]
 
 
 def capacity_markdown(answer: dict[str, Any]) -> str:
@@ -47,16 +83,13 @@ def capacity_markdown(answer: dict[str, Any]) -> str:
               f"{len(seeds)} seeds ({', '.join(map(str, seeds))}), bracketed to {answer['rel_tol']:.0%}.", ""]
     rows = []
     for r in answer["searches"]:
-        ci = r["per_seed_capacity_ci95"]
-        per_seed = (f"{fmt(ci['mean'])} [{fmt(ci['ci_lo'])}, {fmt(ci['ci_hi'])}]" if ci.get("ci_lo") is not None
-                    else fmt(ci.get("mean")))
-        rows.append([r["point"], r["backend"], answer_line(r, unit), r["binding"] or "-", per_seed, r["probes"],
-                     r.get("note") or ""])
+        rows.append([r["point"], r["backend"], answer_line(r, unit), r["binding"] or "-",
+                     per_seed_line(r["per_seed_capacity_ci95"]), r["probes"], r.get("note") or ""])
     lines += ["## Answer", "", md_table(["configuration", "backend", f"capacity ({unit})", "binding SLO",
                                          "per-seed capacity: mean [95% CI]", "probes", "note"], rows), ""]
-    if answer.get("best") and len(answer["searches"]) > 1:
-        b = answer["best"]
-        lines += [f"**Serves the most:** `{b['point']}` on {b['backend']} ({_load(b['capacity'])} {unit}).", ""]
+    lines += ["## What limits the answer", ""]
+    lines += [f"- `{r['point']}` [{r['backend']}]: {limited_line(r, unit)}." for r in answer["searches"]] + [""]
+    lines += winner_lines(answer)
     lines += ["## Method", "",
               "Each probe runs the experiment at one load once per seed (seed s is the same workload draw at "
               "every load). A probe passes when, for every SLO target, the one-sided Student-t upper bound at "

@@ -195,7 +195,8 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
                 for seed in seeds:
                     r = by_seed.get(seed, PointResult("not run"))
                     summ = ((r.summary or {}).get("backends") or {}).get(s.backend) if r.status == "ok" else None
-                    evals.append(summ.get("slo") if summ else None)
+                    evals.append(dict(summ["slo"], resource=summ.get("binding")) if summ and summ.get("slo")
+                                 else None)
                     if r.status != "ok":
                         errors.append(f"seed {seed}: {r.status}" + (f" ({r.error})" if r.error else ""))
                     rows.append(_probe_row(s, load, seed, r, summ))
@@ -256,7 +257,7 @@ def _curve(s: Search) -> list[dict[str, Any]]:
         goodput = mean_ci([(ev or {}).get("goodput_req_s") for ev in p.evaluations])
         share = sum(1 for ev in p.evaluations if ev and ev.get("met")) / max(1, len(p.evaluations))
         out.append({"load": load, "passed": p.passed, "worst": p.worst, "checks": checks, "seed_pass_share": share,
-                    "attainment": {k: mean_ci(v) for k, v in att.items()}, "goodput_req_s": goodput,
+                    "attainment": {k: mean_ci(v, within=(0.0, 1.0)) for k, v in att.items()}, "goodput_req_s": goodput,
                     "errors": p.errors})
     return out
 
@@ -272,16 +273,52 @@ def load_unit(exp: ExperimentConfig, knob: str) -> tuple[str, str]:
         else ("clients", "closed-loop clients")
 
 
+def limited_by(search: Any) -> Optional[dict[str, Any]]:
+    """What limits the answer: the binding resource (experiments/binding.py) of the runs at the capacity
+    (the highest passing load; else the lowest probe), the one most of its seeds name."""
+    load = search.lo_pass if search.lo_pass is not None else min(search.probes, default=None)
+    if load is None:
+        return None
+    named = [ev["resource"] for ev in search.probes[load].evaluations if ev and ev.get("resource")]
+    if not named:
+        return None
+    kinds = [b["resource"] for b in named]
+    top = max(dict.fromkeys(kinds), key=kinds.count)
+    return dict(next(b for b in named if b["resource"] == top), load=load, seeds=kinds.count(top), of=len(kinds))
+
+
+def separated_best(results: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The configuration serving the most, named only when its interval is clear of every other's: its
+    bracket's low end above their brackets' high ends, and (with per-seed intervals) its per-seed 95%
+    interval above theirs. None when the intervals overlap: the data cannot tell them apart."""
+    ok = [r for r in results if r["capacity"] is not None]
+    if not ok:
+        return None
+    best = max(ok, key=lambda r: r["capacity"])
+    for r in results:
+        if r is best:
+            continue
+        hi = r["interval"][1]
+        if hi is None or best["capacity"] < hi:
+            return None
+        mine, theirs = best["per_seed_capacity_ci95"], r["per_seed_capacity_ci95"]
+        if mine.get("ci_lo") is not None and theirs.get("ci_hi") is not None and mine["ci_lo"] <= theirs["ci_hi"]:
+            return None
+    return {"point": best["point"], "backend": best["backend"], "capacity": best["capacity"]}
+
+
 def _answer(exp, knob, spec, seeds, searches, confidence, rel_tol, interrupted, pool, hosts) -> dict[str, Any]:
     results = []
     for s in searches:
         res = s.search.result()
-        res.update(point=s.point, assignments=s.assignments, backend=s.backend, curve=_curve(s))
+        res.update(point=s.point, assignments=s.assignments, backend=s.backend, curve=_curve(s),
+                   limited_by=limited_by(s.search))
         results.append(res)
-    ok = [r for r in results if r["capacity"] is not None]
-    best = max(ok, key=lambda r: r["capacity"]) if ok else None
+    best = separated_best(results)
     unit, unit_label = load_unit(exp, knob)
-    return {"name": exp.name, "over": knob, "unit": unit, "unit_label": unit_label, "slo": spec.to_dict(),
+    from servetwin.experiments.plots import context_for  # noqa: PLC0415  (no matplotlib: the title only)
+
+    return {"name": exp.name, "title": context_for(exp, varied=(knob,)).title, "over": knob, "unit": unit, "unit_label": unit_label, "slo": spec.to_dict(),
             "seeds": seeds, "confidence": confidence,
             "rel_tol": rel_tol, "interrupted": interrupted, "pool": pool, "hosts": hosts,
             "best": {"point": best["point"], "backend": best["backend"], "capacity": best["capacity"]} if best

@@ -2,27 +2,30 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import signal
 import sys
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     from servetwin.core.testbed.atomic import atomic_open
-    from servetwin.core.testbed.replay import replay, write_replay
+    from servetwin.core.testbed.replay import replay_jsonl, write_replay
     from servetwin.core.testbed.scenario import load_scenario
     from servetwin.experiments.schema import ensure_output_file
 
+    if args.max_output_bytes < 0:
+        raise ValueError(f"--max-output-bytes: must be >= 0 (0: no limit), got {args.max_output_bytes}")
     scenario = load_scenario(args.scenario)
     if args.output in (None, "-"):
-        lines = list(replay(scenario))  # the whole replay first: a rejected scenario prints nothing
-        for line in lines:
-            sys.stdout.write(json.dumps(line) + "\n")
+        # the whole replay first (a rejected scenario prints nothing), within the output bound
+        lines = list(replay_jsonl(scenario, args.max_output_bytes))
+        sys.stdout.writelines(lines)
         return 0
     ensure_output_file(args.output)
     # Written under a temporary name and renamed when complete: a scenario rejected mid-replay
     # (an unservable request) or a Ctrl-C leaves no file, and an existing one untouched.
     with atomic_open(args.output) as f:
-        n = write_replay(scenario, f)
+        n = write_replay(scenario, f, args.max_output_bytes)
     print(f"wrote {n} lines to {args.output}", file=sys.stderr)
     return 0
 
@@ -34,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay a scenario JSON through the shared scheduler (fake sampler)")
     r.add_argument("scenario", help="scenario JSON file (settings + requests)")
     r.add_argument("-o", "--output", help="output JSONL (default: stdout)")
+    r.add_argument("--max-output-bytes", type=int, default=1 << 30,
+                   help="stop with an error once the output passes this many bytes (default 1 GiB; 0: no limit)")
     r.set_defaults(func=_cmd_replay)
     for register in _extra_commands():
         register(sub)
@@ -47,7 +52,8 @@ def _extra_commands():
     out = []
     for mod in ("servetwin.experiments.run_cli", "servetwin.experiments.capacity_cli",
                 "servetwin.experiments.compare_cli", "servetwin.experiments.serve_cli",
-                "servetwin.experiments.validate_cli", "servetwin.experiments.presets_cli"):
+                "servetwin.experiments.validate_cli", "servetwin.experiments.presets_cli",
+                "servetwin.experiments.vllm_import.import_cli"):
         try:
             out.append(importlib.import_module(mod).register)
         except ModuleNotFoundError as e:
@@ -56,8 +62,27 @@ def _extra_commands():
     return out
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an interrupt: the same clean-up as Ctrl-C (temporary files removed, a run
+    folder marked interrupted), then exit status 143 (128 + 15)."""
+
+
+_MAIN_PID = os.getpid()
+
+
+def _terminate(signum: int, frame: object) -> None:
+    if os.getpid() != _MAIN_PID:  # a forked child inherited the handler: die by the signal as usual
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if isinstance(getattr(args, "output", None), str):
+        args.output = os.path.expanduser(args.output)  # `-o '~/x'`, quoted, reaches us unexpanded
+    previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:  # bad input: a field, a file or a model that is not there
@@ -73,9 +98,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"servetwin {args.command}: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"servetwin {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        print(f"servetwin {args.command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading  # noqa: PLC0415
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def _message(e: BaseException) -> str:

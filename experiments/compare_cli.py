@@ -8,6 +8,12 @@ import time
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    if args.measured:  # a profiler trace of a run elsewhere (vLLM, servetwin): servetwin.experiments.vllm_import
+        from servetwin.experiments.vllm_import.trace_cli import cmd_compare_measured  # noqa: PLC0415
+
+        return cmd_compare_measured(args)
+    if args.config is None:
+        raise ValueError("config: the experiment YAML is required")
     from servetwin.experiments.compare import CompositionMismatch, compare, load_compare_config  # noqa: PLC0415
     from servetwin.experiments.run_folder import RunFolder  # noqa: PLC0415
 
@@ -43,6 +49,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from servetwin.experiments.calibrate import calibrate  # noqa: PLC0415
     from servetwin.experiments.schema import check_output_file, ensure_output_dir, ensure_output_file  # noqa: PLC0415
 
+    if args.from_vllm:  # fit on vLLM's files instead of measuring: servetwin.experiments.vllm_import
+        from servetwin.experiments.vllm_import.calibrate_cli import cmd_calibrate_from_vllm  # noqa: PLC0415
+
+        return cmd_calibrate_from_vllm(args)
+    if not args.model:
+        raise ValueError("--model: required (the model the torch backend measures)")
+
     if args.backend != "torch":
         raise ValueError(f"--backend: only 'torch' is measured, got {args.backend!r}")
     for flag, value, low in (("--repeats", args.repeats, 1), ("--threads", args.threads, 1)):
@@ -72,7 +85,7 @@ def register(subparsers) -> None:
                     "workloads must schedule identical steps on both backends (else exit status 1, naming the "
                     "first differing step); online workloads (Poisson etc. arrivals, in wall time on torch) "
                     "report how many steps stayed identical.")
-    c.add_argument("config", help="experiment YAML (e.g. experiments/configs/compare_smollm2_offline.yaml)")
+    c.add_argument("config", nargs="?", help="experiment YAML (e.g. experiments/configs/compare_smollm2_offline.yaml)")
     c.add_argument("-o", "--output", help="output folder (default: runs/compare-<name>)")
     c.add_argument("--calibration", metavar="FILE",
                    help="calibration YAML (from `servetwin calibrate`) used as the simulator's hardware; "
@@ -92,6 +105,9 @@ def register(subparsers) -> None:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field by dotted path (repeatable)")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    c.add_argument("--measured", nargs="+", metavar="TRACE",
+                   help="compare the simulator with these profiler traces (vLLM's Chrome traces, one per rank) "
+                        "instead of running the torch backend: predicted vs measured step time by phase")
     c.add_argument("--overwrite", action="store_true",
                    help="replace the contents of a non-empty output folder (default: refuse it)")
     c.set_defaults(func=_cmd_compare)
@@ -103,7 +119,7 @@ def register(subparsers) -> None:
                     "warm-up) through the real EngineCore, fit the cost model's coefficients by non-negative "
                     "least squares, and write a hardware YAML with the coefficients and their provenance "
                     "(usable as `hardware:` in an experiment or `servetwin compare --calibration`).")
-    k.add_argument("--model", required=True, help="model name the torch loader knows (e.g. smollm2-135m)")
+    k.add_argument("--model", help="model name the torch loader knows (e.g. smollm2-135m); required unless --from-vllm")
     k.add_argument("--backend", default="torch", choices=["torch"], help="measured backend (torch)")
     k.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     k.add_argument("--dtype", default="auto", help="model dtype (default auto: float32 on the CPU)")
@@ -128,4 +144,12 @@ def register(subparsers) -> None:
     k.add_argument("--attention-backend", default="auto", help="auto | torch-paged | flash-attn")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("-o", "--output", required=True, help="calibration YAML to write")
+    k.add_argument("--from-vllm", nargs="+", metavar="FILE",
+                   help="fit on vLLM's files instead of measuring: profiler traces (with --experiment) and/or "
+                        "`vllm bench serve` results; starts from --hardware's preset")
+    k.add_argument("--experiment", action="append", default=[], metavar="YAML",
+                   help="with --from-vllm traces: the measured run's experiment (one, or one per trace)")
+    k.add_argument("--hardware", help="with --from-vllm: the GPU (a preset or a GPU name) the files come from")
+    k.add_argument("--tensor-parallel-size", type=int, help="with --from-vllm bench files: the server's TP size")
+    k.add_argument("--rounds", type=int, default=1, help="with --from-vllm bench files: search rounds (default 1)")
     k.set_defaults(func=_cmd_calibrate)

@@ -28,7 +28,7 @@ from servetwin.core.testbed.atomic import atomic_write_with
 
 COLORS = {"sim": "tab:blue", "torch": "tab:orange"}
 PHASE_COLORS = {"prefill only": "tab:red", "decode only": "tab:green", "mixed": "tab:purple"}
-GANTT_COLORS = {"queue": "0.65", "prefill": "tab:red", "decode": "tab:green"}
+GANTT_COLORS = {"front end": "goldenrod", "queue": "0.65", "prefill": "tab:red", "decode": "tab:green"}
 MAX_POINTS = 4000  # a CDF or a step series is thinned to about this many points (the shape is kept)
 GANTT_SAMPLE = 40
 DPI = 90
@@ -82,8 +82,9 @@ def engine_settings(engine: Mapping[str, Any], num_gpu_blocks: Optional[int] = N
     return ", ".join(parts)
 
 
-def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None) -> PlotContext:
-    """The title of a run's figures: `name: model on hardware (backends)` and its engine settings."""
+def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None, varied: tuple[str, ...] = ()) -> PlotContext:
+    """The title of a run's figures: `name: model on hardware (backends)` and its engine settings.
+    `varied`: dotted keys the figure varies besides the sweep's (a capacity search's load), left out."""
     summaries = summaries or {}
     hw = exp.hardware if isinstance(exp.hardware, str) else "inline hardware"
     hw = os.path.splitext(os.path.basename(hw))[0] if hw.endswith((".yaml", ".yml")) else hw
@@ -92,9 +93,42 @@ def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None) -> PlotC
         where.append(f"sim on {hw}" if b == "sim" else f"torch on {exp.engine.given.get('device') or 'auto device'}")
     blocks = {s.get("num_gpu_blocks") for s in summaries.values() if s.get("num_gpu_blocks")}
     slo = getattr(exp, "slo", None) or {}
-    return PlotContext(title=f"{exp.name}: {exp.model} ({', '.join(where)})",
-                       settings=engine_settings(exp.engine.given, blocks.pop() if len(blocks) == 1 else None),
+    swept = {k.split(".", 1)[1] for k in [*(getattr(exp, "sweep", None) or {}), *varied] if k.startswith("engine.")}
+    given = {k: v for k, v in exp.engine.given.items() if k not in swept}  # a sweep's figure names no one point's value
+    return PlotContext(title=f"{exp.name}: {exp.model} ({', '.join(where)}){workload_label(exp, varied)}",
+                       settings=engine_settings(given, blocks.pop() if len(blocks) == 1 else None),
                        slo=dict(slo) if isinstance(slo, Mapping) else {})
+
+
+def folder_title(folder: str) -> str:
+    """The CLI figures' title (`name: model (sim on hardware), workload` and the engine settings) for a
+    run or compare folder, from its config.yaml: what the notebooks put above their figures."""
+    from servetwin.experiments.schema import load_config  # noqa: PLC0415
+
+    path = os.path.join(folder, "config.yaml")
+    try:
+        ctx = context_for(load_config(path))
+    except Exception as e:  # noqa: BLE001  (a title must not stop a notebook: say why it is plain)
+        return f"{os.path.basename(os.path.normpath(folder))} (no title: {path}: {e})"
+    return f"{ctx.title}\n{ctx.settings}" if ctx.settings else ctx.title
+
+
+def workload_label(exp, varied: tuple[str, ...] = ()) -> str:
+    """`, 1,000 requests at 20 req/s (poisson)` from the validated config (so a `--set` shows in the
+    title); the swept (and `varied`) workload fields are left out, as the engine's are."""
+    swept = set(getattr(exp, "sweep", None) or {}) | set(varied)
+    given = exp.workload.given or {}
+    n = given.get("requests")
+    parts = [] if n is None or "workload.requests" in swept else [f"{n:,} requests"]
+    arrival = exp.workload.arrival
+    kind = type(arrival).__name__.lower()
+    if getattr(arrival, "rate", None) and "workload.arrival.rate" not in swept:
+        parts.append(f"at {arrival.rate:g} req/s ({kind})")
+    elif getattr(arrival, "clients", None) and "workload.arrival.clients" not in swept:
+        parts.append(f"{arrival.clients} closed-loop clients")
+    elif kind == "offline":
+        parts.append("(offline batch)")
+    return (", " + " ".join(parts)) if parts else ""
 
 
 # -- matplotlib helpers -------------------------------------------------------------------------------
@@ -157,6 +191,27 @@ def _seconds_axis(ax, axis: str = "y") -> None:
     from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
 
     (ax.yaxis if axis == "y" else ax.xaxis).set_major_formatter(FuncFormatter(_short_seconds))
+
+
+def zero_based_axis(ax, seconds: bool = False) -> None:
+    """A y axis from 0 with plain tick labels (no offset, no scientific notation): a 0.004% difference
+    between sweep points looks like one, not like a cliff under a `+1.219e4` offset. In seconds, the ticks
+    are round numbers of the largest value's unit (0, 2, 4, 6 min), each label different."""
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter  # noqa: PLC0415
+
+    top = ax.dataLim.intervaly[1]
+    if not math.isfinite(top) or top <= 0:
+        return
+    ax.set_ylim(0, top * 1.12)
+    if not seconds:
+        fmt = ScalarFormatter(useOffset=False)
+        fmt.set_scientific(False)
+        ax.yaxis.set_major_formatter(fmt)
+        return
+    div, unit = axis_unit(top)
+    ticks = [t for t in MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(0, top * 1.12 / div)
+             if 0 <= t <= top * 1.12 / div]
+    ax.set_yticks([t * div for t in ticks], [f"{t:g} {unit}" if t else "0" for t in ticks])
 
 
 def _layout(fig, title_lines: int, left: float = 0.85, right: float = 0.25, bottom: float = 0.6,
@@ -287,6 +342,10 @@ def timeline(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = No
         for col, ls, name in (("num_running", "-", "running"), ("num_waiting", "--", "waiting")):
             x, y = _binned_max(t, st[col].to_numpy(dtype=float))
             axes[0].step(x / div, y, where="post", color=color, ls=ls, lw=1.1, label=f"{tag}{name}")
+        queued = frontend_queue(fr["requests"])
+        if queued is not None:  # sent by the client, not yet at the engine: what sets client TTFT online
+            x, y = _binned_max(*queued)
+            axes[0].step(x / div, y, where="post", color=color, ls=":", lw=1.3, label=f"{tag}in the front end")
         x, y = _binned_max(t, st.kv_usage.to_numpy(dtype=float) * 100)
         axes[1].step(x / div, y, where="post", color=color, lw=1.1, label=f"{tag}KV usage")
         t_end = st.t_end_s.to_numpy(dtype=float)
@@ -310,7 +369,8 @@ def timeline(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = No
                             edgecolors=color, linewidths=0.8, zorder=5,
                             label=f"{tag}preemption ({n:,} in {len(pre):,} steps)")
     axes[0].set_ylabel("requests")
-    axes[0].set_title("requests in the scheduler (after scheduling each step; peaks kept)", fontsize=9)
+    axes[0].set_title("requests in the scheduler (after scheduling each step) and in the API server's queue "
+                      "(dotted, when modelled); peaks kept", fontsize=9)
     axes[1].set_ylabel("KV blocks used (%)")
     axes[1].set_ylim(0, 105)
     axes[1].set_title("KV cache usage (red lines: steps that preempted)", fontsize=9)
@@ -325,6 +385,19 @@ def timeline(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = No
             ax.legend(fontsize=7.5, loc="upper right", ncol=2 if multi else 1)
     ctx.suptitle(fig, "timeline")
     return _save(fig, path)
+
+
+def frontend_queue(req) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(times, requests in the front end just after each): sent by their client, not yet at the engine
+    (None when no front end is modelled)."""
+    engine = _engine_arrival(req)
+    if engine is None:
+        return None
+    arr = req.arrival_s.to_numpy(dtype=float)
+    t = np.concatenate([arr, engine])
+    step = np.concatenate([np.ones(arr.size), -np.ones(engine.size)])
+    order = np.lexsort((-step, t))  # at equal times: the arrival first, so a zero-length stay still shows
+    return t[order], np.cumsum(step[order])
 
 
 def step_phase(steps) -> np.ndarray:
@@ -379,14 +452,31 @@ def _sample_requests(req, n: int, consecutive: bool):
 
 
 def _phases(sample) -> dict[str, np.ndarray]:
+    """Per request: its arrival and the durations of its phases, in order (`front end`: client send ->
+    engine arrival, only when a front end is modelled; `queue`: the engine's queue)."""
     arr = sample.arrival_s.to_numpy(dtype=float)
     sched = sample.first_scheduled_s.to_numpy(dtype=float)
     end = sample.finish_s.to_numpy(dtype=float)
     first = sample.first_token_s.to_numpy(dtype=float)
     first = np.where(np.isnan(first), end, first)
     end = np.where(np.isnan(end), first, end)
-    return {"arrival": arr, "queue": sched - arr, "prefill": np.nan_to_num(first - sched),
-            "decode": np.nan_to_num(end - first)}
+    engine = _engine_arrival(sample)
+    out = {"arrival": arr}
+    if engine is not None:
+        out["front end"] = engine - arr
+    out.update({"queue": sched - (arr if engine is None else engine), "prefill": np.nan_to_num(first - sched),
+                "decode": np.nan_to_num(end - first)})
+    return out
+
+
+def _engine_arrival(req) -> Optional[np.ndarray]:
+    """When each request reached the engine, if a modelled front end delayed any (else None)."""
+    if "engine_arrival_s" not in req:
+        return None
+    engine = req.engine_arrival_s.to_numpy(dtype=float)
+    arr = req.arrival_s.to_numpy(dtype=float)
+    engine = np.where(np.isnan(engine), arr, engine)
+    return engine if (engine > arr).any() else None
 
 
 def _hbars(ax, y: np.ndarray, left: np.ndarray, right: np.ndarray, color, label: str, height: float = 0.8):
@@ -404,23 +494,24 @@ def _hbars(ax, y: np.ndarray, left: np.ndarray, right: np.ndarray, color, label:
 
 def _gantt_panel(ax, smp, aligned: bool) -> str:
     ph = _phases(smp)
+    names = [k for k in GANTT_COLORS if k in ph]
     n = len(smp)
-    total = ph["queue"] + ph["prefill"] + ph["decode"]
+    total = sum(ph[k] for k in names)
     y = np.empty(n)
     y[np.argsort(total) if aligned else np.arange(n)] = np.arange(n)
     if aligned:  # log scale from a floor below the shortest phase: a 5 ms queue next to a 5 s decode shows
-        pos = np.concatenate([v[v > 0] for v in (ph["queue"], ph["prefill"], ph["decode"])] or [np.ones(1)])
+        pos = np.concatenate([ph[k][ph[k] > 0] for k in names] or [np.ones(1)])
         floor = 10 ** math.floor(math.log10(max(float(pos.min()) if pos.size else 1e-3, 1e-6)))
-        cum = np.cumsum([ph["queue"], ph["prefill"], ph["decode"]], axis=0)  # phase ends since arrival
+        cum = np.cumsum([ph[k] for k in names], axis=0)  # phase ends since arrival
         edges = [np.full(n, floor)] + [np.maximum(c, floor) for c in cum]
         div = 1.0
     else:
         t0 = float(ph["arrival"].min()) if n else 0.0
         div, unit = axis_unit(float((ph["arrival"] + total).max() - t0) if n else 1.0)
         edges = [ph["arrival"] - t0]
-        for name in ("queue", "prefill", "decode"):
+        for name in names:
             edges.append(edges[-1] + ph[name])
-    for i, name in enumerate(("queue", "prefill", "decode")):
+    for i, name in enumerate(names):
         _hbars(ax, y, edges[i] / div, edges[i + 1] / div, GANTT_COLORS[name], name)
     lo = float(edges[0].min() / div) if n else 0.0
     hi = float(edges[-1].max() / div) if n else 1.0
@@ -440,14 +531,14 @@ def _gantt_panel(ax, smp, aligned: bool) -> str:
         ax.set_xlabel("time since arrival (log scale)")
     else:
         ax.set_xlabel(f"time ({unit}) since the first of these arrivals (t = {format_seconds(t0)})")
-    medians = ", ".join(f"{k} {format_seconds(float(np.median(ph[k])))}" for k in ("queue", "prefill", "decode"))
+    medians = ", ".join(f"{k} {format_seconds(float(np.median(ph[k])))}" for k in names)
     preempted = f"; {int(pre.sum())} preempted" if pre.any() else ""
     return f"median {medians}{preempted}" if n else ""
 
 
 def request_gantt(frames: dict[str, dict], path: str, ctx: Optional[PlotContext] = None,
                   sample: int = GANTT_SAMPLE) -> Optional[str]:
-    """Queue / prefill / decode per request: `sample` consecutive arrivals from the middle of the run on the
+    """(Front end /) queue / prefill / decode per request: `sample` consecutive arrivals from the middle of the run on the
     run's clock (left), and `sample` requests evenly spaced over the run aligned at arrival, sorted by E2E,
     on a log axis (right). Prefill = first scheduled -> first token (its chunks and the waits between
     them); decode = first token -> finish; a cross marks a request that was preempted."""
@@ -472,7 +563,8 @@ def request_gantt(frames: dict[str, dict], path: str, ctx: Optional[PlotContext]
         for ax in axes[r]:
             handles.update(zip(*reversed(ax.get_legend_handles_labels())))
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=9)
-    ctx.suptitle(fig, "per-request queue / prefill / decode", bottom=1.0, hspace=0.55, wspace=0.12,
+    phases = " / ".join(k for k in GANTT_COLORS if k in handles)
+    ctx.suptitle(fig, f"per-request {phases}", bottom=1.0, hspace=0.55, wspace=0.12,
                  title_pad=0.35)
     return _save(fig, path)
 
@@ -581,9 +673,10 @@ def is_numeric_axis(values) -> bool:
 def spread(df, col: str) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """Per-point error bars of `col` when the table has them (seeds): (below, above) distances from the value.
 
-    Accepted columns: `<col>_ci_low` / `<col>_ci_high` (a 95% interval), `<col>_lo` / `<col>_hi`, or
-    `<col>_std` (symmetric)."""
-    pairs = [(lo, hi) for lo, hi in (("_ci_low", "_ci_high"), ("_lo", "_hi")) if col + lo in df and col + hi in df]
+    Accepted columns: `<col>_ci_lo` / `<col>_ci_hi` (the 95% interval a seeded sweep writes, clipped at
+    physical bounds), `<col>_ci_low` / `<col>_ci_high`, `<col>_lo` / `<col>_hi`, or `<col>_std` (symmetric)."""
+    pairs = [(lo, hi) for lo, hi in (("_ci_lo", "_ci_hi"), ("_ci_low", "_ci_high"), ("_lo", "_hi"))
+             if col + lo in df and col + hi in df]
     if col not in df or not (pairs or col + "_std" in df):
         return None
     v = df[col].to_numpy(dtype=float)
@@ -611,6 +704,7 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
     ok = df[df.status.isin(["ok", "interrupted"])]
     if ok.empty:
         return None
+    partial = set(ok.point[ok.status == "interrupted"])  # drawn hatched / hollow and labelled
     keys = [k for k in (keys or []) if k in ok]
     x_key = next((k for k in keys if is_numeric_axis(ok[k].tolist())), None)
     fig, axes = plt.subplots(3, 2, figsize=(12, 11))
@@ -636,22 +730,39 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
                 if x_key is not None:
                     s = sub.sort_values(x_key)
                     err = spread(s, col)
-                    ax.errorbar(s[x_key].to_numpy(dtype=float), s[col].to_numpy(dtype=float),
-                                yerr=None if err is None else np.vstack(err), color=color,
+                    x, y = s[x_key].to_numpy(dtype=float), s[col].to_numpy(dtype=float)
+                    ax.errorbar(x, y, yerr=None if err is None else np.vstack(err), color=color,
                                 ls="-" if i == 0 else "--", marker="o" if i == 0 else "s", ms=4, capsize=3,
                                 label=lab)
+                    cut = s.point.isin(partial).to_numpy()
+                    if cut.any():  # an interrupted point's figures cover part of its workload
+                        ax.scatter(x[cut], y[cut], s=90, facecolors="white", edgecolors=color, hatch="////",
+                                   zorder=4, label="interrupted (partial)" if i == 0 and j == 0 else None)
+                        for xi, yi in zip(x[cut], y[cut]):
+                            ax.annotate("partial", (xi, yi), textcoords="offset points", xytext=(6, 6), fontsize=7)
                 else:
                     pos = np.array([points.index(p) for p in sub.point]) - 0.4 + width * (j + 0.5)
-                    ax.bar(pos, sub[col].to_numpy(dtype=float), width, color=color, alpha=1.0 if i == 0 else 0.4,
-                           yerr=None if err is None else np.vstack(err), capsize=3, label=lab,
-                           zorder=2 if i == 0 else 1)
+                    bars = ax.bar(pos, sub[col].to_numpy(dtype=float), width, color=color,
+                                  alpha=1.0 if i == 0 else 0.4, yerr=None if err is None else np.vstack(err),
+                                  capsize=3, label=lab, zorder=2 if i == 0 else 1)
+                    for bar, p in zip(bars, sub.point):
+                        if p in partial:
+                            bar.set_hatch("////")
+                            bar.set_edgecolor("black")
+                            if i == 0:
+                                ax.annotate("partial", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                            textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
         if kind in ("ttft", "tpot", "e2e"):
             for stat, target in ctx.slo_targets(kind):
                 ax.axhline(target, color="red", ls="--", lw=1.2, label=f"SLO {stat} <= {format_seconds(target)}")
         if kind in ("ttft", "tpot", "e2e") and x_key is not None and ax.get_legend_handles_labels()[0]:
-            log_time_axis(ax, "y")
-        elif kind is not None:
+            drawn = ok[[c for c in cols if c in ok]].to_numpy(dtype=float)
+            drawn = drawn[np.isfinite(drawn) & (drawn > 0)]  # the values, not error bars clipped at 0
+            log_time_axis(ax, "y", (float(drawn.min()), float(drawn.max())) if drawn.size else None)
+        elif kind in ("ttft", "tpot", "e2e"):
             _seconds_axis(ax, "y")
+        else:  # throughputs and the makespan: from 0, so equal points look equal
+            zero_based_axis(ax, seconds=kind == "time")
         if stats:
             title += " (p50 solid, tail dashed; log scale)" if x_key is not None else " (p50 dark, tail light)"
         ax.set_title(title, fontsize=9)
@@ -675,5 +786,6 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7.5)
     has_err = any(spread(ok, c) is not None for c in ok.columns)
-    ctx.suptitle(fig, "sweep" + (" (error bars: spread over seeds)" if has_err else ""))
+    ctx.suptitle(fig, "sweep" + (" (error bars: 95% interval of the mean over seeds)" if has_err else "")
+                 + (f"; {len(partial)} interrupted point(s) hatched" if partial else ""))
     return _save(fig, path)

@@ -11,7 +11,11 @@ def model_rows() -> list[dict[str, Any]]:
 
     rows = []
     for name, s in PRESETS.items():
-        rows.append({"name": name, "params_b": s.num_parameters / 1e9, "layers": s.num_layers,
+        rows.append({"name": name, "params_b": s.num_parameters / 1e9,
+                     "active_b": s.num_active_parameters() / 1e9,
+                     "experts": f"{s.num_experts_per_tok}/{s.num_experts}" if s.is_moe else "-",
+                     "quant": f"{s.expert_dtype} experts" if s.expert_dtype else s.dtype,
+                     "layers": s.num_layers,
                      "hidden": s.hidden_size, "heads": s.num_heads, "kv_heads": s.num_kv_heads,
                      "head_dim": s.head_dim, "intermediate": s.intermediate_size, "vocab": s.vocab_size,
                      "dtype": s.dtype, "weights_gib": s.weight_bytes / 2**30,
@@ -29,6 +33,7 @@ def hardware_rows() -> list[dict[str, Any]]:
         rows.append({"name": name, "device": h["device_type"], "bf16_tflops": h["peak_flops_bf16"] / 1e12,
                      "fp32_tflops": h["peak_flops_fp32"] / 1e12, "mem_bw_tb_s": h["memory_bandwidth"] / 1e12,
                      "memory_gib": h["memory_bytes"] / 2**30,
+                     "fp8_tflops": h.get("peak_flops_fp8", 0.0) / 1e12, "fp4_tflops": h.get("peak_flops_fp4", 0.0) / 1e12,
                      "interconnect_gb_s": h["interconnect_bandwidth"] / 1e9,
                      "calibrated": bool(prov.get("calibrated"))})
     return rows
@@ -42,11 +47,13 @@ def _table(rows: list[dict[str, Any]], cols: list[tuple[str, str, str]]) -> str:
     return "\n".join([line(heads), line(["-" * w for w in widths])] + [line(c) for c in cells])
 
 
-MODEL_COLS = [("name", "model", ""), ("params_b", "params (B)", ".2f"), ("layers", "layers", ""),
+MODEL_COLS = [("name", "model", ""), ("params_b", "params (B)", ".2f"), ("active_b", "active (B)", ".2f"),
+              ("experts", "top-k/experts", ""), ("quant", "weights", ""), ("layers", "layers", ""),
               ("hidden", "hidden", ""), ("heads", "heads", ""), ("kv_heads", "kv heads", ""),
               ("intermediate", "intermediate", ""), ("vocab", "vocab", ""), ("weights_gib", "weights (GiB)", ".1f"),
               ("kv_kib_per_token", "KV/token (KiB)", ".1f"), ("max_len", "max len", "")]
 HW_COLS = [("name", "hardware", ""), ("device", "device", ""), ("bf16_tflops", "bf16 TFLOP/s", ".1f"),
+           ("fp8_tflops", "fp8", ".0f"), ("fp4_tflops", "fp4", ".0f"),
            ("mem_bw_tb_s", "HBM TB/s", ".2f"), ("memory_gib", "memory (GiB)", ".1f"),
            ("interconnect_gb_s", "link GB/s", ".0f"), ("calibrated", "calibrated", "")]
 

@@ -122,9 +122,9 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
             obs.append(f"{head}: front end = API server ({fe.get('endpoint')} endpoint, coefficients "
                        f"`{fe.get('coefficients')}`), its CPU busy {fmt(fe.get('cpu_busy_s'))} s"
                        + (f" ({100 * util:.0f}% of the run)" if util is not None else "")
-                       + f"; requests reach the engine {1e3 * (fin.get('mean') or 0):.3g} ms (mean) after "
-                       f"they are sent; TTFT at the client {1e3 * (ttft.get('mean') or 0):.3g} ms vs "
-                       f"{1e3 * (ettft.get('mean') or 0):.3g} ms at the engine (mean).")
+                       + f"; requests reach the engine {format_seconds(fin.get('mean') or 0)} (mean) after "
+                       f"they are sent; TTFT at the client {format_seconds(ttft.get('mean') or 0)} vs "
+                       f"{format_seconds(ettft.get('mean') or 0)} at the engine (mean).")
         elif fe.get("type") == "api_server":
             obs.append(f"{head}: {fe.get('note', 'front end not modelled')}.")
         else:
@@ -134,7 +134,7 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
         for name in ("prefill only", "mixed", "decode only"):
             m = phase == name
             if m.any():
-                parts.append(f"{name}: {int(m.sum())} steps, mean {1e3 * float(st.duration_s[m].mean()):.3g} ms")
+                parts.append(f"{name}: {int(m.sum())} steps, mean {format_seconds(float(st.duration_s[m].mean()))}")
         obs.append(f"{head}: step time by phase - " + "; ".join(parts) + ".")
         if s.get("measurement"):
             obs.append(f"{head}: {measurement_line(s['measurement'])}")
@@ -246,6 +246,10 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
                             f"turns each on average (at most {w['turns_max']}); a later turn's prompt is the history "
                             "(previous prompt + the engine's answer) plus a new message, so the prefix-cache rows "
                             "below show the sharing; arrival = conversation starts, lengths as planned."]
+    bound = [f"- **{b}**: {s['binding']['line']}." for b, s in summaries.items() if s.get("binding")]
+    if bound:
+        lines += ["## What limits this result", "", *bound, "",
+                  "From the run's own measurements (experiments/binding.py states the rules and thresholds).", ""]
     lines += ["## Summary", "", summary_table(summaries) if summaries else "(no backend ran)", "",
               "Throughput counts prompt + output tokens of completed sequences over the makespan (from t = 0 "
               "to the client's last chunk; the end of the last step without a modelled front end); latencies "

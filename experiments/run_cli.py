@@ -21,6 +21,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(value parsed as YAML; repeatable)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the contents of a non-empty output folder (default: refuse it)")
+    p.add_argument("--api-server-count", type=int, metavar="N",
+                   help="sim: N API-server processes, each with its own CPU, requests spread over them "
+                        "(vLLM's `vllm serve --api-server-count N`; docs/frontend_model.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
@@ -33,6 +36,8 @@ def _load(args: argparse.Namespace):
         overrides.append(f"backends=[{', '.join(args.backend)}]")
     if args.no_plots:
         overrides.append("output.plots=false")
+    if args.api_server_count is not None:
+        overrides.append(f"frontend.api_server_count={args.api_server_count}")
     notes: list[str] = []
     exp = load_config(args.config, overrides=overrides, requests=args.requests, notes=notes)
     for note in notes:
@@ -55,6 +60,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if seeds and measure != type(measure)():
         raise ValueError("--threads, --no-warmup, --retry-contended, --max-contended-share: not supported with "
                          "seeds (each seed's run uses the defaults: the calibration's threads, a warm-up, no retry)")
+    if args.save_vllm_bench:
+        if seeds:
+            raise ValueError("--save-vllm-bench: not supported with seeds (one file describes one run)")
+        from servetwin.experiments.schema import ensure_output_file  # noqa: PLC0415
+
+        ensure_output_file(args.save_vllm_bench, "--save-vllm-bench")
     with RunFolder(out, overwrite=args.overwrite) as folder:
         if seeds:
             return _run_seeds(args, exp, out, seeds, t0, folder)
@@ -73,12 +84,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
               + (f", {s['aborted_sequences']} sequences aborted by the client timeout" if s.get("aborted_sequences") else ""))
         if s.get("slo"):
             print(f"{backend}: {slo_line(s['slo'])}")
+        if s.get("binding"):
+            print(f"{backend}: {s['binding']['line']}")
         if s.get("measurement"):
             c = s["measurement"]["contention"]
             print(f"{backend}: {100 * (c['contended_step_share'] or 0):.0f}% of the measured steps contended "
                   f"(median cpu_share {c['median_cpu_share'] or 0:.2f}, {s['measurement']['torch_threads']} "
                   "torch thread(s))")
     print(f"wrote {out}/: {folder.describe()} in {format_seconds(time.perf_counter() - t0)}")
+    if args.save_vllm_bench:
+        from servetwin.experiments.vllm_import.bench_writer import write_vllm_bench  # noqa: PLC0415
+
+        print(f"wrote {', '.join(map(str, write_vllm_bench(exp, out, args.save_vllm_bench)))} (vllm bench serve JSON)")
     rejected = {b: s for b, s in combined["backends"].items() if s.get("rejected")}
     for backend, s in rejected.items():  # never servable (e.g. longer than max_model_len): say so, not "0/N"
         rid, why = next(iter((s.get("rejected_examples") or {"?": "?"}).items()))
@@ -132,13 +149,16 @@ def _run_seeds(args: argparse.Namespace, exp, out: str, seeds: list[int], t0: fl
     except KeyboardInterrupt:
         print(f"interrupted: {interrupted_state(folder)}", file=sys.stderr)
         raise
+    from servetwin.experiments.md_tables import fmt_pm  # noqa: PLC0415
+
     for backend, s in stats.items():
         def show(col: str, scale: float = 1.0, unit: str = "") -> str:
             m = s[col]
             if m["mean"] is None:
                 return "-"
-            half = "" if m["ci_lo"] is None else f" ± {(m['ci_hi'] - m['ci_lo']) / 2 * scale:.3g}"
-            return f"{m['mean'] * scale:.4g}{half}{unit}"
+            if m["ci_lo"] is None:
+                return f"{m['mean'] * scale:.4g}{unit}"
+            return fmt_pm(m["mean"], m["ci_lo"], m["ci_hi"], scale) + unit  # digits the interval justifies
         print(f"{backend}: {s['seeds_ok']}/{len(seeds)} seeds ok; throughput {show('throughput_tok_s')} tok/s, "
               f"TTFT p50 {show('ttft_p50_s', 1e3, ' ms')}, p99 {show('ttft_p99_s', 1e3, ' ms')} (mean ± 95% CI)")
     bad = df[df.status != "ok"]
@@ -163,6 +183,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             else:
                 print(f"interrupted: {out}/ has no sweep.csv (interrupted while writing)", file=sys.stderr)
             raise
+    from servetwin.experiments.sweep import bound_by_line  # noqa: PLC0415
+
+    print(bound_by_line(df))
     bad = df[df.status != "ok"]
     print(f"wrote {out}/: {folder.describe()}, {df.point.nunique()} point folders ({len(df)} rows, "
           f"{len(bad)} not ok) in {time.perf_counter() - t0:.1f}s")
@@ -170,12 +193,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def slo_line(ev: dict) -> str:
-    """`SLO met (ttft_p99_s 0.31 s <= 0.5 s; ...), goodput 41.6 req/s` for the console."""
+    """`SLO met (ttft_p99_s 310 ms <= 500 ms; ...), goodput 41.6 req/s` for the console."""
+    from servetwin.experiments.units import format_seconds  # noqa: PLC0415
+
     parts = []
     for c in ev["checks"]:
         if c["kind"] == "target":
-            v = "-" if c["value"] is None else f"{c['value']:.4g} s"
-            parts.append(f"{c['name']} {v} {'<=' if c['met'] else '>'} {c['limit']:g} s")
+            v = format_seconds(c["value"])
+            parts.append(f"{c['name']} {v} {'<=' if c['met'] else '>'} {format_seconds(c['limit'])}")
         elif c["kind"] == "attainment":
             v = "-" if c["value"] is None else f"{100 * c['value']:.1f}%"
             parts.append(f"deadlines met by {v} of requests ({'>=' if c['met'] else '<'} {100 * c['limit']:g}%)")
@@ -211,6 +236,9 @@ def register(subparsers) -> None:
                               description="Run an experiment config: writes trace tables (Parquet), "
                                           "trace.json (Perfetto), summary.json, report.md and plots.")
     _common(r)
+    r.add_argument("--save-vllm-bench", metavar="FILE",
+                   help="also write the results as `vllm bench serve --save-result --save-detailed` JSON "
+                        "(one file per backend: FILE, or FILE's stem + .<backend>.json)")
     add_seed_args(r)
     add_pool_args(r, "seed")
     add_measure_args(r)

@@ -274,8 +274,11 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
     if exp.slo is not None and not exp.slo.empty:
         from servetwin.experiments.slo import evaluate_slo  # noqa: PLC0415
 
-        out["slo"] = evaluate_slo(exp.slo, reqs, itls, duration)
+        out["slo"] = evaluate_slo(exp.slo, reqs, itls, duration, engine_itls)
         out["goodput_req_s"] = out["slo"]["goodput_req_s"]
+    from servetwin.experiments.binding import binding_resource, offered_rate, wait_growth  # noqa: PLC0415
+
+    out["binding"] = binding_resource(out, offered_rate(exp, reqs), wait_growth(reqs))
     conversations = conversation_summary(reqs)
     if conversations is not None:  # multi-turn workloads: the history's share found in the prefix cache
         out["conversations"] = conversations
@@ -509,9 +512,18 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
             written.append(os.path.relpath(path, out_dir))
         write_json(os.path.join(bdir, "summary.json"), summaries[backend])
         written.append(os.path.join(backend, "summary.json"))
-    if exp.output.plots and frames:
-        plot_paths = figures()
-    paths = write_report(exp, out_dir, dict(combined, backends=summaries), frames, itls, plots=exp.output.plots,
+    plots = exp.output.plots
+    if plots and frames:
+        try:
+            plot_paths = figures()
+        except ValueError:
+            if not combined["interrupted"]:
+                raise
+            # interrupted early, the run may leave too little to draw (matplotlib: "Data cannot be
+            # log-scaled"): its tables, report and summary still come, without figures, and the interrupt
+            # still ends the command (exit 130), not this error (exit 2)
+            plots, plot_paths = False, None
+    paths = write_report(exp, out_dir, dict(combined, backends=summaries), frames, itls, plots=plots,
                          jobs=jobs, plot_paths=plot_paths)
     written += [os.path.relpath(p, out_dir) for p in paths]
     written += [os.path.join(b, "trace.json") for b in runs if os.path.exists(os.path.join(out_dir, b, "trace.json"))]

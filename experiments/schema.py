@@ -54,12 +54,11 @@ import itertools
 import json
 import math
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-import yaml
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, resolve_aliases
@@ -70,8 +69,18 @@ __all__ = ["ConfigError", "ExperimentConfig", "EngineConfig", "WorkloadConfig", 
 
 
 # -- small validators ---------------------------------------------------------------------------
+_SHORT = reprlib.Repr()  # bounded: formats a few items and levels of a value, never the whole of it
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 3, 6, 6
+
+
 def _fmt(v: Any) -> str:
-    return repr(v) if isinstance(v, str) else str(v)
+    """A value for an error message: bounded, whatever its size (an aliased YAML list may stand for
+    millions of items)."""
+    try:
+        return _SHORT.repr(v)
+    except ValueError:  # an integer over Python's 4300-digit formatting limit
+        return f"an integer of {v.bit_length()} bits" if isinstance(v, int) else type(v).__name__
 
 
 def _int(low: Optional[int] = None, nullable: bool = False, also: tuple = ()) -> Callable[[Any, str], Any]:
@@ -283,6 +292,9 @@ def parse_hardware(value: Any, ctx: ParseContext) -> Any:
     """A preset name, a hardware/calibration YAML path (relative to the YAML) or an inline mapping."""
     from servetwin.sim.hardware import HARDWARE_PRESETS  # noqa: PLC0415  (no torch: cheap)
 
+    from servetwin.experiments.auto_calibration import AUTO  # noqa: PLC0415
+    from servetwin.sim.hardware import preset_name, unknown_hardware  # noqa: PLC0415
+
     hw = "h100-sxm" if value is None else value
     if isinstance(hw, Mapping):
         return copy.deepcopy(dict(hw))
@@ -290,11 +302,16 @@ def parse_hardware(value: Any, ctx: ParseContext) -> Any:
         raise ConfigError("hardware", f"must be a preset name, a YAML path or a mapping, got {_fmt(hw)}")
     if hw in HARDWARE_PRESETS:
         return hw
+    if hw.strip().lower() == AUTO:  # this machine's CPU, calibrated on first use (experiments/auto_calibration.py)
+        return AUTO
     p = Path(hw).expanduser()
     p = p if p.is_absolute() else ctx.base_dir / p
     if not p.is_file():
-        raise ConfigError("hardware", f"{hw!r} is neither a preset ({', '.join(HARDWARE_PRESETS)}) nor an existing "
-                                      f"YAML file (relative to the config file's folder {ctx.base_dir})")
+        preset = preset_name(hw)  # `H100`, `A100`: any case, the common names
+        if preset is not None:
+            return preset
+        raise unknown_hardware(hw, f" (relative to the config file's folder {ctx.base_dir}); `auto` calibrates "
+                                   "this machine's CPU")
     return str(p.resolve())
 
 
@@ -475,6 +492,8 @@ def parse_frontend_section(value: Any, ctx: ParseContext) -> Any:
 
         offline = isinstance(w.arrival, Offline)
         return default_frontend(online=not offline)
+    if isinstance(value, Mapping) and "type" not in value and value:  # `--api-server-count 4` alone: a server
+        value = {"type": "api_server", **value}
     if isinstance(value, Mapping) and isinstance(value.get("coefficients"), str):
         cand = Path(value["coefficients"]).expanduser()
         if not cand.is_absolute() and (ctx.base_dir / cand).is_file():
@@ -565,6 +584,24 @@ class ExperimentConfig:
         return copy.deepcopy(self.raw)
 
 
+def _resolve_auto_hardware(exp: ExperimentConfig) -> None:
+    """`hardware: auto`: this machine's CPU calibration for the model, measured on first use and cached
+    (experiments/auto_calibration.py); config.yaml keeps `auto`, the run's provenance names the file."""
+    from servetwin.experiments.auto_calibration import AUTO, ensure_calibration  # noqa: PLC0415
+
+    if exp.hardware != AUTO:
+        return
+    device = str(exp.engine.given.get("device", "cpu"))
+    if device.startswith("cuda"):
+        raise ConfigError("hardware", "auto calibrates this machine's CPU; for a GPU give its preset, or "
+                                      "calibrate it with `servetwin calibrate --device cuda`")
+    if "sim" not in exp.backends:
+        exp.hardware = "cpu"  # nothing is simulated: no calibration needed (torch runs use its own threads)
+        return
+    dtype = str(exp.engine.given.get("dtype", "auto"))
+    exp.hardware = ensure_calibration(exp.model, "float32" if dtype == "auto" else dtype)
+
+
 def _check_hardware(exp: ExperimentConfig) -> None:
     """The simulator's hardware and model spec (cheap: no torch)."""
     if "sim" not in exp.backends:
@@ -615,7 +652,7 @@ def _check_engine_semantics(exp: ExperimentConfig) -> None:
     try:
         info = build_sim_executor(args)
         args.scheduler_config(info.max_model_len)
-        args.cache_config(info.num_gpu_blocks)
+        args.cache_config(info.num_gpu_blocks, info.kv_cache_groups)
     except ConfigError as e:
         raise engine_field_path(e) from None
 
@@ -633,7 +670,8 @@ def _check_backend_args(exp: ExperimentConfig) -> None:
             raise ConfigError(e.path, f"{e.message} [{backend} backend]") from None
 
 
-CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _check_hardware,
+CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _resolve_auto_hardware,
+                                                                 _check_hardware,
                                                                  _apply_vllm_batch_defaults,
                                                                  _check_engine_semantics, _check_backend_args)
 
@@ -868,10 +906,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
         raise ConfigError(f"--set {text!r}", f"{key!r} is not a dotted key")
-    try:
-        return key, yaml.safe_load(value)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}", f"value is not valid YAML: {e}") from None
+    from servetwin.core.safe_yaml import load_yaml_text  # noqa: PLC0415
+
+    return key, load_yaml_text(value, "the value", f"--set {key}")
 
 
 def apply_requests_override(raw: dict[str, Any], n: int) -> Optional[str]:
@@ -896,37 +933,15 @@ def apply_requests_override(raw: dict[str, Any], n: int) -> Optional[str]:
     return None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a key given twice in one mapping (PyYAML keeps the last one
-    silently, so a second `engine:` block would drop the first without a word)."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: dict[Any, Any] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor`: keys after it override the merged ones, as YAML intends
-            key = self.construct_object(key_node, deep=True)
-            try:
-                hash(key)
-            except TypeError:
-                continue  # the base class reports unhashable keys
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first given on line {seen[key].start_mark.line + 1})",
-                    key_node.start_mark)
-            seen[key] = key_node
-        return super().construct_mapping(node, deep=deep)
-
-
 def load_yaml(path: str | Path) -> Any:
+    """An experiment YAML with the bounds of `servetwin.core.safe_yaml` (aliases, nesting, size, duplicate
+    keys, encoding): a `ConfigError` naming `config` and the file for anything else."""
+    from servetwin.core.safe_yaml import load_yaml_file  # noqa: PLC0415
+
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError("config", f"file not found: {p}")
-    with open(p, encoding="utf-8") as f:
-        try:
-            return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-        except yaml.YAMLError as e:
-            raise ConfigError("config", f"{p} is not valid YAML: {e}") from None
+    return load_yaml_file(p, "config")
 
 
 def load_config(path: str | Path, overrides: Optional[list[str]] = None, requests: Optional[int] = None,

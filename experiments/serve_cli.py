@@ -50,8 +50,22 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body in bytes; larger ones get a 413 before they are read "
                         "(default 4 MiB = 4194304; 0: no limit)")
+    p.add_argument("--max-seqs-per-request", type=int, default=None,
+                   help="most sequences one request may create, prompts x n (default 256)")
+    p.add_argument("--max-header-bytes", type=int, default=None,
+                   help="largest request line + headers in bytes; larger: a 431 (default 65536)")
+    p.add_argument("--max-header-count", type=int, default=None,
+                   help="most headers in one request; more: a 431 (default 256, vLLM's --h11-max-header-count)")
+    p.add_argument("--read-timeout", type=float, default=None,
+                   help="seconds for a request's headers and body to arrive; slower: a 408 and the connection "
+                        "is closed (default 30; 0: no deadline)")
+    p.add_argument("--timeout-keep-alive", type=float, default=None,
+                   help="seconds an idle keep-alive connection is kept (default 5, uvicorn's and vLLM's)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer <key>` on /v1/* (default: $SERVETWIN_API_KEY; none: open)")
+    p.add_argument("--profiler-dir", default=None, metavar="DIR",
+                   help="enable vLLM's POST /start_profile and /stop_profile, writing the steps in between here as a "
+                        "Chrome trace (torch: torch.profiler; sim: the predicted steps); default $VLLM_TORCH_PROFILER_DIR")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     eng = p.add_argument_group("engine arguments (vLLM names)")
     for f in fields(EngineArgs):
@@ -105,6 +119,11 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     kwargs = {**base, **kwargs}
     if backend in ("fake", "sim") and kwargs.get("tokenizer") is None and not kwargs.get("skip_tokenizer_init"):
         kwargs["tokenizer"] = "toy"
+        import sys  # noqa: PLC0415
+
+        print(f"note: the {backend} backend counts text with the toy tokenizer (one token per word, not "
+              f"{model}'s tokenizer): a text prompt's token count, and so its predicted time, differ from "
+              "the real model's; send token ids, or give --tokenizer PATH", file=sys.stderr)
     kwargs.update(backend=backend, multiprocess=True)
     if not base:  # vllm serve's step budget and running cap for the device (an experiment resolved its own)
         kwargs = apply_batch_defaults(kwargs, api_server=True)
@@ -128,6 +147,27 @@ def check_listen(host: str, port: int) -> None:
             raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror})") from None
 
 
+def server_limits(ns: argparse.Namespace) -> Any:
+    """`ServerLimits` from the flags given (the defaults for the others), each checked, naming the flag."""
+    from servetwin.core.entrypoints.openai.http_limits import ServerLimits  # noqa: PLC0415
+
+    limits = ServerLimits()
+    for name, low, what in (("max_request_bytes", 0, ">= 0 (0: no limit)"), ("max_seqs_per_request", 1, ">= 1"),
+                            ("max_header_bytes", 1024, ">= 1024"), ("max_header_count", 1, ">= 1")):
+        value = getattr(ns, name)
+        if value is not None:
+            if value < low:
+                raise ValueError(f"{name}: must be {what}, got {value}")
+            setattr(limits, name, value)
+    for name, field in (("read_timeout", "read_timeout_s"), ("timeout_keep_alive", "timeout_keep_alive_s")):
+        value = getattr(ns, name)
+        if value is not None:
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{name}: must be a number of seconds >= 0, got {value}")
+            setattr(limits, field, value)
+    return limits
+
+
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from servetwin.core.engine.executor import check_engine_args  # noqa: PLC0415
     from servetwin.core.entrypoints.openai.api_server import run_server  # noqa: PLC0415
@@ -136,8 +176,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"time_scale: must be > 0, got {ns.time_scale}")
     if not 0 < ns.port < 65536:
         raise ValueError(f"port: must be in [1, 65535], got {ns.port}")
-    if ns.max_request_bytes is not None and ns.max_request_bytes < 0:
-        raise ValueError(f"max_request_bytes: must be >= 0 (0: no limit), got {ns.max_request_bytes}")
+    limits = server_limits(ns)
     api_key = ns.api_key if ns.api_key is not None else os.environ.get("SERVETWIN_API_KEY") or None
     args = engine_args_from(ns)
     check_engine_args(args)  # the backend's cheap checks (e.g. torch: max_model_len vs the model's config)
@@ -146,7 +185,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
           "(the engine loads in the background; GET /health turns 200 when it is ready)", flush=True)
     return run_server(args, host=ns.host, port=ns.port, served_model_name=ns.served_model_name, pace=ns.pace,
                time_scale=ns.time_scale, fake_step_time_s=ns.fake_step_time, log_level=ns.log_level,
-               max_request_bytes=ns.max_request_bytes, api_key=api_key)
+               limits=limits, api_key=api_key,
+               profiler_dir=ns.profiler_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None)
 
 
-__all__ = ["register", "engine_args_from", "check_listen"]
+__all__ = ["register", "engine_args_from", "check_listen", "server_limits"]

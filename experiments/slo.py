@@ -7,6 +7,8 @@
       e2e_s: 30              #   limit (metric: ttft | tpot | e2e, the metrics vLLM's `--goodput` takes)
       min_attainment: 0.9    # share of requests that must meet every deadline (default 0.9 when deadlines
                              #   are given: DistServe's 90% attainment)
+      engine_ttft_p99_s: 0.3 # any metric with `engine_`: measured from the request's arrival at the engine
+                             #   (without the API server's queue and hops), as vLLM's engine metrics are
 
 A run meets the SLO when every distribution target holds and, if deadlines are given, the share of
 requests meeting all of them is at least `min_attainment`. Each target also reports its attainment:
@@ -29,12 +31,14 @@ from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
 
-SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
+_CLIENT_METRICS = ("ttft", "tpot", "itl", "e2e")
+# client-boundary metrics, then the same from the engine's boundary (docs/frontend_model.md)
+SLO_METRICS = _CLIENT_METRICS + tuple(f"engine_{m}" for m in _CLIENT_METRICS)
 SLO_STATS = ("mean", "p50", "p90", "p99")
-DEADLINE_METRICS = ("ttft", "tpot", "e2e")  # per request; ITL is per token
+DEADLINE_METRICS = tuple(m for m in SLO_METRICS if not m.endswith("itl"))  # per request; ITL is per token
 DEFAULT_MIN_ATTAINMENT = 0.9
-_TARGET_RE = re.compile(r"(ttft|tpot|itl|e2e)_(mean|p50|p90|p99)_s")
-_DEADLINE_RE = re.compile(r"(ttft|tpot|e2e)_s")
+_TARGET_RE = re.compile(r"((?:engine_)?(?:ttft|tpot|itl|e2e))_(mean|p50|p90|p99)_s")
+_DEADLINE_RE = re.compile(r"((?:engine_)?(?:ttft|tpot|e2e))_s")
 
 
 class SloError(ConfigError):
@@ -179,18 +183,19 @@ def _stat(values, stat: str) -> Optional[float]:
     return float(np.percentile(values, {"p50": 50, "p90": 90, "p99": 99}[stat]))
 
 
-def evaluate_slo(spec: SloSpec, requests, itls, duration_s: float) -> dict[str, Any]:
+def evaluate_slo(spec: SloSpec, requests, itls, duration_s: float, engine_itls=None) -> dict[str, Any]:
     """Attainment per target, whether the run meets the SLO, and goodput, from one backend's request
     table (`requests.parquet`'s columns) and its inter-token latencies. `ratio` is value / limit (for
     the attainment check: required / achieved; None when nothing was measured), so the largest ratio is
-    the binding SLO."""
+    the binding SLO. `engine_itls`: the engine-boundary gaps (`engine_itl_*` targets; default `itls`)."""
     import numpy as np  # noqa: PLC0415
 
     total = int(len(requests))
 
     def column(metric: str):
-        if metric == "itl":
-            return np.asarray(itls, dtype=float)  # a list's None becomes nan, dropped below
+        if metric.endswith("itl"):  # a list's None becomes nan, dropped below
+            return np.asarray(engine_itls if metric == "engine_itl" and engine_itls is not None else itls,
+                              dtype=float)
         return requests[f"{metric}_s"].to_numpy(dtype=float, na_value=np.nan)
 
     checks: list[dict[str, Any]] = []
@@ -198,7 +203,7 @@ def evaluate_slo(spec: SloSpec, requests, itls, duration_s: float) -> dict[str, 
         col = column(t.metric)
         finite = col[np.isfinite(col)]
         value = _stat(finite, t.stat)
-        denom = col.size if t.metric == "itl" else total
+        denom = col.size if t.metric.endswith("itl") else total
         att = float((finite <= t.limit_s).sum() / denom) if denom else None
         met = value is not None and value <= t.limit_s
         checks.append({"name": t.name, "kind": "target", "limit": t.limit_s, "value": value, "met": bool(met),
@@ -208,8 +213,9 @@ def evaluate_slo(spec: SloSpec, requests, itls, duration_s: float) -> dict[str, 
     for d in deadlines:
         col = column(d.metric)
         meets = np.isfinite(col) & (col <= d.limit_s)
-        if d.metric == "tpot":  # a one-token output has no TPOT: it meets any TPOT deadline once finished
-            meets |= ~np.isfinite(col) & np.isfinite(requests["e2e_s"].to_numpy(dtype=float, na_value=np.nan))
+        if d.metric.endswith("tpot"):  # a one-token output has no TPOT: it meets any TPOT deadline once finished
+            e2e = requests[d.metric.replace("tpot", "e2e") + "_s"].to_numpy(dtype=float, na_value=np.nan)
+            meets |= ~np.isfinite(col) & np.isfinite(e2e)
         ok &= meets
         if spec.deadlines:
             checks.append({"name": d.name, "kind": "deadline", "limit": d.limit_s, "value": None, "met": None,

@@ -91,9 +91,12 @@ def _finite(values: Iterable[Any]) -> list[float]:
     return out
 
 
-def mean_ci(values: Iterable[Any], level: float = 0.95) -> dict[str, Optional[float]]:
+def mean_ci(values: Iterable[Any], level: float = 0.95,
+            within: tuple[Optional[float], Optional[float]] = (0.0, None)) -> dict[str, Optional[float]]:
     """Mean, sample standard deviation, min/max and the two-sided `level` t interval of the mean.
-    Missing values (None, NaN) are left out; `n` says how many counted. One value: no interval."""
+    Missing values (None, NaN) are left out; `n` says how many counted. One value: no interval.
+    `within`: the quantity's physical bounds, where the interval is clipped (default: >= 0, as every
+    latency, rate, load and share is; two seeds' t interval otherwise reaches below zero)."""
     xs = _finite(values)
     n = len(xs)
     if n == 0:
@@ -103,8 +106,9 @@ def mean_ci(values: Iterable[Any], level: float = 0.95) -> dict[str, Optional[fl
         return {"mean": mean, "std": None, "ci_lo": None, "ci_hi": None, "min": mean, "max": mean, "n": 1}
     std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
     half = t_quantile(0.5 + level / 2.0, n - 1) * std / math.sqrt(n)
-    return {"mean": mean, "std": std, "ci_lo": mean - half, "ci_hi": mean + half, "min": min(xs), "max": max(xs),
-            "n": n}
+    lo, hi = within
+    return {"mean": mean, "std": std, "ci_lo": mean - half if lo is None else max(lo, mean - half),
+            "ci_hi": mean + half if hi is None else min(hi, mean + half), "min": min(xs), "max": max(xs), "n": n}
 
 
 def mean_bound(values: Iterable[Any], confidence: float, upper: bool = True) -> Optional[float]:

@@ -38,10 +38,11 @@ METRICS = [
     ("max_model_len", ("max_model_len",)), ("kv_peak_usage", ("kv_peak_usage",)),
     ("slo_met", ("slo", "met")), ("slo_attainment", ("slo", "attainment")),
     ("goodput_req_s", ("slo", "goodput_req_s")), ("slo_binding", ("slo", "binding")),
+    ("bound_by", ("binding", "resource")),
 ]
-NON_NUMERIC = {"slo_binding"}
+NON_NUMERIC = {"slo_binding", "bound_by"}
 MD_COLUMNS = ["status", "completed", "duration_s", "throughput_tok_s", "output_tok_s", "request_throughput_s",
-              "preemptions", "prefix_hit_rate", "prefill_tokens_computed"]
+              "preemptions", "prefix_hit_rate", "prefill_tokens_computed", "bound_by"]
 SLO_MD_COLUMNS = ["slo_met", "slo_attainment", "goodput_req_s", "slo_binding"]
 LATENCY_MD_COLUMNS = [f"{m}_{s}_s" for m in ("ttft", "tpot", "itl", "e2e") for s in ("p50", "p90", "p99")]
 RUN_COLUMNS = ["host", "attempts", "point_wall_s"]  # where and how long each point ran
@@ -197,6 +198,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
             raw = with_seed(p.raw, seed) if seed is not None else p.raw
             tasks.append(PointTask(key, raw, exp.base_dir, "all", os.path.join(out_dir, key),
                                    meta={"point": p, "seed": seed}))
+    folder.own(*(os.path.join(t.key, "run.log") for t in tasks))  # the workers write them, a point may fail first
     pool = make_pool(jobs if ray is None else 1, ray)
     all_backends = list(dict.fromkeys(b for p in points for b in _point_backends(p, exp)))
     log(f"sweep {exp.name}: {len(points)} points" + (f" x {len(seeds)} seeds" if seeds else "")
@@ -239,9 +241,26 @@ def _cell(r, col: str, seeded: bool) -> Any:
     lo, hi = r[f"{col}_ci_lo"], r[f"{col}_ci_hi"]
     if v is None or lo is None or hi is None or any(isinstance(x, float) and math.isnan(x) for x in (v, lo, hi)):
         return v
-    from servetwin.experiments.report import fmt  # noqa: PLC0415
+    from servetwin.experiments.md_tables import fmt_pm  # noqa: PLC0415
 
-    return f"{fmt(float(v))} ± {fmt((float(hi) - float(lo)) / 2)}"
+    return fmt_pm(float(v), float(lo), float(hi))
+
+
+def bound_by_line(df) -> str:
+    """The sweep's binding resources (`bound_by`, experiments/binding.py); when every point is bound by
+    the arrival rate, say that their throughputs cannot differ."""
+    from servetwin.experiments.binding import LABELS  # noqa: PLC0415
+
+    kinds = [k for k in (df["bound_by"] if "bound_by" in df else []) if isinstance(k, str)]
+    if not kinds:
+        return "No point finished: nothing to say."
+    if set(kinds) == {"arrival_rate"}:
+        return ("Every point is bound by the arrival rate: each keeps up with the offered load, so their "
+                "throughputs are that rate and cannot differ (a difference in the table is the workload's "
+                "tail, not the configuration); compare latencies, or raise the rate (`servetwin capacity`).")
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    return "Bound by: " + ", ".join(f"{LABELS[k]} at {n} of {len(kinds)} points" for k, n in counts.items()) + \
+        " (column `bound_by`; each point's report.md says why)."
 
 
 def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str], interrupted: bool,
@@ -264,6 +283,7 @@ def write_sweep_md(exp: ExperimentConfig, df, out_dir: str, plot: Optional[str],
     rows = lambda cols: [[_cell(r, c, seeded) for c in cols] for _, r in df.iterrows()]  # noqa: E731
     cols = ["point"] + keys + ["backend"] + MD_COLUMNS + (["seeds_ok"] if seeded else [])
     lines += ["## Results", "", md_table(cols, rows(cols)), ""]
+    lines += ["## What limits the results", "", bound_by_line(df), ""]
     lines += ["## Latency (s)", "", md_table(["point", "backend"] + LATENCY_MD_COLUMNS,
                                             rows(["point", "backend"] + LATENCY_MD_COLUMNS)), ""]
     if exp.slo is not None and not exp.slo.empty:
@@ -326,6 +346,7 @@ def run_seeded(exp: ExperimentConfig, out_dir: str, seeds: list[int], jobs: int 
     base.pop("sweep", None)
     tasks = [PointTask(f"seed={s}", with_seed(base, s), exp.base_dir, "all", os.path.join(out_dir, f"seed={s}"),
                        meta={"seed": s}) for s in seeds]
+    folder.own(*(os.path.join(t.key, "run.log") for t in tasks))
     pool = make_pool(jobs if ray is None else 1, ray)
     log(f"run {exp.name}: {len(seeds)} seeds x {exp.backends} on {pool.description}")
     results, interrupted = _map_points(pool, tasks, retries, log,
@@ -354,7 +375,7 @@ def run_seeded(exp: ExperimentConfig, out_dir: str, seeds: list[int], jobs: int 
 
 def _write_seeds_md(exp: ExperimentConfig, seeds: list[int], stats: dict, df, out_dir: str,
                     interrupted: bool) -> str:
-    from servetwin.experiments.report import fmt, md_table  # noqa: PLC0415
+    from servetwin.experiments.md_tables import fmt, fmt_pm, md_table  # noqa: PLC0415
 
     backends = list(stats)
     lines = [f"# {exp.name}: {len(seeds)} seeds", ""]
@@ -374,8 +395,7 @@ def _write_seeds_md(exp: ExperimentConfig, seeds: list[int], stats: dict, df, ou
             elif s["ci_lo"] is None:
                 cells.append(fmt(s["mean"]))
             else:
-                cells.append(f"{fmt(s['mean'])} ± {fmt((s['ci_hi'] - s['ci_lo']) / 2)} "
-                             f"[{fmt(s['min'])}, {fmt(s['max'])}]")
+                cells.append(f"{fmt_pm(s['mean'], s['ci_lo'], s['ci_hi'])} [{fmt(s['min'])}, {fmt(s['max'])}]")
         if any(c != "-" for c in cells):
             table.append([col] + cells)
     lines += ["## Summary over seeds", "", md_table(["metric"] + backends, table), "",

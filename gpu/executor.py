@@ -8,6 +8,7 @@ a CUDA graph on CUDA unless `enforce_eager`.
 from __future__ import annotations
 
 from servetwin.core.config_error import ConfigError
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Optional
@@ -15,12 +16,15 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from servetwin.core.kv_cache.kv_cache_interface import ONE_FULL_GROUP
+from servetwin.core.kv_cache.kv_cache_planning import check_or_fit_max_model_len_groups, model_kv_plan
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len
 from servetwin.gpu.models.model_files import check_max_model_len
 from servetwin.core.outputs import Logprobs, ModelRunnerOutput, StepTiming
 from servetwin.core.sched.output import SchedulerOutput
 from servetwin.core.engine.runner_state import RunnerState, ScheduledRow
 from servetwin.gpu.attention import CommonAttentionMetadata, select_attention_backend
+from servetwin.gpu.attention.layer_plans import build_layer_metadata
 from servetwin.gpu.cuda_graphs import CudaGraphRunner, default_capture_sizes
 from servetwin.gpu.input_batch import InputBatch, build_block_table, prepare_inputs, to_device
 from servetwin.gpu.kv_cache import allocate_kv_caches, cpu_num_blocks, cuda_num_blocks
@@ -87,6 +91,15 @@ def slow_cpu_dtype_warning(device: torch.device, dtype: torch.dtype) -> Optional
             "experiments/calibrations/cpu_smollm2-135m-fp32-avx2.yaml)")
 
 
+def cuda_graph_unsupported_reason(cfg: Any) -> Optional[str]:
+    """Why decode steps of this model cannot replay a captured CUDA graph (None: they can)."""
+    if cfg.moe is not None:
+        return "the MoE layers dispatch to a data-dependent set of experts"
+    if not cfg.all_full_attention:
+        return "sliding-window / chunked layers plan per-request key windows on the host"
+    return None
+
+
 class TorchExecutor:
     def __init__(self, model: str = "tiny-llama", dtype: Optional[str] = None, device: str = "auto",
                  block_size: int = 16, num_gpu_blocks: Optional[int] = None,
@@ -95,7 +108,8 @@ class TorchExecutor:
                  max_model_len: Optional[int] = None, enforce_eager: bool = False,
                  attention_backend: str = "auto", seed: int = 0, profile_dir: Optional[str] = None,
                  torch_paged_mode: str = "auto", cuda_graph_sizes: Optional[list[int]] = None,
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, disable_hybrid_kv_cache_manager: bool = False,
+                 async_scheduling: bool = False) -> None:
         torch.manual_seed(seed)
         self.device = resolve_device(device)
         self.model_info: ModelInfo = resolve_model(model)
@@ -114,25 +128,41 @@ class TorchExecutor:
         self.kv_spec = KVCacheSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                    head_size=cfg.head_dim, dtype=str(self.dtype).replace("torch.", ""),
                                    block_size=block_size)
+        # KV cache groups from the layers' attention types; a pool block = one page of `group_size` layers
+        self.kv_plan = model_kv_plan(cfg, disable_hybrid_kv_cache_manager)
+        self.kv_cache_groups = None if self.kv_plan.kv_cache_groups == ONE_FULL_GROUP else self.kv_plan.kv_cache_groups
+        pool_spec = dataclasses.replace(self.kv_spec, num_layers=self.kv_plan.group_size)
         self.attn_backend = select_attention_backend(attention_backend, self.device, self.dtype, block_size,
                                                      cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                                     torch_paged_mode)
+                                                     torch_paged_mode, cfg.attention_sinks,
+                                                     any(w.chunk_size for w in cfg.layer_windows))
         self.model.set_attention_backend(self.attn_backend)
         if self.device.type == "cuda":
-            n = cuda_num_blocks(self.kv_spec, num_gpu_blocks, kv_cache_memory_bytes, self.device,
+            n = cuda_num_blocks(pool_spec, num_gpu_blocks, kv_cache_memory_bytes, self.device,
                                 gpu_memory_utilization,
                                 lambda: self._dummy_forward(min(max_num_batched_tokens, want_len)))
         else:
-            n = cpu_num_blocks(self.kv_spec, num_gpu_blocks, kv_cache_memory_bytes)
-        self.max_model_len = check_or_fit_max_model_len(n, self.kv_spec, -1 if max_model_len == -1 else want_len,
-                                                        derived_max_len)
+            n = cpu_num_blocks(pool_spec, num_gpu_blocks, kv_cache_memory_bytes)
+        if self.kv_cache_groups is None:
+            self.max_model_len = check_or_fit_max_model_len(
+                n, self.kv_spec, -1 if max_model_len == -1 else want_len, derived_max_len)
+        else:
+            self.max_model_len = check_or_fit_max_model_len_groups(
+                n, self.kv_cache_groups, block_size, -1 if max_model_len == -1 else want_len, derived_max_len,
+                max_num_batched_tokens * (2 if async_scheduling else 1))
         self.num_gpu_blocks = n
         self.pad_block_id = n  # the extra block past the scheduler's pool
-        self.kv_caches = allocate_kv_caches(self.kv_spec, n, self.dtype, self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d", n, block_size,
-                    n * self.kv_spec.bytes_per_block / 2**20, self.kv_spec.dtype, self.max_model_len)
+        self.kv_caches = allocate_kv_caches(self.kv_spec, n, self.dtype, self.device,
+                                            None if self.kv_cache_groups is None else self.kv_plan.layer_to_group)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d, %d KV cache group(s)",
+                    n, block_size, n * pool_spec.bytes_per_block / 2**20, self.kv_spec.dtype, self.max_model_len,
+                    len(self.kv_plan.kv_cache_groups))
         self.graph_runner: Optional[CudaGraphRunner] = None
-        if self.device.type == "cuda" and not enforce_eager:
+        reason = cuda_graph_unsupported_reason(cfg) or (
+            None if self.kv_cache_groups is None else "a CUDA graph captures one block table, not one per KV cache group")
+        if self.device.type == "cuda" and not enforce_eager and reason:
+            logger.info("CUDA graphs off: %s", reason)
+        elif self.device.type == "cuda" and not enforce_eager:
             sizes = cuda_graph_sizes or default_capture_sizes(max_num_seqs)
             self.graph_runner = CudaGraphRunner(self.model, self.attn_backend, self.kv_caches, block_size,
                                                 self.pad_block_id, self.max_model_len, self.device, sizes)
@@ -162,6 +192,15 @@ class TorchExecutor:
         """Write the chrome trace (when `profile_dir` is set)."""
         self.profiler.close()
 
+    # -- vLLM's /start_profile and /stop_profile --------------------------------------------------
+    def start_profile(self, profile_dir: str) -> None:
+        self.profiler.start(profile_dir)
+
+    def stop_profile(self) -> Optional[str]:
+        """Write the steps since `start_profile` as `<dir>/servetwin-torch.<ms>.pt.trace.json` (None: not on)."""
+        path = self.profiler.stop(f"servetwin-torch.{time.time_ns() // 1_000_000}.pt.trace.json")
+        return None if path is None else str(path)
+
     def reset(self) -> None:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
         self.sampler.forget(list(self.state.requests))
@@ -185,14 +224,26 @@ class TorchExecutor:
             observe(so, out)
         return out
 
-    def _common_metadata(self, batch: InputBatch, slot_mapping: torch.Tensor) -> CommonAttentionMetadata:
+    def _common_metadata(self, batch: InputBatch, slot_mapping: torch.Tensor,
+                         block_table: Optional[np.ndarray] = None) -> CommonAttentionMetadata:
         dev = self.device
         return CommonAttentionMetadata(
             num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens, max_query_len=batch.max_query_len,
             max_seq_len=batch.max_seq_len, block_size=self.block_size,
             query_start_loc=to_device(batch.query_start_loc, dev), seq_lens=to_device(batch.seq_lens, dev),
-            block_table=to_device(batch.block_table, dev), slot_mapping=slot_mapping,
-            query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens)
+            block_table=to_device(batch.block_table if block_table is None else block_table, dev),
+            slot_mapping=slot_mapping, query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens)
+
+    def _attention_metadata(self, batch: InputBatch) -> Any:
+        """The plan of every layer (`build_layer_metadata`): with several KV cache groups each group
+        has its own block table and slot mapping, and each layer reads its group's, with its window."""
+        if self.kv_cache_groups is None:
+            commons = [self._common_metadata(batch, to_device(batch.slot_mapping, self.device))]
+            return build_layer_metadata(self.attn_backend, commons, self.model.layer_windows)
+        commons = [self._common_metadata(batch, to_device(slots, self.device), table)
+                   for table, slots in zip(batch.block_tables, batch.slot_mappings)]
+        return build_layer_metadata(self.attn_backend, commons, self.model.layer_windows,
+                                    self.kv_plan.layer_to_group)
 
     def _execute(self, rows: list[ScheduledRow], so: SchedulerOutput) -> ModelRunnerOutput:
         timer = StepTimer(self.device)
@@ -202,8 +253,7 @@ class TorchExecutor:
         positions = to_device(batch.positions, self.device)
         use_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         if not use_graph:
-            slot_mapping = to_device(batch.slot_mapping, self.device)
-            attn_meta = self.attn_backend.build_metadata(self._common_metadata(batch, slot_mapping))
+            attn_meta = self._attention_metadata(batch)
         sample_idx = [i for i, r in enumerate(rows) if r.samples]
         # LM-head rows: every request's last token with keep_logits (tests read them all), else only
         # the requests that sample this step (a partial prefill chunk needs no logits)
@@ -280,7 +330,7 @@ class TorchExecutor:
             block_size=B, query_start_loc=to_device(qsl, dev), seq_lens=to_device(seq_lens, dev),
             block_table=to_device(block_table, dev), slot_mapping=to_device(positions, dev),
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-        meta = self.attn_backend.build_metadata(common)
+        meta = build_layer_metadata(self.attn_backend, [common], self.model.layer_windows)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         hidden = self.model(ids, to_device(positions, dev), caches, meta)
         idx = torch.arange(min(self.max_num_seqs, num_tokens), device=dev)

@@ -7,6 +7,9 @@ For R requests with `num_scheduled_tokens[i]` new tokens after `num_computed_tok
   seq_lens        [R]      num_computed_tokens + num_scheduled_tokens
   block_table     [R, W]   each request's first cdiv(seq_len, B) blocks, padded with `pad_block_id`
   slot_mapping    [T]      block_table[req, pos // B] * B + pos % B
+  block_tables, slot_mappings: the same per KV cache group (group order; [0] is block_table /
+                  slot_mapping). A window group's table keeps the ids the scheduler has since freed
+                  (the runner learns only new blocks): attention must read only in-window blocks.
   logits_indices  [R]      query_start_loc[1:] - 1 (the last scheduled token of each request)
 Only per-request Python work (list slicing, one block-table row each); no per-token loops.
 """
@@ -35,6 +38,8 @@ class InputBatch:
     slot_mapping: np.ndarray  # int64 [T]
     logits_indices: np.ndarray  # int64 [R]
     block_size: int
+    block_tables: list[np.ndarray]  # per KV cache group: int32 [R, W]
+    slot_mappings: list[np.ndarray]  # per KV cache group: int64 [T]
 
     @property
     def num_reqs(self) -> int:
@@ -88,9 +93,12 @@ def prepare_inputs(rows: Sequence[ScheduledRow], block_size: int, pad_block_id: 
     req_of_token = np.repeat(np.arange(R), q_lens)
     positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - computed, q_lens)
     num_blocks = -(-seq_lens // block_size)
-    block_table = build_block_table([r.state.block_ids for r in rows], num_blocks, pad_block_id)
-    slot_mapping = (block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
-                    + positions % block_size)
+    block_tables, slot_mappings = [], []
+    for g in range(len(rows[0].state.block_ids) if R else 1):  # one table + slot mapping per KV group
+        table = build_block_table([r.state.block_ids[g] for r in rows], num_blocks, pad_block_id)
+        block_tables.append(table)
+        slot_mappings.append(table[req_of_token, positions // block_size].astype(np.int64) * block_size
+                             + positions % block_size)
     return InputBatch(
         req_ids=[r.req_id for r in rows],
         input_ids=input_ids,
@@ -99,10 +107,12 @@ def prepare_inputs(rows: Sequence[ScheduledRow], block_size: int, pad_block_id: 
         seq_lens=seq_lens.astype(np.int32),
         num_computed_tokens=computed.astype(np.int32),
         num_scheduled_tokens=q_lens.astype(np.int32),
-        block_table=block_table,
-        slot_mapping=slot_mapping,
+        block_table=block_tables[0],
+        slot_mapping=slot_mappings[0],
         logits_indices=qsl[1:] - 1,
         block_size=block_size,
+        block_tables=block_tables,
+        slot_mappings=slot_mappings,
     )
 
 

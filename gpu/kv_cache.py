@@ -24,11 +24,25 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_gpu_blocks: int, dtype: torch.dtype,
-                       device: torch.device) -> KVCaches:
-    """Zero-filled (masked garbage must never be NaN) K/V per layer, with the extra pad block."""
+                       device: torch.device, layer_to_group: Optional[tuple[int, ...]] = None) -> KVCaches:
+    """Zero-filled (masked garbage must never be NaN) K/V per layer, with the extra pad block.
+
+    With several KV cache groups (`layer_to_group`), as in vLLM, the j-th layer of every group shares
+    one tensor: a block id belongs to one group at a time, so the pool costs one page per layer of a
+    group (`group_size` layers), not one per model layer."""
     shape = (num_gpu_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_size)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(spec.num_layers)]
+    if layer_to_group is None:
+        layer_to_group = (0,) * spec.num_layers
+    shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    seen = [0] * (max(layer_to_group) + 1)
+    caches = []
+    for g in layer_to_group:
+        j, seen[g] = seen[g], seen[g] + 1  # this layer's index inside its group
+        if j not in shared:
+            shared[j] = (torch.zeros(shape, dtype=dtype, device=device),
+                         torch.zeros(shape, dtype=dtype, device=device))
+        caches.append(shared[j])
+    return caches
 
 
 def cpu_num_blocks(spec: KVCacheSpec, num_gpu_blocks: Optional[int],

@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Hashable, Iterator, Optional
 
 import torch
 
@@ -56,8 +56,18 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, fh.get_tensor(name)
 
 
-def _our_name(hf_name: str) -> tuple[str, Optional[int]]:
-    """Map an HF tensor name to ours; the int is the shard index inside a packed tensor."""
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+# one expert's HF matrix -> (our fused tensor, half of w13: 0 gate, 1 up; None: the whole w2[e])
+_EXPERT_PROJ = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+                "down_proj": ("w2", None), "w2": ("w2", None)}
+_ROUTER = {"mlp.router": "mlp.gate", "block_sparse_moe.gate": "mlp.gate"}  # gpt-oss's, legacy Mixtral's
+_FUSED_EXPERTS = {"mlp.experts.gate_up_proj": "mlp.w13", "mlp.experts.down_proj": "mlp.w2",
+                  "mlp.experts.gate_up_proj_bias": "mlp.w13_bias", "mlp.experts.down_proj_bias": "mlp.w2_bias"}
+Shard = Optional[Hashable]  # None: the whole tensor; an int: a packed part; (expert, part): an expert's
+
+
+def _our_name(hf_name: str) -> tuple[str, Shard]:
+    """Map an HF tensor name to ours; the shard says which part of our (packed) tensor it fills."""
     if hf_name.startswith("model.embed_tokens.") or hf_name.startswith("model.norm."):
         return hf_name[len("model."):], None
     if hf_name.startswith("lm_head."):
@@ -66,48 +76,129 @@ def _our_name(hf_name: str) -> tuple[str, Optional[int]]:
     if m is None:
         return hf_name, None
     layer, rest = m.groups()
+    if (e := _EXPERT.match(rest)) is not None and e.group(2) in _EXPERT_PROJ:
+        ours, part = _EXPERT_PROJ[e.group(2)]
+        return f"layers.{layer}.mlp.{ours}", (int(e.group(1)), part)
+    if rest in _FUSED_EXPERTS:
+        return f"layers.{layer}.{_FUSED_EXPERTS[rest]}", None
     module, _, leaf = rest.rpartition(".")
+    if module in _ROUTER:
+        return f"layers.{layer}.{_ROUTER[module]}.{leaf}", None
     if module in _PACKED:
         ours, shard = _PACKED[module]
         return f"layers.{layer}.{ours}.{leaf}", shard
     return f"layers.{layer}.{rest}", None
 
 
+def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """gpt-oss stores gate and up interleaved (gate at even, up at odd indices): -> [gate; up]."""
+    idx = torch.arange(t.shape[dim])
+    return torch.cat([t.index_select(dim, idx[0::2]), t.index_select(dim, idx[1::2])], dim=dim)
+
+
+def _gpt_oss_experts(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's fused expert tensors in HF's bf16 layout -> ours: gate_up [E, H, 2I] interleaved ->
+    w13 [E, 2I, H] (gate rows, then up rows); down [E, I, H] -> w2 [E, H, I]; gate_up bias de-interleaved."""
+    if name.endswith("mlp.w13"):
+        return _deinterleave(tensor.transpose(1, 2), 1)
+    if name.endswith("mlp.w2"):
+        return tensor.transpose(1, 2)
+    if name.endswith("mlp.w13_bias"):
+        return _deinterleave(tensor, 1)
+    return tensor
+
+
+# OCP Microscaling (MX) v1.0: FP4 E2M1 code points (sign in bit 3), an E8M0 power-of-two scale per 32
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`blocks` uint8 [E, R, G, 16] (two FP4 values a byte, low nibble first), `scales` uint8 [E, R, G]
+    (exponent + 127) -> float32 [E, R, G * 32]. gpt-oss's checkpoints store experts this way with rows
+    = output features (gate_up: 2I interleaved rows over H; down: H rows over I)."""
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None])
+    return vals.flatten(-2)
+
+
+def _pair_mxfp4(hf_name: str, tensor: torch.Tensor,
+                pending: dict[str, torch.Tensor]) -> Optional[tuple[str, torch.Tensor]]:
+    """Collect an MXFP4 `*_blocks` / `*_scales` pair; once both are seen, the dequantised tensor under
+    the bf16 name in our row layout (`..._proj` -> w13 interleaved rows or w2), else None."""
+    base, kind = hf_name.rsplit("_", 1)
+    pending[f"{base}_{kind}"] = tensor
+    if f"{base}_blocks" not in pending or f"{base}_scales" not in pending:
+        return None
+    deq = dequantize_mxfp4(pending.pop(f"{base}_blocks"), pending.pop(f"{base}_scales"))
+    return base, deq
+
+
 @torch.no_grad()
 def load_weights(model: DecoderLM, path: Path) -> None:
+    """Every checkpoint tensor into our modules; gpt-oss's MXFP4 experts are dequantised here (the model
+    then holds them in its own dtype: no MXFP4 kernel)."""
     params = dict(model.named_parameters())
     cfg = model.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shard_offsets = {"qkv_proj": [0, q, q + kv], "gate_up_proj": [0, cfg.intermediate_size]}
-    loaded: set[tuple[str, Optional[int]]] = set()
+    expert_parts = {"w13": [0, 1], "w2": [None]}
+    loaded: set[tuple[str, Shard]] = set()
+    pending: dict[str, torch.Tensor] = {}
     for hf_name, tensor in iter_checkpoint(path):
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        mxfp4 = hf_name.endswith("_blocks") or hf_name.endswith("_scales")
+        if mxfp4:
+            done = _pair_mxfp4(hf_name, tensor, pending)
+            if done is None:
+                continue
+            hf_name, tensor = done
         name, shard = _our_name(hf_name)
         if name not in params:
             raise ValueError(f"checkpoint: unexpected tensor {hf_name!r} in {path}")
         p = params[name]
-        if shard is None:
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint: {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-            p.copy_(tensor)
+        if name.endswith((".mlp.w13", ".mlp.w2")):  # stored input-major: fill it through [E, out, in]
+            p = p.transpose(-1, -2)
+        if cfg.model_type == "gpt_oss" and shard is None:  # MXFP4 rows are already output features
+            tensor = (_deinterleave(tensor, 1) if name.endswith("mlp.w13") else tensor) if mxfp4 \
+                else _gpt_oss_experts(name, tensor)
+        if isinstance(shard, tuple):  # one expert's matrix
+            e, part = shard
+            dst = p[e] if part is None else p[e].narrow(0, part * cfg.moe.intermediate_size,
+                                                         cfg.moe.intermediate_size)
+            _copy(dst, tensor, hf_name)
+        elif shard is None:
+            _copy(p, tensor, hf_name)
         else:
             kind = name.split(".")[-2]
             start = shard_offsets[kind][shard]
             p.narrow(0, start, tensor.shape[0]).copy_(tensor)
         loaded.add((name, shard))
-    expected = set()
+    if pending:
+        raise ValueError(f"checkpoint: MXFP4 tensors without their blocks/scales pair in {path}: {sorted(pending)}")
+    missing = []
     for name in params:
-        kind = name.split(".")[-2] if "." in name else ""
+        leaf, kind = name.split(".")[-1], (name.split(".")[-2] if "." in name else "")
+        if (name, None) in loaded:
+            continue
         if kind in shard_offsets:
-            expected.update((name, s) for s in range(len(shard_offsets[kind])))
+            parts = [(name, s) for s in range(len(shard_offsets[kind]))]
+        elif leaf in expert_parts:
+            parts = [(name, (e, j)) for e in range(cfg.moe.num_experts) for j in expert_parts[leaf]]
         else:
-            expected.add((name, None))
-    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+            parts = [(name, None)]
+        missing += [f"{n}[{s}]" if s is not None else n for n, s in parts if (n, s) not in loaded]
     if missing:
-        raise ValueError(f"checkpoint: {len(missing)} tensors missing in {path}: {missing[:8]}")
+        raise ValueError(f"checkpoint: {len(missing)} tensors missing in {path}: {sorted(missing)[:8]}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, hf_name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"checkpoint: {hf_name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
 
 
 RANDOM_WEIGHTS_MARKER = "servetwin_random_weights.json"
@@ -118,6 +209,7 @@ def randomize_weights(model: DecoderLM, seed: int) -> None:
     """Seeded random weights drawn on the model's device: norms ~1, matrices scaled by 1/sqrt(fan-in)."""
     for i, (name, p) in enumerate(model.named_parameters()):
         gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i)
+        fan_in = p.shape[-2] if name.endswith((".mlp.w13", ".mlp.w2")) else p.shape[-1]  # experts: input-major
         if name.endswith("norm.weight"):
             p.normal_(1.0, 0.1, generator=gen)
         elif name.endswith(".bias"):
@@ -125,7 +217,7 @@ def randomize_weights(model: DecoderLM, seed: int) -> None:
         elif "embed_tokens" in name:
             p.normal_(0.0, 1.0, generator=gen)
         else:
-            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+            p.normal_(0.0, fan_in ** -0.5, generator=gen)
 
 
 def load_model(info: ModelInfo | str, dtype: torch.dtype = torch.float32,

@@ -24,10 +24,12 @@ def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
                        max_num_batched_tokens=args.max_num_batched_tokens or max(8192, args.max_num_seqs),
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-                       seed=args.seed, profile_dir=args.profile_dir)
+                       seed=args.seed, profile_dir=args.profile_dir,
+                       disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
+                       async_scheduling=args.async_scheduling)
     path = ex.model_info.path
     return ExecutorInfo(ex, ex.num_gpu_blocks, ex.max_model_len, ex.vocab_size, list(ex.eos_token_ids or []),
-                        str(path) if path else None)
+                        str(path) if path else None, kv_cache_groups=ex.kv_cache_groups)
 
 
 def check_torch_args(args: EngineArgs) -> None:

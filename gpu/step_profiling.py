@@ -61,21 +61,31 @@ class StepTimer:
 
 
 class StepProfiler:
-    """torch.profiler over the executor's lifetime; each step is one `record_function` range."""
+    """torch.profiler around the executor's steps; each step is one `record_function` range named as vLLM
+    names it. On from construction when `profile_dir` is given (the executor's lifetime), or between
+    `start(dir)` and `stop()` (vLLM's `/start_profile` and `/stop_profile`)."""
 
     def __init__(self, profile_dir: Optional[str | Path], device: torch.device) -> None:
-        self.dir = Path(profile_dir) if profile_dir else None
+        self.device = device
+        self.dir: Optional[Path] = None
         self.prof: Optional[torch.profiler.profile] = None
-        if self.dir is not None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities, record_shapes=False)
-            self.prof.__enter__()
+        if profile_dir:
+            self.start(profile_dir)
 
     @property
     def enabled(self) -> bool:
         return self.prof is not None
+
+    def start(self, profile_dir: str | Path) -> None:
+        """Begin recording (a running profile keeps running: vLLM ignores a second start too)."""
+        if self.prof is not None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.dir = Path(profile_dir)
+        self.prof = torch.profiler.profile(activities=activities, record_shapes=False)
+        self.prof.__enter__()
 
     @contextlib.contextmanager
     def step(self, annotation: str) -> Iterator[None]:
@@ -85,14 +95,18 @@ class StepProfiler:
         with torch.profiler.record_function(annotation):
             yield
 
-    def close(self) -> Optional[Path]:
-        """Stop profiling and write `<profile_dir>/trace.json` (chrome trace); returns its path."""
+    def stop(self, name: str = "trace.json") -> Optional[Path]:
+        """Stop recording and write `<profile_dir>/<name>` (chrome trace); returns its path (None when off)."""
         if self.prof is None or self.dir is None:
             return None
         self.prof.__exit__(None, None, None)
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / "trace.json"
+        path = self.dir / name
         self.prof.export_chrome_trace(str(path))
         self.prof = None
         logger.info("wrote the step trace to %s", path)
         return path
+
+    def close(self) -> Optional[Path]:
+        """Stop profiling and write `<profile_dir>/trace.json` (chrome trace); returns its path."""
+        return self.stop()

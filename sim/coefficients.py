@@ -22,6 +22,18 @@ hardware file written before efficiencies existed gets (its `CostCoefficients` w
 | `attn_mixed_decode_rows`  | decode rows beside a chunk | query rows each pays per query head (0: none)       |
 | `comm_bandwidth`          | TP all-reduce/all-gather  | NCCL bus bandwidth / link bandwidth                  |
 | `gemm_m_curve`            | dense GEMMs of the layers | measured [M, fraction of peak] points (optional)     |
+| `moe_kernels`             | MoE grouped GEMMs         | per expert storage format: the kernel vLLM runs there |
+
+`moe_kernels` maps an expert storage format (`bf16`, `fp8`, `mxfp4`, `nvfp4`) to the `MoEKernel` vLLM runs
+for it on this GPU: its name (the kernel family, e.g. Marlin W4A16 for MXFP4 on Hopper), the tensor-core
+rate it computes at (`peak`: `bf16` for weight-only kernels that dequantise to bf16, `fp8` for MXFP4 x
+MXFP8 or block-scaled fp8, `fp4` for NVFP4 x NVFP4), its compute fraction of that peak, its
+half-saturation rows per expert (each touched expert's rows are padded to the kernel's M tile, so it
+runs as if it had `half_rows` more), its bandwidth fraction when streaming expert weights, and the
+alignments its weight layout pads to (`align_hidden` for the hidden size, `align_intermediate` for each
+TP rank's share of the expert width: vLLM's `mxfp4_round_up_hidden_size_and_intermediate_size`, e.g.
+Marlin 256 / 128, FlashInfer TRT-LLM 256 / 256); the padded weights are read and multiplied. A format
+without an entry cannot be priced on that GPU: the cost model refuses it naming the field.
 
 `gemm_m_curve`, when given, replaces `gemm_compute * M / (M + gemm_half_m)` for the layers' GEMMs: the
 fraction of the dense peak they reach at M tokens, interpolated linearly between the points (the first
@@ -59,26 +71,58 @@ dimensionless correction (1.0 = the physics as stated); the rest are seconds per
 | `lm_head`         | roofline seconds of the LM head + logits                | correction              |
 | `sampler`         | bandwidth seconds of the sampler's passes over logits   | correction              |
 | `comm`            | tensor-parallel collective seconds                      | correction              |
+| `moe`             | roofline seconds of the router and the expert GEMMs     | correction              |
+| `moe_layer`       | MoE layers (router, top-k, align, 2 grouped GEMMs, combine kernels' floor) | s per layer |
 | `tp_step`         | 1 when tp > 1 (driver -> worker broadcast, sync)        | s per step              |
 | `ipc_step`        | 1 with a multi-process front end, else 0                | s per step              |
 | `ipc_req`         | scheduled requests with a multi-process front end       | s per request           |
 
-Terms added after the first calibrations (`layer_piecewise`, `elementwise`, `sampler`, `tp_step`)
+Terms added after the first calibrations (`layer_piecewise`, `elementwise`, `sampler`, `tp_step`, `moe_layer`)
 default to 0 so that older files predict what they always did.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 from servetwin.core.config_error import ConfigError
-from servetwin.sim.validate import check_keys, check_mapping, non_negative, positive
+from servetwin.sim.validate import check_keys, check_mapping, int_at_least, non_negative, positive
 
 BASIS_TERMS: tuple[str, ...] = ("step", "req", "token", "layer", "layer_piecewise", "linear", "elementwise",
                                 "attn_prefill", "attn_decode", "attn_shared", "lm_head", "sampler", "comm",
-                                "tp_step", "ipc_step", "ipc_req")
+                                "tp_step", "ipc_step", "ipc_req", "moe", "moe_layer")
 # terms only a GPU step has (a CPU calibration leaves them out of its fit)
-GPU_ONLY_TERMS: tuple[str, ...] = ("layer_piecewise", "elementwise", "sampler", "tp_step")
+GPU_ONLY_TERMS: tuple[str, ...] = ("layer_piecewise", "elementwise", "sampler", "tp_step", "moe_layer")
+MOE_PEAKS = ("bf16", "fp8", "fp4")  # the tensor-core rate an expert kernel computes at
+
+
+@dataclass(slots=True, frozen=True)
+class MoEKernel:
+    """The grouped-GEMM kernel vLLM runs for one expert storage format on one GPU (see the table)."""
+    kernel: str  # the kernel family, e.g. "marlin_w4a16", "triton_fused_moe", "flashinfer_trtllm_mxfp4_mxfp8"
+    peak: str  # "bf16" | "fp8" | "fp4"
+    compute: float  # fraction of that peak a well-filled grouped GEMM reaches
+    half_rows: float  # rows per expert at which it reaches half of it (the M tile's padding)
+    bandwidth: float  # fraction of the datasheet bandwidth streaming the touched experts' weights
+    align_hidden: int = 1  # the kernel's weights pad the hidden size to a multiple of this
+    align_intermediate: int = 1  # ... and each TP rank's share of the expert width to a multiple of this
+
+    @classmethod
+    def from_dict(cls, cfg: Any, path: str) -> "MoEKernel":
+        if isinstance(cfg, MoEKernel):
+            return cfg
+        cfg = check_mapping(cfg, path)
+        names = [f.name for f in fields(cls)]
+        check_keys(cfg, names, path, required=names[:5])
+        if not isinstance(cfg["kernel"], str) or not cfg["kernel"]:
+            raise ConfigError(f"{path}.kernel", f"must be a non-empty string, got {cfg['kernel']!r}")
+        if cfg["peak"] not in MOE_PEAKS:
+            raise ConfigError(f"{path}.peak", f"must be one of {', '.join(MOE_PEAKS)}, got {cfg['peak']!r}")
+        return cls(cfg["kernel"], cfg["peak"], _fraction(cfg["compute"], f"{path}.compute"),
+                   non_negative(cfg["half_rows"], f"{path}.half_rows"),
+                   _fraction(cfg["bandwidth"], f"{path}.bandwidth"),
+                   int_at_least(cfg.get("align_hidden", 1), 1, f"{path}.align_hidden"),
+                   int_at_least(cfg.get("align_intermediate", 1), 1, f"{path}.align_intermediate"))
 
 
 @dataclass(slots=True)
@@ -95,11 +139,15 @@ class Efficiency:
     attn_mixed_decode_rows: float = 0.0
     comm_bandwidth: float = 1.0
     gemm_m_curve: tuple[tuple[float, float], ...] = ()  # (M, fraction of peak), M ascending
+    moe_kernels: Mapping[str, MoEKernel] = field(default_factory=dict)  # expert storage format -> kernel
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "gemm_m_curve":
+            if f.name == "moe_kernels":
+                self.moe_kernels = {str(k): MoEKernel.from_dict(c, f"efficiency.moe_kernels.{k}")
+                                    for k, c in check_mapping(v, "efficiency.moe_kernels").items()}
+            elif f.name == "gemm_m_curve":
                 self.gemm_m_curve = _m_curve(v, f"efficiency.{f.name}")
             elif f.name.endswith(("_half_m", "_half_kv", "_rows")):
                 setattr(self, f.name, non_negative(v, f"efficiency.{f.name}"))
@@ -111,6 +159,9 @@ class Efficiency:
         out["gemm_m_curve"] = [[m, e] for m, e in self.gemm_m_curve]  # lists: YAML has no tuples
         if not self.gemm_m_curve:
             del out["gemm_m_curve"]
+        out["moe_kernels"] = {k: asdict(v) for k, v in self.moe_kernels.items()}
+        if not self.moe_kernels:
+            del out["moe_kernels"]
         return out
 
     @classmethod
@@ -166,6 +217,8 @@ class CostCoefficients:
     c_tp_step: float = 0.0
     c_ipc_step: float = 0.0
     c_ipc_req: float = 0.0
+    c_moe: float = 1.0
+    c_moe_layer: float = 0.0
 
     def __post_init__(self) -> None:
         if self.c_attn_shared is None:

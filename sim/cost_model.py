@@ -47,6 +47,14 @@ kernels it stands for (they run one after another, so their times add):
                    piecewise graphs: attention is launched per layer), else 0
     step = 1, req = number of rows, token = T, tp_step = [tp > 1], ipc_step = [ipc],
     ipc_req = [ipc] * rows
+    moe          = router + routed experts of every MoE layer at T' tokens (`servetwin.sim.moe_cost`)
+    moe_layer    = number of MoE layers (the MoE block's kernel floor)
+
+An MoE model's M (in `linear`, `elementwise`) holds the attention projections, its dense layers' MLPs and
+any shared expert; its routed experts are `moe`, never a dense MLP. Sliding-window and chunked layers
+(`model.layer_types`) pay the attention terms with at most W keys per query (`_window_attention`); the
+full layers keep the formulas above. With async scheduling a step lasts max(prepare, forward + sample):
+the engine prepares the next step while the GPU runs this one.
 
     t_step = sum_k c_k * basis_k          (c_k >= 0, from `HardwareSpec.coefficients`)
 
@@ -82,12 +90,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.sched.output import SchedulerOutput
 from servetwin.core.outputs import StepTiming
 from servetwin.sim.coefficients import BASIS_TERMS, CostCoefficients
 from servetwin.core.kv_cache.kv_sizing import dtype_bytes
 from servetwin.sim.hardware import HardwareSpec, load_hardware
+from servetwin.core.model_spec import SLIDING_ATTENTION
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
+from servetwin.sim.moe_cost import MoECost
 
 LOGITS_BYTES = 4  # logits are materialised in fp32 for sampling
 SAMPLER_PASSES = 4  # fp32 passes over the logits: temperature, softmax, sample, logprob bookkeeping
@@ -197,7 +208,8 @@ class CostModel:
     def __init__(self, model: ModelSpec | str, hw: HardwareSpec | str, tp: int = 1,
                  cuda_graphs: Optional[bool] = None, graph_sizes: Optional[Sequence[int]] = None,
                  ipc: bool = False, coefficients: Optional[CostCoefficients] = None,
-                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto") -> None:
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
+                 async_scheduling: bool = False, routing_skew: float = 0.0) -> None:
         self.model = load_model_spec(model)
         self.hw = load_hardware(hw)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -225,6 +237,8 @@ class CostModel:
         self.ipc = bool(ipc)
         self.quantization = quantization
         self.kv_cache_dtype = kv_cache_dtype
+        self.async_scheduling = bool(async_scheduling)
+        self.routing_skew = routing_skew
         self.coefficients = coefficients if coefficients is not None else self.hw.coefficients
         self._precompute()
 
@@ -239,12 +253,40 @@ class CostModel:
         self.weight_bytes_per_param, self.kv_bytes_per_element = bw, bk
         L, d, V, dh = m.num_layers, m.hidden_size, m.vocab_size, m.head_dim
         hq, hk = -(-m.num_heads // tp), -(-m.num_kv_heads // tp)
+        # the dense GEMMs: attention projections, dense MLPs, shared experts (the routed experts: `moe`)
+        n_moe = m.num_moe_layers
+        n_dense = L - n_moe
+        dense_mm = (L * m.attention_matmul_params + n_dense * m.dense_mlp_matmul_params
+                    + n_moe * m.shared_expert_matmul_params)
+        dense_params = (L * (m.attention_params + 2 * d) + n_dense * m.dense_mlp_params
+                        + n_moe * m.shared_expert_matmul_params)
+        mlp_width = n_dense * m.intermediate_size + n_moe * (
+            m.num_experts_per_tok * m.moe_intermediate_size + m.shared_expert_intermediate_size)
+        self.moe = MoECost.build(m, hw, tp, self.quantization, self.routing_skew) if n_moe else None
         w8a8 = self.quantization == "fp8" and hw.has_fp8  # else W8A16: bf16 GEMMs on 1-byte weights
         peak_gemm = hw.peak_flops("fp8" if w8a8 else m.dtype) * (e.gemm_fp8_relative if w8a8 else 1.0)
-        quant = FP8_QUANT_BYTES * (2 * d + hq * dh + m.intermediate_size / tp) if w8a8 else 0.0
+        quant = FP8_QUANT_BYTES * (L * (2 * d + hq * dh) + mlp_width / tp) if w8a8 else 0.0
         peak_dtype = hw.peak_flops(m.dtype)  # attention and the LM head run in the model dtype
         W = hw.memory_bandwidth
         wg, wa, wd = W * e.gemm_bandwidth, W * e.attn_prefill_bandwidth, W * e.attn_decode_bandwidth
+        attn_rates = (
+            4.0 * hq * dh / (peak_dtype * e.attn_prefill_compute),  # prefill attention s per pair
+            2.0 * hk * dh * bk / wa,  # prefill attention s per KV token read or written
+            4.0 * hq * dh / (peak_dtype * e.attn_decode_compute),
+            2.0 * hk * dh * bk / wd,  # decode attention s per KV token read
+            # decode rows beside a chunk: padded query rows at the varlen kernel's rate
+            4.0 * hq * dh * e.attn_mixed_decode_rows / (peak_dtype * e.attn_prefill_compute))
+        # attention by layer type: full layers see the whole context, sliding / chunked ones a window
+        window_layers = [t for t in m.attention_types if t != "full_attention"]
+        Lw = len(window_layers)
+        Lf = L - Lw
+        self.attention_window = 0.0
+        if len(set(window_layers)) > 1:
+            raise ConfigError("model.layer_types", "sliding-window and chunked layers in one model are not "
+                              "priced (one window per model)")
+        if Lw:  # a chunked layer's query sees (its position mod C) + 1 keys: (C + 1) / 2 on average
+            self.attention_window = float(m.sliding_window) if window_layers[0] == SLIDING_ATTENTION else (
+                (m.attention_chunk_size + 1) / 2.0)
         lat = ar = ag = 0.0
         if tp > 1:
             frac = (tp - 1) / tp
@@ -252,21 +294,19 @@ class CostModel:
             lat, ar, ag = hw.interconnect_latency_s, 2.0 * frac * d * ba / link, frac * V * ba / link
         self._const = (
             float(L), e.gemm_half_m, e.attn_prefill_half_kv, tp,
-            2.0 * L * m.layer_matmul_params / tp / (peak_gemm * e.gemm_compute),  # linear s per token
-            L * m.layer_params * bw / tp / wg,  # linear: weights once
-            L * (ba * (ELEMENTWISE_D * d + 3 * m.intermediate_size / tp + 2 * (hq + 2 * hk) * dh)
-                 + quant) / wg,
-            L * 4.0 * hq * dh / (peak_dtype * e.attn_prefill_compute),  # prefill attention s per pair
-            L * 2.0 * hk * dh * bk / wa,  # prefill attention s per KV token read or written
-            L * 4.0 * hq * dh / (peak_dtype * e.attn_decode_compute),
-            L * 2.0 * hk * dh * bk / wd,  # decode attention s per KV token read
-            # decode rows beside a chunk: padded query rows at the varlen kernel's rate
-            L * 4.0 * hq * dh * e.attn_mixed_decode_rows / (peak_dtype * e.attn_prefill_compute),
+            2.0 * dense_mm / tp / (peak_gemm * e.gemm_compute),  # linear s per token
+            dense_params * bw / tp / wg,  # linear: weights once
+            (ba * (L * (ELEMENTWISE_D * d + 2 * (hq + 2 * hk) * dh) + 3 * mlp_width / tp) + quant) / wg,
+            *(Lf * r for r in attn_rates),
             # the LM head stays bf16 under fp8 quantisation (vLLM quantises the layers' linear ops only)
             2.0 * d * V / tp / (peak_dtype * e.gemm_compute),  # LM head s per row
             V * d * ba / tp / wg, V * LOGITS_BYTES / tp / wg,  # LM head weights, logits per row
             SAMPLER_PASSES * V * LOGITS_BYTES / wg,  # sampler per row
             lat, ar, ag)
+        # the window layers' constants: the full layers' per-layer rates times Lw
+        self._window_const = tuple(Lw * r for r in attn_rates) if Lw else ()
+        self._moe_layers = float(n_moe)
+        self._moe_seconds: dict[int, float] = {}
         # a measured GEMM curve (`Efficiency.gemm_m_curve`): the rows the linear term charges at T tokens,
         # T * gemm_compute / fraction(T), tabulated once up to the curve's last point (then its slope)
         self._gemm_rows: Optional[list[float]] = None
@@ -275,6 +315,16 @@ class CostModel:
             curve = e.gemm_m_curve
             self._gemm_rows = [t * e.gemm_compute / curve_fraction(curve, t) for t in range(int(curve[-1][0]) + 1)]
             self._gemm_tail = e.gemm_compute / e.gemm_m_curve[-1][1]
+
+    @property
+    def weight_bytes_per_rank(self) -> int:
+        """Weights one tensor-parallel rank holds: the experts as their kernel stores them (padded,
+        `servetwin.sim.moe_cost`), the rest at `weight_bytes_per_param` (what the KV pool sizing subtracts)."""
+        m = self.model
+        if self.moe is None:
+            return m.num_parameters * self.weight_bytes_per_param // self.tp
+        rest = (m.num_parameters - m.num_expert_parameters) * self.weight_bytes_per_param / self.tp
+        return int(rest + m.num_experts * self.moe.expert_bytes)
 
     # -- shape helpers -------------------------------------------------------------------------
     def padded_tokens(self, step: StepSummary) -> tuple[int, bool]:
@@ -297,7 +347,7 @@ class CostModel:
          lm_flop, lm_w, lm_row, samp, lat, ar, ag) = self._const
         if st.num_reqs == 0:
             return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                    1.0 if tp > 1 else 0.0, ipc, 0.0), 0
+                    1.0 if tp > 1 else 0.0, ipc, 0.0, 0.0, 0.0), 0
         t_pad, graph = self.padded_tokens(st)
         rows = self._gemm_rows
         if rows is None:
@@ -319,6 +369,10 @@ class CostModel:
         else:
             attn_decode = max(ad_flop * st.decode_sum_kv, decode_bytes)
         attn_shared = ad_byte * (shared_dec + shared_pre)
+        if self._window_const:
+            wp, wd = self._window_attention(st, pairs)
+            attn_prefill += wp
+            attn_decode += wd
         r = st.num_sampling
         if r:
             lm_head = max(lm_flop * (r + h_g), lm_w + lm_row * r)
@@ -335,9 +389,33 @@ class CostModel:
         else:
             layer, piecewise = L, 0.0
         reqs = float(st.num_reqs)
+        moe = 0.0
+        if self.moe is not None:  # a function of the padded token count alone: memoised
+            moe = self._moe_seconds.get(t_pad)
+            if moe is None:
+                moe = self._moe_seconds[t_pad] = self.moe.seconds(t_pad)
         return (1.0, reqs, float(st.num_tokens), layer, piecewise, linear, elementwise, attn_prefill,
                 attn_decode, attn_shared, lm_head, sampler, comm, 1.0 if tp > 1 else 0.0, ipc,
-                reqs if self.ipc else 0.0), t_pad
+                reqs if self.ipc else 0.0, moe, self._moe_layers), t_pad
+
+    def _window_attention(self, st: StepSummary, pairs: float) -> tuple[float, float]:
+        """(prefill, decode) attention seconds of the sliding-window / chunked layers: a query reads at
+        most W keys (`attention_window`). From the step's sums, rows are taken as all inside or all past
+        the window (min of the two), exact when every row is on one side of it and an upper bound else."""
+        ap_flop, ap_byte, ad_flop, ad_byte, ad_mixed_flop = self._window_const
+        w, h_a = self.attention_window, self._const[2]
+        prefill = decode = 0.0
+        if st.prefill_reqs:
+            q = st.prefill_sum_q
+            keys = min(pairs, w * q)
+            read = min(st.prefill_sum_kv - q, w * st.prefill_reqs)
+            prefill = max(ap_flop * (keys + h_a * q), ap_byte * (read + 2 * q))
+        if st.decode_reqs:
+            keys = min(st.decode_sum_kv, w * st.decode_reqs)
+            flop = (ad_mixed_flop * (keys + h_a * st.decode_reqs) if st.prefill_reqs and ad_mixed_flop
+                    else ad_flop * keys)
+            decode = max(flop, ad_byte * (keys + st.decode_reqs))
+        return prefill, decode
 
     def basis(self, step: StepSummary | Iterable[Any]) -> dict[str, float]:
         """Basis terms of the step (see the module docstring); keys are `BASIS_TERMS`."""
@@ -347,15 +425,19 @@ class CostModel:
         st = step if type(step) is StepSummary else self.summarize(step)
         terms, padded = self._terms(st)
         (step_, req, token, layer, piecewise, linear, elementwise, attn_prefill, attn_decode, attn_shared,
-         lm_head, sampler, comm, tp_step, ipc_step, ipc_req) = terms
+         lm_head, sampler, comm, tp_step, ipc_step, ipc_req, moe, moe_layer) = terms
         c = self.coefficients
         prepare = (c.c_step * step_ + c.c_req * req + c.c_token * token + c.c_tp_step * tp_step
                    + c.c_ipc_step * ipc_step + c.c_ipc_req * ipc_req)
         forward = (c.c_layer * layer + c.c_layer_piecewise * piecewise + c.c_linear * linear
                    + c.c_elementwise * elementwise + c.c_attn_prefill * attn_prefill
                    + c.c_attn_decode * attn_decode + c.c_attn_shared * attn_shared + c.c_comm * comm)
+        if moe_layer:
+            forward += c.c_moe * moe + c.c_moe_layer * moe_layer
         sample = c.c_lm_head * lm_head + c.c_sampler * sampler
-        return StepTiming(duration_s=prepare + forward + sample, prepare_s=prepare,
+        # async scheduling: the engine prepares step n+1 while the GPU runs step n
+        duration = max(prepare, forward + sample) if self.async_scheduling else prepare + forward + sample
+        return StepTiming(duration_s=duration, prepare_s=prepare,
                           forward_s=forward, sample_s=sample, padded_batch_size=padded)
 
     def predict_from_scheduler_output(self, so: SchedulerOutput,

@@ -111,8 +111,10 @@ class Simulation:
         # Implicit steady decodes (sim/scheduler.py): exact, and they make the per-request step rows
         # implicit, so only without `step_requests`; they replace the (sync-only) decode fast-forward.
         ex = engine.executor
+        # (both shortcuts assume one full-attention KV cache group: window groups free blocks every step)
         self.lazy_decode = bool(lazy_decode and not record_step_requests and isinstance(engine.scheduler, SimScheduler)
-                                and hasattr(ex, "lazy_tokens") and getattr(ex, "token_rule", None) == "request")
+                                and hasattr(ex, "lazy_tokens") and getattr(ex, "token_rule", None) == "request"
+                                and engine.scheduler.kv_cache_manager.single_full_attention)
         if self.lazy_decode:
             engine.scheduler.enable_lazy_decode(ex)
         self.fast_forward = fast_forward and not self.lazy_decode
@@ -135,7 +137,8 @@ class Simulation:
         if frontend is not None and frontend.type == "api_server":
             from servetwin.sim.frontend import ApiServerFrontend  # noqa: PLC0415
 
-            self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend)
+            self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend,
+                                              frontend.api_server_count)
 
     # -- submission ------------------------------------------------------------------------------
     def submit(self, request: WorkloadRequest, done: Optional[simpy.Event] = None) -> simpy.Event:

@@ -25,9 +25,11 @@ from typing import Any, Optional
 
 from servetwin.core.outputs import ModelRunnerOutput, StepTiming
 from servetwin.core.sched.output import SchedulerOutput
+from servetwin.core.testbed.iteration import compute_iteration_details
 from servetwin.sim.cost_model import CostModel, StepSummary
 from servetwin.sim.hardware import HardwareSpec
 from servetwin.sim.model_spec import ModelSpec
+from servetwin.sim.predicted_profile import PredictedProfile
 from servetwin.sim.scheduler import SimScheduler
 
 
@@ -89,6 +91,8 @@ class SimExecutor:
         for rid, n in (output_lengths or {}).items():
             self.set_output_length(rid, n)
         self.last_summary: Optional[StepSummary] = None
+        self.profile: Optional[PredictedProfile] = None  # between start_profile and stop_profile
+        self.profiles_written = 0
 
     def reset(self) -> None:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
@@ -166,8 +170,23 @@ class SimExecutor:
         else:
             timing = self.cost_model.predict(summary)
         ids = list(so.num_scheduled_tokens)
+        if self.profile is not None and so.total_num_scheduled_tokens:
+            self.profile.record(compute_iteration_details(so).annotation, timing.duration_s)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index=dict(zip(ids, range(len(ids)))),
                                  sampled_token_ids=sampled, timing=timing)
+
+    # -- vLLM's /start_profile and /stop_profile: the predicted steps as a profiler trace -------------
+    def start_profile(self, profile_dir: str) -> None:
+        if self.profile is None:
+            self.profile = PredictedProfile(profile_dir, self.profiles_written)
+
+    def stop_profile(self) -> Optional[str]:
+        """Write the predicted steps since `start_profile` (None: not on)."""
+        if self.profile is None:
+            return None
+        path, self.profile = self.profile.write(), None
+        self.profiles_written += 1
+        return str(path)
 
     # -- exact fast-forward of steady decode steps -----------------------------------------------
     def eos_free_steps(self, req_ids: Sequence[str], limit: int) -> int:

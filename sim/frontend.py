@@ -34,6 +34,15 @@ front end delays output chunks.
 YAML file, or a mapping with an optional `base: <preset>`. The presets are in
 `servetwin.sim.frontend_presets`; how they were obtained is in docs/frontend_model.md.
 
+`api_server_count: N` (vLLM's `vllm serve --api-server-count N`): N API-server processes, each with
+its own CPU, share the listening socket, so connections - requests - are spread over them (round robin
+here); the engine core sends each step's outputs to every server as its own message, holding that
+server's requests only. A request's ingress runs on its server's CPU; a step's output work is split
+evenly over the N servers (requests are spread evenly, so each handles 1/N of the tokens, chunks and
+finished requests, plus its own message) and the step's tokens reach the clients when the last of the
+N parts is done. One output sequence is kept for all N (steps in order, as each server's handler keeps
+them): a symmetric-load model, exact for N = 1.
+
 The offline front end (`frontend: {type: offline}`, vLLM's `LLM.generate`) has no HTTP path and no
 per-request front-end cost in the loop: the simulation hands requests to the engine directly.
 """
@@ -136,13 +145,9 @@ def load_frontend_spec(name_or_path: Any, path: str = "frontend.coefficients") -
     if not p.is_file():
         raise ConfigError(f"{path}", f"{key!r} is neither a front-end preset ({', '.join(FRONTEND_PRESETS)}) "
                          "nor an existing YAML file")
-    import yaml  # noqa: PLC0415
+    from servetwin.core.safe_yaml import load_yaml_file  # noqa: PLC0415
 
-    with open(p, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}", f"{p} is not valid YAML: {exc}") from None
+    data = load_yaml_file(p, path)  # bounded: aliases, nesting, size, encoding
     return frontend_spec_from_dict(data if data is not None else {}, path)
 
 
@@ -240,14 +245,15 @@ class ApiServerFrontend:
     end time to the time its tokens reach the client."""
 
     def __init__(self, env: simpy.Environment, spec: FrontendSpec, endpoint: str,
-                 to_engine: Callable[[Any, simpy.Event], None]) -> None:
+                 to_engine: Callable[[Any, simpy.Event], None], api_server_count: int = 1) -> None:
         self.env = env
         self.spec = spec
         self.coeffs = spec.coefficients
         self.endpoint = one_of(endpoint, ENDPOINTS, "frontend.endpoint")
         self.chat = endpoint == "chat"
         self.to_engine = to_engine
-        self.cpu = SharedCPU()
+        self.cpus = [SharedCPU() for _ in range(api_server_count)]  # one per API-server process
+        self.cpu = self.cpus[0]
         self.deliveries = DeliveryMap(split_first_chunk=self.chat)
         self._outputs: deque[_StepOutput] = deque()
         self._handler_busy = False
@@ -259,9 +265,10 @@ class ApiServerFrontend:
     def submit(self, request: Any) -> simpy.Event:
         """A client sends `request` now; the returned event fires when its last chunk reached it."""
         done = self.env.event()
+        server = self.cpus[self.num_requests % len(self.cpus)]  # connections spread round robin
         self.num_requests += 1
         work = self.coeffs.ingress_work(len(request.prompt_token_ids), self.chat)
-        self._add(_Job(work, 1.0, lambda t, r=request, d=done: self._ingress_done(t, r, d)))
+        self._add(server, _Job(work, 1.0, lambda t, r=request, d=done: self._ingress_done(t, r, d)))
         return done
 
     def _ingress_done(self, t: float, request: Any, done: simpy.Event) -> None:
@@ -278,7 +285,7 @@ class ApiServerFrontend:
         `num_finished` finished; `done`: the events of workload requests it completes)."""
         if num_outputs <= 0 and not done:
             return
-        self.cpu.advance(self.env.now)  # first: a job done by now must not start this one early
+        self._advance(self.env.now)  # first: a job done by now must not start this one early
         if self._outputs:  # the handler is behind: these go out with the steps already waiting
             self._outputs[-1].merge(t_engine, num_outputs, num_finished, done)
         else:
@@ -294,10 +301,23 @@ class ApiServerFrontend:
         out = self._outputs.popleft()
         self._handler_busy = True
         self.num_messages += 1
-        work = self.coeffs.output_work(len(out.t_engines), out.num_tokens, out.num_chunks, out.num_finished)
-        job = _Job(work, float(max(1, out.num_chunks)), lambda tf, o=out: self._output_done(tf, o),
-                   important=bool(out.done))
-        self.cpu.add(t, job)
+        n = len(self.cpus)
+        if n == 1:
+            work = self.coeffs.output_work(len(out.t_engines), out.num_tokens, out.num_chunks, out.num_finished)
+            self.cpu.add(t, _Job(work, float(max(1, out.num_chunks)), lambda tf, o=out: self._output_done(tf, o),
+                                 important=bool(out.done)))
+            return
+        # each server: its own message per step, 1/n of the tokens, chunks and finished requests
+        work = self.coeffs.output_work(len(out.t_engines), out.num_tokens / n, out.num_chunks / n,
+                                       out.num_finished / n)
+        left = [n]
+
+        def part_done(tf: float, o: _StepOutput = out) -> None:
+            left[0] -= 1
+            if left[0] == 0:  # the slowest server's clients got the step's tokens last
+                self._output_done(tf, o)
+        for cpu in self.cpus:
+            cpu.add(t, _Job(work, max(1.0, out.num_chunks / n), part_done, important=bool(out.done)))
 
     def _output_done(self, t: float, out: _StepOutput) -> None:
         t_client = t + self.coeffs.latency_out_s
@@ -312,14 +332,34 @@ class ApiServerFrontend:
         self._start_next(t)
 
     # -- time -----------------------------------------------------------------------------------
-    def _add(self, job: _Job) -> None:
-        self.cpu.add(self.env.now, job)
+    def _add(self, cpu: SharedCPU, job: _Job) -> None:
+        self._advance(self.env.now)  # the other servers first: their jobs done by now complete in order
+        cpu.add(self.env.now, job)
         self._schedule_wake()
+
+    def _next_finish(self, important_only: bool) -> Optional[float]:
+        times = [t for t in (c.next_finish(important_only) for c in self.cpus) if t is not None]
+        return min(times) if times else None
+
+    def _advance(self, t: float) -> None:
+        """Every server's CPU to `t`, completing jobs in time order across servers (a completion may
+        add work to another server: the next output message)."""
+        if len(self.cpus) == 1:
+            self.cpu.advance(t)
+            return
+        while True:
+            first = min(((c.next_finish(False), i) for i, c in enumerate(self.cpus)
+                         if c.next_finish(False) is not None), default=None)
+            if first is None or first[0] > t:
+                break
+            self.cpus[first[1]].advance(max(first[0], self.cpus[first[1]].now))
+        for c in self.cpus:
+            c.advance(max(t, c.now))
 
     def _schedule_wake(self) -> None:
         # a queued message that completes requests waits for the running one, important or not: its
         # end must wake the handler (else the clients hear of their completion at the next event)
-        t = self.cpu.next_finish(important_only=not any(o.done for o in self._outputs))
+        t = self._next_finish(important_only=not any(o.done for o in self._outputs))
         if t is None:
             return
         t = max(t, self.env.now)
@@ -332,24 +372,26 @@ class ApiServerFrontend:
         if self._wake_at != at:
             return  # superseded by an earlier wake-up
         self._wake_at = None
-        self.cpu.advance(self.env.now)
+        self._advance(self.env.now)
         self._schedule_wake()
 
     def finish(self, t_end: Optional[float] = None) -> None:
         """Complete every queued output (no more work arrives), up to `t_end` if given."""
         while True:
-            t = self.cpu.next_finish(important_only=False)
+            t = self._next_finish(important_only=False)
             if t is None or (t_end is not None and t > t_end):
                 break
-            self.cpu.advance(t)
+            self._advance(t)
         if t_end is not None:
-            self.cpu.advance(max(t_end, self.cpu.now))
+            self._advance(max([t_end] + [c.now for c in self.cpus]))
 
     def summary(self, duration_s: float) -> dict[str, Any]:
-        busy = self.cpu.busy_s
+        """`cpu_utilization`: the busiest server's busy share of the run (what saturates first)."""
+        busy = [c.busy_s for c in self.cpus]
         return {"type": "api_server", "endpoint": self.endpoint, "coefficients": self.spec.name,
-                "requests": self.num_requests, "output_messages": self.num_messages,
-                "cpu_busy_s": busy, "cpu_utilization": (busy / duration_s) if duration_s > 0 else None}
+                "api_server_count": len(self.cpus), "requests": self.num_requests,
+                "output_messages": self.num_messages, "cpu_busy_s": sum(busy),
+                "cpu_utilization": (max(busy) / duration_s) if duration_s > 0 else None}
 
 
 @dataclass(slots=True, frozen=True)
@@ -358,6 +400,7 @@ class FrontendConfig:
     type: str = "offline"
     endpoint: str = "completions"
     coefficients: Any = None  # preset name / YAML path / mapping; None: the hardware's default
+    api_server_count: int = 1  # vLLM's --api-server-count: API-server processes, one CPU each
 
     def spec(self, device_type: str = "cuda") -> FrontendSpec:
         return load_frontend_spec(self.coefficients if self.coefficients is not None
@@ -367,30 +410,35 @@ class FrontendConfig:
         """The same front end with its coefficient set loaded (the hardware's default when not given)."""
         if self.type != "api_server":
             return self
-        return FrontendConfig(self.type, self.endpoint, self.spec(device_type))
+        return FrontendConfig(self.type, self.endpoint, self.spec(device_type), self.api_server_count)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
         if self.type == "api_server":
             spec = self.coefficients
             out.update(endpoint=self.endpoint,
-                       coefficients=spec.name if isinstance(spec, FrontendSpec) else spec)
+                       coefficients=spec.name if isinstance(spec, FrontendSpec) else spec,
+                       api_server_count=self.api_server_count)
         return out
 
 
 def parse_frontend(cfg: Any, path: str = "frontend") -> FrontendConfig:
-    """`{type: api_server, endpoint: chat|completions, coefficients: ...}` or `{type: offline}`."""
+    """`{type: api_server, endpoint: chat|completions, coefficients: ..., api_server_count: N}` or
+    `{type: offline}`."""
     cfg = check_mapping(cfg, path)
     kind = one_of(cfg.get("type"), FRONTEND_TYPES, f"{path}.type")
     if kind == "offline":
         check_keys(cfg, {"type"}, path)
         return FrontendConfig("offline")
-    check_keys(cfg, {"type", "endpoint", "coefficients"}, path)
+    check_keys(cfg, {"type", "endpoint", "coefficients", "api_server_count"}, path)
     endpoint = one_of(cfg.get("endpoint", "completions"), ENDPOINTS, f"{path}.endpoint")
     coeffs = cfg.get("coefficients")
     if coeffs is not None:
         load_frontend_spec(coeffs, f"{path}.coefficients")  # validate now
-    return FrontendConfig("api_server", endpoint, copy.deepcopy(coeffs))
+    count = cfg.get("api_server_count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1024:
+        raise ConfigError(f"{path}.api_server_count", f"must be an integer from 1 to 1024, got {count!r}")
+    return FrontendConfig("api_server", endpoint, copy.deepcopy(coeffs), count)
 
 
 def default_frontend(online: bool) -> FrontendConfig:

@@ -12,14 +12,14 @@ and coefficient (the source it was read from, or what it was fitted on).
 `memory_bytes` is the total the CUDA driver reports (`torch.cuda.mem_get_info()[1]`, what vLLM's
 `gpu_memory_utilization` multiplies), a little less than the datasheet/nvidia-smi figure.
 `peak_flops_fp8` is the dense fp8 tensor peak (0: the device has no fp8 tensor cores; fp8 weights
-then run as weight-only quantization at the bf16 peak).
+then run as weight-only quantization at the bf16 peak); `peak_flops_fp4` the dense fp4 one (Blackwell).
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import yaml
 
@@ -41,6 +41,7 @@ class HardwareSpec:
     interconnect_bandwidth: float = 0.0  # bytes/s per direction per device (tensor parallel)
     interconnect_latency_s: float = 0.0  # per collective
     peak_flops_fp8: float = 0.0  # dense fp8 FLOP/s; 0: no fp8 tensor cores
+    peak_flops_fp4: float = 0.0  # dense fp4 (NVFP4 / MXFP4 x MXFP4) FLOP/s; 0: no fp4 tensor cores
     efficiency: Efficiency = field(default_factory=Efficiency)
     coefficients: CostCoefficients = field(default_factory=CostCoefficients)
     provenance: dict[str, Any] = field(default_factory=dict)
@@ -104,6 +105,7 @@ def hardware_from_dict(cfg: Mapping[str, Any], path: str = "hardware") -> Hardwa
         interconnect_latency_s=non_negative(merged.get("interconnect_latency_s", 0.0),
                                             f"{path}.interconnect_latency_s"),
         peak_flops_fp8=non_negative(merged.get("peak_flops_fp8", 0.0), f"{path}.peak_flops_fp8"),
+        peak_flops_fp4=non_negative(merged.get("peak_flops_fp4", 0.0), f"{path}.peak_flops_fp4"),
         efficiency=Efficiency.from_dict(cfg.get("efficiency", {}), f"{path}.efficiency", base=base_eff),
         coefficients=CostCoefficients.from_dict(merged.get("coefficients", {}),
                                                 f"{path}.coefficients", base=base_coeffs),
@@ -111,22 +113,44 @@ def hardware_from_dict(cfg: Mapping[str, Any], path: str = "hardware") -> Hardwa
     )
 
 
+# what users write for a preset: the GPU's common name (`H100`: the SXM part vLLM's numbers come from)
+PRESET_ALIASES = {"h100": "h100-sxm", "h100sxm": "h100-sxm", "h100-sxm5": "h100-sxm", "a100": "a100-80g",
+                  "a100-80gb": "a100-80g", "a100-sxm": "a100-80g", "h200-sxm": "h200", "h200-141g": "h200"}
+
+
+def preset_name(name: str) -> Optional[str]:
+    """The preset `name` means, case-insensitively and by its common aliases (`H100` -> `h100-sxm`)."""
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    if key in HARDWARE_PRESETS:
+        return key
+    return PRESET_ALIASES.get(key) or PRESET_ALIASES.get(key.replace("-", ""))
+
+
+def unknown_hardware(name: str, where: str = "") -> ConfigError:
+    """The error for a name that is neither a preset nor a file, with a did-you-mean."""
+    import difflib  # noqa: PLC0415
+
+    close = difflib.get_close_matches(name.lower(), list(HARDWARE_PRESETS) + list(PRESET_ALIASES), n=1, cutoff=0.5)
+    dym = f" (did you mean {preset_name(close[0])}?)" if close else ""
+    return ConfigError("hardware", f"{name!r} is neither a preset{dym} ({', '.join(HARDWARE_PRESETS)}) nor an "
+                       f"existing YAML file{where}; for a GPU without a preset, copy the template in "
+                       "docs/hardware_template.md")
+
+
 def load_hardware(name_or_path: str | Path | HardwareSpec) -> HardwareSpec:
-    """A preset name (`h100-sxm`, `h200`, `a100-80g`, `l40s`, `cpu`) or a YAML file path."""
+    """A preset name (`h100-sxm`, `h200`, `a100-80g`, `l40s`, `cpu`; any case, `H100` too) or a YAML file."""
     if isinstance(name_or_path, HardwareSpec):
         return name_or_path
     key = str(name_or_path)
-    if key in HARDWARE_PRESETS:
-        return hardware_from_dict(HARDWARE_PRESETS[key], f"hardware[{key}]")
+    preset = preset_name(key) if not Path(key).is_file() else None
+    if preset is not None:
+        return hardware_from_dict(HARDWARE_PRESETS[preset], f"hardware[{preset}]")
     path = Path(key)
     if not path.is_file():
-        raise ConfigError("hardware", f"{key!r} is neither a preset ({', '.join(HARDWARE_PRESETS)}) "
-                         "nor an existing YAML file")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            raise ConfigError("hardware", f"{path} is not valid YAML: {exc}") from None
+        raise unknown_hardware(key)
+    from servetwin.core.safe_yaml import load_yaml_file  # noqa: PLC0415
+
+    data = load_yaml_file(path, "hardware")  # bounded: aliases, nesting, size, encoding
     return hardware_from_dict(data if data is not None else {}, "hardware")
 
 

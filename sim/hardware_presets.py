@@ -22,11 +22,12 @@ MiB = 2**20
 
 
 def _gpu(name: str, peak_bf16: float, peak_fp32: float, peak_fp8: float, bandwidth: float,
-         memory_bytes: int, link: float, link_latency: float) -> dict[str, Any]:
+         memory_bytes: int, link: float, link_latency: float, peak_fp4: float = 0.0) -> dict[str, Any]:
     cal = GPU_CALIBRATION[name]
     return {
         "name": name, "device_type": "cuda",
         "peak_flops_bf16": peak_bf16, "peak_flops_fp32": peak_fp32, "peak_flops_fp8": peak_fp8,
+        "peak_flops_fp4": peak_fp4,
         "memory_bandwidth": bandwidth, "memory_bytes": memory_bytes,
         "interconnect_bandwidth": link, "interconnect_latency_s": link_latency,
         "efficiency": dict(cal["efficiency"]),
@@ -41,6 +42,12 @@ HARDWARE_PRESETS: dict[str, dict[str, Any]] = {
     "h100-sxm": _gpu("h100-sxm", 989.4e12, 66.9e12, 1978.9e12, 3.35e12, 81008 * MiB, 450e9, 8e-6),
     # H200 SXM 141GB: H100's compute, 4.8 TB/s HBM3e; CUDA reports 139.81 GiB.
     "h200": _gpu("h200", 989.4e12, 66.9e12, 1978.9e12, 4.8e12, 143166 * MiB, 450e9, 8e-6),
+    # B200 (HGX, 1000 W): 2250 TFLOP/s bf16 / 4500 fp8 / 9000 fp4 dense, 80 fp32 (NVIDIA's HGX B200 figures
+    # as tabulated at glennklockwood.com/garden/processors/B200); 8 TB/s HBM3e; NVLink 5, 1.8 TB/s
+    # bidirectional (900 GB/s per direction). Memory: nvidia-smi shows 183,359 MiB (NVIDIA/TensorRT-LLM
+    # issue #10278); CUDA reports less by what the driver reserves, taken as the H100's 551 MiB
+    # (nvidia-smi 81,559 vs CUDA 81,008 MiB): 182,808 MiB = 178.5 GiB (an estimate, no B200 vLLM log found).
+    "b200": _gpu("b200", 2250e12, 80e12, 4500e12, 8.0e12, 182808 * MiB, 900e9, 8e-6, peak_fp4=9000e12),
     # A100 SXM4 80GB: 312 TFLOP/s bf16, no fp8, 2.039 TB/s HBM2e, NVLink 3 (600 GB/s bidirectional);
     # CUDA reports 79.15 GiB.
     "a100-80g": _gpu("a100-80g", 312e12, 19.5e12, 0.0, 2.039e12, 81050 * MiB, 300e9, 10e-6),

@@ -9,7 +9,9 @@ for the KV cache, `num_blocks = available // bytes_per_block` (`servetwin.core.k
 Its terms, as the simulator estimates them:
 - `total_memory`: what the CUDA driver reports (`HardwareSpec.memory_bytes`, e.g. 79.11 GiB on an
   H100 80GB), not the datasheet's 80 GiB;
-- weights: the parameter count x bytes per weight (1 with fp8 weights), per tensor-parallel rank;
+- weights: the parameter count x bytes per weight (1 with fp8 weights), per tensor-parallel rank; an MoE
+  model's experts at their storage precision in the layout their kernel pads them to
+  (`CostModel.weight_bytes_per_rank`);
 - the activation peak: the larger of the forward's transient buffers and the sampler's (they are not
   live at the same time): per token ACT_D_BUFFERS d-sized plus ACT_FF_BUFFERS dff-sized activations
   (fitted to vLLM's logged peaks, see below), and per sampled row the bf16 logits plus
@@ -32,7 +34,10 @@ from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import ExecutorInfo
-from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len, num_blocks_for_memory
+from servetwin.core.kv_cache.kv_cache_interface import ONE_FULL_GROUP
+from servetwin.core.kv_cache.kv_cache_planning import KVCachePlan, check_or_fit_max_model_len_groups, model_kv_plan
+from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len
+from servetwin.sim.cost_model import CostModel
 from servetwin.sim.executor import SimExecutor
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
@@ -54,9 +59,24 @@ class KVPoolSize:
     activation_peak_bytes: int
     non_torch_bytes: int
     available_kv_bytes: int
+    # the model's KV cache groups: a pool block is one page of each of `group_size` layers
+    kv_plan: Optional[KVCachePlan] = None
+
+    @property
+    def kv_cache_groups(self) -> Optional[tuple]:
+        """None for one full-attention group (the scheduler's default)."""
+        if self.kv_plan is None or self.kv_plan.kv_cache_groups == ONE_FULL_GROUP:
+            return None
+        return self.kv_plan.kv_cache_groups
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One pool block: a page of each layer of one KV cache group (all layers for one group)."""
+        layers = self.kv_spec.num_layers if self.kv_plan is None else self.kv_plan.group_size
+        return layers * self.kv_spec.page_size_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"num_gpu_blocks": self.num_gpu_blocks, "bytes_per_block": self.kv_spec.bytes_per_block,
+        return {"num_gpu_blocks": self.num_gpu_blocks, "bytes_per_block": self.bytes_per_block,
                 "requested_bytes": self.requested_bytes, "weight_bytes": self.weight_bytes,
                 "activation_peak_bytes": self.activation_peak_bytes, "non_torch_bytes": self.non_torch_bytes,
                 "available_kv_bytes": self.available_kv_bytes}
@@ -81,27 +101,35 @@ def non_torch_bytes(hw: HardwareSpec, tp: int = 1) -> int:
 def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_memory_utilization: float = 0.9,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 128, tp: int = 1,
                  num_gpu_blocks: Optional[int] = None, kv_cache_memory_bytes: Optional[int] = None,
-                 kv_dtype: Optional[str] = None, quantization: Optional[str] = None) -> KVPoolSize:
+                 kv_dtype: Optional[str] = None, quantization: Optional[str] = None,
+                 weight_bytes: Optional[int] = None,
+                 disable_hybrid_kv_cache_manager: bool = False) -> KVPoolSize:
     kv_heads = max(1, model.num_kv_heads // tp)
     spec = KVCacheSpec(num_layers=model.num_layers, num_kv_heads=kv_heads, head_size=model.head_dim,
                        dtype=kv_dtype if kv_dtype not in (None, "auto") else model.dtype, block_size=block_size)
     requested = math.ceil(hw.memory_bytes * gpu_memory_utilization)
-    per_param = 1 if quantization == "fp8" else model.dtype_bytes
-    weights = model.num_parameters * per_param // tp
+    # at their storage precision (an MoE model's MXFP4 experts: 4.25 bits); fp8 quantisation: 1 byte each;
+    # `weight_bytes`: the rank's figure when the caller knows it (`CostModel.weight_bytes_per_rank`: padded experts)
+    if weight_bytes is not None:
+        weights = weight_bytes
+    else:
+        weights = (model.num_parameters if quantization == "fp8" else model.weight_bytes) // tp
     act = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs, tp)
     non_torch = non_torch_bytes(hw, tp)
     if kv_cache_memory_bytes is not None:
         available = kv_cache_memory_bytes
     else:
         available = requested - weights - act - non_torch
-    blocks = num_gpu_blocks if num_gpu_blocks is not None else num_blocks_for_memory(max(available, 0), spec)
+    plan = model_kv_plan(model, disable_hybrid_kv_cache_manager)
+    blocks = num_gpu_blocks if num_gpu_blocks is not None else plan.num_blocks(max(available, 0),
+                                                                             spec.page_size_bytes)
     if blocks < 2:
         raise ConfigError(
             "gpu_memory_utilization", f"{hw.name} ({hw.memory_bytes / 2**30:.1f} GiB x {gpu_memory_utilization}) "
             f"leaves {available / 2**30:.2f} GiB for the KV cache after {weights / 2**30:.2f} GiB of weights "
             f"and {act / 2**30:.2f} GiB of activations: not even 2 blocks fit. Use a bigger device, "
             "tensor_parallel_size, or an explicit num_gpu_blocks.")
-    return KVPoolSize(blocks, spec, requested, weights, act, non_torch, int(available))
+    return KVPoolSize(blocks, spec, requested, weights, act, non_torch, int(available), plan)
 
 
 def build_sim_executor(args: Any):
@@ -113,15 +141,24 @@ def build_sim_executor(args: Any):
     mnbt = args.max_num_batched_tokens or max(8192, args.max_num_seqs)
     quantization = getattr(args, "quantization", None)
     kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto") or "auto"
+    cost_model = CostModel(model, hw, tp=args.tensor_parallel_size,
+                           cuda_graphs=(not args.enforce_eager) and hw.device_type == "cuda",
+                           ipc=bool(getattr(args, "multiprocess", False)), quantization=quantization,
+                           kv_cache_dtype=kv_cache_dtype, async_scheduling=bool(args.async_scheduling))
     pool = size_kv_pool(model, hw, args.block_size, args.gpu_memory_utilization, mnbt, args.max_num_seqs,
                         args.tensor_parallel_size, args.num_gpu_blocks, args.kv_cache_memory_bytes,
-                        kv_dtype=kv_cache_dtype, quantization=quantization)
+                        kv_dtype=kv_cache_dtype, quantization=quantization,
+                        weight_bytes=cost_model.weight_bytes_per_rank,
+                        disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False))
     requested_len = args.max_model_len if args.max_model_len is not None else model.max_position_embeddings
-    max_len = check_or_fit_max_model_len(pool.num_gpu_blocks, pool.kv_spec, requested_len,
-                                         model.max_position_embeddings)
-    executor = SimExecutor(model=model, hardware=hw, tp=args.tensor_parallel_size,
-                           cuda_graphs=(not args.enforce_eager) and hw.device_type == "cuda",
-                           ipc=bool(getattr(args, "multiprocess", False)),
-                           quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    if pool.kv_cache_groups is None:
+        max_len = check_or_fit_max_model_len(pool.num_gpu_blocks, pool.kv_spec, requested_len,
+                                             model.max_position_embeddings)
+    else:
+        in_flight = mnbt * (2 if getattr(args, "async_scheduling", False) else 1)
+        max_len = check_or_fit_max_model_len_groups(pool.num_gpu_blocks, pool.kv_cache_groups, args.block_size,
+                                                    requested_len, model.max_position_embeddings, in_flight)
+    executor = SimExecutor(cost_model=cost_model)
     executor.kv_pool = pool
-    return ExecutorInfo(executor, pool.num_gpu_blocks, max_len, model.vocab_size, [], None)
+    return ExecutorInfo(executor, pool.num_gpu_blocks, max_len, model.vocab_size, [], None,
+                        kv_cache_groups=pool.kv_cache_groups)

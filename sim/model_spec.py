@@ -1,10 +1,35 @@
-"""Simulator model presets: published architectures as `servetwin.core.model_spec.ModelSpec`s."""
+"""Simulator model presets: published architectures as `servetwin.core.model_spec.ModelSpec`s.
+
+The mixture-of-experts presets are built from the fields of their published config.json files (the
+same reader as a model directory), so their MoE, sliding-window and quantisation fields are read the
+one way: gpt-oss-120b / 20b (openai, MXFP4 experts, 128-token sliding window on every other layer,
+attention sinks), Qwen3-30B-A3B and Qwen3-235B-A22B (Qwen, bf16), Mixtral-8x7B-v0.1 (Mistral AI, bf16).
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.model_spec import SUPPORTED_MODEL_TYPES, ModelSpec
+
+_GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088, "tie_word_embeddings": False,
+            "attention_bias": True, "experts_per_token": 4, "num_experts_per_tok": 4, "sliding_window": 128,
+            "swiglu_limit": 7.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+            "quantization_config": {"quant_method": "mxfp4"}}
+_QWEN3_MOE = {"model_type": "qwen3_moe", "num_attention_heads": 0, "num_key_value_heads": 4, "head_dim": 128,
+              "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+              "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": False,
+              "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+
+
+def _from_config(name: str, base: dict, **fields) -> ModelSpec:
+    return ModelSpec.from_hf_config({**base, **fields}, name=name)
+
+
+def _alternating(n: int) -> list[str]:
+    """gpt-oss's layer_types: sliding, full, sliding, ... (18 + 18 for the 120b)."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
 
 __all__ = ["ModelSpec", "SUPPORTED_MODEL_TYPES", "PRESETS", "ALIASES", "load_model_spec"]
 
@@ -48,6 +73,20 @@ PRESETS: dict[str, ModelSpec] = {
                               num_kv_heads=3, head_dim=64, intermediate_size=1536,
                               vocab_size=49152, tie_word_embeddings=True,
                               max_position_embeddings=8192),
+    "gpt-oss-120b": _from_config("gpt-oss-120b", _GPT_OSS, num_hidden_layers=36, num_local_experts=128,
+                                 layer_types=_alternating(36)),
+    "gpt-oss-20b": _from_config("gpt-oss-20b", _GPT_OSS, num_hidden_layers=24, num_local_experts=32,
+                                layer_types=_alternating(24)),
+    "qwen3-30b-a3b": _from_config("qwen3-30b-a3b", _QWEN3_MOE, num_hidden_layers=48, hidden_size=2048,
+                                  num_attention_heads=32, intermediate_size=6144, moe_intermediate_size=768),
+    "qwen3-235b-a22b": _from_config("qwen3-235b-a22b", _QWEN3_MOE, num_hidden_layers=94, hidden_size=4096,
+                                    num_attention_heads=64, intermediate_size=12288, moe_intermediate_size=1536),
+    # v0.1: 32,000-token vocabulary, sliding_window null (full attention)
+    "mixtral-8x7b": _from_config("mixtral-8x7b", {}, model_type="mixtral", num_hidden_layers=32, hidden_size=4096,
+                                 intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                                 num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                                 tie_word_embeddings=False, max_position_embeddings=32768,
+                                 sliding_window=None, torch_dtype="bfloat16"),
     "tiny-llama": ModelSpec("tiny-llama", num_layers=2, hidden_size=64, num_heads=4,
                             num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=320,
                             tie_word_embeddings=False, dtype="float32", max_position_embeddings=4096),
@@ -68,6 +107,14 @@ ALIASES: dict[str, str] = {
     "meta-llama/llama-3.1-405b-instruct": "llama-3.1-405b",
     "huggingfacetb/smollm2-135m": "smollm2-135m",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
+    "openai/gpt-oss-120b": "gpt-oss-120b",
+    "openai/gpt-oss-20b": "gpt-oss-20b",
+    "qwen/qwen3-30b-a3b": "qwen3-30b-a3b",
+    "qwen/qwen3-30b-a3b-instruct-2507": "qwen3-30b-a3b",
+    "qwen/qwen3-235b-a22b": "qwen3-235b-a22b",
+    "qwen/qwen3-235b-a22b-instruct-2507": "qwen3-235b-a22b",
+    "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
 }
 
 

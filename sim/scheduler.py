@@ -53,7 +53,10 @@ class SimScheduler(Scheduler):
 
     # -- implicit steady decodes: public entry points -------------------------------------------------
     def enable_lazy_decode(self, source: LazyTokenSource) -> None:
-        """Schedule steady decodes implicitly (exact; `source` gives the tokens they sample)."""
+        """Schedule steady decodes implicitly (exact; `source` gives the tokens they sample). One
+        full-attention KV cache group only (window groups free blocks as they decode)."""
+        if not self.kv_cache_manager.single_full_attention:
+            raise ValueError("kv_cache_groups: implicit decodes need one full-attention KV cache group")
         self.lazy = LazyDecodes(source, self.block_size, self.max_model_len, self.async_scheduling,
                                 self.kv_cache_manager.enable_caching)
         self.running_order = {}
@@ -283,7 +286,8 @@ class SimScheduler(Scheduler):
         """
         running = self.running
         if (limit <= 0 or self.async_scheduling or self.waiting or not running or self.finished_req_ids
-                or self.reset_preempted_req_ids or self.lazy is not None):
+                or self.reset_preempted_req_ids or self.lazy is not None
+                or not self.kv_cache_manager.single_full_attention):
             return 0
         num = len(running)
         if num > self.max_num_scheduled_tokens or num > self.max_num_batched_tokens:

@@ -10,13 +10,14 @@ arrival time, stably (ties keep file order).
 from __future__ import annotations
 
 import csv
-import json
+import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import MAX_TRACE_FILE_BYTES, check_file_size, check_tokens, decode_utf8, load_json_text
 from servetwin.sim.validate import int_at_least, non_negative
 
 _ALIASES = {
@@ -53,10 +54,11 @@ def _record(row: dict[str, Any], where: str) -> TraceRecord:
         if vals[name] is None:
             raise ConfigError(f"{where}.{name}", f"required field is missing")
     arrival = non_negative(vals["arrival_s"], f"{where}.arrival_s")
-    prompt = int_at_least(_int(vals["prompt_tokens"], f"{where}.prompt_tokens"), 1,
-                          f"{where}.prompt_tokens")
-    output = int_at_least(_int(vals["output_tokens"], f"{where}.output_tokens"), 1,
-                          f"{where}.output_tokens")
+    # bounded before anything of that length is built (a prompt of 10^10 tokens asked numpy for 74.5 GiB)
+    prompt = check_tokens(int_at_least(_int(vals["prompt_tokens"], f"{where}.prompt_tokens"), 1,
+                                       f"{where}.prompt_tokens"), f"{where}.prompt_tokens")
+    output = check_tokens(int_at_least(_int(vals["output_tokens"], f"{where}.output_tokens"), 1,
+                                       f"{where}.output_tokens"), f"{where}.output_tokens")
     group = None if vals["prefix_group"] is None else str(vals["prefix_group"])
     prefix = 0
     if vals["prefix_tokens"] is not None:
@@ -91,27 +93,42 @@ def _int(value: Any, where: str) -> int:
     return value
 
 
-def _read_rows(p: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
-    """(where, row) of every request line, and the column names found."""
+def _read_rows(p: Path, field_path: str) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """(where, row) of every request line, and the column names found. The file's size is checked before
+    it is read; bad UTF-8, a line nested too deep and an oversized CSV field are errors naming the line."""
+    check_file_size(p, field_path, MAX_TRACE_FILE_BYTES)
     rows: list[tuple[str, dict[str, Any]]] = []
     columns: dict[str, None] = {}
-    with open(p, encoding="utf-8", newline="") as f:
-        if p.suffix.lower() in (".jsonl", ".json", ".ndjson"):
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ConfigError(f"{p}:{lineno}", f"invalid JSON: {exc}") from None
-                    if not isinstance(row, dict):
-                        raise ConfigError(f"{p}:{lineno}", f"each line must be a JSON object")
-                    columns.update(dict.fromkeys(row))
-                    rows.append((f"{p}:{lineno}", row))
-        else:
-            reader = csv.DictReader(f)
-            columns.update(dict.fromkeys(reader.fieldnames or []))
-            rows = [(f"{p}:{lineno}", row) for lineno, row in enumerate(reader, 2)]
+    with open(p, "rb") as f:
+        data = f.read(MAX_TRACE_FILE_BYTES + 1)
+    text = decode_utf8(data, p, field_path)  # a leading BOM (spreadsheets write one) is dropped
+    del data
+    if p.suffix.lower() in (".jsonl", ".json", ".ndjson"):
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                row = load_json_text(line, "this line", f"{p}:{lineno}")
+                if not isinstance(row, dict):
+                    raise ConfigError(f"{p}:{lineno}", "each line must be a JSON object")
+                columns.update(dict.fromkeys(row))
+                rows.append((f"{p}:{lineno}", row))
+        return rows, list(columns)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        columns.update(dict.fromkeys(reader.fieldnames or []))
+        for row in reader:
+            rows.append((f"{p}:{reader.line_num}", row))
+    except csv.Error as e:  # e.g. a field over csv's 131072-character limit: not a trace
+        raise ConfigError(f"{p}:{reader.line_num}", f"not a valid CSV line ({e})") from None
     return rows, list(columns)
+
+
+def _shown_columns(found: list[str]) -> str:
+    """The columns found, for an error: only when they look like column names (a file that is not a
+    trace, e.g. /proc/self/environ or a secret, is not echoed into the message or a CI log)."""
+    if found and len(found) <= 32 and all(len(c) <= 64 and c.replace("_", "").replace(" ", "").replace("-", "")
+                                          .isalnum() for c in found if isinstance(c, str)):
+        return ", ".join(c for c in found if isinstance(c, str))
+    return "(none that look like column names: is it a CSV with a header line, or JSONL?)"
 
 
 def load_trace(path: str | Path, field_path: str = "workload.arrival.path", fmt: str = "auto",
@@ -128,17 +145,17 @@ def load_trace(path: str | Path, field_path: str = "workload.arrival.path", fmt:
         raise ConfigError(f"{field_path}", f"trace file not found: {p}")
     if fmt not in FORMAT_NAMES:
         raise ConfigError(f"{base}.format", f"must be one of {', '.join(FORMAT_NAMES)}, got {fmt!r}")
-    rows, found = _read_rows(p)
+    rows, found = _read_rows(p, field_path)
     if columns:
         spec = mapped_format(columns, time_unit, hash_block_tokens, base)
     else:
         name = detect_format(found) if fmt == "auto" else (None if fmt == "servetwin" else fmt)
         spec = KNOWN_FORMATS.get(name) if name else None
         if spec is None and not all(any(a in found for a in _ALIASES[k]) for k in _REQUIRED):
-            raise ConfigError(f"{field_path}", f"{p} has columns {', '.join(found) or '(none)'}; accepted: "
+            raise ConfigError(f"{field_path}", f"{p} has columns {_shown_columns(found)}; accepted: "
                              f"{accepted_columns()}; or map yours with {base}.columns")
         if spec is not None and not {spec.columns[k] for k in _REQUIRED} <= set(found):
-            raise ConfigError(f"{field_path}", f"{p} has columns {', '.join(found) or '(none)'}, not the {spec.name} "
+            raise ConfigError(f"{field_path}", f"{p} has columns {_shown_columns(found)}, not the {spec.name} "
                              f"columns {', '.join(spec.columns[k] for k in _REQUIRED)}")
     if spec is not None:
         rows, skipped = normalize(rows, spec)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import check_tokens
 
 FIELDS = ("arrival_s", "prompt_tokens", "output_tokens", "prefix_group", "prefix_tokens", "hash_ids")
 REQUIRED = ("arrival_s", "prompt_tokens", "output_tokens")
@@ -127,6 +128,8 @@ def normalize(rows: list[tuple[str, dict[str, Any]]], fmt: TraceFormat
                          else _number(value, f"{where}.{col}") * scale)
             elif field == "hash_ids":
                 value = parse_hash_ids(value, f"{where}.{col}")
+            elif field in ("prompt_tokens", "output_tokens"):  # bounded under the file's own column name
+                check_tokens(_number(value, f"{where}.{col}"), f"{where}.{col}")
             new[field] = value
         if fmt.skip_zero_output and _number(new["output_tokens"], f"{where}.{fmt.columns['output_tokens']}") == 0:
             skipped += 1

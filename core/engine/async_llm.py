@@ -279,6 +279,13 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")
 
+    async def start_profile(self, profile_dir: str) -> None:
+        await self.client.call_utility_async("start_profile", profile_dir)
+
+    async def stop_profile(self) -> Optional[str]:
+        """The trace file written (None when no profile was running)."""
+        return await self.client.call_utility_async("stop_profile")
+
     async def check_health(self) -> None:
         if self.errored:
             raise self.dead_error

@@ -93,6 +93,7 @@ class EngineArgs:
     num_gpu_blocks: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None
     kv_cache_memory_bytes: Optional[int] = None
+    disable_hybrid_kv_cache_manager: bool = False
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
@@ -144,13 +145,16 @@ class EngineArgs:
         base = max(8192, self.max_num_seqs)
         return base if self.enable_chunked_prefill else max(base, max_model_len)
 
-    def cache_config(self, num_gpu_blocks: Optional[int] = None) -> CacheConfig:
+    def cache_config(self, num_gpu_blocks: Optional[int] = None,
+                     kv_cache_groups: Optional[tuple] = None) -> CacheConfig:
+        """`kv_cache_groups`: the model's groups, from its executor (None: one full-attention group)."""
         return CacheConfig(block_size=self.block_size,
                            num_gpu_blocks=num_gpu_blocks if num_gpu_blocks is not None else self.num_gpu_blocks,
                            enable_prefix_caching=self.enable_prefix_caching,
                            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                            gpu_memory_utilization=self.gpu_memory_utilization,
-                           kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+                           kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                           kv_cache_groups=kv_cache_groups)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -194,6 +198,8 @@ FIELD_HELP: dict[str, str] = {
     "num_gpu_blocks": "KV-cache blocks, instead of sizing from memory (vLLM's --num-gpu-blocks-override)",
     "num_gpu_blocks_override": "KV-cache blocks, instead of sizing from memory",
     "kv_cache_memory_bytes": "bytes for the KV cache, instead of gpu_memory_utilization",
+    "disable_hybrid_kv_cache_manager": "one full-attention KV cache group even for sliding-window / chunked "
+                                       "local layers (vLLM's --disable-hybrid-kv-cache-manager)",
     "enforce_eager": "no CUDA graphs",
     "tensor_parallel_size": "devices one model is split over (the simulator models the communication)",
     "max_logprobs": "most logprobs a request may ask for (-1: no limit)",

@@ -103,4 +103,10 @@ def call_utility(engine_core: EngineCore, name: str, *args: Any) -> Any:
         return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_cache_usage": kv.usage, "num_free_blocks": kv.num_free_blocks,
                 "num_gpu_blocks": kv.block_pool.num_gpu_blocks, "num_preemptions": sched.num_preemptions_total}
-    raise ValueError(f"utility: unknown call {name!r} (allowed: 'reset_prefix_cache', 'get_stats')")
+    if name in ("start_profile", "stop_profile"):  # vLLM's profiler endpoints: the executor's, where it has one
+        method = getattr(engine_core.executor, name, None)
+        if method is None:
+            raise ValueError(f"{name}: the {type(engine_core.executor).__name__} backend has no profiler")
+        return method(*args)
+    raise ValueError(f"utility: unknown call {name!r} (allowed: 'reset_prefix_cache', 'get_stats', "
+                     "'start_profile', 'stop_profile')")

@@ -25,6 +25,6 @@ def create_executor(args: EngineArgs) -> ExecutorInfo:
 
 def create_engine_core(args: EngineArgs, info: Optional[ExecutorInfo] = None) -> tuple[EngineCore, ExecutorInfo]:
     info = info or create_executor(args)
-    engine = EngineCore(args.scheduler_config(info.max_model_len), args.cache_config(info.num_gpu_blocks),
+    engine = EngineCore(args.scheduler_config(info.max_model_len), args.cache_config(info.num_gpu_blocks, info.kv_cache_groups),
                         info.executor)
     return engine, info

@@ -37,6 +37,8 @@ class ExecutorInfo:
     vocab_size: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
     model_path: Optional[str] = None
+    # the model's KV cache groups (core/kv_cache/kv_cache_planning.py); None: one full-attention group
+    kv_cache_groups: Optional[tuple] = None
 
 
 @dataclass(frozen=True, slots=True)

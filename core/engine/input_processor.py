@@ -61,7 +61,11 @@ class InputProcessor:
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in ids):
             raise ValueError("prompt_token_ids: must be a list of integers")
-        if self.vocab_size is not None:
+        if self.vocab_size is None:  # a backend without a vocabulary (fake, sim): ids are still >= 0
+            bad = next((t for t in ids if t < 0), None)
+            if bad is not None:
+                raise ValueError(f"prompt_token_ids: token id {bad} is negative")
+        else:
             for t in ids:
                 if not 0 <= t < self.vocab_size:
                     raise ValueError(f"prompt_token_ids: token id {t} is out of vocabulary "

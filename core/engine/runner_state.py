@@ -17,7 +17,7 @@ class CachedRequestState:
     req_id: str
     token_ids: list[int]  # prompt + every token sampled so far (as the runner knows them)
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV cache group, group order (vLLM's `block_ids`)
     sampling_params: Any
     num_computed_tokens: int = 0
 
@@ -56,7 +56,7 @@ class RunnerState:
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids),
-                block_ids=list(new.block_ids),
+                block_ids=tuple(list(ids) for ids in new.block_ids),
                 sampling_params=new.sampling_params,
                 num_computed_tokens=new.num_computed_tokens,
             )
@@ -69,11 +69,12 @@ class RunnerState:
                 if state is None:  # preempted before the runner ever saw it run
                     raise RuntimeError(f"resumed request {req_id} unknown to the runner")
                 state.token_ids = list(tokens)
-                state.block_ids = list(new_blocks or [])
+                state.block_ids = tuple(list(ids) for ids in new_blocks)
             else:
                 state = self.requests[req_id]
-                if new_blocks:
-                    state.block_ids.extend(new_blocks)
+                if new_blocks:  # per group: the blocks appended to each group's table
+                    for ids, new_ids in zip(state.block_ids, new_blocks):
+                        ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens[i]
         rows = []
         for req_id, n in so.num_scheduled_tokens.items():

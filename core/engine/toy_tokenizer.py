@@ -33,7 +33,9 @@ class ToyTokenizer:
         return 10 + zlib.crc32(word.encode("utf-8")) % (self.vocab_size - 10)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [self._word_id(w) for w in _WORD.findall(text)]
+        # finditer, not findall: one findall over megabytes holds the GIL for 100s of ms, and the server
+        # tokenises in a thread so that its event loop keeps running meanwhile
+        return [self._word_id(m.group()) for m in _WORD.finditer(text)]
 
     def __call__(self, text: str, **kwargs: Any) -> dict[str, list[int]]:
         return {"input_ids": self.encode(text)}

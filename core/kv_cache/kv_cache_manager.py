@@ -1,15 +1,13 @@
-"""`KVCacheManager` for one full-attention group (vLLM 0.33 kv_cache_manager + FullAttentionManager)."""
+"""`KVCacheManager`: the scheduler's interface to the KV cache groups (vLLM 0.33 `kv_cache_manager.py`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
 from servetwin.core.kv_cache.block_pool import BlockPool, KVCacheBlock
-from servetwin.core.kv_cache.kv_sizing import cdiv
+from servetwin.core.kv_cache.kv_cache_coordinator import BlocksPerGroup, make_coordinator
+from servetwin.core.kv_cache.kv_cache_interface import ONE_FULL_GROUP, KVCacheGroupSpec
 from servetwin.core.request import Request, RequestStatus
-
-KV_CACHE_GROUP_ID = 0
-_GID = KV_CACHE_GROUP_ID.to_bytes(4, "big")
 
 
 @dataclass(slots=True)
@@ -34,8 +32,19 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
+    """vLLM 0.33's `KVCacheManager`: the coordinator of every KV cache group (one full-attention
+    group unless `kv_cache_groups` says otherwise) over one `BlockPool`.
+
+    `req_to_blocks` / `num_cached_block` are group 0's tables; with `single_full_attention` they are
+    the whole state, and the scheduler's one-group fast path reads them directly."""
+
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = True, watermark: float = 0.0, log_stats: bool = True) -> None:
+                 enable_caching: bool = True, watermark: float = 0.0, log_stats: bool = True,
+                 kv_cache_groups: Optional[tuple[KVCacheGroupSpec, ...]] = None,
+                 prefix_cache_retention_interval: Optional[int] = 0,
+                 max_in_flight_tokens: Optional[int] = None) -> None:
+        """`max_in_flight_tokens` sizes the window groups' admission cap (the scheduler passes
+        `SchedulerConfig.max_in_flight_tokens`; None: max_model_len, no cap below the sequence)."""
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark: must be in [0, 1), got {watermark}")
         self.block_size = block_size
@@ -44,8 +53,17 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_block: dict[str, int] = {}
+        groups = kv_cache_groups or ONE_FULL_GROUP
+        self.kv_cache_groups = groups
+        self.coordinator = make_coordinator(
+            groups, self.block_pool, block_size, enable_caching,
+            max_model_len if max_in_flight_tokens is None else max_in_flight_tokens, max_model_len,
+            prefix_cache_retention_interval)
+        self.single_full_attention = groups == ONE_FULL_GROUP
+        self.has_windows = self.coordinator.has_windows
+        manager0 = self.coordinator.single_type_managers[0]
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = manager0.req_to_blocks
+        self.num_cached_block: dict[str, int] = manager0.num_cached_block
         self.prefix_cache_stats: Optional[PrefixCacheStats] = PrefixCacheStats() if log_stats else None
 
     @property
@@ -57,20 +75,18 @@ class KVCacheManager:
         return self.block_pool.free_block_queue.num_free_blocks
 
     # -- lookup ------------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix, block-granular, capped at N-1 tokens, stopping at the first miss."""
+    def get_computed_blocks(self, request: Request) -> tuple[BlocksPerGroup, int]:
+        """The longest prefix cached in every group, block-granular, capped at N-1 tokens.
+
+        When full attention alone would hit further than all groups together, the request keeps
+        that length as its `shared_prefix_boundary` (its sliding-window blocks there get retained)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        get = self.block_pool.cached_block_hash_to_block.get_one_block
-        hits: list[KVCacheBlock] = []
-        hashes = request.block_hashes
-        for i in range(min(max_hit_blocks, len(hashes))):
-            block = get(hashes[i] + _GID)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            return self.coordinator.empty_hits, 0
+        blocks, hit, full_hit = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1)
+        if full_hit > hit:
+            request.shared_prefix_boundary = full_hit
+        return blocks, hit
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if self.prefix_cache_stats is None or not self.enable_caching or request.skip_reading_prefix_cache:
@@ -85,95 +101,71 @@ class KVCacheManager:
         return stats
 
     # -- allocation --------------------------------------------------------------------------
-    def _num_blocks_to_allocate(self, request_id: str, num_tokens: int, hits: list[KVCacheBlock]) -> int:
-        required = cdiv(num_tokens, self.block_size)
-        held = self.req_to_blocks.get(request_id)
-        num_held = len(held) if held else 0
-        if request_id in self.num_cached_block:
-            return max(required - num_held, 0)
-        new = max(required - (len(hits) + num_held), 0)
-        return new + sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
-
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+                       new_computed_blocks: Optional[BlocksPerGroup] = None,
                        num_lookahead_tokens: int = 0, full_sequence_must_fit: bool = False,
-                       has_scheduled_reqs: bool = False) -> Optional[list[KVCacheBlock]]:
-        """Allocate blocks for `num_new_tokens` more tokens; None (with no side effect) if they don't fit."""
-        hits = new_computed_blocks or []
+                       has_scheduled_reqs: bool = False) -> Optional[BlocksPerGroup]:
+        """Allocate blocks for `num_new_tokens` more tokens in every group; the new blocks per group,
+        or None when they don't fit (then only the out-of-window blocks were freed)."""
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens")
+        coord = self.coordinator
+        hits = new_computed_blocks or coord.empty_hits
         rid = request.request_id
+        if self.has_windows:  # on what is processed: an in-flight step's tokens do not count yet
+            coord.remove_skipped_blocks(rid, request.num_computed_tokens + num_new_computed_tokens
+                                        - request.num_in_flight_tokens)
         total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
         free = self.block_pool.free_block_queue.num_free_blocks
         watermark = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             watermark = self.watermark_blocks
-        if full_sequence_must_fit:
+        if full_sequence_must_fit:  # the admission gate: window groups count at most their cap
             full_len = min(request.num_tokens, self.max_model_len)
-            if self._num_blocks_to_allocate(rid, full_len, hits) + watermark > free:
+            if coord.get_num_blocks_to_allocate(rid, full_len, hits, total_computed, True) + watermark > free:
                 return None
         need_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        if self._num_blocks_to_allocate(rid, need_slots, hits) + watermark > free:
+        if coord.get_num_blocks_to_allocate(rid, need_slots, hits, total_computed) + watermark > free:
             return None
-
-        req_blocks = self.req_to_blocks.get(rid)
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[rid] = []
-        if hits:
-            if rid in self.num_cached_block:
-                raise AssertionError(f"running request {rid} cannot adopt prefix-cache hits")
-            self.block_pool.touch(hits)
-            req_blocks.extend(hits)
-            self.num_cached_block[rid] = len(req_blocks)
-        return self._grow(request, req_blocks, need_slots, min(total_computed + num_new_tokens, request.num_tokens))
+        coord.save_new_computed_blocks(rid, hits, total_computed)
+        new_blocks = coord.allocate_new_blocks(rid, need_slots)
+        if self.enable_caching:
+            coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
 
     def allocate_running_slots(self, request: Request, num_new_tokens: int,
-                               computed: Optional[int] = None) -> list[KVCacheBlock]:
-        """`allocate_slots(request, num_new_tokens)` for a running request (it holds blocks, no new
-        prefix hits) whose new blocks the caller already knows to be free: the same effects, no checks.
+                               computed: Optional[int] = None) -> BlocksPerGroup:
+        """`allocate_slots(request, num_new_tokens)` for a running request of a one-full-attention-
+        group model whose new blocks the caller already knows to be free: the same effects, no checks.
         `computed` overrides `request.num_computed_tokens` (the C a scheduler subclass keeps implicitly:
         the simulator's implicit decodes, servetwin.sim.lazy_decode)."""
         if computed is None:
             computed = request.num_computed_tokens
-        need_slots = min(computed + num_new_tokens, self.max_model_len)
-        return self._grow(request, self.req_to_blocks[request.request_id], need_slots,
-                          min(computed + num_new_tokens, len(request._all_token_ids)))
-
-    def _grow(self, request: Request, req_blocks: list[KVCacheBlock], need_slots: int,
-              num_known_tokens: int) -> list[KVCacheBlock]:
-        """Give the request blocks for `need_slots` slots and register its full blocks."""
-        num_new_blocks = -(-need_slots // self.block_size) - len(req_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
-        if new_blocks:
-            req_blocks.extend(new_blocks)
+        manager = self.coordinator.single_type_managers[0]
+        new_blocks = manager.allocate_new_blocks(request.request_id, min(computed + num_new_tokens,
+                                                                         self.max_model_len))
         if self.enable_caching:
-            self.cache_blocks(request, num_known_tokens)
-        return new_blocks
+            manager.cache_blocks(request, min(computed + num_new_tokens, len(request._all_token_ids)))
+        return (new_blocks,)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that are full of known tokens in the prefix cache."""
-        rid = request.request_id
-        already = self.num_cached_block.get(rid, 0)
-        num_full = min(num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
-        if already >= num_full:
-            return
-        self.block_pool.cache_full_blocks(self.req_to_blocks[rid], request.block_hashes, already, num_full,
-                                          KV_CACHE_GROUP_ID)
-        self.num_cached_block[rid] = num_full
+        for manager in self.coordinator.single_type_managers:  # (the scheduler's hot path: no extra layer)
+            manager.cache_blocks(request, num_tokens)
 
     def free(self, request: Request) -> None:
-        """Free the request's blocks tail-first (its deepest cached block becomes evictable first)."""
-        rid = request.request_id
-        blocks = self.req_to_blocks.pop(rid, None)
-        self.num_cached_block.pop(rid, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        """Free the request's blocks group by group, each tail first."""
+        self.coordinator.free(request.request_id)
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return self.req_to_blocks.get(request_id, [])
+    def get_blocks(self, request_id: str) -> BlocksPerGroup:
+        return self.coordinator.get_blocks(request_id)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in blocks] for blocks in self.coordinator.get_blocks(request_id))
+
+    def num_blocks_per_group(self, request_id: str) -> list[int]:
+        """Non-null blocks the request holds in each group (the oracle's `blocks_per_group`)."""
+        return [m.num_held_blocks(request_id) for m in self.coordinator.single_type_managers]
 
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():

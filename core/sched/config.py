@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.hashing import HASH_ALGOS, get_hash_fn_by_name
+from servetwin.core.kv_cache.kv_cache_interface import ONE_FULL_GROUP, check_group_mix, check_retention_interval
 from servetwin.core.sched.request_queue import SchedulingPolicy
 
 
@@ -61,6 +62,12 @@ class SchedulerConfig:
                              f"<= max_model_len ({self.max_model_len})")
 
     @property
+    def max_in_flight_tokens(self) -> int:
+        """Tokens scheduled but not yet processed: one step, two with async scheduling (vLLM's
+        `VllmConfig.max_in_flight_tokens`; sizes the window groups' admission cap)."""
+        return self.max_num_batched_tokens * (2 if self.async_scheduling else 1)
+
+    @property
     def scheduling_policy(self) -> SchedulingPolicy:
         return SchedulingPolicy(self.policy)
 
@@ -74,6 +81,10 @@ class CacheConfig:
     kv_cache_memory_bytes: Optional[int] = None
     prefix_caching_hash_algo: str = "sha256"  # vLLM's names, plus "builtin" (core/kv_cache/hashing.py)
     cache_dtype: str = "auto"
+    # KV cache groups (core/kv_cache/kv_cache_interface.py); None: one full-attention group
+    kv_cache_groups: Optional[tuple] = None
+    # vLLM's sparse sliding-window retention: 0 (default), None (dense) or a multiple of block_size
+    prefix_cache_retention_interval: Optional[int] = 0
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -83,6 +94,13 @@ class CacheConfig:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        if self.kv_cache_groups is not None:
+            self.kv_cache_groups = tuple(self.kv_cache_groups)
+            if not self.kv_cache_groups:
+                raise ConfigError("kv_cache_groups", "must be None or a non-empty list of groups")
+            check_group_mix(self.kv_cache_groups)
+        check_retention_interval(self.prefix_cache_retention_interval, self.kv_cache_groups or ONE_FULL_GROUP,
+                                 self.block_size)
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ConfigError("prefix_caching_hash_algo", f"must be one of {', '.join(HASH_ALGOS)}, got "
                              f"{self.prefix_caching_hash_algo!r}")

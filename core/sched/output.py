@@ -7,11 +7,12 @@ from typing import Any, Optional
 
 @dataclass(slots=True)
 class NewRequestData:
-    """A request admitted from WAITING this step (`block_ids` holds all of its blocks, hits included)."""
+    """A request admitted from WAITING this step (`block_ids` holds all of its blocks, hits included,
+    one list per KV cache group in group order; a window group's skipped blocks are the null block 0)."""
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: Any
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int  # prefix-cache hit length: KV already present
 
 
@@ -19,12 +20,12 @@ class NewRequestData:
 class CachedRequestData:
     """Running requests scheduled this step, then resumed (PREEMPTED -> RUNNING) ones.
 
-    `new_block_ids[i]` is None when nothing was allocated; for a resumed request it is the *full*
-    block list. `num_computed_tokens` is the value before this step's advance. `all_token_ids` holds
+    `new_block_ids[i]` (one list per KV cache group) is None when nothing was allocated in any group;
+    for a resumed request it is the *full* block lists. `num_computed_tokens` is the value before this step's advance. `all_token_ids` holds
     prompt + outputs for resumed requests (the V1 runner lost their state at preemption).
     """
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[Optional[list[int]]] = field(default_factory=list)
+    new_block_ids: list[Optional[tuple[list[int], ...]]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)
     resumed_req_ids: set[str] = field(default_factory=set)

@@ -55,6 +55,11 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     return False
 
 
+def _block_ids(blocks_per_group) -> tuple[list[int], ...]:
+    """Block ids per KV cache group, group order (null entries are block 0)."""
+    return tuple([[b.block_id for b in blocks] for blocks in blocks_per_group])
+
+
 class UnservableRequestError(ConfigError):
     """A request that could never fit the KV pool (vLLM would block its queue forever); `path` is the
     request's field at fault (`prompt`), `message` says why."""
@@ -95,7 +100,10 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks=cache_config.num_gpu_blocks, block_size=cache_config.block_size,
             max_model_len=self.max_model_len, enable_caching=cache_config.enable_prefix_caching,
-            watermark=scheduler_config.watermark, log_stats=log_stats)
+            watermark=scheduler_config.watermark, log_stats=log_stats,
+            kv_cache_groups=cache_config.kv_cache_groups,
+            prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval,
+            max_in_flight_tokens=scheduler_config.max_in_flight_tokens)
         self.block_hasher = None
         if cache_config.enable_prefix_caching:
             self.block_hasher = get_request_block_hasher(
@@ -124,11 +132,14 @@ class Scheduler:
                 "prompt", f"request {request.request_id} has {request.num_prompt_tokens} prompt tokens, "
                 f"max_model_len is {self.max_model_len} (the prompt plus at least one output token must fit)")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        if cdiv(longest, self.block_size) > usable:
+        blocks = cdiv(longest, self.block_size)  # per group; a window group needs at most its cap
+        need = sum(min(blocks, m.max_admission_blocks_per_request or blocks)
+                   for m in self.kv_cache_manager.coordinator.single_type_managers)
+        if need > usable:
             raise UnservableRequestError(
                 "prompt", f"request {request.request_id} can grow to {longest} tokens "
                 f"({request.num_prompt_tokens} prompt + up to {request.max_tokens} output), needing "
-                f"{cdiv(longest, self.block_size)} KV blocks, but the pool has only {usable} usable blocks "
+                f"{need} KV blocks, but the pool has only {usable} usable blocks "
                 f"of {self.block_size} tokens ({usable * self.block_size} tokens)")
 
     def add_request(self, request: Request) -> None:
@@ -208,7 +219,8 @@ class Scheduler:
         max_model_len = self.max_model_len
         block_size = self.block_size
         caching = kv.enable_caching
-        req_to_blocks = kv.req_to_blocks
+        # one full-attention group: a request whose blocks already hold the slots skips allocate_slots
+        req_to_blocks = kv.req_to_blocks if kv.single_full_attention else {}
         num_cached_block = kv.num_cached_block
 
         scheduled_new_reqs: list[Request] = []
@@ -312,7 +324,7 @@ class Scheduler:
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
                 num_computed = num_hit
             else:
-                hit_blocks, num_hit, num_computed = [], 0, request.num_computed_tokens
+                hit_blocks, num_hit, num_computed = None, 0, request.num_computed_tokens
             n = request.num_tokens - num_computed
             request_budget = min(token_budget, input_budget)
             if 0 < threshold < n:
@@ -356,7 +368,7 @@ class Scheduler:
         assert len(self.running) <= self.max_num_running_reqs
         new_reqs_data = [
             NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
-                           [b.block_id for b in req_to_new_blocks[r.request_id]], r.num_computed_tokens)
+                           _block_ids(req_to_new_blocks[r.request_id]), r.num_computed_tokens)
             for r in scheduled_new_reqs
         ]
         async_sched = self.async_scheduling
@@ -370,7 +382,7 @@ class Scheduler:
             computed = r.num_computed_tokens
             placeholders = r.num_output_placeholders
             req_ids.append(rid)
-            new_block_ids.append([b.block_id for b in blocks] if blocks else None)
+            new_block_ids.append(_block_ids(blocks) if blocks and any(blocks) else None)
             computed_list.append(computed)
             output_list.append(len(r._output_token_ids) + placeholders)
             n = nst[rid]
@@ -383,7 +395,7 @@ class Scheduler:
         for r in scheduled_resumed_reqs:
             rid = r.request_id
             req_ids.append(rid)
-            new_block_ids.append([b.block_id for b in req_to_new_blocks[rid]])
+            new_block_ids.append(_block_ids(req_to_new_blocks[rid]))
             computed_list.append(r.num_computed_tokens)
             output_list.append(len(r._output_token_ids))
             cached.resumed_req_ids.add(rid)

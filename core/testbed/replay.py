@@ -25,6 +25,7 @@ import json
 from collections import deque
 from typing import IO, Iterator
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import FakeExecutor
 from servetwin.core.engine.parallel_sampling import fan_out
 from servetwin.core.request import Request, RequestStatus
@@ -95,7 +96,18 @@ def _schedule_record(scheduler: Scheduler, so, mro) -> dict:
         "prefix_queries": pcs.queries, "prefix_hits": pcs.hits,
         "waiting_ids": [r.request_id for r in scheduler.waiting],
         "annotation": compute_iteration_details(so).annotation,
+        **_blocks_per_group(scheduler),
     }
+
+
+def _blocks_per_group(scheduler: Scheduler) -> dict:
+    """The HYBRID contract's `blocks_per_group` (only when the scenario names its KV cache groups):
+    non-null blocks each running request holds per group, after `schedule()`."""
+    if scheduler.cache_config.kv_cache_groups is None:
+        return {}
+    kv = scheduler.kv_cache_manager
+    return {"blocks_per_group": {r.request_id: kv.num_blocks_per_group(r.request_id)
+                                 for r in scheduler.running}}
 
 
 def _idle_record(rec: dict, scheduler: Scheduler) -> dict:
@@ -197,13 +209,30 @@ class _Replay:
         return out
 
 
-def _config_line(scenario: Scenario) -> dict:
+def _config_line(scenario: Scenario, scheduler: Scheduler) -> dict:
     sc, cc = scenario.scheduler_config, scenario.cache_config
-    return {"type": "config", "settings": {
+    line = {"type": "config", "settings": {
         "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
         "max_model_len": sc.max_model_len, "num_gpu_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
         "async_scheduling": sc.async_scheduling}, "num_requests": len(scenario.requests),
         "eos_token_id": scenario.eos_token_id, "num_aborts": len(scenario.aborts)}
+    if cc.kv_cache_groups is not None:
+        line["effective"] = _hybrid_effective(scheduler)
+    return line
+
+
+def _hybrid_effective(scheduler: Scheduler) -> dict:
+    """The HYBRID contract's additions to the config line's `effective`."""
+    coord = scheduler.kv_cache_manager.coordinator
+    return {
+        "kv_cache_groups": [dict(m.kv_cache_spec.to_dict(), manager=type(m).__name__,
+                                 max_admission_blocks_per_request=m.max_admission_blocks_per_request)
+                            for m in coord.single_type_managers],
+        "kv_cache_coordinator": type(coord).__name__,
+        "prefix_cache_retention_interval": coord.retention_interval,
+        "max_in_flight_tokens": scheduler.scheduler_config.max_in_flight_tokens,
+        "cache_hit_alignment_tokens": coord.block_size,
+    }
 
 
 def replay(scenario: Scenario) -> Iterator[dict]:
@@ -216,7 +245,7 @@ def replay(scenario: Scenario) -> Iterator[dict]:
     aborts_at: dict[int, list] = {}
     for a in scenario.aborts:
         aborts_at.setdefault(a.step, []).append(a)
-    yield _config_line(scenario)
+    yield _config_line(scenario, scheduler)
     carried: list[list[str]] = []  # during_step aborts of an iteration that processed no output
     step = 0
     while step < scenario.max_steps:
@@ -278,12 +307,28 @@ def replay(scenario: Scenario) -> Iterator[dict]:
     yield run.summary(step)
 
 
-def write_replay(scenario: Scenario, out: IO[str]) -> int:
-    n = 0
+DEFAULT_MAX_OUTPUT_BYTES = 1 << 30  # a replay's JSONL output (a recorded scenario's is a few MB)
+
+
+def replay_jsonl(scenario: Scenario, max_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> Iterator[str]:
+    """The replay's JSONL lines; a `ConfigError` once they pass `max_bytes` (0: no limit). A scenario with
+    `max_steps` around 10^9 and a late arrival writes a line per step: it would fill the disk."""
+    total = 0
     for line in replay(scenario):
-        out.write(json.dumps(line) + "\n")
+        text = json.dumps(line) + "\n"
+        total += len(text)
+        if max_bytes and total > max_bytes:
+            raise ConfigError("--max-output-bytes", f"the replay's output passed {max_bytes} bytes (raise the "
+                              "limit, or lower settings.max_steps)")
+        yield text
+
+
+def write_replay(scenario: Scenario, out: IO[str], max_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> int:
+    n = 0
+    for text in replay_jsonl(scenario, max_bytes):
+        out.write(text)
         n += 1
     return n
 
 
-__all__ = ["replay", "write_replay", "ScriptedSampler"]
+__all__ = ["replay", "replay_jsonl", "write_replay", "ScriptedSampler", "DEFAULT_MAX_OUTPUT_BYTES"]

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.kv_cache.kv_cache_interface import parse_kv_cache_groups
+from servetwin.core.limits import MAX_TOKENS_PER_REQUEST, load_json_file
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 MAX_N = 16384  # SamplingParams' limit on n
@@ -160,6 +162,8 @@ SETTINGS: dict[str, tuple[_Reader, bool]] = {
     "max_num_active_seqs": (lambda v, p: _opt_int(v, p, 1), False),
     "eos_token_id": (lambda v, p: _opt_int(v, p, 0), False),
 }
+# KV cache groups (the oracle's HYBRID contract), read apart: `null` retention means dense, not default
+HYBRID_SETTINGS = ("kv_cache_groups", "prefix_cache_retention_interval")
 _SCHED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                  "long_prefill_token_threshold", "policy", "max_model_len", "scheduler_reserve_full_isl",
                  "watermark", "async_scheduling", "long_prefill_token_threshold_adaptive", "max_num_active_seqs")
@@ -167,7 +171,7 @@ _SCHED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefi
 
 def _parse_settings(raw: Any) -> dict[str, Any]:
     s = _object(raw, "settings")
-    _check_keys(s, tuple(SETTINGS), "settings")
+    _check_keys(s, tuple(SETTINGS) + HYBRID_SETTINGS, "settings")
     out = {}
     for name, (read, required) in SETTINGS.items():
         if name not in s:
@@ -177,6 +181,9 @@ def _parse_settings(raw: Any) -> dict[str, Any]:
         value = read(s[name], f"settings.{name}")
         if value is not None:
             out[name] = value
+    for name in HYBRID_SETTINGS:
+        if name in s:
+            out[name] = s[name]
     eos = out.get("eos_token_id")
     if eos is not None and eos in BASE_TOKEN_RANGE:
         raise ScenarioError("settings.eos_token_id", f"{eos} collides with the fake sampler's base tokens "
@@ -187,8 +194,11 @@ def _parse_settings(raw: Any) -> dict[str, Any]:
 def _configs(s: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
     try:
         sched = SchedulerConfig(**{k: s[k] for k in _SCHED_FIELDS if k in s})
+        groups = parse_kv_cache_groups(s["kv_cache_groups"]) if "kv_cache_groups" in s else None
         cache = CacheConfig(block_size=s.get("block_size", 16), num_gpu_blocks=s["num_gpu_blocks"],
-                            enable_prefix_caching=s.get("enable_prefix_caching", False))
+                            enable_prefix_caching=s.get("enable_prefix_caching", False),
+                            kv_cache_groups=groups,
+                            prefix_cache_retention_interval=s.get("prefix_cache_retention_interval", 0))
     except ConfigError as e:  # the configs name their own field ("max_num_seqs")
         raise ScenarioError(e.path, e.message).within("settings") from None
     return sched, cache
@@ -200,7 +210,7 @@ def synthetic_prompt(prompt_len: int, prompt_seed: int = 0, prefix: Optional[lis
     return list(prefix or []) + body
 
 
-def _prompt(r: dict, where: str) -> list[int]:
+def _prompt(r: dict, where: str, max_len: int) -> list[int]:
     if "prompt_token_ids" in r:
         for k in ("prompt_len", "prompt_seed", "prefix_token_ids"):
             if k in r:
@@ -208,7 +218,7 @@ def _prompt(r: dict, where: str) -> list[int]:
         return _token_ids(r["prompt_token_ids"], f"{where}.prompt_token_ids", allow_empty=False)
     if "prompt_len" not in r:
         raise ScenarioError(f"{where}.prompt_token_ids", "required (or prompt_len)")
-    n = _int(r["prompt_len"], f"{where}.prompt_len", 1)
+    n = _int(r["prompt_len"], f"{where}.prompt_len", 1, max_len)  # checked before the prompt is built
     seed = _int(r.get("prompt_seed", 0), f"{where}.prompt_seed", 0)
     prefix = _token_ids(r.get("prefix_token_ids", []), f"{where}.prefix_token_ids", allow_empty=True)
     return synthetic_prompt(n, seed, prefix)
@@ -247,7 +257,7 @@ def _stop_at(v: Any, where: str, n: int, eos: int) -> dict[int, dict[int, int]]:
     return {i: plan for i in range(n)}
 
 
-def _parse_request(raw: Any, where: str, eos: int) -> ScenarioRequest:
+def _parse_request(raw: Any, where: str, eos: int, max_prompt_len: int = MAX_TOKENS_PER_REQUEST) -> ScenarioRequest:
     r = _object(raw, where)
     _check_keys(r, REQUEST_KEYS, where)
     if "id" not in r:
@@ -271,7 +281,7 @@ def _parse_request(raw: Any, where: str, eos: int) -> ScenarioRequest:
                                 f"tokens {BASE_TOKEN_RANGE.start}..{BASE_TOKEN_RANGE.stop - 1}")
     return ScenarioRequest(
         id=rid, arrival_step=_int(r.get("arrival_step", 0), f"{where}.arrival_step", 0),
-        prompt_token_ids=_prompt(r, where), max_tokens=max_tokens, priority=priority,
+        prompt_token_ids=_prompt(r, where, max_prompt_len), max_tokens=max_tokens, priority=priority,
         arrival_time=None if arrival_time is None else _number(arrival_time, f"{where}.arrival_time"),
         n=n, cache_salt=salt,
         ignore_eos=_bool(r.get("ignore_eos", True), f"{where}.ignore_eos"),
@@ -318,13 +328,15 @@ def parse_scenario(data: Any) -> Scenario:
     s = _parse_settings(data["settings"])
     sched, cache = _configs(s)
     eos = s.get("eos_token_id", 2)
+    # a prompt must leave room for one output token within max_model_len (when given)
+    max_prompt_len = min(MAX_TOKENS_PER_REQUEST, s.get("max_model_len", MAX_TOKENS_PER_REQUEST + 1) - 1)
     raw_reqs = data["requests"]
     if not isinstance(raw_reqs, list):
         raise ScenarioError("requests", f"must be a list, got {_fmt(raw_reqs)}")
     requests: list[ScenarioRequest] = []
     seen: dict[str, str] = {}  # engine request id -> the field that introduced it
     for i, raw in enumerate(raw_reqs):
-        r = _parse_request(raw, f"requests[{i}]", eos)
+        r = _parse_request(raw, f"requests[{i}]", eos, max_prompt_len)
         for cid in dict.fromkeys([r.id, *r.child_ids]):
             if cid in seen:
                 raise ScenarioError(f"requests[{i}].id", f"duplicate id {cid!r} (also {seen[cid]})")
@@ -337,13 +349,10 @@ def parse_scenario(data: Any) -> Scenario:
 
 
 def load_scenario(path: str) -> Scenario:
+    """A scenario file, read within `core.limits`' bounds (size, nesting, UTF-8; a key given twice is an
+    error, not silently the last value)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ScenarioError("scenario", f"file not found: {path}") from None
-    except IsADirectoryError:
-        raise ScenarioError("scenario", f"{path} is a folder, not a scenario file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ScenarioError("scenario", f"{path} is not valid JSON ({e})") from None
+        data = load_json_file(path, "scenario", unique_keys=True)
+    except ConfigError as e:
+        raise ScenarioError(e.path, e.message) from None
     return parse_scenario(data)

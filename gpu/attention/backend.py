@@ -6,6 +6,7 @@ from typing import Any, Protocol
 import torch
 
 from servetwin.gpu.attention.metadata import CommonAttentionMetadata
+from servetwin.gpu.models.config import FULL_WINDOW, AttentionWindow
 
 
 class AttentionBackend(Protocol):
@@ -13,13 +14,16 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def build_metadata(self, common: CommonAttentionMetadata, for_cuda_graph: bool = False) -> Any:
-        """Plan one step (CPU work, once per step, shared by every layer)."""
+    def build_metadata(self, common: CommonAttentionMetadata, for_cuda_graph: bool = False,
+                       window: AttentionWindow = FULL_WINDOW) -> Any:
+        """Plan one step for the layers attending through `window` with `common`'s block table (CPU work,
+        once per step, shared by those layers: `servetwin.gpu.attention.layer_plans`)."""
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, metadata: Any, scale: float) -> torch.Tensor:
-        """Write this step's k/v (`[T, Hkv, D]`) into the cache, then attend: returns `[T, H, D]`."""
+        """Write this step's k/v (`[T, Hkv, D]`) into the cache, then attend: returns `[T, H, D]`.
+        A backend that supports attention sinks takes them as the keyword `sinks` ([H])."""
         ...
 
 

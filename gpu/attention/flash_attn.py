@@ -12,6 +12,7 @@ import torch
 
 from servetwin.gpu.attention.backend import write_kv
 from servetwin.gpu.attention.metadata import CommonAttentionMetadata
+from servetwin.gpu.models.config import FULL_WINDOW, AttentionWindow
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256
 
@@ -27,8 +28,13 @@ def import_flash_attn() -> Optional[Any]:
 
 
 def flash_attn_unsupported_reason(device: torch.device, dtype: torch.dtype, block_size: int,
-                                  head_dim: int) -> Optional[str]:
+                                  head_dim: int, attention_sinks: bool = False,
+                                  chunked_layers: bool = False) -> Optional[str]:
     """Why flash-attn cannot run this configuration (None when it can)."""
+    if attention_sinks:
+        return "flash-attn 2.x has no attention sinks (gpt-oss)"
+    if chunked_layers:
+        return "flash-attn 2.x has no chunked local attention"
     if device.type != "cuda":
         return "flash-attn needs a CUDA device"
     if import_flash_attn() is None:
@@ -56,6 +62,7 @@ class FlashAttnMetadata:
     cu_seqlens_k: torch.Tensor  # int32 [R + 1]
     seq_lens: torch.Tensor  # int32 [R]
     block_table: torch.Tensor  # int32 [R, max_blocks]
+    window_size: tuple[int, int] = (-1, -1)  # (-1, -1): full attention
 
 
 class FlashAttnBackend:
@@ -66,8 +73,10 @@ class FlashAttnBackend:
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
 
-    def build_metadata(self, common: CommonAttentionMetadata,
-                       for_cuda_graph: bool = False) -> FlashAttnMetadata:
+    def build_metadata(self, common: CommonAttentionMetadata, for_cuda_graph: bool = False,
+                       window: AttentionWindow = FULL_WINDOW) -> FlashAttnMetadata:
+        if window.chunk_size is not None:
+            raise NotImplementedError("flash-attn: chunked local attention is not supported (use torch-paged)")
         seq_lens = common.seq_lens
         cu_k = torch.zeros(common.num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
         cu_k[1:] = torch.cumsum(seq_lens, 0, dtype=torch.int32)
@@ -81,6 +90,8 @@ class FlashAttnBackend:
             cu_seqlens_k=cu_k,
             seq_lens=seq_lens.to(torch.int32),
             block_table=common.block_table.to(torch.int32),
+            # flash-attn's (left, right) window: a query sees itself and the W - 1 keys before it
+            window_size=(-1, -1) if window.sliding_window is None else (window.sliding_window - 1, 0),
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -88,9 +99,10 @@ class FlashAttnBackend:
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         if metadata.decode_only:
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=metadata.seq_lens,
-                                     block_table=metadata.block_table, softmax_scale=scale, causal=True)
+                                     block_table=metadata.block_table, softmax_scale=scale, causal=True,
+                                     window_size=metadata.window_size)
             return out.squeeze(1)
         return self._varlen(q, k_cache, v_cache, cu_seqlens_q=metadata.cu_seqlens_q,
                             cu_seqlens_k=metadata.cu_seqlens_k, max_seqlen_q=metadata.max_query_len,
                             max_seqlen_k=metadata.max_seq_len, softmax_scale=scale, causal=True,
-                            block_table=metadata.block_table)
+                            block_table=metadata.block_table, window_size=metadata.window_size)

@@ -26,12 +26,13 @@ def default_torch_paged_mode(device: torch.device, dtype: torch.dtype = torch.fl
 
 def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int,
                              head_dim: int, num_heads: int, num_kv_heads: int,
-                             torch_paged_mode: str = "auto") -> AttentionBackend:
+                             torch_paged_mode: str = "auto", attention_sinks: bool = False,
+                             chunked_layers: bool = False) -> AttentionBackend:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: unknown backend {name!r} (allowed: {ATTENTION_BACKENDS})")
     if torch_paged_mode == "auto":
         torch_paged_mode = default_torch_paged_mode(device, dtype)
-    reason = flash_attn_unsupported_reason(device, dtype, block_size, head_dim)
+    reason = flash_attn_unsupported_reason(device, dtype, block_size, head_dim, attention_sinks, chunked_layers)
     if name == "flash-attn":
         if reason is not None:
             raise ValueError(f"attention_backend: 'flash-attn' cannot run here: {reason}")

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from servetwin.gpu.attention.backend import write_kv
 from servetwin.gpu.attention.metadata import CommonAttentionMetadata
 from servetwin.gpu.cpu_kernels import DecodeKernel, decode_kernel
+from servetwin.gpu.models.config import FULL_WINDOW, AttentionWindow
 
 TORCH_PAGED_MODES = ("batched", "split", "loop")
 PAD_SLACK = 1.5
@@ -132,34 +133,41 @@ class TorchPagedAttention:
 
     def _build_group(self, req_idx: np.ndarray, qsl: np.ndarray, q_lens: np.ndarray, seq_lens: np.ndarray,
                      common: CommonAttentionMetadata, covers_all: bool,
-                     max_seq_len: Optional[int] = None) -> TorchPagedGroup:
-        """`max_seq_len` given (CUDA-graph capture/replay): a fixed layout, every tensor present."""
+                     max_seq_len: Optional[int] = None, key_start: Optional[np.ndarray] = None,
+                     window: AttentionWindow = FULL_WINDOW) -> TorchPagedGroup:
+        """`max_seq_len` given (CUDA-graph capture/replay): a fixed layout, every tensor present.
+        `key_start[r]` (a multiple of the block size; None: 0) is where request r's gathered keys begin:
+        the blocks before it are outside `window` for every query of the step and are never read."""
         device = common.slot_mapping.device
         fixed = max_seq_len is not None
-        gq, gs = q_lens[req_idx], seq_lens[req_idx]
+        koff = np.zeros(len(q_lens), np.int64)[req_idx] if key_start is None else key_start[req_idx]
+        gq = q_lens[req_idx]
+        ctx = seq_lens[req_idx] - gq
+        gs = seq_lens[req_idx] - koff  # keys gathered per request
         rg = len(req_idx)
         qmax = int(gq.max())
         lmax = int(gs.max()) if max_seq_len is None else max_seq_len
-        ctx = gs - gq
+        windowed = not window.is_full
 
         def to(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
         if rg == 1 and not fixed:  # one request: its tokens are a contiguous slice, nothing is padded
             start = int(qsl[req_idx[0]])
             fresh = int(ctx[0]) == 0 and qmax > 1
+            plain = (fresh or qmax == 1) and not windowed  # causality alone, or no mask at all
             return TorchPagedGroup(
-                block_ids=None if fresh else self._block_ids(common, req_idx, lmax),
-                q_index=None, attn_mask=None if fresh or qmax == 1 else self._mask(ctx, qmax, lmax, device, True),
+                block_ids=None if fresh else self._block_ids(common, req_idx, koff, lmax),
+                q_index=None, attn_mask=None if plain else self._mask(ctx, koff, qmax, lmax, device, True, window),
                 valid_index=None, out_index=None, num_reqs=1, max_query_len=qmax, max_seq_len=lmax,
                 token_range=(start, start + qmax), is_causal=fresh)
         ar_q = np.arange(qmax)
         valid = ar_q[None, :] < gq[:, None]  # [Rg, Qmax]
         q_index = np.where(valid, qsl[req_idx][:, None] + ar_q[None, :], 0)
-        need_mask = fixed or bool((gs != lmax).any()) or qmax > 1
+        need_mask = fixed or bool((gs != lmax).any()) or qmax > 1 or windowed
         return TorchPagedGroup(
-            block_ids=self._block_ids(common, req_idx, lmax),
+            block_ids=self._block_ids(common, req_idx, koff, lmax),
             q_index=to(q_index.reshape(-1).astype(np.int64)),
-            attn_mask=self._mask(ctx, qmax, lmax, device, not fixed) if need_mask else None,
+            attn_mask=self._mask(ctx, koff, qmax, lmax, device, not fixed, window) if need_mask else None,
             valid_index=None if bool(valid.all()) else to(np.flatnonzero(valid.reshape(-1))),
             out_index=None if covers_all else to(q_index[valid].astype(np.int64)),
             num_reqs=rg,
@@ -168,60 +176,86 @@ class TorchPagedAttention:
         )
 
     @staticmethod
-    def _block_ids(common: CommonAttentionMetadata, req_idx: np.ndarray, lmax: int) -> torch.Tensor:
-        nb = -(-lmax // common.block_size)
+    def _block_ids(common: CommonAttentionMetadata, req_idx: np.ndarray, koff: np.ndarray,
+                   lmax: int) -> torch.Tensor:
+        """Each request's `ceil(lmax / block_size)` blocks from its key start on (row-major); columns past
+        the table's width (a padded row of a shorter request) repeat its last entry: masked, never null."""
+        bs = common.block_size
+        nb = -(-lmax // bs)
         bt = common.block_table
-        if len(req_idx) == 1:
-            rows = bt[int(req_idx[0])][:nb]
-        else:
-            rows = bt.index_select(0, torch.from_numpy(req_idx).to(bt.device))[:, :nb]
-        return rows.reshape(-1).long()
+        if not koff.any():
+            if len(req_idx) == 1:
+                rows = bt[int(req_idx[0])][:nb]
+            else:
+                rows = bt.index_select(0, torch.from_numpy(req_idx).to(bt.device))[:, :nb]
+            return rows.reshape(-1).long()
+        cols = np.minimum(koff[:, None] // bs + np.arange(nb)[None, :], bt.shape[1] - 1)
+        rows = bt.index_select(0, torch.from_numpy(req_idx).to(bt.device))
+        return rows.gather(1, torch.from_numpy(cols).to(bt.device)).reshape(-1).long()
 
-    def _mask(self, ctx: np.ndarray, qmax: int, lmax: int, device: torch.device,
-              additive_ok: bool) -> torch.Tensor:
-        """Bottom-right causal mask with key padding, rows (g, i): [Rg, 1, G*Qmax, L]. Boolean, or on
-        the CPU with `mask_dtype` set (and `additive_ok`: not a CUDA-graph static layout) additive."""
-        ar_q = np.arange(qmax)
-        mask = np.arange(lmax)[None, None, :] <= (ctx[:, None, None] + ar_q[None, :, None])  # [Rg, Qmax, L]
+    def _mask(self, ctx: np.ndarray, koff: np.ndarray, qmax: int, lmax: int, device: torch.device,
+              additive_ok: bool, window: AttentionWindow = FULL_WINDOW) -> torch.Tensor:
+        """Bottom-right causal mask with key padding, rows (g, i): [Rg, 1, G*Qmax, L]; gathered key j of
+        request r is position `koff[r] + j`, visible to query position p when `window.first_key(p) <= it
+        <= p`. Boolean, or on the CPU with `mask_dtype` set (and `additive_ok`: not a CUDA-graph static
+        layout) additive."""
+        qpos = ctx[:, None, None] + np.arange(qmax)[None, :, None]  # [Rg, Qmax, 1]
+        kpos = koff[:, None, None] + np.arange(lmax)[None, None, :]  # [Rg, 1, L]
+        mask = kpos <= qpos
+        if not window.is_full:
+            mask &= kpos >= window.first_key(qpos)
         t = torch.from_numpy(mask).to(device, non_blocking=True)
         t = t.repeat(1, self.num_queries_per_kv, 1)[:, None]
         if not additive_ok or device.type != "cpu" or self.mask_dtype is None:
             return t
         return torch.zeros(t.shape, dtype=self.mask_dtype).masked_fill_(~t, float("-inf"))
 
-    def build_metadata(self, common: CommonAttentionMetadata,
-                       for_cuda_graph: bool = False) -> TorchPagedMetadata:
+    def build_metadata(self, common: CommonAttentionMetadata, for_cuda_graph: bool = False,
+                       window: AttentionWindow = FULL_WINDOW) -> TorchPagedMetadata:
+        """Plan one step for the layers that attend through `window` with `common`'s block table (one
+        metadata per KV-cache group or attention window, shared by its layers). A windowed plan gathers
+        each request from the block holding the first key its first query sees: the blocks before it,
+        which a sliding-window / chunked KV group frees and replaces by the null block, are never read."""
         qsl = common.query_start_loc_cpu.astype(np.int64)
         q_lens = np.diff(qsl)
         seq_lens = common.seq_lens_cpu.astype(np.int64)
         R = common.num_reqs
         meta = TorchPagedMetadata(slot_mapping=common.slot_mapping, num_actual_tokens=common.num_actual_tokens)
         if for_cuda_graph:  # decode-only, fixed shapes: keys padded to the whole block-table width
+            if not window.is_full:
+                raise NotImplementedError("torch-paged: CUDA graphs of sliding-window / chunked layers")
             width = common.block_table.shape[1] * common.block_size
             meta.groups.append(self._build_group(np.arange(R), qsl, q_lens, seq_lens, common, True, width))
             return meta
+        key_start = None  # full attention: every request's keys from position 0
+        if not window.is_full:
+            key_start = window.first_key(seq_lens - q_lens) // common.block_size * common.block_size
+        key_lens = seq_lens if key_start is None else seq_lens - key_start
+
+        def build(g: np.ndarray, covers_all: bool) -> TorchPagedGroup:
+            return self._build_group(g, qsl, q_lens, seq_lens, common, covers_all, key_start=key_start,
+                                     window=window)
         if self.mode == "loop":
             groups = [np.array([i]) for i in range(R)]
         elif self.mode == "split":
             decodes = np.flatnonzero(q_lens == 1)
-            if self._kernel is not None and common.slot_mapping.device.type == "cpu" and len(decodes):
+            if (self._kernel is not None and common.slot_mapping.device.type == "cpu" and len(decodes)
+                    and key_start is None):  # the kernel attends every key of its rows: full attention only
                 def torch_groups(d: np.ndarray = decodes) -> list[TorchPagedGroup]:
-                    return [self._build_group(g, qsl, q_lens, seq_lens, common, False)
-                            for g in _sorted_buckets(d, q_lens, seq_lens, SPLIT_MAX_DECODE_KEYS)]
+                    return [build(g, False) for g in _sorted_buckets(d, q_lens, key_lens, SPLIT_MAX_DECODE_KEYS)]
                 meta.decode_batch = self._decode_batch(common, decodes, qsl, seq_lens, torch_groups)
                 groups = []
             else:
-                groups = _sorted_buckets(decodes, q_lens, seq_lens, SPLIT_MAX_DECODE_KEYS)
+                groups = _sorted_buckets(decodes, q_lens, key_lens, SPLIT_MAX_DECODE_KEYS)
             groups += [np.array([i]) for i in np.flatnonzero(q_lens > 1)]
         else:
             groups = []
             for sel in (q_lens == 1, q_lens > 1):
-                groups += _sorted_buckets(np.flatnonzero(sel), q_lens, seq_lens)
+                groups += _sorted_buckets(np.flatnonzero(sel), q_lens, key_lens)
         if len(groups) == 1 and len(groups[0]) > 1:
             groups = [np.arange(R)]  # keep request order: the output needs no scatter
         single = len(groups) == 1 and meta.decode_batch is None
-        for g in groups:
-            meta.groups.append(self._build_group(g, qsl, q_lens, seq_lens, common, single))
+        meta.groups.extend(build(g, single) for g in groups)
         return meta
 
     @staticmethod
@@ -236,7 +270,9 @@ class TorchPagedAttention:
                                  torch_groups=torch_groups)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, metadata: TorchPagedMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, metadata: TorchPagedMetadata, scale: float,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`sinks` ([H], gpt-oss): a learned logit per head that joins every softmax's denominator."""
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         T, H, D = q.shape
         if H // k_cache.shape[2] != self.num_queries_per_kv:
@@ -245,17 +281,17 @@ class TorchPagedAttention:
         groups = metadata.groups
         db = metadata.decode_batch
         if db is None and len(groups) == 1 and groups[0].out_index is None and groups[0].token_range is None:
-            return self._group_attention(q, k, v, k_cache, v_cache, groups[0], scale)
+            return self._group_attention(q, k, v, k_cache, v_cache, groups[0], scale, sinks)
         out = q.new_empty(T, H, D)
         if db is not None:
-            if self._kernel is not None and self._kernel.supports(q, k_cache):
+            if self._kernel is not None and self._kernel.supports(q, k_cache) and sinks is None:
                 self._kernel(q.contiguous(), k_cache, v_cache, db.block_table, db.seq_lens, db.q_tok, out, scale)
-            else:  # e.g. bfloat16: the decode rows as torch buckets (planned once per step)
+            else:  # e.g. bfloat16 or sinks: the decode rows as torch buckets (planned once per step)
                 if db.built_groups is None:
                     db.built_groups = db.torch_groups()
                 groups = db.built_groups + groups
         for g in groups:
-            o = self._group_attention(q, k, v, k_cache, v_cache, g, scale)
+            o = self._group_attention(q, k, v, k_cache, v_cache, g, scale, sinks)
             if g.token_range is not None:
                 out[g.token_range[0]:g.token_range[1]] = o
             elif g.out_index is None:
@@ -266,7 +302,8 @@ class TorchPagedAttention:
         return out
 
     def _group_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, g: TorchPagedGroup, scale: float) -> torch.Tensor:
+                         v_cache: torch.Tensor, g: TorchPagedGroup, scale: float,
+                         sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         rg, qmax, L = g.num_reqs, g.max_query_len, g.max_seq_len
         H, D = q.shape[1], q.shape[2]
         hkv = k_cache.shape[2]
@@ -276,7 +313,8 @@ class TorchPagedAttention:
             qs = q[s:e]
         else:
             qs = q.index_select(0, g.q_index)
-        if g.is_causal:  # a whole prompt from position 0: keys are its own k/v, top-left == bottom-right
+        if g.is_causal and g.attn_mask is None and sinks is None:
+            # a whole prompt from position 0: keys are its own k/v, top-left == bottom-right
             qh = qs.transpose(0, 1)[None]  # [1, H, Q, D]
             if q.device.type == "cpu":  # SDPA's own GQA (CPU: same result, ~10% faster than repeating K/V)
                 kh, vh = k[s:e].transpose(0, 1)[None].to(q.dtype), v[s:e].transpose(0, 1)[None].to(q.dtype)
@@ -288,12 +326,19 @@ class TorchPagedAttention:
             return o[0].transpose(0, 1)
         # [Rg * Qmax, H, D] -> [Rg, Hkv, G * Qmax, D]
         qg = qs.view(rg, qmax, hkv, G, D).permute(0, 2, 3, 1, 4).reshape(rg, hkv, G * qmax, D)
-        bs = k_cache.shape[1]
-        nb = g.block_ids.shape[0] // rg
-        kg = self._gather("k", k_cache, g.block_ids).view(rg, nb * bs, hkv, D)[:, :L].transpose(1, 2)  # [Rg, Hkv, L, D]
-        vg = self._gather("v", v_cache, g.block_ids).view(rg, nb * bs, hkv, D)[:, :L].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, kg.to(q.dtype), vg.to(q.dtype), attn_mask=g.attn_mask,
-                                           scale=scale)
+        if g.block_ids is None:  # a whole prompt from position 0 (windowed or with sinks): its own k/v
+            kg, vg = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
+        else:
+            bs = k_cache.shape[1]
+            nb = g.block_ids.shape[0] // rg
+            kg = self._gather("k", k_cache, g.block_ids).view(rg, nb * bs, hkv, D)[:, :L].transpose(1, 2)  # [Rg, Hkv, L, D]
+            vg = self._gather("v", v_cache, g.block_ids).view(rg, nb * bs, hkv, D)[:, :L].transpose(1, 2)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qg, kg.to(q.dtype), vg.to(q.dtype), attn_mask=g.attn_mask,
+                                               scale=scale)
+        else:
+            o = attention_with_sinks(qg, kg.to(q.dtype), vg.to(q.dtype), g.attn_mask, scale, sinks, qmax,
+                                     causal=g.block_ids is None)
         o = o.view(rg, hkv, G, qmax, D).permute(0, 3, 1, 2, 4).reshape(rg * qmax, H, D)
         return o if g.valid_index is None else o.index_select(0, g.valid_index)
 
@@ -309,3 +354,26 @@ class TorchPagedAttention:
             buf = self._gather_bufs[key] = torch.empty(n, dtype=cache.dtype)
         out = buf[:n].view(shape)
         return torch.index_select(cache, 0, block_ids, out=out)
+
+
+def attention_with_sinks(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, mask: Optional[torch.Tensor],
+                         scale: float, sinks: torch.Tensor, qmax: int, causal: bool = False) -> torch.Tensor:
+    """Softmax attention whose denominator also holds `exp(sinks[h])` (gpt-oss; HF's eager
+    `combined_logits`): the sink column joins the softmax and is dropped before `@ v`. Folded GQA layout:
+    `qg` [Rg, Hkv, G*Qmax, D] with rows (head in group, query), `kg`/`vg` [Rg, Hkv, L, D]; `mask` as
+    SDPA's (boolean or additive); without one, every key is visible, or with `causal` (a whole prompt from
+    position 0, keys = the queries) query i sees keys 0..i."""
+    rg, hkv, rows, _ = qg.shape
+    L = kg.shape[2]
+    scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # [Rg, Hkv, G*Qmax, L]
+    if mask is None and causal:
+        i = torch.arange(rows, device=qg.device) % qmax
+        mask = torch.arange(L, device=qg.device)[None, :] <= i[:, None]
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    sink = sinks.to(scores.dtype).view(hkv, -1, 1).expand(hkv, rows // qmax, qmax).reshape(1, hkv, rows, 1)
+    scores = torch.cat([scores, sink.expand(rg, hkv, rows, 1)], dim=-1)
+    probs = torch.softmax(scores - scores.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(probs, vg)

@@ -1,6 +1,9 @@
-"""Our own Llama / Qwen2 / Qwen3 decoder over a flattened, paged batch.
+"""Our own decoder (Llama / Qwen2 / Qwen3 / Mistral, Mixtral / Qwen3-MoE / gpt-oss) over a flattened,
+paged batch.
 
-`forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, hidden]`;
+`forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, hidden]`; `attn_metadata`
+is one backend plan shared by every layer, or a list with each layer's plan (layers of different
+`AttentionWindow`s, or of different KV-cache groups, attend with different plans: `layer_windows`);
 `compute_logits(hidden [N, hidden]) -> [N, vocab]` in float32. q/k/v and gate/up are packed
 (`qkv_proj`, `gate_up_proj`); `servetwin.gpu.loader` packs HF checkpoints into them.
 """
@@ -12,8 +15,9 @@ import torch
 from torch import nn
 
 from servetwin.gpu.attention.backend import AttentionBackend
-from servetwin.gpu.models.config import DecoderConfig
+from servetwin.gpu.models.config import AttentionWindow, DecoderConfig
 from servetwin.gpu.models.layers import RMSNorm, SwiGLU, linear
+from servetwin.gpu.models.moe import FusedMoE
 from servetwin.gpu.models.rope import RotaryEmbedding
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -32,6 +36,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = [rotary]  # shared; a list keeps it out of this module's state dict
         self.backend: Optional[AttentionBackend] = None
+        # gpt-oss: one learned logit per head joins the softmax (passed only when present, so backends
+        # without sinks keep their signature)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
@@ -48,17 +55,21 @@ class Attention(nn.Module):
                 positions, qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim))
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         assert self.backend is not None, "attention backend not set (call DecoderLM.set_attention_backend)"
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
+        if self.sinks is None:
+            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
+        else:
+            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale, sinks=self.sinks)
         return linear(o.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp: nn.Module = (FusedMoE(cfg.hidden_size, cfg.moe) if cfg.moe is not None and cfg.is_moe_layer(layer)
+                               else SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
@@ -72,9 +83,14 @@ class DecoderLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, hf_config)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def layer_windows(self) -> list[AttentionWindow]:
+        """Each layer's attention window: layers with different windows need different backend plans."""
+        return [self.config.window(i) for i in range(self.config.num_layers)]
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.layers:
@@ -84,8 +100,10 @@ class DecoderLM(nn.Module):
                 attn_metadata: Any) -> torch.Tensor:
         self.rotary.new_forward()
         x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv, attn_metadata)
+        # one plan for every layer, or one per layer (its KV group's table and its window)
+        per_layer = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
+        for layer, kv, meta in zip(self.layers, kv_caches, per_layer):
+            x = layer(positions, x, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

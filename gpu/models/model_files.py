@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import load_json_file
 
-TINY_MODEL_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")  # the builders: gpu.models.tiny.TINY_MODELS
+TINY_MODEL_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral-sw", "tiny-mixtral", "tiny-qwen3-moe",
+                    "tiny-gpt-oss")  # the builders: gpu.models.tiny.TINY_MODELS
 SMOLLM2_NAME = "smollm2-135m"
 BUILTIN_MODELS = (*TINY_MODEL_NAMES, SMOLLM2_NAME)
 
@@ -57,7 +59,7 @@ def max_position_embeddings(config_path: Path) -> Optional[int]:
     type's default applies: transformers knows it) or is no readable JSON mapping (the loader reports
     that one itself)."""
     try:
-        cfg = json.loads(config_path.read_text())
+        cfg = load_json_file(config_path, "model")  # size-checked first (a 3 GiB config.json is no config)
     except (OSError, ValueError):
         return None
     value = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None

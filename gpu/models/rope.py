@@ -38,7 +38,8 @@ def compute_inv_freq(rope: RopeConfig, head_dim: int,
         return torch.where(is_medium, smoothed, scaled), 1.0
     if rope.rope_type == "yarn" and hf_config is not None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
-        inv, scale = ROPE_INIT_FUNCTIONS["yarn"](hf_config, torch.device("cpu"))
+        with torch.device("cpu"):  # the model may be built under `torch.device("meta")`
+            inv, scale = ROPE_INIT_FUNCTIONS["yarn"](hf_config, torch.device("cpu"))
         return inv.float(), float(scale)
     raise NotImplementedError(f"rope_type: {rope.rope_type!r} is not supported "
                               "(allowed: default, linear, llama3, yarn)")

@@ -1,4 +1,8 @@
-"""Built-in tiny models with seeded random weights (`tiny-llama`, `tiny-qwen2`, `tiny-qwen3`).
+"""Built-in tiny models with seeded random weights: dense `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`,
+`tiny-mistral-sw` (every layer a 12-token sliding window), and MoE `tiny-mixtral` (8 experts, top-2),
+`tiny-qwen3-moe` (16 experts, top-4, a dense first layer; sized for the CPU throughput benchmark) and
+`tiny-gpt-oss` (alternating 10-token sliding / full layers, attention sinks, biases, a clamped SwiGLU
+with a low limit so the clamp is exercised, YaRN RoPE).
 
 Each is a real transformers config + `save_pretrained` checkpoint plus a tiny byte-level BPE
 tokenizer (trained with `tokenizers` on a built-in text, ChatML template), so HF transformers can
@@ -61,9 +65,47 @@ def _qwen3() -> Any:
                        tie_word_embeddings=True)
 
 
+# windows that are no multiple of the 16-token block, so tests cross both window and block edges
+TINY_SLIDING_WINDOW = 12
+TINY_GPT_OSS_WINDOW = 10
+
+
+def _mistral_sw() -> Any:
+    from transformers import MistralConfig  # noqa: PLC0415
+    return MistralConfig(**_COMMON, sliding_window=TINY_SLIDING_WINDOW, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _mixtral() -> Any:
+    from transformers import MixtralConfig  # noqa: PLC0415
+    return MixtralConfig(**{**_COMMON, "intermediate_size": 64}, num_local_experts=8, num_experts_per_tok=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+def _qwen3_moe() -> Any:
+    from transformers import Qwen3MoeConfig  # noqa: PLC0415
+    common = {**_COMMON, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "head_dim": 32}
+    return Qwen3MoeConfig(**common, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+                          norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+def _gpt_oss() -> Any:
+    from transformers import GptOssConfig  # noqa: PLC0415
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 64}
+    # YaRN's implied factor (max_position_embeddings / original) matches the explicit one
+    return GptOssConfig(**{**_COMMON, "intermediate_size": 64, "max_position_embeddings": 512}, num_local_experts=8, num_experts_per_tok=2,
+                        sliding_window=TINY_GPT_OSS_WINDOW, swiglu_limit=2.0, rope_parameters=rope,
+                        tie_word_embeddings=False)
+
+
 TINY_MODELS: dict[str, Callable[[], Any]] = {"tiny-llama": _llama, "tiny-qwen2": _qwen2,
-                                             "tiny-qwen3": _qwen3}
-TINY_SEEDS = {"tiny-llama": 0, "tiny-qwen2": 1, "tiny-qwen3": 2}
+                                             "tiny-qwen3": _qwen3, "tiny-mistral-sw": _mistral_sw,
+                                             "tiny-mixtral": _mixtral, "tiny-qwen3-moe": _qwen3_moe,
+                                             "tiny-gpt-oss": _gpt_oss}
+TINY_SEEDS = {"tiny-llama": 0, "tiny-qwen2": 1, "tiny-qwen3": 2, "tiny-mistral-sw": 3, "tiny-mixtral": 4,
+              "tiny-qwen3-moe": 5, "tiny-gpt-oss": 6}
 
 
 def train_tiny_tokenizer() -> Any:

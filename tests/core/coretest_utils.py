@@ -111,8 +111,9 @@ def step(scheduler: Scheduler, token: int = 1000, tokens: Optional[dict[str, lis
 
 
 def block_ids(scheduler_or_kv, request_id: str) -> list[int]:
+    """The request's block ids in KV cache group 0 (the only group of these tests)."""
     kv = scheduler_or_kv.kv_cache_manager if isinstance(scheduler_or_kv, Scheduler) else scheduler_or_kv
-    return kv.get_block_ids(request_id)
+    return kv.get_block_ids(request_id)[0]
 
 
 def free_queue_ids(kv: KVCacheManager) -> list[int]:

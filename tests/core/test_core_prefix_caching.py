@@ -24,7 +24,7 @@ def admit(kv: KVCacheManager, req, num_tokens=None):
     if new is not None:
         req.num_computed_tokens = hit_len + n
         req.status = RequestStatus.RUNNING
-    return hits, hit_len, new
+    return hits[0], hit_len, None if new is None else new[0]  # the one group's blocks
 
 
 def ids(blocks):
@@ -38,7 +38,7 @@ def test_prefill_worked_example():
     hits, hit_len, new = admit(kv, req0)
     assert hits == [] and hit_len == 0
     assert ids(new) == [1, 2, 3, 4]
-    assert kv.get_block_ids("0") == [1, 2, 3, 4]
+    assert kv.get_block_ids("0")[0] == [1, 2, 3, 4]
     # hash chain of the full blocks, group id 0
     parent = None
     for i in range(3):
@@ -52,7 +52,7 @@ def test_prefill_worked_example():
     hits, hit_len, new = admit(kv, req1)
     assert ids(hits) == [1, 2, 3] and hit_len == 48
     assert ids(new) == [5]
-    assert kv.get_block_ids("1") == [1, 2, 3, 5]
+    assert kv.get_block_ids("1")[0] == [1, 2, 3, 5]
     assert [kv.block_pool.blocks[i].ref_cnt for i in range(1, 6)] == [2, 2, 2, 1, 1]
     assert kv.block_pool.num_shared_refs == 3  # three blocks, one extra holder each
     check_block_accounting(kv)
@@ -64,7 +64,7 @@ def test_prefill_worked_example():
 
     # freed cached blocks still hit (lazy eviction)
     req2 = make_request("2", common + [300 + i for i in range(7)], block_size=16)
-    hits, hit_len = kv.get_computed_blocks(req2)
+    (hits,), hit_len = kv.get_computed_blocks(req2)
     assert ids(hits) == [1, 2, 3] and hit_len == 48
 
     # a 10-block miss receives exactly the free-queue order, evicting the cached blocks
@@ -73,7 +73,7 @@ def test_prefill_worked_example():
     assert hit_len == 0
     assert ids(new) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
     assert kv.num_free_blocks == 0
-    assert kv.get_computed_blocks(req2) == ([], 0)
+    assert kv.get_computed_blocks(req2) == (([],), 0)
     check_block_accounting(kv)
 
 
@@ -90,7 +90,7 @@ def test_prefill_plp_never_reads_but_writes_cache():
     assert ids(hits) == [1, 2, 3] and hit_len == 48
     # but a second prompt-logprobs request gets no hit even though the blocks are there
     plp2 = make_request("plp2", common + [9], block_size=16, prompt_logprobs=1)
-    assert kv.get_computed_blocks(plp2) == ([], 0)
+    assert kv.get_computed_blocks(plp2) == (([],), 0)
     kv.record_prefix_cache_stats(plp2, 0)
     stats = kv.make_prefix_cache_stats()
     assert stats.requests == 0 and stats.queries == 0
@@ -100,10 +100,10 @@ def test_decode_fills_partial_block_then_appends_new():
     kv = make_kv(11)
     req = make_request("0", list(range(55)), max_tokens=100, block_size=16)
     admit(kv, req)
-    assert kv.get_block_ids("0") == [1, 2, 3, 4]
+    assert kv.get_block_ids("0")[0] == [1, 2, 3, 4]
     for t in range(9):  # tokens 55..63 fill block 4
         req.append_output_token_ids(1000 + t)
-        new = kv.allocate_slots(req, 1)
+        (new,) = kv.allocate_slots(req, 1)
         req.num_computed_tokens += 1
         assert new == []
         if req.num_computed_tokens < 64:
@@ -112,9 +112,9 @@ def test_decode_fills_partial_block_then_appends_new():
     assert kv.block_pool.blocks[4].block_hash == req.block_hashes[3] + GID
     assert kv.num_cached_block["0"] == 4
     req.append_output_token_ids(2000)
-    new = kv.allocate_slots(req, 1)
+    (new,) = kv.allocate_slots(req, 1)
     assert ids(new) == [5] and new[0].block_hash is None
-    assert kv.get_block_ids("0") == [1, 2, 3, 4, 5]
+    assert kv.get_block_ids("0")[0] == [1, 2, 3, 4, 5]
     check_block_accounting(kv)
 
 
@@ -123,10 +123,10 @@ def test_evict_order_and_reuse():
     p0 = list(range(5 * 16 + 7))
     req0 = make_request("0", p0, block_size=16)
     admit(kv, req0)
-    assert kv.get_block_ids("0") == [1, 2, 3, 4, 5, 6]
+    assert kv.get_block_ids("0")[0] == [1, 2, 3, 4, 5, 6]
     req1 = make_request("1", [500 + i for i in range(48)], block_size=16)
     admit(kv, req1)
-    assert kv.get_block_ids("1") == [7, 8, 9]
+    assert kv.get_block_ids("1")[0] == [7, 8, 9]
     assert kv.num_free_blocks == 1
     kv.free(req0)
     assert free_queue_ids(kv) == [6, 10, 5, 4, 3, 2, 1]
@@ -136,7 +136,7 @@ def test_evict_order_and_reuse():
     hits, hit_len, new = admit(kv, req2)
     assert ids(hits) == [1, 2] and hit_len == 32
     assert ids(new) == [6]
-    assert kv.get_block_ids("2") == [1, 2, 6]
+    assert kv.get_block_ids("2")[0] == [1, 2, 6]
     assert free_queue_ids(kv) == [10, 5, 4, 3, 9, 8, 7]
     check_block_accounting(kv)
 
@@ -163,7 +163,7 @@ def test_computed_blocks_not_evicted():
     admit(kv, req0)
     req1 = make_request("1", list(range(100, 116)), block_size=16)
     admit(kv, req1)
-    assert kv.get_block_ids("0") == [1] and kv.get_block_ids("1") == [2]
+    assert kv.get_block_ids("0")[0] == [1] and kv.get_block_ids("1")[0] == [2]
     kv.free(req0)
     kv.free(req1)
     assert free_queue_ids(kv) == [1, 2]
@@ -172,7 +172,7 @@ def test_computed_blocks_not_evicted():
     assert ids(hits) == [1] and hit_len == 16
     # the hit is touched before new blocks are taken: block 2 (other content) is evicted instead
     assert ids(new) == [2]
-    assert kv.get_block_ids("2") == [1, 2]
+    assert kv.get_block_ids("2")[0] == [1, 2]
     assert kv.block_pool.blocks[1].block_hash == req0.block_hashes[0] + GID
     check_block_accounting(kv)
 
@@ -181,7 +181,7 @@ def test_basic_prefix_caching_disabled():
     kv = make_kv(5, block_size=4, caching=False)  # 4 usable
     req1 = make_request("1", list(range(10)), block_size=None)
     admit(kv, req1)
-    assert kv.get_block_ids("1") == [1, 2, 3]
+    assert kv.get_block_ids("1")[0] == [1, 2, 3]
     assert all(b.block_hash is None for b in kv.block_pool.blocks)
     kv.free(req1)
     req2 = make_request("2", list(range(10)))
@@ -192,7 +192,7 @@ def test_basic_prefix_caching_disabled():
     assert kv.allocate_slots(req3, 5) is None  # needs 2 blocks, 1 free
     assert "3" not in kv.req_to_blocks or kv.req_to_blocks["3"] == []
     req4 = make_request("4", list(range(4)))
-    assert ids(kv.allocate_slots(req4, 4)) == [4]
+    assert ids(kv.allocate_slots(req4, 4)[0]) == [4]
     assert kv.allocate_slots(make_request("5", [1]), 1) is None
     assert kv.num_free_blocks == 0
 
@@ -219,13 +219,13 @@ def test_cache_key_salting():
     prompt = list(range(40))
     salted = make_request("s", prompt, cache_salt="pepper", block_size=16)
     admit(kv, salted)
-    assert kv.get_computed_blocks(make_request("u", prompt, block_size=16)) == ([], 0)
-    assert kv.get_computed_blocks(make_request("d", prompt, cache_salt="salt", block_size=16)) == ([], 0)
-    hits, hit_len = kv.get_computed_blocks(make_request("same", prompt, cache_salt="pepper", block_size=16))
-    assert hit_len == 32 and ids(hits) == kv.get_block_ids("s")[:2]
+    assert kv.get_computed_blocks(make_request("u", prompt, block_size=16)) == (([],), 0)
+    assert kv.get_computed_blocks(make_request("d", prompt, cache_salt="salt", block_size=16)) == (([],), 0)
+    (hits,), hit_len = kv.get_computed_blocks(make_request("same", prompt, cache_salt="pepper", block_size=16))
+    assert hit_len == 32 and ids(hits) == kv.get_block_ids("s")[0][:2]
     unsalted = make_request("u2", prompt, block_size=16)
     admit(kv, unsalted)
-    assert set(kv.get_block_ids("u2")).isdisjoint(kv.get_block_ids("s"))
+    assert set(kv.get_block_ids("u2")[0]).isdisjoint(kv.get_block_ids("s")[0])
 
 
 def test_prefill_not_enough_free_blocks_with_computed_blocks():
@@ -241,13 +241,13 @@ def test_prefill_not_enough_free_blocks_with_computed_blocks():
     kv.free(req1)  # its own 3 blocks: ref 0, cached; req0's: ref 1
     assert kv.num_free_blocks == 5
     req3 = make_request("3", prefix + [7000 + i for i in range(48)], block_size=16)  # 144 tokens, 9 blocks
-    hits, hit_len = kv.get_computed_blocks(req3)
+    (hits,), hit_len = kv.get_computed_blocks(req3)
     assert len(hits) == 6 and hit_len == 96
     assert sorted(b.ref_cnt for b in hits) == [0, 0, 0, 1, 1, 1]
     before_refs = [b.ref_cnt for b in kv.block_pool.blocks]
     before_queue = free_queue_ids(kv)
     # demand: 3 new + 3 evictable hits = 6 > 5 free
-    assert kv.allocate_slots(req3, 48, 96, hits) is None
+    assert kv.allocate_slots(req3, 48, 96, (hits,)) is None
     assert [b.ref_cnt for b in kv.block_pool.blocks] == before_refs
     assert free_queue_ids(kv) == before_queue
     assert not kv.req_to_blocks.get("3")
@@ -255,8 +255,8 @@ def test_prefill_not_enough_free_blocks_with_computed_blocks():
     check_block_accounting(kv)
     # after freeing one more holder it fits
     kv.free(req2)
-    assert kv.allocate_slots(req3, 48, 96, hits) is not None
-    assert len(kv.get_block_ids("3")) == 9
+    assert kv.allocate_slots(req3, 48, 96, (hits,)) is not None
+    assert len(kv.get_block_ids("3")[0]) == 9
     check_block_accounting(kv)
 
 
@@ -266,12 +266,12 @@ def test_num_blocks_to_allocate_counts_evictable_hits_once():
     admit(kv, req0)
     kv.free(req0)
     req = make_request("1", list(range(160)) + [1] * 160, block_size=16)  # 20 blocks
-    hits, hit_len = kv.get_computed_blocks(req)
+    (hits,), hit_len = kv.get_computed_blocks(req)
     assert len(hits) == 10
     # 10 new + 10 evictable hits (they leave the free queue when touched)
-    assert kv._num_blocks_to_allocate("1", 320, hits) == 20
+    assert kv.coordinator.get_num_blocks_to_allocate("1", 320, (hits,), 160) == 20
     before = kv.num_free_blocks
-    new = kv.allocate_slots(req, 160, 160, hits)
+    (new,) = kv.allocate_slots(req, 160, 160, (hits,))
     assert len(new) == 10  # only the truly new blocks are physically allocated
     assert kv.num_free_blocks == before - 20
     check_block_accounting(kv)
@@ -290,11 +290,11 @@ def test_max_hit_is_n_minus_1_and_block_aligned():
     # the recomputed block is a new physical block; its key now maps to two blocks, first one wins
     key = b32.block_hashes[1] + GID
     entry = kv.block_pool.cached_block_hash_to_block._cache[key]
-    assert isinstance(entry, dict) and list(entry) == [kv.get_block_ids("a")[1], new[0].block_id]
-    assert kv.get_computed_blocks(make_request("d", prompt, block_size=16))[0][1].block_id == \
-        kv.get_block_ids("a")[1]
+    assert isinstance(entry, dict) and list(entry) == [kv.get_block_ids("a")[0][1], new[0].block_id]
+    assert kv.get_computed_blocks(make_request("d", prompt, block_size=16))[0][0][1].block_id == \
+        kv.get_block_ids("a")[0][1]
     # one-token prompt: nothing can hit
-    assert kv.get_computed_blocks(make_request("e", prompt[:1], block_size=16)) == ([], 0)
+    assert kv.get_computed_blocks(make_request("e", prompt[:1], block_size=16)) == (([],), 0)
 
 
 def test_hits_stop_at_first_miss():
@@ -307,7 +307,7 @@ def test_hits_stop_at_first_miss():
     middle = kv.block_pool.blocks[2]
     assert middle.block_hash == a.block_hashes[1] + GID
     pool._maybe_evict_cached_block(middle)
-    hits, hit_len = kv.get_computed_blocks(make_request("b", list(range(12)) + [5], block_size=4))
+    (hits,), hit_len = kv.get_computed_blocks(make_request("b", list(range(12)) + [5], block_size=4))
     assert ids(hits) == [1] and hit_len == 4
 
 
@@ -322,7 +322,7 @@ def test_reset_prefix_cache():
     assert kv.reset_prefix_cache() is True
     assert all(b.block_hash is None for b in kv.block_pool.blocks)
     assert len(kv.block_pool.cached_block_hash_to_block) == 0
-    assert kv.get_computed_blocks(make_request("1", list(range(40)), block_size=16)) == ([], 0)
+    assert kv.get_computed_blocks(make_request("1", list(range(40)), block_size=16)) == (([],), 0)
     assert kv.make_prefix_cache_stats().reset is True
 
 
@@ -356,25 +356,25 @@ def test_full_sequence_gate_checks_whole_known_sequence():
     kv = make_kv(5, block_size=4)  # 4 usable blocks
     req = make_request("big", list(range(20)), block_size=4)  # 5 blocks > pool
     # the first chunk alone would fit ...
-    assert kv._num_blocks_to_allocate("big", 8, []) == 2
+    assert kv.coordinator.get_num_blocks_to_allocate("big", 8, ([],), 0) == 2
     # ... but the full-sequence admission gate refuses, with no side effect
     assert kv.allocate_slots(req, 8, full_sequence_must_fit=True) is None
     assert kv.num_free_blocks == 4 and not kv.req_to_blocks.get("big")
     # without the gate the chunk is admitted
-    assert len(kv.allocate_slots(req, 8)) == 2
+    assert len(kv.allocate_slots(req, 8)[0]) == 2
 
 
 def test_allocation_capped_at_max_model_len():
     kv = make_kv(20, block_size=4, max_model_len=10)
     req = make_request("r", list(range(9)), block_size=4)
-    new = kv.allocate_slots(req, 9, num_lookahead_tokens=8)
+    (new,) = kv.allocate_slots(req, 9, num_lookahead_tokens=8)
     assert len(new) == 3  # cdiv(min(9 + 8, 10), 4)
 
 
 def test_allocate_with_lookahead():
     kv = make_kv(20, block_size=4)
     req = make_request("r", list(range(5)), block_size=4)
-    assert len(kv.allocate_slots(req, 5, num_lookahead_tokens=4)) == 3  # cdiv(5 + 4, 4)
+    assert len(kv.allocate_slots(req, 5, num_lookahead_tokens=4)[0]) == 3  # cdiv(5 + 4, 4)
 
 
 def test_watermark_applies_to_waiting_requests_when_others_scheduled():
@@ -398,7 +398,7 @@ def test_running_request_cannot_adopt_hits():
     admit(kv, a)
     b = make_request("b", list(range(40)), block_size=16)
     admit(kv, b)
-    hits, _ = kv.get_computed_blocks(b)
+    hits, _ = kv.get_computed_blocks(b)  # (per group)
     with pytest.raises(AssertionError):
         kv.allocate_slots(b, 1, 32, hits)
 

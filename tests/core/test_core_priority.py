@@ -218,7 +218,7 @@ def test_priority_scheduling_preemption_and_resumption_when_out_of_kv():
     assert c.req_ids == ["low"] and c.resumed_req_ids == {"low"}
     assert so.num_scheduled_tokens == {"low": 12}  # prompt 10 + 2 outputs recomputed
     assert c.all_token_ids["low"] == low.prompt_token_ids + [1000, 1000]
-    assert c.new_block_ids == [[b for b in s.kv_cache_manager.get_block_ids("low")]]
+    assert c.new_block_ids == [s.kv_cache_manager.get_block_ids("low")]
     assert low.num_preemptions == 1
     for _ in range(10):
         step(s)

@@ -23,7 +23,11 @@ STEP_KEYS = [
     "num_running_after", "num_waiting_after", "processed_output_of_step", "idle",
     # events (EVENTS.md): client aborts, stop reasons, stop tokens masked by min_tokens
     "aborted", "aborted_during_step", "abort_noop", "stop_reasons", "masked_stop",
+    # KV cache groups (HYBRID.md): non-null blocks per group of each running request
+    "blocks_per_group",
 ]
+HYBRID_EFFECTIVE_KEYS = ["kv_cache_groups", "kv_cache_coordinator", "prefix_cache_retention_interval",
+                         "max_in_flight_tokens", "cache_hit_alignment_tokens"]
 SUMMARY_KEYS = ["num_steps", "finish_step", "first_token_step", "unfinished", "output_token_ids",
                 "num_free_blocks_end", "aborted", "finish_reasons", "stop_reasons"]
 
@@ -44,6 +48,7 @@ def _finished_pairs(rec: dict) -> list[list[str]]:
 def test_every_scenario_has_an_expected_trace():
     assert len(SCENARIOS) >= 13
     assert sum(name.startswith("d_") for name in SCENARIOS) == 6  # the recorded event scenarios
+    assert sum(name.startswith("h_") for name in SCENARIOS) == 6  # the recorded KV-cache-group scenarios
     for name in SCENARIOS:
         assert (DATA / f"{name}.expected.jsonl").exists(), name
 
@@ -60,6 +65,11 @@ def test_replay_matches_vllm_oracle(name):
                 assert got["settings"][k] == exp["settings"][k]
             assert got["settings"]["max_model_len"] == exp["effective"]["max_model_len"]
             assert got["num_requests"] == exp["num_requests"]
+            for k in HYBRID_EFFECTIVE_KEYS:
+                if k in exp["effective"]:
+                    assert got["effective"][k] == exp["effective"][k], (name, "effective", k)
+                else:
+                    assert k not in got.get("effective", {}), (name, "effective", k)
             continue
         if exp["type"] == "summary":
             for k in SUMMARY_KEYS:
@@ -76,9 +86,11 @@ def test_replay_matches_vllm_oracle(name):
             assert got.get("drain_only") is True, where
             assert got.get("processed_output_of_step") == exp.get("processed_output_of_step"), where
             continue
+        idle = exp.get("idle") is True  # the oracle writes only `arrived` (and aborts) for an idle step
         for k in STEP_KEYS:
             if k not in exp:
-                assert k not in got or k in ("finished",) or got[k] in (None, False), (where, k)
+                assert (k not in got or k in ("finished",) or got[k] in (None, False)
+                        or (idle and got[k] in ({}, []))), (where, k)
                 continue
             if k == "finished":
                 assert _finished_pairs(got) == exp[k], (where, k)

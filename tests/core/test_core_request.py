@@ -125,7 +125,7 @@ def test_finished_request_full_blocks_stay_cached_partial_goes_to_head():
     s.add_request(make_request("b", list(range(9)) + [77], max_tokens=1))
     so = s.schedule()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 8
-    assert so.scheduled_new_reqs[0].block_ids == [1, 2, 3]
+    assert so.scheduled_new_reqs[0].block_ids == ([1, 2, 3],)
 
 
 def test_decode_block_registered_in_the_step_that_completes_it():

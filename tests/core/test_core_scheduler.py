@@ -531,7 +531,7 @@ def test_same_step_prefix_hit_between_identical_prompts():
     hits = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
     assert hits == {"0": 0, "1": 32, "2": 32}
     assert so.num_scheduled_tokens == {"0": 40, "1": 8, "2": 8}
-    blocks = {n.req_id: n.block_ids for n in so.scheduled_new_reqs}
+    blocks = {n.req_id: n.block_ids[0] for n in so.scheduled_new_reqs}
     assert blocks["1"][:2] == blocks["0"][:2] == blocks["2"][:2]
     assert len({blocks["0"][2], blocks["1"][2], blocks["2"][2]}) == 3
     stats = s.make_stats().prefix_cache_stats
@@ -659,7 +659,7 @@ def test_cached_request_data_fields():
     s = create_scheduler(num_blocks=100, block_size=4)
     s.add_request(make_request("r", [1] * 6, max_tokens=10))
     so, _ = step(s)
-    assert so.scheduled_new_reqs[0].block_ids == [1, 2]
+    assert so.scheduled_new_reqs[0].block_ids == ([1, 2],)
     assert so.scheduled_new_reqs[0].num_computed_tokens == 0
     so, _ = step(s)  # token 6 -> slot 7, still block 2
     c = so.scheduled_cached_reqs
@@ -668,7 +668,7 @@ def test_cached_request_data_fields():
     so, _ = step(s)
     so, _ = step(s)  # slot 9 -> new block 3
     c = so.scheduled_cached_reqs
-    assert c.new_block_ids == [[3]] and c.num_computed_tokens == [8]
+    assert c.new_block_ids == [([3],)] and c.num_computed_tokens == [8]
 
 
 def test_empty_model_runner_output_for_empty_step():

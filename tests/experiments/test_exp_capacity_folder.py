@@ -6,7 +6,7 @@ from exptest_helpers import folder_tree, tiny, write_yaml
 
 from servetwin.core.testbed import atomic
 from servetwin.experiments.cli import main
-from servetwin.experiments.run_folder import RunFolder
+from servetwin.experiments.run_folder import MARKER, RunFolder
 
 ARGS = ["--slo", "ttft_p90_s=0.03", "--seeds", "1", "--tol", "0.3", "--max-probes", "6", "--no-progress"]
 
@@ -19,14 +19,16 @@ def _cfg(tmp_path):
 def test_capacity_refuses_a_non_empty_folder_and_overwrite_clears_stale_files(tmp_path, capsys):
     path, out = _cfg(tmp_path), tmp_path / "cap"
     out.mkdir()
+    (out / "config.yaml").write_text("name: old\n")  # an earlier servetwin's folder (before the marker)
     (out / "old.png").write_text("from an earlier run")
+    before = folder_tree(out)
     assert main(["capacity", str(path), "-o", str(out), *ARGS, "--no-plots"]) == 2
     err = capsys.readouterr().err
     assert "-o/--output:" in err and "not empty" in err and "--overwrite" in err
-    assert folder_tree(out) == {"old.png": b"from an earlier run"}
+    assert folder_tree(out) == before
     assert main(["capacity", str(path), "-o", str(out), *ARGS, "--no-plots", "--overwrite"]) == 0
     names = set(folder_tree(out))
-    assert names == {"config.yaml", "probes.csv", "capacity.md", "capacity.json"}  # old.png is gone
+    assert names == {"config.yaml", "probes.csv", "capacity.md", "capacity.json", MARKER}  # old.png is gone
     assert json.loads((out / "capacity.json").read_text())["interrupted"] is False
     assert "wrote" in capsys.readouterr().out
 
@@ -62,7 +64,7 @@ def test_capacity_json_is_written_last_and_every_file_atomically(tmp_path, monke
     monkeypatch.setattr(rf.RunFolder, "record", lambda self, rel: (order.append(rel), real(self, rel))[1])
     path, out = _cfg(tmp_path), tmp_path / "cap"
     assert main(["capacity", str(path), "-o", str(out), *ARGS]) == 0
-    assert order[-1] == "capacity.json" and set(order) == set(folder_tree(out))
+    assert order[-1] == "capacity.json" and set(order) | {MARKER} == set(folder_tree(out))
     assert {"config.yaml", "probes.csv", "capacity.png", "capacity.md"} <= set(order)
 
 

@@ -75,13 +75,15 @@ def test_run_refuses_a_non_empty_folder_unless_overwrite(tmp_path, capsys):
     path = write_yaml(tmp_path / "c.yaml", tiny())
     out = tmp_path / "out"
     (out / "torch").mkdir(parents=True)
+    (out / "torch" / "steps.parquet").write_bytes(b"old")
+    (out / "config.yaml").write_text("name: old\n")  # an earlier servetwin's run folder
     (out / "old.png").write_bytes(b"png")
     assert main(["run", str(path), "-o", str(out), "--no-progress", "--no-plots"]) == 2
     err = capsys.readouterr().err
     assert "-o/--output:" in err and "is not empty" in err and "--overwrite" in err
-    assert sorted(p.name for p in out.iterdir()) == ["old.png", "torch"]  # untouched
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "old.png", "torch"]  # untouched
     assert main(["run", str(path), "-o", str(out), "--no-progress", "--no-plots", "--overwrite"]) == 0
-    names = sorted(p.name for p in out.iterdir())
+    names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
     assert names == ["config.yaml", "report.md", "sim", "summary.json"]  # the old backend and PNG are gone
     printed = capsys.readouterr().out
     assert "<backend>" not in printed and "config.yaml, report.md, summary.json, sim/ (5 files)" in printed

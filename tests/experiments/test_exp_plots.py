@@ -80,3 +80,58 @@ def test_categorical_sweep_is_drawn_as_bars(tmp_path):
     df = _sweep_df([True, False])
     assert not plots.is_numeric_axis(df["engine.max_num_seqs"].tolist())
     assert plots.sweep_comparison(df, str(tmp_path / "s.png"), None, keys=["engine.max_num_seqs"])
+
+
+def _drawn_sweep(monkeypatch, df, tmp_path, ctx=None):
+    """Draw the sweep figure and return its figure (kept open) instead of only the file."""
+    kept = {}
+    real = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (kept.setdefault("fig", fig), path)[1])
+    plots.sweep_comparison(df, str(tmp_path / "s.png"), ctx or plots.PlotContext(title="t"),
+                           keys=["engine.max_num_seqs"])
+    monkeypatch.setattr(plots, "_save", real)
+    fig = kept["fig"]
+    fig.canvas.draw()
+    return fig, {ax.get_title().split(" (")[0]: ax for ax in fig.axes}
+
+
+def test_numeric_sweep_axis_shows_a_tiny_difference_as_tiny(monkeypatch, tmp_path):
+    # four points of a sweep the arrival rate binds: throughput differs by 0.004%, makespan ~7 min
+    df = _sweep_df([64, 128, 256, 512])
+    df["throughput_tok_s"] = [12190.0, 12190.5, 12190.2, 12189.9]
+    df["duration_s"] = [415.0, 415.2, 415.1, 415.0]
+    df.loc[2, "status"] = "interrupted"
+    fig, ax = _drawn_sweep(monkeypatch, df, tmp_path)
+    thr, span = ax["throughput"], ax["makespan"]
+    # against the numeric swept values, on a numeric axis
+    assert [t.get_text() for t in thr.get_xticklabels()] == ["64", "128", "256", "512"]
+    assert thr.get_xaxis().get_scale() == "linear" and thr.get_xticks() == pytest.approx([64, 128, 256, 512])
+    # from zero, without an offset or scientific notation: the lines are flat, as the numbers are
+    assert thr.get_ylim()[0] == 0 and thr.yaxis.get_major_formatter().get_offset() == ""
+    labels = [t.get_text() for t in thr.get_yticklabels()]
+    assert all("e" not in lab and "+" not in lab for lab in labels)
+    # the makespan's tick labels are all different (not eight times "7 min")
+    spans = [t.get_text() for t in span.get_yticklabels()]
+    assert len(spans) >= 3 and len(set(spans)) == len(spans) and span.get_ylim()[0] == 0
+    # the interrupted point is marked and labelled
+    assert any(t.get_text() == "partial" for t in thr.texts)
+    assert "interrupted" in fig._suptitle.get_text()
+    matplotlib.pyplot.close(fig)
+
+
+def test_sweep_figure_subtitle_names_no_swept_value(tmp_path):
+    cfg = tiny(sweep={"engine.max_num_seqs": [2, 4]}, workload__arrival={"type": "poisson", "rate": 3.0})
+    from servetwin.experiments.schema import load_config
+
+    exp = load_config(str(write_yaml(tmp_path / "c.yaml", cfg)), overrides=["workload.requests=9"])
+    ctx = plots.context_for(exp)
+    assert "max_num_seqs" not in ctx.settings and "max_num_batched_tokens 64" in ctx.settings
+    assert ctx.title.endswith("9 requests at 3 req/s (poisson)")  # the --set shows in the title
+
+
+def test_seeded_sweep_error_bars_are_the_clipped_interval_not_the_std():
+    df = _sweep_df([8, 16])
+    df["ttft_p99_s_ci_lo"], df["ttft_p99_s_ci_hi"] = [0.0, 0.08], [0.2, 0.12]
+    df["ttft_p99_s_std"] = [1.0, 1.0]  # symmetric std bars would reach below zero
+    below, above = plots.spread(df, "ttft_p99_s")
+    assert below == pytest.approx([0.05, 0.02]) and above == pytest.approx([0.15, 0.02])

@@ -2,6 +2,7 @@
 import errno
 import json
 import os
+import pathlib
 
 import pytest
 from exptest_helpers import folder_tree, tiny, write_yaml
@@ -9,7 +10,7 @@ from exptest_helpers import folder_tree, tiny, write_yaml
 from servetwin.core.testbed import atomic
 from servetwin.core.testbed.atomic import atomic_open, atomic_write_with, staged_folder
 from servetwin.experiments.cli import main
-from servetwin.experiments.run_folder import RunFolder
+from servetwin.experiments.run_folder import MARKER, RunFolder
 from servetwin.experiments.schema import ConfigError
 
 
@@ -137,14 +138,122 @@ def test_summary_is_written_last(tmp_path, monkeypatch):
                                              "sim/steps.parquet", "sim/summary.json"}
 
 
-def test_sweep_refuses_a_non_empty_folder_and_overwrite_clears_it(tmp_path, capsys):
-    path = write_yaml(tmp_path / "c.yaml", tiny(sweep={"engine.max_num_seqs": [2, 4]}, workload__requests=3))
+def test_sweep_refuses_a_non_empty_folder_and_overwrite_clears_its_old_points(tmp_path, capsys):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "stale_point").mkdir()
+    three = write_yaml(tmp_path / "c3.yaml", tiny(sweep={"engine.max_num_seqs": [2, 4, 8]}, workload__requests=3))
+    assert main(["sweep", str(three), "-o", str(out), "--no-progress", "--no-plots"]) == 0
+    stale = {p.name for p in out.iterdir() if p.is_dir()}
+    path = write_yaml(tmp_path / "c.yaml", tiny(sweep={"engine.max_num_seqs": [16]}, workload__requests=3))
     assert main(["sweep", str(path), "-o", str(out), "--no-progress", "--no-plots"]) == 2
     assert "is not empty" in capsys.readouterr().err
     assert main(["sweep", str(path), "-o", str(out), "--no-progress", "--no-plots", "--overwrite"]) == 0
-    names = sorted(p.name for p in out.iterdir())
-    assert "stale_point" not in names and {"sweep.csv", "sweep.md", "config.yaml"} <= set(names)
+    names = {p.name for p in out.iterdir()}
+    assert not stale & names and {"sweep.csv", "sweep.md", "config.yaml"} <= names  # old points gone
     assert "<backend>" not in capsys.readouterr().out
+    assert set(folder_tree(out)) <= _marked(out)  # every file the sweep and its points wrote is listed
+
+
+# -- --overwrite clears only what servetwin wrote -----------------------------------------------------
+def _marked(out) -> set[str]:
+    """Every path the folder's markers (its own and its subfolders') list, the markers included."""
+    found = set()
+    for folder, _, files in os.walk(out):
+        if MARKER in files:
+            rel = os.path.relpath(folder, out)
+            found.add(os.path.normpath(os.path.join(rel, MARKER)))
+            lines = (pathlib.Path(folder) / MARKER).read_text().splitlines()
+            found |= {os.path.normpath(os.path.join(rel, ln)) for ln in lines if ln and not ln.startswith("#")}
+    return found
+
+
+def _run(cfg, out, *extra):
+    return main(["run", str(cfg), "-o", str(out), "--no-progress", *extra])
+
+
+def test_overwrite_refuses_a_folder_servetwin_did_not_write(tmp_path, capsys):
+    cfg = write_yaml(tmp_path / "c.yaml", tiny())
+    repo = tmp_path / "repo"
+    (repo / ".git" / "objects").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / "notes.txt").write_text("mine")
+    (repo / "summary.json").write_text("{}")  # a servetwin-looking name changes nothing
+    before = folder_tree(repo)
+    assert _run(cfg, repo, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "-o/--output:" in err and str(repo) in err and "not written by servetwin" in err
+    assert "notes.txt" in err and "Traceback" not in err
+    assert folder_tree(repo) == before
+
+
+def test_overwrite_of_the_current_folder_is_refused(tmp_path, monkeypatch, capsys):
+    cfg = write_yaml(tmp_path / "c.yaml", tiny())
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "analysis.py").write_text("print(1)")
+    monkeypatch.chdir(scratch)
+    assert _run(cfg, ".", "--overwrite") == 2
+    assert "not written by servetwin" in capsys.readouterr().err
+    assert [p.name for p in scratch.iterdir()] == ["analysis.py"]
+
+
+def test_overwrite_keeps_a_user_file_inside_an_old_run_folder(tmp_path):
+    out = tmp_path / "out"
+    assert _run(write_yaml(tmp_path / "two.yaml", tiny(backends=["sim"])), out) == 0
+    first = set(folder_tree(out))
+    (out / "analysis.ipynb").write_text('{"cells": []}')
+    (out / "sim" / "my_plot.png").write_bytes(b"mine")  # even a kind servetwin writes, when it did not
+    assert _run(write_yaml(tmp_path / "c.yaml", tiny(output={"plots": False})), out, "--overwrite") == 0
+    after = folder_tree(out)
+    assert after["analysis.ipynb"] == b'{"cells": []}' and after["sim/my_plot.png"] == b"mine"
+    assert set(after) - {"analysis.ipynb", "sim/my_plot.png"} <= _marked(out)
+    assert {"analysis.ipynb", "sim/my_plot.png"}.isdisjoint(_marked(out))
+    stale = {f for f in first if f.endswith(".png")}
+    assert stale and stale.isdisjoint(after)  # the first run's figures went (this one drew none)
+
+
+def test_overwrite_of_a_folder_from_before_the_marker(tmp_path, capsys):
+    cfg = write_yaml(tmp_path / "c.yaml", tiny(output={"plots": False}))
+    out = tmp_path / "old"
+    assert _run(cfg, out) == 0
+    (out / MARKER).unlink()  # as the version before the marker left it
+    (out / "notebook.ipynb").write_text("{}")
+    before = folder_tree(out)
+    assert _run(cfg, out, "--overwrite") == 2  # holds a file servetwin never writes: refused
+    assert "notebook.ipynb" in capsys.readouterr().err and folder_tree(out) == before
+    (out / "notebook.ipynb").unlink()
+    (out / "sim" / "stale.parquet").write_bytes(b"old")
+    assert _run(cfg, out, "--overwrite") == 0  # only servetwin's kinds of file: cleared
+    assert "sim/stale.parquet" not in folder_tree(out) and (out / MARKER).exists()
+
+
+def test_overwrite_through_a_symlink_applies_the_rules_to_the_target(tmp_path, capsys):
+    cfg = write_yaml(tmp_path / "c.yaml", tiny(output={"plots": False}))
+    target = tmp_path / "home"
+    target.mkdir()
+    (target / ".bashrc").write_text("export A=1")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    assert _run(cfg, link, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "not written by servetwin" in err and f"-> {target}" in err and ".bashrc" in err
+    assert [p.name for p in target.iterdir()] == [".bashrc"]
+    run_target = tmp_path / "run_target"
+    assert _run(cfg, run_target) == 0
+    (run_target / "keep.txt").write_text("mine")
+    link.unlink()
+    link.symlink_to(run_target)
+    assert _run(cfg, link, "--overwrite") == 0
+    assert link.is_symlink() and (run_target / "keep.txt").read_text() == "mine"
+    assert (run_target / "summary.json").exists()
+
+
+def test_a_marker_cannot_reach_outside_its_folder(tmp_path):
+    cfg = write_yaml(tmp_path / "c.yaml", tiny(output={"plots": False}))
+    out = tmp_path / "out"
+    assert _run(cfg, out) == 0
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    with open(out / MARKER, "a") as f:
+        f.write(f"../victim.txt\n{victim}\n")
+    assert _run(cfg, out, "--overwrite") == 0
+    assert victim.read_text() == "keep me"

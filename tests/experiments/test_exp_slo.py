@@ -78,6 +78,9 @@ def test_t_statistics_match_the_tables():
     s = mean_ci([1, 2, 3, 4, None, float("nan")])
     assert s["n"] == 4 and s["mean"] == 2.5 and s["ci_hi"] - 2.5 == pytest.approx(3.1824 * 1.29099 / 2, rel=1e-4)
     assert mean_ci([3.0])["ci_lo"] is None and mean_ci([])["mean"] is None
+    two = mean_ci([1.0, 9.0])  # two seeds far apart: the t interval would reach -20
+    assert two["ci_lo"] == 0.0 and two["ci_hi"] > 9 and mean_ci([1.0, 9.0], within=(None, None))["ci_lo"] < -20
+    assert mean_ci([0.5, 1.0], within=(0.0, 1.0))["ci_hi"] == 1.0  # a share stays within [0, 1]
     assert mean_bound([1, 2, 3, 4], 0.9) == pytest.approx(2.5 + 1.6377 * 1.29099 / 2, rel=1e-4)
     assert mean_bound([1, 2, 3, 4], 0.9, upper=False) < 2.5
 

@@ -115,3 +115,21 @@ def test_a_case_measured_on_vllm_0_11_runs_without_the_full_prompt_admission_gat
                             overrides=["engine.scheduler_reserve_full_isl=true"])[0]
     assert not forced.notes and forced.rows[0][2] == modern.rows[0][2]
     assert "Settings taken from the measured vLLM version" in render_table([old])
+
+
+def test_the_published_cases_the_readme_cites_are_in_the_repository():
+    import pathlib
+
+    import yaml
+
+    from servetwin.experiments.schema import load_config
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    for folder in ("benchmarks/gpu_reference", "benchmarks/published_cases"):
+        assert folder in (root / "README.md").read_text()
+        d = root / folder
+        published = json.loads((d / "published.json").read_text())
+        cases = {p.stem: p for p in (d / "cases").glob("*.yaml")}
+        assert cases and set(published) <= set(cases) and (d / "README.md").is_file()
+        for p in cases.values():  # each parses (models/ configs resolve), without running
+            assert yaml.safe_load(p.read_text())["backends"] == ["sim"] and load_config(p).model

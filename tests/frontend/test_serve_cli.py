@@ -20,7 +20,7 @@ def test_serve_help_lists_server_and_engine_options(capsys):
         assert opt in out, opt
 
 
-def test_engine_arguments_are_mapped_with_vllm_names():
+def test_engine_arguments_are_mapped_with_vllm_names(capsys):
     ns = build_parser().parse_args(["serve", "--backend", "sim", "--model", "qwen3-8b", "--max-num-seqs", "7",
                                     "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
                                     "--hardware", "h100-sxm", "--time-scale", "0.1"])
@@ -28,6 +28,7 @@ def test_engine_arguments_are_mapped_with_vllm_names():
     assert (args.backend, args.model, args.max_num_seqs, args.enable_prefix_caching) == ("sim", "qwen3-8b", 7, False)
     assert args.gpu_memory_utilization == 0.5 and args.hardware == "h100-sxm" and args.multiprocess
     assert args.tokenizer == "toy" and ns.time_scale == 0.1  # fake / sim answer text through the toy tokenizer
+    assert "counts text with the toy tokenizer" in capsys.readouterr().err  # and say so
     ns = build_parser().parse_args(["serve", "--backend", "torch"])
     assert engine_args_from(ns).tokenizer is None
 

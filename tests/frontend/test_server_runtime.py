@@ -27,4 +27,8 @@ def test_the_server_parses_http_with_httptools():
 
     config = uvicorn_config(app, host="127.0.0.1", port=0, log_level="warning")
     config.load()
-    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    # httptools, with the connection limits of `http_limits` (head size and count, read deadline)
+    assert issubclass(config.http_protocol_class, HttpToolsProtocol)
+    assert config.http_protocol_class.__name__ == "LimitedHttpToolsProtocol"

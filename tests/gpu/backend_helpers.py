@@ -38,10 +38,12 @@ class HFOracle:
 
     @torch.inference_mode()
     def generate_greedy(self, prompt: Sequence[int], n: int) -> list[int]:
-        ids = torch.tensor([list(prompt)])
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+        """n greedy tokens, EOS included when it is the argmax (what `ignore_eos` generates; HF
+        `generate`'s min_new_tokens would mask EOS instead, and random weights do pick it)."""
+        seq = list(prompt)
+        for _ in range(n):
+            seq.append(int(self.last_logits(seq).argmax()))
+        return seq[len(prompt):]
 
 
 def step(step_idx: int, new: Sequence[NewRequestData] = (), cached: Optional[CachedRequestData] = None,
@@ -75,7 +77,7 @@ def make_executor(name: str, **kw) -> TorchExecutor:
     return TorchExecutor(name, device="cpu", keep_logits=True, **kw)
 
 
-def check_step_logits(ex: TorchExecutor, orc: HFOracle, so, out) -> int:
+def check_step_logits(ex: TorchExecutor, orc: HFOracle, so, out, atol: float = ATOL) -> int:
     """Compare every scheduled row's logits with HF; returns the number of rows checked."""
     for rid, n in so.num_scheduled_tokens.items():
         st = ex.state.requests[rid]
@@ -83,7 +85,7 @@ def check_step_logits(ex: TorchExecutor, orc: HFOracle, so, out) -> int:
         upto = st.num_computed_tokens  # after this step's advance
         prefix = st.token_ids[:upto]
         ref = orc.last_logits(prefix)
-        torch.testing.assert_close(ex.last_logits[rid], ref, atol=ATOL, rtol=1e-5,
+        torch.testing.assert_close(ex.last_logits[rid], ref, atol=atol, rtol=1e-5,
                                    msg=lambda m: f"step {so.step} request {rid}: {m}")
         if sampled:
             assert sampled == [int(ref.argmax())], f"step {so.step} {rid}: greedy token differs"

@@ -96,7 +96,7 @@ def _run_steps(ex: TorchExecutor) -> tuple[list, dict]:
     rng = random.Random(11)
     prompts = {f"r{i}": [rng.randrange(3, 320) for _ in range(n)] for i, n in enumerate((37, 5, 20, 64))}
     blocks = {rid: [6 * i + j for j in range(6)] for i, rid in enumerate(prompts)}
-    out = ex.execute_model(step(0, new=[NewRequestData(rid, p, GREEDY, blocks[rid], 0) for rid, p in prompts.items()],
+    out = ex.execute_model(step(0, new=[NewRequestData(rid, p, GREEDY, (blocks[rid],), 0) for rid, p in prompts.items()],
                                 num_scheduled={rid: len(p) for rid, p in prompts.items()}))
     toks = [out.sampled_token_ids]
     logits = [dict(ex.last_logits)]

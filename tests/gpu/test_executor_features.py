@@ -53,7 +53,7 @@ def test_kv_sizing_from_budget_and_auto_fit():
 
 def test_timing_and_empty_step():
     ex = ex_()
-    out = ex.execute_model(step(0, new=[NewRequestData("a", prompt(20), GREEDY, [1, 2], 0)],
+    out = ex.execute_model(step(0, new=[NewRequestData("a", prompt(20), GREEDY, ([1, 2],), 0)],
                                 num_scheduled={"a": 20}))
     t = out.timing
     assert t.duration_s > 0 and t.forward_s > 0 and t.prepare_s > 0 and t.sample_s > 0
@@ -65,7 +65,7 @@ def test_timing_and_empty_step():
 
 def test_step_annotation_context_vs_generation():
     def row(rid, n_prompt, n_out, sched):
-        st = CachedRequestState(rid, list(range(n_prompt + n_out)), n_prompt, [1], None)
+        st = CachedRequestState(rid, list(range(n_prompt + n_out)), n_prompt, ([1],), None)
         return ScheduledRow(rid, st, 0, sched)
     rows = [row("new", 10, 0, 10), row("chunk2", 30, 0, 8), row("dec", 5, 3, 1), row("resumed", 5, 2, 7)]
     assert step_annotation(rows, {"new"}) == "execute_context_2(18)_generation_2(8)"
@@ -73,7 +73,7 @@ def test_step_annotation_context_vs_generation():
 
 def test_profile_dir_writes_chrome_trace(tmp_path):
     ex = ex_(profile_dir=str(tmp_path))
-    ex.execute_model(step(0, new=[NewRequestData("a", prompt(9), GREEDY, [1], 0)], num_scheduled={"a": 9}))
+    ex.execute_model(step(0, new=[NewRequestData("a", prompt(9), GREEDY, ([1],), 0)], num_scheduled={"a": 9}))
     ex.execute_model(step(1, cached=CachedRequestData(["a"], [None], [9], [1]), num_scheduled={"a": 1}))
     ex.close()
     names = {e.get("name") for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]}
@@ -86,7 +86,7 @@ def test_logprobs_and_prompt_logprobs_match_hf():
     orc = HFOracle(resolve_model("tiny-llama").path)
     p = prompt(21, 3)
     sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2)
-    out1 = ex.execute_model(step(0, new=[NewRequestData("a", p, sp, [4, 5], 0)], num_scheduled={"a": 12}))
+    out1 = ex.execute_model(step(0, new=[NewRequestData("a", p, sp, ([4, 5],), 0)], num_scheduled={"a": 12}))
     out2 = ex.execute_model(step(1, cached=CachedRequestData(["a"], [None], [12], [0]), num_scheduled={"a": 9}))
     ref = torch.log_softmax(orc.all_logits(p), dim=-1)
     plp = out1.prompt_logprobs_dict["a"] + out2.prompt_logprobs_dict["a"]
@@ -109,10 +109,10 @@ def test_seeded_sampling_is_reproducible_and_independent_of_neighbours():
     def run(with_neighbour: bool) -> list[int]:
         ex = ex_()
         sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=8)
-        new = [NewRequestData("s", prompt(7), sp, [1], 0)]
+        new = [NewRequestData("s", prompt(7), sp, ([1],), 0)]
         sched = {"s": 7}
         if with_neighbour:
-            new.append(NewRequestData("n", prompt(5, 9), SamplingParams(temperature=1.0, max_tokens=8), [2], 0))
+            new.append(NewRequestData("n", prompt(5, 9), SamplingParams(temperature=1.0, max_tokens=8), ([2],), 0))
             sched["n"] = 5
         toks = []
         out = ex.execute_model(step(0, new=new, num_scheduled=sched))
@@ -147,10 +147,10 @@ def test_lm_head_only_for_sampling_rows_gives_the_same_tokens():
     def run(keep: bool) -> list[list[list[int]]]:
         ex = ex_(keep_logits=keep)
         a, b, c = prompt(30, 1), prompt(9, 2), prompt(20, 3)
-        outs = [ex.execute_model(step(0, new=[NewRequestData("a", a, GREEDY, [1, 2], 0),
-                                              NewRequestData("b", b, GREEDY, [3], 0)],
+        outs = [ex.execute_model(step(0, new=[NewRequestData("a", a, GREEDY, ([1, 2],), 0),
+                                              NewRequestData("b", b, GREEDY, ([3],), 0)],
                                       num_scheduled={"a": 12, "b": 9}))]  # a: partial chunk
-        outs.append(ex.execute_model(step(1, new=[NewRequestData("c", c, GREEDY, [4, 5], 0)],
+        outs.append(ex.execute_model(step(1, new=[NewRequestData("c", c, GREEDY, ([4, 5],), 0)],
                                           cached=CachedRequestData(["a", "b"], [None, None], [12, 9], [0, 0]),
                                           num_scheduled={"a": 18, "b": 1, "c": 7})))  # c: partial
         outs.append(ex.execute_model(step(2, cached=CachedRequestData(["a", "b", "c"], [None] * 3, [30, 10, 7],

@@ -41,15 +41,15 @@ def test_hand_built_steps_match_hf(name, mode):
         return out
 
     # 1: A whole prompt (3 blocks), B first chunk of 12 (samples nothing)
-    out = run(step(1, new=[NewRequestData("A", pa, GREEDY, [5, 9, 2], 0),
-                           NewRequestData("B", pb, GREEDY, [7, 3], 0)], num_scheduled={"A": 40, "B": 12}))
+    out = run(step(1, new=[NewRequestData("A", pa, GREEDY, ([5, 9, 2],), 0),
+                           NewRequestData("B", pb, GREEDY, ([7, 3],), 0)], num_scheduled={"A": 40, "B": 12}))
     assert out.sampled_token_ids[out.req_id_to_index["B"]] == []
     # 2: A decode, B rest of its prompt, C new with a 32-token prefix hit on A's blocks 5 and 9
-    run(step(2, new=[NewRequestData("C", pc, GREEDY, [5, 9, 11], 32)],
+    run(step(2, new=[NewRequestData("C", pc, GREEDY, ([5, 9, 11],), 32)],
              cached=CachedRequestData(["A", "B"], [None, None], [40, 12], [1, 0]),
              num_scheduled={"A": 1, "B": 11, "C": 9}))
     # 3: decodes (C needs no new block: 42 tokens in 3 blocks), D arrives
-    run(step(3, new=[NewRequestData("D", pd, GREEDY, [13], 0)],
+    run(step(3, new=[NewRequestData("D", pd, GREEDY, ([13],), 0)],
              cached=CachedRequestData(["A", "B", "C"], [None, None, None], [41, 23, 41], [2, 1, 1]),
              num_scheduled={"A": 1, "B": 1, "C": 1, "D": 5}))
     # 4: B preempted (its blocks 7, 3 are freed); A, C, D decode
@@ -58,7 +58,7 @@ def test_hand_built_steps_match_hf(name, mode):
     # 5: B resumed into fresh blocks, recomputing prompt + its 2 outputs in one chunk
     b_tokens = pb + outputs["B"]
     assert len(outputs["B"]) == 2
-    run(step(5, cached=CachedRequestData(["A", "C", "D", "B"], [None, None, None, [12, 4]], [43, 43, 6, 0],
+    run(step(5, cached=CachedRequestData(["A", "C", "D", "B"], [None, None, None, ([12, 4],)], [43, 43, 6, 0],
                                          [4, 3, 2, 2], {"B"}, {"B": b_tokens}),
              num_scheduled={"A": 1, "C": 1, "D": 1, "B": len(b_tokens)}))
     # 6: A finished; the rest decode
@@ -132,7 +132,7 @@ def test_loop_batched_and_split_attention_agree():
     for mode in ("batched", "loop", "split"):
         ex = make_executor("tiny-qwen3", torch_paged_mode=mode)
         rng = random.Random(5)
-        new = [NewRequestData(f"q{i}", [rng.randrange(3, 320) for _ in range(n)], GREEDY, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i], 0)
+        new = [NewRequestData(f"q{i}", [rng.randrange(3, 320) for _ in range(n)], GREEDY, ([1 + 3 * i, 2 + 3 * i, 3 + 3 * i],), 0)
                for i, n in enumerate((5, 20, 33))]
         ex.execute_model(step(1, new=new, num_scheduled={"q0": 5, "q1": 20, "q2": 16}))
         ex.execute_model(step(2, cached=CachedRequestData(["q0", "q1", "q2"], [None] * 3, [5, 20, 16], [1, 1, 0]),

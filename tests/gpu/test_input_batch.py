@@ -12,7 +12,7 @@ PAD = 99
 
 
 def row(req_id, tokens, num_prompt, blocks, computed, scheduled):
-    st = CachedRequestState(req_id, list(tokens), num_prompt, list(blocks), None, computed + scheduled)
+    st = CachedRequestState(req_id, list(tokens), num_prompt, (list(blocks),), None, computed + scheduled)
     return ScheduledRow(req_id, st, computed, scheduled)
 
 
@@ -56,3 +56,32 @@ def test_scheduling_unknown_tokens_is_an_error():
 def test_build_block_table_fixed_width():
     t = build_block_table([[1, 2], [3]], np.array([2, 1]), PAD, width=4)
     assert t.tolist() == [[1, 2, PAD, PAD], [3, PAD, PAD, PAD]] and t.dtype == np.int32
+
+
+def test_one_block_table_and_slot_mapping_per_kv_cache_group():
+    """Two KV groups (full, sliding window): each has its own table and slots; the window group's
+    table may hold the null block 0 for blocks the scheduler freed."""
+    import torch
+
+    from servetwin.core.engine.runner_state import RunnerState
+    from servetwin.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from servetwin.core.kv_cache.kv_sizing import KVCacheSpec
+    from servetwin.gpu.kv_cache import allocate_kv_caches
+
+    state = RunnerState()
+    so = SchedulerOutput([NewRequestData("a", list(range(9)), None, ([1, 2, 3], [0, 5, 6]), 4)],
+                         CachedRequestData(), {"a": 5}, 5, set(), set())
+    rows = state.update(so)
+    b = prepare_inputs(rows, B, PAD)
+    assert [t.tolist() for t in b.block_tables] == [[[1, 2, 3]], [[0, 5, 6]]]
+    assert b.slot_mappings[0].tolist() == [2 * B, 2 * B + 1, 2 * B + 2, 2 * B + 3, 3 * B]
+    assert b.slot_mappings[1].tolist() == [5 * B, 5 * B + 1, 5 * B + 2, 5 * B + 3, 6 * B]
+    assert b.block_table is b.block_tables[0] and b.slot_mapping is b.slot_mappings[0]
+    # the next step appends each group's new blocks to that group's table
+    so2 = SchedulerOutput([], CachedRequestData(["a"], [([4], [7])], [9], [0]), {"a": 4}, 4, set(), set())
+    assert [list(g) for g in state.update(so2)[0].state.block_ids] == [[1, 2, 3, 4], [0, 5, 6, 7]]
+    # the j-th layer of each group shares one KV tensor (layer plans per group: test_kv_group_tables.py)
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=1, head_size=2, dtype="float32", block_size=B)
+    caches = allocate_kv_caches(spec, 8, torch.float32, torch.device("cpu"), layer_to_group=(1, 0, 1, 0))
+    assert caches[0][0] is caches[1][0] and caches[2][0] is caches[3][0] and caches[0][0] is not caches[2][0]
+    assert len({id(k) for k, _ in allocate_kv_caches(spec, 8, torch.float32, torch.device("cpu"))}) == 4

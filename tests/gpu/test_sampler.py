@@ -444,7 +444,7 @@ def _rows(params, outputs_len=0):
     from servetwin.core.engine.runner_state import CachedRequestState, ScheduledRow
     rows = []
     for i, p in enumerate(params):
-        st = CachedRequestState(f"r{i}", [5, 6, 7] + [1] * outputs_len, 3, [0], p)
+        st = CachedRequestState(f"r{i}", [5, 6, 7] + [1] * outputs_len, 3, ([0],), p)
         rows.append(ScheduledRow(f"r{i}", st, len(st.token_ids) - 1, 1))
     return rows
 

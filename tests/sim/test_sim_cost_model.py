@@ -204,8 +204,8 @@ def test_predict_from_scheduler_output_matches_rows():
     cm = CostModel("tiny-llama", "cpu")
     state = RunnerState()
     so0 = SchedulerOutput(
-        scheduled_new_reqs=[NewRequestData("a", list(range(40)), None, [1, 2, 3], 0),
-                            NewRequestData("b", list(range(20)), None, [4, 5], 16)],
+        scheduled_new_reqs=[NewRequestData("a", list(range(40)), None, ([1, 2, 3],), 0),
+                            NewRequestData("b", list(range(20)), None, ([4, 5],), 16)],
         scheduled_cached_reqs=CachedRequestData(), num_scheduled_tokens={"a": 24, "b": 4},
         total_num_scheduled_tokens=28, finished_req_ids=set(), preempted_req_ids=set(), step=0,
         num_computed_before={"a": 0, "b": 16})

@@ -13,8 +13,8 @@ def _outputs():
     """Step 0: 'a' (10-token prompt) fully, 'b' (40 tokens) a 16-token chunk. Step 1: 'a' decodes,
     'b' finishes its prompt. Step 2: both decode."""
     so0 = SchedulerOutput(
-        scheduled_new_reqs=[NewRequestData("a", list(range(100, 110)), None, [1], 0),
-                            NewRequestData("b", list(range(200, 240)), None, [2, 3, 4], 0)],
+        scheduled_new_reqs=[NewRequestData("a", list(range(100, 110)), None, ([1],), 0),
+                            NewRequestData("b", list(range(200, 240)), None, ([2, 3, 4],), 0)],
         scheduled_cached_reqs=CachedRequestData(), num_scheduled_tokens={"a": 10, "b": 16},
         total_num_scheduled_tokens=26, finished_req_ids=set(), preempted_req_ids=set(), step=0,
         num_computed_before={"a": 0, "b": 0})

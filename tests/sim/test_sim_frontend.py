@@ -211,3 +211,37 @@ def test_a_front_end_behind_sends_the_waiting_steps_as_one_chunk_per_request():
     assert max(lag) < 0.1 and (r.client_finish_s >= r.finish_s).all()
     engine_end = float(r.finish_s.max())
     assert sim.result.end_time_s - engine_end < 0.05
+
+
+# -- several API-server processes (vLLM's --api-server-count) -----------------------------------------
+def test_api_server_count_spreads_a_burst_over_its_servers():
+    n, work = 40, 0.01
+    fe = _api(c_req_s=work)
+    two = FrontendConfig(fe.type, fe.endpoint, fe.coefficients, api_server_count=2)
+    sim1, r1 = _run(_reqs(n), fe)
+    sim2, r2 = _run(_reqs(n), two)
+    # each of the two CPUs admits half of the burst: everything reaches the engine in half the time
+    assert r1.engine_arrival_s.max() == pytest.approx(n * work)
+    assert r2.engine_arrival_s.max() == pytest.approx(n * work / 2)
+    s1, s2 = sim1.frontend.summary(1.0), sim2.frontend.summary(1.0)
+    assert s2["api_server_count"] == 2 and s2["cpu_busy_s"] == pytest.approx(s1["cpu_busy_s"])
+    assert s2["cpu_utilization"] == pytest.approx(s1["cpu_utilization"] / 2)  # the busiest server's share
+
+
+def test_api_server_count_splits_output_work_and_delivers_when_the_last_part_is_done():
+    c = dict(c_step_s=0.001, c_token_out_s=0.002, latency_out_s=0.0)
+    fe = _api(**c)
+    four = FrontendConfig(fe.type, fe.endpoint, fe.coefficients, api_server_count=4)
+    _, r1 = _run(_reqs(8, out=4), fe)
+    _, r4 = _run(_reqs(8, out=4), four)
+    # one step's output: 1 message + 8 tokens on one CPU, or per server 1 message + 2 tokens in parallel
+    assert (r1.ttft_s - r1.engine_ttft_s).min() == pytest.approx(0.001 + 8 * 0.002)
+    assert (r4.ttft_s - r4.engine_ttft_s).min() == pytest.approx(0.001 + 2 * 0.002)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_api_server_count_must_be_a_positive_integer(bad):
+    from servetwin.core.config_error import ConfigError
+
+    with pytest.raises(ConfigError, match="frontend.api_server_count"):
+        parse_frontend({"type": "api_server", "api_server_count": bad})

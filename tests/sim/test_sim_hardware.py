@@ -17,7 +17,7 @@ def test_cpu_preset_is_marked_uncalibrated():
     assert "uncalibrated" in hw.provenance["source"]
 
 
-@pytest.mark.parametrize("name", ["h100-sxm", "h200", "a100-80g", "l40s"])
+@pytest.mark.parametrize("name", ["h100-sxm", "h200", "b200", "a100-80g", "l40s"])
 def test_gpu_presets_are_calibrated_with_a_source_per_value(name):
     hw = load_hardware(name)
     assert isinstance(hw, HardwareSpec) and hw.name == name
@@ -28,7 +28,11 @@ def test_gpu_presets_are_calibrated_with_a_source_per_value(name):
     for field in ("c_step", "c_req", "c_token"):
         assert sources.get(f"coefficients.{field}"), field
     # physical fractions of the datasheet, never above it
-    assert all(0 < v <= 1 for k, v in hw.efficiency.to_dict().items() if "half" not in k and not k.endswith("_rows"))
+    assert all(0 < v <= 1 for k, v in hw.efficiency.to_dict().items()
+               if "half" not in k and not k.endswith(("_rows", "_kernels")))
+    for fmt, kernel in hw.efficiency.moe_kernels.items():  # one source per expert format's kernel
+        assert sources["efficiency.moe_kernels"].get(fmt), fmt
+        assert 0 < kernel.compute <= 1 and 0 < kernel.bandwidth <= 1
 
 
 def test_fp8_peak_where_the_device_has_it():

@@ -48,3 +48,52 @@ def test_fp8_weights_and_kv_cache_enlarge_the_pool():
     assert fp8.weight_bytes == pytest.approx(bf16.weight_bytes / 2, rel=1e-6)
     assert fp8.kv_spec.bytes_per_block == bf16.kv_spec.bytes_per_block // 2
     assert fp8.num_gpu_blocks > 7 * bf16.num_gpu_blocks  # 30.5 GiB freed, blocks half the size
+
+
+def _gpt_oss_like():
+    from dataclasses import dataclass
+
+    @dataclass(slots=True, frozen=True)
+    class HybridSpec(ModelSpec):  # the fields core/model_spec.py's ModelSpec is getting
+        layer_types: tuple = None
+        sliding_window: int = None
+
+    kw = dict(num_layers=24, hidden_size=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+              intermediate_size=2880, vocab_size=201088, tie_word_embeddings=False, max_position_embeddings=8192)
+    return ModelSpec("all-full", **kw), HybridSpec("gpt-oss-like", **kw, sliding_window=128,
+                                                   layer_types=("sliding_attention", "full_attention") * 12)
+
+
+def test_gpt_oss_like_layers_give_two_groups_and_twice_the_blocks():
+    """Alternating sliding-window (128) / full layers: vLLM's groups [sliding 128, full] of 12 layers
+    each share one pool whose block is one page of 12 layers, so the pool has 2x the blocks of the
+    same model with every layer full attention."""
+    from servetwin.core.kv_cache.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    dense, hybrid = _gpt_oss_like()
+    hw = load_hardware("h100-sxm")
+    full_pool = size_kv_pool(dense, hw, 16, 0.9, 8192, 256)
+    pool = size_kv_pool(hybrid, hw, 16, 0.9, 8192, 256)
+    assert full_pool.kv_cache_groups is None  # one full-attention group: the scheduler's default
+    assert pool.kv_cache_groups == (SlidingWindowSpec(128), FullAttentionSpec())
+    assert pool.num_gpu_blocks == pytest.approx(2 * full_pool.num_gpu_blocks, abs=1)
+    assert pool.bytes_per_block * 2 == full_pool.bytes_per_block == full_pool.kv_spec.bytes_per_block
+    off = size_kv_pool(hybrid, hw, 16, 0.9, 8192, 256, disable_hybrid_kv_cache_manager=True)
+    assert off.kv_cache_groups is None and off.num_gpu_blocks == full_pool.num_gpu_blocks
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_the_sim_engine_schedules_with_the_models_groups(monkeypatch, disable):
+    import servetwin.sim.kv_pool as kv_pool
+    from servetwin.core.engine.engine_args import EngineArgs
+    from servetwin.core.engine.engine_factory import create_engine_core
+
+    _, hybrid = _gpt_oss_like()
+    monkeypatch.setattr(kv_pool, "load_model_spec", lambda name, dtype=None: hybrid)
+    engine, info = create_engine_core(EngineArgs.from_kwargs(
+        model="gpt-oss-like", backend="sim", hardware="h100-sxm", max_num_seqs=256,
+        disable_hybrid_kv_cache_manager=disable))
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.block_pool.num_gpu_blocks == info.num_gpu_blocks and info.max_model_len == 8192
+    assert [type(m).__name__ for m in kv.coordinator.single_type_managers] == (
+        ["FullAttentionManager"] if disable else ["SlidingWindowManager", "FullAttentionManager"])

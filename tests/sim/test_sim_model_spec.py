@@ -70,7 +70,7 @@ def test_from_hf_config_defaults_and_qwen2_bias():
 
 def test_unsupported_model_type_and_missing_field_errors():
     with pytest.raises(ValueError, match="model.model_type"):
-        ModelSpec.from_hf_config({"model_type": "mixtral"})
+        ModelSpec.from_hf_config({"model_type": "falcon"})
     with pytest.raises(ValueError, match="model.vocab_size"):
         ModelSpec.from_hf_config({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
                                   "num_attention_heads": 4, "intermediate_size": 128})
@@ -81,3 +81,27 @@ def test_unsupported_model_type_and_missing_field_errors():
 def test_aliases_resolve_to_presets():
     assert load_model_spec("meta-llama/Llama-3.1-8B-Instruct") == PRESETS["llama-3.1-8b"]
     assert load_model_spec("HuggingFaceTB/SmolLM2-135M-Instruct").name == "smollm2-135m"
+
+
+@pytest.mark.parametrize("name,total,active,with_embedding,quant", [
+    ("gpt-oss-120b", 116.83e9, 5.13e9, False, "mxfp4"),  # OpenAI model card: 116.83B / 5.13B
+    ("gpt-oss-20b", 20.91e9, 3.61e9, False, "mxfp4"),
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9, True, None),  # Qwen: 30.5B / 3.3B
+    ("qwen3-235b-a22b", 235e9, 22e9, True, None),  # 235B / 22B
+    ("mixtral-8x7b", 46.7e9, 12.9e9, True, None),  # Mistral AI: 46.7B / 12.9B
+])
+def test_moe_presets_match_published_parameter_counts(name, total, active, with_embedding, quant):
+    spec = load_model_spec(name)
+    assert spec.is_moe and spec.expert_dtype == quant
+    assert spec.num_parameters == pytest.approx(total, rel=0.01)
+    assert spec.num_active_parameters(include_embedding=with_embedding) == pytest.approx(active, rel=0.02)
+
+
+def test_gpt_oss_preset_is_its_config_json():
+    spec = PRESETS["gpt-oss-120b"]
+    assert load_model_spec("openai/gpt-oss-120b") is spec
+    assert spec.layer_types.count("sliding_attention") == 18 and spec.sliding_window == 128
+    assert spec.attention_sinks and spec.o_bias and spec.router_bias and spec.expert_bias
+    # MXFP4 experts: 60.7 GiB stored (vLLM's Triton backend logs 64.38 GiB on one H100, its hidden dim padded
+    # to 3072 inside the expert tensors; vllm-project/vllm issue #33155)
+    assert spec.weight_bytes / 2**30 == pytest.approx(60.7, abs=0.1)

@@ -27,18 +27,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
 from typing import Any, AsyncIterator, Coroutine, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.metrics import render_engine_health
-from servetwin.core.entrypoints.openai.middleware import DEFAULT_MAX_REQUEST_BYTES, APIKeyAuth, RequestSizeLimit
-from servetwin.core.entrypoints.openai.protocol import APIError, error_response, parse_json_body, status_type
+from servetwin.core.entrypoints.openai.http_limits import ServerLimits, limited_http_protocol
+from servetwin.core.entrypoints.openai.middleware import APIKeyAuth, RequestSizeLimit
+from servetwin.core.entrypoints.openai.protocol import (APIError, error_response, parse_json_body, status_type,
+                                                        worth_a_thread)
 from servetwin.core.entrypoints.openai.serving_chat import OpenAIServingChat
 from servetwin.core.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from servetwin.core.entrypoints.openai.serving_engine import ServerShuttingDownError, ServerState, engine_error
@@ -70,13 +74,17 @@ async def _watch_engine(state: ServerState) -> None:
 # -- the app --------------------------------------------------------------------------------------------
 def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace: Optional[bool] = None,
               time_scale: float = 1.0, fake_step_time_s: Optional[float] = None,
-              startup_timeout_s: Optional[float] = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              api_key: Optional[str] = None) -> FastAPI:
-    """The app; `max_request_bytes` (0: no limit) bounds request bodies, `api_key` guards `/v1/*`."""
+              startup_timeout_s: Optional[float] = None, limits: Optional[ServerLimits] = None,
+              api_key: Optional[str] = None, profiler_dir: Optional[str] = None) -> FastAPI:
+    """The app; `limits` bound request bodies and prompts per request (`ServerLimits`, defaults when
+    None), `api_key` guards `/v1/*`; `profiler_dir`: vLLM's `POST /start_profile` and `/stop_profile`
+    write the steps in between there (the torch backend: a torch.profiler trace; the simulator: its
+    predicted steps in the same shape)."""
+    limits = limits or ServerLimits()
     engine_kwargs: dict[str, Any] = {"pace": pace, "time_scale": time_scale, "fake_step_time_s": fake_step_time_s}
     if startup_timeout_s is not None:
         engine_kwargs["startup_timeout_s"] = startup_timeout_s
-    state = ServerState(args, served_model_name or args.model, engine_kwargs)
+    state = ServerState(args, served_model_name or args.model, engine_kwargs, limits)
     serving_completion = OpenAIServingCompletion(state)
     serving_chat = OpenAIServingChat(state)
     serving_tokenization = OpenAIServingTokenization(state)
@@ -100,8 +108,8 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
 
     app = FastAPI(title="servetwin OpenAI-compatible server", lifespan=lifespan)
     app.state.servetwin = state
-    if max_request_bytes:
-        app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
+    if limits.max_request_bytes:
+        app.add_middleware(RequestSizeLimit, max_bytes=limits.max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyAuth, api_key=api_key)
 
@@ -125,13 +133,18 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
     async def _dead(request: Request, e: EngineDeadError) -> JSONResponse:
         return error_response(engine_error(e))
 
-    async def _body(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) < LARGE_BODY_BYTES:
-            return parse_json_body(raw)
-        return await state.run_cpu(parse_json_body, raw)  # megabytes of JSON: parsed off the event loop
+    async def _body(request: Request) -> tuple[dict[str, Any], bool]:
+        """The body as a JSON object, and whether it is large enough to validate off the loop too."""
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone (or dropped at --read-timeout) before its body arrived
+            raise APIError("body: the client disconnected before the body arrived", "body", 408,
+                           "RequestTimeoutError") from None
+        if not worth_a_thread(raw, LARGE_BODY_BYTES):
+            return parse_json_body(raw), False
+        return await state.run_cpu(parse_json_body, raw), True  # megabytes of JSON: parsed off the event loop
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if state.engine is not None and not state.engine.errored:
             return Response(status_code=200)
@@ -160,33 +173,48 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serving_completion.create_completion(await _body(request), request)
+        return await serving_completion.create_completion(*await _body(request), request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await serving_chat.create_chat_completion(await _body(request), request)
+        return await serving_chat.create_chat_completion(*await _body(request), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        return await serving_tokenization.tokenize(await _body(request))
+        return await serving_tokenization.tokenize(*await _body(request))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        return await serving_tokenization.detokenize(await _body(request))
+        return await serving_tokenization.detokenize(*await _body(request))
 
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": servetwin_version()})
 
+    if profiler_dir is not None:  # as vLLM: the routes exist only with a profiler directory
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            await state.ready_engine().start_profile(profiler_dir)
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> JSONResponse:
+            return JSONResponse({"trace": await state.ready_engine().stop_profile()})
+
     return app
 
 
-def uvicorn_config(app: Any, *, host: str, port: int, log_level: str) -> Any:
-    """The server's uvicorn settings. `http="auto"` takes httptools (a C parser) where installed: per SSE
-    chunk h11, pure Python, cost about as much as the rest of the send path."""
+def uvicorn_config(app: Any, *, host: str, port: int, log_level: str, limits: Optional[ServerLimits] = None) -> Any:
+    """The server's uvicorn settings. httptools (a C parser) where installed, with the connection limits of
+    `http_limits` (head size and count, read deadline): per SSE chunk h11, pure Python, cost about as much
+    as the rest of the send path. Without httptools, h11 with its head-size limit."""
     import uvicorn  # noqa: PLC0415
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http="auto",
+    limits = limits or ServerLimits()
+    protocol = limited_http_protocol(limits)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol or "h11",
+                          h11_max_incomplete_event_size=limits.max_header_bytes,
+                          timeout_keep_alive=limits.timeout_keep_alive_s,  # type: ignore[arg-type]
                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S, access_log=False)
 
 
@@ -205,9 +233,10 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
 def run_server(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: Optional[str] = None, pace: Optional[bool] = None, time_scale: float = 1.0,
                fake_step_time_s: Optional[float] = None, log_level: str = "warning",
-               startup_timeout_s: Optional[float] = None, max_request_bytes: Optional[int] = None,
-               api_key: Optional[str] = None) -> int:
-    """Serve until SIGINT / SIGTERM (exit status 0) or until the engine process dies (1).
+               startup_timeout_s: Optional[float] = None, limits: Optional[ServerLimits] = None,
+               api_key: Optional[str] = None, profiler_dir: Optional[str] = None) -> int:
+    """Serve until SIGTERM (returns 0), SIGINT (`KeyboardInterrupt` once shut down: the CLI exits 130) or
+    until the engine process dies (1).
 
     Raises the engine's start-up error if it fails to start. On SIGTERM / SIGINT the server stops
     accepting connections, aborts every request in flight (a stream gets an error event, 503
@@ -223,10 +252,9 @@ def run_server(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
             super().handle_exit(sig, frame)
 
     app = build_app(args, served_model_name=served_model_name, pace=pace, time_scale=time_scale,
-                    fake_step_time_s=fake_step_time_s, startup_timeout_s=startup_timeout_s,
-                    max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes,
-                    api_key=api_key)
-    server = Server(uvicorn_config(app, host=host, port=port, log_level=log_level))
+                    fake_step_time_s=fake_step_time_s, startup_timeout_s=startup_timeout_s, limits=limits,
+                    api_key=api_key, profiler_dir=profiler_dir)
+    server = Server(uvicorn_config(app, host=host, port=port, log_level=log_level, limits=limits))
     state: ServerState = app.state.servetwin
     loop: Optional[asyncio.AbstractEventLoop] = None
 
@@ -247,7 +275,14 @@ def run_server(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
 
     state.on_startup_failure = _stop
     state.on_engine_dead = _stop
-    run_event_loop(_serve())
+    # uvicorn re-raises the signal it caught once it has shut down (so a process dies "by" it): SIGTERM is
+    # the orchestrator's normal stop, answered with exit status 0, so it lands on this handler instead,
+    # which also stops a server whose own handlers are not installed yet
+    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    try:
+        run_event_loop(_serve())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if state.startup_error is not None:
         raise state.startup_error
     if state.engine_died:

@@ -13,12 +13,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from typing_extensions import Annotated
 
+from servetwin.core.limits import MAX_NESTING_DEPTH, nesting_depth
+
 # Every integer crosses to the engine as a 64-bit value (msgpack); a larger one is the client's error,
 # a 400 naming the field (vLLM bounds `seed` the same way, to torch.long's range).
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 StrictInt = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
 # JSON has no NaN / Infinity (Python's json module accepts them: refused when the body is parsed)
-Float = Annotated[float, Field(allow_inf_nan=False)]
+# strict: `true` is not 1.0, nor "0.5" 0.5 (vLLM's lax pydantic accepts both)
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 
 
 # -- request schemas ------------------------------------------------------------------------------------
@@ -90,7 +93,8 @@ def error_body(message: str, param: Optional[str], status: int, type_: str) -> d
 
 
 _STATUS_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+                 413: "RequestTooLargeError", 431: "RequestHeaderFieldsTooLargeError",
                  500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -119,7 +123,7 @@ def _find_surrogate(value: Any, path: str) -> Optional[str]:
             return path
     elif isinstance(value, dict):
         for key, item in value.items():
-            found = _find_surrogate(key, path) or _find_surrogate(item, f"{path}.{key}" if path else str(key))
+            found = _find_surrogate(key, path or "body") or _find_surrogate(item, f"{path}.{key}" if path else str(key))
             if found:
                 return found
     elif isinstance(value, list):
@@ -130,18 +134,64 @@ def _find_surrogate(value: Any, path: str) -> Optional[str]:
     return None
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+class _NotJSON:
+    """NaN / Infinity / -Infinity in a body (Python's json accepts them): found after parsing, to name
+    the field that holds one."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _constant_path(value: Any) -> Optional[tuple[str, str]]:
+    """(top-level field, the constant) of the first `_NotJSON` in `value`, walked without recursion."""
+    stack: list[tuple[Any, str]] = [(v, k) for k, v in value.items()] if isinstance(value, dict) else []
+    while stack:
+        item, field = stack.pop()
+        if isinstance(item, _NotJSON):
+            return field, item.name
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((c, field) for c in children)
+    return None
+
+
+def _too_deep() -> APIError:
+    return APIError(f"body: the request body is nested more than {MAX_NESTING_DEPTH} levels deep", "body")
+
+
+def _opening_brackets(raw: bytes) -> int:
+    """An upper bound on the body's nesting depth (every `[` / `{`, in strings too), counted in C."""
+    return raw.count(b"[") + raw.count(b"{")
+
+
+def worth_a_thread(raw: bytes, large_bytes: int) -> bool:
+    """Parse `raw` in a worker thread rather than on the event loop: a large body, or one with so many
+    brackets that checking its depth costs more than a hop to the thread."""
+    return len(raw) >= large_bytes or _opening_brackets(raw) > 4096
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (NaN / Infinity, which Python's json accepts, are refused)."""
+    """The request body as a JSON object (NaN / Infinity, which Python's json accepts, are refused), nested
+    at most `MAX_NESTING_DEPTH` deep: every later step (the surrogate scan, pydantic, msgspec) walks it,
+    some recursively, and a thread has a smaller stack than the main one."""
+    constants: list[_NotJSON] = []
+
+    def constant(name: str) -> _NotJSON:
+        constants.append(_NotJSON(name))
+        return constants[-1]
+
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
+        body = json.loads(raw, parse_constant=constant)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError:
         raise APIError("body: the request body is not valid JSON", "body") from None
     if not isinstance(body, dict):
         raise APIError("body: the request body must be a JSON object", "body")
+    if _opening_brackets(raw) > MAX_NESTING_DEPTH and nesting_depth(body) > MAX_NESTING_DEPTH:
+        raise _too_deep()
+    if constants:
+        field, name = _constant_path(body) or ("body", constants[0].name)
+        raise APIError(f"{field}: {name} is not a JSON number", field)
     return body
 
 

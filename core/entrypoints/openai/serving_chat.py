@@ -12,8 +12,9 @@ from fastapi.responses import Response, StreamingResponse
 from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.request_output import RequestOutput
 from servetwin.core.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, bad_request_from,
-                                                        error_body, parse_request)
-from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, chain, common_params,
+                                                        error_body)
+from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, chain, check_seqs_per_request,
+                                                              common_params,
                                                               engine_error_event, json_encoder, merge_streams,
                                                               prime, sse, token_str, unless_disconnected)
 
@@ -43,9 +44,9 @@ def render_chat(tok: Any, messages: list[Any], add_generation_prompt: bool,
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def create_chat_completion(self, raw: dict[str, Any], request: Request) -> Response:
+    async def create_chat_completion(self, raw: dict[str, Any], large: bool, request: Request) -> Response:
         engine = self.state.ready_engine()
-        req = parse_request(ChatCompletionRequest, raw)
+        req = await self._parse(ChatCompletionRequest, raw, large)
         self._check_model(req.model)
         tok = engine.get_tokenizer()
         if tok is None or not hasattr(tok, "apply_chat_template"):
@@ -61,6 +62,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = common_params(req, max_tokens, logprobs, None, self.state.args.max_logprobs,
                                {"max_tokens": max_tokens_param})
+        check_seqs_per_request(1, req.n, self.state.limits.max_seqs_per_request)
         # the chat template and its tokens run in the tokenizer thread: both cost CPU time
         text, ids = await self.state.run_cpu(render_chat, tok, req.messages, req.add_generation_prompt)
         prompts = await self._tokenize(engine, [{"prompt": text, "prompt_token_ids": ids}], params,

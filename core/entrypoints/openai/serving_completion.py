@@ -13,8 +13,9 @@ from servetwin.core.engine.async_llm import AsyncLLM
 from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.request_output import RequestOutput
 from servetwin.core.entrypoints.openai.protocol import (APIError, CompletionRequest, bad_request_from,
-                                                        error_body, parse_request)
-from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, chain, common_params,
+                                                        error_body)
+from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, chain, check_seqs_per_request,
+                                                              common_params,
                                                               engine_error_event, json_encoder, merge_streams,
                                                               prime, sse, token_str, unless_disconnected)
 
@@ -56,9 +57,13 @@ def _completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[di
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, raw: dict[str, Any], request: Request) -> Response:
+    async def create_completion(self, raw: dict[str, Any], large: bool, request: Request) -> Response:
         engine = self.state.ready_engine()
-        req = parse_request(CompletionRequest, raw)
+        prompt = raw.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            # before validation: pydantic holds the GIL for its whole pass over 10^5 prompts, even in a thread
+            check_seqs_per_request(len(prompt), 1, self.state.limits.max_seqs_per_request)
+        req = await self._parse(CompletionRequest, raw, large)
         self._check_model(req.model)
         if req.suffix is not None:
             raise APIError("suffix: not supported by servetwin", "suffix")
@@ -70,6 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _completion_prompts(req)
         prompt_lps = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = common_params(req, req.max_tokens, req.logprobs, prompt_lps, self.state.args.max_logprobs)
+        check_seqs_per_request(len(prompts), req.n, self.state.limits.max_seqs_per_request)
         prompts = await self._tokenize(engine, prompts, params, "max_tokens")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         collectors = self._submit(engine, prompts, params, req.priority, request_id)

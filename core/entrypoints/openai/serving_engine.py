@@ -20,7 +20,9 @@ from servetwin.core.engine.async_llm import AsyncLLM
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.request_output import RequestOutput
-from servetwin.core.entrypoints.openai.protocol import APIError, CommonRequest, bad_request_from, error_body
+from servetwin.core.entrypoints.openai.http_limits import ServerLimits
+from servetwin.core.entrypoints.openai.protocol import (APIError, CommonRequest, bad_request_from, error_body,
+                                                        parse_request)
 from servetwin.core.gc_heap import freeze_gc_heap
 from servetwin.core.sampling_params import MAX_STOP_STRINGS_API, RequestOutputKind, SamplingParams
 
@@ -49,8 +51,10 @@ def engine_error_event(e: EngineDeadError) -> bytes:
 
 # -- the server state ---------------------------------------------------------------------------------
 class ServerState:
-    def __init__(self, args: EngineArgs, model_name: str, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(self, args: EngineArgs, model_name: str, engine_kwargs: dict[str, Any],
+                 limits: Optional[ServerLimits] = None) -> None:
         self.args = args
+        self.limits = limits or ServerLimits()
         self.model_name = model_name
         self.engine_kwargs = engine_kwargs
         self.engine: Optional[AsyncLLM] = None
@@ -242,17 +246,44 @@ INLINE_TOKENIZE_CHARS = 1024  # a text this short tokenises in well under 0.1 ms
 INLINE_CHECK_IDS = 4096  # token ids checked on the loop up to this many (~0.2 ms)
 
 
-def _cheap_to_tokenize(prompt: Any) -> bool:
-    if isinstance(prompt, dict):  # rendered chat: ids already there
-        prompt = prompt.get("prompt_token_ids")
-    if isinstance(prompt, str):
-        return len(prompt) <= INLINE_TOKENIZE_CHARS
-    return isinstance(prompt, list) and len(prompt) <= INLINE_CHECK_IDS  # validated by the input processor
+def _cheap_to_tokenize(prompts: list[Any]) -> bool:
+    """All of a request's prompts together are short enough to check on the loop (the budget holds for
+    the request, not per prompt: 10^5 one-token prompts are as much work as one of 10^5 tokens)."""
+    chars = ids = 0
+    for prompt in prompts:
+        if isinstance(prompt, dict):  # rendered chat: ids already there
+            prompt = prompt.get("prompt_token_ids")
+        if isinstance(prompt, str):
+            chars += len(prompt)
+        elif isinstance(prompt, list):  # validated by the input processor
+            ids += len(prompt)
+        else:
+            return False
+        if chars > INLINE_TOKENIZE_CHARS or ids > INLINE_CHECK_IDS:
+            return False
+    return True
+
+
+def check_seqs_per_request(num_prompts: int, n: int, limit: int) -> None:
+    """Prompts x n (the sequences one request creates) within `limit` (`--max-seqs-per-request`): checked
+    before anything is tokenised or submitted. Named `prompt` when the prompts are what is many, else `n`."""
+    if num_prompts * n <= limit:
+        return
+    param = "prompt" if num_prompts > 1 else "n"
+    raise APIError(f"{param}: {num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences, more than this "
+                   f"server's limit of {limit} per request (servetwin serve --max-seqs-per-request)", param)
 
 
 class OpenAIServing:
     def __init__(self, state: ServerState) -> None:
         self.state = state
+
+    async def _parse(self, cls: type, raw: dict[str, Any], large: bool) -> Any:
+        """`parse_request` (a 400 naming the field), in the tokenizer thread for a large body: a list of
+        10^5 prompts costs pydantic and the surrogate scan 100s of ms."""
+        if large:
+            return await self.state.run_cpu(parse_request, cls, raw)
+        return parse_request(cls, raw)
 
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in (self.state.model_name, self.state.args.model):
@@ -266,7 +297,7 @@ class OpenAIServing:
         Prompts given as token ids, and short texts, are checked here on the loop: the hop to the thread
         and back costs the loop more than they do (a burst of 128 such requests spent its time in the
         hops and in the GIL handoffs between the two threads)."""
-        if all(_cheap_to_tokenize(p) for p in prompts):
+        if _cheap_to_tokenize(prompts):
             return self._tokenize_sync(engine, prompts, params, max_tokens_param, aliases)
         return await self.state.run_cpu(self._tokenize_sync, engine, prompts, params, max_tokens_param, aliases)
 
@@ -311,4 +342,4 @@ class OpenAIServing:
 
 
 __all__ = ["ServerShuttingDownError", "engine_error", "engine_error_event", "ServerState", "OpenAIServing", "sse", "token_str", "common_params", "merge_streams",
-           "unless_disconnected", "prime", "chain", "json_encoder"]
+           "unless_disconnected", "prime", "chain", "json_encoder", "check_seqs_per_request"]

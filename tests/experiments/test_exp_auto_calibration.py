@@ -1,0 +1,89 @@
+"""`hardware: auto`: calibrated on first use, cached by a fingerprint of what changes CPU kernel speed,
+recalibrated when it changes (a fake calibration is injected: no test measures a CPU here)."""
+import pytest
+import yaml
+from exptest_helpers import CONFIGS, tiny, write_yaml
+
+from servetwin.core.config_error import ConfigError
+from servetwin.experiments import auto_calibration as auto
+from servetwin.experiments.schema import load_config, validate_config
+
+CALIBRATION = CONFIGS.parent / "calibrations" / "cpu_tiny-llama.yaml"
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """Calibrations land in a temporary cache; each one 'measured' is a copy of the shipped example."""
+    monkeypatch.setenv("SERVETWIN_CALIBRATIONS", str(tmp_path / "cache"))
+    made = []
+
+    def run(model, path, dtype, threads, log):
+        made.append((model, dtype, threads))
+        log("calibrate: 3 steps measured")
+        with open(path, "w") as f:
+            f.write(CALIBRATION.read_text())
+    monkeypatch.setattr(auto, "_run_calibration", run)
+    return made
+
+
+def test_first_use_calibrates_with_progress_then_the_cache_is_read(fake, capsys):
+    exp = validate_config(tiny(hardware="auto"))
+    err = capsys.readouterr().err
+    assert "no calibration of the CPU cost model for tiny-llama on this machine yet" in err
+    assert "calibrate: 3 steps measured" in err and "calibrated in" in err
+    assert fake == [("tiny-llama", "float32", 1)] and exp.hardware.endswith(".yaml")
+    assert exp.hardware_spec.coefficients is not None and exp.raw["hardware"] == "auto"  # config.yaml keeps auto
+    again = validate_config(tiny(hardware="AUTO"))
+    assert again.hardware == exp.hardware and len(fake) == 1 and capsys.readouterr().err == ""
+
+
+def test_a_changed_fingerprint_is_calibrated_anew(fake, monkeypatch):
+    first = validate_config(tiny(hardware="auto")).hardware
+    monkeypatch.setattr(auto, "isa_flags", lambda cpuinfo="/proc/cpuinfo": ["avx2"])  # another CPU class
+    second = validate_config(tiny(hardware="auto")).hardware
+    monkeypatch.setattr(auto, "torch_version", lambda: "9.9.9")
+    third = validate_config(tiny(hardware="auto")).hardware
+    assert len({first, second, third}) == 3 and len(fake) == 3
+
+
+def test_fingerprint_holds_what_changes_kernel_speed(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("model name\t: Test CPU\nflags\t\t: fpu sse avx avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert auto.isa_flags(str(info)) == ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert auto.isa_flags(str(tmp_path / "missing")) == []
+    fp = auto.fingerprint("tiny-llama", "float32", 1)
+    assert {"cpu_model", "isa_flags", "logical_cpus", "torch_threads", "torch", "dtype", "model"} <= set(fp)
+    assert auto.cache_path(fp) != auto.cache_path(dict(fp, dtype="bfloat16"))
+
+
+def test_auto_is_for_cpus_and_needs_no_calibration_without_the_simulator(fake):
+    with pytest.raises(ConfigError, match="hardware: auto calibrates this machine's CPU"):
+        validate_config(tiny(hardware="auto", engine__device="cuda"))
+    exp = validate_config(tiny(hardware="auto", backends=["torch"], engine__device="cpu"))
+    assert exp.hardware == "cpu" and fake == []
+
+
+def test_make_run_config_uses_auto_and_the_shipped_calibrations_are_examples(fake):
+    raw = yaml.safe_load((CONFIGS / "default.yaml").read_text())
+    assert raw["hardware"] == "auto"
+    assert load_config(CONFIGS / "default.yaml").hardware.startswith(str(auto.cache_dir()))
+
+
+@pytest.mark.parametrize("name, preset", [("H100", "h100-sxm"), ("h100", "h100-sxm"), ("A100", "a100-80g"),
+                                          ("H200", "h200"), ("L40S", "l40s")])
+def test_hardware_names_are_case_insensitive(name, preset):
+    assert validate_config(tiny(hardware=name)).hardware == preset
+
+
+def test_an_unknown_hardware_name_suggests_one_and_the_template():
+    with pytest.raises(ConfigError, match=r"did you mean h200\?.*docs/hardware_template.md"):
+        validate_config(tiny(hardware="h20O"))
+
+
+def test_the_documented_hardware_template_loads(tmp_path):
+    text = (CONFIGS.parents[1] / "docs" / "hardware_template.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "l4.yaml"
+    path.write_text(block)
+    exp = validate_config(tiny(hardware=str(path), engine__num_gpu_blocks=None), base_dir=tmp_path)
+    assert exp.hardware_spec.name == "l4" and exp.hardware_spec.memory_bandwidth == 300e9

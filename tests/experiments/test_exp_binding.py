@@ -1,0 +1,93 @@
+"""What limits a result: the binding-resource line of run / sweep / capacity, engine-side SLOs, and
+`--api-server-count`."""
+import json
+
+import pandas as pd
+import pytest
+from exptest_helpers import tiny, write_yaml
+
+from servetwin.experiments.binding import binding_resource, wait_growth
+from servetwin.experiments.cli import main
+from servetwin.experiments.slo import parse_slo
+
+
+def _summary(fe_util=0.3, kv=0.2, preemptions=0, fe_wait=0.02, q_wait=0.005, completed=100):
+    return {"frontend": {"type": "api_server", "cpu_utilization": fe_util, "api_server_count": 1},
+            "kv_peak_usage": kv, "preemptions": preemptions, "frontend_in_s": {"mean": fe_wait},
+            "queue_s": {"mean": q_wait}, "ttft_s": {"mean": fe_wait + q_wait + 0.05},
+            "step_duration_s": {"mean": 0.02, "p50": 0.02, "count": 500}, "engine_duration_s": 20.0,
+            "requests": 100, "completed": completed, "rejected": 0, "request_throughput_s": 5.0}
+
+
+STEADY = {"frontend": (0.02, 0.021), "engine": (0.005, 0.006)}
+
+
+def test_a_server_that_keeps_up_is_bound_by_the_arrival_rate():
+    b = binding_resource(_summary(), 5.0, STEADY)
+    assert b["resource"] == "arrival_rate" and "cannot differ" in b["line"] and "offered 5 req/s" in b["line"]
+
+
+def test_a_busy_front_end_binds_before_the_gpu():
+    # the issue's case: the API server 80% busy, KV 9% used, requests waiting in the front end
+    b = binding_resource(_summary(fe_util=0.8, kv=0.09, fe_wait=0.2), 29.0, STEADY)
+    assert b["resource"] == "api_server_cpu" and "API server busy 80%" in b["line"] and "KV peak 9%" in b["line"]
+
+
+def test_growing_queues_name_where_they_grow():
+    engine_grows = {"frontend": (0.02, 0.02), "engine": (0.1, 3.0)}
+    fe_grows = {"frontend": (0.02, 0.9), "engine": (0.005, 0.005)}
+    assert binding_resource(_summary(q_wait=1.5), 29.0, engine_grows)["resource"] == "gpu_compute"
+    assert binding_resource(_summary(kv=0.97, q_wait=1.5), 29.0, engine_grows)["resource"] == "kv_capacity"
+    assert binding_resource(_summary(preemptions=3), 29.0, engine_grows)["resource"] == "kv_capacity"
+    assert binding_resource(_summary(fe_util=0.5, fe_wait=0.4), 29.0, fe_grows)["resource"] == "api_server_cpu"
+    assert "front end 20 ms -> 900 ms" in binding_resource(_summary(fe_wait=0.4), 29.0, fe_grows)["line"]
+
+
+def test_an_offline_batch_is_never_bound_by_the_arrival_rate():
+    s = _summary()
+    s["frontend"] = {"type": "offline"}
+    assert binding_resource(s, None, STEADY)["resource"] == "gpu_compute"
+    assert binding_resource(dict(s, kv_peak_usage=0.95), None, STEADY)["resource"] == "kv_capacity"
+
+
+def test_wait_growth_compares_the_first_and_last_fifth_by_arrival():
+    r = pd.DataFrame({"arrival_s": range(10, 0, -1), "frontend_in_s": [float(i) for i in range(10)],
+                      "queue_s": [0.0] * 9 + [float("nan")]})
+    g = wait_growth(r)
+    assert g["frontend"] == (pytest.approx(8.5), pytest.approx(0.5))  # arrival order reverses the rows
+    assert g["engine"] == (0.0, 0.0)
+    assert wait_growth(r.head(5)) is None
+
+
+def test_run_reports_what_binds_and_accepts_engine_slos(tmp_path, capsys):
+    cfg = tiny(workload__requests=30, workload__arrival={"type": "poisson", "rate": 20.0},
+               slo={"engine_ttft_p99_s": 5.0, "engine_ttft_s": 5.0})
+    out = tmp_path / "out"
+    assert main(["run", str(write_yaml(tmp_path / "c.yaml", cfg)), "-o", str(out), "--no-progress", "--no-plots",
+                 "--api-server-count", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "sim: bound by " in printed and "busiest of 2 API servers" in printed
+    s = json.loads((out / "summary.json").read_text())["backends"]["sim"]
+    assert s["binding"]["resource"] in ("arrival_rate", "gpu_compute", "kv_capacity", "api_server_cpu")
+    assert s["frontend"]["api_server_count"] == 2
+    assert {c["name"] for c in s["slo"]["checks"]} >= {"engine_ttft_p99_s", "engine_ttft_s"} and s["slo"]["met"]
+    assert "## What limits this result" in (out / "report.md").read_text()
+
+
+def test_engine_slo_names_parse_and_typos_suggest_them():
+    spec = parse_slo({"engine_tpot_p50_s": 0.05, "engine_e2e_s": 10})
+    assert [t.name for t in spec.targets] == ["engine_tpot_p50_s"] and spec.deadlines[0].name == "engine_e2e_s"
+    with pytest.raises(Exception, match="did you mean engine_ttft_p99_s"):
+        parse_slo({"engine_ttft_p999_s": 1})
+
+
+def test_a_sweep_of_arrival_bound_points_says_throughput_cannot_differ(tmp_path, capsys):
+    cfg = tiny(workload__requests=20, workload__arrival={"type": "poisson", "rate": 2.0},
+               sweep={"engine.max_num_seqs": [4, 8]})
+    out = tmp_path / "sw"
+    assert main(["sweep", str(write_yaml(tmp_path / "c.yaml", cfg)), "-o", str(out), "--no-progress",
+                 "--no-plots"]) == 0
+    df = pd.read_csv(out / "sweep.csv")
+    assert list(df.bound_by) == ["arrival_rate", "arrival_rate"]
+    assert "throughputs are that rate and cannot differ" in (out / "sweep.md").read_text()
+    assert "Every point is bound by the arrival rate" in capsys.readouterr().out  # the console says it too

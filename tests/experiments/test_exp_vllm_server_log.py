@@ -1,0 +1,82 @@
+"""vLLM server logs: the facts read from real log excerpts (tests/data/vllm_logs, public threads), the
+engine settings an imported case takes from them, and servetwin's KV sizing next to vLLM's."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from servetwin.core.config_error import ConfigError
+from servetwin.experiments.cli import main
+from servetwin.experiments.vllm_import.server_log import (
+    engine_settings, kv_check, parse_server_log, read_server_log)
+
+LOGS = Path(__file__).resolve().parents[1] / "data" / "vllm_logs"
+BENCH = Path(__file__).resolve().parents[1] / "data" / "vllm_bench"
+
+
+def test_real_log_excerpts():
+    v010 = read_server_log(LOGS / "pr24162_v0.10.2dev_qwen2.5-0.5b_tp2.log")
+    assert v010.vllm_version == "0.10.2.dev378+g4d7fe40fc.d20250829" and v010.tensor_parallel_size == 2
+    assert v010.model == "/data/datasets/models-hf/Qwen2.5-0.5B/" and v010.max_model_len == 32768
+    assert v010.max_num_batched_tokens == 2048
+    graphs = read_server_log(LOGS / "pr39471_gguf_kv_and_graphs.log")
+    assert graphs.kv_cache_tokens == 189_408 and graphs.max_model_len == 40_960
+    assert graphs.cuda_graph_captures == {"mixed prefill-decode, PIECEWISE": 51, "decode, FULL": 35}
+    early_v1 = read_server_log(LOGS / "pr12569_v1_llama31-70b-w8a8.log")
+    assert early_v1.num_gpu_blocks == 1381 and early_v1.model_loading_gib == pytest.approx(67.7229)
+    v0 = read_server_log(LOGS / "mellea-pr416_v0_worker_memory.log")
+    assert v0.num_gpu_blocks == 36184 and v0.gpu_memory_utilization == 0.8 and v0.kv_cache_gib == pytest.approx(61.84)
+    both = read_server_log(LOGS / "pr20707_v1_kv_blocks.log")
+    assert both.kv_cache_tokens == 922_496 and both.num_gpu_blocks == 57_656 and both.block_size == 16
+    assert read_server_log(LOGS / "issue38820_model_loading_tp.log").model_loading_gib == pytest.approx(12.66)
+
+
+def test_lines_built_from_vllm_format_strings():
+    # Built here (not from a real log) from vLLM's logger format strings: "non-default args: %s",
+    # "GPU KV cache size: %s tokens", "Maximum concurrency for %s tokens per request: %.2fx", and the
+    # engine config line's compilation_config; a max_model_len smaller than the one asked for was reduced.
+    text = "\n".join([
+        "INFO 01-01 00:00:00 [utils.py:1] non-default args: {'model': 'Qwen/Qwen3-8B', 'max_model_len': 131072, "
+        "'max_num_seqs': 128, 'enable_prefix_caching': False, 'gpu_memory_utilization': 0.85}",
+        "INFO 01-01 00:00:01 [core.py:2] Initializing a V1 LLM engine (v0.11.0) with config: model='Qwen/Qwen3-8B', "
+        "tensor_parallel_size=1, compilation_config={'cudagraph_capture_sizes': [16, 8, 4, 2, 1]}",
+        "INFO 01-01 00:00:02 [kv_cache_utils.py:3] GPU KV cache size: 65,536 tokens",
+        "INFO 01-01 00:00:02 [kv_cache_utils.py:4] Maximum concurrency for 65,536 tokens per request: 1.00x"])
+    log = parse_server_log(text)
+    assert log.vllm_version == "0.11.0" and log.cuda_graph_sizes == [16, 8, 4, 2, 1]
+    assert log.reduced_max_model_len and log.requested_max_model_len == 131072 and log.max_model_len == 65536
+    settings = engine_settings(log)
+    assert settings["max_num_seqs"][0] == 128 and settings["enable_prefix_caching"][0] is False
+    assert "reduced from the requested 131072" in settings["max_model_len"][1]
+    with pytest.raises(ConfigError, match=":1: the non-default args are not a readable dict"):
+        parse_server_log("non-default args: {'model': <object at 0x1>}")
+
+
+def test_kv_sizing_check_prints_the_difference(capsys):
+    log = read_server_log(LOGS / "mellea-pr416_v0_worker_memory.log")
+    # the model is not in the excerpt: qwen3-0.6b is the preset whose weights (1.1 GiB) and KV per token
+    # (112 KiB: 61.84 GiB / 578,944 tokens) match the log's lines - the test's assumption, not the log's
+    check = kv_check(log, "qwen3-0.6b", "h100-sxm")
+    assert check["vllm_kv_tokens"] == 36184 * 16 and abs(check["difference"]) < 0.02
+    assert main(["import", "vllm-log", str(LOGS / "mellea-pr416_v0_worker_memory.log"), "--hardware", "h100-sxm",
+                 "--model", "qwen3-0.6b"]) == 0
+    assert "KV cache: vLLM 578,944 tokens, servetwin" in capsys.readouterr().out
+
+
+def test_import_takes_engine_settings_from_the_log(tmp_path, capsys):
+    # a log and a bench file of different runs: the plumbing, not a matched pair
+    assert main(["import", "vllm-bench", str(BENCH / "er0080_vllm0.25.1_sweep_opt125m_c2_p8_run0.json"),
+                 "--server-log", str(LOGS / "pr24162_v0.10.2dev_qwen2.5-0.5b_tp2.log"), "--model", "llama-3.1-8b",
+                 "--hardware", "h100-sxm", "-o", str(tmp_path)]) == 0
+    name = "er0080_vllm0.25.1_sweep_opt125m_c2_p8_run0"
+    case = yaml.safe_load((tmp_path / "cases" / f"{name}.yaml").read_text())
+    assert case["engine"]["tensor_parallel_size"] == 2 and case["engine"]["max_model_len"] == 32768
+    assert case["engine"]["max_num_batched_tokens"] == 2048
+    published = json.loads((tmp_path / "published.json").read_text())[name]
+    assert published["engine_version"] == "vLLM 0.10.2.dev378+g4d7fe40fc.d20250829"
+    assert any("from the log" in n for n in published["notes"])
+    assert main(["import", "vllm-log", str(BENCH / "manifest.json")]) == 2
+    assert "not a vLLM server log" in capsys.readouterr().err
