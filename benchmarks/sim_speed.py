@@ -118,10 +118,16 @@ spec = importlib.util.spec_from_file_location("sim_speed_under_test", checkout +
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 cfg = yaml.safe_load(open(config))
+import dataclasses
+from servetwin.core.engine.engine_args import EngineArgs
+known = {f.name for f in dataclasses.fields(EngineArgs)}  # settings newer than the checkout are left out
+dropped = sorted(set(cfg["engine"]) - known)
+cfg["engine"] = {k: v for k, v in cfg["engine"].items() if k in known}
 import time
 cpu0 = time.process_time()
 r = mod.run_once(cfg, n, bool(cfg["engine"].get("async_scheduling", False)), True)
 r["cpu_s"] = time.process_time() - cpu0  # engine + workload build and the run, on this process's CPU
+r["dropped"] = dropped
 print(json.dumps(r))
 """
 
@@ -153,6 +159,9 @@ def compare(other: Path, config: str, n: int, repeats: int) -> None:
             runs[label].append(r)
             print(f"{i + 1:<10}{label:<10}{r['wall_s']:>9.2f}{r['x']:>13.1f}{r['steps_per_s']:>10.0f}"
                   f"{r['cpu_s']:>8.2f}", flush=True)
+    for label, rs in runs.items():
+        if rs[0].get("dropped"):
+            print(f"note: {label} does not know engine settings {rs[0]['dropped']}: left out of its runs")
     if runs["before"][0]["steps"] != runs["after"][0]["steps"] or \
             runs["before"][0]["simulated_s"] != runs["after"][0]["simulated_s"]:
         print("note: the two checkouts simulate different runs (steps or simulated time differ)")

@@ -62,6 +62,7 @@ from typing import Any, Callable, Optional
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, resolve_aliases
+from servetwin.core.kv_cache.hashing import HASH_ALGOS
 
 __all__ = ["ConfigError", "ExperimentConfig", "EngineConfig", "WorkloadConfig", "OutputConfig", "ParseContext",
            "Section", "SECTIONS", "load_config", "validate_config", "expand_sweep", "SweepPoint"]
@@ -218,6 +219,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "enable_chunked_prefill": _bool,
     "long_prefill_token_threshold": _int(0),
     "enable_prefix_caching": _bool,
+    "prefix_caching_hash_algo": _choice(*HASH_ALGOS),
     "block_size": _int(1),
     "gpu_memory_utilization": _float(0.0, 1.0, low_open=True),
     "num_gpu_blocks": _int(2, nullable=True),

@@ -77,7 +77,11 @@ class LazyDecodes:
         self.members: dict[str, _Member] = {}
         self.nonmembers: dict[str, Request] = {}  # running requests that are not members (valid with members)
         self.sum_offset = 0
-        self._events: list[tuple[int, int, str]] = []  # (event step, seq, request id), lazily deleted
+        # event step -> members with that event (stale entries - the member left, or its event moved -
+        # are skipped): steps are integers visited in order, so buckets replace a heap (no log n, no
+        # tuple comparisons per event)
+        self._events: dict[int, list[_Member]] = {}
+        self._due_from: Optional[int] = None  # the first step `due` has not visited
         self._offsets: list[tuple[int, int, str]] = []  # (-offset, seq, request id): the max C
         self._seq = 0
         self.flushed: list[LateTokens] = []
@@ -142,7 +146,7 @@ class LazyDecodes:
         if event <= step:
             return False
         m.event = event
-        heapq.heappush(self._events, (event, m.seq, m.request.request_id))
+        self._schedule_event(m)
         return True
 
     def apply_outputs(self, m: _Member, last_updated: int) -> None:
@@ -173,22 +177,32 @@ class LazyDecodes:
         m = _Member(r, step, offset, event, terminal, self._seq, out_from, carry or [], out_from)
         self.members[r.request_id] = m
         self.sum_offset += offset
-        heapq.heappush(self._events, (event, m.seq, r.request_id))
+        self._schedule_event(m)
         heapq.heappush(self._offsets, (-offset, m.seq, r.request_id))
         if len(self._offsets) > 4 * len(self.members) + 1024:  # drop the entries of past members
             self._offsets = [(-m.offset, m.seq, rid) for rid, m in self.members.items()]
             heapq.heapify(self._offsets)
 
     # -- leaving -----------------------------------------------------------------------------------
+    def _schedule_event(self, m: _Member) -> None:
+        bucket = self._events.get(m.event)
+        if bucket is None:
+            self._events[m.event] = [m]
+        else:
+            bucket.append(m)
+
     def due(self, step: int) -> list[_Member]:
-        """Members whose event is at or before `step`, in no particular order."""
+        """Members whose event is at or before `step`, in no particular order (`step` never decreases;
+        every event is scheduled after the step it is set in)."""
         out = []
         events, members = self._events, self.members
-        while events and events[0][0] <= step:
-            _, seq, rid = heapq.heappop(events)
-            m = members.get(rid)
-            if m is not None and m.seq == seq:
-                out.append(m)
+        k = step if self._due_from is None else self._due_from
+        while k <= step:
+            bucket = events.pop(k, None)
+            if bucket is not None:
+                out += [m for m in bucket if m.event == k and members.get(m.request.request_id) is m]
+            k += 1
+        self._due_from = step + 1
         return out
 
     def materialise(self, m: _Member, next_step: int, last_updated: int) -> Request:

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import NO_BACKENDS, executor_backend, registered_backends
+from servetwin.core.kv_cache.hashing import HASH_ALGOS
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 
@@ -81,6 +82,7 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_model_len: Optional[int] = None
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # "builtin": fast, for simulated runs (core/kv_cache/hashing.py)
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
@@ -149,6 +151,7 @@ class EngineArgs:
         return CacheConfig(block_size=self.block_size,
                            num_gpu_blocks=num_gpu_blocks if num_gpu_blocks is not None else self.num_gpu_blocks,
                            enable_prefix_caching=self.enable_prefix_caching,
+                           prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                            kv_cache_groups=kv_cache_groups)
@@ -165,6 +168,7 @@ class EngineArgs:
 
 # The values an argument takes, where they are a fixed set (`servetwin serve` offers them as choices)
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {"policy": ("fcfs", "priority"), "kv_cache_dtype": ("auto", "fp8"),
+                                             "prefix_caching_hash_algo": HASH_ALGOS,
                                              "quantization": ("fp8",),
                                              "attention_backend": ("auto", "torch-paged", "flash-attn")}
 
@@ -182,6 +186,8 @@ FIELD_HELP: dict[str, str] = {
                     "256 on an A100/L40S; else 128)",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "enable_prefix_caching": "reuse the KV blocks of identical prompt prefixes",
+    "prefix_caching_hash_algo": "prefix-cache block hash: sha256 (default), sha256_cbor, xxhash, xxhash_cbor "
+                                "(vLLM's), or builtin (servetwin's fast 64-bit hash for simulated runs)",
     "enable_chunked_prefill": "split long prompts over several steps, mixed with decodes",
     "long_prefill_token_threshold": "cap on the prompt tokens one request gets per step (0: no cap)",
     "policy": "scheduling policy: fcfs or priority (vLLM's --scheduling-policy; give one of the two)",

@@ -67,7 +67,11 @@ class FreeKVCacheBlockQueue:
             raise ValueError("No free blocks available")
         if first is self._marker:
             return self._take_fresh()
-        self._unlink(first)
+        nxt = first.next_free_block  # = self._unlink(first), inlined: one pop per block handed out
+        self.fake_head.next_free_block = nxt
+        nxt.prev_free_block = self.fake_head
+        first.prev_free_block = first.next_free_block = None
+        self.num_free_blocks -= 1
         return first
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
@@ -112,8 +116,18 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += 1
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """`append` each block, in order (linked in one pass: a finished request frees every block)."""
+        if not blocks:
+            return
+        tail = self.fake_tail
+        prev = tail.prev_free_block
         for b in blocks:
-            self.append(b)
+            prev.next_free_block = b
+            b.prev_free_block = prev
+            prev = b
+        prev.next_free_block = tail
+        tail.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Insert at the head keeping list order: the result is `blocks + old queue`."""
@@ -240,9 +254,12 @@ class BlockPool:
                              f"({self.free_block_queue.num_free_blocks} free)")
         queue = self.free_block_queue  # (one block: the common case, a decode crossing a boundary)
         blocks = [queue.popleft()] if num_blocks == 1 else queue.popleft_n(num_blocks)
+        table = self.cached_block_hash_to_block
         for b in blocks:
-            if b.block_hash is not None:
-                self._maybe_evict_cached_block(b)
+            key = b.block_hash
+            if key is not None:  # = self._maybe_evict_cached_block(b), inlined (most reused blocks are hashed)
+                table.pop(key, b.block_id)
+                b.block_hash = None
             b.ref_cnt = 1
         return blocks
 

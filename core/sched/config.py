@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.kv_cache.hashing import HASH_ALGOS, get_hash_fn_by_name
 from servetwin.core.kv_cache.kv_cache_interface import ONE_FULL_GROUP, check_group_mix, check_retention_interval
 from servetwin.core.sched.request_queue import SchedulingPolicy
 
@@ -78,7 +79,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: Optional[int] = None
-    prefix_caching_hash_algo: str = "sha256"
+    prefix_caching_hash_algo: str = "sha256"  # vLLM's names, plus "builtin" (core/kv_cache/hashing.py)
     cache_dtype: str = "auto"
     # KV cache groups (core/kv_cache/kv_cache_interface.py); None: one full-attention group
     kv_cache_groups: Optional[tuple] = None
@@ -100,9 +101,13 @@ class CacheConfig:
             check_group_mix(self.kv_cache_groups)
         check_retention_interval(self.prefix_cache_retention_interval, self.kv_cache_groups or ONE_FULL_GROUP,
                                  self.block_size)
-        if self.prefix_caching_hash_algo != "sha256":
-            raise ConfigError("prefix_caching_hash_algo", "only 'sha256' is supported, got "
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ConfigError("prefix_caching_hash_algo", f"must be one of {', '.join(HASH_ALGOS)}, got "
                              f"{self.prefix_caching_hash_algo!r}")
+        try:
+            get_hash_fn_by_name(self.prefix_caching_hash_algo)
+        except ValueError as exc:  # an optional package is missing
+            raise ConfigError("prefix_caching_hash_algo", str(exc).split(": ", 1)[1]) from None
 
 
 def field_names(cls: type) -> set[str]:

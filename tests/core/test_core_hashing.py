@@ -2,15 +2,23 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from servetwin.core.kv_cache import hashing
-from servetwin.core.kv_cache.hashing import (NONE_HASH, generate_block_hash_extra_keys, get_block_hash, get_group_id, get_hash_fn_by_name, get_request_block_hasher, hash_block_tokens, make_block_hash_with_group_id, make_none_hash, sha256)
+from servetwin.core.config_error import ConfigError
+from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.kv_cache.hashing import (HASH_ALGOS, NONE_HASH, builtin, generate_block_hash_extra_keys, get_block_hash, get_group_id, get_hash_fn_by_name, get_request_block_hasher, hash_block_tokens, make_block_hash_with_group_id, make_none_hash, sha256)
 from servetwin.core.request import Request
 from servetwin.core.sampling_params import SamplingParams
+from servetwin.core.sched.config import CacheConfig
 
 from coretest_utils import make_request
 
@@ -153,3 +161,74 @@ def test_salt_separates_every_block_through_chaining():
     for i in range(3):
         assert len({a.block_hashes[i], b.block_hashes[i], c.block_hashes[i]}) == 3
     assert a.block_hashes == same.block_hashes
+
+
+# -- prefix_caching_hash_algo: vLLM's names plus the fast `builtin` ---------------------------------
+def _builtin_request(rid, tokens, block_size=4, **kwargs) -> Request:
+    sp = SamplingParams(max_tokens=100)
+    return Request(rid, tokens, sp, arrival_time=0.0, block_hasher=get_request_block_hasher(block_size, builtin),
+                   hash_block_size=block_size, **kwargs)
+
+
+@pytest.mark.parametrize("extras", [{}, {"cache_salt": "s"},
+                                    {"lora_request": SimpleNamespace(lora_name="a", lora_path="/a")}])
+def test_builtin_hasher_fast_path_equals_the_generic_chain(extras):
+    tokens = [(i * 37) % 1000 for i in range(41)]
+    req = _builtin_request("r", tokens[:9], **extras)
+    for t in tokens[9:]:
+        req.append_output_token_ids(t)
+    prev, expected = None, []
+    for i in range(10):
+        extra = generate_block_hash_extra_keys(req, 4 * i)
+        prev = hash_block_tokens(builtin, prev, tokens[4 * i: 4 * i + 4], extra)
+        expected.append(prev)
+    assert req.block_hashes == expected and all(len(h) == 8 for h in expected)
+    assert len(set(expected)) == 10
+
+
+def test_builtin_hash_is_process_independent():
+    """Python randomises str/bytes hashes per process (PYTHONHASHSEED unset: a random seed each, which
+    vLLM's NONE_HASH does not depend on then); `builtin` hashes integers only."""
+    code = ("from servetwin.core.kv_cache.hashing import builtin, hash_block_tokens as h;"
+            "a = h(builtin, None, [1, 2, 3], (('cache_salt', 'x'),)); print(h(builtin, a, [4, 5, 6]).hex())")
+    outs = set()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    for _ in range(2):
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                check=True).stdout.strip())
+    assert len(outs) == 1
+
+
+def test_hash_algo_names_and_errors():
+    assert get_hash_fn_by_name("builtin") is builtin
+    assert set(HASH_ALGOS) == {"sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "builtin"}
+    with pytest.raises(ConfigError, match="prefix_caching_hash_algo"):
+        CacheConfig(prefix_caching_hash_algo="md5")
+    for name, module in (("xxhash", "xxhash"), ("sha256_cbor", "cbor2")):
+        if importlib.util.find_spec(module) is None:  # vLLM's optional packages: a clear error naming the field
+            with pytest.raises(ConfigError, match=f"prefix_caching_hash_algo.*{module}"):
+                CacheConfig(prefix_caching_hash_algo=name)
+        else:
+            assert CacheConfig(prefix_caching_hash_algo=name).prefix_caching_hash_algo == name
+    assert EngineArgs.from_kwargs(backend="sim", prefix_caching_hash_algo="builtin").cache_config() \
+        .prefix_caching_hash_algo == "builtin"
+
+
+@pytest.mark.parametrize("name", ["b_shared_prefix", "b2_shared_prefix_async", "d_abort_running_00"])
+def test_recorded_replays_take_the_same_decisions_with_builtin(name, monkeypatch):
+    """Decisions depend on hash equality only: every replayed step equals the sha256 replay (which
+    test_core_replay checks against vLLM's recording)."""
+    from servetwin.core.sched import scheduler as scheduler_module
+    from servetwin.core.testbed.replay import replay
+    from servetwin.core.testbed.scenario import load_scenario
+
+    path = str(Path(__file__).parent / "data" / f"{name}.json")
+    reference = list(replay(load_scenario(path)))
+    calls = []
+
+    def counted(obj):
+        calls.append(1)
+        return builtin(obj)
+    monkeypatch.setattr(scheduler_module, "get_hash_fn_by_name", lambda _name: counted)
+    assert list(replay(load_scenario(path))) == reference
+    assert calls  # the replay hashed its blocks with it

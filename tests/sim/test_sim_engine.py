@@ -1,4 +1,5 @@
 """The SimPy engine loop: event order at equal times, closed loops, async scheduling, determinism."""
+import gc
 import time
 
 import numpy as np
@@ -9,7 +10,7 @@ from servetwin.core.engine.engine_core import EngineCore
 from servetwin.sim.arrivals import ClosedLoop, Offline
 from servetwin.sim.coefficients import CostCoefficients
 from servetwin.sim.cost_model import CostModel
-from servetwin.sim.engine import Simulation, simulate, simulate_workload
+from servetwin.sim.engine import SIM_GC_THRESHOLD0, Simulation, simulate, simulate_workload
 from servetwin.sim.executor import SimExecutor
 from servetwin.sim.workload import WorkloadRequest
 
@@ -172,3 +173,35 @@ def test_workload_timeout_is_validated_and_drawn_onto_every_request():
     assert spec.timeout_s == 1.5 and {r.timeout_s for r in reqs} == {1.5}
     with pytest.raises(ValueError, match=r"workload\.timeout_s: must be > 0"):
         build_workload({"requests": 3, "timeout_s": 0})
+
+
+def test_run_collects_young_garbage_rarely_and_restores_the_thresholds():
+    """Simulation.run raises the collector's young threshold for the loop only (sim/engine.py)."""
+    seen = []
+    old = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        sim = Simulation(_engine(), [_req("a", 0.0), _req("b", 0.5)], Offline(),
+                         on_complete=lambda rid, t: seen.append(gc.get_threshold()))
+        sim.run()
+        assert seen and all(t == (SIM_GC_THRESHOLD0, 10, 10) for t in seen)
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*old)
+
+
+def test_builtin_hash_runs_the_same_simulation_as_sha256():
+    """Decisions depend only on hash equality: a prefix-sharing run (implicit decodes, async, output
+    blocks of equal greedy prompts hashing equal) gives the same trace with either hash."""
+    def run(algo):
+        args = {"backend": "sim", "model": "llama-3.1-8b", "hardware": "h100-sxm", "max_num_seqs": 16,
+                "max_model_len": 4096, "async_scheduling": True, "num_gpu_blocks": 400,
+                "prefix_caching_hash_algo": algo}
+        wl = {"seed": 1, "shared_prefix": {"groups": 3, "per_group": 4, "prefix_tokens": 256, "suffix_tokens": 40},
+              "output_tokens": {"type": "uniform", "low": 20, "high": 80}, "arrival": {"type": "poisson", "rate": 40}}
+        res = simulate_workload(args, wl, record_step_requests=False)
+        rec = res.recorder
+        return rec.steps, {rid: (t.token_times, t.cached_tokens) for rid, t in rec.requests.items()}
+    steps, requests = run("builtin")
+    assert (steps, requests) == run("sha256")
+    assert any(cached for _, cached in requests.values())  # the prefix cache was hit

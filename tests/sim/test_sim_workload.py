@@ -1,6 +1,7 @@
 """Workloads: determinism, shared prefixes, caps, traces, validation errors."""
 import json
 
+import numpy as np
 import pytest
 
 from servetwin.sim.arrivals import ClosedLoop, Poisson
@@ -162,3 +163,14 @@ def test_trace_errors_name_file_line_and_field(tmp_path):
     p.write_text("arrival_s,prompt_tokens,output_tokens\n0,10,5\n")
     with pytest.raises(ValueError, match="workload.prompt_tokens: not allowed with a trace"):
         build_workload({"arrival": {"type": "trace", "path": str(p)}, "prompt_tokens": 3})
+
+
+def test_draw_tokens_is_the_same_draw_with_shared_int_objects():
+    from servetwin.sim.workload import draw_tokens
+    a = draw_tokens(np.random.default_rng(3), 50_000, 300)
+    b = np.random.default_rng(3).integers(0, 50_000, size=300).tolist()
+    assert a == b and all(type(t) is int for t in a)
+    c = draw_tokens(np.random.default_rng(4), 50_000, 300)
+    first = {t: t for t in a}
+    shared = [t for t in c if t in first]
+    assert shared and all(first[t] is t for t in shared)  # one object per token id (8 bytes a token, not 36)
