@@ -42,14 +42,14 @@ class Scenario:
         kw = dict(self.engine)
         model = self.model
         if backend == "torch":
-            kw.update(device="cpu", dtype="float32")
+            kw.update(device="cpu", dtype=kw.get("dtype", "float32"))
         elif model != "tiny-llama":
             from servetwin.gpu.models.registry import resolve_model  # noqa: PLC0415 (builds it once)
             model = str(resolve_model(model).path)
             # The sim prices experts by their storage format and knows no float32 MoE kernel (vLLM serves
             # MoE in bf16 or lower). Offline decisions never read the step time and the pool size is
             # given, so the sim's dtype changes its clock only, never a decision.
-            kw.update(dtype="bfloat16")
+            kw.setdefault("dtype", "bfloat16")
         return EngineArgs.from_kwargs(model=model, backend=backend, **kw)
 
 

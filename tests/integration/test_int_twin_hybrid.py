@@ -114,3 +114,20 @@ def test_both_backends_agree_through_window_frees_preemptions_and_hits(model):
     assert fs["steps"].prefix_hits.sum() > 0
     sliding = [ids[0] for s in steps for _, _, ids in s["blocks"].values() if ids is not None]
     assert any(0 in group for group in sliding)  # the null block replaced out-of-window blocks
+
+
+@pytest.mark.parametrize("model", sorted(GROUPS))
+def test_both_backends_size_the_same_pool_from_the_groups(model):
+    """Given the same KV memory, the sim and torch cut it into the same blocks: one block is a page of
+    each layer of one group (vLLM's hybrid rule), in both through the shared core's KV cache plan.
+    Both in bfloat16 (the sim knows no float32 MoE kernel), so the pages are the same size."""
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
+
+    budget = 3 * 2**20
+    sc = Scenario(dict(block_size=8, max_model_len=64, kv_cache_memory_bytes=budget, max_num_batched_tokens=64,
+                       max_num_seqs=8, dtype="bfloat16"), model=model)
+    _, sinfo = create_engine_core(sc.engine_args("sim"))
+    _, tinfo = create_engine_core(sc.engine_args("torch"))
+    assert sinfo.kv_cache_groups == tinfo.kv_cache_groups and len(sinfo.kv_cache_groups) == GROUPS[model]
+    layers_per_group = 2 // GROUPS[model]  # both tiny models have 2 layers; 2 KV heads x 16, K and V, bf16
+    assert sinfo.num_gpu_blocks == tinfo.num_gpu_blocks == budget // (layers_per_group * 8 * 2 * 2 * 16 * 2)
