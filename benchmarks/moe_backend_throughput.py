@@ -18,6 +18,16 @@ seconds), 64/64 greedy outputs equal - the 2x target is MISSED. Pure-decode (16 
 pure-prefill (32 x ~500 tokens) runs put the two at par per step (1.4 s vs 1.5 s; 1.3 vs 1.2 CPU s):
 the whole gain is HF's static batching (19.5% wasted tokens, padded prefill); the expert GEMMs and
 attention are the same work in both, so at this model size there is no kernel edge to add.
+
+Where servetwin's time goes (cProfile of the servetwin half of the default command, same machine and
+load, 2026-12-02; cProfile inflates Python-heavy parts): of 18.2 s in `generate`, the model forward is
+14.0 s (paged attention's native kernel 3.2-3.8 s, MoE layers 4.5 s of which the padded expert `bmm`s
+~3 s, linears 1.8 s, RMSNorm ~1 s, RoPE 0.7 s); per-step Python around it is ~3 s: output processing
+1.5 s (incremental detokenisation 1.1 s, random tokens keep multi-byte characters open so the windows
+grow), input prep 0.6 s, attention metadata 0.5 s, scheduling + update 0.5 s. Without the profiler,
+two runs each: 6.70 / 5.93 CPU s detokenised vs 7.08 / 6.07 with `--disable-detokenize` (12.0-14.3 s
+wall, load average ~6): the difference is below the noise. Removing ALL per-step Python overhead would
+lift 1.4x to at most ~1.8x; the 2x target needs less work per step than HF, not less overhead.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from typing import Any
 
 
 def model_rows() -> list[dict[str, Any]]:
+    from servetwin.core.kv_cache.kv_cache_planning import describe_kv_plan, model_kv_plan  # noqa: PLC0415
     from servetwin.sim.model_spec import ALIASES, PRESETS  # noqa: PLC0415
 
     rows = []
@@ -20,6 +21,7 @@ def model_rows() -> list[dict[str, Any]]:
                      "head_dim": s.head_dim, "intermediate": s.intermediate_size, "vocab": s.vocab_size,
                      "dtype": s.dtype, "weights_gib": s.weight_bytes / 2**30,
                      "kv_kib_per_token": s.kv_bytes_per_token() / 1024, "max_len": s.max_position_embeddings,
+                     "kv_cache_groups": describe_kv_plan(model_kv_plan(s)),
                      "aliases": sorted(a for a, t in ALIASES.items() if t == name)})
     return rows
 
@@ -51,7 +53,8 @@ MODEL_COLS = [("name", "model", ""), ("params_b", "params (B)", ".2f"), ("active
               ("experts", "top-k/experts", ""), ("quant", "weights", ""), ("layers", "layers", ""),
               ("hidden", "hidden", ""), ("heads", "heads", ""), ("kv_heads", "kv heads", ""),
               ("intermediate", "intermediate", ""), ("vocab", "vocab", ""), ("weights_gib", "weights (GiB)", ".1f"),
-              ("kv_kib_per_token", "KV/token (KiB)", ".1f"), ("max_len", "max len", "")]
+              ("kv_kib_per_token", "KV/token (KiB)", ".1f"), ("max_len", "max len", ""),
+              ("kv_cache_groups", "attention: KV cache groups", "")]
 HW_COLS = [("name", "hardware", ""), ("device", "device", ""), ("bf16_tflops", "bf16 TFLOP/s", ".1f"),
            ("fp8_tflops", "fp8", ".0f"), ("fp4_tflops", "fp4", ".0f"),
            ("mem_bw_tb_s", "HBM TB/s", ".2f"), ("memory_gib", "memory (GiB)", ".1f"),

@@ -90,8 +90,13 @@ def _observations(exp, summaries: dict[str, dict], frames: dict[str, dict]) -> l
             src = (f" (sized like the engine: {pool.get('available_kv_bytes', 0) / 2**30:.2f} GiB for KV after "
                    f"{pool.get('weight_bytes', 0) / 2**30:.2f} GiB weights, {pool.get('bytes_per_block', 0):,} "
                    "bytes per block)")
-        obs.append(f"{head}: KV pool {blocks:,} blocks x {bs} tokens = {blocks * bs:,} tokens{src}; peak usage "
-                   f"{100 * (s['kv_peak_usage'] or 0):.1f}%, fewest free blocks {s['kv_min_free_blocks']:,}.")
+        groups = pool.get("kv_cache_groups")  # set unless one full-attention group
+        groups = (f"; its blocks serve the KV cache groups {groups}: a block is one {bs}-token page of each "
+                  "layer of one group, a request holds blocks in every group, a window group only those its "
+                  "window still reads") if groups else ""
+        obs.append(f"{head}: KV pool {blocks:,} blocks x {bs} tokens = {blocks * bs:,} tokens{src}{groups}; "
+                   f"peak usage {100 * (s['kv_peak_usage'] or 0):.1f}%, fewest free blocks "
+                   f"{s['kv_min_free_blocks']:,}.")
         pre_steps = int((st.num_preempted > 0).sum())
         obs.append(f"{head}: {s['preemptions']} preemptions" + (f" in {pre_steps} steps" if pre_steps else "")
                    + f"; at most {s['max_running']} running and {s['max_waiting']} waiting.")

@@ -35,7 +35,8 @@ from typing import Any, Optional
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import ExecutorInfo
 from servetwin.core.kv_cache.kv_cache_interface import ONE_FULL_GROUP
-from servetwin.core.kv_cache.kv_cache_planning import KVCachePlan, check_or_fit_max_model_len_groups, model_kv_plan
+from servetwin.core.kv_cache.kv_cache_planning import (KVCachePlan, check_or_fit_max_model_len_groups,
+                                                       describe_kv_plan, model_kv_plan)
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len
 from servetwin.sim.cost_model import CostModel
 from servetwin.sim.executor import SimExecutor
@@ -79,7 +80,9 @@ class KVPoolSize:
         return {"num_gpu_blocks": self.num_gpu_blocks, "bytes_per_block": self.bytes_per_block,
                 "requested_bytes": self.requested_bytes, "weight_bytes": self.weight_bytes,
                 "activation_peak_bytes": self.activation_peak_bytes, "non_torch_bytes": self.non_torch_bytes,
-                "available_kv_bytes": self.available_kv_bytes}
+                "available_kv_bytes": self.available_kv_bytes,
+                # None: one full-attention group (every dense model)
+                "kv_cache_groups": None if self.kv_cache_groups is None else describe_kv_plan(self.kv_plan)}
 
 
 def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int, tp: int = 1) -> int:

@@ -122,6 +122,15 @@ def model_kv_plan(model: Any, disable_hybrid_kv_cache_manager: bool = False) -> 
     return kv_cache_groups_for_layers(specs, disable_hybrid_kv_cache_manager)
 
 
+def describe_kv_plan(plan: KVCachePlan) -> str:
+    """One line for reports and `servetwin presets`, e.g. "sliding_window 128 + full_attention (2 KV
+    cache groups x 12 layers)": each group's attention type (and window), the layers a pool block holds
+    one page of."""
+    kinds = " + ".join(" ".join(str(v) for v in g.to_dict().values()) for g in dict.fromkeys(plan.kv_cache_groups))
+    n = len(plan.kv_cache_groups)
+    return f"{kinds} ({n} KV cache group{'s' if n > 1 else ''} x {plan.group_size} layers)"
+
+
 def max_blocks_per_request(groups: Sequence[KVCacheGroupSpec], block_size: int, num_tokens: int,
                            max_in_flight_tokens: int, max_model_len: int) -> int:
     """Blocks one request of `num_tokens` holds at most, summed over groups (a window group at most

@@ -21,3 +21,11 @@ def test_presets_table(capsys):
     assert main(["presets", "models"]) == 0
     text = capsys.readouterr().out
     assert "qwen3-32b" in text and "hardware" not in text.split("\n")[2]
+
+
+def test_presets_state_each_models_kv_cache_groups(capsys):
+    assert main(["presets", "--json"]) == 0
+    models = {m["name"]: m for m in json.loads(capsys.readouterr().out)["models"]}
+    assert models["gpt-oss-120b"]["kv_cache_groups"] == (
+        "sliding_window 128 + full_attention (2 KV cache groups x 18 layers)")
+    assert models["llama-3.1-8b"]["kv_cache_groups"] == "full_attention (1 KV cache group x 32 layers)"

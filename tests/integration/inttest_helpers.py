@@ -32,15 +32,53 @@ REQUEST_DECISION_COLUMNS = ["request_id", "parent_id", "prompt_tokens", "cached_
 
 @dataclass
 class Scenario:
-    """Engine settings (EngineArgs names) and the workload, in offline order."""
+    """Engine settings (EngineArgs names) and the workload, in offline order. `model` is a built-in
+    tiny model; the sim reads its config.json (tiny-llama is also a sim preset)."""
     engine: dict[str, Any]
     requests: list[Any] = field(default_factory=list)  # servetwin.sim.workload.WorkloadRequest, arrival_s == 0
+    model: str = "tiny-llama"
 
     def engine_args(self, backend: str) -> EngineArgs:
         kw = dict(self.engine)
+        model = self.model
         if backend == "torch":
-            kw.update(device="cpu", dtype="float32")
-        return EngineArgs.from_kwargs(model="tiny-llama", backend=backend, **kw)
+            kw.update(device="cpu", dtype=kw.get("dtype", "float32"))
+        elif model != "tiny-llama":
+            from servetwin.gpu.models.registry import resolve_model  # noqa: PLC0415 (builds it once)
+            model = str(resolve_model(model).path)
+            # The sim prices experts by their storage format and knows no float32 MoE kernel (vLLM serves
+            # MoE in bf16 or lower). Offline decisions never read the step time and the pool size is
+            # given, so the sim's dtype changes its clock only, never a decision.
+            kw.setdefault("dtype", "bfloat16")
+        return EngineArgs.from_kwargs(model=model, backend=backend, **kw)
+
+
+class SchedulerOutputLog:
+    """Wraps an engine's executor and keeps, per executed step, what the scheduler decided: tokens per
+    request, the block ids handed out per KV cache group (new and resumed requests: all of them;
+    running ones: the new ones), and the preempted requests. Token ids are left out: the sim's are fake."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.steps: list[dict[str, Any]] = []
+
+    def execute_model(self, so: Any) -> Any:
+        cached = so.scheduled_cached_reqs
+        blocks = {r.req_id: ("new", r.num_computed_tokens, r.block_ids) for r in so.scheduled_new_reqs}
+        for rid, ids, s in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            blocks[rid] = ("resumed" if rid in cached.resumed_req_ids else "running", s, ids)
+        self.steps.append(dict(tokens=dict(so.num_scheduled_tokens), blocks=blocks,
+                               preempted=sorted(so.preempted_req_ids), finished=sorted(so.finished_req_ids)))
+        return self.inner.execute_model(so)
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the wrapped executor's
+        return getattr(self.inner, name)
+
+
+def assert_same_scheduler_outputs(a: SchedulerOutputLog, b: SchedulerOutputLog) -> None:
+    assert len(a.steps) == len(b.steps), f"executed steps differ: sim {len(a.steps)} vs torch {len(b.steps)}"
+    for i, (x, y) in enumerate(zip(a.steps, b.steps)):
+        assert x == y, f"step {i}: sim {x} != torch {y}"
 
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -70,11 +108,14 @@ def publish(case_dir: Path, results: list, metric: str, source: str) -> None:
     (case_dir / "published.json").write_text(json.dumps(published))
 
 
-def run_sim(scenario: Scenario, fast_forward: bool = True) -> tuple[dict[str, pd.DataFrame], Any]:
+def run_sim(scenario: Scenario, fast_forward: bool = True,
+            log: Optional[list[SchedulerOutputLog]] = None) -> tuple[dict[str, pd.DataFrame], Any]:
+    """Offline sim run; with `log` (a list), its executor is wrapped in a SchedulerOutputLog appended there."""
     from servetwin.sim.arrivals import Offline  # noqa: PLC0415
     from servetwin.sim.engine import Simulation  # noqa: PLC0415
 
     engine, info = create_engine_core(scenario.engine_args("sim"))
+    _attach_log(engine, log)
     sim = Simulation(engine, [replace(r) for r in scenario.requests], Offline(), run="twin",
                      fast_forward=fast_forward)
     result = sim.run()
@@ -83,10 +124,19 @@ def run_sim(scenario: Scenario, fast_forward: bool = True) -> tuple[dict[str, pd
     return sim.recorder.frames(), info
 
 
-def run_torch(scenario: Scenario) -> tuple[dict[str, pd.DataFrame], Any]:
+def _attach_log(engine: Any, log: Optional[list[SchedulerOutputLog]]) -> None:
+    if log is not None:
+        engine.executor = SchedulerOutputLog(engine.executor)
+        log.append(engine.executor)
+
+
+def run_torch(scenario: Scenario,
+              log: Optional[list[SchedulerOutputLog]] = None) -> tuple[dict[str, pd.DataFrame], Any]:
+    """Offline torch run (CPU, float32); `log` as in `run_sim`."""
     from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
 
     engine, info = create_engine_core(scenario.engine_args("torch"))
+    _attach_log(engine, log)
     recorder = TraceRecorder("twin", "torch")
     rejected: dict[str, str] = {}
     run_realtime(engine, [replace(r) for r in scenario.requests], recorder, offline=True, rejected=rejected)
