@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from servetwin.experiments.auto_calibration import THREADS, cache_path, fingerprint
+from servetwin.experiments.calibrate.auto_calibration import THREADS, cache_path, fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "experiments", "configs", "default.yaml")
@@ -67,7 +67,7 @@ def main() -> int:
         env.pop("SERVETWIN_AUTO_CALIBRATION_DESIGN", None)
         threads = args.threads or THREADS
         t0 = time.perf_counter()  # the first use on a new machine: what `hardware: auto` measures
-        subprocess.run([sys.executable, "-c", "from servetwin.experiments.auto_calibration import ensure_calibration;"
+        subprocess.run([sys.executable, "-c", "from servetwin.experiments.calibrate.auto_calibration import ensure_calibration;"
                         f"ensure_calibration('tiny-llama', 'float32', {threads})"], env=env, check=True)
         cal_s = f"{time.perf_counter() - t0:.0f} s"
         extra = []

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from servetwin.experiments.published import group_medians, load_published, validate_cases
+from servetwin.experiments.validate.published import group_medians, load_published, validate_cases
 from servetwin.sim.frontend import COEFFICIENT_FIELDS
 
 HELD_OUT = ("published_cases",)

@@ -6,7 +6,7 @@ leave-one-case-out errors.
         --grid gemm_compute=0.7,0.75,0.8,0.85 --grid attn_prefill_compute=0.4,0.45,0.5,0.55,0.6 \
         --match qwen3_14b_a100 --loo
 
-The search is `servetwin.experiments.preset_fit` (shared with `servetwin calibrate --from-vllm`);
+The search is `servetwin.experiments.validate.preset_fit` (shared with `servetwin calibrate --from-vllm`);
 this script prints its result. DIR has the shape `servetwin validate` reads (cases/*.yaml + published.json); `--match` keeps the
 cases whose name contains the string. The per-kernel efficiencies from public measurements stay
 fixed (servetwin.sim.gpu_calibration); the parameters searched (`--params`, default: every entry of
@@ -24,10 +24,10 @@ import argparse
 import sys
 import time
 
-from servetwin.experiments.preset_fit import (  # noqa: F401  (the fitting lives in the package)
+from servetwin.experiments.validate.preset_fit import (  # noqa: F401  (the fitting lives in the package)
     EXTRA, FIT, FIT_METRICS, FRONTEND_BOUND, evaluate, fit, grid_best, grid_fit, hardware_mapping, loo_cases, loss,
     start_values)
-from servetwin.experiments.published import group_medians, load_published, render_table
+from servetwin.experiments.validate.published import group_medians, load_published, render_table
 from servetwin.sim.gpu_calibration import GPU_CALIBRATION
 
 

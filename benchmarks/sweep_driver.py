@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from servetwin.experiments.schema import validate_config  # noqa: E402
-from servetwin.experiments.sweep import run_sweep  # noqa: E402
+from servetwin.experiments.config.schema import validate_config  # noqa: E402
+from servetwin.experiments.sweep.sweep import run_sweep  # noqa: E402
 
 
 def config(points: int, requests: int) -> dict:
@@ -42,7 +42,7 @@ def timed_sweep(exp, ray, jobs: int) -> tuple[float, int, float]:
     t0 = time.perf_counter()
     warm = None
     if ray is not None:  # ray.init once up front so that the sweep's time is the points' alone
-        from servetwin.experiments.ray_pool import RayPool  # noqa: PLC0415
+        from servetwin.experiments.sweep.ray_pool import RayPool  # noqa: PLC0415
 
         warm = RayPool(None if ray is True else ray)
     start = time.perf_counter() - t0

@@ -71,7 +71,7 @@ def _step_errors(measured, exp_path: Path, hardware: str) -> dict:
 
 
 def round_trip(d: Path) -> dict:
-    from servetwin.experiments.schema import load_config
+    from servetwin.experiments.config.schema import load_config
     from servetwin.experiments.vllm_import.bench_case import ImportOptions
     from servetwin.experiments.vllm_import.bench_writer import bench_document
     from servetwin.experiments.vllm_import.from_vllm import calibrate_from_vllm
@@ -106,8 +106,8 @@ def round_trip(d: Path) -> dict:
 
 
 def cpu_measurement(d: Path, model: str, threads: int, design: str) -> dict:
-    from servetwin.experiments.calibrate import calibrate
-    from servetwin.experiments.schema import load_config
+    from servetwin.experiments.calibrate.calibrate import calibrate
+    from servetwin.experiments.config.schema import load_config
     from servetwin.experiments.vllm_import.bench_case import ImportOptions
     from servetwin.experiments.vllm_import.from_vllm import calibrate_from_vllm
     from servetwin.experiments.vllm_import.profiler_trace import read_profiler_traces

@@ -11,7 +11,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from servetwin.core.testbed.atomic import atomic_open
     from servetwin.core.testbed.replay import replay_jsonl, write_replay
     from servetwin.core.testbed.scenario import load_scenario
-    from servetwin.experiments.schema import ensure_output_file
+    from servetwin.experiments.config.schema import ensure_output_file
 
     if args.max_output_bytes < 0:
         raise ValueError(f"--max-output-bytes: must be >= 0 (0: no limit), got {args.max_output_bytes}")
@@ -50,9 +50,9 @@ def _extra_commands():
     import importlib
 
     out = []
-    for mod in ("servetwin.experiments.run_cli", "servetwin.experiments.capacity_cli",
-                "servetwin.experiments.compare_cli", "servetwin.experiments.serve_cli",
-                "servetwin.experiments.validate_cli", "servetwin.experiments.presets_cli",
+    for mod in ("servetwin.experiments.run.run_cli", "servetwin.experiments.capacity.capacity_cli",
+                "servetwin.experiments.compare.compare_cli", "servetwin.experiments.serve.serve_cli",
+                "servetwin.experiments.validate.validate_cli", "servetwin.experiments.presets.presets_cli",
                 "servetwin.experiments.vllm_import.import_cli"):
         try:
             out.append(importlib.import_module(mod).register)

@@ -14,7 +14,7 @@ def pytest_configure(config):
         return
     cache = tempfile.mkdtemp(prefix="servetwin-calibrations-")
     os.environ["SERVETWIN_CALIBRATIONS"] = cache  # subprocesses (nbconvert, workers) inherit it
-    from servetwin.experiments.auto_calibration import THREADS, cache_path, fingerprint
+    from servetwin.experiments.calibrate.auto_calibration import THREADS, cache_path, fingerprint
 
     example = Path(__file__).resolve().parents[1] / "experiments" / "calibrations" / "cpu_tiny-llama.yaml"
     shutil.copyfile(example, cache_path(fingerprint("tiny-llama", "float32", THREADS)))

@@ -64,7 +64,7 @@ class BenchRecord:
     duration_s: Optional[float]
     total_input_tokens: Optional[int]
     total_output_tokens: Optional[int]
-    metrics: dict[str, float]  # published metric name (servetwin.experiments.published) -> value
+    metrics: dict[str, float]  # published metric name (servetwin.experiments.validate.published) -> value
     dataset_name: Optional[str] = None
     random_input_len: Optional[int] = None
     random_output_len: Optional[int] = None

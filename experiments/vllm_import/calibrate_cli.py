@@ -6,7 +6,7 @@ import sys
 
 
 def cmd_calibrate_from_vllm(args: argparse.Namespace) -> int:
-    from servetwin.experiments.schema import check_output_file, ensure_output_file  # noqa: PLC0415
+    from servetwin.experiments.config.schema import check_output_file, ensure_output_file  # noqa: PLC0415
     from servetwin.experiments.vllm_import.bench_case import ImportOptions  # noqa: PLC0415
     from servetwin.experiments.vllm_import.from_vllm import calibrate_from_vllm  # noqa: PLC0415
 

@@ -10,9 +10,9 @@ preset (`--hardware`: a preset, or a GPU name such as "NVIDIA H100 80GB HBM3"):
   simulator's step (`measured_steps`) and the cost model's coefficients - engine CPU terms per step,
   request and token, and the corrections of the roofline terms (GEMMs, prefill and decode attention,
   LM head) on top of the preset's efficiencies - are fitted to the measured durations by
-  non-negative least squares (`servetwin.experiments.calibrate.fit_from_tables`, the torch
+  non-negative least squares (`servetwin.experiments.calibrate.calibrate.fit_from_tables`, the torch
   calibration's fit). Bench files given with traces are only predicted (their figures as a check);
-- benchmark results alone: the end-to-end search of `servetwin.experiments.preset_fit` (GPU
+- benchmark results alone: the end-to-end search of `servetwin.experiments.validate.preset_fit` (GPU
   efficiencies and the engine's per-step / per-request CPU) on the files imported as validate cases.
 
 The provenance lists every file, the errors in sample (per file) and leave-one-file-out (refit
@@ -37,7 +37,7 @@ STEP_OFFSET = 1_000_000  # step numbers of run k are shifted by k * STEP_OFFSET 
 
 def nearest_preset(hardware: Optional[str]) -> str:
     """A preset name, or the preset whose GPU name a device string contains."""
-    from servetwin.experiments.calibrate import CUDA_PRESET_BY_NAME  # noqa: PLC0415
+    from servetwin.experiments.calibrate.calibrate import CUDA_PRESET_BY_NAME  # noqa: PLC0415
     from servetwin.sim.hardware_presets import HARDWARE_PRESETS  # noqa: PLC0415
 
     if not hardware:
@@ -153,21 +153,21 @@ def _pooled(runs: list[tuple[str, Any]]):
 
 
 def fit_runs(runs: list[tuple[str, Any]], trim: Optional[float]):
-    from servetwin.experiments.calibrate import fit_from_tables  # noqa: PLC0415
+    from servetwin.experiments.calibrate.calibrate import fit_from_tables  # noqa: PLC0415
 
     steps, rows = _pooled(runs)
     return fit_from_tables(steps, rows, runs[0][1].cost_model, trim=trim)
 
 
 def coefficients_of(cal, start: StartSet) -> dict[str, float]:
-    from servetwin.experiments.calibrate import calibration_document  # noqa: PLC0415
+    from servetwin.experiments.calibrate.calibrate import calibration_document  # noqa: PLC0415
 
     return calibration_document(start.base, cal, {}, efficiency=start.efficiency)["coefficients"]
 
 
 def step_errors(m, cost_model, coefficients: dict[str, float]) -> np.ndarray:
     """Relative errors (predicted - measured) / measured of a run's matched steps under `coefficients`."""
-    from servetwin.experiments.calibrate import step_rows  # noqa: PLC0415
+    from servetwin.experiments.calibrate.calibrate import step_rows  # noqa: PLC0415
     from servetwin.sim.coefficients import BASIS_TERMS  # noqa: PLC0415
 
     _, summaries, t, _ = step_rows(m.steps, m.step_requests)
@@ -203,7 +203,7 @@ def iterate_trace_fit(traces: list[str], experiments: list[str], start: StartSet
     """Match, fit, and match again on the simulator with the fitted coefficients: an online run's schedule
     (arrivals through a front end) depends on the step times, so the first matching, on the preset's,
     pairs some steps wrongly. Stops when every step matches or the matched count stops growing."""
-    from servetwin.experiments.calibrate import calibration_document  # noqa: PLC0415
+    from servetwin.experiments.calibrate.calibrate import calibration_document  # noqa: PLC0415
 
     hardware: Any = start.hardware
     best = None
@@ -241,7 +241,7 @@ def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path) -> d
 
 
 def _case_errors(results) -> dict[str, Any]:
-    from servetwin.experiments.preset_fit import loss  # noqa: PLC0415
+    from servetwin.experiments.validate.preset_fit import loss  # noqa: PLC0415
 
     return {r.name: {"mean_abs_log_err": loss([r]), "signed_errors": r.errors()} for r in results}
 
@@ -251,7 +251,7 @@ def bench_fit(benches: list[str], opts: ImportOptions, base: str, start: Optiona
               ) -> tuple[dict[str, float], dict[str, Any]]:
     """({(section, name) fitted value}, report). `fit_params` False: only predict the files (`start` fitted
     elsewhere). `params`: the `preset_fit` entries searched (default: its FIT set)."""
-    from servetwin.experiments.preset_fit import FIT, evaluate, fit, start_values  # noqa: PLC0415
+    from servetwin.experiments.validate.preset_fit import FIT, evaluate, fit, start_values  # noqa: PLC0415
 
     params = params or FIT
     with tempfile.TemporaryDirectory(prefix="servetwin-from-vllm-") as tmp:
@@ -276,8 +276,8 @@ def bench_fit(benches: list[str], opts: ImportOptions, base: str, start: Optiona
 def calibrate_from_vllm(files: list[str], out_path: str, *, hardware: Optional[str], experiments: list[str],
                         opts: ImportOptions, trim: Optional[float] = 4.0, rounds: int = 1,
                         log: Callable[[str], None] = lambda m: None, params: Optional[list] = None) -> dict[str, Any]:
-    from servetwin.experiments.calibrate import write_calibration  # noqa: PLC0415
-    from servetwin.experiments.preset_fit import hardware_mapping  # noqa: PLC0415
+    from servetwin.experiments.calibrate.calibrate import write_calibration  # noqa: PLC0415
+    from servetwin.experiments.validate.preset_fit import hardware_mapping  # noqa: PLC0415
 
     start = start_set(hardware)
     base = start.base
@@ -306,7 +306,7 @@ def calibrate_from_vllm(files: list[str], out_path: str, *, hardware: Optional[s
         mapping = hardware_mapping(values, base, start.values)
         doc = {"base": base, "name": f"{base}-from-vllm", "efficiency": mapping["efficiency"],
                "coefficients": mapping["coefficients"], "provenance": provenance}
-        provenance["method"] = "end-to-end search (servetwin.experiments.preset_fit) on the bench results"
+        provenance["method"] = "end-to-end search (servetwin.experiments.validate.preset_fit) on the bench results"
         provenance["fitted"] = {f"{s}.{n}": v for (s, n), v in values.items()}
         provenance["bench_errors"] = report
     else:

@@ -43,7 +43,7 @@ def composition_keys(steps) -> list[tuple[int, ...]]:
 
 def load_sim_experiment(path: str, overrides: Optional[list[str]] = None, hardware: Any = None):
     """An experiment YAML for the simulator alone, step rows recorded (`hardware`: replaces its own)."""
-    from servetwin.experiments.schema import load_config  # noqa: PLC0415
+    from servetwin.experiments.config.schema import load_config  # noqa: PLC0415
 
     values: dict[str, Any] = {"backends": ["sim"], "output.step_requests": True, "output.plots": False}
     if hardware is not None:
@@ -53,7 +53,7 @@ def load_sim_experiment(path: str, overrides: Optional[list[str]] = None, hardwa
 
 def simulate(exp, log: Callable[[str], None] = lambda m: None) -> tuple[dict, Any]:
     """A `load_sim_experiment` run: (its trace frames, its cost model)."""
-    from servetwin.experiments.runner import run_backends  # noqa: PLC0415
+    from servetwin.experiments.run.runner import run_backends  # noqa: PLC0415
 
     _, frames, runs = run_backends(exp, progress=False, log=log)
     run = runs["sim"]
@@ -86,7 +86,7 @@ def match_steps(measured, exp, log: Callable[[str], None] = lambda m: None,
 def by_phase(m: MatchedSteps) -> dict[str, dict[str, Any]]:
     """Per phase class (prefill, decode, mixed, all): steps, median and p90 |error| %, median signed
     error %, measured and predicted total seconds (error = (predicted - measured) / measured)."""
-    from servetwin.experiments.calibrate import step_phase_class  # noqa: PLC0415
+    from servetwin.experiments.calibrate.calibrate import step_phase_class  # noqa: PLC0415
 
     meas = m.steps.duration_s.to_numpy(dtype=float)
     phases = np.array([step_phase_class(int(c), int(g)) for c, g in

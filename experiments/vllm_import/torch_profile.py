@@ -19,8 +19,8 @@ def profile_torch_run(exp: Any, profile_dir: str | Path, run_name: str = "profil
     from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
     from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
     from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
-    from servetwin.experiments.torch_measure import set_torch_threads  # noqa: PLC0415
-    from servetwin.experiments.workloads import build_requests  # noqa: PLC0415
+    from servetwin.experiments.calibrate.torch_measure import set_torch_threads  # noqa: PLC0415
+    from servetwin.experiments.config.workloads import build_requests  # noqa: PLC0415
 
     if "torch" not in exp.backends:
         raise ConfigError("backends", "profiling needs the torch backend in the experiment")

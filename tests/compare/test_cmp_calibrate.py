@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from cmptest_helpers import tiny_config
 
-import servetwin.experiments.calibrate as calmod
+import servetwin.experiments.calibrate.calibrate as calmod
 from servetwin.experiments.cli import main
 from servetwin.sim.coefficients import CostCoefficients
 from servetwin.sim.cost_model import CostModel, StepSummary, curve_fraction

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from cmptest_helpers import CALIBRATIONS, REQUIRED_KEYS, read_json, tiny_config
 
-import servetwin.experiments.compare as cmpmod
-import servetwin.experiments.torch_measure as measuremod
+import servetwin.experiments.compare.compare as cmpmod
+import servetwin.experiments.calibrate.torch_measure as measuremod
 from servetwin.experiments.cli import main
 from servetwin.sim.cost_model import CostModel
 from servetwin.sim.model_spec import load_model_spec

@@ -1,5 +1,5 @@
 """`compare` says when its calibration was made on another machine, thread count or dtype."""
-from servetwin.experiments.calibrate import device_name, fingerprint_differences, machine_fingerprint
+from servetwin.experiments.calibrate.calibrate import device_name, fingerprint_differences, machine_fingerprint
 
 
 def test_same_machine_no_notes():

@@ -5,7 +5,7 @@ import pytest
 import yaml
 from cmptest_helpers import CALIBRATIONS, CONFIGS
 
-from servetwin.experiments.schema import load_config
+from servetwin.experiments.config.schema import load_config
 from servetwin.sim.hardware import load_hardware
 from servetwin.sim.model_spec import load_model_spec
 

@@ -184,6 +184,23 @@ def test_no_import_cycle_between_files():
     assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
+def test_experiments_subpackages_form_layers_under_their_clis():
+    """experiments/ holds one subpackage per command over shared ones (docs/architecture.md): apart from
+    the `*_cli.py` argument-parsing modules, no two of its subpackages import each other, even through
+    others."""
+    top = f"{PACKAGE}.experiments."
+    def subpackage(mod: str) -> str:
+        return mod[len(top):].split(".")[0] if mod.startswith(top) and mod.count(".") >= 3 else ""
+    graph: dict[str, set[str]] = {}
+    for mod, deps in _graph().items():
+        if subpackage(mod) and not mod.endswith("_cli"):
+            graph.setdefault(subpackage(mod), set()).update(
+                subpackage(d) for d in deps if subpackage(d) not in ("", subpackage(mod)))
+    assert {"run", "sweep", "config", "common"} <= graph.keys() and graph["sweep"] >= {"run"}
+    cycles = _cycles({k: v & graph.keys() for k, v in graph.items()})
+    assert cycles == [], "subpackage cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
 def _assigned_attributes(tree: ast.AST) -> list[ast.Attribute]:
     out = []
     for node in ast.walk(tree):

@@ -5,8 +5,8 @@ import yaml
 from exptest_helpers import CONFIGS, tiny, write_yaml
 
 from servetwin.core.config_error import ConfigError
-from servetwin.experiments import auto_calibration as auto
-from servetwin.experiments.schema import load_config, validate_config
+from servetwin.experiments.calibrate import auto_calibration as auto
+from servetwin.experiments.config.schema import load_config, validate_config
 
 CALIBRATION = CONFIGS.parent / "calibrations" / "cpu_tiny-llama.yaml"
 

@@ -3,7 +3,7 @@ when the child fails, the job cannot be pickled, or there is no child."""
 import os
 import threading
 
-from servetwin.experiments.background import Prewarmed
+from servetwin.experiments.run.background import Prewarmed
 
 PARENT = os.getpid()
 
@@ -68,7 +68,7 @@ def test_the_output_process_writes_what_the_parent_would(tmp_path, monkeypatch):
     import pandas as pd
     from exptest_helpers import tiny, write_yaml
 
-    from servetwin.experiments import background
+    from servetwin.experiments.run import background
     from servetwin.experiments.cli import main
 
     cfg = write_yaml(tmp_path / "t.yaml", tiny(frontend={"type": "api_server"}))

@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 from exptest_helpers import tiny, write_yaml
 
-from servetwin.experiments.binding import binding_resource, wait_growth
+from servetwin.experiments.run.binding import binding_resource, wait_growth
 from servetwin.experiments.cli import main
-from servetwin.experiments.slo import parse_slo
+from servetwin.experiments.config.slo import parse_slo
 
 
 def _summary(fe_util=0.3, kv=0.2, preemptions=0, fe_wait=0.02, q_wait=0.005, completed=100):

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from exptest_helpers import tiny, write_yaml
 
-from servetwin.experiments.capacity import CapacitySearch, judge
+from servetwin.experiments.capacity.capacity import CapacitySearch, judge
 from servetwin.experiments.cli import main
 
 

@@ -6,7 +6,7 @@ from exptest_helpers import folder_tree, tiny, write_yaml
 
 from servetwin.core.testbed import atomic
 from servetwin.experiments.cli import main
-from servetwin.experiments.run_folder import MARKER, RunFolder
+from servetwin.experiments.run.run_folder import MARKER, RunFolder
 
 ARGS = ["--slo", "ttft_p90_s=0.03", "--seeds", "1", "--tol", "0.3", "--max-probes", "6", "--no-progress"]
 
@@ -57,7 +57,7 @@ def test_a_failed_capacity_run_leaves_an_existing_folder_untouched(tmp_path, cap
 
 
 def test_capacity_json_is_written_last_and_every_file_atomically(tmp_path, monkeypatch):
-    import servetwin.experiments.run_folder as rf
+    import servetwin.experiments.run.run_folder as rf
 
     order = []
     real = rf.RunFolder.record
@@ -69,7 +69,7 @@ def test_capacity_json_is_written_last_and_every_file_atomically(tmp_path, monke
 
 
 def test_ctrl_c_during_the_search_leaves_a_folder_marked_interrupted(tmp_path, monkeypatch, capsys):
-    import servetwin.experiments.capacity_run as cr
+    import servetwin.experiments.capacity.capacity_run as cr
 
     real = cr.map_with_retries
     calls = []
@@ -91,7 +91,7 @@ def test_ctrl_c_during_the_search_leaves_a_folder_marked_interrupted(tmp_path, m
 
 
 def test_ctrl_c_while_writing_leaves_no_capacity_json_and_says_so(tmp_path, monkeypatch, capsys):
-    import servetwin.experiments.capacity_report as report
+    import servetwin.experiments.capacity.capacity_report as report
 
     def interrupted(answer):
         raise KeyboardInterrupt

@@ -117,11 +117,11 @@ def test_a_key_given_twice_is_an_error_not_silently_dropped(tmp_path, capsys):
     # YAML merge keys still work (an override after `<<` is not a duplicate)
     path.write_text("model: tiny-llama\nhardware: cpu\nbase: &b {max_num_seqs: 2, block_size: 16}\n"
                     "engine: {<<: *b, max_num_seqs: 4}\nworkload: {requests: 2, prompt_tokens: 8, output_tokens: 2}\n")
-    from servetwin.experiments.schema import ConfigError, load_yaml
+    from servetwin.experiments.config.schema import ConfigError, load_yaml
 
     assert load_yaml(path)["engine"] == {"max_num_seqs": 4, "block_size": 16}
     with pytest.raises(ConfigError, match="base: unknown key"):
-        from servetwin.experiments.schema import load_config
+        from servetwin.experiments.config.schema import load_config
 
         load_config(path)
 

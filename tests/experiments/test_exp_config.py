@@ -5,9 +5,9 @@ import pytest
 from exptest_helpers import SCENARIOS, tiny, write_yaml
 
 from servetwin.core.config_error import ConfigError
-from servetwin.experiments.schema import (SECTIONS, EngineConfig, ExperimentConfig, OutputConfig, WorkloadConfig,
+from servetwin.experiments.config.schema import (SECTIONS, EngineConfig, ExperimentConfig, OutputConfig, WorkloadConfig,
                                           load_config, validate_config)
-from servetwin.experiments.workloads import build_requests
+from servetwin.experiments.config.workloads import build_requests
 
 TINY_QWEN = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "intermediate_size": 128, "vocab_size": 32000, "max_position_embeddings": 4096}
@@ -125,7 +125,7 @@ def test_a_workload_vocab_larger_than_the_model_is_a_typed_error():
 
 
 def test_the_simulation_reports_through_callbacks():
-    from servetwin.experiments.runner import create_engine
+    from servetwin.experiments.run.runner import create_engine
     from servetwin.sim.engine import Simulation
 
     exp = validate_config(tiny(workload__requests=4))

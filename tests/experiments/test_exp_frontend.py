@@ -6,7 +6,7 @@ import pytest
 from exptest_helpers import tiny, write_yaml
 
 from servetwin.experiments.cli import main
-from servetwin.experiments.schema import ConfigError, validate_config
+from servetwin.experiments.config.schema import ConfigError, validate_config
 
 ENGINE_KEYS = ("engine_ttft_s", "engine_tpot_s", "engine_itl_s", "engine_e2e_s", "frontend_in_s")
 FE = {"type": "api_server", "endpoint": "chat",

@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 from exptest_helpers import tiny, write_yaml
 
-from servetwin.experiments import plots
+from servetwin.experiments.run import plots
 from servetwin.experiments.cli import main
-from servetwin.experiments.units import axis_unit, format_seconds
+from servetwin.experiments.common.units import axis_unit, format_seconds
 
 matplotlib.use("Agg")
 
@@ -121,7 +121,7 @@ def test_numeric_sweep_axis_shows_a_tiny_difference_as_tiny(monkeypatch, tmp_pat
 
 def test_sweep_figure_subtitle_names_no_swept_value(tmp_path):
     cfg = tiny(sweep={"engine.max_num_seqs": [2, 4]}, workload__arrival={"type": "poisson", "rate": 3.0})
-    from servetwin.experiments.schema import load_config
+    from servetwin.experiments.config.schema import load_config
 
     exp = load_config(str(write_yaml(tmp_path / "c.yaml", cfg)), overrides=["workload.requests=9"])
     ctx = plots.context_for(exp)

@@ -9,8 +9,8 @@ from servetwin.core.testbed.replay import replay
 from servetwin.core.testbed.scenario import load_scenario
 from servetwin.core.testbed.trace import REQUEST_COLUMNS, STEP_COLUMNS, STEP_REQUEST_COLUMNS
 from servetwin.experiments.cli import main
-from servetwin.experiments.runner import run_experiment
-from servetwin.experiments.schema import validate_config
+from servetwin.experiments.run.runner import run_experiment
+from servetwin.experiments.config.schema import validate_config
 
 DIST_KEYS = {"mean", "p50", "p90", "p99"}
 SUMMARY_KEYS = {"requests", "completed", "wall_s", "simulated_s", "throughput_tok_s", "output_tok_s", "ttft_s",
@@ -164,7 +164,7 @@ def test_ctrl_c_leaves_complete_files_marked_interrupted(tmp_path, monkeypatch):
 
 
 def test_trace_file_gives_lengths_and_an_explicit_arrival_replaces_its_times(tmp_path):
-    from servetwin.experiments.workloads import build_requests
+    from servetwin.experiments.config.workloads import build_requests
 
     trace = tmp_path / "trace.csv"
     trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.5,12,3\n0.1,30,5\n0.9,20,2\n")

@@ -10,8 +10,8 @@ from exptest_helpers import folder_tree, tiny, write_yaml
 from servetwin.core.testbed import atomic
 from servetwin.core.testbed.atomic import atomic_open, atomic_write_with, staged_folder
 from servetwin.experiments.cli import main
-from servetwin.experiments.run_folder import MARKER, RunFolder
-from servetwin.experiments.schema import ConfigError
+from servetwin.experiments.run.run_folder import MARKER, RunFolder
+from servetwin.experiments.config.schema import ConfigError
 
 
 # -- the atomic helpers -----------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def test_full_disk_while_writing_trace_json_leaves_no_truncated_trace(tmp_path, 
 
 
 def test_ctrl_c_while_writing_the_report_leaves_no_summary_and_says_so(tmp_path, monkeypatch, capsys):
-    import servetwin.experiments.report as report
+    import servetwin.experiments.run.report as report
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
@@ -100,7 +100,7 @@ def test_a_second_run_into_a_locked_folder_fails_naming_the_flag(tmp_path, capsy
 
 
 def test_a_failed_run_leaves_an_existing_folder_untouched(tmp_path, monkeypatch, capsys):
-    import servetwin.experiments.runner as runner
+    import servetwin.experiments.run.runner as runner
 
     path = write_yaml(tmp_path / "c.yaml", tiny())
     out = tmp_path / "out"
@@ -120,7 +120,7 @@ def test_a_failed_run_leaves_an_existing_folder_untouched(tmp_path, monkeypatch,
 
 
 def test_summary_is_written_last(tmp_path, monkeypatch):
-    import servetwin.experiments.run_folder as rf
+    import servetwin.experiments.run.run_folder as rf
 
     order = []
     real = rf.RunFolder.record

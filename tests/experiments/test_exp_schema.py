@@ -3,7 +3,7 @@ import pytest
 from exptest_helpers import CONFIGS, tiny, write_yaml
 
 from servetwin.experiments.cli import main
-from servetwin.experiments.schema import ConfigError, expand_sweep, load_config, validate_config
+from servetwin.experiments.config.schema import ConfigError, expand_sweep, load_config, validate_config
 
 
 def _err(cfg) -> str:

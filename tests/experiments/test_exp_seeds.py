@@ -5,7 +5,7 @@ import pandas as pd
 from exptest_helpers import tiny, write_yaml
 
 from servetwin.experiments.cli import main
-from servetwin.experiments.sweep import LATENCY_MD_COLUMNS
+from servetwin.experiments.sweep.sweep import LATENCY_MD_COLUMNS
 
 ONLINE = {"workload__arrival": {"type": "poisson", "rate": 50.0}, "workload__requests": 8}
 

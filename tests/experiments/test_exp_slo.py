@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 from exptest_helpers import tiny
 
-from servetwin.experiments.schema import ConfigError, seeds_for, validate_config, with_seed
-from servetwin.experiments.slo import SloError, evaluate_slo, miss_ratio, parse_slo, parse_slo_args
-from servetwin.experiments.stats import mean_bound, mean_ci, t_quantile
+from servetwin.experiments.config.schema import ConfigError, seeds_for, validate_config, with_seed
+from servetwin.experiments.config.slo import SloError, evaluate_slo, miss_ratio, parse_slo, parse_slo_args
+from servetwin.experiments.common.stats import mean_bound, mean_ci, t_quantile
 
 
 @pytest.mark.parametrize("cfg,expected", [

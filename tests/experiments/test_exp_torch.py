@@ -9,7 +9,7 @@ from exptest_helpers import CONFIGS, tiny, write_yaml
 
 from servetwin.core.testbed.trace import REQUEST_COLUMNS, STEP_COLUMNS, STEP_REQUEST_COLUMNS
 from servetwin.experiments.cli import main
-from servetwin.experiments.schema import load_config
+from servetwin.experiments.config.schema import load_config
 
 
 def _torch_backend_or_skip():
@@ -54,7 +54,7 @@ def test_torch_and_sim_backends_run_the_same_requests(tmp_path):
 
 def test_torch_run_is_warmed_up_and_checked_for_contention(tmp_path, capsys, monkeypatch):
     _torch_backend_or_skip()
-    import servetwin.experiments.calibrate as calmod  # noqa: PLC0415
+    import servetwin.experiments.calibrate.calibrate as calmod  # noqa: PLC0415
 
     # another machine than the calibration's: said, as compare says it
     monkeypatch.setattr(calmod, "device_name", lambda device="cpu": "Test CPU (999 logical CPUs)")
@@ -92,7 +92,7 @@ def test_contended_torch_run_warns_and_is_retried(tmp_path, monkeypatch, capsys)
     _torch_backend_or_skip()
     import numpy as np  # noqa: PLC0415
 
-    import servetwin.experiments.torch_measure as measuremod  # noqa: PLC0415
+    import servetwin.experiments.calibrate.torch_measure as measuremod  # noqa: PLC0415
 
     real = measuremod.cpu_shares
     calls = {"n": 0}
@@ -146,7 +146,7 @@ def test_a_bad_torch_max_model_len_fails_at_config_time_without_torch(tmp_path):
     (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 128}))
     cfg = tiny(backends=["torch"], model=str(model), engine__device="cpu", engine__max_model_len=256)
     path = write_yaml(tmp_path / "t.yaml", cfg)
-    code = ("import sys\nfrom servetwin.experiments.schema import ConfigError, load_config\n"
+    code = ("import sys\nfrom servetwin.experiments.config.schema import ConfigError, load_config\n"
             f"try:\n    load_config({str(path)!r})\nexcept ConfigError as e:\n    print(e.path, '|', e.message)\n"
             "print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from servetwin.experiments.cli import main
-from servetwin.experiments.published import (group_medians, predicted_value, render_table, validate_cases,
+from servetwin.experiments.validate.published import (group_medians, predicted_value, render_table, validate_cases,
                                              version_settings)
 
 CASE = """\
@@ -122,7 +122,7 @@ def test_the_published_cases_the_readme_cites_are_in_the_repository():
 
     import yaml
 
-    from servetwin.experiments.schema import load_config
+    from servetwin.experiments.config.schema import load_config
 
     root = pathlib.Path(__file__).resolve().parents[2]
     for folder in ("benchmarks/gpu_reference", "benchmarks/published_cases"):

@@ -11,8 +11,8 @@ import yaml
 
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.cli import main
-from servetwin.experiments.preset_fit import FIT
-from servetwin.experiments.schema import load_config
+from servetwin.experiments.validate.preset_fit import FIT
+from servetwin.experiments.config.schema import load_config
 from servetwin.experiments.vllm_import.bench_case import ImportOptions
 from servetwin.experiments.vllm_import.from_vllm import calibrate_from_vllm, nearest_preset
 from servetwin.experiments.vllm_import.measured_steps import simulate

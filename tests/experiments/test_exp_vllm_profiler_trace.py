@@ -10,7 +10,7 @@ import pytest
 
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.cli import main
-from servetwin.experiments.schema import load_config
+from servetwin.experiments.config.schema import load_config
 from servetwin.experiments.vllm_import.measured_steps import load_sim_experiment, match_steps, simulate
 from servetwin.experiments.vllm_import.profiler_trace import (
     detailed_annotation, parse_annotation, read_profiler_traces, write_profiler_trace)

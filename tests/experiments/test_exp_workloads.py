@@ -6,8 +6,8 @@ import pytest
 from exptest_helpers import CONFIGS, tiny, write_yaml
 
 from servetwin.core.config_error import ConfigError
-from servetwin.experiments.runner import run_experiment
-from servetwin.experiments.schema import expand_sweep, load_config, validate_config
+from servetwin.experiments.run.runner import run_experiment
+from servetwin.experiments.config.schema import expand_sweep, load_config, validate_config
 
 CONV = {"count": 6, "turns": 3, "first_prompt": {"type": "uniform", "low": 20, "high": 60},
         "message_tokens": {"type": "uniform", "low": 4, "high": 20}, "output_tokens": {"type": "uniform", "low": 4,
@@ -119,7 +119,7 @@ def test_shipped_sharegpt_config_keeps_vllms_limits_and_its_limits_sweep():
 
 
 def test_capacity_over_conversations_counts_conversation_starts():
-    from servetwin.experiments.capacity_run import load_unit  # noqa: PLC0415
+    from servetwin.experiments.capacity.capacity_run import load_unit  # noqa: PLC0415
 
     conv = validate_config(_conv_cfg())
     assert load_unit(conv, "workload.arrival.rate") == ("conversations/s", "conversation start rate (conversations/s)")

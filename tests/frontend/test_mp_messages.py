@@ -131,7 +131,7 @@ def test_metrics_text_uses_vllm_names_and_counts_latencies():
 
 def test_frontend_modules_do_not_import_torch_or_simpy():
     code = ("import sys; import servetwin.core.engine.mp_client, servetwin.core.engine.async_llm, servetwin.core.engine.engine_proc, servetwin.core.engine.metrics, "
-            "servetwin.core.entrypoints.openai.api_server, servetwin.core.engine.llm, servetwin.experiments.serve_cli; "
+            "servetwin.core.entrypoints.openai.api_server, servetwin.core.engine.llm, servetwin.experiments.serve.serve_cli; "
             "bad = [m for m in ('torch', 'simpy', 'transformers') if m in sys.modules]; print(bad)")
     res = run_script(code)
     assert res.returncode == 0, res.stderr

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from servetwin.experiments.cli import build_parser
-from servetwin.experiments.serve_cli import engine_args_from
+from servetwin.experiments.serve.serve_cli import engine_args_from
 from frontend_utils import PY, REPO, free_port
 
 
@@ -120,6 +120,6 @@ def test_scheduling_policy_and_policy_are_one_setting(tmp_path):
     # every engine flag has its own help line
     from dataclasses import fields  # noqa: PLC0415
 
-    from servetwin.experiments.serve_cli import OWN_ARGS  # noqa: PLC0415  (flags serve defines itself)
+    from servetwin.experiments.serve.serve_cli import OWN_ARGS  # noqa: PLC0415  (flags serve defines itself)
 
     assert {f.name for f in fields(EngineArgs)} - OWN_ARGS <= set(FIELD_HELP)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from inttest_helpers import load_benchmark, publish, write_case_dir
-from servetwin.experiments.published import validate_cases
+from servetwin.experiments.validate.published import validate_cases
 
 CASE = """\
 name: {name}

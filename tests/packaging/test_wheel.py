@@ -43,6 +43,11 @@ def test_the_wheel_has_one_top_level_name(wheel):
                  "servetwin/experiments/configs/default.yaml"):
         assert must in names
     assert not any(n.startswith("servetwin/tests/") for n in names)
+    # every subpackage ships (pyproject's `packages` lists each by name: a new folder left out of it is
+    # silently missing from an install)
+    for d in ("core", "sim", "gpu", "experiments"):
+        for init in (ROOT / d).rglob("__init__.py"):
+            assert f"servetwin/{init.relative_to(ROOT).as_posix()}" in names, init
     eps = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
     assert "[console_scripts]" in eps and "servetwin = servetwin.experiments.cli:main" in eps
     assert "[servetwin.executors]" in eps and "sim = servetwin.sim.plugin:BACKEND" in eps

@@ -20,7 +20,7 @@ and what both endpoints share), `serving_completion`, `serving_chat`, and this o
 lifecycle).
 
 Run it with `servetwin serve --model M --backend torch|sim|fake [engine args] --host H --port P`
-(`experiments/serve_cli.py`), or `run_server(EngineArgs(...), host=..., port=...)`.
+(`experiments/serve/serve_cli.py`), or `run_server(EngineArgs(...), host=..., port=...)`.
 """
 from __future__ import annotations
 

@@ -1,0 +1,85 @@
+"""`hardware: auto`: the CPU cost model calibrated on this machine the first time an experiment needs
+it, then cached.
+
+A CPU's step times depend on what the kernels can use, so a calibration made on one machine is wrong on
+another (an AVX2 EPYC's coefficients put `make run`'s compare 2-3x off on an AVX-512 + BF16 one). The
+cache key is therefore a real fingerprint (`fingerprint`): the CPU model name, the ISA flags that change
+kernel speed (AVX2, AVX-512, AVX512-BF16, AMX), the logical CPUs and torch threads, the torch version,
+the dtype and the model. A machine whose fingerprint differs gets its own calibration, made the first
+time it is needed (`servetwin calibrate`'s measured design, ~10-20 s for tiny-llama on 2 cores; its
+progress printed); later runs read the file. The calibrations in experiments/calibrations/ are
+examples of the output, not defaults.
+
+The cache lives in `$SERVETWIN_CALIBRATIONS` (default `$SERVETWIN_CACHE/calibrations`, i.e.
+`~/.cache/servetwin/calibrations`); deleting a file forces a new calibration.
+`SERVETWIN_AUTO_CALIBRATION_DESIGN=quick` picks the smaller design (the test suite's choice).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from servetwin.experiments.calibrate.cpu_info import cpu_name, isa_flags, torch_version
+
+AUTO = "auto"
+THREADS = 1  # the shipped calibrations' choice: one torch thread leaves a core to the rest of the process
+
+
+def fingerprint(model: str, dtype: str, threads: int = THREADS) -> dict[str, Any]:
+    """What a CPU calibration is valid for: equal fingerprints, equal kernels and step costs."""
+    return {"model": model, "cpu_model": cpu_name(), "isa_flags": isa_flags(), "logical_cpus": os.cpu_count(),
+            "torch_threads": threads, "torch": torch_version(), "dtype": dtype, "arch": platform.machine()}
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("SERVETWIN_CALIBRATIONS")
+    if env:
+        return Path(env).expanduser()
+    from servetwin.gpu.models.model_files import cache_root  # noqa: PLC0415  (no torch: a path helper)
+
+    return cache_root() / "calibrations"
+
+
+def cache_path(fp: dict[str, Any]) -> Path:
+    key = hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir() / f"cpu_{fp['model']}-{key}.yaml"
+
+
+def _run_calibration(model: str, path: str, dtype: str, threads: int, log: Callable[[str], None]) -> None:
+    from servetwin.experiments.calibrate.calibrate import calibrate  # noqa: PLC0415
+
+    design = os.environ.get("SERVETWIN_AUTO_CALIBRATION_DESIGN", "default")
+    calibrate(model, path, device="cpu", dtype=dtype, threads=threads, design=design, log=log)
+
+
+def ensure_calibration(model: str, dtype: str = "float32", threads: int = THREADS,
+                       log: Optional[Callable[[str], None]] = None,
+                       run: Optional[Callable[..., None]] = None) -> str:
+    """The path of this machine's calibration for `model`, calibrating first if the cache has none for
+    this fingerprint (one process at a time: a sweep's workers wait for the first). `run`: the
+    calibration to call (`_run_calibration`; tests inject a fake one)."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    fp = fingerprint(model, dtype, threads)
+    path = cache_path(fp)
+    if path.is_file():
+        return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be calibrating this very fingerprint
+        if path.is_file():
+            return str(path)
+        flags = ", ".join(fp["isa_flags"]) or "none known"
+        log(f"hardware: auto: no calibration of the CPU cost model for {model} on this machine yet "
+            f"({fp['cpu_model']}, {fp['logical_cpus']} CPUs, ISA {flags}, torch {fp['torch']}, {dtype}, "
+            f"{threads} thread(s)); measuring one now (once, usually 10-30 s), cached as {path}")
+        t0 = time.perf_counter()
+        (run or _run_calibration)(model, str(path), dtype, threads, log)
+        log(f"hardware: auto: calibrated in {time.perf_counter() - t0:.0f} s; later runs read {path}")
+    return str(path)

@@ -1,0 +1,1 @@
+"""`servetwin capacity`: the highest arrival rate that meets the SLOs."""

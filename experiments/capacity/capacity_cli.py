@@ -1,0 +1,79 @@
+"""`servetwin capacity` (registered by `servetwin.experiments.cli`)."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def _cmd_capacity(args: argparse.Namespace) -> int:
+    from servetwin.experiments.capacity.capacity_report import (answer_line, limited_line, per_seed_line,  # noqa: PLC0415
+                                                       winner_lines)
+    from servetwin.experiments.capacity.capacity_run import parse_grid, run_capacity  # noqa: PLC0415
+    from servetwin.experiments.run.run_cli import _load  # noqa: PLC0415
+    from servetwin.experiments.run.run_folder import RunFolder, folder_summary_state  # noqa: PLC0415
+    from servetwin.experiments.config.schema import seeds_for  # noqa: PLC0415
+    from servetwin.experiments.config.slo import parse_slo_args  # noqa: PLC0415
+
+    exp = _load(args)
+    slo = parse_slo_args(args.slo) if args.slo else None  # SloError: a ConfigError naming the flag
+    grid = parse_grid(args.grid)
+    seeds = seeds_for(exp, args.seeds) or None
+    out = args.output or os.path.join("runs", f"{exp.name}.capacity")
+    t0 = time.perf_counter()
+    with RunFolder(out, overwrite=args.overwrite) as folder:
+        try:
+            answer = run_capacity(exp, out, knob=args.over, slo=slo, seeds=seeds, confidence=args.confidence,
+                                  rel_tol=args.tol, grid=grid, jobs=args.jobs, ray=args.ray,
+                                  retries=args.retries, lo=args.lo, hi=args.hi, max_probes=args.max_probes,
+                                  progress=not args.no_progress, plots=not args.no_plots, folder=folder)
+        except KeyboardInterrupt:
+            state = folder_summary_state(out, "capacity.json")  # written last: the truth about the folder
+            if state is None:
+                print(f"interrupted: {out}/ has no capacity.json: interrupted before or while writing, its "
+                      f"files are incomplete (written: {folder.describe()})", flush=True)
+            else:
+                print(f"interrupted: what the searches found so far is in {out}/capacity.md "
+                      f"(capacity.json has \"interrupted\": {str(bool(state.get('interrupted'))).lower()})",
+                      flush=True)
+            raise
+    unit = answer["unit"]
+    for r in answer["searches"]:
+        ci = r["per_seed_capacity_ci95"]
+        seed_part = f"; per seed {per_seed_line(ci)} (95% CI)" if ci.get("ci_lo") is not None else ""
+        name = f"{r['point']} [{r['backend']}]" if r["point"] != "base" else r["backend"]
+        print(f"{name}: capacity {answer_line(r, unit)}, binding SLO {r['binding']}{seed_part}, {r['probes']} probes")
+        print(f"{name}: {limited_line(r, unit)}")
+    for line in winner_lines(answer)[:1]:
+        print(line.replace("**", ""))
+    print(f"wrote {out}/: {folder.describe()} in {time.perf_counter() - t0:.1f}s")
+    return 1 if answer["interrupted"] or any(r["capacity"] is None for r in answer["searches"]) else 0
+
+
+def register(subparsers) -> None:
+    from servetwin.experiments.run.run_cli import _common, add_pool_args, add_seed_args  # noqa: PLC0415
+
+    c = subparsers.add_parser(
+        "capacity", help="the highest load meeting SLOs (noise-robust search over seeds)",
+        description="Search the highest arrival rate (or closed-loop client count) at which the experiment "
+                    "meets the SLOs with the given confidence over several seeds: bracket by doubling, then "
+                    "k-section (docs/capacity.md). Writes capacity.md, capacity.json, probes.csv, capacity.png.")
+    _common(c)
+    c.add_argument("--slo", action="append", default=[], metavar="NAME=SECONDS",
+                   help="an SLO, e.g. ttft_p99_s=0.5, tpot_p50_s=0.05, e2e_s=30 (per-request deadline), "
+                        "min_attainment=0.9 (repeatable or comma-separated; replaces the config's `slo:`)")
+    c.add_argument("--over", choices=["workload.arrival.rate", "workload.arrival.clients"],
+                   help="the load to raise (default: the arrival's rate, or clients for closed_loop)")
+    add_seed_args(c)
+    c.add_argument("--confidence", type=float, default=0.9,
+                   help="a probe passes when every SLO holds at this one-sided confidence across seeds (0.9)")
+    c.add_argument("--tol", type=float, default=0.02,
+                   help="stop when the bracket is narrower than this share of the load (default 0.02)")
+    c.add_argument("--grid", action="append", default=[], metavar="KEY=[V1,V2,...]",
+                   help="search every combination, e.g. --grid engine.max_num_batched_tokens=[2048,8192] "
+                        "(repeatable): which configuration serves the most")
+    c.add_argument("--lo", type=float, help="a load to probe first (expected to pass)")
+    c.add_argument("--hi", type=float, help="a load to probe first (expected to fail)")
+    c.add_argument("--max-probes", type=int, default=40, help="probes per search at most (default 40)")
+    add_pool_args(c, "probe run")
+    c.set_defaults(func=_cmd_capacity)

@@ -1,0 +1,1 @@
+"""`servetwin compare` and `servetwin calibrate`: the simulator against measured torch runs."""

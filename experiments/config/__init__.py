@@ -1,0 +1,1 @@
+"""The experiment YAML parsed once into typed objects: the schema, the workload generators, the SLOs."""

@@ -1,0 +1,1 @@
+"""`servetwin presets`: list the model and hardware presets."""

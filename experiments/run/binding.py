@@ -1,0 +1,141 @@
+"""What limits a run's answer: GPU compute, KV-cache capacity, the API-server CPU, or the arrival rate.
+
+Named from quantities every run already measures, so `run`, `sweep` and `capacity` can say it:
+
+- open-loop arrivals the server keeps up with (the wait before the engine schedules a request - the
+  front end's queue plus the engine's - does not grow from the first fifth of the arrivals to the
+  last, and every request completed) with no resource near saturation: **the arrival rate**. The
+  throughput then *is* the offered rate: it cannot differ between configurations that keep up.
+- else the busiest API-server process's CPU share of the run (`frontend.cpu_utilization`) at or
+  above `BUSY` with requests waiting longer in the front end than in the engine queue: **the
+  API-server CPU** (the modelled front end, docs/frontend_model.md; its coefficients are a first
+  estimate, so such an answer is as good as they are).
+- else a KV pool at or above `KV_FULL` at its peak, or any preemption: **KV-cache capacity**.
+- else **GPU compute** (the engine's steps: the batch the scheduler may form is computed as fast as
+  the device does it).
+
+The thresholds are round numbers, stated in the line itself with the measured values, so a reader can
+judge a borderline case. `latency` says which part of the mean client TTFT is largest - the front end
+(its queue and hops), the engine queue, or the engine's own prefill compute: what an SLO at a load the
+server keeps up with is bound by (`servetwin capacity` names it at the capacity).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+BUSY = 0.7  # front-end CPU share of the run from which its queue sets latency (M/G/1: waits grow ~1/(1-u))
+KV_FULL = 0.9  # peak KV usage from which admissions wait for blocks
+GROWTH = 2.0  # late waits above GROWTH x early waits (plus a few steps): the queue grows, not keeping up
+
+LABELS = {"gpu_compute": "GPU compute", "kv_capacity": "KV-cache capacity",
+          "api_server_cpu": "the API-server CPU (modelled front end)", "arrival_rate": "the arrival rate"}
+
+
+def offered_rate(exp: Any, requests: Any) -> Optional[float]:
+    """Requests per second the clients send in an open-loop run (None: offline batch or closed loop)."""
+    arrival = exp.workload.arrival
+    if getattr(arrival, "closed_loop", False) or len(requests) < 2:
+        return None
+    rate = getattr(arrival, "rate", None)
+    if rate:
+        return float(rate)
+    span = float(requests.arrival_s.max() - requests.arrival_s.min())
+    return (len(requests) - 1) / span if span > 0 else None  # a trace's own timing; 0: a burst
+
+
+def wait_growth(requests: Any) -> Optional[dict[str, tuple[float, float]]]:
+    """Mean wait in the front end (`frontend`) and in the engine queue (`engine`) of the first and the
+    last fifth of the requests by arrival (None: too few requests)."""
+    if len(requests) < 10:
+        return None
+    r = requests.sort_values("arrival_s")
+    k = max(1, len(r) // 5)
+    out = {}
+    for name, col in (("frontend", "frontend_in_s"), ("engine", "queue_s")):
+        wait = r[col].to_numpy(dtype=float)
+        early, late = wait[:k], wait[-k:]
+        early, late = early[early == early], late[late == late]  # NaN: not modelled / never scheduled
+        out[name] = (float(early.mean()) if early.size else 0.0, float(late.mean()) if late.size else 0.0)
+    return out
+
+
+def binding_resource(s: dict[str, Any], offered: Optional[float],
+                     growth: Optional[dict[str, tuple[float, float]]]) -> dict[str, Any]:
+    """`{"resource": one of LABELS, "line": the reason with its figures}` for one backend's summary."""
+    fe = s.get("frontend") or {}
+    fe_util = fe.get("cpu_utilization") if fe.get("type") == "api_server" and fe.get("modelled", True) else None
+    kv = s.get("kv_peak_usage") or 0.0
+    preempt = s.get("preemptions") or 0
+    fe_wait = (s.get("frontend_in_s") or {}).get("mean") or 0.0
+    q_wait = (s.get("queue_s") or {}).get("mean") or 0.0
+    step = s.get("step_duration_s") or {}
+    busy = (step["mean"] * step["count"] / s["engine_duration_s"]
+            if step.get("mean") is not None and s.get("engine_duration_s") else None)
+    unfinished = s.get("requests", 0) - s.get("completed", 0) - s.get("rejected", 0)
+    floor = 5 * (step.get("p50") or 0.0)  # a few steps of wait is no queue
+    # a batch sent at once always waits longer at its end: growth says something of open-loop traffic only
+    grew = {k: late - early for k, (early, late) in (growth or {}).items()
+            if offered is not None and late > GROWTH * early + floor}
+    stable = growth is not None and not unfinished and not grew
+    facts = [f"KV peak {_pct(kv)}" + (f", {preempt} preemptions" if preempt else ", no preemption")]
+    if fe_util is not None:
+        servers = fe.get("api_server_count") or 1
+        facts.append(f"{'busiest of ' + str(servers) + ' API servers' if servers > 1 else 'API server'} "
+                     f"busy {_pct(fe_util)} of the run")
+    facts.append(f"mean wait {_s(fe_wait)} in the front end, {_s(q_wait)} in the engine queue")
+    if busy is not None:
+        facts.append(f"engine stepping {_pct(busy)} of the time")
+    if offered is not None and s.get("request_throughput_s") is not None:
+        facts.append(f"offered {offered:.3g} req/s, completed {s['request_throughput_s']:.3g} req/s over the "
+                     "whole run, drain included")
+    if grew:
+        facts.append("waits grew over the run: " + ", ".join(
+            f"{'front end' if k == 'frontend' else 'engine queue'} {_s(growth[k][0])} -> {_s(growth[k][1])}"
+            for k in grew) + " (first -> last fifth of the arrivals)")
+    saturated_fe = fe_util is not None and (
+        grew.get("frontend", 0.0) > grew.get("engine", 0.0) if grew else fe_util >= BUSY and fe_wait >= q_wait)
+    if offered is not None and stable and not saturated_fe and kv < KV_FULL and not preempt:
+        resource = "arrival_rate"
+        why = ("the server keeps up (waits do not grow over the run), so throughput equals the offered rate "
+               "and cannot differ between configurations that keep up")
+    elif saturated_fe:
+        resource = "api_server_cpu"
+        why = ("requests queue in the front end more and more" if grew else
+               f"the front end is busy at least {_pct(BUSY)} and requests wait longer there than in the engine")
+    elif kv >= KV_FULL or preempt:
+        resource = "kv_capacity"
+        why = f"the KV pool reached {_pct(KV_FULL)} or preempted"
+    else:
+        resource = "gpu_compute"
+        why = ("requests queue for the engine's batch slots and its steps set the pace" if grew else
+               "no other limit is near saturation: the engine's steps set the pace")
+    return {"resource": resource, "line": f"bound by {LABELS[resource]}: {why} ({'; '.join(facts)})",
+            "facts": "; ".join(facts), "latency": ttft_parts(s, kv >= KV_FULL or bool(preempt))}
+
+
+def ttft_parts(s: dict[str, Any], kv_bound: bool) -> Optional[dict[str, Any]]:
+    """The largest part of the mean client TTFT: front end, engine queue (waiting for KV blocks when
+    the pool is full, else for batch slots: compute), or the prefill itself (compute)."""
+    fe = (s.get("frontend_in_s") or {}).get("mean") or 0.0
+    queue = (s.get("queue_s") or {}).get("mean") or 0.0
+    ttft = (s.get("ttft_s") or {}).get("mean")
+    if ttft is None:
+        return None
+    prefill = max(0.0, ttft - fe - queue)  # scheduled -> first token at the client
+    parts = {"api_server_cpu": fe, ("kv_capacity" if kv_bound else "gpu_compute"): queue}
+    parts["gpu_compute"] = parts.get("gpu_compute", 0.0) + prefill
+    top = max(parts, key=parts.get)
+    return {"resource": top, "line": f"the mean TTFT ({_s(ttft)}) is mostly {LABELS[top]}: {_s(fe)} in the "
+                                     f"front end, {_s(queue)} in the engine queue, {_s(prefill)} prefill and "
+                                     "delivery"}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _s(x: float) -> str:
+    from servetwin.experiments.common.units import format_seconds  # noqa: PLC0415
+
+    return format_seconds(x)

@@ -1,0 +1,1 @@
+"""`servetwin serve`: the OpenAI-compatible HTTP server."""

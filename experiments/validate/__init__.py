@@ -1,0 +1,1 @@
+"""`servetwin validate`: predict published vLLM runs; fitting hardware presets to them."""

@@ -1,0 +1,226 @@
+"""Validate the simulator against published vLLM measurements (`servetwin validate`).
+
+A case directory holds `cases/NAME.yaml` (a servetwin experiment, sim backend) and `published.json`
+(`{NAME: {source, engine_version, published: {metric: value}}}`); metric names (times in ms):
+`req_s`, `out_tok_s`, `tot_tok_s`, `dur_s`, `lat_ms`/`lat_p50_ms`/`lat_p99_ms` (an offline batch's
+end-to-end time, `benchmark_latency`), and `ttft_*`, `tpot_*`, `itl_*`, `e2e_*` with `mean`, `p50`,
+`p99` as `vllm bench serve` reports them. Every case is run as it is (its YAML, optionally on other
+hardware) and each published figure is compared with the prediction from the run's `summary.json`:
+signed error = (predicted - published) / published. Groups (median |error| each):
+throughput/duration (req_s, out_tok_s, tot_tok_s, dur_s, lat_*), TPOT/ITL, TTFT, E2E.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+GROUPS = ("throughput/duration", "TPOT/ITL", "TTFT", "E2E")
+# published metric -> (summary.json key, statistic or None, scale to the published unit)
+_DIST = {"mean": "mean", "p50": "p50", "p99": "p99"}
+
+# Scheduler behaviour of the vLLM versions a case may be measured on, where it differs from vLLM
+# 0.33's (which core/ implements) and an engine setting expresses it: (newest version it applies to,
+# settings). Applied where neither the case file nor `--set` gives the setting; the case's notes say so.
+VERSION_ENGINE_SETTINGS: tuple[tuple[tuple[int, int], dict[str, Any]], ...] = (
+    # up to 0.11 a waiting request is admitted when its first chunk fits the free blocks; 0.33 admits it
+    # only when its whole prompt does. It matters where the KV pool holds few prompts (32k prompts, a
+    # 32B model on 80 GB).
+    ((0, 11), {"engine.scheduler_reserve_full_isl": False}),
+)
+_VERSION = re.compile(r"\bvLLM\s+v?(\d+)\.(\d+)")
+
+
+def version_settings(engine_version: Any) -> dict[str, Any]:
+    """{dotted key: value} for a published.json `engine_version` such as "vLLM 0.11.0 (V1)"."""
+    m = _VERSION.search(engine_version) if isinstance(engine_version, str) else None
+    if m is None:
+        return {}
+    version = (int(m.group(1)), int(m.group(2)))
+    out: dict[str, Any] = {}
+    for newest, settings in VERSION_ENGINE_SETTINGS:
+        if version <= newest:
+            out.update(settings)
+    return out
+
+
+def _has_dotted(raw: Any, key: str) -> bool:
+    for part in key.split("."):
+        if not isinstance(raw, Mapping) or part not in raw:
+            return False
+        raw = raw[part]
+    return True
+
+
+def metric_group(metric: str) -> str:
+    if metric.startswith(("tpot", "itl")):
+        return "TPOT/ITL"
+    if metric.startswith("ttft"):
+        return "TTFT"
+    if metric.startswith("e2e"):
+        return "E2E"
+    return "throughput/duration"
+
+
+def predicted_value(metric: str, sim: Mapping[str, Any]) -> Optional[float]:
+    """The prediction for one published metric from a sim summary (None: the run has no such figure)."""
+    if metric == "req_s":
+        return sim.get("request_throughput_s")
+    if metric == "out_tok_s":
+        return sim.get("output_tok_s")
+    if metric == "tot_tok_s":
+        return sim.get("throughput_tok_s")
+    if metric == "dur_s":
+        return sim.get("duration_s")
+    if metric in ("lat_ms", "lat_p50_ms", "lat_p99_ms"):  # one offline batch: its makespan, every iteration alike
+        d = sim.get("duration_s")
+        return None if d is None else 1000.0 * d
+    head, _, stat = metric.partition("_")
+    if head in ("ttft", "tpot", "itl", "e2e") and stat in _DIST:
+        dist = sim.get(f"{head}_s") or {}
+        v = dist.get(_DIST[stat])
+        return None if v is None else 1000.0 * v
+    raise ValueError(f"published.json: unknown metric {metric!r}")
+
+
+@dataclass(slots=True)
+class CaseResult:
+    name: str
+    source: str
+    rows: list[tuple[str, float, Optional[float]]]  # (metric, published, predicted)
+    notes: list[str] = field(default_factory=list)
+    error: Optional[str] = None
+
+    def errors(self) -> dict[str, float]:
+        """Signed relative error per metric (predicted - published) / published."""
+        return {m: (p - pub) / pub for m, pub, p in self.rows if p is not None and pub}
+
+
+def load_published(case_dir: str | Path) -> tuple[dict[str, Path], dict[str, Any]]:
+    """({case name: yaml path}, published.json) of a case directory; names must match."""
+    d = Path(case_dir)
+    pub_path = d / "published.json"
+    if not pub_path.is_file():
+        raise ValueError(f"validate: {d} has no published.json (expected DIR/published.json and DIR/cases/*.yaml)")
+    with open(pub_path, encoding="utf-8") as f:
+        try:
+            published = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"validate: {pub_path} is not valid JSON: {e}") from None
+    cases_dir = d / "cases"
+    cases = {p.stem: p for p in sorted(cases_dir.glob("*.yaml"))} if cases_dir.is_dir() else {}
+    if not cases:
+        raise ValueError(f"validate: no case files under {cases_dir}")
+    missing = sorted(set(cases) - set(published))
+    if missing:
+        raise ValueError(f"validate: published.json has no entry for case {missing[0]!r}")
+    for name, entry in published.items():
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("published"), Mapping):
+            raise ValueError(f"published.json.{name}.published: must be a mapping of metric -> value")
+        for metric in entry["published"]:
+            predicted_value(metric, {})  # unknown metric names fail before any run
+    return cases, published
+
+
+def run_case(path: Path, hardware: Any = None, overrides: Optional[list[str]] = None,
+             engine_version: Any = None) -> tuple[dict[str, Any], list[str]]:
+    """Run one case's sim backend (hardware: a preset name, YAML path or mapping replacing the
+    case's; engine_version: published.json's, for `VERSION_ENGINE_SETTINGS`); returns (the sim
+    summary, notes)."""
+    from servetwin.experiments.run.runner import run_experiment  # noqa: PLC0415
+    from servetwin.experiments.config.schema import ExperimentConfig, load_config, load_yaml, parse_override  # noqa: PLC0415
+
+    values: dict[str, Any] = {"backends": ["sim"], "output.plots": False, "output.step_requests": False}
+    given = {parse_override(text)[0] for text in overrides or []}
+    raw = load_yaml(path)
+    notes = []
+    for key, value in version_settings(engine_version).items():
+        if key not in given and not _has_dotted(raw, key):
+            values[key] = value
+            notes.append(f"{key}={json.dumps(value)} (as {engine_version})")
+    if hardware is not None:  # a CLI value: a path in it is relative to the working directory
+        values["hardware"] = (str(Path(hardware).resolve()) if isinstance(hardware, (str, Path))
+                              and Path(hardware).is_file() else hardware)
+    exp: ExperimentConfig = load_config(path, overrides=list(overrides or []), values=values)
+    with tempfile.TemporaryDirectory(prefix="servetwin-validate-") as out:
+        summary = run_experiment(exp, out, progress=False, log=lambda msg: None)
+    return summary["backends"]["sim"], notes
+
+
+def validate_cases(case_dir: str | Path, hardware: Any = None, only: Optional[list[str]] = None,
+                   overrides: Optional[list[str]] = None,
+                   log: Callable[[str], None] = lambda msg: None) -> list[CaseResult]:
+    cases, published = load_published(case_dir)
+    if only:
+        unknown = sorted(set(only) - set(cases))
+        if unknown:
+            raise ValueError(f"--case: no case {unknown[0]!r} (cases: {', '.join(cases)})")
+    results = []
+    for name, path in cases.items():
+        if only and name not in only:
+            continue
+        entry = published[name]
+        pub = {m: float(v) for m, v in entry["published"].items()}
+        try:
+            sim, notes = run_case(path, hardware, overrides, entry.get("engine_version"))
+        except (ValueError, FileNotFoundError) as e:  # the case cannot run: reported, the others still run
+            results.append(CaseResult(name, str(entry.get("source", "")), [(m, v, None) for m, v in pub.items()],
+                                      error=str(e)))
+            log(f"{name}: ERROR {e}")
+            continue
+        rows = [(m, v, predicted_value(m, sim)) for m, v in pub.items()]
+        results.append(CaseResult(name, str(entry.get("source", "")), rows, notes))
+        log(f"{name}: ran ({sim.get('num_steps')} steps, {sim.get('simulated_s', 0):.2f} s simulated)")
+    return results
+
+
+def group_medians(results: list[CaseResult]) -> dict[str, Optional[float]]:
+    """Median |error| per group over every compared figure of every case."""
+    per: dict[str, list[float]] = {g: [] for g in GROUPS}
+    for r in results:
+        for m, e in r.errors().items():
+            per[metric_group(m)].append(abs(e))
+    return {g: (float(np.median(v)) if v else None) for g, v in per.items()}
+
+
+def _pct(x: Optional[float], signed: bool = True) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{100 * x:+.1f}%" if signed else f"{100 * x:.1f}%"
+
+
+def _num(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.4g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def render_table(results: list[CaseResult], title: str = "Published vLLM vs servetwin") -> str:
+    lines = [f"| case | metric | published | predicted | error |", "|---|---|---:|---:|---:|"]
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.name} | (not run) | | | {r.error} |")
+            continue
+        errs = r.errors()
+        for m, pub, p in r.rows:
+            lines.append(f"| {r.name} | {m} | {_num(pub)} | {_num(p)} | {_pct(errs.get(m))} |")
+    med = group_medians(results)
+    lines += ["", "| group | median abs error |", "|---|---:|"]
+    lines += [f"| {g} | {_pct(v, signed=False)} |" for g, v in med.items()]
+    ran = sum(1 for r in results if not r.error)
+    lines += ["", f"cases run: {ran}/{len(results)}"]
+    by_note: dict[str, list[str]] = {}
+    for r in results:
+        for note in r.notes:
+            by_note.setdefault(note, []).append(r.name)
+    if by_note:
+        lines += ["", "Settings taken from the measured vLLM version (where the case file leaves them):"]
+        lines += [f"- {note}: {'every case' if len(names) == len(results) else ', '.join(names)}"
+                  for note, names in by_note.items()]
+    return "\n".join(lines)
