@@ -133,6 +133,42 @@ def grid_best(table, names):
     return min(table, key=lambda point: loss([table[point][n] for n in names]))
 
 
+def parse_grid(specs: list[str], flag: str = "--grid") -> dict[tuple[str, str], list[float]]:
+    """{(section, name): [values]} from "NAME=V1,V2" specs over FIT + EXTRA, each value inside its
+    parameter's bounds; a bad spec is a ValueError naming the flag and the spec."""
+    known = {entry[1]: entry for entry in FIT + EXTRA}
+    grid = {}
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        name = name.strip()
+        if "," in name:
+            raise ValueError(f"{flag} {spec!r}: one parameter per {flag}, e.g. gemm_compute=0.7,0.8")
+        if name not in known:
+            raise ValueError(f"{flag}: unknown parameter {name!r} (known: {', '.join(known)})")
+        section, _, lo, hi = known[name]
+        try:
+            points = [float(v) for v in values.split(",")]
+        except ValueError:
+            raise ValueError(f"{flag} {spec!r}: values must be numbers, e.g. {name}=0.7,0.8") from None
+        if any(not lo <= v <= hi for v in points):
+            raise ValueError(f"{flag} {spec!r}: values must lie in [{lo}, {hi}]")
+        grid[(section, name)] = points
+    return grid
+
+
+def grid_loo(case_dir, grid, selected, preset: str, log: Callable[[str], None]):
+    """(in-sample results at the grid's best point, leave-one-case-out results): each left-out case is
+    predicted at the grid point best without it; the grid runs once."""
+    table = grid_fit(case_dir, grid, selected, preset, log)
+    best = grid_best(table, selected)
+    held = []
+    for name, others in loo_cases(selected):
+        point = grid_best(table, others)
+        log(f"  without {name}: {dict(zip((n for _, n in grid), point))}")
+        held.append(table[point][name])
+    return dict(zip(grid, best)), [table[best][n] for n in selected], held
+
+
 def loo_cases(selected):
     """(left-out case, the others) for every case the GPU fit sees."""
     return [(name, [c for c in selected if c != name]) for name in selected if FRONTEND_BOUND.get(name) != "all"]
