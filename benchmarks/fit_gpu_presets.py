@@ -24,9 +24,9 @@ import argparse
 import sys
 import time
 
+from servetwin.experiments.validate import preset_fit
 from servetwin.experiments.validate.preset_fit import (  # noqa: F401  (the fitting lives in the package)
-    EXTRA, FIT, FIT_METRICS, FRONTEND_BOUND, evaluate, fit, grid_best, grid_fit, hardware_mapping, loo_cases, loss,
-    start_values)
+    EXTRA, FIT, FIT_METRICS, FRONTEND_BOUND, evaluate, fit, hardware_mapping, loo_cases, loss, start_values)
 from servetwin.experiments.validate.published import group_medians, load_published, render_table
 from servetwin.sim.gpu_calibration import GPU_CALIBRATION
 
@@ -41,21 +41,10 @@ def parse_params(p, spec, flag="--params"):
 
 
 def parse_grid(p, specs):
-    grid = {}
-    for spec in specs:
-        name, _, values = spec.partition("=")
-        entries = parse_params(p, name, "--grid")
-        if len(entries) != 1:
-            p.error(f"--grid {spec!r}: one parameter per --grid, e.g. gemm_compute=0.7,0.8")
-        (section, _, lo, hi), = entries
-        try:
-            points = [float(v) for v in values.split(",")]
-        except ValueError:
-            p.error(f"--grid {spec!r}: values must be numbers, e.g. gemm_compute=0.7,0.8")
-        if not points or any(not lo <= v <= hi for v in points):
-            p.error(f"--grid {spec!r}: values must lie in [{lo}, {hi}]")
-        grid[(section, name.strip())] = points
-    return grid
+    try:
+        return preset_fit.parse_grid(specs)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def print_fit(title, values, best_loss, t0, results):
@@ -74,17 +63,10 @@ def print_loo(held):
 
 def main_grid(args, grid, selected, log) -> int:
     t0 = time.perf_counter()
-    table = grid_fit(args.dir, grid, selected, args.preset, log)
-    best = grid_best(table, selected)
-    results = [table[best][n] for n in selected]
-    print_fit(", grid", dict(zip(grid, best)), loss(results), t0, results)
+    best, results, held = preset_fit.grid_loo(args.dir, grid, selected, args.preset, log)
+    print_fit(", grid", best, loss(results), t0, results)
     if args.loo:
         print("\nleave-one-case-out (the grid's best point without the case, then the case at it):")
-        held = []
-        for name, others in loo_cases(selected):
-            point = grid_best(table, others)
-            log(f"  without {name}: {point}")
-            held.append(table[point][name])
         print_loo(held)
     return 0
 

@@ -42,6 +42,10 @@ kernels it stands for (they run one after another, so their times add):
     sampler      = SAMPLER_PASSES*R*V*4 / (W*u_g)                   fp32 passes over the logits
     comm         = 2L*(lat + 2(tp-1)/tp * T'*d*ba / (Wl*u_c))       two ring all-reduces per layer
                    + [R > 0] * (lat + (tp-1)/tp * R*V*ba / (Wl*u_c))  logits all-gather (0 when tp = 1)
+                   with `fuse_allreduce_rms` (vLLM's compilation pass, off by default) and tp > 1, a step whose
+                   all-reduce input T'*d*ba fits vLLM's limit for the GPU and tp runs each residual add +
+                   RMSNorm inside the all-reduce kernel: `elementwise` loses L*T*ba*4d (FUSED_NORM_SAVED_D);
+                   the all-reduce itself is priced as above (its one-shot latency is not modelled apart)
     layer        = L when CUDA graphs are off (every kernel launched from the host), else 0
     layer_piecewise = L for a step outside a full CUDA graph while graphs are on (vLLM V1's
                    piecewise graphs: attention is launched per layer), else 0
@@ -104,6 +108,15 @@ LOGITS_BYTES = 4  # logits are materialised in fp32 for sampling
 SAMPLER_PASSES = 4  # fp32 passes over the logits: temperature, softmax, sample, logprob bookkeeping
 ELEMENTWISE_D = 10  # d-sized reads+writes per token per layer: 2 RMSNorms, 2 residual adds, rope
 FP8_QUANT_BYTES = 5  # per GEMM-input element, dynamic per-tensor fp8: max pass (2) + read (2) + write (1)
+# vLLM's fused all-reduce + residual add + RMSNorm (`fuse_allreduce_rms`, FlashInfer's TRT-LLM all-reduce
+# fusion): each of the layer's two fused_add_rms_norm passes (read x and residual, write both: 4d) is
+# folded into the all-reduce kernel, which already holds the reduced x and adds only the residual's
+# read and write (2d): 2d saved per norm, 4d of ELEMENTWISE_D's 10d per layer.
+FUSED_NORM_SAVED_D = 4
+# vLLM's largest all-reduce input (bytes) the fused kernel takes, by world size; larger steps fall back
+# to the unfused all-reduce + norm (vllm/compilation allreduce_rms_fusion.py FI_ALLREDUCE_FUSION_MAX_SIZE_MB,
+# SM 9.0 = Hopper and SM 10.0 = Blackwell; InferenceMAX overrides it with VLLM_FLASHINFER_ALLREDUCE_FUSION_THRESHOLDS_MB)
+ALLREDUCE_FUSION_MAX_MB = {"hopper": {2: 64, 4: 2, 8: 0.5}, "blackwell": {2: 64, 4: 32, 8: 1}}
 
 
 def curve_fraction(curve: Sequence[tuple[float, float]], m: float) -> float:
@@ -200,6 +213,16 @@ def _row_values(row: Any) -> tuple[int, int, bool]:
     return int(q), int(s), bool(rest[0]) if rest else True
 
 
+def allreduce_fusion_max_bytes(hw: HardwareSpec, tp: int) -> float:
+    """vLLM's size limit of the fused all-reduce + RMSNorm on this GPU at this TP (0: never fused).
+    FlashInfer's kernel needs Hopper or Blackwell: a device without fp8 tensor cores is an error."""
+    if not hw.has_fp8:
+        raise ConfigError("fuse_allreduce_rms", f"FlashInfer's fused all-reduce needs a Hopper or Blackwell GPU; "
+                                                f"hardware {hw.name!r} has no fp8 tensor cores")
+    arch = "blackwell" if hw.peak_flops_fp4 > 0 else "hopper"
+    return ALLREDUCE_FUSION_MAX_MB[arch].get(tp, 0.0) * 2**20
+
+
 WEIGHT_QUANTIZATIONS = (None, "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
 
@@ -209,7 +232,8 @@ class CostModel:
                  cuda_graphs: Optional[bool] = None, graph_sizes: Optional[Sequence[int]] = None,
                  ipc: bool = False, coefficients: Optional[CostCoefficients] = None,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
-                 async_scheduling: bool = False, routing_skew: float = 0.0) -> None:
+                 async_scheduling: bool = False, routing_skew: float = 0.0,
+                 fuse_allreduce_rms: bool = False) -> None:
         self.model = load_model_spec(model)
         self.hw = load_hardware(hw)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -239,6 +263,7 @@ class CostModel:
         self.kv_cache_dtype = kv_cache_dtype
         self.async_scheduling = bool(async_scheduling)
         self.routing_skew = routing_skew
+        self.fuse_allreduce_rms = bool(fuse_allreduce_rms)
         self.coefficients = coefficients if coefficients is not None else self.hw.coefficients
         self._precompute()
 
@@ -292,6 +317,11 @@ class CostModel:
             frac = (tp - 1) / tp
             link = hw.interconnect_bandwidth * e.comm_bandwidth
             lat, ar, ag = hw.interconnect_latency_s, 2.0 * frac * d * ba / link, frac * V * ba / link
+        # the fused all-reduce + RMSNorm: bytes saved per token, and the most tokens it takes (T*d*ba <= max)
+        self._fused_norm, self._fusion_max_tokens = 0.0, -1
+        if self.fuse_allreduce_rms and tp > 1:
+            self._fused_norm = ba * L * FUSED_NORM_SAVED_D * d / wg
+            self._fusion_max_tokens = int(allreduce_fusion_max_bytes(hw, tp) // (d * ba))
         self._const = (
             float(L), e.gemm_half_m, e.attn_prefill_half_kv, tp,
             2.0 * dense_mm / tp / (peak_gemm * e.gemm_compute),  # linear s per token
@@ -355,6 +385,8 @@ class CostModel:
         else:
             linear = max(lin_flop * (rows[t_pad] if t_pad < len(rows) else t_pad * self._gemm_tail), lin_bytes)
         elementwise = ew * st.num_tokens
+        if t_pad <= self._fusion_max_tokens:  # the norms run inside the fused all-reduce
+            elementwise -= self._fused_norm * st.num_tokens
         pairs = st.prefill_sum_q_s + (st.prefill_sum_q2 + st.prefill_sum_q) / 2.0
         shared_dec = min(st.shared_kv, st.decode_sum_kv)
         shared_pre = min(st.shared_kv - shared_dec, st.prefill_sum_kv - st.prefill_sum_q)

@@ -147,7 +147,8 @@ def build_sim_executor(args: Any):
     cost_model = CostModel(model, hw, tp=args.tensor_parallel_size,
                            cuda_graphs=(not args.enforce_eager) and hw.device_type == "cuda",
                            ipc=bool(getattr(args, "multiprocess", False)), quantization=quantization,
-                           kv_cache_dtype=kv_cache_dtype, async_scheduling=bool(args.async_scheduling))
+                           kv_cache_dtype=kv_cache_dtype, async_scheduling=bool(args.async_scheduling),
+                           fuse_allreduce_rms=bool(getattr(args, "fuse_allreduce_rms", False)))
     pool = size_kv_pool(model, hw, args.block_size, args.gpu_memory_utilization, mnbt, args.max_num_seqs,
                         args.tensor_parallel_size, args.num_gpu_blocks, args.kv_cache_memory_bytes,
                         kv_dtype=kv_cache_dtype, quantization=quantization,

@@ -14,7 +14,8 @@ from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 
 # vLLM's engine-argument names for fields we name as its configs do (vLLM's `--scheduling-policy`
 # sets `SchedulerConfig.policy`): accepted as input, one field either way
-ENGINE_ARG_ALIASES: dict[str, str] = {"scheduling_policy": "policy"}
+# vLLM 0.11's pass_config name of the fused all-reduce + RMSNorm (renamed fuse_allreduce_rms in 0.12)
+ENGINE_ARG_ALIASES: dict[str, str] = {"scheduling_policy": "policy", "enable_fi_allreduce_fusion": "fuse_allreduce_rms"}
 
 
 def resolve_aliases(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -102,6 +103,8 @@ class EngineArgs:
     hardware: Optional[str] = None  # simulator: hardware preset or YAML path
     quantization: Optional[str] = None  # simulator: "fp8" weights (W8A8 where the device has fp8, else W8A16)
     kv_cache_dtype: str = "auto"  # simulator: "auto" (the model dtype) or "fp8"
+    # simulator: vLLM's compilation_config.pass_config.fuse_allreduce_rms (off by default, as vLLM)
+    fuse_allreduce_rms: bool = False
     multiprocess: bool = False
     profile_dir: Optional[str] = None
 
@@ -208,5 +211,7 @@ FIELD_HELP: dict[str, str] = {
     "hardware": "simulator: a hardware preset (`servetwin presets`) or a hardware YAML",
     "quantization": "simulator: fp8 weights (W8A8 where the device has fp8, else W8A16); default: the model dtype",
     "kv_cache_dtype": "simulator: KV-cache dtype, auto (the model dtype) or fp8",
+    "fuse_allreduce_rms": "simulator: vLLM's fused all-reduce + residual add + RMSNorm (compilation_config."
+                          "pass_config.fuse_allreduce_rms; 0.11: enable_fi_allreduce_fusion), TP > 1 on Hopper/Blackwell",
     "profile_dir": "torch backend: write a torch.profiler chrome trace and per-step timings here",
 }

@@ -235,6 +235,8 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "kv_cache_memory_bytes": _int(1, nullable=True),
     "quantization": _optional_choice("fp8"),
     "kv_cache_dtype": _choice("auto", "fp8"),
+    "fuse_allreduce_rms": _bool,
+    "enable_fi_allreduce_fusion": _bool,  # vLLM 0.11's name of `fuse_allreduce_rms` (ENGINE_ARG_ALIASES)
     "attention_backend": _choice(*ATTENTION_BACKENDS),
     "device": _device,
 }
@@ -629,7 +631,7 @@ def _apply_vllm_batch_defaults(exp: ExperimentConfig) -> None:
         exp.raw["engine"] = dict(exp.engine.given)
 
 
-SIM_ONLY_ENGINE_ARGS = {"quantization": None, "kv_cache_dtype": "auto"}  # name -> the value every backend runs
+SIM_ONLY_ENGINE_ARGS = {"quantization": None, "kv_cache_dtype": "auto", "fuse_allreduce_rms": False}  # name -> the value every backend runs
 
 
 def _check_sim_only_engine_args(exp: ExperimentConfig) -> None:

@@ -61,3 +61,15 @@ def test_coordinate_search_moves_toward_the_generating_point(tmp_path, capsys):
     out = capsys.readouterr().out
     fitted = float(out.split("efficiency.gemm_compute: ")[1].split()[0])
     assert abs(fitted - TRUE_GEMM) < abs(0.80 - TRUE_GEMM)
+
+
+def test_validate_prints_leave_one_case_out_over_a_grid(tmp_path, capsys):
+    from servetwin.experiments.cli import main
+    case_dir = _case_dir(tmp_path, load_benchmark("fit_gpu_presets"))
+    assert main(["validate", str(case_dir), "-q", "--loo", "gemm_compute=0.5,0.7"]) == 0
+    out = capsys.readouterr().out
+    loo = out[out.index("leave-one-case-out"):]
+    assert "| throughput/duration | 0.0% |" in loo and "cases run: 2/2" in loo
+    assert "in-sample best point of the grid: gemm_compute 0.7" in out
+    assert main(["validate", str(case_dir), "--loo", "gemm_compute=2.0"]) == 2  # refused before any run
+    assert "--loo 'gemm_compute=2.0': values must lie in" in capsys.readouterr().err

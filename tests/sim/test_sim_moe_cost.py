@@ -155,3 +155,30 @@ def test_pool_sizing_takes_the_padded_expert_weights():
     rest = (GPT_OSS.num_parameters - GPT_OSS.num_expert_parameters) * 2 / 2
     experts = 128 * 36 * GPT_OSS.expert_params * (3072 * 1536) / (2880 * 2880) * 4.25 / 8
     assert tp2.weight_bytes_per_rank == pytest.approx(rest + experts, rel=1e-9)
+
+
+def test_fused_allreduce_rms_removes_the_norm_pass_at_tp_above_one_only():
+    decode = StepSummary.from_lists([1] * 32, [1000] * 32, 32)
+    for hw in ("h100-sxm", "b200"):
+        plain, fused = (CostModel(GPT_OSS, hw, tp=4, fuse_allreduce_rms=f) for f in (False, True))
+        saved = 32 * 2 * 36 * 4 * 2880 / (plain.hw.memory_bandwidth * plain.hw.efficiency.gemm_bandwidth)
+        assert plain.basis(decode)["elementwise"] - fused.basis(decode)["elementwise"] == pytest.approx(saved)
+        assert fused.predict(decode).forward_s < plain.predict(decode).forward_s
+        one, one_fused = (CostModel(GPT_OSS, hw, tp=1, fuse_allreduce_rms=f) for f in (False, True))
+        assert one_fused.basis(decode) == one.basis(decode)  # no all-reduce to fuse with
+    # above vLLM's size limit (H100, TP 8: 0.5 MiB = 91 tokens of 2880 bf16) the step runs unfused
+    big = StepSummary.from_lists([512], [0], 1)
+    plain, fused = (CostModel(GPT_OSS, "h100-sxm", tp=8, fuse_allreduce_rms=f) for f in (False, True))
+    assert fused.basis(big) == plain.basis(big)
+    with pytest.raises(ConfigError) as e:
+        CostModel(GPT_OSS, "a100-80g", tp=2, fuse_allreduce_rms=True)
+    assert e.value.path == "fuse_allreduce_rms"
+
+
+def test_the_engine_setting_reaches_the_cost_model_under_both_vllm_names():
+    from servetwin.core.engine.engine_args import EngineArgs
+    from servetwin.sim.kv_pool import build_sim_executor
+    for name in ("fuse_allreduce_rms", "enable_fi_allreduce_fusion"):  # 0.12+ and 0.11's pass_config names
+        args = EngineArgs.from_kwargs(model="gpt-oss-120b", backend="sim", hardware="h100-sxm",
+                                      tensor_parallel_size=2, **{name: True})
+        assert build_sim_executor(args).executor.cost_model.fuse_allreduce_rms
