@@ -28,7 +28,7 @@ BUSY = 0.7  # front-end CPU share of the run from which its queue sets latency (
 KV_FULL = 0.9  # peak KV usage from which admissions wait for blocks
 GROWTH = 2.0  # late waits above GROWTH x early waits (plus a few steps): the queue grows, not keeping up
 
-LABELS = {"gpu_compute": "GPU compute", "kv_capacity": "KV-cache capacity",
+LABELS = {"gpu_compute": "engine compute (the model's steps on its GPU, or CPU)", "kv_capacity": "KV-cache capacity",
           "api_server_cpu": "the API-server CPU (modelled front end)", "arrival_rate": "the arrival rate"}
 
 
