@@ -117,30 +117,23 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         """`append` each block, in order (linked in one pass: a finished request frees every block)."""
-        if not blocks:
-            return
-        tail = self.fake_tail
-        prev = tail.prev_free_block
-        for b in blocks:
-            prev.next_free_block = b
-            b.prev_free_block = prev
-            prev = b
-        prev.next_free_block = tail
-        tail.prev_free_block = prev
-        self.num_free_blocks += len(blocks)
+        self._link_between(self.fake_tail.prev_free_block, self.fake_tail, blocks)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Insert at the head keeping list order: the result is `blocks + old queue`."""
+        self._link_between(self.fake_head, self.fake_head.next_free_block, blocks)
+
+    def _link_between(self, left: KVCacheBlock, right: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
+        """Link `blocks`, in order, between the adjacent `left` and `right`."""
         if not blocks:
             return
-        first = self.fake_head.next_free_block
-        prev = self.fake_head
+        prev = left
         for b in blocks:
             prev.next_free_block = b
             b.prev_free_block = prev
             prev = b
-        prev.next_free_block = first
-        first.prev_free_block = prev
+        prev.next_free_block = right
+        right.prev_free_block = prev
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
