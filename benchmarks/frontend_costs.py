@@ -133,6 +133,7 @@ def _cpu_s(pid: int) -> float:
 
 def part2(n: int, tokenizer: str, log) -> dict:
     import httpx  # noqa: PLC0415
+    from serve_process import wait_healthy  # noqa: PLC0415  (benchmarks/, the script's folder)
 
     port = _free_port()
     cmd = [sys.executable, "-m", "servetwin.experiments.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -142,16 +143,7 @@ def part2(n: int, tokenizer: str, log) -> dict:
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("server did not start")
-            time.sleep(0.2)
+        wait_healthy(url, proc)
         tok = load_tokenizer(tokenizer, 32000)
         client = httpx.Client(timeout=60)
         prompts = {k: text_of(tok, k) for k in (128, 2000)}

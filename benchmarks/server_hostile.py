@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
+from serve_process import wait_healthy  # the script's folder, benchmarks/, is on sys.path
 
 HEALTH_LIMIT_S = 0.100
 READ_TIMEOUT_S = 3.0
@@ -205,16 +206,7 @@ def run_server_part(backend: str) -> bool:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     ok = True
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start (exit {proc.poll()})")
-            time.sleep(0.2)
+        wait_healthy(url, proc)
         probe = Probe(url)
         print(f"{'case':36s} {'status':>6s} {'time s':>7s} {'/health max ms':>15s}  result")
         for name, go, expected in server_cases(url, port):

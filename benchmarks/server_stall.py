@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from serve_process import wait_healthy  # the script's folder, benchmarks/, is on sys.path
 
 from servetwin.core.engine.metrics import parse_prometheus_text, sample
 
@@ -56,19 +57,11 @@ class Server:
                "--max-num-batched-tokens", "8192"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("server did not become healthy within 120 s")
-            time.sleep(0.1)
+        try:
+            wait_healthy(self.url, self.proc)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def metrics(self) -> dict[str, float]:
         return parse_prometheus_text(httpx.get(self.url + "/metrics", timeout=30).text)
