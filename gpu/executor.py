@@ -16,9 +16,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from servetwin.core.kv_cache.kv_cache_interface import ONE_FULL_GROUP
-from servetwin.core.kv_cache.kv_cache_planning import check_or_fit_max_model_len_groups, model_kv_plan
-from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len
+from servetwin.core.kv_cache.kv_cache_planning import model_kv_plan
+from servetwin.core.kv_cache.kv_sizing import KVCacheSpec
 from servetwin.gpu.models.model_files import check_max_model_len
 from servetwin.core.outputs import Logprobs, ModelRunnerOutput, StepTiming
 from servetwin.core.sched.output import SchedulerOutput
@@ -130,7 +129,7 @@ class TorchExecutor:
                                    block_size=block_size)
         # KV cache groups from the layers' attention types; a pool block = one page of `group_size` layers
         self.kv_plan = model_kv_plan(cfg, disable_hybrid_kv_cache_manager)
-        self.kv_cache_groups = None if self.kv_plan.kv_cache_groups == ONE_FULL_GROUP else self.kv_plan.kv_cache_groups
+        self.kv_cache_groups = self.kv_plan.scheduler_groups
         pool_spec = dataclasses.replace(self.kv_spec, num_layers=self.kv_plan.group_size)
         self.attn_backend = select_attention_backend(attention_backend, self.device, self.dtype, block_size,
                                                      cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
@@ -143,13 +142,9 @@ class TorchExecutor:
                                 lambda: self._dummy_forward(min(max_num_batched_tokens, want_len)))
         else:
             n = cpu_num_blocks(pool_spec, num_gpu_blocks, kv_cache_memory_bytes)
-        if self.kv_cache_groups is None:
-            self.max_model_len = check_or_fit_max_model_len(
-                n, self.kv_spec, -1 if max_model_len == -1 else want_len, derived_max_len)
-        else:
-            self.max_model_len = check_or_fit_max_model_len_groups(
-                n, self.kv_cache_groups, block_size, -1 if max_model_len == -1 else want_len, derived_max_len,
-                max_num_batched_tokens * (2 if async_scheduling else 1))
+        self.max_model_len = self.kv_plan.fit_max_model_len(
+            n, self.kv_spec, -1 if max_model_len == -1 else want_len, derived_max_len,
+            max_num_batched_tokens * (2 if async_scheduling else 1))
         self.num_gpu_blocks = n
         self.pad_block_id = n  # the extra block past the scheduler's pool
         self.kv_caches = allocate_kv_caches(self.kv_spec, n, self.dtype, self.device,

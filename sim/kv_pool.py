@@ -34,10 +34,8 @@ from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import ExecutorInfo
-from servetwin.core.kv_cache.kv_cache_interface import ONE_FULL_GROUP
-from servetwin.core.kv_cache.kv_cache_planning import (KVCachePlan, check_or_fit_max_model_len_groups,
-                                                       describe_kv_plan, model_kv_plan)
-from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, check_or_fit_max_model_len
+from servetwin.core.kv_cache.kv_cache_planning import KVCachePlan, describe_kv_plan, model_kv_plan
+from servetwin.core.kv_cache.kv_sizing import KVCacheSpec
 from servetwin.sim.cost_model import CostModel
 from servetwin.sim.executor import SimExecutor
 from servetwin.sim.hardware import HardwareSpec, load_hardware
@@ -66,9 +64,7 @@ class KVPoolSize:
     @property
     def kv_cache_groups(self) -> Optional[tuple]:
         """None for one full-attention group (the scheduler's default)."""
-        if self.kv_plan is None or self.kv_plan.kv_cache_groups == ONE_FULL_GROUP:
-            return None
-        return self.kv_plan.kv_cache_groups
+        return None if self.kv_plan is None else self.kv_plan.scheduler_groups
 
     @property
     def bytes_per_block(self) -> int:
@@ -155,13 +151,9 @@ def build_sim_executor(args: Any):
                         weight_bytes=cost_model.weight_bytes_per_rank,
                         disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False))
     requested_len = args.max_model_len if args.max_model_len is not None else model.max_position_embeddings
-    if pool.kv_cache_groups is None:
-        max_len = check_or_fit_max_model_len(pool.num_gpu_blocks, pool.kv_spec, requested_len,
-                                             model.max_position_embeddings)
-    else:
-        in_flight = mnbt * (2 if getattr(args, "async_scheduling", False) else 1)
-        max_len = check_or_fit_max_model_len_groups(pool.num_gpu_blocks, pool.kv_cache_groups, args.block_size,
-                                                    requested_len, model.max_position_embeddings, in_flight)
+    in_flight = mnbt * (2 if getattr(args, "async_scheduling", False) else 1)
+    max_len = pool.kv_plan.fit_max_model_len(pool.num_gpu_blocks, pool.kv_spec, requested_len,
+                                             model.max_position_embeddings, in_flight)
     executor = SimExecutor(cost_model=cost_model)
     executor.kv_pool = pool
     return ExecutorInfo(executor, pool.num_gpu_blocks, max_len, model.vocab_size, [], None,

@@ -21,8 +21,8 @@ from typing import Any, Optional, Sequence
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.kv_cache_interface import (
     CHUNKED_LOCAL_ATTENTION, FULL_ATTENTION, ChunkedLocalAttentionSpec, FullAttentionSpec,
-    KVCacheGroupSpec, SlidingWindowSpec, check_group_mix)
-from servetwin.core.kv_cache.kv_sizing import cdiv
+    ONE_FULL_GROUP, KVCacheGroupSpec, SlidingWindowSpec, check_group_mix)
+from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, cdiv, check_or_fit_max_model_len
 
 ALLOW_CHUNKED_LOCAL_ENV = "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE"
 # the per-layer names of a model config (HF `layer_types`)
@@ -41,6 +41,20 @@ class KVCachePlan:
     def num_blocks(self, available_bytes: int, page_size_bytes: int) -> int:
         """Blocks of the shared pool: one page per layer of a group, `group_size` layers."""
         return max(0, int(available_bytes) // (page_size_bytes * self.group_size))
+
+    @property
+    def scheduler_groups(self) -> Optional[tuple[KVCacheGroupSpec, ...]]:
+        """What `CacheConfig.kv_cache_groups` takes: None for one full-attention group (its default)."""
+        return None if self.kv_cache_groups == ONE_FULL_GROUP else self.kv_cache_groups
+
+    def fit_max_model_len(self, num_blocks: int, spec: KVCacheSpec, max_model_len: int, derived_max_len: int,
+                          max_in_flight_tokens: int) -> int:
+        """vLLM's start-up check (or auto-fit, -1) of max_model_len against the pool: one full-attention
+        group as `kv_sizing.check_or_fit_max_model_len`, several as `check_or_fit_max_model_len_groups`."""
+        if self.scheduler_groups is None:
+            return check_or_fit_max_model_len(num_blocks, spec, max_model_len, derived_max_len)
+        return check_or_fit_max_model_len_groups(num_blocks, self.kv_cache_groups, spec.block_size, max_model_len,
+                                                 derived_max_len, max_in_flight_tokens)
 
 
 def layer_specs(num_layers: int, layer_types: Optional[Sequence[str]] = None,
