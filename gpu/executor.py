@@ -219,26 +219,19 @@ class TorchExecutor:
             observe(so, out)
         return out
 
-    def _common_metadata(self, batch: InputBatch, slot_mapping: torch.Tensor,
-                         block_table: Optional[np.ndarray] = None) -> CommonAttentionMetadata:
-        dev = self.device
-        return CommonAttentionMetadata(
-            num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens, max_query_len=batch.max_query_len,
-            max_seq_len=batch.max_seq_len, block_size=self.block_size,
-            query_start_loc=to_device(batch.query_start_loc, dev), seq_lens=to_device(batch.seq_lens, dev),
-            block_table=to_device(batch.block_table if block_table is None else block_table, dev),
-            slot_mapping=slot_mapping, query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens)
-
     def _attention_metadata(self, batch: InputBatch) -> Any:
-        """The plan of every layer (`build_layer_metadata`): with several KV cache groups each group
-        has its own block table and slot mapping, and each layer reads its group's, with its window."""
-        if self.kv_cache_groups is None:
-            commons = [self._common_metadata(batch, to_device(batch.slot_mapping, self.device))]
-            return build_layer_metadata(self.attn_backend, commons, self.model.layer_windows)
-        commons = [self._common_metadata(batch, to_device(slots, self.device), table)
-                   for table, slots in zip(batch.block_tables, batch.slot_mappings)]
-        return build_layer_metadata(self.attn_backend, commons, self.model.layer_windows,
-                                    self.kv_plan.layer_to_group)
+        """The plan of every layer (`build_layer_metadata`): each KV cache group has its own block table
+        and slot mapping (one group: the batch's own), each layer reads its group's, with its window."""
+        dev = self.device
+        qsl, seq_lens = to_device(batch.query_start_loc, dev), to_device(batch.seq_lens, dev)  # every group's
+        commons = [CommonAttentionMetadata(
+            num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens, max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len, block_size=self.block_size, query_start_loc=qsl, seq_lens=seq_lens,
+            block_table=to_device(table, dev), slot_mapping=to_device(slots, dev),
+            query_start_loc_cpu=batch.query_start_loc, seq_lens_cpu=batch.seq_lens)
+            for table, slots in zip(batch.block_tables, batch.slot_mappings)]
+        layer_group = None if self.kv_cache_groups is None else self.kv_plan.layer_to_group
+        return build_layer_metadata(self.attn_backend, commons, self.model.layer_windows, layer_group)
 
     def _execute(self, rows: list[ScheduledRow], so: SchedulerOutput) -> ModelRunnerOutput:
         timer = StepTimer(self.device)
