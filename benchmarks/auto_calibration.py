@@ -43,6 +43,10 @@ def _compare(out: str, env: dict, extra: list[str]) -> dict:
         return json.load(f)
 
 
+def _signed(x) -> str:
+    return "-" if x is None else f"{x:+.1f}"
+
+
 def _row(name: str, r: dict, cal_s: str) -> str:
     p50, p90 = r["step_abs_pct_error"]["p50"], r["step_abs_pct_error"]["p90"]
     span = r["makespan_signed_pct_error"]
@@ -50,7 +54,14 @@ def _row(name: str, r: dict, cal_s: str) -> str:
     c = r["contention"]
     clean = c.get("step_abs_pct_error_uncontended") or {}
     clean_p50 = "-" if clean.get("p50") is None else f"{clean['p50']:.1f} ({clean['count']} steps)"
-    return (f"| {name} | {cal_s} | {p50:.1f} | {p90:.1f} | {span:+.1f} | {clean_p50} | "
+    probe = (r.get("calibration_probe") or {}).get("drift_pct")
+    refresh = r.get("calibration_refresh")
+    drift = "-" if probe is None else f"{probe:+.1f}"
+    if refresh:  # `hardware: auto` re-measured the calibration: the drift before -> after
+        drift = (f"{refresh['drift_before']:+.1f} -> {_signed(refresh.get('drift_after'))} "
+                 f"(re-measured, {refresh['calibration_wall_s']:.0f} s)")
+    noise = ((r.get("noise") or {}).get("makespan_pct_error") or {}).get("mean")
+    return (f"| {name} | {cal_s} | {drift} | {p50:.1f} | {p90:.1f} | {span:+.1f} | {_signed(noise)[1:]} | {clean_p50} | "
             f"{100 * c['contended_step_share']:.0f}% | {c['median_cpu_share']:.2f} | {'yes' if ok else 'no'} |")
 
 
@@ -58,6 +69,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, help="torch threads for the calibration and the measured runs")
+    p.add_argument("--repeats", type=int, default=1, help="measured runs per compare (make run: 1); from 2 on, "
+                   "the makespan noise column shows how far two measured runs are apart")
     p.add_argument("-o", "--output", default=os.path.join(ROOT, "runs", "bench-auto-calibration"))
     args = p.parse_args()
     rows = []
@@ -70,20 +83,21 @@ def main() -> int:
         subprocess.run([sys.executable, "-c", "from servetwin.experiments.calibrate.auto_calibration import ensure_calibration;"
                         f"ensure_calibration('tiny-llama', 'float32', {threads})"], env=env, check=True)
         cal_s = f"{time.perf_counter() - t0:.0f} s"
-        extra = []
+        extra = ["--repeats", str(args.repeats)]
         if args.threads:  # `hardware: auto` uses THREADS; another count: its own calibration, by path
             os.environ["SERVETWIN_CALIBRATIONS"] = env["SERVETWIN_CALIBRATIONS"]
-            extra = ["--threads", str(threads), "--calibration",
+            extra += ["--threads", str(threads), "--calibration",
                      str(cache_path(fingerprint("tiny-llama", "float32", threads)))]
         auto = _compare(os.path.join(args.output, f"auto-{k}"), env, extra)
-        shipped = _compare(os.path.join(args.output, f"shipped-{k}"), env, extra[:2] + ["--calibration", EXAMPLE])
+        shipped = _compare(os.path.join(args.output, f"shipped-{k}"), env, extra[:4] + ["--calibration", EXAMPLE])
         rows += [_row(f"round {k + 1}: hardware auto", auto, cal_s),
                  _row(f"round {k + 1}: shipped example", shipped, "-")]
         print(f"round {k + 1}: load average {load:.2f} before, {os.getloadavg()[0]:.2f} after", flush=True)
     print(f"\ntargets: per-step p50 <= {TARGET_STEP_P50:g}%, makespan within +-{TARGET_MAKESPAN:g}%\n")
-    print("| run | calibration wall | step p50 % | step p90 % | makespan % | step p50 %, uncontended steps | "
-          "contended steps | median CPU share | targets met |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| run | calibration wall | drift probe % | step p50 % | step p90 % | makespan % | "
+          "makespan noise % (measured vs measured) | step p50 %, uncontended steps | contended steps | "
+          "median CPU share | targets met |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
 

@@ -380,6 +380,7 @@ void argmax_rows(const float* x, int64_t M, int64_t N, int64_t* out) {
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
+_lib_path: Optional[Path] = None  # the compiled library's file (its name keys the CPU, compiler, source)
 _tried = False
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -424,23 +425,54 @@ class SmallMLinear:
 
     TUNE_ROWS = (2, 4, 8, 16, 32, 48)  # row counts timed against F.linear (the last: the largest it may take)
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, decision_stem: Optional[Path] = None) -> None:
         fn = lib.small_m_linear
         fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._max_rows: dict[int, int] = {}  # torch thread count -> rows up to which this kernel wins
+        self._decision_stem = decision_stem  # where the machine's decisions are kept (None: not kept)
 
     def max_rows(self) -> int:
         """Rows up to which this kernel is faster than `F.linear` on this CPU at the current thread count
-        (0: at none). Timed once per thread count on a decode-sized product, since the answer depends on
-        the CPU and its BLAS: on the Intel Xeon it was written on, MKL's small-M sgemm is slow and the
-        kernel won x1.4-1.9 at 4-16 rows; on the AVX2 AMD EPYC VM it loses to MKL at every row count
-        (1.2x slower at 2 rows, 4.8x at 16, 8x at 48: one thread, SmolLM2's projections)."""
+        (0: at none). The answer depends on the CPU and its BLAS: on the Intel Xeon it was written on,
+        MKL's small-M sgemm is slow and the kernel won x1.4-1.9 at 4-16 rows; on the AVX2 AMD EPYC VM it
+        loses to MKL at every row count (1.2x slower at 2 rows, 4.8x at 16, 8x at 48: one thread,
+        SmolLM2's projections). `SERVETWIN_SMALL_M_ROWS=N` sets it.
+
+        Timed once per machine and thread count, then kept beside the compiled library and read by every
+        later process. Timed in each process, the near-tie decided differently from one process to the
+        next (4 or 8 rows on a quiet AVX-512 EPYC VM, anything under load), so a calibration and the run
+        it predicts executed different kernels: `make run`'s measured makespan moved 1.7x between
+        processes on one machine."""
         n = torch.get_num_threads()
         if n not in self._max_rows:
-            self._max_rows[n] = self._tune()
+            self._max_rows[n] = self._decided(n)
         return self._max_rows[n]
+
+    def _decided(self, threads: int) -> int:
+        env = os.environ.get("SERVETWIN_SMALL_M_ROWS")
+        if env is not None:
+            try:
+                return max(0, int(env))
+            except ValueError:
+                raise ValueError(f"SERVETWIN_SMALL_M_ROWS: must be an integer, got {env!r}") from None
+        if self._decision_stem is None:
+            return self._tune()
+        path = self._decision_stem.with_name(f"{self._decision_stem.name}-small_m_rows-t{threads}-"
+                                             f"torch{torch.__version__}.txt")
+        try:
+            return int(path.read_text().strip())
+        except (OSError, ValueError):
+            pass
+        rows = self._tune()
+        try:  # atomic: a concurrent process reads a whole file or none
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+                f.write(f"{rows}\n")
+            os.replace(f.name, path)
+        except OSError as e:
+            logger.warning("CPU kernels: cannot keep the small-M linear decision in %s (%s)", path, e)
+        return rows
 
     @torch.inference_mode()
     def _tune(self) -> int:
@@ -448,20 +480,25 @@ class SmallMLinear:
 
         import torch.nn.functional as F  # noqa: PLC0415
 
-        def best_of(fn: Any, reps: int = 5) -> float:
-            fn()
-            times = []
+        def best_of_interleaved(a: Any, b: Any, reps: int = 15) -> tuple[float, float]:
+            """Fastest of `reps` calls of each, alternating, so a burst of machine noise hits both."""
+            a(), b()
+            ta, tb = [], []
             for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return min(times)
+                for fn, times in ((a, ta), (b, tb)):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+            return min(ta), min(tb)
 
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(1536, 576, generator=gen)  # an FFN projection of a small model: decode-sized
-        wins = [m for m in self.TUNE_ROWS
-                if best_of(lambda x=torch.randn(m, 576, generator=gen): self(x, w))
-                < 0.9 * best_of(lambda x=torch.randn(m, 576, generator=gen): F.linear(x, w))]
+        wins = []
+        for m in self.TUNE_ROWS:
+            x = torch.randn(m, 576, generator=gen)
+            mine, blas = best_of_interleaved(lambda: self(x, w), lambda: F.linear(x, w))
+            if mine < 0.9 * blas:
+                wins.append(m)
         return max(wins, default=0)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -528,7 +565,7 @@ def _build(cc: list[str]) -> Path:
 
 def _library() -> Optional[ctypes.CDLL]:
     """The compiled library, or None (disabled, no compiler, build or load failure; logged once)."""
-    global _lib, _tried
+    global _lib, _lib_path, _tried
     if _tried:
         return _lib
     with _lock:
@@ -544,7 +581,8 @@ def _library() -> Optional[ctypes.CDLL]:
             logger.warning("CPU kernels: no C compiler found; using the torch ops")
             return None
         try:
-            _lib = ctypes.CDLL(str(_build(cc)))
+            _lib_path = _build(cc)
+            _lib = ctypes.CDLL(str(_lib_path))
         except Exception as e:  # noqa: BLE001 - any failure means: fall back to torch
             logger.warning("CPU kernels unavailable (%s: %s); using the torch ops", type(e).__name__, e)
             _lib = None
@@ -568,7 +606,7 @@ def small_m_linear_kernel() -> Optional[SmallMLinear]:
     """The small-M linear kernel, or None (then use `F.linear`)."""
     global _linear
     if _linear is None and (lib := _library()) is not None:
-        _linear = SmallMLinear(lib)
+        _linear = SmallMLinear(lib, _lib_path.with_suffix("") if _lib_path is not None else None)
     return _linear
 
 

@@ -83,3 +83,25 @@ def ensure_calibration(model: str, dtype: str = "float32", threads: int = THREAD
         (run or _run_calibration)(model, str(path), dtype, threads, log)
         log(f"hardware: auto: calibrated in {time.perf_counter() - t0:.0f} s; later runs read {path}")
     return str(path)
+
+
+def is_auto_calibration(path: str) -> bool:
+    """Whether `path` is a calibration this module made (a file in the cache): one it may re-measure."""
+    try:
+        return Path(path).resolve().parent == cache_dir().resolve() and Path(path).name.startswith("cpu_")
+    except OSError:
+        return False
+
+
+def recalibrate(path: str, model: str, dtype: str = "float32", threads: int = THREADS,
+                log: Optional[Callable[[str], None]] = None, run: Optional[Callable[..., None]] = None) -> float:
+    """Measure this machine's calibration at `path` again, now (the cached one no longer describes the
+    machine: see `servetwin.experiments.compare.compare`'s drift probe); returns the wall seconds. The
+    file is replaced atomically under the same lock as `ensure_calibration`."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    with open(Path(path).with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        t0 = time.perf_counter()
+        (run or _run_calibration)(model, str(path), dtype, threads, log)
+    return time.perf_counter() - t0
+

@@ -53,234 +53,12 @@ from servetwin.core.testbed.atomic import atomic_open
 from servetwin.experiments.calibrate.cpu_info import cpu_name, isa_flags, torch_version
 from servetwin.experiments.calibrate.torch_measure import (CONTENDED_BELOW, calibration_info, cpu_shares, load_average,
                                                  set_torch_threads)
+from servetwin.experiments.calibrate.design import DESIGNS, CalibrationDesign, run_design, step_rows
 from servetwin.sim.coefficients import BASIS_TERMS, GPU_ONLY_TERMS
 
 MEASURED_QUANTITY = ("wall time of one EngineCore.step() (schedule + execute_model + update_from_output), "
                      "time.perf_counter(), in-process engine (no IPC): what `servetwin run`/`compare` record "
                      "for the torch backend")
-
-
-@dataclass
-class CalibrationDesign:
-    prefill_chunks: list[int]
-    prefill_prefixes: list[int]
-    prefill_batches: list[tuple[int, int]]  # (requests, tokens each)
-    partial_prefills: list[int]  # extra tokens past the budget (prompt = budget + extra)
-    decode_batches: list[int]
-    decode_kv: list[int]
-    decode_steps: int
-    decode_shared: list[tuple[int, int]]  # (requests, kv) decodes over one shared cached prefix
-    mixed: list[tuple[int, int, int]]  # (decoding requests, their kv, new chunk tokens)
-    repeats: int
-    decode_repeats: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    num_gpu_blocks: int
-    block_size: int = 16
-    max_model_len: int = 2048
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["prefill_batches"] = [list(x) for x in self.prefill_batches]
-        d["mixed"] = [list(x) for x in self.mixed]
-        d["decode_shared"] = [list(x) for x in self.decode_shared]
-        return d
-
-
-DESIGNS: dict[str, CalibrationDesign] = {
-    # ~2-3 minutes for smollm2-135m on 2 CPU cores (1 torch thread)
-    "default": CalibrationDesign(
-        prefill_chunks=[16, 48, 96, 192, 320, 512], prefill_prefixes=[0, 256, 768],
-        prefill_batches=[(2, 64), (4, 32), (8, 16), (4, 128)], partial_prefills=[96],
-        decode_batches=[1, 2, 4, 8, 16, 32], decode_kv=[32, 256, 640], decode_steps=4,
-        decode_shared=[(4, 256), (8, 256), (16, 384), (32, 512)],
-        mixed=[(1, 128, 64), (2, 256, 128), (4, 128, 32), (4, 256, 192), (8, 128, 96), (8, 512, 256),
-               (12, 256, 160), (16, 128, 128), (16, 384, 32), (2, 768, 384)],
-        repeats=2, decode_repeats=1, max_num_batched_tokens=512, max_num_seqs=64, num_gpu_blocks=2048),
-    # seconds on tiny-llama: for tests and smoke runs
-    "quick": CalibrationDesign(
-        prefill_chunks=[16, 64, 128], prefill_prefixes=[0, 64],
-        prefill_batches=[(4, 16)], partial_prefills=[32],
-        decode_batches=[1, 4, 8], decode_kv=[32, 128], decode_steps=3, decode_shared=[(4, 64)],
-        mixed=[(4, 64, 32)],
-        repeats=2, decode_repeats=1, max_num_batched_tokens=256, max_num_seqs=16, num_gpu_blocks=256),
-}
-
-
-# -- running the design -------------------------------------------------------------------------
-class _Driver:
-    """Adds crafted requests to an engine and steps it until idle, timing every step."""
-
-    def __init__(self, engine, recorder, vocab_size: int, seed: int = 0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        self.engine = engine
-        self.recorder = recorder
-        self.rng = np.random.default_rng(seed)
-        self.vocab = max(int(vocab_size), 20)
-        self.clock = clock
-        self.t0 = clock()
-        self.n = 0
-        self.cpu_s: dict[int, float] = {}  # step -> process CPU seconds (contention check)
-
-    def tokens(self, n: int) -> list[int]:
-        return [int(x) for x in self.rng.integers(3, self.vocab, size=n)]
-
-    def add(self, prompt: list[int], max_tokens: int, tag: str) -> str:
-        from servetwin.core.request import Request  # noqa: PLC0415
-        from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
-
-        self.n += 1
-        rid = f"cal{self.n}-{tag}"
-        now = self.clock() - self.t0
-        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
-                      arrival_time=now)
-        self.engine.add_request(req)
-        if self.recorder is not None:
-            self.recorder.on_arrival(req, now)
-        return rid
-
-    def step(self) -> Any:
-        c0 = time.process_time()
-        t_start = self.clock() - self.t0
-        result = self.engine.step()
-        t_end = self.clock() - self.t0
-        if result.scheduled is not None:
-            self.cpu_s[result.scheduled.step] = time.process_time() - c0
-        if self.recorder is not None:
-            self.recorder.on_step(result, t_start, t_end)
-        return result
-
-    def run(self, max_steps: Optional[int] = None) -> None:
-        k = 0
-        while self.engine.has_work() and (max_steps is None or k < max_steps):
-            self.step()
-            k += 1
-
-
-def _block_floor(n: int, b: int) -> int:
-    return (n // b) * b
-
-
-def run_design(engine, recorder, design: CalibrationDesign, vocab_size: int, seed: int = 0,
-               log: Callable[[str], None] = lambda m: None, warmup: bool = True) -> dict[int, float]:
-    """Run every case of `design` through `engine` (an `EngineCore`), recording steps in `recorder`;
-    returns the process CPU seconds of every step."""
-    B = design.block_size
-    budget = design.max_num_batched_tokens
-    if warmup:  # one pass of each kind, not recorded
-        w = _Driver(engine, None, vocab_size, seed + 1000)
-        w.add(w.tokens(min(128, budget)), 1, "w")
-        w.run()
-        p = w.tokens(64)
-        for _ in range(3):
-            w.add(p + w.tokens(16), 4, "w")
-        w.run()
-    d = _Driver(engine, recorder, vocab_size, seed)
-    # pure prefills after a cached prefix; shapes interleaved within each repeat
-    prefixes = {}
-    for s in design.prefill_prefixes:
-        s = _block_floor(s, B)
-        if s > 0:
-            prefixes[s] = d.tokens(s)
-            d.add(prefixes[s], 1, f"prefix{s}")  # computes (and caches) the prefix; a sample too
-            d.run()
-        else:
-            prefixes[0] = []
-    for rep in range(design.repeats):
-        for s, prefix in prefixes.items():
-            for q in design.prefill_chunks:
-                if q > budget:
-                    continue
-                d.add(prefix + d.tokens(q), 1, f"p{q}s{s}")
-                d.run()
-        for k, q in design.prefill_batches:
-            if k * q > budget or k > design.max_num_seqs:
-                continue
-            for _ in range(k):
-                d.add(d.tokens(q), 1, f"pb{k}x{q}")
-            d.run()
-        for extra in design.partial_prefills:
-            d.add(d.tokens(budget + extra), 1, f"pp{extra}")
-            d.run()
-    log(f"calibrate: prefill cases done ({len(recorder.steps)} steps)")
-    # pure decodes: b requests with their own prompts of kv tokens (their batched, chunked prefills are
-    # samples too), then `decode_steps` decode steps
-    for rep in range(design.decode_repeats):
-        for kv in design.decode_kv:
-            for b in design.decode_batches:
-                if b > design.max_num_seqs:
-                    continue
-                for _ in range(b):
-                    d.add(d.tokens(kv), design.decode_steps + 1, f"d{b}kv{kv}")
-                d.run()
-    # pure decodes over a shared cached prefix (prefix-sharing workloads read the same KV blocks)
-    for b, kv in design.decode_shared:
-        plen = max(_block_floor(kv - 16, B), 0)
-        prefix = d.tokens(plen)
-        if plen:
-            d.add(prefix, 1, f"dprefix{kv}")
-            d.run()
-        if b <= design.max_num_seqs and b * 16 <= budget:
-            for _ in range(b):
-                d.add(prefix + d.tokens(16), design.decode_steps + 1, f"ds{b}kv{kv}")
-            d.run()
-    log(f"calibrate: decode cases done ({len(recorder.steps)} steps)")
-    # mixed: b decoding requests, then a new chunk joins them
-    for rep in range(design.repeats):
-        for b, kv, q in design.mixed:
-            if (b > design.max_num_seqs - 1 or b + q > budget
-                    or b * kv > design.block_size * design.num_gpu_blocks // 2):
-                continue
-            for _ in range(b):
-                d.add(d.tokens(kv), 6, f"m{b}kv{kv}")
-            while d.engine.has_work():  # their (possibly chunked) prefill, then one pure decode
-                r = d.step()
-                so = r.scheduled
-                if so is not None and so.num_scheduled_tokens and all(
-                        n == 1 for n in so.num_scheduled_tokens.values()):
-                    break
-            d.add(d.tokens(q), 1, f"mc{q}")
-            d.run()  # mixed step(s), then the decodes finish
-    log(f"calibrate: mixed cases done ({len(recorder.steps)} steps)")
-    return d.cpu_s
-
-
-# -- fitting ------------------------------------------------------------------------------------
-def step_phase_class(num_context_reqs: int, num_generation_reqs: int) -> str:
-    """Phase class of a step by its annotation: pure prefill, pure decode or mixed."""
-    if num_context_reqs and num_generation_reqs:
-        return "mixed"
-    return "prefill" if num_context_reqs else "decode"
-
-
-def step_rows(steps, step_requests) -> tuple[list[int], list[Any], np.ndarray, list[str]]:
-    """(step numbers, per step its `servetwin.sim.cost_model.StepSummary` (rows' q and s, sampling rows, shared KV
-    tokens), measured durations, phase classes) from trace tables (steps without rows or with a
-    non-positive duration are skipped; traces written before `shared_kv_tokens` existed count 0)."""
-    from servetwin.sim.cost_model import StepSummary  # noqa: PLC0415
-
-    if len(step_requests) == 0:
-        raise ValueError("calibrate: the trace has no step_requests rows (record_step_requests was off)")
-    by_step: dict[int, tuple[list[int], list[int], list[int]]] = {}
-    for step, q, s, smp in zip(step_requests.step.to_numpy(), step_requests.num_tokens.to_numpy(),
-                               step_requests.num_computed_before.to_numpy(), step_requests.samples.to_numpy()):
-        e = by_step.setdefault(int(step), ([], [], [0]))
-        e[0].append(int(q))
-        e[1].append(int(s))
-        e[2][0] += bool(smp)
-    shared = (steps.shared_kv_tokens.to_numpy() if "shared_kv_tokens" in steps.columns
-              else np.zeros(len(steps), dtype=int))
-    numbers, rows, durations, phases = [], [], [], []
-    for step, dur, nc, ng, sh in zip(steps.step.to_numpy(), steps.duration_s.to_numpy(),
-                                     steps.num_context_reqs.to_numpy(), steps.num_generation_reqs.to_numpy(), shared):
-        e = by_step.get(int(step))
-        if e is None or not dur > 0:
-            continue
-        numbers.append(int(step))
-        rows.append(StepSummary.from_lists(e[0], e[1], e[2][0], shared_kv=int(sh)))
-        durations.append(float(dur))
-        phases.append(step_phase_class(int(nc), int(ng)))
-    return numbers, rows, np.asarray(durations), phases
 
 
 def fit_terms(cost_model) -> list[str]:
@@ -589,6 +367,7 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
         source = f"servetwin calibrate --from-run {from_run}"
         design_dict: Any = None
         contended: set[int] = set()
+        probe_frames = None
         extra["note"] = ("fitted on an existing run's torch trace: device, threads and load of that run are "
                          "not known here")
     else:
@@ -615,12 +394,20 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
         log(f"calibrate: {model} on {device} loaded in {time.perf_counter() - t0:.1f}s "
             f"(dtype {str(ex.dtype).replace('torch.', '')}, attention {ex.attention_backend_name}, "
             f"{nthreads} torch threads)")
+        if ex.device.type == "cpu":
+            from servetwin.gpu.cpu_kernels import small_m_linear_kernel  # noqa: PLC0415
+
+            kernel = small_m_linear_kernel()  # its row limit is kept per machine: runs use the same kernels
+            extra["small_m_linear_max_rows"] = kernel.max_rows() if kernel is not None else None
         if gemm_curve and ex.device.type == "cpu":
             efficiency, extra["gemm_m_curve"] = measure_gemm_curve(ex, model, base, des.max_num_batched_tokens, log)
         recorder = TraceRecorder(f"calibrate-{model}", "torch")
         t0 = time.perf_counter()
         cpu_s = run_design(engine, recorder, des, info.vocab_size or 256, seed=seed, log=log)
         log(f"calibrate: {len(recorder.steps)} steps measured in {time.perf_counter() - t0:.1f}s")
+        from servetwin.experiments.calibrate.drift_probe import measure_probe  # noqa: PLC0415
+
+        probe_frames = measure_probe(args, info)  # scored below with the fitted model: the drift baseline
         if trace_dir:
             recorder.write(trace_dir)
         frames = recorder.frames()
@@ -668,6 +455,12 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
     }
     provenance.update(extra)
     doc = calibration_document(base, cal, provenance, efficiency=efficiency)
+    if probe_frames is not None:
+        from servetwin.experiments.calibrate.drift_probe import score_probe  # noqa: PLC0415
+        from servetwin.sim.hardware import hardware_from_dict  # noqa: PLC0415
+
+        fitted = CostModel(spec, hardware_from_dict(doc, "calibration"), cuda_graphs=cuda_graphs)
+        doc["provenance"]["drift_probe"] = score_probe(probe_frames, fitted)
     header = (f"Written by `servetwin calibrate` - measured, not hand-edited.\n"
               f"Cost-model coefficients for {model} on this machine class ({dev_name}),\n"
               f"torch backend, {spec_dtype}, {attn} attention, {nthreads} torch thread(s).\n"

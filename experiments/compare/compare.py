@@ -34,7 +34,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from servetwin.experiments.calibrate.calibrate import calibration_mismatches, step_phase_class, step_rows
+from servetwin.experiments.calibrate.calibrate import calibration_mismatches
+from servetwin.experiments.calibrate.design import pct_stats, predicted_durations, step_phase_class, step_rows
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.config.schema import ExperimentConfig, engine_field_path, load_yaml, validate_config
 from servetwin.experiments.calibrate.torch_measure import (CONTENDED_BELOW, apply_threads, calibration_info, contention_summary,
@@ -42,6 +43,7 @@ from servetwin.experiments.calibrate.torch_measure import (CONTENDED_BELOW, appl
 
 PHASES = ("prefill", "decode", "mixed")
 TARGETS = {"step_p50": 5.0, "step_p90": 15.0, "makespan": 3.0, "e2e_p50": 5.0}
+DRIFT_REFRESH_PCT = 10.0  # `hardware: auto`: a probe further off than this re-measures the calibration
 LATENCIES = (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2e", "e2e_s"))
 
 
@@ -95,6 +97,10 @@ def sim_engine_args(exp: ExperimentConfig, torch_info) -> Any:
                                enforce_eager=args.enforce_eager or getattr(ex, "graph_runner", None) is None)
 
 
+def _pct_text(x: Optional[float]) -> str:
+    return "unknown (the calibration has no probe of its own)" if x is None else f"{x:+.1f}%"
+
+
 def build_sim_engine(exp: ExperimentConfig, torch_info):
     from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
 
@@ -106,37 +112,47 @@ def build_sim_engine(exp: ExperimentConfig, torch_info):
         raise ConfigError(e.path, f"{e.message} [sim backend]") from None
 
 
-def calibration_probe(exp: ExperimentConfig, info, cost_model, repeats: int = 2) -> dict[str, Any]:
-    """A few fixed designed steps (single prefills of 32/128/256 tokens, decode batches of 4 and 8) on the
-    torch executor, scored with the simulator's cost model: how far the machine is, right now, from the
-    state it was calibrated in (a signed median near 0: as fast as then). Not part of the scored runs."""
-    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
-    from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
-    from servetwin.experiments.calibrate.calibrate import CalibrationDesign, run_design  # noqa: PLC0415
+def calibration_probe(exp: ExperimentConfig, info, cost_model) -> Optional[dict[str, Any]]:
+    """The drift probe (`servetwin.experiments.calibrate.drift_probe`) on the torch executor just before
+    the scored runs, scored with the simulator's cost model; with the calibration's own probe, the
+    machine's drift since it was calibrated. None: the engine cannot run the probe."""
+    from servetwin.experiments.calibrate.drift_probe import (drift_pct, measure_probe,  # noqa: PLC0415
+                                                              probe_at_calibration, score_probe)
 
-    tokens = info.num_gpu_blocks * exp.engine_args("torch").block_size
-    kv = max(16, min(128, tokens // 32))
-    design = CalibrationDesign(prefill_chunks=[c for c in (32, 128, 256) if c < tokens // 4], prefill_prefixes=[0],
-                               prefill_batches=[], partial_prefills=[], decode_batches=[4, 8], decode_kv=[kv],
-                               decode_steps=4, decode_shared=[], mixed=[], repeats=repeats, decode_repeats=1,
-                               max_num_batched_tokens=256, max_num_seqs=8, num_gpu_blocks=info.num_gpu_blocks)
-    args = dataclasses.replace(exp.engine_args("torch"), max_num_batched_tokens=256, max_num_seqs=8,
-                               enable_chunked_prefill=True, enable_prefix_caching=True)
-    info.executor.reset()
-    engine, _ = create_engine_core(args, info=info)
-    recorder = TraceRecorder("probe", "torch")
-    run_design(engine, recorder, design, info.vocab_size or 256, seed=99, warmup=False)
-    info.executor.reset()
-    frames = recorder.frames()
-    pred = predicted_durations(frames, cost_model)
-    meas = frames["steps"].duration_s.to_numpy(dtype=float)
-    signed = (pred - meas) / meas * 100.0
-    ok = np.isfinite(signed)
-    return {"steps": int(ok.sum()), "signed_pct_error_median": float(np.median(signed[ok])) if ok.any() else None,
-            "abs_pct_error": pct_stats(np.abs(signed[ok])),
-            "definition": "the calibrated cost model on fixed probe steps measured just before the scored runs; "
-                          "the signed median is the machine's drift since calibration (+: now faster than "
-                          "predicted) plus the model's own error on these shapes"}
+    frames = measure_probe(exp.engine_args("torch"), info)
+    if frames is None:
+        return None
+    res = score_probe(frames, cost_model)
+    _, prov = calibration_info(exp)
+    res["at_calibration"] = probe_at_calibration(prov)
+    res["drift_pct"] = drift_pct(res["signed_pct_error_median"], res["at_calibration"])
+    res["definition"] = ("signed median (predicted - measured) / measured over fixed designed steps measured "
+                         "just before the scored runs; drift_pct compares it with the same probe measured "
+                         "right after the calibration (negative: the machine is slower now; null: the "
+                         "calibration has no probe of its own)")
+    return res
+
+
+def refresh_drifted_calibration(exp: ExperimentConfig, probe: Optional[dict[str, Any]], threads: int,
+                                log: Callable[[str], None]) -> Optional[dict[str, Any]]:
+    """`hardware: auto` only: when the drift probe finds the machine more than `DRIFT_REFRESH_PCT` off
+    the speed it had when calibrated, measure the calibration again now (the cache keeps the new one)
+    and say so; the reason is in `servetwin.experiments.calibrate.drift_probe`. Returns None (no
+    refresh) or the record written to comparison.json."""
+    from servetwin.experiments.calibrate.auto_calibration import is_auto_calibration, recalibrate  # noqa: PLC0415
+
+    drift = (probe or {}).get("drift_pct")
+    path = exp.hardware if isinstance(exp.hardware, str) else ""
+    if drift is None or abs(drift) <= DRIFT_REFRESH_PCT or not is_auto_calibration(path):
+        return None
+    _, prov = calibration_info(exp)
+    log(f"compare: the drift probe finds this machine {drift:+.1f}% off its speed when calibrated "
+        f"({prov.get('date', '?')}; limit +-{DRIFT_REFRESH_PCT:.0f}%): re-measuring the calibration now "
+        "(hardware: auto)")
+    dtype = str(prov.get("dtype") or "float32")
+    wall = recalibrate(path, exp.model, dtype, threads, log=log)
+    return {"reason": f"drift probe {drift:+.1f}% (limit +-{DRIFT_REFRESH_PCT:.0f}%)", "drift_before": drift,
+            "calibrated_before": prov.get("date"), "calibration_wall_s": round(wall, 1), "file": path}
 
 
 def run_torch(exp: ExperimentConfig, info, requests, offline: bool, run_name: str):
@@ -212,16 +228,6 @@ def identical_share(sim_frames: dict, torch_frames: dict) -> tuple[float, Option
 
 
 # -- metrics --------------------------------------------------------------------------------------------
-def pct_stats(abs_pct: np.ndarray) -> dict[str, Any]:
-    a = np.asarray(abs_pct, dtype=float)
-    a = a[np.isfinite(a)]
-    if a.size == 0:
-        return {"p50": None, "p90": None, "p99": None, "mean": None, "max": None, "count": 0}
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(a.mean()),
-            "max": float(a.max()), "count": int(a.size)}
-
-
 def signed_pct(pred: float, meas: float) -> Optional[float]:
     if pred is None or meas is None or not (math.isfinite(pred) and math.isfinite(meas)) or meas == 0:
         return None
@@ -261,13 +267,6 @@ def latency_percentiles(frames: dict) -> dict[str, dict[str, Optional[float]]]:
         else:
             out[name] = {"p50": None, "p90": None, "p99": None, "mean": None}
     return out
-
-
-def predicted_durations(frames: dict, cost_model) -> np.ndarray:
-    """The cost model's prediction for each recorded step's own composition (NaN where it has no rows)."""
-    nums, rows, _, _ = step_rows(frames["steps"], frames["step_requests"])
-    pred = {n: cost_model.predict(summary).duration_s for n, summary in zip(nums, rows)}
-    return np.array([pred.get(int(s), np.nan) for s in frames["steps"].step.to_numpy()])
 
 
 def _median(values: list[Optional[float]]) -> Optional[float]:
@@ -354,14 +353,22 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     from servetwin.sim.arrivals import Offline  # noqa: PLC0415
 
     offline = isinstance(arrival, Offline)
+    warm_s = warm_up(exp.engine_args("torch"), tinfo, requests)
+    probe = calibration_probe(exp, tinfo, cost_model) if probe_steps else None
+    refresh = None
+    if probe:
+        log(f"compare: drift probe: {probe['steps']} steps, signed median error "
+            f"{probe['signed_pct_error_median']:+.2f}%, drift since calibrated {_pct_text(probe['drift_pct'])}")
+        refresh = refresh_drifted_calibration(exp, probe, nthreads, log)
+        if refresh is not None:  # the simulator reads the new file; the probe checks it
+            sim_engine, sinfo = build_sim_engine(exp, tinfo)
+            cost_model = sinfo.executor.cost_model
+            probe = calibration_probe(exp, tinfo, cost_model)
+            refresh["drift_after"] = probe["drift_pct"]
+            log(f"compare: drift probe after the refresh: {_pct_text(probe['drift_pct'])}")
     sim_rec, sim_wall, sim_rej = run_sim(exp, sim_engine, requests, arrival, rng, exp.name)
     sim_frames = sim_rec.frames()
     log(f"compare: sim {len(sim_frames['steps'])} steps, {makespan(sim_frames):.3f}s simulated in {sim_wall:.2f}s")
-    warm_s = warm_up(exp.engine_args("torch"), tinfo, requests)
-    probe = calibration_probe(exp, tinfo, cost_model) if probe_steps else None
-    if probe:
-        log(f"compare: calibration probe: {probe['steps']} steps, signed median error "
-            f"{probe['signed_pct_error_median']:+.2f}%")
 
     def once(cpu_s: dict[int, float]):
         fr, wall = run_torch(exp, tinfo, requests, offline, exp.name)
@@ -404,6 +411,7 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
         "attention_backend": getattr(ex, "attention_backend_name", None),
         "wall_s": {"sim": sim_wall, "torch": torch_walls, "torch_warmup": warm_s},
         "targets": TARGETS, "discarded_repeats": discarded, "calibration_probe": probe,
+        "calibration_refresh": refresh,
         "retry_contended": {"retries": retry_contended, "max_contended_share": max_contended_share},
     }
     if offline:

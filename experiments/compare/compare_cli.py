@@ -95,10 +95,11 @@ def register(subparsers) -> None:
                         "is reported next to the model error")
     c.add_argument("--threads", type=int, metavar="N",
                    help="torch CPU threads (default: the calibration's `torch_threads`, else torch's default)")
-    c.add_argument("--retry-contended", type=int, default=0, metavar="K",
+    c.add_argument("--retry-contended", type=int, default=2, metavar="K",
                    help="run a measured repeat again (at most K times in all) when more than "
-                        "--max-contended-share of its steps lost their CPU to other processes; discarded "
-                        "attempts are listed in comparison.json (default 0: keep every repeat)")
+                        "--max-contended-share of its steps lost their CPU to other processes (or to a "
+                        "hypervisor's steal); discarded attempts are listed in comparison.json (default 2; "
+                        "0 keeps every repeat)")
     c.add_argument("--max-contended-share", type=float, default=0.05, metavar="F",
                    help="share of contended steps that makes a repeat contended (default 0.05)")
     c.add_argument("--requests", type=int, metavar="N", help="override the number of requests")

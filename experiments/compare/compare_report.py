@@ -47,9 +47,17 @@ def write_comparison_md(res: dict[str, Any], exp, out_dir: str) -> str:
               f"{_p((c.get('step_abs_pct_error_uncontended') or {}).get('p90'))}"]
     probe = res.get("calibration_probe")
     if probe and probe.get("signed_pct_error_median") is not None:
-        L += [f"- calibration probe just before the runs ({probe['steps']} fixed steps): signed median error "
-              f"{probe['signed_pct_error_median']:+.2f}% (0: the machine runs as it did when calibrated; "
-              f"positive: it is faster now)"]
+        drift = probe.get("drift_pct")
+        L += [f"- drift probe just before the runs ({probe['steps']} fixed steps): signed median error "
+              f"{probe['signed_pct_error_median']:+.2f}%; " + (
+                  f"the machine runs {drift:+.1f}% against its speed when calibrated (same probe; negative: "
+                  f"slower now)" if drift is not None else "the calibration has no probe of its own (drift unknown)")]
+    refresh = res.get("calibration_refresh")
+    if refresh:
+        L += [f"- calibration re-measured before the runs ({refresh['calibration_wall_s']} s): the probe found the "
+              f"machine {refresh['drift_before']:+.1f}% off its speed at the calibration of "
+              f"{refresh.get('calibrated_before')} (`hardware: auto` re-measures beyond +-10%); the line above is "
+              f"the probe after it"]
     if res.get("discarded_repeats"):
         L += [f"- {len(res['discarded_repeats'])} contended repeat(s) discarded and run again: "
               + "; ".join(f"attempt {d['attempt']}: {d['contended_step_share'] * 100:.0f}% contended steps"

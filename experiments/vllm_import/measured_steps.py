@@ -86,7 +86,7 @@ def match_steps(measured, exp, log: Callable[[str], None] = lambda m: None,
 def by_phase(m: MatchedSteps) -> dict[str, dict[str, Any]]:
     """Per phase class (prefill, decode, mixed, all): steps, median and p90 |error| %, median signed
     error %, measured and predicted total seconds (error = (predicted - measured) / measured)."""
-    from servetwin.experiments.calibrate.calibrate import step_phase_class  # noqa: PLC0415
+    from servetwin.experiments.calibrate.design import step_phase_class  # noqa: PLC0415
 
     meas = m.steps.duration_s.to_numpy(dtype=float)
     phases = np.array([step_phase_class(int(c), int(g)) for c, g in

@@ -9,6 +9,7 @@ import pytest
 from cmptest_helpers import tiny_config
 
 import servetwin.experiments.calibrate.calibrate as calmod
+import servetwin.experiments.calibrate.design as designmod
 from servetwin.experiments.cli import main
 from servetwin.sim.coefficients import CostCoefficients
 from servetwin.sim.cost_model import CostModel, StepSummary, curve_fraction
@@ -54,7 +55,7 @@ def _synthetic_step(noise: float, outliers: dict[int, float]):
 
 def test_calibrate_cli_recovers_synthetic_coefficients(tmp_path, monkeypatch):
     step, truth = _synthetic_step(noise=0.0, outliers={})
-    monkeypatch.setattr(calmod._Driver, "step", step)
+    monkeypatch.setattr(designmod._Driver, "step", step)
     out = tmp_path / "cal.yaml"
     assert main(["calibrate", "--model", "tiny-llama", "--backend", "torch", "--design", "quick", "--no-trim",
                  "--no-gemm-curve", "-o", str(out)]) == 0  # the truth is on the preset's smooth GEMM basis
@@ -75,7 +76,7 @@ def test_calibrate_cli_recovers_synthetic_coefficients(tmp_path, monkeypatch):
 def test_calibrate_drops_contended_and_outlier_steps(tmp_path, monkeypatch):
     # the 20th and 30th recorded steps are 3x slow and lost their CPU (contended)
     step, _ = _synthetic_step(noise=0.01, outliers={20: 3.0, 30: 3.0})
-    monkeypatch.setattr(calmod._Driver, "step", step)
+    monkeypatch.setattr(designmod._Driver, "step", step)
     out = tmp_path / "cal.yaml"
     trace = tmp_path / "trace"
     assert main(["calibrate", "--model", "tiny-llama", "--design", "quick", "--trace-dir", str(trace),

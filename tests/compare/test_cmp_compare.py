@@ -192,7 +192,7 @@ def test_contended_repeats_are_flagged_and_retried(tmp_path, monkeypatch):
     assert calls["n"] == 2
     # without retries the contended run is kept, and says so
     calls["n"] = 0
-    assert main(["compare", str(cfg), "-o", str(tmp_path / "out2"), "--no-plots"]) == 0
+    assert main(["compare", str(cfg), "-o", str(tmp_path / "out2"), "--no-plots", "--retry-contended", "0"]) == 0
     res = read_json(tmp_path / "out2" / "comparison.json")
     assert res["discarded_repeats"] == [] and res["contention"]["contended_step_share"] == 1.0
     assert "lost their core" in (tmp_path / "out2" / "comparison.md").read_text()

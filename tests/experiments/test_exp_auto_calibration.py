@@ -87,3 +87,35 @@ def test_the_documented_hardware_template_loads(tmp_path):
     path.write_text(block)
     exp = validate_config(tiny(hardware=str(path), engine__num_gpu_blocks=None), base_dir=tmp_path)
     assert exp.hardware_spec.name == "l4" and exp.hardware_spec.memory_bandwidth == 300e9
+
+
+def test_compare_refreshes_an_auto_calibration_the_probe_finds_drifted(fake):
+    """Beyond +-10% of drift the machine no longer runs as calibrated: measured again, the cache keeps
+    the new file; within the limit, with the drift unknown, or for a file the user gave, nothing is."""
+    from servetwin.experiments.compare.compare import refresh_drifted_calibration
+
+    exp = validate_config(tiny(hardware="auto"))
+    assert auto.is_auto_calibration(exp.hardware) and len(fake) == 1
+    logs = []
+    for probe in ({"drift_pct": -9.5}, {"drift_pct": None}, None):
+        assert refresh_drifted_calibration(exp, probe, 1, logs.append) is None
+    rec = refresh_drifted_calibration(exp, {"drift_pct": -24.0}, 1, logs.append)
+    assert len(fake) == 2 and rec["drift_before"] == -24.0 and rec["file"] == exp.hardware
+    assert "-24.0% off its speed when calibrated" in logs[0] and "calibrate: 3 steps measured" in logs
+    given = validate_config(tiny(hardware=str(CALIBRATION)))
+    assert not auto.is_auto_calibration(given.hardware)
+    assert refresh_drifted_calibration(given, {"drift_pct": 60.0}, 1, logs.append) is None
+    assert len(fake) == 2
+
+
+def test_drift_is_the_ratio_of_the_two_probes_so_the_models_own_error_cancels():
+    from servetwin.experiments.calibrate.drift_probe import PROBE, PROBE_BLOCK_SIZE, drift_pct, probe_at_calibration
+
+    assert drift_pct(-12.0, -12.0) == pytest.approx(0.0)  # the model is 12% low on these shapes both times
+    assert drift_pct(-34.0, -12.0) == pytest.approx(-25.0)  # the same steps take 4/3 as long: 25% slower
+    assert drift_pct(10.0, -12.0) == pytest.approx(25.0)
+    assert drift_pct(None, 1.0) is None and drift_pct(1.0, None) is None
+    own = {"drift_probe": {"signed_pct_error_median": -7.0, "design": dict(PROBE, block_size=PROBE_BLOCK_SIZE)}}
+    assert probe_at_calibration(own) == -7.0
+    other = {"drift_probe": {"signed_pct_error_median": -7.0, "design": dict(PROBE, repeats=9)}}
+    assert probe_at_calibration(other) is None and probe_at_calibration({}) is None

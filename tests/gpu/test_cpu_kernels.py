@@ -74,6 +74,26 @@ def test_the_kernel_times_itself_against_f_linear_once_per_thread_count():
 
 
 @needs_kernels
+def test_the_decision_is_timed_once_per_machine_and_read_by_later_processes(tmp_path, monkeypatch):
+    """A near-tie timed in every process flipped between processes (a calibration and the run it predicts
+    then executed different kernels): the first decision is kept in a file every later instance reads."""
+    lib = ck._library()
+    tuned = []
+    monkeypatch.setattr(ck.SmallMLinear, "_tune", lambda self: tuned.append(1) or 8)
+    first = ck.SmallMLinear(lib, tmp_path / "lib")
+    assert first.max_rows() == 8 and len(tuned) == 1
+    (kept,) = tmp_path.glob("lib-small_m_rows-t*.txt")
+    assert kept.read_text().strip() == "8"
+    kept.write_text("16\n")  # what another process decided
+    assert ck.SmallMLinear(lib, tmp_path / "lib").max_rows() == 16 and len(tuned) == 1
+    monkeypatch.setenv("SERVETWIN_SMALL_M_ROWS", "0")
+    assert ck.SmallMLinear(lib, tmp_path / "lib").max_rows() == 0
+    monkeypatch.setenv("SERVETWIN_SMALL_M_ROWS", "many")
+    with pytest.raises(ValueError, match="SERVETWIN_SMALL_M_ROWS: must be an integer"):
+        ck.SmallMLinear(lib, tmp_path / "lib").max_rows()
+
+
+@needs_kernels
 @pytest.mark.parametrize("N", [1, 3, 15, 16, 17, 31, 33, 100, 4099])
 def test_greedy_argmax_equals_torch_argmax(N):
     """First index of the maximum, ties and NaN (torch.argmax: a NaN is the maximum) included."""
