@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 
 run: setup
 	$(BIN)/servetwin run experiments/configs/default.yaml -o $(RUN_DIR) --overwrite
-	$(BIN)/servetwin compare experiments/configs/default.yaml -o $(COMPARE_DIR) --overwrite
+	$(BIN)/servetwin compare experiments/configs/default.yaml -o $(COMPARE_DIR) --overwrite --repeats 3
 	@echo "next: open notebooks/trace_analysis.ipynb ($(RUN_DIR)) and notebooks/predicted_vs_measured.ipynb ($(COMPARE_DIR))"
 
 test: setup

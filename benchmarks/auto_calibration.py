@@ -3,7 +3,7 @@
     python benchmarks/auto_calibration.py [--rounds 2] [--threads N] [-o runs/bench-auto-calibration]
 
 Each round: a fresh calibration cache (so the first use measures this machine, as on a new clone;
-its wall time is reported), then `servetwin compare experiments/configs/default.yaml` (what `make run`
+its wall time is reported), then `servetwin compare experiments/configs/default.yaml --repeats 3` (what `make run`
 runs second), then the same compare with the shipped example calibration
 (experiments/calibrations/cpu_tiny-llama.yaml, fitted on another machine class) for reference.
 Prints per-step |error| p50 / p90 and the signed makespan error of each, beside the targets of the
@@ -69,7 +69,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, help="torch threads for the calibration and the measured runs")
-    p.add_argument("--repeats", type=int, default=1, help="measured runs per compare (make run: 1); from 2 on, "
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per compare (make run: 3); from 2 on, "
                    "the makespan noise column shows how far two measured runs are apart")
     p.add_argument("-o", "--output", default=os.path.join(ROOT, "runs", "bench-auto-calibration"))
     args = p.parse_args()
