@@ -5,7 +5,7 @@ A CPU's step times depend on what the kernels can use, so a calibration made on 
 another (an AVX2 EPYC's coefficients put `make run`'s compare 2-3x off on an AVX-512 + BF16 one). The
 cache key is therefore a real fingerprint (`fingerprint`): the CPU model name, the ISA flags that change
 kernel speed (AVX2, AVX-512, AVX512-BF16, AMX), the logical CPUs and torch threads, the torch version,
-the dtype and the model. A machine whose fingerprint differs gets its own calibration, made the first
+the dtype, the model and a digest of the torch backend's code (a faster kernel changes the step costs). A machine whose fingerprint differs gets its own calibration, made the first
 time it is needed (`servetwin calibrate`'s measured design, ~10-20 s for tiny-llama on 2 cores; its
 progress printed); later runs read the file. The calibrations in experiments/calibrations/ are
 examples of the output, not defaults.
@@ -32,10 +32,21 @@ AUTO = "auto"
 THREADS = 1  # the shipped calibrations' choice: one torch thread leaves a core to the rest of the process
 
 
+def backend_digest() -> str:
+    """A digest of the torch backend's own code (gpu/, its native kernels' C source included): the step
+    costs a calibration measured belong to this code, so a changed backend is calibrated anew."""
+    root = Path(__file__).resolve().parents[2] / "gpu"
+    h = hashlib.sha1()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def fingerprint(model: str, dtype: str, threads: int = THREADS) -> dict[str, Any]:
     """What a CPU calibration is valid for: equal fingerprints, equal kernels and step costs."""
     return {"model": model, "cpu_model": cpu_name(), "isa_flags": isa_flags(), "logical_cpus": os.cpu_count(),
-            "torch_threads": threads, "torch": torch_version(), "dtype": dtype, "arch": platform.machine()}
+            "torch_threads": threads, "torch": torch_version(), "dtype": dtype, "arch": platform.machine(),
+            "torch_backend": backend_digest()}
 
 
 def cache_dir() -> Path:

@@ -43,7 +43,9 @@ def test_a_changed_fingerprint_is_calibrated_anew(fake, monkeypatch):
     second = validate_config(tiny(hardware="auto")).hardware
     monkeypatch.setattr(auto, "torch_version", lambda: "9.9.9")
     third = validate_config(tiny(hardware="auto")).hardware
-    assert len({first, second, third}) == 3 and len(fake) == 3
+    monkeypatch.setattr(auto, "backend_digest", lambda: "0" * 12)  # the torch backend's code changed
+    fourth = validate_config(tiny(hardware="auto")).hardware
+    assert len({first, second, third, fourth}) == 4 and len(fake) == 4
 
 
 def test_fingerprint_holds_what_changes_kernel_speed(tmp_path):
@@ -52,7 +54,9 @@ def test_fingerprint_holds_what_changes_kernel_speed(tmp_path):
     assert auto.isa_flags(str(info)) == ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
     assert auto.isa_flags(str(tmp_path / "missing")) == []
     fp = auto.fingerprint("tiny-llama", "float32", 1)
-    assert {"cpu_model", "isa_flags", "logical_cpus", "torch_threads", "torch", "dtype", "model"} <= set(fp)
+    assert {"cpu_model", "isa_flags", "logical_cpus", "torch_threads", "torch", "dtype", "model",
+            "torch_backend"} <= set(fp)
+    assert len(fp["torch_backend"]) == 12 and fp["torch_backend"] == auto.backend_digest()
     assert auto.cache_path(fp) != auto.cache_path(dict(fp, dtype="bfloat16"))
 
 
