@@ -32,13 +32,8 @@ half-saturation rows per expert (each touched expert's rows are padded to the ke
 runs as if it had `half_rows` more), its bandwidth fraction when streaming expert weights, and the
 alignments its weight layout pads to (`align_hidden` for the hidden size, `align_intermediate` for each
 TP rank's share of the expert width: vLLM's `mxfp4_round_up_hidden_size_and_intermediate_size`, e.g.
-Marlin 256 / 128, FlashInfer TRT-LLM 256 / 256); the padded weights are read and multiplied. `floor` (s
-per MoE layer) is the kernel family's fixed latency when a step routes only a few rows: the launches of its
-chain (router GEMM, top-k, align/sort or the fused routing, the two grouped GEMMs, activation, combine)
-and each GEMM's pipeline fill, which no roofline term carries; vLLM's Marlin chain on Hopper is seven
-kernels, FlashInfer's TRT-LLM MoE on Blackwell fuses routing, both GEMMs and the finalize into one call,
-so the floor belongs to the kernel, not the GPU. A format without an entry cannot be priced on that GPU:
-the cost model refuses it naming the field.
+Marlin 256 / 128, FlashInfer TRT-LLM 256 / 256); the padded weights are read and multiplied. A format
+without an entry cannot be priced on that GPU: the cost model refuses it naming the field.
 
 `gemm_m_curve`, when given, replaces `gemm_compute * M / (M + gemm_half_m)` for the layers' GEMMs: the
 fraction of the dense peak they reach at M tokens, interpolated linearly between the points (the first
@@ -76,8 +71,8 @@ dimensionless correction (1.0 = the physics as stated); the rest are seconds per
 | `lm_head`         | roofline seconds of the LM head + logits                | correction              |
 | `sampler`         | bandwidth seconds of the sampler's passes over logits   | correction              |
 | `comm`            | tensor-parallel collective seconds                      | correction              |
-| `moe`             | roofline seconds of the router and the expert GEMMs + the expert kernel's `floor` per MoE layer | correction |
-| `moe_layer`       | MoE layers (a per-GPU floor beyond the kernel's; 0 in the presets) | s per layer      |
+| `moe`             | roofline seconds of the router and the expert GEMMs     | correction              |
+| `moe_layer`       | MoE layers (router, top-k, align, 2 grouped GEMMs, combine kernels' floor) | s per layer |
 | `tp_step`         | 1 when tp > 1 (driver -> worker broadcast, sync)        | s per step              |
 | `ipc_step`        | 1 with a multi-process front end, else 0                | s per step              |
 | `ipc_req`         | scheduled requests with a multi-process front end       | s per request           |
@@ -111,7 +106,6 @@ class MoEKernel:
     bandwidth: float  # fraction of the datasheet bandwidth streaming the touched experts' weights
     align_hidden: int = 1  # the kernel's weights pad the hidden size to a multiple of this
     align_intermediate: int = 1  # ... and each TP rank's share of the expert width to a multiple of this
-    floor: float = 0.0  # s per MoE layer: the kernel chain's fixed latency at a few rows (see the table)
 
     @classmethod
     def from_dict(cls, cfg: Any, path: str) -> "MoEKernel":
@@ -128,8 +122,7 @@ class MoEKernel:
                    non_negative(cfg["half_rows"], f"{path}.half_rows"),
                    _fraction(cfg["bandwidth"], f"{path}.bandwidth"),
                    int_at_least(cfg.get("align_hidden", 1), 1, f"{path}.align_hidden"),
-                   int_at_least(cfg.get("align_intermediate", 1), 1, f"{path}.align_intermediate"),
-                   non_negative(cfg.get("floor", 0.0), f"{path}.floor"))
+                   int_at_least(cfg.get("align_intermediate", 1), 1, f"{path}.align_intermediate"))
 
 
 @dataclass(slots=True)

@@ -11,8 +11,7 @@ vLLM shards each expert's intermediate dimension across the tensor-parallel rank
     d' = d rounded up to the kernel's `align_hidden`, f' = ceil(f/tp) rounded up to its
     `align_intermediate` (the layout vLLM gives the kernel's weights), B_e' = one expert's weights on
     this rank at that padded shape and the storage precision
-    moe      = L_moe * (router + experts + F_x)
-    F_x      = the kernel family's floor (`MoEKernel.floor`): the fixed latency of its kernel chain
+    moe      = L_moe * (router + experts)
 
 `n(T)` is the exact expectation when every token picks k distinct experts uniformly and independently
 (an expert is missed by one token with probability 1 - k/E). Real routing is skewed: some experts are
@@ -87,7 +86,6 @@ class MoECost:
     expert_bytes: float  # one expert's weights on this rank as the kernel stores them (all MoE layers)
     expert_weight: float  # s per touched expert's weights (all MoE layers)
     expert_row_io: float  # s per expert row's activations in and out (all MoE layers)
-    floor: float  # s of the expert kernel chain's fixed latency (all MoE layers)
 
     @classmethod
     def build(cls, model: ModelSpec, hw: HardwareSpec, tp: int, quantization: str | None,
@@ -111,14 +109,13 @@ class MoECost:
                    expert_flop=L * 2.0 * 3.0 * d_pad * f_pad / (peak * kernel.compute),
                    expert_bytes=L * expert_rank * bits / 8.0,
                    expert_weight=L * expert_rank * bits / 8.0 / (W * kernel.bandwidth),
-                   expert_row_io=L * (2.0 * d + 3.0 * f / tp) * ba / (W * kernel.bandwidth),
-                   floor=L * kernel.floor)
+                   expert_row_io=L * (2.0 * d + 3.0 * f / tp) * ba / (W * kernel.bandwidth))
 
     def touched(self, tokens: float) -> float:
         return expected_touched_experts(tokens, self.num_experts, self.top_k, self.routing_skew)
 
     def seconds(self, tokens: int) -> float:
-        """Router + expert GEMMs + the kernel chain's floor, every MoE layer, for `tokens` (padded) tokens."""
+        """Router + expert GEMMs of every MoE layer for a step of `tokens` (padded) tokens."""
         if tokens <= 0:
             return 0.0
         n = self.touched(tokens)
@@ -126,4 +123,4 @@ class MoECost:
         router = max(self.router_flop * (tokens + self.router_half), self.router_bytes)
         experts = max(self.expert_flop * (rows + self.kernel.half_rows * n),
                       self.expert_weight * n + self.expert_row_io * rows)
-        return router + experts + self.floor
+        return router + experts

@@ -31,12 +31,11 @@ FIT = [
 EXTRA = [
     ("efficiency", "attn_prefill_compute", 0.25, 0.9),
     ("efficiency", "attn_mixed_decode_rows", 1.0, 128.0),
-    # MoE (benchmarks/published_moe): a per-GPU floor beyond the kernel's, and the MXFP4 expert kernel's rates and floor
+    # MoE (benchmarks/published_moe): the MoE block's kernel floor and the MXFP4 expert kernel's rates
     ("coefficients", "c_moe_layer", 1e-6, 2e-4),
     ("moe_kernels.mxfp4", "mxfp4_bandwidth", 0.2, 0.95),
     ("moe_kernels.mxfp4", "mxfp4_compute", 0.1, 0.9),
     ("moe_kernels.mxfp4", "mxfp4_half_rows", 1.0, 256.0),
-    ("moe_kernels.mxfp4", "mxfp4_floor", 1e-6, 2e-4),  # s per MoE layer: the expert kernel chain's floor
 ]
 # figures left to the front-end model (API-server CPU and HTTP): not fitted here
 # (gpt-oss's TP4/TP8 64-client TTFT left here while the API server's first output path, 150 us per streamed

@@ -121,38 +121,6 @@ def test_moe_kernel_entries_are_validated():
     assert Efficiency.from_dict(eff.to_dict()).moe_kernels == eff.moe_kernels  # round trip
 
 
-def test_the_expert_kernels_floor_is_validated_and_round_trips():
-    base = {"kernel": "k", "peak": "fp8", "compute": 0.5, "half_rows": 8, "bandwidth": 0.5}
-    for bad in (-1e-6, "soon"):
-        with pytest.raises(ConfigError) as e:
-            Efficiency(moe_kernels={"mxfp4": {**base, "floor": bad}})
-        assert e.value.path == "efficiency.moe_kernels.mxfp4.floor"
-    eff = Efficiency(moe_kernels={"mxfp4": {**base, "floor": 3e-5}})
-    assert eff.moe_kernels["mxfp4"].floor == 3e-5
-    assert Efficiency.from_dict(eff.to_dict()).moe_kernels == eff.moe_kernels
-
-
-@settings(max_examples=15, deadline=None)
-@given(st.integers(1, 8192), st.sampled_from([1, 2, 4, 8]), st.floats(0.0, 2e-4))
-def test_the_floor_is_paid_once_per_moe_layer_whatever_the_step(tokens, tp, floor):
-    kernel = {"kernel": "k", "peak": "bf16", "compute": 0.4, "half_rows": 16, "bandwidth": 0.8}
-    costs = [MoECost.build(GPT_OSS, hardware_from_dict({"base": "h100-sxm", "efficiency": {"moe_kernels": {
-        "mxfp4": {**kernel, "floor": f}}}}), tp, None) for f in (0.0, floor)]
-    assert costs[1].seconds(tokens) - costs[0].seconds(tokens) == pytest.approx(36 * floor, abs=1e-12)
-    assert costs[1].seconds(0) == 0.0
-
-
-def test_b200s_trtllm_moe_reproduces_its_published_kernel_latency():
-    # flashinfer PR #1475: one trtllm_fp4_block_scale_moe call (mxfp4 x mxfp8, 128 experts, top-4, 3072 x 3072:
-    # gpt-oss-120b at TP1 as the TRT-LLM layout pads it) on a B200, us per call at 1..64 tokens
-    published = {1: 42, 2: 57, 4: 81, 8: 105, 16: 183, 32: 246, 64: 348}
-    cost = MoECost.build(GPT_OSS, load_hardware("b200"), 1, None)
-    for tokens, us in published.items():  # the preset's floor + streaming, one layer, within the fit's residuals
-        assert cost.seconds(tokens) / 36 * 1e6 == pytest.approx(us, rel=0.1)
-    hopper = MoECost.build(GPT_OSS, load_hardware("h100-sxm"), 1, None)
-    assert cost.floor < hopper.floor  # one fused call vs Marlin's seven-kernel chain
-
-
 def test_sliding_layers_read_at_most_the_window():
     full = dataclasses.replace(GPT_OSS, layer_types=None, sliding_window=None)
     slid, dense_attn = CostModel(GPT_OSS, "h100-sxm"), CostModel(full, "h100-sxm")
