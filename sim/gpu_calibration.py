@@ -70,6 +70,21 @@ TRITON_MOE = ("bandwidth: vllm-project/vllm PR #39902/#39904 ('Add tuned triton 
               "0.85")
 B200_SPEC = ("NVIDIA HGX B200 (1000 W) dense peaks, 8 TB/s HBM3e, NVLink 5 (1.8 TB/s bidirectional): "
              "glennklockwood.com/garden/processors/B200 and NVIDIA's HGX B200 figures")
+FI_TRTLLM_MOE = ("flashinfer-ai/flashinfer PR #1475 ('Trtllm-gen Fp4 MoE Autotunner', 2025-08-12), B200 with the clock "
+                 "locked at 1500 MHz, mxfp4 x mxfp8, benchmarks/bench_trtllm_gen_fused_moe_autotuner.py's default "
+                 "shape (128 experts, top-4, hidden 3072 x intermediate 3072: gpt-oss-120b at TP1 as the TRT-LLM "
+                 "layout pads it): one trtllm_fp4_block_scale_moe call (routing, both grouped GEMMs, finalize) "
+                 "42 / 57 / 81 / 105 / 183 / 246 / 348 us at 1 / 2 / 4 / 8 / 16 / 32 / 64 tokens (tuned; 64 "
+                 "untuned). Least squares of a + n(T) x one expert's 15.06 MB / (8 TB/s x bandwidth), n(T) as in "
+                 "moe_cost: bandwidth 0.68 (0.68-0.71 over row subsets; residuals -8..+8%), a = 33 us. Measured "
+                 "under a locked clock with FlashInfer of 2025-08 (vLLM 0.13 ships later tactics), so a lower "
+                 "bound on what the kernel streams in the runs modelled")
+B200_FLOOR = (f"the H100's 75 us carried. Public kernel latencies do not support a lower B200 floor: the MoE call's fixed "
+              f"part on B200 (a = 33 us, {FI_TRTLLM_MOE.split(': one')[0]}) is not below a Hopper fused-MoE chain's "
+              f"(vLLM PR #39902's H100 fused_topk + fused_experts for gpt-oss's bf16 experts at batch 1 / 8 / 256 / 512 "
+              f"/ 1024: 85 / 502 / 2130 / 2200 / 2314 us, least squares 12-24 us fixed; + ~6 us router GEMM at batch 1 "
+              f"with cuBLAS, vLLM PR #37205), and the rest of the fitted floor is the layer's other small kernels "
+              f"(attention, norms, rope/KV write, all-reduces) under the graph, for which no B200 figure was found")
 ASSUMED_B200 = ("no B200 end-to-end case in the training set and no public per-kernel fraction used: the H100's "
                 "fractions of the datasheet (in-engine GEMM, FlashAttention-3-class attention, NCCL, the fitted "
                 "MoE kernel fractions) are transferred to the B200's own peaks and bandwidth")
@@ -161,8 +176,13 @@ GPU_CALIBRATION: dict[str, dict[str, Any]] = {
              "coefficients": dict(_H100_COEF),
              "provenance": _record({**{k: ASSUMED_B200 for k in _H100_SOURCES if k.startswith("efficiency.")},
                                     **{k: v for k, v in _H100_SOURCES.items() if k.startswith("coefficients.")},
+                                    "coefficients.c_moe_layer": B200_FLOOR,
                                     "efficiency.moe_kernels": {
-                                        "mxfp4": f"FlashInfer TRT-LLM MXFP4 x MXFP8 MoE at the fp8 peak; {ASSUMED_B200}; {MXFP4_PAD}",
+                                        "mxfp4": (f"FlashInfer TRT-LLM MXFP4 x MXFP8 MoE at the fp8 peak; {ASSUMED_B200}; "
+                                                  f"{MXFP4_PAD}. Not adopted: {FI_TRTLLM_MOE}; the H100's 0.90 is an "
+                                                  f"end-to-end fit that may absorb routing skew (the kernel benchmark "
+                                                  f"routes uniformly), so the isolated kernel's figure is not "
+                                                  f"transferred alone"),
                                         "nvfp4": (f"FlashInfer CUTLASS NVFP4 MoE at the fp4 peak; {ASSUMED_B200}; "
                                                   f"alignments as CUTLASS MXFP4's ({MXFP4_PAD})"),
                                         "bf16": f"{TRITON_MOE}; {ASSUMED_MOE}", "fp8": ASSUMED_MOE},
