@@ -46,15 +46,11 @@ logger = logging.getLogger(__name__)
 
 MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 64
 
-_SOURCE = r"""
+C_PRELUDE = r"""
 #include <math.h>
 #include <stdint.h>
 
-#define MAXH %(max_heads)d
-#define MAXD %(max_head_dim)d
-#define MAXBS %(max_block_size)d
-
-/* ---- generic path: any block size and head dim ---------------------------------------------- */
+/* Shared by every kernel library: GCC/Clang vector extensions (16 float lanes) and a few helpers. */
 
 /* Dot product in 16 independent lanes (vectorised without reassociating a single sum). */
 static inline float dot(const float* a, const float* b, int64_t D) {
@@ -68,61 +64,6 @@ static inline float dot(const float* a, const float* b, int64_t D) {
     for (int j = 0; j < 4; ++j) p[j] += p[j + 4];
     return s + ((p[0] + p[2]) + (p[1] + p[3]));
 }
-
-static inline void prefetch_block(const float* k_cache, const float* v_cache, int64_t blk, int64_t floats) {
-    const char* nk = (const char*)(k_cache + blk * floats);
-    const char* nv = (const char*)(v_cache + blk * floats);
-    for (int64_t off = 0; off < floats * (int64_t)sizeof(float); off += 64) {
-        __builtin_prefetch(nk + off, 0, 3);
-        __builtin_prefetch(nv + off, 0, 3);
-    }
-}
-
-static void decode_one_generic(const float* qp, float* op, const float* k_cache, const float* v_cache,
-                               const int64_t* bt, int64_t L, int64_t H, int64_t HKV, int64_t D,
-                               int64_t BS, float scale) {
-    const int64_t G = H / HKV;
-    const int64_t blk_floats = BS * HKV * D;
-    float m[MAXH], l[MAXH], acc[MAXH * MAXD], s[MAXH * MAXBS];
-    for (int64_t j = 0; j < H; ++j) { m[j] = -INFINITY; l[j] = 0.f; }
-    for (int64_t i = 0; i < H * D; ++i) acc[i] = 0.f;
-    const int64_t nblk = (L + BS - 1) / BS;
-    for (int64_t b = 0; b < nblk; ++b) {
-        const int64_t n = (L - b * BS) < BS ? (L - b * BS) : BS;
-        const float* kb = k_cache + bt[b] * blk_floats;
-        const float* vb = v_cache + bt[b] * blk_floats;
-        if (b + 1 < nblk) prefetch_block(k_cache, v_cache, bt[b + 1], blk_floats);
-        for (int64_t t = 0; t < n; ++t)  /* the block's keys in memory order */
-            for (int64_t j = 0; j < H; ++j)
-                s[j * MAXBS + t] = dot(qp + j * D, kb + (t * HKV + j / G) * D, D) * scale;
-        for (int64_t j = 0; j < H; ++j) {
-            float* sj = s + j * MAXBS;
-            float bm = -INFINITY;
-            for (int64_t t = 0; t < n; ++t) bm = sj[t] > bm ? sj[t] : bm;
-            const float nm = bm > m[j] ? bm : m[j];
-            const float alpha = expf(m[j] - nm);
-            float sum = 0.f;
-            for (int64_t t = 0; t < n; ++t) { sj[t] = expf(sj[t] - nm); sum += sj[t]; }
-            l[j] = l[j] * alpha + sum;
-            m[j] = nm;
-            float* a = acc + j * D;
-            for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-        }
-        for (int64_t t = 0; t < n; ++t)
-            for (int64_t j = 0; j < H; ++j) {
-                const float p = s[j * MAXBS + t];
-                const float* vt = vb + (t * HKV + j / G) * D;
-                float* a = acc + j * D;
-                for (int64_t d = 0; d < D; ++d) a[d] += p * vt[d];
-            }
-    }
-    for (int64_t j = 0; j < H; ++j) {
-        const float inv = 1.f / l[j];
-        for (int64_t d = 0; d < D; ++d) op[j * D + d] = acc[j * D + d] * inv;
-    }
-}
-
-/* ---- fast path: block size 16, head dim a multiple of 16 (GCC/Clang vector extensions) -------- */
 
 typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
@@ -182,6 +123,69 @@ static inline v16 vexp_neg(v16 x) {
     const i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
     return p * (v16)e;
 }
+"""
+
+_SOURCE = C_PRELUDE + r"""
+#define MAXH %(max_heads)d
+#define MAXD %(max_head_dim)d
+#define MAXBS %(max_block_size)d
+
+/* ---- generic path: any block size and head dim ---------------------------------------------- */
+
+static inline void prefetch_block(const float* k_cache, const float* v_cache, int64_t blk, int64_t floats) {
+    const char* nk = (const char*)(k_cache + blk * floats);
+    const char* nv = (const char*)(v_cache + blk * floats);
+    for (int64_t off = 0; off < floats * (int64_t)sizeof(float); off += 64) {
+        __builtin_prefetch(nk + off, 0, 3);
+        __builtin_prefetch(nv + off, 0, 3);
+    }
+}
+
+static void decode_one_generic(const float* qp, float* op, const float* k_cache, const float* v_cache,
+                               const int64_t* bt, int64_t L, int64_t H, int64_t HKV, int64_t D,
+                               int64_t BS, float scale) {
+    const int64_t G = H / HKV;
+    const int64_t blk_floats = BS * HKV * D;
+    float m[MAXH], l[MAXH], acc[MAXH * MAXD], s[MAXH * MAXBS];
+    for (int64_t j = 0; j < H; ++j) { m[j] = -INFINITY; l[j] = 0.f; }
+    for (int64_t i = 0; i < H * D; ++i) acc[i] = 0.f;
+    const int64_t nblk = (L + BS - 1) / BS;
+    for (int64_t b = 0; b < nblk; ++b) {
+        const int64_t n = (L - b * BS) < BS ? (L - b * BS) : BS;
+        const float* kb = k_cache + bt[b] * blk_floats;
+        const float* vb = v_cache + bt[b] * blk_floats;
+        if (b + 1 < nblk) prefetch_block(k_cache, v_cache, bt[b + 1], blk_floats);
+        for (int64_t t = 0; t < n; ++t)  /* the block's keys in memory order */
+            for (int64_t j = 0; j < H; ++j)
+                s[j * MAXBS + t] = dot(qp + j * D, kb + (t * HKV + j / G) * D, D) * scale;
+        for (int64_t j = 0; j < H; ++j) {
+            float* sj = s + j * MAXBS;
+            float bm = -INFINITY;
+            for (int64_t t = 0; t < n; ++t) bm = sj[t] > bm ? sj[t] : bm;
+            const float nm = bm > m[j] ? bm : m[j];
+            const float alpha = expf(m[j] - nm);
+            float sum = 0.f;
+            for (int64_t t = 0; t < n; ++t) { sj[t] = expf(sj[t] - nm); sum += sj[t]; }
+            l[j] = l[j] * alpha + sum;
+            m[j] = nm;
+            float* a = acc + j * D;
+            for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+        }
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t j = 0; j < H; ++j) {
+                const float p = s[j * MAXBS + t];
+                const float* vt = vb + (t * HKV + j / G) * D;
+                float* a = acc + j * D;
+                for (int64_t d = 0; d < D; ++d) a[d] += p * vt[d];
+            }
+    }
+    for (int64_t j = 0; j < H; ++j) {
+        const float inv = 1.f / l[j];
+        for (int64_t d = 0; d < D; ++d) op[j * D + d] = acc[j * D + d] * inv;
+    }
+}
+
+/* ---- fast path: block size 16, head dim a multiple of 16 -------------------------------------- */
 
 static void decode_one_vec(const float* qp, float* op, const float* k_cache, const float* v_cache,
                            const int64_t* bt, int64_t L, int64_t H, int64_t HKV, int64_t D, float scale) {
@@ -506,17 +510,17 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def _build(cc: list[str]) -> Path:
+def _build(cc: list[str], name: str, source: str) -> Path:
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), version, _cpu_signature(),
+    key = hashlib.sha256("\0".join([source, " ".join(_FLAGS), version, _cpu_signature(),
                                      platform.machine()]).encode()).hexdigest()[:20]
-    out = _cache_dir() / f"servetwin_cpu_kernels-{key}.so"
+    out = _cache_dir() / f"{name}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src = Path(tmp) / "kernels.c"
-        src.write_text(_SOURCE)
+        src.write_text(source)
         so = Path(tmp) / "kernels.so"
         res = subprocess.run([*cc, *_FLAGS, "-o", str(so), str(src), "-lm"], capture_output=True, text=True,
                              timeout=120)
@@ -526,28 +530,33 @@ def _build(cc: list[str]) -> Path:
     return out
 
 
+def build_library(name: str, source: str) -> Optional[ctypes.CDLL]:
+    """`source` compiled (cached under `name` and a hash of everything that shapes the binary) and
+    loaded, or None (disabled, no compiler, build or load failure; logged). Callers cache the result."""
+    if not kernels_enabled():
+        logger.info("CPU kernels disabled (SERVETWIN_CPU_KERNELS); using the torch ops")
+        return None
+    cc_env = os.environ.get("CC")
+    cc = shlex.split(cc_env) if cc_env else [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+    if not cc:
+        logger.warning("CPU kernels: no C compiler found; using the torch ops")
+        return None
+    try:
+        return ctypes.CDLL(str(_build(cc, name, source)))
+    except Exception as e:  # noqa: BLE001 - any failure means: fall back to torch
+        logger.warning("CPU kernels %s unavailable (%s: %s); using the torch ops", name, type(e).__name__, e)
+        return None
+
+
 def _library() -> Optional[ctypes.CDLL]:
     """The compiled library, or None (disabled, no compiler, build or load failure; logged once)."""
     global _lib, _tried
     if _tried:
         return _lib
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if not kernels_enabled():
-            logger.info("CPU kernels disabled (SERVETWIN_CPU_KERNELS); using the torch ops")
-            return None
-        cc_env = os.environ.get("CC")
-        cc = shlex.split(cc_env) if cc_env else [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
-        if not cc:
-            logger.warning("CPU kernels: no C compiler found; using the torch ops")
-            return None
-        try:
-            _lib = ctypes.CDLL(str(_build(cc)))
-        except Exception as e:  # noqa: BLE001 - any failure means: fall back to torch
-            logger.warning("CPU kernels unavailable (%s: %s); using the torch ops", type(e).__name__, e)
-            _lib = None
+        if not _tried:
+            _lib = build_library("servetwin_cpu_kernels", _SOURCE)
+            _tried = True
         return _lib
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from servetwin.gpu.attention.backend import AttentionBackend
+from servetwin.gpu.cpu_layer_kernels import layer_kernels
 from servetwin.gpu.models.config import AttentionWindow, DecoderConfig
 from servetwin.gpu.models.layers import RMSNorm, SwiGLU, linear
 from servetwin.gpu.models.moe import FusedMoE
@@ -45,7 +46,10 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self._native_qk(qkv, positions):  # q/k norm and RoPE in one native call, in place in qkv
+            q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is not None:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
@@ -62,6 +66,25 @@ class Attention(nn.Module):
         return linear(o.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
+    def _native_qk(self, qkv: torch.Tensor, positions: torch.Tensor) -> bool:
+        """On the CPU in float32: normalise (Qwen3) and rotate q and k in place with the native kernel
+        (`servetwin.gpu.cpu_layer_kernels.qk_norm_rope`); False: the caller runs the torch ops."""
+        rot = self.rotary[0]
+        lk = layer_kernels()
+        if (lk is None or not qkv.is_contiguous() or positions.dtype != torch.int64 or rot.rotary_dim % 2
+                or not lk.usable(qkv, rot.cos_cache)):
+            return False
+        qw = kw = None
+        eps = 0.0
+        if self.q_norm is not None:
+            qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            if not lk.usable(qw, kw) or self.k_norm.eps != eps:
+                return False
+        lk.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, qw, kw, eps, rot.cos_cache,
+                        rot.sin_cache, positions)
+        return True
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
@@ -73,8 +96,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))  # x is this layer's own tensor
+        a = self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
+        x, h = self.post_attention_layernorm.add_forward(a, x)  # x + attention output, and its norm
+        return x.add_(self.mlp(h))  # x is this layer's own tensor
 
 
 class DecoderLM(nn.Module):

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servetwin.gpu.cpu_layer_kernels import layer_kernels
 from servetwin.gpu.models.config import MoEConfig
 from servetwin.gpu.models.layers import linear
 
@@ -61,6 +62,13 @@ class FusedMoE(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.cfg.swiglu_alpha))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lk = layer_kernels()
+        if lk is not None and lk.usable(x, self.gate.weight, self.gate.bias, self.w13, self.w13_bias, self.w2,
+                                        self.w2_bias):
+            # on the CPU in float32 the whole layer in one native call: exact rows per expert, no padding
+            c = self.cfg
+            return lk.fused_moe(x.contiguous(), self.gate.weight, self.gate.bias, self.w13, self.w13_bias,
+                                self.w2, self.w2_bias, c.top_k, c.renormalize, c.swiglu_limit, c.swiglu_alpha)
         T, k, E = x.shape[0], self.cfg.top_k, self.cfg.num_experts
         weights, ids = self.route(x)
         flat = ids.reshape(-1)
