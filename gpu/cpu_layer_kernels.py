@@ -57,11 +57,14 @@ void rms_norm(float* x, const float* res, const float* w, float* out, int64_t ro
 
 /* qkv [T, stride]: heads 0..H-1 (q) then H..H+HKV-1 (k), D floats each from column 0. Per head: RMSNorm
    with qw / kw (when not NULL), then out_i = x_i cos_i - x_{i+h} sin_i, out_{i+h} = x_{i+h} cos_{i+h} +
-   x_i sin_{i+h} (h = rot / 2) with the cache rows [P, rot] of pos[t]; lanes rot..D-1 are left as they are. */
-void qk_norm_rope(float* qkv, int64_t T, int64_t stride, int64_t H, int64_t HKV, int64_t D, const float* qw,
-                  const float* kw, float eps, const float* cos_c, const float* sin_c, int64_t rot,
-                  const int64_t* pos, int nthreads) {
+   x_i sin_{i+h} (h = rot / 2) with the cache rows [P, rot] of pos[t]; lanes rot..D-1 are left as they are.
+   Returns -1 (nothing written) when a position is outside the cache. */
+int qk_norm_rope(float* qkv, int64_t T, int64_t stride, int64_t H, int64_t HKV, int64_t D, const float* qw,
+                 const float* kw, float eps, const float* cos_c, const float* sin_c, int64_t rot, int64_t P,
+                 const int64_t* pos, int nthreads) {
     const int64_t half = rot / 2;
+    for (int64_t t = 0; t < T; ++t)
+        if (pos[t] < 0 || pos[t] >= P) return -1;
     #pragma omp parallel for num_threads(nthreads) if (T * (H + HKV) * D > 65536)
     for (int64_t t = 0; t < T; ++t) {
         const float* c = cos_c + pos[t] * rot;
@@ -77,6 +80,7 @@ void qk_norm_rope(float* qkv, int64_t T, int64_t stride, int64_t H, int64_t HKV,
             }
         }
     }
+    return 0;
 }
 
 /* ---- routed MoE ----------------------------------------------------------------------------------- */
@@ -269,8 +273,8 @@ class LayerKernels:
         self._rms.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _F, _C]
         self._rms.restype = None
         self._rope = lib.qk_norm_rope
-        self._rope.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, _I, _P, _C]
-        self._rope.restype = None
+        self._rope.argtypes = [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, _I, _I, _P, _C]
+        self._rope.restype = _C
         self._moe = lib.fused_moe
         self._moe.argtypes = [_P, _I, _I, _P, _P, _I, _I, _C, _P, _P, _P, _P, _I, _C, _F, _F, _P, _C]
         self._moe.restype = _C
@@ -299,14 +303,15 @@ class LayerKernels:
                      cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor) -> None:
         """In place on `qkv` `[T, >= (H + Hkv) * D]` (contiguous rows): the q and k heads normalised
         (when weights are given) and rotated; `cos_cache`/`sin_cache` `[P, rotary_dim]`, positions int64
-        `[T]` (< P)."""
+        `[T]` (IndexError, qkv untouched, if one is outside [0, P))."""
         T = qkv.shape[0]
         assert qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] >= (num_heads + num_kv_heads) * head_dim
         assert cos_cache.is_contiguous() and sin_cache.is_contiguous() and positions.dtype == torch.int64
         pos = positions.contiguous()
-        self._rope(qkv.data_ptr(), T, qkv.stride(0), num_heads, num_kv_heads, head_dim, _ptr(q_weight),
-                   _ptr(k_weight), eps, cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[1],
-                   pos.data_ptr(), torch.get_num_threads())
+        if self._rope(qkv.data_ptr(), T, qkv.stride(0), num_heads, num_kv_heads, head_dim, _ptr(q_weight),
+                      _ptr(k_weight), eps, cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[1],
+                      cos_cache.shape[0], pos.data_ptr(), torch.get_num_threads()) != 0:
+            raise IndexError(f"qk_norm_rope: a position is outside the rotary cache of {cos_cache.shape[0]}")
 
     def fused_moe(self, x: torch.Tensor, gate_w: torch.Tensor, gate_b: Optional[torch.Tensor], w13: torch.Tensor,
                   w13_b: Optional[torch.Tensor], w2: torch.Tensor, w2_b: Optional[torch.Tensor], top_k: int,
