@@ -5,7 +5,9 @@ paged batch.
 is one backend plan shared by every layer, or a list with each layer's plan (layers of different
 `AttentionWindow`s, or of different KV-cache groups, attend with different plans: `layer_windows`);
 `compute_logits(hidden [N, hidden]) -> [N, vocab]` in float32. q/k/v and gate/up are packed
-(`qkv_proj`, `gate_up_proj`); `servetwin.gpu.loader` packs HF checkpoints into them.
+(`qkv_proj`, `gate_up_proj`); `servetwin.gpu.loader` packs HF checkpoints into them. On the CPU in
+float32 the small ops run as fused native calls (`servetwin.gpu.cpu_layer_kernels`): q/k norm + RoPE in
+place in `qkv`, the residual add fused into the post-attention RMSNorm, the MoE layer whole.
 """
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ the model says so (Mixtral and gpt-oss: equal to a softmax over the k selected l
 received tokens runs one SwiGLU over its gathered rows (a Python loop over experts, never over tokens;
 or, when padding every expert to the busiest one's row count costs little, as in decode steps, all
 experts in two batched GEMMs), the rows are put back in (token, slot) order and each token sums its k
-weighted rows.
+weighted rows. On the CPU in float32 (outside autograd) the whole layer is one native call instead
+(`servetwin.gpu.cpu_layer_kernels.fused_moe`: the same steps, exactly each expert's rows, no padding);
+the torch ops above are its fallback and the CUDA path.
 
 Weights are stored input-major, `x @ w`: `w13` [E, H, 2I] (gate columns, then up columns), `w2` [E, I, H],
 gpt-oss's biases `w13_bias` [E, 2I] / `w2_bias` [E, H]; the loader converts each checkpoint layout into
