@@ -131,3 +131,31 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setattr(lkm, "_kernels", None)
     assert lkm.layer_kernels() is None
     assert ck.build_library("anything", "int f(void) { return 0; }") is None
+
+
+@needs_kernels
+def test_large_batches_take_the_parallel_branches():
+    """Prefill-sized batches on 2 threads: the kernels' OpenMP branches (routing, the weighted sums, row
+    norms, q/k rows) give what the torch ops give."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(1)
+        m = FusedMoE(128, MoEConfig(num_experts=16, top_k=4, intermediate_size=64, renormalize=False))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0, 0.2)
+        x = torch.randn(600, 128)
+        w = torch.randn(128)
+        rope = RotaryEmbedding(RopeConfig("default", 10000.0, 1.0, {}), 32, 1024)
+        qkv, pos = torch.randn(600, 8 * 32), torch.arange(600)
+        ref_q, ref_k = rope(pos, qkv[:, :128].reshape(600, 4, 32), qkv[:, 128:192].reshape(600, 2, 32))
+        with torch.inference_mode():
+            got = m(x), lkm.layer_kernels().rms_norm(x, w, 1e-6)
+            lkm.layer_kernels().qk_norm_rope(qkv, 4, 2, 32, None, None, 0.0, rope.cos_cache, rope.sin_cache, pos)
+        torch.testing.assert_close(got[0], m(x).detach(), atol=5e-5, rtol=1e-4)
+        torch.testing.assert_close(got[1], F.rms_norm(x, (128,), w, 1e-6), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(qkv[:, :128].view(600, 4, 32), ref_q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(qkv[:, 128:192].view(600, 2, 32), ref_k, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
