@@ -20,10 +20,10 @@ the small-M linear's timing against `F.linear`. HF gets its own untimed warm-up 
 Measured 2026-12-02, the default command (AMD EPYC VM with AVX-512, 2 cores shared with 2 other helpers
 and the lead, load average 2.6-4.7, one thread), after the fused layer kernels of
 `gpu/cpu_layer_kernels.py` (MoE layer whole, q/k norm + RoPE, RMSNorm with the residual add) and the
-three-pass decode attention: servetwin 2.42x and 3.66x HF generate by wall time (8.8 s vs 21.4 s,
-6.5 s vs 23.7 s), 2.37x and 2.77x by CPU seconds (5.2 vs 12.4, 4.6 vs 12.9); 64/64 greedy outputs
-equal in both; an earlier run of the same code minus the attention change: 2.88x wall, 2.36x CPU -
-the 2x target is MET. Before them, same machine and day: 1.74x wall / 1.72x CPU (15.3 s / 7.8 CPU s vs
+three-pass decode attention, three runs: servetwin 2.42x, 3.66x and 3.00x HF generate by wall time
+(8.8 s vs 21.4 s, 6.5 s vs 23.7 s, 5.8 s vs 17.4 s), 2.37x, 2.77x and 3.00x by CPU seconds (5.2 vs
+12.4, 4.6 vs 12.9, 4.2 vs 12.5); 64/64 greedy outputs equal in each; an earlier run of the same code
+minus the attention change: 2.88x wall, 2.36x CPU - the 2x target is MET. Before them, same machine and day: 1.74x wall / 1.72x CPU (15.3 s / 7.8 CPU s vs
 26.6 s / 13.3 CPU s), and 1.38-1.54x in earlier runs. `--no-cpu-kernels` (the pure-torch fallback,
 load average 6-7.5): 1.03x wall / 0.99x CPU - the torch ops alone only match HF.
 
