@@ -266,7 +266,7 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 
 class LayerKernels:
-    """ctypes wrappers of the three kernels; every tensor float32 on the CPU (callers check `usable`)."""
+    """ctypes wrappers of the three kernels; every tensor float32 on the CPU (`layer_kernels_for`)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._rms = lib.rms_norm
@@ -278,12 +278,6 @@ class LayerKernels:
         self._moe = lib.fused_moe
         self._moe.argtypes = [_P, _I, _I, _P, _P, _I, _I, _C, _P, _P, _P, _P, _I, _C, _F, _F, _P, _C]
         self._moe.restype = _C
-
-    @staticmethod
-    def usable(*tensors: Optional[torch.Tensor]) -> bool:
-        """All given tensors float32 on the CPU, outside autograd (the kernels write raw memory)."""
-        return not torch.is_grad_enabled() and all(
-            t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -349,3 +343,12 @@ def layer_kernels() -> Optional[LayerKernels]:
                 _kernels = None if lib is None else LayerKernels(lib)
                 _tried = True
     return _kernels
+
+
+def layer_kernels_for(*tensors: Optional[torch.Tensor]) -> Optional[LayerKernels]:
+    """The kernels when every given tensor is float32 on the CPU and autograd is off (the kernels write
+    raw memory), else None. Checked before any build: a CUDA model never compiles or loads them."""
+    if torch.is_grad_enabled() or not all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
+                                          for t in tensors):
+        return None
+    return layer_kernels()

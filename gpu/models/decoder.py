@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from servetwin.gpu.attention.backend import AttentionBackend
-from servetwin.gpu.cpu_layer_kernels import layer_kernels
+from servetwin.gpu.cpu_layer_kernels import layer_kernels_for
 from servetwin.gpu.models.config import AttentionWindow, DecoderConfig
 from servetwin.gpu.models.layers import RMSNorm, SwiGLU, linear
 from servetwin.gpu.models.moe import FusedMoE
@@ -67,21 +67,18 @@ class Attention(nn.Module):
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale, sinks=self.sinks)
         return linear(o.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
-
     def _native_qk(self, qkv: torch.Tensor, positions: torch.Tensor) -> bool:
         """On the CPU in float32: normalise (Qwen3) and rotate q and k in place with the native kernel
         (`servetwin.gpu.cpu_layer_kernels.qk_norm_rope`); False: the caller runs the torch ops."""
         rot = self.rotary[0]
-        lk = layer_kernels()
-        if (lk is None or not qkv.is_contiguous() or positions.dtype != torch.int64 or rot.rotary_dim % 2
-                or not lk.usable(qkv, rot.cos_cache)):
-            return False
         qw = kw = None
         eps = 0.0
         if self.q_norm is not None:
             qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            if not lk.usable(qw, kw) or self.k_norm.eps != eps:
-                return False
+        lk = layer_kernels_for(qkv, rot.cos_cache, rot.sin_cache, qw, kw)
+        if (lk is None or not qkv.is_contiguous() or positions.dtype != torch.int64 or positions.device.type != "cpu"
+                or rot.rotary_dim % 2 or (self.k_norm is not None and self.k_norm.eps != eps)):
+            return False
         lk.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, qw, kw, eps, rot.cos_cache,
                         rot.sin_cache, positions)
         return True

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servetwin.gpu.cpu_kernels import small_m_linear_kernel
-from servetwin.gpu.cpu_layer_kernels import layer_kernels
+from servetwin.gpu.cpu_layer_kernels import layer_kernels_for
 
 # Rows up to which `linear` may use the native kernel (measured on an Intel Xeon, 2 threads, SmolLM2-135M's
 # shapes: x1.6-1.9 at 4-13 rows, x1.4 at 16, x1.2 at 24-32, parity at 48, MKL ahead from ~64 and at 1 row);
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if x.is_contiguous() and (lk := layer_kernels()) is not None and lk.usable(x, self.weight):
+        if x.is_contiguous() and (lk := layer_kernels_for(x, self.weight)) is not None:
             return lk.rms_norm(x, self.weight, self.eps)  # one call instead of F.rms_norm's ~6 ATen ops
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             # the fused op computes exactly the lines below in float32 (one call instead of six)
@@ -51,7 +51,7 @@ class RMSNorm(nn.Module):
         """`(s, self(s))` with `s = x + residual` (vLLM's fused_add_rms_norm): on the CPU in float32 one
         native call that adds into `x` in place (the caller's own tensor) and normalises."""
         if (x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
-                and (lk := layer_kernels()) is not None and lk.usable(x, residual, self.weight)):
+                and (lk := layer_kernels_for(x, residual, self.weight)) is not None):
             return x, lk.rms_norm(x, self.weight, self.eps, residual=residual)
         s = residual + x
         return s, self(s)

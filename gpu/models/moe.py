@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servetwin.gpu.cpu_layer_kernels import layer_kernels
+from servetwin.gpu.cpu_layer_kernels import layer_kernels_for
 from servetwin.gpu.models.config import MoEConfig
 from servetwin.gpu.models.layers import linear
 
@@ -64,9 +64,8 @@ class FusedMoE(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.cfg.swiglu_alpha))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lk = layer_kernels()
-        if lk is not None and lk.usable(x, self.gate.weight, self.gate.bias, self.w13, self.w13_bias, self.w2,
-                                        self.w2_bias):
+        lk = layer_kernels_for(x, self.gate.weight, self.gate.bias, self.w13, self.w13_bias, self.w2, self.w2_bias)
+        if lk is not None:
             # on the CPU in float32 the whole layer in one native call: exact rows per expert, no padding
             c = self.cfg
             return lk.fused_moe(x.contiguous(), self.gate.weight, self.gate.bias, self.w13, self.w13_bias,

@@ -125,6 +125,19 @@ def test_modules_fall_back_to_the_torch_ops(monkeypatch):
     assert m.w13.grad is not None and m.gate.weight.grad is not None
 
 
+def test_only_cpu_float32_inference_tensors_build_or_use_the_kernels(monkeypatch):
+    """A bfloat16 (or CUDA) model, or autograd on: None before any build is tried (no compile during a
+    CUDA-graph capture, no C compiler needed on a GPU machine)."""
+    def no_build(*a):
+        raise AssertionError("build_library called")
+    monkeypatch.setattr(lkm, "build_library", no_build)
+    monkeypatch.setattr(lkm, "_tried", False)
+    monkeypatch.setattr(lkm, "_kernels", None)
+    with torch.inference_mode():
+        assert lkm.layer_kernels_for(torch.ones(2, dtype=torch.bfloat16), torch.ones(2)) is None
+    assert lkm.layer_kernels_for(torch.ones(2)) is None  # autograd on
+
+
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("SERVETWIN_CPU_KERNELS", "0")
     monkeypatch.setattr(lkm, "_tried", False)
