@@ -64,8 +64,9 @@ class FusedMoE(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.cfg.swiglu_alpha))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lk = layer_kernels_for(x, self.gate.weight, self.gate.bias, self.w13, self.w13_bias, self.w2, self.w2_bias)
-        if lk is not None:
+        weights = (self.gate.weight, self.gate.bias, self.w13, self.w13_bias, self.w2, self.w2_bias)
+        lk = layer_kernels_for(x, *weights)
+        if lk is not None and all(w is None or w.is_contiguous() for w in weights):
             # on the CPU in float32 the whole layer in one native call: exact rows per expert, no padding
             c = self.cfg
             return lk.fused_moe(x.contiguous(), self.gate.weight, self.gate.bias, self.w13, self.w13_bias,
