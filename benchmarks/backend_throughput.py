@@ -14,9 +14,10 @@ Systems:
 1. servetwin: `LLM(model, backend="torch", multiprocess=False, max_num_seqs=B)`, one `generate`
    call with one `SamplingParams(temperature=0, ignore_eos=True, max_tokens=o_i)` per request, in the
    workload's order (first come, first served: no use of the known output lengths). On the CPU in
-   float32 its decode rows use the native kernels of `gpu/cpu_kernels.py` (paged decode attention,
-   small-batch linear, greedy argmax; built with the system C compiler on first use, untimed);
-   `--no-cpu-kernels` runs the pure-torch path instead (SERVETWIN_CPU_KERNELS=0).
+   float32 it uses the native kernels of `gpu/cpu_kernels.py` (paged decode attention, small-batch
+   linear, greedy argmax) and `gpu/cpu_layer_kernels.py` (RMSNorm with the residual add, q/k norm +
+   RoPE, a whole MoE layer), built with the system C compiler on first use (untimed: in `LLM()` or the
+   warm-up); `--no-cpu-kernels` runs the pure-torch path instead (SERVETWIN_CPU_KERNELS=0).
 2. HF `generate` with padded static batching: requests are grouped - sorted by output length
    (longest first) and cut into batches of B = servetwin's max_num_seqs - so each batch's
    `max_new_tokens` (its longest request) wastes little (`--hf-grouping input` keeps request order

@@ -5,7 +5,9 @@ paged batch.
 is one backend plan shared by every layer, or a list with each layer's plan (layers of different
 `AttentionWindow`s, or of different KV-cache groups, attend with different plans: `layer_windows`);
 `compute_logits(hidden [N, hidden]) -> [N, vocab]` in float32. q/k/v and gate/up are packed
-(`qkv_proj`, `gate_up_proj`); `servetwin.gpu.loader` packs HF checkpoints into them.
+(`qkv_proj`, `gate_up_proj`); `servetwin.gpu.loader` packs HF checkpoints into them. On the CPU in
+float32 the small ops run as fused native calls (`servetwin.gpu.cpu_layer_kernels`): q/k norm + RoPE in
+place in `qkv`, the residual add fused into the post-attention RMSNorm, the MoE layer whole.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from servetwin.gpu.attention.backend import AttentionBackend
+from servetwin.gpu.cpu_layer_kernels import layer_kernels_for
 from servetwin.gpu.models.config import AttentionWindow, DecoderConfig
 from servetwin.gpu.models.layers import RMSNorm, SwiGLU, linear
 from servetwin.gpu.models.moe import FusedMoE
@@ -45,7 +48,10 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self._native_qk(qkv, positions):  # q/k norm and RoPE in one native call, in place in qkv
+            q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is not None:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
@@ -61,6 +67,22 @@ class Attention(nn.Module):
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale, sinks=self.sinks)
         return linear(o.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
+    def _native_qk(self, qkv: torch.Tensor, positions: torch.Tensor) -> bool:
+        """On the CPU in float32: normalise (Qwen3) and rotate q and k in place with the native kernel
+        (`servetwin.gpu.cpu_layer_kernels.qk_norm_rope`); False: the caller runs the torch ops."""
+        rot = self.rotary[0]
+        qw = kw = None
+        eps = 0.0
+        if self.q_norm is not None:
+            qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        lk = layer_kernels_for(qkv, rot.cos_cache, rot.sin_cache, qw, kw)
+        if (lk is None or not qkv.is_contiguous() or positions.dtype != torch.int64 or positions.device.type != "cpu"
+                or rot.rotary_dim % 2 or (self.k_norm is not None and self.k_norm.eps != eps)):
+            return False
+        lk.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, qw, kw, eps, rot.cos_cache,
+                        rot.sin_cache, positions)
+        return True
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, layer: int) -> None:
@@ -73,8 +95,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))  # x is this layer's own tensor
+        a = self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
+        x, h = self.post_attention_layernorm.add_forward(a, x)  # x + attention output, and its norm
+        return x.add_(self.mlp(h))  # x is this layer's own tensor
 
 
 class DecoderLM(nn.Module):

@@ -1,5 +1,6 @@
-"""Building blocks: RMSNorm (HF numerics: normalise in float32), the SwiGLU MLP (packed gate/up) and
-`linear`, which sends decode-sized float32 products on the CPU to the native small-M kernel."""
+"""Building blocks: RMSNorm (HF numerics: normalise in float32; on the CPU in float32 one native call,
+`servetwin.gpu.cpu_layer_kernels`), the SwiGLU MLP (packed gate/up) and `linear`, which sends
+decode-sized float32 products on the CPU to the native small-M kernel."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servetwin.gpu.cpu_kernels import small_m_linear_kernel
+from servetwin.gpu.cpu_layer_kernels import layer_kernels_for
 
 # Rows up to which `linear` may use the native kernel (measured on an Intel Xeon, 2 threads, SmolLM2-135M's
 # shapes: x1.6-1.9 at 4-13 rows, x1.4 at 16, x1.2 at 24-32, parity at 48, MKL ahead from ~64 and at 1 row);
@@ -36,12 +38,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if x.is_contiguous() and (lk := layer_kernels_for(x, self.weight)) is not None:
+            return lk.rms_norm(x, self.weight, self.eps)  # one call instead of F.rms_norm's ~6 ATen ops
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             # the fused op computes exactly the lines below in float32 (one call instead of six)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(s, self(s))` with `s = x + residual` (vLLM's fused_add_rms_norm): on the CPU in float32 one
+        native call that adds into `x` in place (the caller's own tensor) and normalises."""
+        if (x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
+                and (lk := layer_kernels_for(x, residual, self.weight)) is not None):
+            return x, lk.rms_norm(x, self.weight, self.eps, residual=residual)
+        s = residual + x
+        return s, self(s)
 
 
 class SwiGLU(nn.Module):

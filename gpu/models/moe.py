@@ -6,7 +6,9 @@ the model says so (Mixtral and gpt-oss: equal to a softmax over the k selected l
 received tokens runs one SwiGLU over its gathered rows (a Python loop over experts, never over tokens;
 or, when padding every expert to the busiest one's row count costs little, as in decode steps, all
 experts in two batched GEMMs), the rows are put back in (token, slot) order and each token sums its k
-weighted rows.
+weighted rows. On the CPU in float32 (outside autograd) the whole layer is one native call instead
+(`servetwin.gpu.cpu_layer_kernels.fused_moe`: the same steps, exactly each expert's rows, no padding);
+the torch ops above are its fallback and the CUDA path.
 
 Weights are stored input-major, `x @ w`: `w13` [E, H, 2I] (gate columns, then up columns), `w2` [E, I, H],
 gpt-oss's biases `w13_bias` [E, 2I] / `w2_bias` [E, H]; the loader converts each checkpoint layout into
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servetwin.gpu.cpu_layer_kernels import layer_kernels_for
 from servetwin.gpu.models.config import MoEConfig
 from servetwin.gpu.models.layers import linear
 
@@ -61,6 +64,13 @@ class FusedMoE(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.cfg.swiglu_alpha))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = (self.gate.weight, self.gate.bias, self.w13, self.w13_bias, self.w2, self.w2_bias)
+        lk = layer_kernels_for(x, *weights)
+        if lk is not None and all(w is None or w.is_contiguous() for w in weights):
+            # on the CPU in float32 the whole layer in one native call: exact rows per expert, no padding
+            c = self.cfg
+            return lk.fused_moe(x.contiguous(), self.gate.weight, self.gate.bias, self.w13, self.w13_bias,
+                                self.w2, self.w2_bias, c.top_k, c.renormalize, c.swiglu_limit, c.swiglu_alpha)
         T, k, E = x.shape[0], self.cfg.top_k, self.cfg.num_experts
         weights, ids = self.route(x)
         flat = ids.reshape(-1)

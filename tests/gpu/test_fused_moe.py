@@ -1,10 +1,12 @@
-"""`FusedMoE`'s two dispatch paths (padded batched GEMMs, loop over experts) against a per-token
-reference: each token's top-k experts, their SwiGLU (gpt-oss: clamped, with biases), routing weights."""
+"""`FusedMoE`'s dispatch paths (the native CPU kernel; the torch ops: padded batched GEMMs, loop over
+experts) against a per-token reference: each token's top-k experts, their SwiGLU (gpt-oss: clamped, with
+biases), routing weights."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import servetwin.gpu.cpu_layer_kernels as lkm
 from servetwin.gpu.models import moe as moe_mod
 from servetwin.gpu.models.config import MoEConfig
 from servetwin.gpu.models.moe import FusedMoE
@@ -29,7 +31,7 @@ def reference(m: FusedMoE, x: torch.Tensor) -> torch.Tensor:
                                  MoEConfig(num_experts=6, top_k=3, intermediate_size=16, renormalize=False),
                                  MoEConfig(num_experts=8, top_k=2, intermediate_size=24, renormalize=True,
                                            router_bias=True, expert_bias=True, swiglu_limit=1.5)])
-@pytest.mark.parametrize("slack", [0.0, 1e9])  # 0: always the expert loop; huge: always padded
+@pytest.mark.parametrize("slack", [0.0, 1e9, None])  # 0: always the expert loop; huge: always padded; None: kernel
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_dispatch_paths_match_per_token_reference(cfg, slack, tokens, monkeypatch):
     torch.manual_seed(tokens)
@@ -38,6 +40,12 @@ def test_dispatch_paths_match_per_token_reference(cfg, slack, tokens, monkeypatc
         for p in m.parameters():
             p.normal_(0, 0.5)
     x = torch.randn(tokens, 32)
-    monkeypatch.setattr(moe_mod, "PAD_SLACK", slack)
+    if slack is None:
+        if lkm.layer_kernels() is None:
+            pytest.skip("the CPU layer kernels did not build here")
+    else:  # the torch ops (also the CUDA path): the native kernel off
+        monkeypatch.setattr(lkm, "_kernels", None)
+        monkeypatch.setattr(lkm, "_tried", True)
+        monkeypatch.setattr(moe_mod, "PAD_SLACK", slack)
     with torch.inference_mode():
         torch.testing.assert_close(m(x), reference(m, x), atol=2e-5, rtol=1e-5)
