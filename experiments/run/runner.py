@@ -130,11 +130,9 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
                log: Callable[[str], None]) -> BackendRun:
     """A warm-up (not recorded), then the measured run on a fresh engine over the same executor, run
     again when contended if `opts.retry_contended` (`servetwin.experiments.calibrate.torch_measure`)."""
-    import pandas as pd  # noqa: PLC0415
-
     from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
     from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
-    from servetwin.core.testbed.trace import STEP_COLUMNS, TraceRecorder  # noqa: PLC0415
+    from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
     from servetwin.experiments.calibrate.calibrate import calibration_mismatches  # noqa: PLC0415
     from servetwin.experiments.calibrate.torch_measure import contention_summary, measure, warm_up  # noqa: PLC0415
     from servetwin.sim.arrivals import Offline  # noqa: PLC0415
@@ -164,7 +162,7 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
         except KeyboardInterrupt:
             interrupted = True
         wall = time.perf_counter() - t0
-        steps = pd.DataFrame(recorder.steps, columns=STEP_COLUMNS)  # the full frames are built once, later
+        steps = recorder.steps.to_frame()  # the full frames are built once, later
         return (recorder, rejected, done, interrupted), steps, wall
 
     measured = measure(once, info.executor, nthreads, retry_contended=opts.retry_contended,
