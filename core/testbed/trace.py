@@ -23,6 +23,7 @@ import bisect
 import os
 import dataclasses
 from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
 from typing import Any, Optional
 
 from servetwin.core.testbed.atomic import atomic_open, atomic_write_with
@@ -375,7 +376,8 @@ class TraceRecorder:
         held ~1 GB of temporaries)."""
         if self.delivery is None:
             return self.engine_itl_array()
-        return _concat([self._client_gaps(times, seg) for times, seg in self._token_time_chunks()])
+        return _gather((self._client_gaps(times, seg) for times, seg in self._token_time_chunks()),
+                       self._num_tokens())
 
     def _client_gaps(self, times, seg):
         import numpy as np  # noqa: PLC0415  (lazy, like pandas in frames())
@@ -399,7 +401,12 @@ class TraceRecorder:
 
     def engine_itl_array(self):
         """`engine_itls()` as a numpy array (the gaps of every request's token times, vectorised)."""
-        return _concat([_engine_gaps(times, seg) for times, seg in self._token_time_chunks()])
+        return _gather((_engine_gaps(times, seg) for times, seg in self._token_time_chunks()), self._num_tokens())
+
+    def _num_tokens(self) -> int:
+        if self._packed_token_times is not None:
+            return int(self._packed_token_times[2].sum())
+        return sum(len(t.token_times) for t in self.requests.values())
 
     def _token_time_chunks(self):
         """(token times, the request's index for each) as numpy arrays, for consecutive runs of whole
@@ -451,6 +458,7 @@ class TraceRecorder:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if self._packed_token_times is not None:  # token times travel packed: the requests as columns
+            state["_t_end_by_step"] = []  # (only for recording implicit rows' tokens)
             traces = list(state.pop("requests").values())
             state["_request_columns"] = {name: [getattr(t, name) for t in traces] for name in _TRACE_FIELDS}
         return state
@@ -526,10 +534,19 @@ def _flat(lists: list, count: int) -> Any:
     return np.fromiter(itertools.chain.from_iterable(lists), dtype=float, count=count)
 
 
-def _concat(parts: list) -> Any:
+def _gather(parts: Iterator[Any], capacity: int) -> Any:
+    """The arrays of `parts` (each a chunk's gaps) one after the other in one float64 array, filled in
+    place: never the chunks and their concatenation at once. `capacity`: the token times, a bound on
+    the gaps (pages of it never written are never resident)."""
     import numpy as np  # noqa: PLC0415
 
-    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0)
+    out = np.empty(capacity)
+    n = 0
+    for part in parts:
+        out[n:n + part.size] = part  # (a bound exceeded: numpy raises, nothing is lost silently)
+        n += part.size
+    out.resize(n, refcheck=False)  # in place (no view of `out` exists)
+    return out
 
 
 def _engine_gaps(times, seg):

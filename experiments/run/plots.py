@@ -306,12 +306,14 @@ def latency_cdfs(frames: dict[str, dict], itls: dict[str, list], path: str,
             color = COLORS.get(backend)
             values.sort()  # (in place: `_positive` made a new array)
             x, y = _sorted_cdf(values)
-            p50, p99 = (float(v) for v in np.percentile(values, [50, 99]))
+            lo, hi = min(lo, float(values[0])), max(hi, float(values[-1]))
+            n = values.size
+            # (values is not read again unless it is x, unthinned: else the percentiles may reorder it)
+            p50, p99 = (float(v) for v in np.percentile(values, [50, 99], overwrite_input=x is not values))
             ax.step(x, y, where="post", color=color, lw=1.4,
-                    label=f"{backend}: p50 {format_seconds(p50)}, p99 {format_seconds(p99)} (n={values.size:,})")
+                    label=f"{backend}: p50 {format_seconds(p50)}, p99 {format_seconds(p99)} (n={n:,})")
             ax.plot([p50, p99], [0.5, 0.99], ls="none", marker="o", color=color, ms=6, mec="black", mew=0.6,
                     zorder=5)
-            lo, hi = min(lo, float(values[0])), max(hi, float(values[-1]))
         for stat, target in ctx.slo_targets(metric):
             ax.axvline(target, color="red", ls="--", lw=1.2, label=f"SLO {stat} <= {format_seconds(target)}")
         ax.axhline(0.5, color="0.6", lw=0.6, ls=":")
