@@ -192,6 +192,7 @@ def _child(warm: Callable[[], Any], job_r: int, res_w: int) -> None:
         if data:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             fn, args = pickle.loads(data)
+            del data  # (~150 MB for 100,000 requests: not held while the job runs)
             _send(res_w, pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL))
         code = 0
     except BaseException:
