@@ -35,11 +35,22 @@ class StepTable:
     """Step rows (STEP_COLUMNS) by column. Rows go in with `append` (values in STEP_COLUMNS order) or
     `append_row` (a mapping); `row(i)` / iteration give them back as dicts, `to_frame()` as a table."""
 
-    __slots__ = ("_columns", "_strings")
+    __slots__ = ("_columns", "_strings", "_appends")
 
     def __init__(self) -> None:
         self._columns: dict[str, Column] = {name: _new_column(name) for name in STEP_COLUMNS}
         self._strings: dict[str, str] = {}  # one object per distinct text value
+        self._bind()
+
+    def _bind(self) -> None:
+        self._appends = [col.append for col in self._columns.values()]  # (the per-step hot path)
+
+    def __getstate__(self) -> tuple:
+        return self._columns, self._strings
+
+    def __setstate__(self, state: tuple) -> None:
+        self._columns, self._strings = state
+        self._bind()
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> "StepTable":
@@ -54,13 +65,9 @@ class StepTable:
     def append(self, values: Sequence[Any]) -> int:
         """Add one row (values in STEP_COLUMNS order); returns its index."""
         n = len(self)
-        strings = self._strings
         try:
-            for col, value in zip(self._columns.values(), values):
-                if type(col) is list:
-                    col.append(strings.setdefault(value, value) if type(value) is str else value)
-                else:
-                    col.append(value)
+            for append, value in zip(self._appends, values):
+                append(value)
         except (TypeError, OverflowError):  # a value its array cannot hold exactly: that column becomes a list
             self._truncate(n)
             for name, value in zip(STEP_COLUMNS, values):
@@ -68,6 +75,13 @@ class StepTable:
                 if type(col) is not list and not _fits(col, value):
                     col = self._columns[name] = list(col)
                 col.append(value)
+            self._bind()
+        strings = self._strings
+        for name in _TEXT:  # a text value repeated over steps is held once
+            col = self._columns[name]
+            value = col[n]
+            if type(value) is str:
+                col[n] = strings.setdefault(value, value)
         return n
 
     def append_row(self, row: Mapping[str, Any]) -> int:
@@ -90,6 +104,7 @@ class StepTable:
         value = col[i] + delta
         if type(col) is not list and not _fits(col, value):
             col = self._columns[name] = list(col)
+            self._bind()
         col[i] = value
 
     def column(self, name: str) -> Column:
