@@ -154,8 +154,8 @@ def write_chrome_trace(path: str, run: str, backend: str, steps: StepTable, requ
     head, events, tail = _document(run, backend, steps, requests, max_tracks)
     encode = json.JSONEncoder(separators=(",", ":")).encode
     with atomic_open(path) as f:
-        f.write('{"traceEvents":[')
-        f.write(",".join(map(encode, head)))
+        # a list's encoding is "[" + its items' encodings joined by "," + "]": one encoder call a chunk
+        f.write('{"traceEvents":' + encode(head)[:-1])
         while chunk := list(itertools.islice(events, EVENTS_PER_WRITE)):  # (`head` is never empty)
-            f.write("," + ",".join(map(encode, chunk)))
+            f.write("," + encode(chunk)[1:-1])
         f.write("]," + encode(tail)[1:])

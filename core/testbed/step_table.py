@@ -5,10 +5,12 @@ took ~700 B each, ~200 MB. Here each numeric column is a typed `array` (8 B a va
 columns lists of shared strings (a step's annotation repeats: one string object per distinct value),
 ~220 B a row. The tables written (`to_frame`) are the same: int64 columns for the counts, float64 for
 times and KV usage, object for text. A value that does not fit its column's array (None, a float in
-a count column) turns that column into a plain list, so nothing is ever coerced.
+a count column, an int beyond 2**53 in a float one) turns that column into a plain list, so nothing is
+coerced but an int time (SimPy's clock starts at int 0), held as its float, and a bool count, as 0/1.
 """
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
@@ -21,6 +23,7 @@ STEP_COLUMNS = [
 ]
 _TEXT = ("run", "backend", "annotation")
 _FLOAT = ("t_start_s", "t_end_s", "duration_s", "kv_usage")
+_FLOAT_VALUES = operator.itemgetter(*(STEP_COLUMNS.index(name) for name in _FLOAT))
 
 Column = Union[array, list]
 
@@ -65,17 +68,16 @@ class StepTable:
     def append(self, values: Sequence[Any]) -> int:
         """Add one row (values in STEP_COLUMNS order); returns its index."""
         n = len(self)
-        try:
-            for append, value in zip(self._appends, values):
-                append(value)
-        except (TypeError, OverflowError):  # a value its array cannot hold exactly: that column becomes a list
-            self._truncate(n)
-            for name, value in zip(STEP_COLUMNS, values):
-                col = self._columns[name]
-                if type(col) is not list and not _fits(col, value):
-                    col = self._columns[name] = list(col)
-                col.append(value)
-            self._bind()
+        a, b, c, d = _FLOAT_VALUES(values)
+        if type(a) is float and type(b) is float and type(c) is float and type(d) is float:  # (else: checked)
+            try:
+                for append, value in zip(self._appends, values):
+                    append(value)
+            except (TypeError, OverflowError):  # a value a count column's array cannot hold
+                self._truncate(n)
+                self._append_checked(values)
+        else:
+            self._append_checked(values)
         strings = self._strings
         for name in _TEXT:  # a text value repeated over steps is held once
             col = self._columns[name]
@@ -83,6 +85,15 @@ class StepTable:
             if type(value) is str:
                 col[n] = strings.setdefault(value, value)
         return n
+
+    def _append_checked(self, values: Sequence[Any]) -> None:
+        """`append`, each value checked: a column whose array cannot hold it exactly becomes a list."""
+        for name, value in zip(STEP_COLUMNS, values):
+            col = self._columns[name]
+            if type(col) is not list and not _fits(col, value):
+                col = self._columns[name] = list(col)
+            col.append(value)
+        self._bind()
 
     def append_row(self, row: Mapping[str, Any]) -> int:
         return self.append([row[name] for name in STEP_COLUMNS])
