@@ -61,7 +61,7 @@ def run_once(cfg: dict, requests: int, async_scheduling: bool, fast_forward: boo
     wall = time.perf_counter() - t0
     return {"simulated_s": res.end_time_s, "wall_s": wall, "steps": res.num_steps,
             "completed": len(res.completion_s), "x": res.end_time_s / wall,
-            "rows": sum(row["num_reqs"] for row in sim.recorder.steps),
+            "rows": sum(sim.recorder.steps.column("num_reqs")),
             "steps_per_s": res.num_steps / wall, "req_per_s": len(res.completion_s) / wall}
 
 

@@ -15,10 +15,13 @@ and counted in the process name - every request is in `requests.parquet`.
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
 
-from servetwin.core.testbed.atomic import atomic_write_text
+from servetwin.core.testbed.atomic import atomic_open
+from servetwin.core.testbed.step_table import StepTable
 
 MAX_REQUEST_TRACKS = 64
 ENGINE_PID, REQUESTS_PID = 1, 2
@@ -62,77 +65,97 @@ def _meta(pid: int, name: str, tid: Optional[int] = None) -> dict[str, Any]:
     return {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
 
 
-def _engine_events(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    ev: list[dict[str, Any]] = []
-    add = ev.append
-    for row in steps:
-        ts = _us(row["t_start_s"])
-        add({"name": row["annotation"], "ph": "X", "pid": ENGINE_PID, "tid": STEP_TID, "ts": ts,
-             "dur": _us(max(row["duration_s"], 0.0)),
-             "args": {"step": row["step"], "tokens": row["total_tokens"], "running": row["num_running"],
-                      "waiting": row["num_waiting"], "preempted": row["num_preempted"]}})
-        add({"name": "engine", "ph": "C", "pid": ENGINE_PID, "ts": ts,  # one event, one counter track per arg
-             "args": {"running": row["num_running"], "waiting": row["num_waiting"],
-                      "KV usage %": round(100.0 * row["kv_usage"], 2), "prefill tokens": row["num_context_tokens"],
-                      "decode tokens": row["num_generation_tokens"]}})
-        if row["num_preempted"]:
-            add({"name": f"preempted {row['num_preempted']}", "ph": "i", "s": "t", "pid": ENGINE_PID,
-                 "tid": PREEMPT_TID, "ts": ts, "args": {"step": row["step"], "preempted": row["num_preempted"]}})
-    if steps:  # counters hold their last value; end them with the run
-        last = steps[-1]
-        ev.append({"name": "engine", "ph": "C", "pid": ENGINE_PID, "ts": _us(last["t_end_s"]),
-                   "args": {"running": 0, "waiting": 0, "KV usage %": round(100.0 * last["kv_usage"], 2),
-                            "prefill tokens": 0, "decode tokens": 0}})
-    return ev
+def _engine_events(steps: StepTable) -> Iterator[dict[str, Any]]:
+    col = steps.column
+    names = ("annotation", "t_start_s", "duration_s", "step", "total_tokens", "num_running", "num_waiting",
+             "num_preempted", "kv_usage", "num_context_tokens", "num_generation_tokens")
+    for annotation, t0, dur, step, tokens, running, waiting, preempted, kv, prefill, decode in zip(
+            *map(col, names)):
+        ts = _us(t0)
+        yield {"name": annotation, "ph": "X", "pid": ENGINE_PID, "tid": STEP_TID, "ts": ts,
+               "dur": _us(max(dur, 0.0)),
+               "args": {"step": step, "tokens": tokens, "running": running, "waiting": waiting,
+                        "preempted": preempted}}
+        yield {"name": "engine", "ph": "C", "pid": ENGINE_PID, "ts": ts,  # one event, one counter track per arg
+               "args": {"running": running, "waiting": waiting, "KV usage %": round(100.0 * kv, 2),
+                        "prefill tokens": prefill, "decode tokens": decode}}
+        if preempted:
+            yield {"name": f"preempted {preempted}", "ph": "i", "s": "t", "pid": ENGINE_PID,
+                   "tid": PREEMPT_TID, "ts": ts, "args": {"step": step, "preempted": preempted}}
+    if len(steps):  # counters hold their last value; end them with the run
+        yield {"name": "engine", "ph": "C", "pid": ENGINE_PID, "ts": _us(col("t_end_s")[-1]),
+               "args": {"running": 0, "waiting": 0, "KV usage %": round(100.0 * col("kv_usage")[-1], 2),
+                        "prefill tokens": 0, "decode tokens": 0}}
 
 
-def _request_events(requests: list[Any], max_tracks: int) -> tuple[list[dict[str, Any]], int, int]:
-    def end_of(t) -> float:
-        ends = [x for x in (t.finish_s, t.first_token_s, t.first_scheduled_s) if x is not None]
-        return max(ends) if ends else t.arrival_s
+def _end_of(t: Any) -> float:
+    ends = [x for x in (t.finish_s, t.first_token_s, t.first_scheduled_s) if x is not None]
+    return max(ends) if ends else t.arrival_s
 
-    tracks = pack_tracks(((t.arrival_s, end_of(t)) for t in requests), max_tracks)
-    ev: list[dict[str, Any]] = []
-    used: set[int] = set()
+
+def _request_events(requests: list[Any], max_tracks: int) -> tuple[Iterator[dict[str, Any]], int, int]:
+    """(the requests' events, made as they are read; tracks used; requests left out)."""
+    tracks = pack_tracks(((t.arrival_s, _end_of(t)) for t in requests), max_tracks)
+    return (_request_slices(requests, tracks), len({x for x in tracks if x is not None}),
+            sum(1 for x in tracks if x is None))
+
+
+def _request_slices(requests: list[Any], tracks: list[Optional[int]]) -> Iterator[dict[str, Any]]:
     for t, track in zip(requests, tracks):
         if track is None:
             continue
-        used.add(track)
         tid = track + 1
-        end = end_of(t)
-        ev.append({"name": t.request_id, "ph": "X", "pid": REQUESTS_PID, "tid": tid, "ts": _us(t.arrival_s),
-                   "dur": _us(end - t.arrival_s),
-                   "args": {"prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
-                            "output_tokens": t.output_tokens, "preemptions": t.num_preemptions,
-                            "finish_reason": t.finish_reason,
-                            "ttft_s": None if t.first_token_s is None else t.first_token_s - t.arrival_s}})
+        end = _end_of(t)
+        yield {"name": t.request_id, "ph": "X", "pid": REQUESTS_PID, "tid": tid, "ts": _us(t.arrival_s),
+               "dur": _us(end - t.arrival_s),
+               "args": {"prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                        "output_tokens": t.output_tokens, "preemptions": t.num_preemptions,
+                        "finish_reason": t.finish_reason,
+                        "ttft_s": None if t.first_token_s is None else t.first_token_s - t.arrival_s}}
         bounds = [("queue", t.arrival_s, t.first_scheduled_s), ("prefill", t.first_scheduled_s, t.first_token_s),
                   ("decode", t.first_token_s, t.finish_s)]
         for name, a, b in bounds:
             if a is not None and b is not None and b > a:
-                ev.append({"name": name, "ph": "X", "pid": REQUESTS_PID, "tid": tid, "ts": _us(a), "dur": _us(b - a)})
-    return ev, len(used), sum(1 for x in tracks if x is None)
+                yield {"name": name, "ph": "X", "pid": REQUESTS_PID, "tid": tid, "ts": _us(a), "dur": _us(b - a)}
 
 
-def chrome_trace(run: str, backend: str, steps: list[dict[str, Any]], requests: list[Any],
-                 max_tracks: int = MAX_REQUEST_TRACKS) -> dict[str, Any]:
-    """The trace-event document of one backend's run (`steps`: TraceRecorder step rows, `requests`: its
-    RequestTrace objects)."""
+def _document(run: str, backend: str, steps: StepTable, requests: list[Any],
+              max_tracks: int) -> tuple[list[dict[str, Any]], Iterator[dict[str, Any]], dict[str, Any]]:
+    """(the events before the steps', an iterator over every step's, everything after "traceEvents")."""
     req_events, num_tracks, left_out = _request_events(requests, max_tracks)
     shown = f"{len(requests) - left_out:,} of {len(requests):,} on {num_tracks} tracks" if left_out else \
         f"{len(requests):,} on {num_tracks} tracks"
-    events = [_meta(ENGINE_PID, f"{run} engine ({backend})"), _meta(ENGINE_PID, "steps", STEP_TID),
-              _meta(ENGINE_PID, "preemptions", PREEMPT_TID),
-              _meta(REQUESTS_PID, f"{run} requests ({shown}; all in requests.parquet)")]
-    events += [_meta(REQUESTS_PID, f"requests {i + 1}", i + 1) for i in range(num_tracks)]
-    events += _engine_events(steps)
-    events += req_events
-    return {"traceEvents": events, "displayTimeUnit": "ms",
+    head = [_meta(ENGINE_PID, f"{run} engine ({backend})"), _meta(ENGINE_PID, "steps", STEP_TID),
+            _meta(ENGINE_PID, "preemptions", PREEMPT_TID),
+            _meta(REQUESTS_PID, f"{run} requests ({shown}; all in requests.parquet)")]
+    head += [_meta(REQUESTS_PID, f"requests {i + 1}", i + 1) for i in range(num_tracks)]
+    tail = {"displayTimeUnit": "ms",
             "otherData": {"run": run, "backend": backend, "requests": len(requests),
                           "requests_left_out": left_out, "request_tracks": num_tracks}}
+    return head, itertools.chain(_engine_events(steps), req_events), tail
 
 
-def write_chrome_trace(path: str, doc: dict[str, Any]) -> None:
-    # one dumps + one write: json.dump streams thousands of small chunks through the file object
-    text = json.dumps(doc, separators=(",", ":"))
-    atomic_write_text(path, text)  # renamed into place complete: never a truncated trace.json
+def chrome_trace(run: str, backend: str, steps: StepTable, requests: list[Any],
+                 max_tracks: int = MAX_REQUEST_TRACKS) -> dict[str, Any]:
+    """The trace-event document of one backend's run (`steps`: a TraceRecorder's step table, `requests`:
+    its RequestTrace objects)."""
+    head, events, tail = _document(run, backend, steps, requests, max_tracks)
+    return {"traceEvents": head + list(events), **tail}
+
+
+EVENTS_PER_WRITE = 20_000
+
+
+def write_chrome_trace(path: str, run: str, backend: str, steps: StepTable, requests: list[Any],
+                       max_tracks: int = MAX_REQUEST_TRACKS) -> None:
+    """`chrome_trace(...)` written as `json.dumps(doc, separators=(",", ":"))` writes it, byte for byte,
+    streamed: the events are encoded `EVENTS_PER_WRITE` at a time, never all held at once (a 100,000-
+    request run has ~1M of them: ~1 GB as dicts, ~150 MB as one string). Renamed into place complete."""
+    head, events, tail = _document(run, backend, steps, requests, max_tracks)
+    encode = json.JSONEncoder(separators=(",", ":")).encode
+    with atomic_open(path) as f:
+        # a list's encoding is "[" + its items' encodings joined by "," + "]": one encoder call a chunk
+        f.write('{"traceEvents":' + encode(head)[:-1])
+        while chunk := list(itertools.islice(events, EVENTS_PER_WRITE)):  # (`head` is never empty)
+            f.write("," + encode(chunk)[1:-1])
+        f.write("]," + encode(tail)[1:])

@@ -23,19 +23,15 @@ import bisect
 import os
 import dataclasses
 from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
 from typing import Any, Optional
 
 from servetwin.core.testbed.atomic import atomic_open, atomic_write_with
 from servetwin.core.engine.engine_core import StepResult
 from servetwin.core.testbed.iteration import IterationDetails, context_request_ids
 from servetwin.core.request import Request
+from servetwin.core.testbed.step_table import STEP_COLUMNS, StepTable
 
-STEP_COLUMNS = [
-    "run", "backend", "step", "t_start_s", "t_end_s", "duration_s", "num_reqs", "num_context_reqs",
-    "num_context_tokens", "num_generation_reqs", "num_generation_tokens", "total_tokens", "annotation",
-    "sum_q2", "sum_q_kv", "sum_kv", "max_kv", "num_running", "num_waiting", "num_preempted", "num_finished",
-    "kv_free_blocks", "kv_usage", "prefix_queries", "prefix_hits", "shared_kv_tokens",
-]
 STEP_REQUEST_COLUMNS = ["run", "backend", "step", "request_id", "num_tokens", "num_computed_before", "phase",
                         "samples"]
 
@@ -197,14 +193,14 @@ class TraceRecorder:
         self.run = run
         self.backend = backend
         self.record_step_requests = record_step_requests
-        self.steps: list[dict[str, Any]] = []
+        self.steps = StepTable()  # one row per step that scheduled tokens (STEP_COLUMNS), by column
         self.step_requests: list[tuple] = []
         self.requests: dict[str, RequestTrace] = {}
-        self._step_rows: dict[int, dict[str, Any]] = {}  # step -> row, until its output is processed
+        self._step_rows: dict[int, int] = {}  # step -> its row's index, until its output is processed
         self._carried_preemptions = 0  # made in steps that scheduled nothing (no row of their own)
         self._t_end_by_step: list[Optional[float]] = []  # [scheduler step] -> t_end, for steps with implicit rows
         self.delivery: Optional[DeliveryMap] = None  # set by a modelled front end (set_delivery)
-        self._packed_token_times: Optional[tuple] = None  # (times, lengths) of a `packed()` copy
+        self._packed_token_times: Optional[tuple] = None  # (values, index or None, lengths): `packed()`
 
     def on_arrival(self, request: Request, arrival_s: float, engine_arrival_s: Optional[float] = None) -> None:
         """`arrival_s`: the client sent the request; `engine_arrival_s`: it reached the engine (None:
@@ -280,26 +276,19 @@ class TraceRecorder:
         num_preempted = len(so.preempted_order) + self._carried_preemptions
         self._carried_preemptions = 0
         pcs = stats.prefix_cache_stats
-        row = {
-            "run": self.run, "backend": self.backend, "step": so.step, "t_start_s": t_start, "t_end_s": t_end,
-            "duration_s": t_end - t_start, "num_reqs": num_reqs,
-            "num_context_reqs": details.num_ctx_requests, "num_context_tokens": details.num_ctx_tokens,
-            "num_generation_reqs": details.num_generation_requests,
-            "num_generation_tokens": details.num_generation_tokens,
-            "total_tokens": so.total_num_scheduled_tokens, "annotation": details.annotation,
-            "sum_q2": sum_q2, "sum_q_kv": sum_q_kv, "sum_kv": sum_kv, "max_kv": max_kv,
-            "num_running": stats.num_running_reqs, "num_waiting": stats.num_waiting_reqs,
-            "num_preempted": num_preempted, "num_finished": 0,
-            "kv_free_blocks": stats.num_free_blocks, "kv_usage": stats.kv_cache_usage,
-            "prefix_queries": pcs.queries + pcs.preempted_queries, "prefix_hits": pcs.hits + pcs.preempted_hits,
-            "shared_kv_tokens": so.shared_kv_tokens,
-        }
-        self.steps.append(row)
-        self._step_rows[so.step] = row
+        # STEP_COLUMNS' order; num_finished is counted when the step's output is processed
+        index = self.steps.append((
+            self.run, self.backend, so.step, t_start, t_end, t_end - t_start, num_reqs,
+            details.num_ctx_requests, details.num_ctx_tokens, details.num_generation_requests,
+            details.num_generation_tokens, so.total_num_scheduled_tokens, details.annotation,
+            sum_q2, sum_q_kv, sum_kv, max_kv, stats.num_running_reqs, stats.num_waiting_reqs,
+            num_preempted, 0, stats.num_free_blocks, stats.kv_cache_usage,
+            pcs.queries + pcs.preempted_queries, pcs.hits + pcs.preempted_hits, so.shared_kv_tokens))
+        self._step_rows[so.step] = index
 
     def _record_processed(self, result: StepResult) -> None:
         row = self._step_rows.pop(result.processed.step, None)
-        t_token = row["t_end_s"] if row is not None else None
+        t_token = self.steps.get(row, "t_end_s") if row is not None else None
         requests = self.requests
         for out in result.outputs:
             trace = requests.get(out.request_id)
@@ -318,7 +307,7 @@ class TraceRecorder:
                 trace.finish_reason = str(out.finish_reason)
                 trace.finish_s = t_token
                 if row is not None:
-                    row["num_finished"] += 1
+                    self.steps.add(row, "num_finished", 1)
 
     def add_steps(self, rows: list[dict[str, Any]], step_requests: list[tuple],
                   token_times: dict[str, list[float]]) -> None:
@@ -329,7 +318,7 @@ class TraceRecorder:
         if rows:
             rows[0]["num_preempted"] += self._carried_preemptions
             self._carried_preemptions = 0
-        self.steps.extend(rows)
+        self.steps.extend_rows(rows)
         if self.record_step_requests:
             self.step_requests.extend(step_requests)
         for rid, times in token_times.items():
@@ -362,6 +351,16 @@ class TraceRecorder:
     def request_rows(self) -> list[dict[str, Any]]:
         return [t.row(self.run, self.backend, self.delivery) for t in self.requests.values()]
 
+    def _request_columns(self) -> dict[str, list]:
+        """`request_rows()` by column (what pandas builds the same table from without ~1 KB of dict per row)."""
+        columns: dict[str, list] = {name: [] for name in REQUEST_COLUMNS}
+        appends = [(name, columns[name].append) for name in REQUEST_COLUMNS]
+        for t in self.requests.values():
+            row = t.row(self.run, self.backend, self.delivery)
+            for name, append in appends:
+                append(row[name])
+        return columns
+
     def itls(self) -> list[float]:
         """Inter-token latencies at the client boundary."""
         return self.itl_array().tolist()
@@ -372,16 +371,20 @@ class TraceRecorder:
 
     def itl_array(self):
         """`itls()` as a float64 numpy array, in the same order (requests in arrival order, each one's gaps
-        in token order), computed in one vectorised pass over all token times (a 10,000-request run has
-        ~1M of them; a Python loop over them took seconds)."""
+        in token order), vectorised over the token times of `ITL_CHUNK_TOKENS` at a time (a 10,000-request
+        run has ~2M of them; a Python loop over them took seconds, one pass over 100,000 requests' ~20M
+        held ~1 GB of temporaries)."""
         if self.delivery is None:
             return self.engine_itl_array()
+        return _gather((self._client_gaps(times, seg) for times, seg in self._token_time_chunks()),
+                       self._num_tokens())
+
+    def _client_gaps(self, times, seg):
         import numpy as np  # noqa: PLC0415  (lazy, like pandas in frames())
 
-        times, seg = self._token_times()
         client = self.delivery.client_times(times)
         ok = ~np.isnan(client)  # never delivered (RequestTrace.itls drops them)
-        if not ok.all():  # (copying 2M values costs ~70 ms: only when some are dropped)
+        if not ok.all():  # (a copy: only when some are dropped)
             client, seg = client[ok], seg[ok]
         first = np.ones(client.size, dtype=bool)
         first[1:] = seg[1:] != seg[:-1]
@@ -398,46 +401,64 @@ class TraceRecorder:
 
     def engine_itl_array(self):
         """`engine_itls()` as a numpy array (the gaps of every request's token times, vectorised)."""
-        import numpy as np  # noqa: PLC0415
+        return _gather((_engine_gaps(times, seg) for times, seg in self._token_time_chunks()), self._num_tokens())
 
-        times, seg = self._token_times()
-        if times.size < 2:
-            return np.zeros(0)
-        gaps = times[1:] - times[:-1]  # the same subtraction as b - a per request
-        return gaps[seg[1:] == seg[:-1]]  # not from one request's last token to the next one's first
+    def _num_tokens(self) -> int:
+        if self._packed_token_times is not None:
+            return int(self._packed_token_times[2].sum())
+        return sum(len(t.token_times) for t in self.requests.values())
 
-    def _token_times(self):
-        """(every request's token times concatenated, the request's index for each) as numpy arrays."""
-        import itertools  # noqa: PLC0415
-
+    def _token_time_chunks(self):
+        """(token times, the request's index for each) as numpy arrays, for consecutive runs of whole
+        requests of about `ITL_CHUNK_TOKENS` tokens (every gap lies within one request: the chunks' gaps
+        concatenated are the gaps of all)."""
         import numpy as np  # noqa: PLC0415
 
         if self._packed_token_times is not None:
-            times, lengths = self._packed_token_times
-        else:
-            lists = [t.token_times for t in self.requests.values()]
-            lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-            times = np.fromiter(itertools.chain.from_iterable(lists), dtype=float, count=int(lengths.sum()))
-        return times, np.repeat(np.arange(len(lengths)), lengths)
+            values, index, lengths = self._packed_token_times
+            for a, b, start, stop in _request_spans(lengths):
+                times = values[start:stop] if index is None else values[index[start:stop]]
+                yield times, np.repeat(np.arange(b - a, dtype=np.int32), lengths[a:b])
+            return
+        lists = [t.token_times for t in self.requests.values()]
+        lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        for a, b, start, stop in _request_spans(lengths):
+            yield _flat(lists[a:b], stop - start), np.repeat(np.arange(b - a, dtype=np.int32), lengths[a:b])
 
     def packed(self) -> "TraceRecorder":
         """A copy of a finished recording to hand to another process: every request's token times in one
         numpy array, and pickled (`__getstate__`) with its requests as one list per field and without
         their token lists - a few buffers instead of ~1M float objects and 10,000 dataclasses (22 MB
-        and ~0.5 s of pickling for 10,000 requests before). Its tables, trace and inter-token latencies
-        equal this recorder's; it records nothing more (it shares this one's request objects)."""
+        and ~0.5 s of pickling for 10,000 requests before). A token's time is a step's end: each is kept
+        as the index (4 bytes) of its value among the distinct step ends, unless some token time is not
+        one (then as the float itself). Its tables, trace and inter-token latencies equal this
+        recorder's; it records nothing more (it shares this one's request objects)."""
         import copy  # noqa: PLC0415
 
         import numpy as np  # noqa: PLC0415
 
-        times, seg = self._token_times()
+        lists = [t.token_times for t in self.requests.values()]
+        lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        try:
+            values = np.unique(np.array(self.steps.column("t_end_s"), dtype=float))
+        except TypeError:  # (a step end that is no number)
+            values = np.zeros(0)
+        index = np.empty(int(lengths.sum()), dtype=np.uint32)
+        for a, b, start, stop in _request_spans(lengths):
+            times = _flat(lists[a:b], stop - start)
+            i = np.minimum(np.searchsorted(values, times), max(values.size - 1, 0))
+            if times.size and not (values.size and np.array_equal(values[i], times)):  # a time is no step end
+                values, index = _flat(lists, index.size), None
+                break
+            index[start:stop] = i
         twin = copy.copy(self)
-        twin._packed_token_times = (times, np.bincount(seg, minlength=len(self.requests)).astype(np.int64))
+        twin._packed_token_times = (values, index, lengths)
         return twin
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if self._packed_token_times is not None:  # token times travel packed: the requests as columns
+            state["_t_end_by_step"] = []  # (only for recording implicit rows' tokens)
             traces = list(state.pop("requests").values())
             state["_request_columns"] = {name: [getattr(t, name) for t in traces] for name in _TRACE_FIELDS}
         return state
@@ -453,9 +474,9 @@ class TraceRecorder:
         import pandas as pd  # noqa: PLC0415  (lazy: pandas is only needed to write tables)
 
         return {
-            "steps": pd.DataFrame(self.steps, columns=STEP_COLUMNS),
+            "steps": self.steps.to_frame(),
             "step_requests": pd.DataFrame(self.step_requests, columns=STEP_REQUEST_COLUMNS),
-            "requests": pd.DataFrame(self.request_rows(), columns=REQUEST_COLUMNS),
+            "requests": pd.DataFrame(self._request_columns(), columns=REQUEST_COLUMNS),
         }
 
     def chrome_trace(self) -> dict[str, Any]:
@@ -480,10 +501,62 @@ class TraceRecorder:
         return paths
 
     def write_trace(self, path: str) -> str:
+        """trace.json, streamed (`perfetto.write_chrome_trace`): the same bytes as `chrome_trace()` dumped."""
         from servetwin.core.testbed.perfetto import write_chrome_trace  # noqa: PLC0415
 
-        write_chrome_trace(path, self.chrome_trace())
+        write_chrome_trace(path, self.run, self.backend, self.steps, list(self.requests.values()))
         return path
+
+
+ITL_CHUNK_TOKENS = 1 << 20  # token times per vectorised pass of the ITL arrays (8 MB of float64)
+
+
+def _request_spans(lengths) -> Any:
+    """(first request, end request, first token, end token) of consecutive runs of whole requests with
+    about `ITL_CHUNK_TOKENS` tokens (at least one request each); `lengths`: tokens per request."""
+    import numpy as np  # noqa: PLC0415
+
+    ends = np.cumsum(lengths)
+    a = 0
+    while a < len(lengths):
+        start = int(ends[a - 1]) if a else 0
+        b = max(a + 1, int(np.searchsorted(ends, start + ITL_CHUNK_TOKENS, side="right")))
+        yield a, b, start, int(ends[b - 1])
+        a = b
+
+
+def _flat(lists: list, count: int) -> Any:
+    """The float lists concatenated, as a numpy array of `count` values."""
+    import itertools  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype=float, count=count)
+
+
+def _gather(parts: Iterator[Any], capacity: int) -> Any:
+    """The arrays of `parts` (each a chunk's gaps) one after the other in one float64 array, filled in
+    place: never the chunks and their concatenation at once. `capacity`: the token times, a bound on
+    the gaps (pages of it never written are never resident)."""
+    import numpy as np  # noqa: PLC0415
+
+    out = np.empty(capacity)
+    n = 0
+    for part in parts:
+        out[n:n + part.size] = part  # (a bound exceeded: numpy raises, nothing is lost silently)
+        n += part.size
+    out.resize(n, refcheck=False)  # in place (no view of `out` exists)
+    return out
+
+
+def _engine_gaps(times, seg):
+    """The gaps between consecutive token times of each request (`seg`: each time's request)."""
+    import numpy as np  # noqa: PLC0415
+
+    if times.size < 2:
+        return np.zeros(0)
+    gaps = times[1:] - times[:-1]  # the same subtraction as b - a per request
+    return gaps[seg[1:] == seg[:-1]]  # not from one request's last token to the next one's first
 
 
 def _write_parquet(df: Any, path: str) -> None:

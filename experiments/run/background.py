@@ -192,6 +192,7 @@ def _child(warm: Callable[[], Any], job_r: int, res_w: int) -> None:
         if data:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             fn, args = pickle.loads(data)
+            del data  # (~150 MB for 100,000 requests: not held while the job runs)
             _send(res_w, pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL))
         code = 0
     except BaseException:
@@ -205,22 +206,25 @@ def _child(warm: Callable[[], Any], job_r: int, res_w: int) -> None:
 
 # length-prefixed messages: a reader never waits for EOF (other forked children inherit the pipe's ends)
 def _send(fd: int, data: bytes) -> None:
-    view = memoryview(len(data).to_bytes(8, "little") + data)
+    view = memoryview(len(data).to_bytes(8, "little"))
+    while view:
+        view = view[os.write(fd, view):]
+    view = memoryview(data)  # (no copy of `data`: a 100,000-request run's job is ~200 MB)
     while view:
         view = view[os.write(fd, view):]
 
 
 def _recv(fd: int) -> bytes:
-    """One message, or b"" when the other end closed first."""
-    def exactly(n: int) -> Optional[bytes]:
-        parts, left = [], n
-        while left:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
+    """One message, or b"" when the other end closed first (read into one buffer: no second copy)."""
+    def exactly(n: int) -> Optional[bytearray]:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        while view:
+            got = os.readv(fd, [view[:1 << 20]])
+            if not got:
                 return None
-            parts.append(chunk)
-            left -= len(chunk)
-        return b"".join(parts)
+            view = view[got:]
+        return buf
 
     head = exactly(8)
     if head is None:

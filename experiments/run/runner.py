@@ -130,11 +130,9 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
                log: Callable[[str], None]) -> BackendRun:
     """A warm-up (not recorded), then the measured run on a fresh engine over the same executor, run
     again when contended if `opts.retry_contended` (`servetwin.experiments.calibrate.torch_measure`)."""
-    import pandas as pd  # noqa: PLC0415
-
     from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
     from servetwin.core.testbed.realtime import run_realtime  # noqa: PLC0415
-    from servetwin.core.testbed.trace import STEP_COLUMNS, TraceRecorder  # noqa: PLC0415
+    from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
     from servetwin.experiments.calibrate.calibrate import calibration_mismatches  # noqa: PLC0415
     from servetwin.experiments.calibrate.torch_measure import contention_summary, measure, warm_up  # noqa: PLC0415
     from servetwin.sim.arrivals import Offline  # noqa: PLC0415
@@ -164,7 +162,7 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
         except KeyboardInterrupt:
             interrupted = True
         wall = time.perf_counter() - t0
-        steps = pd.DataFrame(recorder.steps, columns=STEP_COLUMNS)  # the full frames are built once, later
+        steps = recorder.steps.to_frame()  # the full frames are built once, later
         return (recorder, rejected, done, interrupted), steps, wall
 
     measured = measure(once, info.executor, nthreads, retry_contended=opts.retry_contended,
@@ -188,17 +186,21 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
 
 # -- summaries ----------------------------------------------------------------------------------
 def _clean(values) -> np.ndarray:
+    """The finite values (`values` itself when all are: an ITL array may hold 20M)."""
     arr = np.asarray(values, dtype=float)  # None (an object column's missing value) becomes nan
-    return arr[np.isfinite(arr)] if arr.size else arr
+    finite = np.isfinite(arr)
+    return arr if finite.all() else arr[finite]
 
 
-def dist_stats(values) -> dict[str, Optional[float]]:
+def dist_stats(values, scratch: bool = False) -> dict[str, Optional[float]]:
+    """Mean, p50/p90/p99 and count of the finite values. `scratch`: `values` (a float array) is not
+    used afterwards, so the percentiles may reorder it instead of a copy (the same figures)."""
     arr = _clean(values)
     if arr.size == 0:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "count": 0}
-    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-    return {"mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
-            "count": int(arr.size)}
+    mean = float(arr.mean())  # (before the percentiles: with `scratch` they reorder arr)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99], overwrite_input=scratch)
+    return {"mean": mean, "p50": float(p50), "p90": float(p90), "p99": float(p99), "count": int(arr.size)}
 
 
 def _nz(x: float) -> Optional[float]:
@@ -206,13 +208,26 @@ def _nz(x: float) -> Optional[float]:
 
 
 def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
-              itls: Optional[np.ndarray] = None, engine_itls: Optional[np.ndarray] = None) -> dict[str, Any]:
+              itls: Optional[np.ndarray] = None, engine_itls: Optional[np.ndarray] = None,
+              itls_read_after: bool = True) -> dict[str, Any]:
     """The summary of one backend's run; `itls` / `engine_itls` are `run.recorder.itl_array()` /
-    `engine_itl_array()` when the caller has them."""
+    `engine_itl_array()` when the caller has them. `itls_read_after=False`: the caller reads `itls` no
+    more, so their percentiles may reorder them instead of a copy (~20M gaps at 100,000 requests)."""
     if itls is None:
         itls = run.recorder.itl_array()
-    if engine_itls is None:  # the client's gaps when no front end is modelled: computed once
-        engine_itls = itls if run.recorder.delivery is None else run.recorder.engine_itl_array()
+    slo = exp.slo is not None and not exp.slo.empty
+    itl_stats = dist_stats(itls, scratch=not (itls_read_after or slo))
+    if engine_itls is None and run.recorder.delivery is None:  # the client's gaps: computed once
+        engine_itls = itls
+    if engine_itls is itls:
+        engine_itl_stats = itl_stats
+    elif engine_itls is not None:
+        engine_itl_stats = dist_stats(engine_itls)
+    else:  # made here (after the client's stats: one array of ~20M gaps less at a time for 100k requests)
+        engine_itls = run.recorder.engine_itl_array()
+        engine_itl_stats = dist_stats(engine_itls, scratch=not slo)
+        if not slo:  # (the SLO check reads them again)
+            engine_itls = None
     steps, reqs = frames["steps"], frames["requests"]
     finished = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")]
     engine_duration = float(steps.t_end_s.max()) if len(steps) else 0.0
@@ -246,11 +261,11 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
         "computed_tok_s": per_s(float(steps.total_tokens.sum())) if len(steps) else None,
         "request_throughput_s": per_s(run.completed),
         "ttft_s": dist_stats(reqs.ttft_s), "tpot_s": dist_stats(reqs.tpot_s),
-        "itl_s": dist_stats(itls), "e2e_s": dist_stats(reqs.e2e_s),
+        "itl_s": itl_stats, "e2e_s": dist_stats(reqs.e2e_s),
         "queue_s": dist_stats(reqs.queue_s),
         "engine_duration_s": engine_duration,
         "engine_ttft_s": dist_stats(reqs.engine_ttft_s), "engine_tpot_s": dist_stats(reqs.engine_tpot_s),
-        "engine_itl_s": dist_stats(engine_itls), "engine_e2e_s": dist_stats(reqs.engine_e2e_s),
+        "engine_itl_s": engine_itl_stats, "engine_e2e_s": dist_stats(reqs.engine_e2e_s),
         "frontend_in_s": dist_stats(reqs.frontend_in_s),
         "frontend": run.frontend,
         "step_duration_s": dist_stats(steps.duration_s) if len(steps) else dist_stats([]),
@@ -271,7 +286,7 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
         "step0_annotation": str(steps.annotation.iloc[0]) if len(steps) else None,
         "kv_pool": kv_pool,
     }
-    if exp.slo is not None and not exp.slo.empty:
+    if slo:
         from servetwin.experiments.config.slo import evaluate_slo  # noqa: PLC0415
 
         out["slo"] = evaluate_slo(exp.slo, reqs, itls, duration, engine_itls)
@@ -478,7 +493,7 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
     from servetwin.experiments.run.report import write_report  # noqa: PLC0415
 
     jobs = OutputJobs()
-    frames, summaries, written, engine_itls = {}, {}, [], {}
+    frames, summaries, written = {}, {}, []
     for backend, run in runs.items():
         # the tables first: the trace and figure writers forked below read them
         frames[backend] = run.recorder.frames()
@@ -490,9 +505,9 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
 
     def inter_token_latencies() -> dict[str, Any]:
         # ~0.4 s for 2M tokens: computed while the forked children draw the figures that need no ITLs
+        # (the engine's gaps, when they differ, by `summarize`: that array is not kept past it)
         for backend, run in runs.items():
             run.itls = run.recorder.itl_array()
-            engine_itls[backend] = run.itls if run.recorder.delivery is None else run.recorder.engine_itl_array()
         return {b: r.itls for b, r in runs.items()}
 
     plot_paths = None
@@ -506,7 +521,8 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
     else:
         itls = inter_token_latencies()
     for backend, run in runs.items():
-        summaries[backend] = summarize(run, frames[backend], exp, run.itls, engine_itls[backend])
+        # (the figures got the ITLs already: forked, pickled or drawn; nothing reads them after this)
+        summaries[backend] = summarize(run, frames[backend], exp, run.itls, itls_read_after=False)
         bdir = os.path.join(out_dir, backend)
         for path in run.recorder.write(bdir, frames[backend], trace=False).values():
             written.append(os.path.relpath(path, out_dir))

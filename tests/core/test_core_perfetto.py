@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from servetwin.core.testbed.perfetto import MAX_REQUEST_TRACKS, chrome_trace, pack_tracks
+from servetwin.core.testbed.step_table import STEP_COLUMNS, StepTable
 from servetwin.core.testbed.trace import RequestTrace
 
 
@@ -40,14 +41,16 @@ def _req(i, arrival, sched, first, finish):
 
 
 def _step(i, t0, t1, preempted=0):
-    return {"annotation": f"execute_context_1(10)_generation_0(0)", "t_start_s": t0, "t_end_s": t1,
-            "duration_s": t1 - t0, "step": i, "total_tokens": 10, "num_running": 1, "num_waiting": 2,
-            "num_preempted": preempted, "kv_usage": 0.5, "num_context_tokens": 10, "num_generation_tokens": 0}
+    row = dict.fromkeys(STEP_COLUMNS, 0)
+    row.update({"run": "r", "backend": "sim", "annotation": "execute_context_1(10)_generation_0(0)", "t_start_s": t0,
+                "t_end_s": t1, "duration_s": t1 - t0, "step": i, "total_tokens": 10, "num_running": 1,
+                "num_waiting": 2, "num_preempted": preempted, "kv_usage": 0.5, "num_context_tokens": 10})
+    return row
 
 
 def test_trace_has_counters_preemptions_and_bounded_request_tracks():
     reqs = [_req(i, 0.0, 0.1, 0.2, 1.0) for i in range(MAX_REQUEST_TRACKS + 10)]  # all overlap
-    doc = chrome_trace("r", "sim", [_step(0, 0.0, 0.1), _step(1, 0.1, 0.2, preempted=2)], reqs)
+    doc = chrome_trace("r", "sim", StepTable.from_rows([_step(0, 0.0, 0.1), _step(1, 0.1, 0.2, preempted=2)]), reqs)
     json.dumps(doc)
     ev = doc["traceEvents"]
     counters = [e for e in ev if e["ph"] == "C"]

@@ -4,6 +4,8 @@ import pickle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from servetwin.core.testbed import trace
+from servetwin.core.testbed.step_table import STEP_COLUMNS
 from servetwin.core.testbed.trace import DeliveryMap, RequestTrace, TraceRecorder
 
 # step ends on a coarse grid so that requests share ends, repeat a token time, and miss deliveries
@@ -28,8 +30,17 @@ def _loop(rec, delivery):
 
 @settings(max_examples=150, deadline=None)
 @given(token_times=times_st, ends=ends_st, lag=st.floats(0, 2), split=st.booleans(),
-       jitter=st.sampled_from([0.0, 1e-12, 3e-10, 1e-6]))
-def test_vectorised_itls_equal_the_per_request_definition(token_times, ends, lag, split, jitter):
+       jitter=st.sampled_from([0.0, 1e-12, 3e-10, 1e-6]), chunk=st.sampled_from([1, 3, 10, 1 << 20]))
+def test_vectorised_itls_equal_the_per_request_definition(token_times, ends, lag, split, jitter, chunk):
+    """(`chunk`: token times per vectorised pass; whole requests go in a pass, so 1 is one request each)"""
+    saved, trace.ITL_CHUNK_TOKENS = trace.ITL_CHUNK_TOKENS, chunk
+    try:
+        _check_itls(token_times, ends, lag, split, jitter)
+    finally:
+        trace.ITL_CHUNK_TOKENS = saved
+
+
+def _check_itls(token_times, ends, lag, split, jitter):
     delivery = DeliveryMap(split_first_chunk=split)
     shifted = sorted(e + jitter * (k % 2) for k, e in enumerate(ends))  # ends a hair off the token times
     for k, e in enumerate(shifted):  # client times rise with the end; a duplicated end keeps the latest
@@ -39,9 +50,17 @@ def test_vectorised_itls_equal_the_per_request_definition(token_times, ends, lag
     assert rec.engine_itls() == _loop(rec, None)
     plain = _recorder(token_times, None)
     assert plain.itls() == plain.engine_itls() == _loop(plain, None)
-    # what the output process gets: one array of token times, the requests pickled as columns
+    # what the output process gets: one array of token times, the requests pickled as columns; token
+    # times kept as indexes among the step ends when every one is a step's end (floats otherwise)
     twin = pickle.loads(pickle.dumps(rec.packed()))
     assert twin.itls() == rec.itls() and twin.engine_itls() == rec.engine_itls()
+    for t_end in sorted({x for ts in token_times for x in ts} | set(shifted)):
+        row = dict.fromkeys(STEP_COLUMNS, 0)
+        row.update(run="r", backend="sim", annotation="", t_end_s=t_end)
+        rec.steps.append_row(row)
+    indexed = pickle.loads(pickle.dumps(rec.packed()))
+    assert indexed._packed_token_times[1] is not None  # (the floats themselves: `twin` above)
+    assert indexed.itls() == rec.itls() and indexed.engine_itls() == rec.engine_itls()
     assert all(not t.token_times for t in twin.requests.values()) and rec.request_rows() == twin.request_rows()
     assert list(twin.requests) == list(rec.requests)
     times = [x for ts in token_times for x in ts]

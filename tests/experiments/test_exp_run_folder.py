@@ -1,4 +1,5 @@
 """Run folders never lie: atomic files, summary last, one writer, no stale files, failed runs touch nothing."""
+import contextlib
 import errno
 import json
 import os
@@ -53,12 +54,22 @@ def test_staged_folder_moves_complete_files_only(tmp_path):
 def test_full_disk_while_writing_trace_json_leaves_no_truncated_trace(tmp_path, monkeypatch, capsys):
     import servetwin.core.testbed.perfetto as perfetto
 
-    def write_text(path, text):  # the disk fills up half-way through trace.json
-        with atomic.atomic_open(path) as f:
-            f.write(text[: len(text) // 2])
-            raise OSError(errno.ENOSPC, "No space left on device")
+    class FillingFile:  # the disk fills up after trace.json's first two writes (it is streamed)
+        def __init__(self, f):
+            self.f, self.writes = f, 0
 
-    monkeypatch.setattr(perfetto, "atomic_write_text", write_text)
+        def write(self, text):
+            self.writes += 1
+            if self.writes > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(text)
+
+    @contextlib.contextmanager
+    def filling_open(path, *args, **kwargs):
+        with atomic.atomic_open(path, *args, **kwargs) as f:
+            yield FillingFile(f)
+
+    monkeypatch.setattr(perfetto, "atomic_open", filling_open)
     path = write_yaml(tmp_path / "c.yaml", tiny())
     out = tmp_path / "out"
     assert main(["run", str(path), "-o", str(out), "--no-progress", "--no-plots"]) == 1

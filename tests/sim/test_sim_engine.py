@@ -201,7 +201,7 @@ def test_builtin_hash_runs_the_same_simulation_as_sha256():
               "output_tokens": {"type": "uniform", "low": 20, "high": 80}, "arrival": {"type": "poisson", "rate": 40}}
         res = simulate_workload(args, wl, record_step_requests=False)
         rec = res.recorder
-        return rec.steps, {rid: (t.token_times, t.cached_tokens) for rid, t in rec.requests.items()}
+        return list(rec.steps), {rid: (t.token_times, t.cached_tokens) for rid, t in rec.requests.items()}
     steps, requests = run("builtin")
     assert (steps, requests) == run("sha256")
     assert any(cached for _, cached in requests.values())  # the prefix cache was hit

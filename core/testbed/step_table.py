@@ -1,0 +1,161 @@
+"""The step rows of a trace, stored by column: what `TraceRecorder.steps` holds.
+
+A run of 100,000 requests records ~280,000 steps; as one dict per row (26 keys, boxed numbers) they
+took ~700 B each, ~200 MB. Here each numeric column is a typed `array` (8 B a value) and the text
+columns lists of shared strings (a step's annotation repeats: one string object per distinct value),
+~220 B a row. The tables written (`to_frame`) are the same: int64 columns for the counts, float64 for
+times and KV usage, object for text. A value that does not fit its column's array (None, a float in
+a count column, an int beyond 2**53 in a float one) turns that column into a plain list, so nothing is
+coerced but an int time (SimPy's clock starts at int 0), held as its float, and a bool count, as 0/1.
+"""
+from __future__ import annotations
+
+import operator
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Union
+
+STEP_COLUMNS = [
+    "run", "backend", "step", "t_start_s", "t_end_s", "duration_s", "num_reqs", "num_context_reqs",
+    "num_context_tokens", "num_generation_reqs", "num_generation_tokens", "total_tokens", "annotation",
+    "sum_q2", "sum_q_kv", "sum_kv", "max_kv", "num_running", "num_waiting", "num_preempted", "num_finished",
+    "kv_free_blocks", "kv_usage", "prefix_queries", "prefix_hits", "shared_kv_tokens",
+]
+_TEXT = ("run", "backend", "annotation")
+_FLOAT = ("t_start_s", "t_end_s", "duration_s", "kv_usage")
+_FLOAT_VALUES = operator.itemgetter(*(STEP_COLUMNS.index(name) for name in _FLOAT))
+
+Column = Union[array, list]
+
+
+def _new_column(name: str) -> Column:
+    if name in _TEXT:
+        return []
+    return array("d" if name in _FLOAT else "q")
+
+
+class StepTable:
+    """Step rows (STEP_COLUMNS) by column. Rows go in with `append` (values in STEP_COLUMNS order) or
+    `append_row` (a mapping); `row(i)` / iteration give them back as dicts, `to_frame()` as a table."""
+
+    __slots__ = ("_columns", "_strings", "_appends")
+
+    def __init__(self) -> None:
+        self._columns: dict[str, Column] = {name: _new_column(name) for name in STEP_COLUMNS}
+        self._strings: dict[str, str] = {}  # one object per distinct text value
+        self._bind()
+
+    def _bind(self) -> None:
+        self._appends = [col.append for col in self._columns.values()]  # (the per-step hot path)
+
+    def __getstate__(self) -> tuple:
+        return self._columns, self._strings
+
+    def __setstate__(self, state: tuple) -> None:
+        self._columns, self._strings = state
+        self._bind()
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> "StepTable":
+        table = cls()
+        for row in rows:
+            table.append_row(row)
+        return table
+
+    def __len__(self) -> int:
+        return len(self._columns["step"])
+
+    def append(self, values: Sequence[Any]) -> int:
+        """Add one row (values in STEP_COLUMNS order); returns its index."""
+        n = len(self)
+        a, b, c, d = _FLOAT_VALUES(values)
+        if type(a) is float and type(b) is float and type(c) is float and type(d) is float:  # (else: checked)
+            try:
+                for append, value in zip(self._appends, values):
+                    append(value)
+            except (TypeError, OverflowError):  # a value a count column's array cannot hold
+                self._truncate(n)
+                self._append_checked(values)
+        else:
+            self._append_checked(values)
+        strings = self._strings
+        for name in _TEXT:  # a text value repeated over steps is held once
+            col = self._columns[name]
+            value = col[n]
+            if type(value) is str:
+                col[n] = strings.setdefault(value, value)
+        return n
+
+    def _append_checked(self, values: Sequence[Any]) -> None:
+        """`append`, each value checked: a column whose array cannot hold it exactly becomes a list."""
+        for name, value in zip(STEP_COLUMNS, values):
+            col = self._columns[name]
+            if type(col) is not list and not _fits(col, value):
+                col = self._columns[name] = list(col)
+            col.append(value)
+        self._bind()
+
+    def append_row(self, row: Mapping[str, Any]) -> int:
+        return self.append([row[name] for name in STEP_COLUMNS])
+
+    def extend_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        for row in rows:
+            self.append_row(row)
+
+    def _truncate(self, n: int) -> None:
+        for col in self._columns.values():
+            del col[n:]
+
+    def get(self, i: int, name: str) -> Any:
+        return self._columns[name][i]
+
+    def add(self, i: int, name: str, delta: int) -> None:
+        """Row `i`'s `name` += `delta` (a count learnt after the row was recorded)."""
+        col = self._columns[name]
+        value = col[i] + delta
+        if type(col) is not list and not _fits(col, value):
+            col = self._columns[name] = list(col)
+            self._bind()
+        col[i] = value
+
+    def column(self, name: str) -> Column:
+        """Every row's `name`, in row order (the table's own storage: read, do not modify)."""
+        return self._columns[name]
+
+    def row(self, i: int) -> dict[str, Any]:
+        return {name: col[i] for name, col in self._columns.items()}
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"step row {i} of {len(self)}")
+        return self.row(i)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        names = list(self._columns)
+        for values in zip(*self._columns.values()):
+            yield dict(zip(names, values))
+
+    def to_frame(self) -> Any:
+        """The rows as a pandas DataFrame with STEP_COLUMNS (what `pd.DataFrame(rows)` gave from dicts)."""
+        import numpy as np  # noqa: PLC0415  (lazy, like pandas)
+        import pandas as pd  # noqa: PLC0415
+
+        if not len(self):  # (no rows: every column of the empty table is object, as from no dicts)
+            return pd.DataFrame([], columns=STEP_COLUMNS)
+        data = {}
+        for name, col in self._columns.items():
+            if type(col) is list:
+                data[name] = col
+            else:  # a copy out of the array's buffer (the array may still grow)
+                data[name] = np.frombuffer(col, dtype=np.float64 if col.typecode == "d" else np.int64).copy()
+        return pd.DataFrame(data, columns=STEP_COLUMNS)
+
+
+def _fits(col: array, value: Any) -> bool:
+    """Whether `value` is stored in `col` exactly (an int in an int column, a number in a float one)."""
+    if col.typecode == "d":
+        return type(value) in (float, int) and (type(value) is float or abs(value) < 2 ** 53)
+    return type(value) is int and -(2 ** 63) <= value < 2 ** 63
+
+
+__all__ = ["StepTable", "STEP_COLUMNS"]

@@ -1,0 +1,72 @@
+"""StepTable (the trace's step rows by column) gives back what went in, and the same table pandas builds
+from the rows as dicts; trace.json streamed is the document dumped in one go, byte for byte."""
+import json
+import pickle
+
+import pandas as pd
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servetwin.core.testbed import perfetto
+from servetwin.core.testbed.step_table import STEP_COLUMNS, StepTable
+from servetwin.core.testbed.trace import RequestTrace
+
+_FLOATS = {"t_start_s", "t_end_s", "duration_s", "kv_usage"}
+_TEXT = {"run", "backend", "annotation"}
+
+
+def _value(name):
+    if name in _TEXT:
+        return st.sampled_from(["a", "execute_context_1(10)_generation_0(0)", "b"])
+    if name in _FLOATS:  # an int time (SimPy's clock starts at int 0) is a float in the table
+        return st.one_of(st.floats(0, 1e4, allow_nan=False), st.just(0))
+    return st.integers(0, 10 ** 6)
+
+
+_row = st.fixed_dictionaries({name: _value(name) for name in STEP_COLUMNS})
+# a column that holds something its array cannot (None, a float in a count column) becomes a list
+_odd = st.tuples(st.sampled_from([c for c in STEP_COLUMNS if c not in _TEXT]),
+                 st.sampled_from([None, 2.5, 2 ** 70]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(_row, max_size=12), odd=st.lists(st.tuples(st.integers(0, 11), _odd), max_size=3))
+def test_rows_round_trip_and_frame_equals_pandas_from_dicts(rows, odd):
+    for i, (name, value) in odd:
+        if i < len(rows):
+            rows[i][name] = value
+    table = StepTable.from_rows(rows)
+    assert len(table) == len(rows) and list(table) == rows
+    assert [table[i] for i in range(-len(rows), 0)] == rows
+    expected = pd.DataFrame(rows, columns=STEP_COLUMNS)
+    for name in _FLOATS:  # from dicts a column of only ints stays int64; the table keeps times as floats
+        if len(rows) and all(isinstance(r[name], int) for r in rows):
+            expected[name] = expected[name].astype(float)
+    pd.testing.assert_frame_equal(table.to_frame(), expected, check_index_type=False)
+    if rows and rows[-1]["num_finished"] is not None:
+        table.add(len(rows) - 1, "num_finished", 1)
+        rows[-1]["num_finished"] += 1
+        assert list(pickle.loads(pickle.dumps(table))) == rows
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(0, 30), preempt=st.lists(st.integers(0, 3), min_size=30, max_size=30),
+       per_write=st.sampled_from([1, 2, 7, 20_000]), tracks=st.integers(1, 4))
+def test_streamed_trace_is_the_document_dumped(tmp_path_factory, n, preempt, per_write, tracks):
+    rows = []
+    for i in range(n):
+        row = dict.fromkeys(STEP_COLUMNS, 0)
+        row.update(run="r", backend="sim", annotation=f"a{i % 3}", step=i, t_start_s=0.1 * i, t_end_s=0.1 * i + 0.07,
+                   duration_s=0.07, num_preempted=preempt[i], kv_usage=0.01 * i, num_running=i)
+        rows.append(row)
+    reqs = [RequestTrace(f"q{i}", None, 0.05 * i, 8, 0.05 * i + 0.01, 0.05 * i + 0.02 if i % 4 else None,
+                         0.05 * i + 0.3 if i % 3 else None) for i in range(n)]
+    table = StepTable.from_rows(rows)
+    path = tmp_path_factory.mktemp("trace") / "trace.json"
+    saved, perfetto.EVENTS_PER_WRITE = perfetto.EVENTS_PER_WRITE, per_write
+    try:
+        perfetto.write_chrome_trace(str(path), "r", "sim", table, reqs, tracks)
+    finally:
+        perfetto.EVENTS_PER_WRITE = saved
+    doc = perfetto.chrome_trace("r", "sim", table, reqs, tracks)
+    assert path.read_text() == json.dumps(doc, separators=(",", ":"))
