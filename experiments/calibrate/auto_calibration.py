@@ -5,7 +5,8 @@ A CPU's step times depend on what the kernels can use, so a calibration made on 
 another (an AVX2 EPYC's coefficients put `make run`'s compare 2-3x off on an AVX-512 + BF16 one). The
 cache key is therefore a real fingerprint (`fingerprint`): the CPU model name, the ISA flags that change
 kernel speed (AVX2, AVX-512, AVX512-BF16, AMX), the logical CPUs and torch threads, the torch version,
-the dtype, the model and a digest of the torch backend's code (a faster kernel changes the step costs). A machine whose fingerprint differs gets its own calibration, made the first
+the dtype, the model and a digest of the torch backend's code (a faster kernel changes the step
+costs). A machine whose fingerprint differs gets its own calibration, made the first
 time it is needed (`servetwin calibrate`'s measured design, ~10-20 s for tiny-llama on 2 cores; its
 progress printed); later runs read the file. The calibrations in experiments/calibrations/ are
 examples of the output, not defaults.

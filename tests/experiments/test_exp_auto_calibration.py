@@ -94,21 +94,24 @@ def test_the_documented_hardware_template_loads(tmp_path):
 
 
 def test_compare_refreshes_an_auto_calibration_the_probe_finds_drifted(fake):
-    """Beyond +-10% of drift the machine no longer runs as calibrated: measured again, the cache keeps
-    the new file; within the limit, with the drift unknown, or for a file the user gave, nothing is."""
+    """Two probes beyond +-10% of drift, same direction: the machine no longer runs as calibrated, measured
+    again (the cache keeps the new file); within the limit, unconfirmed, unknown, or a file the user
+    gave: nothing is."""
     from servetwin.experiments.compare.compare import refresh_drifted_calibration
 
     exp = validate_config(tiny(hardware="auto"))
     assert auto.is_auto_calibration(exp.hardware) and len(fake) == 1
     logs = []
-    for probe in ({"drift_pct": -9.5}, {"drift_pct": None}, None):
+    for probe in ({"drift_pct": -9.5, "drift_pct_confirming": -30.0}, {"drift_pct": None}, None,
+                  {"drift_pct": -24.0}, {"drift_pct": -24.0, "drift_pct_confirming": 20.0},  # not confirmed
+                  {"drift_pct": -24.0, "drift_pct_confirming": -8.0}):
         assert refresh_drifted_calibration(exp, probe, 1, logs.append) is None
-    rec = refresh_drifted_calibration(exp, {"drift_pct": -24.0}, 1, logs.append)
-    assert len(fake) == 2 and rec["drift_before"] == -24.0 and rec["file"] == exp.hardware
-    assert "-24.0% off its speed when calibrated" in logs[0] and "calibrate: 3 steps measured" in logs
+    rec = refresh_drifted_calibration(exp, {"drift_pct": -24.0, "drift_pct_confirming": -20.0}, 1, logs.append)
+    assert len(fake) == 2 and rec["drift_before"] == -22.0 and rec["file"] == exp.hardware
+    assert "-22.0% off its speed when calibrated" in logs[0] and "calibrate: 3 steps measured" in logs
     given = validate_config(tiny(hardware=str(CALIBRATION)))
     assert not auto.is_auto_calibration(given.hardware)
-    assert refresh_drifted_calibration(given, {"drift_pct": 60.0}, 1, logs.append) is None
+    assert refresh_drifted_calibration(given, {"drift_pct": 60.0, "drift_pct_confirming": 60.0}, 1, logs.append) is None
     assert len(fake) == 2
 
 
