@@ -54,6 +54,7 @@ from servetwin.experiments.calibrate.cpu_info import cpu_name, isa_flags, torch_
 from servetwin.experiments.calibrate.torch_measure import (CONTENDED_BELOW, calibration_info, cpu_shares, load_average,
                                                  set_torch_threads)
 from servetwin.experiments.calibrate.design import DESIGNS, CalibrationDesign, run_design, step_rows
+from servetwin.experiments.calibrate.drift_probe import measure_probe, score_probe
 from servetwin.sim.coefficients import BASIS_TERMS, GPU_ONLY_TERMS
 
 MEASURED_QUANTITY = ("wall time of one EngineCore.step() (schedule + execute_model + update_from_output), "
@@ -399,14 +400,13 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
 
             kernel = small_m_linear_kernel()  # its row limit is kept per machine: runs use the same kernels
             extra["small_m_linear_max_rows"] = kernel.max_rows() if kernel is not None else None
-        if gemm_curve and ex.device.type == "cpu":
-            efficiency, extra["gemm_m_curve"] = measure_gemm_curve(ex, model, base, des.max_num_batched_tokens, log)
+            if gemm_curve:
+                efficiency, extra["gemm_m_curve"] = measure_gemm_curve(ex, model, base, des.max_num_batched_tokens,
+                                                                       log)
         recorder = TraceRecorder(f"calibrate-{model}", "torch")
         t0 = time.perf_counter()
         cpu_s = run_design(engine, recorder, des, info.vocab_size or 256, seed=seed, log=log)
         log(f"calibrate: {len(recorder.steps)} steps measured in {time.perf_counter() - t0:.1f}s")
-        from servetwin.experiments.calibrate.drift_probe import measure_probe  # noqa: PLC0415
-
         probe_frames = measure_probe(args, info)  # scored below with the fitted model: the drift baseline
         if trace_dir:
             recorder.write(trace_dir)
@@ -456,7 +456,6 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
     provenance.update(extra)
     doc = calibration_document(base, cal, provenance, efficiency=efficiency)
     if probe_frames is not None:
-        from servetwin.experiments.calibrate.drift_probe import score_probe  # noqa: PLC0415
         from servetwin.sim.hardware import hardware_from_dict  # noqa: PLC0415
 
         fitted = CostModel(spec, hardware_from_dict(doc, "calibration"), cuda_graphs=cuda_graphs)

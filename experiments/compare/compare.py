@@ -163,6 +163,29 @@ def refresh_drifted_calibration(exp: ExperimentConfig, probe: Optional[dict[str,
             "calibrated_before": prov.get("date"), "calibration_wall_s": round(wall, 1), "file": path}
 
 
+def probe_drift(exp: ExperimentConfig, tinfo, threads: int, log: Callable[[str], None]):
+    """The drift probe before the scored runs; a second one when the first reads beyond the limit (one
+    probe is ~0.3 s of steps); with `hardware: auto` and both agreeing, the calibration re-measured and
+    probed again. Returns (the sim engine over the calibration in force, the last probe or None, the
+    refresh record or None)."""
+    sim_engine, sinfo = build_sim_engine(exp, tinfo)
+    probe = calibration_probe(exp, tinfo, sinfo.executor.cost_model)
+    if not probe:
+        return sim_engine, None, None
+    log(f"compare: drift probe: {probe['steps']} steps, signed median error "
+        f"{probe['signed_pct_error_median']:+.2f}%, drift since calibrated {_pct_text(probe['drift_pct'])}")
+    if _beyond(probe["drift_pct"]):
+        probe["drift_pct_confirming"] = calibration_probe(exp, tinfo, sinfo.executor.cost_model)["drift_pct"]
+        log(f"compare: drift probe again: {_pct_text(probe['drift_pct_confirming'])}")
+    refresh = refresh_drifted_calibration(exp, probe, threads, log)
+    if refresh is not None:  # the simulator reads the new file; the probe checks it
+        sim_engine, sinfo = build_sim_engine(exp, tinfo)
+        probe = calibration_probe(exp, tinfo, sinfo.executor.cost_model)
+        refresh["drift_after"] = probe["drift_pct"]
+        log(f"compare: drift probe after the refresh: {_pct_text(probe['drift_pct'])}")
+    return sim_engine, probe, refresh
+
+
 def run_torch(exp: ExperimentConfig, info, requests, offline: bool, run_name: str):
     """One measured run on a fresh engine over `info`'s executor; returns (trace frames, wall seconds)."""
     from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
@@ -355,29 +378,16 @@ def compare(exp: ExperimentConfig, out_dir: str, *, repeats: int = 1, threads: O
     for n in calibration_mismatches(exp, ex, nthreads):
         notes.append(n)
         log(f"compare: warning: {n}")
-    sim_engine, sinfo = build_sim_engine(exp, tinfo)
-    cost_model = sinfo.executor.cost_model
     requests, arrival, rng = build_requests(exp, tinfo.vocab_size)
     from servetwin.sim.arrivals import Offline  # noqa: PLC0415
 
     offline = isinstance(arrival, Offline)
     warm_s = warm_up(exp.engine_args("torch"), tinfo, requests)
-    probe = calibration_probe(exp, tinfo, cost_model) if probe_steps else None
-    refresh = None
-    if probe:
-        log(f"compare: drift probe: {probe['steps']} steps, signed median error "
-            f"{probe['signed_pct_error_median']:+.2f}%, drift since calibrated {_pct_text(probe['drift_pct'])}")
-        if _beyond(probe.get("drift_pct")):  # one probe is ~0.3 s of steps: a second one must confirm
-            second = calibration_probe(exp, tinfo, cost_model)
-            probe["drift_pct_confirming"] = second["drift_pct"]
-            log(f"compare: drift probe again: {_pct_text(second['drift_pct'])}")
-        refresh = refresh_drifted_calibration(exp, probe, nthreads, log)
-        if refresh is not None:  # the simulator reads the new file; the probe checks it
-            sim_engine, sinfo = build_sim_engine(exp, tinfo)
-            cost_model = sinfo.executor.cost_model
-            probe = calibration_probe(exp, tinfo, cost_model)
-            refresh["drift_after"] = probe["drift_pct"]
-            log(f"compare: drift probe after the refresh: {_pct_text(probe['drift_pct'])}")
+    sim_engine, probe, refresh = probe_drift(exp, tinfo, nthreads, log) if probe_steps else (
+        build_sim_engine(exp, tinfo)[0], None, None)
+    if refresh is not None:  # the replaced calibration's provenance would be reported otherwise
+        cal_label, cal_prov = calibration_info(exp)
+    cost_model = sim_engine.executor.cost_model
     sim_rec, sim_wall, sim_rej = run_sim(exp, sim_engine, requests, arrival, rng, exp.name)
     sim_frames = sim_rec.frames()
     log(f"compare: sim {len(sim_frames['steps'])} steps, {makespan(sim_frames):.3f}s simulated in {sim_wall:.2f}s")

@@ -126,3 +126,25 @@ def test_drift_is_the_ratio_of_the_two_probes_so_the_models_own_error_cancels():
     assert probe_at_calibration(own) == -7.0
     other = {"drift_probe": {"signed_pct_error_median": -7.0, "design": dict(PROBE, repeats=9)}}
     assert probe_at_calibration(other) is None and probe_at_calibration({}) is None
+
+
+def test_probe_drift_confirms_refreshes_and_probes_the_new_calibration(fake, monkeypatch):
+    """compare's probe flow: a reading beyond the limit is probed again; confirmed, the calibration is
+    re-measured, the simulator rebuilt over the new file and probed once more."""
+    from types import SimpleNamespace
+
+    from servetwin.experiments.compare import compare as cmp
+
+    exp = validate_config(tiny(hardware="auto"))
+    readings = iter([-30.0, -25.0, -2.0])
+    probes, builds = [], []
+    monkeypatch.setattr(cmp, "calibration_probe", lambda e, info, cm: probes.append(cm) or {
+        "steps": 10, "signed_pct_error_median": 0.0, "drift_pct": next(readings)})
+    monkeypatch.setattr(cmp, "build_sim_engine", lambda e, info: builds.append(1) or (
+        f"engine{len(builds)}", SimpleNamespace(executor=SimpleNamespace(cost_model=f"model{len(builds)}"))))
+    engine, probe, refresh = cmp.probe_drift(exp, None, 1, lambda m: None)
+    assert engine == "engine2" and probes == ["model1", "model1", "model2"] and len(fake) == 2
+    assert refresh["drift_before"] == -27.5 and refresh["drift_after"] == -2.0 and probe["drift_pct"] == -2.0
+    readings = iter([-30.0, 4.0])  # not confirmed: nothing re-measured, the first engine kept
+    engine, probe, refresh = cmp.probe_drift(exp, None, 1, lambda m: None)
+    assert engine == "engine3" and refresh is None and probe["drift_pct_confirming"] == 4.0 and len(fake) == 2
