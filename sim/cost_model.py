@@ -12,8 +12,10 @@ cores, where they reach `gemm_fp8_relative` times the fraction e_g; else bf16), 
 (attention and the LM head, which fp8 quantisation leaves in bf16), W = memory bandwidth, Wl =
 interconnect bandwidth, lat = collective latency, M = matmul weights of one layer (q, k, v, o, gate, up, down).
 Rows split by shape into prefill rows (q > 1) and decode rows (q = 1). T = scheduled tokens; T' = T
-padded up to the next CUDA-graph size when graphs are on and the step is decode-only (every q = 1)
-and T fits a graph; R = rows that sample.
+padded up to the next CUDA-graph capture size when graphs are on and T fits the largest one: a
+decode-only step (every q = 1) replays a full graph, any other step runs vLLM V1's piecewise graphs,
+which pad the step's tokens the same way (`pad_for_cudagraph` in its model runner; attention, outside
+the graphs, runs on the real tokens); R = rows that sample.
 
 Efficiencies (`servetwin.sim.coefficients.Efficiency`, per kernel class, data with provenance):
 a compute fraction e and a bandwidth fraction u of the datasheet, and where the shape matters a
@@ -131,7 +133,8 @@ def curve_fraction(curve: Sequence[tuple[float, float]], m: float) -> float:
 
 
 def default_cuda_graph_sizes(max_size: int = 512) -> list[int]:
-    """vLLM's default capture sizes: 1, 2, 4, then every 8 up to 256, then every 16 up to max."""
+    """vLLM's default capture sizes: 1, 2, 4, then every 8 up to 256, then every 16 up to max (its
+    `max_cudagraph_capture_size`: by default min(2 * max_num_seqs, 512, max_num_batched_tokens))."""
     sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_size + 1, 16))
     return [s for s in sizes if s <= max_size]
 
@@ -233,7 +236,7 @@ class CostModel:
                  ipc: bool = False, coefficients: Optional[CostCoefficients] = None,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
                  async_scheduling: bool = False, routing_skew: float = 0.0,
-                 fuse_allreduce_rms: bool = False) -> None:
+                 fuse_allreduce_rms: bool = False, piecewise_graphs: bool = True) -> None:
         self.model = load_model_spec(model)
         self.hw = load_hardware(hw)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -258,6 +261,9 @@ class CostModel:
         self.tp = tp
         self.cuda_graphs = bool(cuda_graphs)
         self.graph_sizes: list[int] = sizes if self.cuda_graphs else []
+        # vLLM V1 runs a step that is not a uniform decode in piecewise graphs, padded like a decode
+        # batch; servetwin's torch backend runs it eagerly (a profile calibrated on it says so)
+        self.piecewise_graphs = bool(piecewise_graphs)
         self.ipc = bool(ipc)
         self.quantization = quantization
         self.kv_cache_dtype = kv_cache_dtype
@@ -358,11 +364,13 @@ class CostModel:
 
     # -- shape helpers -------------------------------------------------------------------------
     def padded_tokens(self, step: StepSummary) -> tuple[int, bool]:
-        """(tokens the forward runs on, whether it replays a full CUDA graph)."""
-        if self.cuda_graphs and step.uniform_decode and step.num_tokens <= self.graph_sizes[-1]:
-            i = bisect.bisect_left(self.graph_sizes, step.num_tokens)
-            return self.graph_sizes[i], True
-        return step.num_tokens, False
+        """(tokens the forward runs on, whether it replays a full CUDA graph): a step up to the
+        largest capture size is padded to the next one - a uniform decode replays a full graph, any
+        other step the piecewise graphs (when `piecewise_graphs`; else it runs eagerly, unpadded)."""
+        n = step.num_tokens
+        if self.cuda_graphs and n <= self.graph_sizes[-1] and (step.uniform_decode or self.piecewise_graphs):
+            return self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)], step.uniform_decode
+        return n, False
 
     @staticmethod
     def summarize(step: StepSummary | Iterable[Any]) -> StepSummary:

@@ -36,7 +36,7 @@ from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import ExecutorInfo
 from servetwin.core.kv_cache.kv_cache_planning import KVCachePlan, describe_kv_plan, model_kv_plan
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec
-from servetwin.sim.cost_model import CostModel
+from servetwin.sim.cost_model import CostModel, default_cuda_graph_sizes
 from servetwin.sim.executor import SimExecutor
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
@@ -131,6 +131,14 @@ def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_m
     return KVPoolSize(blocks, spec, requested, weights, act, non_torch, int(available), plan)
 
 
+def max_capture_size(args: Any, max_num_batched_tokens: int) -> int:
+    """vLLM's `max_cudagraph_capture_size`: as given, else min(2 * max_num_seqs, 512), never above the
+    step's token budget."""
+    given = getattr(args, "max_cudagraph_capture_size", None)
+    size = given if given is not None else min(2 * args.max_num_seqs, 512)
+    return min(size, max_num_batched_tokens)
+
+
 def build_sim_executor(args: Any):
     """The `sim` backend's `ExecutorBackend.from_engine_args` (args: `EngineArgs`): size the pool, build the
     `SimExecutor`."""
@@ -142,6 +150,8 @@ def build_sim_executor(args: Any):
     kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto") or "auto"
     cost_model = CostModel(model, hw, tp=args.tensor_parallel_size,
                            cuda_graphs=(not args.enforce_eager) and hw.device_type == "cuda",
+                           graph_sizes=default_cuda_graph_sizes(max_capture_size(args, mnbt)),
+                           piecewise_graphs=hw.provenance.get("backend") != "torch",
                            ipc=bool(getattr(args, "multiprocess", False)), quantization=quantization,
                            kv_cache_dtype=kv_cache_dtype, async_scheduling=bool(args.async_scheduling),
                            fuse_allreduce_rms=bool(getattr(args, "fuse_allreduce_rms", False)))

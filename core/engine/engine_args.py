@@ -96,6 +96,9 @@ class EngineArgs:
     kv_cache_memory_bytes: Optional[int] = None
     disable_hybrid_kv_cache_manager: bool = False
     enforce_eager: bool = False
+    # simulator: vLLM's compilation_config.max_cudagraph_capture_size; None: vLLM's default,
+    # min(2 * max_num_seqs, 512, max_num_batched_tokens)
+    max_cudagraph_capture_size: Optional[int] = None
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
     attention_backend: str = "auto"
@@ -204,6 +207,9 @@ FIELD_HELP: dict[str, str] = {
     "disable_hybrid_kv_cache_manager": "one full-attention KV cache group even for sliding-window / chunked "
                                        "local layers (vLLM's --disable-hybrid-kv-cache-manager)",
     "enforce_eager": "no CUDA graphs",
+    "max_cudagraph_capture_size": "simulator: largest CUDA-graph capture size; steps up to it are padded to the "
+                                  "next size (vLLM's --max-cudagraph-capture-size; default min(2 x max_num_seqs, "
+                                  "512, max_num_batched_tokens))",
     "tensor_parallel_size": "devices one model is split over (the simulator models the communication)",
     "max_logprobs": "most logprobs a request may ask for (-1: no limit)",
     "attention_backend": "attention kernel: auto, torch-paged, flash-attn",

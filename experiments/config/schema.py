@@ -230,6 +230,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "tensor_parallel_size": _int(1),
     "dtype": _choice(*DTYPES),
     "enforce_eager": _bool,
+    "max_cudagraph_capture_size": _int(1, nullable=True),
     "scheduler_reserve_full_isl": _bool,
     "watermark": _float(0.0, 1.0, high_open=True),
     "kv_cache_memory_bytes": _int(1, nullable=True),

@@ -183,3 +183,16 @@ def test_given_batch_limits_win_and_cpu_runs_keep_servetwins_defaults():
     exp = validate_config({"model": "tiny-llama", "hardware": "cpu", "backends": ["sim"], "workload": work})
     assert (exp.engine.args.max_num_seqs, exp.engine.args.max_num_batched_tokens) == (128, None)
     assert "max_num_seqs" not in exp.raw["engine"]
+
+
+def test_max_cudagraph_capture_size_is_checked():
+    from servetwin.core.config_error import ConfigError
+    from servetwin.experiments.config.schema import validate_config
+
+    base = {"name": "x", "model": "llama-3.1-8b", "hardware": "h100-sxm", "backends": ["sim"],
+            "workload": {"requests": 2, "prompt_tokens": 8, "output_tokens": 2}}
+    ok = validate_config({**base, "engine": {"max_cudagraph_capture_size": 2048}})
+    assert ok.engine.args.max_cudagraph_capture_size == 2048
+    with pytest.raises(ConfigError) as e:
+        validate_config({**base, "engine": {"max_cudagraph_capture_size": 0}})
+    assert e.value.path == "engine.max_cudagraph_capture_size"

@@ -142,13 +142,29 @@ def test_cuda_graph_padding_of_decode_batches():
     b300 = cm.basis([RowShape(1, 100)] * 300)
     assert cm.predict([RowShape(1, 100)] * 300).padded_batch_size == 304
     assert b300["linear"] == pytest.approx(2 * 304 * 32 * L8_MATMUL / H100_PEAK)
-    # above the largest captured size, and mixed batches, run outside the full graph (piecewise) unpadded
+    # above the largest captured size a step runs outside any graph, unpadded
     assert cm.predict([RowShape(1, 100)] * 513).padded_batch_size == 513
     big = cm.basis([RowShape(1, 100)] * 513)
     assert (big["layer"], big["layer_piecewise"]) == (0.0, 32.0)
-    mixed = [RowShape(1, 100)] * 3 + [RowShape(5, 0)]
-    assert cm.predict(mixed).padded_batch_size == 8
-    assert cm.basis(mixed)["layer_piecewise"] == 32.0
+
+
+def test_mixed_steps_pad_to_a_capture_size_in_piecewise_graphs():
+    # vLLM V1 pads every step up to the largest capture size (pad_for_cudagraph); a step that is not a
+    # uniform decode runs the piecewise graphs: padded GEMMs, attention launched per layer
+    cm = CostModel("llama-3.1-8b", ideal("h100-sxm"), cuda_graphs=True)
+    mixed = [RowShape(1, 100)] * 200 + [RowShape(100, 0)]  # 300 tokens
+    assert cm.predict(mixed).padded_batch_size == 304
+    b = cm.basis(mixed)
+    assert (b["layer"], b["layer_piecewise"]) == (0.0, 32.0)
+    assert b["linear"] == pytest.approx(2 * 304 * 32 * L8_MATMUL / H100_PEAK)
+    assert b["token"] == 300.0  # host-side work and attention on the real tokens
+    assert cm.predict([RowShape(600, 0)]).padded_batch_size == 600  # above 512: eager, unpadded
+    # servetwin's torch backend runs such steps eagerly: a model of it does not pad them
+    eager_mixed = CostModel("llama-3.1-8b", ideal("h100-sxm"), cuda_graphs=True, piecewise_graphs=False)
+    assert eager_mixed.predict(mixed).padded_batch_size == 300
+    assert eager_mixed.predict([RowShape(1, 100)] * 3).padded_batch_size == 4  # decode graphs stay
+    wide = CostModel("llama-3.1-8b", ideal("h100-sxm"), cuda_graphs=True, graph_sizes=default_cuda_graph_sizes(2048))
+    assert wide.predict([RowShape(1000, 0), RowShape(1, 5)]).padded_batch_size == 1008
 
 
 def test_graphs_off_and_custom_sizes():

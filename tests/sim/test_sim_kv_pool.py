@@ -97,3 +97,18 @@ def test_the_sim_engine_schedules_with_the_models_groups(monkeypatch, disable):
     assert kv.block_pool.num_gpu_blocks == info.num_gpu_blocks and info.max_model_len == 8192
     assert [type(m).__name__ for m in kv.coordinator.single_type_managers] == (
         ["FullAttentionManager"] if disable else ["SlidingWindowManager", "FullAttentionManager"])
+
+
+def test_the_cuda_graph_capture_sizes_follow_vllm_and_the_engine_setting():
+    from servetwin.core.engine.engine_args import EngineArgs
+    from servetwin.sim.kv_pool import build_sim_executor
+
+    def sizes(**kw):
+        args = EngineArgs.from_kwargs(model="llama-3.1-8b", backend="sim", hardware="h100-sxm", **kw)
+        return build_sim_executor(args).executor.cost_model.graph_sizes
+
+    assert sizes(max_num_seqs=256)[-1] == sizes(max_num_seqs=1024)[-1] == 512  # min(2 x sequences, 512)
+    assert sizes(max_num_seqs=16)[-1] == 32
+    assert sizes(max_num_seqs=16, max_cudagraph_capture_size=2048)[-1] == 2048
+    assert sizes(max_num_batched_tokens=256)[-1] == 256  # never above the step's token budget
+    assert sizes(enforce_eager=True) == []
