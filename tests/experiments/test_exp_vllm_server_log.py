@@ -82,36 +82,43 @@ def test_import_takes_engine_settings_from_the_log(tmp_path, capsys):
     assert "not a vLLM server log" in capsys.readouterr().err
 
 
-# The MoE presets' weights on one rank (`CostModel.weight_bytes_per_rank`: the experts in the layout their
-# kernel pads them to) against the `Model loading took X GiB` that public vLLM start-up logs state for that
-# model, TP and GPU (tests/data/vllm_logs/README.md names each thread). A preset or padding rule that drifts
-# by more than the stated tolerance fails here.
+# The presets' weights on one rank (`CostModel.weight_bytes_per_rank`: the experts in the layout their
+# kernel pads them to, fp8's unquantised embedding/LM head/routers in bf16) against the `Model loading took
+# X GiB` that public vLLM start-up logs state for that model, TP and GPU (tests/data/vllm_logs/README.md
+# names each thread). A preset or padding rule that drifts by more than the stated tolerance fails here.
 PRESET_LOGS = [
-    # (log, preset, GPU preset, TP, relative tolerance)
+    # (log, preset, GPU preset, TP, quantization, relative tolerance)
     # Marlin W4A16 MoE on an H100, the layout servetwin prices H100 MXFP4 with: 65.84 vs 65.97 GiB (-0.19%);
     # the rest is kernel workspace and the RoPE cache, which the preset does not count
-    ("issue23278_v1_gpt-oss-120b_h100_marlin.log", "gpt-oss-120b", "h100-sxm", 1, 0.005),
+    ("issue23278_v1_gpt-oss-120b_h100_marlin.log", "gpt-oss-120b", "h100-sxm", 1, None, 0.005),
     # vLLM 0.14.1 picked its Triton MXFP4 backend on the H100, whose layout is 1.46 GiB smaller than
     # Marlin's: servetwin keeps pricing the Marlin layout, 2.3% over this log (the unpadded 60.71 GiB is 5.7% under)
-    ("issue33155_v0.14.1_gpt-oss-120b_h100_triton.log", "gpt-oss-120b", "h100-sxm", 1, 0.03),
+    ("issue33155_v0.14.1_gpt-oss-120b_h100_triton.log", "gpt-oss-120b", "h100-sxm", 1, None, 0.03),
     # Marlin on an A100 80GB (vLLM 0.19.0): 13.66 vs 13.72 GiB (-0.42%), the same unpriced workspace/RoPE cache
-    ("myoceane_v0.19.0_gpt-oss-20b_a100.log", "gpt-oss-20b", "a100-80g", 1, 0.01),
+    ("myoceane_v0.19.0_gpt-oss-20b_a100.log", "gpt-oss-20b", "a100-80g", 1, None, 0.01),
     # bf16 experts on 4 x A10 (world size 4 in the log); bf16 fused-MoE weights are not padded, so the GPU
     # preset (a100-80g, the same Ampere kernels) does not change them. 14.22 vs 14.25 GiB (-0.21%): the
     # router gate (48 x 128 x 2048 bf16, 25 MB) and the RoPE cos/sin cache (40,960 x 128 bf16, 10 MB) are
     # whole on every rank, the preset divides them by TP
-    ("issue17469_v0.8.5_qwen3-30b-a3b_tp4_a10.log", "qwen3-30b-a3b", "a100-80g", 4, 0.005),
+    ("issue17469_v0.8.5_qwen3-30b-a3b_tp4_a10.log", "qwen3-30b-a3b", "a100-80g", 4, None, 0.005),
+    # the FP8 checkpoint (Qwen3-30B-A3B-Instruct-2507-FP8, one GPU): 29.03 vs 29.10 GiB (-0.24%), with the
+    # embedding, LM head and routers in bf16 as vLLM keeps them (1 byte for every weight: 28.44, -2.3%)
+    ("issue25928_v1_qwen3-30b-a3b-instruct-2507-fp8.log", "qwen3-30b-a3b", "h100-sxm", 1, "fp8", 0.005),
+    # a dense int8 w8a8 checkpoint, 1 byte per quantised weight as fp8: 67.67 vs 67.72 GiB (-0.08%; 65.71, -3.0%,
+    # with the embedding and LM head at 1 byte)
+    ("pr12569_v1_llama31-70b-w8a8.log", "llama-3.1-70b", "h100-sxm", 1, "fp8", 0.005),
 ]
 
 
-@pytest.mark.parametrize("name,preset,gpu,tp,tolerance", PRESET_LOGS)
-def test_moe_preset_weights_per_rank_match_vllm_startup_logs(name, preset, gpu, tp, tolerance):
+@pytest.mark.parametrize("name,preset,gpu,tp,quantization,tolerance", PRESET_LOGS)
+def test_preset_weights_per_rank_match_vllm_startup_logs(name, preset, gpu, tp, quantization, tolerance):
     from servetwin.sim.cost_model import CostModel  # noqa: PLC0415
     from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
     from servetwin.sim.model_spec import load_model_spec  # noqa: PLC0415
 
     logged = read_server_log(LOGS / name).model_loading_gib
-    ours = CostModel(load_model_spec(preset), load_hardware(gpu), tp=tp).weight_bytes_per_rank / 2**30
+    ours = CostModel(load_model_spec(preset), load_hardware(gpu), tp=tp,
+                     quantization=quantization).weight_bytes_per_rank / 2**30
     assert ours == pytest.approx(logged, rel=tolerance)
 
 
