@@ -272,6 +272,21 @@ class ModelSpec:
         expert_bits = weight_bits(self.expert_dtype or self.dtype)
         return int((self.num_parameters - experts) * self.dtype_bytes + experts * expert_bits / 8)
 
+    @property
+    def unquantized_params(self) -> int:
+        """Weights vLLM's fp8 quantisation leaves in the model dtype: its quantised linear methods cover the
+        layers' projections and experts, not the embedding, an untied LM head, the MoE routers (replicated
+        linears built without a quant config) or the norms."""
+        untied_head = 0 if self.tie_word_embeddings else self.lm_head_params
+        norms = (2 * self.num_layers + 1) * self.hidden_size
+        return self.embedding_params + untied_head + self.num_moe_layers * self.router_params + norms
+
+    @property
+    def fp8_weight_bytes(self) -> int:
+        """Weights under vLLM's fp8 quantisation: 1 byte each, `unquantized_params` in the model dtype."""
+        kept = self.unquantized_params
+        return self.num_parameters - kept + kept * self.dtype_bytes
+
     # -- KV cache ------------------------------------------------------------------------------
     def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
         """K and V of every layer for one token (sliding-window and chunked layers included: a

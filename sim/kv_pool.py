@@ -9,9 +9,9 @@ for the KV cache, `num_blocks = available // bytes_per_block` (`servetwin.core.k
 Its terms, as the simulator estimates them:
 - `total_memory`: what the CUDA driver reports (`HardwareSpec.memory_bytes`, e.g. 79.11 GiB on an
   H100 80GB), not the datasheet's 80 GiB;
-- weights: the parameter count x bytes per weight (1 with fp8 weights), per tensor-parallel rank; an MoE
-  model's experts at their storage precision in the layout their kernel pads them to
-  (`CostModel.weight_bytes_per_rank`);
+- weights: the parameter count x bytes per weight (1 with fp8 weights, the embedding, LM head, routers and
+  norms staying in the model dtype), per tensor-parallel rank; an MoE model's experts at their storage
+  precision in the layout their kernel pads them to (`CostModel.weight_bytes_per_rank`);
 - the activation peak: the larger of the forward's transient buffers and the sampler's (they are not
   live at the same time): per token ACT_D_BUFFERS d-sized plus ACT_FF_BUFFERS dff-sized activations
   (fitted to vLLM's logged peaks, see below), and per sampled row the bf16 logits plus
@@ -107,12 +107,13 @@ def size_kv_pool(model: ModelSpec, hw: HardwareSpec, block_size: int = 16, gpu_m
     spec = KVCacheSpec(num_layers=model.num_layers, num_kv_heads=kv_heads, head_size=model.head_dim,
                        dtype=kv_dtype if kv_dtype not in (None, "auto") else model.dtype, block_size=block_size)
     requested = math.ceil(hw.memory_bytes * gpu_memory_utilization)
-    # at their storage precision (an MoE model's MXFP4 experts: 4.25 bits); fp8 quantisation: 1 byte each;
+    # at their storage precision (an MoE model's MXFP4 experts: 4.25 bits); fp8 quantisation: 1 byte each
+    # but the embedding, LM head, routers and norms (`ModelSpec.fp8_weight_bytes`);
     # `weight_bytes`: the rank's figure when the caller knows it (`CostModel.weight_bytes_per_rank`: padded experts)
     if weight_bytes is not None:
         weights = weight_bytes
     else:
-        weights = (model.num_parameters if quantization == "fp8" else model.weight_bytes) // tp
+        weights = (model.fp8_weight_bytes if quantization == "fp8" else model.weight_bytes) // tp
     act = activation_peak_bytes(model, max_num_batched_tokens, max_num_seqs, tp)
     non_torch = non_torch_bytes(hw, tp)
     if kv_cache_memory_bytes is not None:

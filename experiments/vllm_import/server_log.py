@@ -8,7 +8,8 @@ The lines read (vLLM's logger format strings; examples in tests/data/vllm_logs, 
 | engine arguments | `non-default args: {...}` (a Python dict repr) |
 | model, TP | the non-default args' `model` / `tensor_parallel_size`, else the engine config line's `model='...'`, `tensor_parallel_size=N` |
 | KV pool | `GPU KV cache size: N tokens` (V1), `# GPU blocks: N` (early V1), `# cuda blocks: N, # CPU blocks: M` (V0), the API server's `num_gpu_blocks is: N` |
-| KV memory | `Available KV cache memory: X GiB`, V0's `the rest of the memory reserved for KV Cache is X GiB` |
+| KV memory | `Available KV cache memory: X GiB`, V0's `the rest of the memory reserved for KV Cache is X GiB`, the worker's memory summary (2026) `Current kv cache memory in use is X GiB` |
+| gpu_memory_utilization | V0's `gpu_memory_utilization (X)`, the worker's memory summary `Desired GPU memory utilization is (X, ...)` |
 | max_model_len in use | `Maximum concurrency for N tokens per request`, `Using max model len N` (a smaller value than the `max_model_len` asked for = reduced to fit the KV cache) |
 | model memory | `Model loading took X GiB` / `Loading model weights took X GB`, V0's `model weights take X GiB` |
 | token budget | `Chunked prefill is enabled with max_num_batched_tokens=N` |
@@ -35,9 +36,11 @@ _PATTERNS: dict[str, re.Pattern] = {
     "max_model_len": re.compile(rf"Maximum concurrency for {_NUM} tokens per request|Using max model len {_NUM}"),
     "model_loading_gib": re.compile(r"Model loading took ([\d.]+) ?GiB|Loading model weights took ([\d.]+) ?GB"
                                     r"|model weights take ([\d.]+) ?GiB"),
-    "kv_cache_gib": re.compile(r"Available KV cache memory: ([\d.]+) ?GiB|reserved for KV Cache is ([\d.]+) ?GiB"),
+    "kv_cache_gib": re.compile(r"Available KV cache memory: ([\d.]+) ?GiB|reserved for KV Cache is ([\d.]+) ?GiB"
+                              r"|Current kv cache memory in use is ([\d.]+) ?GiB"),
     "max_num_batched_tokens": re.compile(rf"Chunked prefill is enabled with max_num_batched_tokens={_NUM}"),
-    "gpu_memory_utilization": re.compile(r"gpu_memory_utilization \(([\d.]+)\)"),
+    "gpu_memory_utilization": re.compile(r"gpu_memory_utilization \(([\d.]+)\)"
+                                        r"|Desired GPU memory utilization is \(([\d.]+),"),
 }
 _NON_DEFAULT = re.compile(r"non-default args: (\{.*\})\s*$")
 _CAPTURE = re.compile(r"Capturing CUDA graphs? \(([^)]*)\).*?\|\s*(\d+)/(\d+)")
@@ -63,7 +66,7 @@ class ServerLog:
     model_loading_gib: Optional[float] = None
     kv_cache_gib: Optional[float] = None
     max_num_batched_tokens: Optional[int] = None
-    gpu_memory_utilization: Optional[float] = None  # V0's memory-profiling line
+    gpu_memory_utilization: Optional[float] = None  # V0's memory-profiling line, the 2026 worker summary
     cuda_graph_sizes: Optional[list[int]] = None
     cuda_graph_captures: dict[str, int] = field(default_factory=dict)  # capture bar label -> graphs
     non_default_args: dict[str, Any] = field(default_factory=dict)
