@@ -376,13 +376,22 @@ class TraceRecorder:
         held ~1 GB of temporaries)."""
         if self.delivery is None:
             return self.engine_itl_array()
+        packed = self._packed_token_times
+        if packed is not None and packed[1] is not None:
+            # token times packed as indexes among the distinct step ends: each end's client time once
+            # (~30k lookups instead of ~2M), then one gather per chunk - the same values
+            values, index, lengths = packed
+            by_end = self.delivery.client_times(values)
+            chunks = ((by_end[index[start:stop]], seg) for start, stop, seg in _chunk_segments(lengths))
+            return _gather((self._client_gaps(None, seg, client) for client, seg in chunks), self._num_tokens())
         return _gather((self._client_gaps(times, seg) for times, seg in self._token_time_chunks()),
                        self._num_tokens())
 
-    def _client_gaps(self, times, seg):
+    def _client_gaps(self, times, seg, client=None):
         import numpy as np  # noqa: PLC0415  (lazy, like pandas in frames())
 
-        client = self.delivery.client_times(times)
+        if client is None:
+            client = self.delivery.client_times(times)
         ok = ~np.isnan(client)  # never delivered (RequestTrace.itls drops them)
         if not ok.all():  # (a copy: only when some are dropped)
             client, seg = client[ok], seg[ok]
@@ -416,9 +425,8 @@ class TraceRecorder:
 
         if self._packed_token_times is not None:
             values, index, lengths = self._packed_token_times
-            for a, b, start, stop in _request_spans(lengths):
-                times = values[start:stop] if index is None else values[index[start:stop]]
-                yield times, np.repeat(np.arange(b - a, dtype=np.int32), lengths[a:b])
+            for start, stop, seg in _chunk_segments(lengths):
+                yield (values[start:stop] if index is None else values[index[start:stop]]), seg
             return
         lists = [t.token_times for t in self.requests.values()]
         lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
@@ -523,6 +531,14 @@ def _request_spans(lengths) -> Any:
         b = max(a + 1, int(np.searchsorted(ends, start + ITL_CHUNK_TOKENS, side="right")))
         yield a, b, start, int(ends[b - 1])
         a = b
+
+
+def _chunk_segments(lengths: Any) -> Iterator[tuple[int, int, Any]]:
+    """(first token, end token, each token's request index in the chunk) per `_request_spans` chunk."""
+    import numpy as np  # noqa: PLC0415
+
+    for a, b, start, stop in _request_spans(lengths):
+        yield start, stop, np.repeat(np.arange(b - a, dtype=np.int32), lengths[a:b])
 
 
 def _flat(lists: list, count: int) -> Any:
