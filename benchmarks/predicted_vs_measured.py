@@ -53,7 +53,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-o", "--output", default=os.path.join(ROOT, "runs", "pvm"))
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--calibration", default=os.path.join(ROOT, "experiments", "calibrations", "cpu_smollm2-135m.yaml"))
+    p.add_argument("--calibration", default=None,
+                   help="a calibration file for every config (default: theirs, `hardware: auto` - this "
+                        "machine's, measured on first use; the example fitted elsewhere: "
+                        "experiments/calibrations/cpu_smollm2-135m.yaml)")
     p.add_argument("--only", nargs="*", help="config stems to run (default: every compare_*.yaml)")
     p.add_argument("--from-run-calibration", action="store_true")
     p.add_argument("--calibrate", action="store_true",
@@ -66,13 +69,14 @@ def main() -> int:
         configs = [c for c in configs if os.path.splitext(os.path.basename(c))[0] in args.only]
     cli = [sys.executable, "-m", "servetwin.experiments.cli"]
 
-    def run_all(calibration: str, tag: str) -> list[str]:
+    def run_all(calibration: "str | None", tag: str) -> list[str]:
         rows = []
         for cfg in configs:
             name = os.path.splitext(os.path.basename(cfg))[0]
             out = os.path.join(args.output, tag, name)
             print(f"[{tag}] {name}: load {_load()}", file=sys.stderr, flush=True)
-            rc = subprocess.call(cli + ["compare", cfg, "-o", out, "--calibration", calibration,
+            given = ["--calibration", calibration] if calibration else []
+            rc = subprocess.call(cli + ["compare", cfg, "-o", out, *given,
                                         "--repeats", str(args.repeats), "--retry-contended",
                                         str(args.retry_contended)], cwd=ROOT)
             if rc != 0:
@@ -83,6 +87,7 @@ def main() -> int:
         return rows
 
     if args.calibrate:
+        args.calibration = args.calibration or os.path.join(args.output, "calibration.yaml")
         print(f"[calibrate] load {_load()}", file=sys.stderr, flush=True)
         subprocess.check_call(cli + ["calibrate", "--model", "smollm2-135m", "--dtype", "bfloat16", "--threads", "1",
                                      "--trace-dir", os.path.join(args.output, "calibration_trace"),

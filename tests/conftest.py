@@ -1,7 +1,8 @@
 """Suite-wide: `hardware: auto` (the `make run` config) must not measure this machine in a test.
 
-Calibrations go to a temporary cache, pre-seeded with the shipped tiny-llama example under this
-machine's fingerprint, so configs with `hardware: auto` run with the coefficients the tests always used;
+Calibrations go to a temporary cache, pre-seeded with the shipped examples (tiny-llama float32, smollm2-135m
+bfloat16) under this machine's fingerprint, so configs with `hardware: auto` (`make run`'s, the
+compare_smollm2_* ones) run with the coefficients the tests always used;
 tests of the automatic calibration inject their own (tests/experiments/test_exp_auto_calibration.py)."""
 import os
 import shutil
@@ -16,8 +17,10 @@ def pytest_configure(config):
     os.environ["SERVETWIN_CALIBRATIONS"] = cache  # subprocesses (nbconvert, workers) inherit it
     from servetwin.experiments.calibrate.auto_calibration import THREADS, cache_path, fingerprint
 
-    example = Path(__file__).resolve().parents[1] / "experiments" / "calibrations" / "cpu_tiny-llama.yaml"
-    shutil.copyfile(example, cache_path(fingerprint("tiny-llama", "float32", THREADS)))
+    examples = Path(__file__).resolve().parents[1] / "experiments" / "calibrations"
+    for name, model, dtype in (("cpu_tiny-llama.yaml", "tiny-llama", "float32"),
+                               ("cpu_smollm2-135m.yaml", "smollm2-135m", "bfloat16")):
+        shutil.copyfile(examples / name, cache_path(fingerprint(model, dtype, THREADS)))
 
 
 def pytest_unconfigure(config):
