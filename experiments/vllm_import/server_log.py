@@ -50,7 +50,8 @@ _CONFIG_FIELD = re.compile(r"\b(model|tensor_parallel_size|max_seq_len)=('([^']*
 ENGINE_ARGS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
                "enable_prefix_caching": "enable_prefix_caching", "enable_chunked_prefill": "enable_chunked_prefill",
                "gpu_memory_utilization": "gpu_memory_utilization", "block_size": "block_size",
-               "kv_cache_dtype": "kv_cache_dtype", "enforce_eager": "enforce_eager", "dtype": "dtype"}
+               "kv_cache_dtype": "kv_cache_dtype", "enforce_eager": "enforce_eager", "dtype": "dtype",
+               "max_cudagraph_capture_size": "max_cudagraph_capture_size"}
 
 
 @dataclass(slots=True)
@@ -162,6 +163,8 @@ def engine_settings(log: ServerLog) -> dict[str, tuple[Any, str]]:
         note = (f"the log (reduced from the requested {log.requested_max_model_len} to fit the KV cache)"
                 if log.reduced_max_model_len else "the log")
         out["max_model_len"] = (log.max_model_len, note)
+    if log.cuda_graph_sizes:  # steps up to the largest are padded to a capture size (the cost model does too)
+        out["max_cudagraph_capture_size"] = (max(log.cuda_graph_sizes), "the log's cudagraph_capture_sizes")
     if log.max_num_batched_tokens and "max_num_batched_tokens" not in out:
         out["max_num_batched_tokens"] = (log.max_num_batched_tokens, "the log's chunked-prefill line")
     blocks = log.num_gpu_blocks or (log.kv_cache_tokens // log.block_size if log.kv_cache_tokens and log.block_size

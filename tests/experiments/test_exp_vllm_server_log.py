@@ -51,6 +51,7 @@ def test_lines_built_from_vllm_format_strings():
     settings = engine_settings(log)
     assert settings["max_num_seqs"][0] == 128 and settings["enable_prefix_caching"][0] is False
     assert "reduced from the requested 131072" in settings["max_model_len"][1]
+    assert settings["max_cudagraph_capture_size"][0] == 16  # the simulator pads steps up to it
     with pytest.raises(ConfigError, match=":1: the non-default args are not a readable dict"):
         parse_server_log("non-default args: {'model': <object at 0x1>}")
 
