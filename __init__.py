@@ -3,10 +3,41 @@
 The repository's folders are this package's subpackages: `servetwin.core` (scheduler, KV cache, engine,
 entry points, testbed drivers), `servetwin.sim`, `servetwin.gpu`, `servetwin.experiments`.
 """
-from servetwin.core.request import FinishReason, Request, RequestStatus
-from servetwin.core.sampling_params import SamplingParams
+import os as _os
+import sys as _sys
+from importlib.machinery import EXTENSION_SUFFIXES, SOURCE_SUFFIXES, FileFinder, SourceFileLoader
 
-__all__ = ["LLM", "SamplingParams", "Request", "RequestStatus", "FinishReason"]
+
+def _import_from_source() -> None:
+    """SERVETWIN_PURE_PYTHON=1: this package's modules load from their `.py` files even where the
+    optional compiled build (scripts/build_compiled.py) put a `.so` next to them (the interpreter
+    prefers the `.so`). A path hook for this package's folders only; every other package is untouched."""
+    root = _os.path.dirname(_os.path.abspath(__file__))
+
+    def source_only(path: str) -> FileFinder:
+        path = _os.path.abspath(path)
+        if path != root and not path.startswith(root + _os.sep):
+            raise ImportError("not a servetwin folder")  # (the next path hook takes it)
+        return FileFinder(path, (SourceFileLoader, SOURCE_SUFFIXES))
+
+    _sys.path_hooks.insert(0, source_only)
+    _sys.path_importer_cache.clear()
+
+
+if _os.environ.get("SERVETWIN_PURE_PYTHON") == "1":
+    _import_from_source()
+
+from servetwin.core.request import FinishReason, Request, RequestStatus  # noqa: E402
+from servetwin.core.sampling_params import SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "SamplingParams", "Request", "RequestStatus", "FinishReason", "compiled_modules"]
+
+
+def compiled_modules() -> list[str]:
+    """The servetwin modules this process has imported compiled (the optional mypyc build,
+    scripts/build_compiled.py); [] when it runs the pure-Python source, the reference."""
+    return sorted(name for name, mod in list(_sys.modules.items()) if name.startswith("servetwin.") and "__mypyc" not in name
+                  and (getattr(mod, "__file__", None) or "").endswith(tuple(EXTENSION_SUFFIXES)))
 
 
 def __getattr__(name: str):
