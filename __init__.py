@@ -24,7 +24,32 @@ def _import_from_source() -> None:
     _sys.path_importer_cache.clear()
 
 
+def _edited_since_build() -> list[str]:
+    """The compiled modules' sources changed after the compiled build was made ([] without a build):
+    a stale `.so` would run the old code, so the whole package then runs from source."""
+    root = _os.path.dirname(_os.path.abspath(__file__))
+    native = [f for f in _os.listdir(root) if f.startswith("_native__mypyc") and f.endswith(tuple(EXTENSION_SUFFIXES))]
+    if not native:
+        return []
+    built_at = _os.path.getmtime(_os.path.join(root, native[0]))
+    edited = []
+    for sub in ("core", "sim"):  # (where scripts/build_compiled.py compiles from)
+        for folder, _, files in _os.walk(_os.path.join(root, sub)):
+            for f in files:
+                stem, dot, _ = f.partition(".")
+                if f.endswith(tuple(EXTENSION_SUFFIXES)) and stem + ".py" in files \
+                        and _os.path.getmtime(_os.path.join(folder, stem + ".py")) > built_at:
+                    edited.append(_os.path.relpath(_os.path.join(folder, stem + ".py"), root))
+    return edited
+
+
 if _os.environ.get("SERVETWIN_PURE_PYTHON") == "1":
+    _import_from_source()
+elif _edited := _edited_since_build():
+    import warnings as _warnings
+
+    _warnings.warn(f"servetwin: {', '.join(_edited)} changed after the compiled build: running pure Python "
+                   "(rebuild: make build-compiled; remove: make clean-compiled)", RuntimeWarning, stacklevel=2)
     _import_from_source()
 
 from servetwin.core.request import FinishReason, Request, RequestStatus  # noqa: E402
