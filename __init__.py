@@ -61,7 +61,8 @@ __all__ = ["LLM", "SamplingParams", "Request", "RequestStatus", "FinishReason", 
 def compiled_modules() -> list[str]:
     """The servetwin modules this process has imported compiled (the optional mypyc build,
     scripts/build_compiled.py); [] when it runs the pure-Python source, the reference."""
-    return sorted(name for name, mod in list(_sys.modules.items()) if name.startswith("servetwin.") and "__mypyc" not in name
+    return sorted(name for name, mod in list(_sys.modules.items())
+                  if name.startswith("servetwin.") and "__mypyc" not in name  # (not the shared library)
                   and (getattr(mod, "__file__", None) or "").endswith(tuple(EXTENSION_SUFFIXES)))
 
 

@@ -28,9 +28,10 @@ Measured 2026-12-02 (`--compiled --repeats 3`, bench_h100_llama8b.yaml, 10k requ
     pure             69.7               5.05            5.59              5.45
     compiled        105.2               3.44            3.76              3.85
     compiled/pure   1.51x faster        0.68            0.67              0.71
-(single runs: pure 65.5-71.7x, compiled 96.5-114.4x.) A second invocation (`--repeats 2`): loop 61.1x ->
-86.5x (1.42x), loop CPU 6.01 -> 4.32 s, process wall 6.50 -> 4.76 s, process CPU 6.53 -> 4.83 s. Traces and tables of `servetwin run` on this
-config are byte-identical between the two builds. docs/compiled_build.md has the rest.
+(single runs: pure 65.5-71.7x, compiled 96.5-114.4x.) A second invocation (`--repeats 2`): loop
+61.1x -> 86.5x (1.42x), loop CPU 6.01 -> 4.32 s, process wall 6.50 -> 4.76 s, process CPU 6.53 -> 4.83 s.
+Traces and tables of `servetwin run` on this config are byte-identical between the two builds
+(docs/compiled_build.md has the rest).
 
 Usage: python benchmarks/sim_speed.py [--requests N] [--variants] [--breakdown] [--bounds]
        python benchmarks/sim_speed.py --compare DIR [--repeats 3] [--requests N]

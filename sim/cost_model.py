@@ -310,8 +310,9 @@ class CostModel:
             raise ConfigError("model.layer_types", "sliding-window and chunked layers in one model are not "
                               "priced (one window per model)")
         if Lw:  # a chunked layer's query sees (its position mod C) + 1 keys: (C + 1) / 2 on average
-            self.attention_window = float(m.sliding_window) if window_layers[0] == SLIDING_ATTENTION else (  # type: ignore[arg-type]
-                (m.attention_chunk_size + 1) / 2.0)
+            self.attention_window = (
+                float(m.sliding_window)  # type: ignore[arg-type]  # (set for sliding layers)
+                if window_layers[0] == SLIDING_ATTENTION else (m.attention_chunk_size + 1) / 2.0)
         lat = ar = ag = 0.0
         if tp > 1:
             frac = (tp - 1) / tp
