@@ -8,11 +8,15 @@ import sys as _sys
 from importlib.machinery import EXTENSION_SUFFIXES, SOURCE_SUFFIXES, FileFinder, SourceFileLoader
 
 
-def _import_from_source() -> None:
-    """SERVETWIN_PURE_PYTHON=1: this package's modules load from their `.py` files even where the
-    optional compiled build (scripts/build_compiled.py) put a `.so` next to them (the interpreter
-    prefers the `.so`). A path hook for this package's folders only; every other package is untouched."""
-    root = _os.path.dirname(_os.path.abspath(__file__))
+_ROOT = _os.path.dirname(_os.path.abspath(__file__))
+
+
+def _import_from_source(root: str = _ROOT) -> None:
+    """SERVETWIN_PURE_PYTHON=1: the modules of the package at `root` load from their `.py` files even
+    where the optional compiled build (scripts/build_compiled.py) put a `.so` next to them (the
+    interpreter prefers the `.so`). A path hook for that package's folders only; every other package
+    is untouched."""
+    root = _os.path.abspath(root)
 
     def source_only(path: str) -> FileFinder:
         path = _os.path.abspath(path)
@@ -24,11 +28,11 @@ def _import_from_source() -> None:
     _sys.path_importer_cache.clear()
 
 
-def _edited_since_build() -> list[str]:
+def _edited_since_build(root: str = _ROOT) -> list[str]:
     """The compiled modules' sources changed after the compiled build was made ([] without a build):
     a stale `.so` would run the old code, so the whole package then runs from source."""
-    root = _os.path.dirname(_os.path.abspath(__file__))
-    native = [f for f in _os.listdir(root) if f.startswith("_native__mypyc") and f.endswith(tuple(EXTENSION_SUFFIXES))]
+    suffixes = tuple(EXTENSION_SUFFIXES)
+    native = [f for f in _os.listdir(root) if f.startswith("_native__mypyc") and f.endswith(suffixes)]
     if not native:
         return []
     built_at = _os.path.getmtime(_os.path.join(root, native[0]))
@@ -36,8 +40,8 @@ def _edited_since_build() -> list[str]:
     for sub in ("core", "sim"):  # (where scripts/build_compiled.py compiles from)
         for folder, _, files in _os.walk(_os.path.join(root, sub)):
             for f in files:
-                stem, dot, _ = f.partition(".")
-                if f.endswith(tuple(EXTENSION_SUFFIXES)) and stem + ".py" in files \
+                stem = f.partition(".")[0]
+                if f.endswith(suffixes) and stem + ".py" in files \
                         and _os.path.getmtime(_os.path.join(folder, stem + ".py")) > built_at:
                     edited.append(_os.path.relpath(_os.path.join(folder, stem + ".py"), root))
     return edited
