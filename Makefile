@@ -2,14 +2,18 @@
 # experiments/configs/default.yaml, what the notebooks read), `make test` runs the test suite.
 # Both create .venv on first use. An existing torch (e.g. a CUDA build on a GPU machine) is kept:
 # the venv sees system site-packages, and torch==2.13.0 (CPU) is installed only when none imports.
+# Optional: `make build-compiled` compiles the simulator's hot modules with mypyc (a .so next to each
+# .py; `make clean-compiled` removes them), `make test-compiled` tests that build. `make test` always
+# tests the pure-Python source, the reference (SERVETWIN_PURE_PYTHON=1 skips any .so).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.servetwin-installed
+COMPILED_STAMP := $(VENV)/.servetwin-compiled-installed
 RUN_DIR ?= runs/default
 COMPARE_DIR ?= runs/compare-default
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench clean build-compiled test-compiled clean-compiled
 
 setup: $(STAMP)
 
@@ -34,7 +38,23 @@ run: setup
 	@echo "next: open notebooks/trace_analysis.ipynb ($(RUN_DIR)) and notebooks/predicted_vs_measured.ipynb ($(COMPARE_DIR))"
 
 test: setup
-	$(BIN)/python -m pytest tests
+	SERVETWIN_PURE_PYTHON=1 $(BIN)/python -m pytest tests
+
+$(COMPILED_STAMP): $(STAMP)
+	@echo "setup: installing mypy (it ships mypyc) for the optional compiled build"
+	$(BIN)/python -m pip install -q -e ".[dev,compiled]"
+	touch $(COMPILED_STAMP)
+
+build-compiled: $(COMPILED_STAMP)
+	$(BIN)/python scripts/build_compiled.py
+
+# the scheduler, KV cache and simulator tests (replays against vLLM's recordings, the Hypothesis
+# equivalence tests) against the compiled build
+test-compiled: build-compiled
+	SERVETWIN_EXPECT_COMPILED=1 $(BIN)/python -m pytest tests/core tests/sim
+
+clean-compiled:
+	$(PY) scripts/build_compiled.py --clean
 
 bench: setup
 	$(BIN)/python benchmarks/scheduler_overhead.py

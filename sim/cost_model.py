@@ -316,8 +316,9 @@ class CostModel:
             raise ConfigError("model.layer_types", "sliding-window and chunked layers in one model are not "
                               "priced (one window per model)")
         if Lw:  # a chunked layer's query sees (its position mod C) + 1 keys: (C + 1) / 2 on average
-            self.attention_window = float(m.sliding_window) if window_layers[0] == SLIDING_ATTENTION else (
-                (m.attention_chunk_size + 1) / 2.0)
+            self.attention_window = (
+                float(m.sliding_window)  # type: ignore[arg-type]  # (set for sliding layers)
+                if window_layers[0] == SLIDING_ATTENTION else (m.attention_chunk_size + 1) / 2.0)
         lat = ar = ag = 0.0
         if tp > 1:
             frac = (tp - 1) / tp
@@ -328,7 +329,7 @@ class CostModel:
         if self.fuse_allreduce_rms and tp > 1:
             self._fused_norm = ba * L * FUSED_NORM_SAVED_D * d / wg
             self._fusion_max_tokens = int(allreduce_fusion_max_bytes(hw, tp) // (d * ba))
-        self._const = (
+        self._const_terms = (
             float(L), e.gemm_half_m, e.attn_prefill_half_kv, tp,
             2.0 * dense_mm / tp / (peak_gemm * e.gemm_compute),  # linear s per token
             dense_params * bw / tp / wg,  # linear: weights once
@@ -388,7 +389,7 @@ class CostModel:
         and `predict`."""
         ipc = 1.0 if self.ipc else 0.0
         (L, h_g, h_a, tp, lin_flop, lin_bytes, ew, ap_flop, ap_byte, ad_flop, ad_byte, ad_mixed_flop,
-         lm_flop, lm_w, lm_row, samp, lat, ar, ag) = self._const
+         lm_flop, lm_w, lm_row, samp, lat, ar, ag) = self._const_terms
         if st.num_reqs == 0:
             return (1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
                     1.0 if tp > 1 else 0.0, ipc, 0.0, 0.0, 0.0), 0
@@ -437,9 +438,9 @@ class CostModel:
         reqs = float(st.num_reqs)
         moe = 0.0
         if self.moe is not None:  # a function of the padded token count alone: memoised
-            moe = self._moe_seconds.get(t_pad)
-            if moe is None:
-                moe = self._moe_seconds[t_pad] = self.moe.seconds(t_pad)
+            if t_pad not in self._moe_seconds:
+                self._moe_seconds[t_pad] = self.moe.seconds(t_pad)
+            moe = self._moe_seconds[t_pad]
         return (1.0, reqs, float(st.num_tokens), layer, piecewise, linear, elementwise, attn_prefill,
                 attn_decode, attn_shared, lm_head, sampler, comm, 1.0 if tp > 1 else 0.0, ipc,
                 reqs if self.ipc else 0.0, moe, self._moe_layers), t_pad
@@ -449,7 +450,7 @@ class CostModel:
         most W keys (`attention_window`). From the step's sums, rows are taken as all inside or all past
         the window (min of the two), exact when every row is on one side of it and an upper bound else."""
         ap_flop, ap_byte, ad_flop, ad_byte, ad_mixed_flop = self._window_const
-        w, h_a = self.attention_window, self._const[2]
+        w, h_a = self.attention_window, self._const_terms[2]
         prefill = decode = 0.0
         if st.prefill_reqs:
             q = st.prefill_sum_q

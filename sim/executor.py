@@ -93,6 +93,7 @@ class SimExecutor:
         self.last_summary: Optional[StepSummary] = None
         self.profile: Optional[PredictedProfile] = None  # between start_profile and stop_profile
         self.profiles_written = 0
+        self.kv_pool: Any = None  # the KV pool it was sized with (sim/kv_pool.py:build_sim_executor)
 
     def reset(self) -> None:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""

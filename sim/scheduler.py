@@ -22,11 +22,12 @@ with `SimExecutor` (`SimExecutor.scheduler_cls`), the only executor that execute
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from servetwin.core.kv_cache.kv_sizing import cdiv
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from servetwin.core.request import Request, RequestStatus
+from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.sched.output import SchedulerOutput
 from servetwin.core.sched.scheduler import Scheduler
 from servetwin.core.testbed.trace import LateTokens
@@ -44,8 +45,9 @@ def _with_rows(so: SchedulerOutput, num_scheduled_tokens: dict[str, int]) -> Sch
 
 
 class SimScheduler(Scheduler):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 log_stats: bool = True) -> None:
+        super().__init__(scheduler_config, cache_config, log_stats)
         self.lazy: Optional[LazyDecodes] = None  # implicit steady decodes, off until enabled
         self.last_updated_step = -1  # scheduler step of the last output processed
         self.running_order: dict[str, int] = {}  # request id -> stamp of its (re)admission (lazy only)
@@ -208,7 +210,7 @@ class SimScheduler(Scheduler):
         scheduled_new_reqs: list[Request] = []
         scheduled_resumed_reqs: list[Request] = []
         scheduled_running_reqs: list[Request] = []
-        req_to_new_blocks: dict[str, list] = {}
+        req_to_new_blocks: dict[str, Optional[Sequence[list]]] = {}
         num_scheduled_tokens: dict[str, int] = {}
         # The core running pass over the non-members, in running order. The checks above guarantee
         # no budget clips anyone and every allocation succeeds (so there is no preemption). A decode
@@ -224,7 +226,7 @@ class SimScheduler(Scheduler):
                 computed = m.offset + step
             blocks = req_to_blocks.get(rid)
             if blocks is not None and computed + n <= len(blocks) * block_size:
-                new_blocks = []
+                new_blocks: Optional[Sequence[list]] = []
                 if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
                     kv.cache_blocks(request, min(computed + n, request.num_tokens))
             elif blocks is not None:  # the KV check above guarantees these blocks are free

@@ -27,3 +27,23 @@ def pytest_unconfigure(config):
     cache = os.environ.get("SERVETWIN_CALIBRATIONS", "")
     if os.path.basename(cache).startswith("servetwin-calibrations-"):
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Against the optional compiled build (`make test-compiled`): a test marked
+    `@pytest.mark.pure_python("why")` instruments the implementation (patches a method or a module
+    global, reads a module's source) and is skipped, since compiled calls bypass such patches; the
+    pure-Python pass, the reference, runs it. `SERVETWIN_EXPECT_COMPILED=1` makes sure the build is in use."""
+    import pytest
+    import servetwin
+
+    compiled = servetwin.compiled_modules()
+    if os.environ.get("SERVETWIN_EXPECT_COMPILED") == "1" and not compiled:
+        raise pytest.UsageError("SERVETWIN_EXPECT_COMPILED=1 but no servetwin module runs compiled: "
+                                "run scripts/build_compiled.py first (make build-compiled)")
+    if not compiled:
+        return
+    for item in items:
+        marker = item.get_closest_marker("pure_python")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=f"compiled build: {marker.args[0]}"))

@@ -123,7 +123,8 @@ class FreeKVCacheBlockQueue:
         """Insert at the head keeping list order: the result is `blocks + old queue`."""
         self._link_between(self.fake_head, self.fake_head.next_free_block, blocks)
 
-    def _link_between(self, left: KVCacheBlock, right: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
+    def _link_between(self, left: Optional[KVCacheBlock], right: Optional[KVCacheBlock],
+                      blocks: list[KVCacheBlock]) -> None:
         """Link `blocks`, in order, between the adjacent `left` and `right`."""
         if not blocks:
             return
@@ -138,7 +139,7 @@ class FreeKVCacheBlockQueue:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         self.expand_fresh()
-        out = []
+        out: list = []
         cur = self.fake_head.next_free_block
         while cur is not self.fake_tail:
             out.append(cur)

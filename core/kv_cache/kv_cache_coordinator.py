@@ -94,8 +94,11 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, groups: tuple[KVCacheGroupSpec, ...], block_pool: BlockPool, block_size: int,
+                 enable_caching: bool, max_in_flight_tokens: int, max_model_len: int,
+                 retention_interval: Optional[int]) -> None:
+        super().__init__(groups, block_pool, block_size, enable_caching, max_in_flight_tokens, max_model_len,
+                         retention_interval)
         # groups with the same spec are looked up together, full attention first
         by_spec: dict[KVCacheGroupSpec, list[int]] = {}
         for gid, spec in enumerate(self.kv_cache_groups):
@@ -140,6 +143,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 def make_coordinator(groups: tuple[KVCacheGroupSpec, ...], block_pool: BlockPool, block_size: int,
                      enable_caching: bool, max_in_flight_tokens: int, max_model_len: int,
                      retention_interval: Optional[int]) -> KVCacheCoordinator:
+    cls: type[KVCacheCoordinator]
     if not enable_caching:
         cls = KVCacheCoordinatorNoPrefixCache
     elif len(groups) == 1:

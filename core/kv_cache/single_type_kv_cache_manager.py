@@ -159,9 +159,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
-    def __init__(self, spec: SlidingWindowSpec, *args, retention_interval: Optional[int] = 0,
-                 **kwargs) -> None:
-        super().__init__(spec, *args, **kwargs)
+    def __init__(self, spec: SlidingWindowSpec, block_pool: BlockPool, block_size: int,
+                 kv_cache_group_id: int, enable_caching: bool,
+                 max_admission_blocks_per_request: Optional[int] = None, *,
+                 retention_interval: Optional[int] = 0) -> None:
+        super().__init__(spec, block_pool, block_size, kv_cache_group_id, enable_caching,
+                         max_admission_blocks_per_request)
         self.sliding_window = spec.sliding_window
         self.retention_interval = retention_interval
         # consecutive cached blocks a hit needs: the W - 1 tokens before the next one
@@ -225,8 +228,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
-    def __init__(self, spec: ChunkedLocalAttentionSpec, *args, **kwargs) -> None:
-        super().__init__(spec, *args, **kwargs)
+    def __init__(self, spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, block_size: int,
+                 kv_cache_group_id: int, enable_caching: bool,
+                 max_admission_blocks_per_request: Optional[int] = None) -> None:
+        super().__init__(spec, block_pool, block_size, kv_cache_group_id, enable_caching,
+                         max_admission_blocks_per_request)
         self.attention_chunk_size = spec.attention_chunk_size
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:

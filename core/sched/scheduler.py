@@ -14,7 +14,8 @@ in a subclass, `servetwin.sim.scheduler.SimScheduler`, built on the protected in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from operator import attrgetter
+from typing import Iterable, Optional, Sequence
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
@@ -86,13 +87,16 @@ class Scheduler:
                  log_stats: bool = True) -> None:
         if cache_config.num_gpu_blocks is None:
             raise ValueError("num_gpu_blocks: the KV pool size must be known before building the scheduler")
+        # (SchedulerConfig.__post_init__ resolves both None defaults; typed int for the compiled build)
+        max_model_len, max_scheduled = scheduler_config.max_model_len, scheduler_config.max_num_scheduled_tokens
+        assert max_model_len is not None and max_scheduled is not None
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_active_reqs = scheduler_config.max_num_active_seqs or scheduler_config.max_num_seqs
-        self.max_num_scheduled_tokens = scheduler_config.max_num_scheduled_tokens
+        self.max_num_scheduled_tokens: int = max_scheduled
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
-        self.max_model_len = scheduler_config.max_model_len
+        self.max_model_len: int = max_model_len
         self.block_size = cache_config.block_size
         self.policy = scheduler_config.scheduling_policy
         self.async_scheduling = scheduler_config.async_scheduling
@@ -227,7 +231,7 @@ class Scheduler:
         scheduled_resumed_reqs: list[Request] = []
         scheduled_running_reqs: list[Request] = []
         preempted_reqs: list[Request] = []
-        req_to_new_blocks: dict[str, list] = {}
+        req_to_new_blocks: dict[str, Optional[Sequence[list]]] = {}
         num_scheduled_tokens: dict[str, int] = {}
 
         # Pass 1: running requests, in admission order.
@@ -250,7 +254,7 @@ class Scheduler:
             rid = request.request_id
             blocks = req_to_blocks.get(rid)
             if blocks is not None and computed + n <= len(blocks) * block_size:
-                new_blocks = []  # fast path: the request's blocks already hold these slots
+                new_blocks: Optional[Sequence[list]] = []  # fast path: its blocks already hold these slots
                 if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
                     kv.cache_blocks(request, min(computed + n, len(request._all_token_ids)))
             else:
@@ -259,7 +263,7 @@ class Scheduler:
                     if new_blocks is not None:
                         break
                     if priority:
-                        victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+                        victim = max(running, key=attrgetter("priority", "arrival_time"))
                         victim_index = running.index(victim)
                         del running[victim_index]
                         if victim_index < req_index:
@@ -518,8 +522,8 @@ class Scheduler:
                 for request in stopped_running:
                     self.running.remove(request)
             else:
-                stopped = set(map(id, stopped_running))
-                self.running = [r for r in self.running if id(r) not in stopped]
+                stopped_ids = set(map(id, stopped_running))
+                self.running = [r for r in self.running if id(r) not in stopped_ids]
         if stopped_preempted:
             self.waiting.remove_requests(stopped_preempted)
         return outputs

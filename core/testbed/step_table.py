@@ -90,7 +90,7 @@ class StepTable:
         """`append`, each value checked: a column whose array cannot hold it exactly becomes a list."""
         for name, value in zip(STEP_COLUMNS, values):
             col = self._columns[name]
-            if type(col) is not list and not _fits(col, value):
+            if not isinstance(col, list) and not _fits(col, value):
                 col = self._columns[name] = list(col)
             col.append(value)
         self._bind()
@@ -113,7 +113,7 @@ class StepTable:
         """Row `i`'s `name` += `delta` (a count learnt after the row was recorded)."""
         col = self._columns[name]
         value = col[i] + delta
-        if type(col) is not list and not _fits(col, value):
+        if not isinstance(col, list) and not _fits(col, value):
             col = self._columns[name] = list(col)
             self._bind()
         col[i] = value

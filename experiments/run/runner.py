@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from servetwin import compiled_modules
 from servetwin.core.config_error import ConfigError, ModelNotFoundError
 from servetwin.core.testbed.atomic import atomic_open
 from servetwin.experiments.run.run_folder import RunFolder
@@ -332,6 +333,9 @@ def backend_line(backend: str, s: dict, interrupted: bool) -> str:
 
     timing = (f"{format_seconds(s['simulated_s'])} simulated in {format_seconds(s['wall_s'])} wall"
               if backend == "sim" else f"{format_seconds(s['wall_s'])} wall")
+    compiled = compiled_modules()
+    if backend == "sim" and compiled:  # the optional mypyc build (scripts/build_compiled.py) ran it
+        timing += f" ({len(compiled)} modules compiled)"
     return (f"[{backend}] {s['completed']}/{s['requests']} requests, {s['num_steps']} steps, {timing}"
             + (" (INTERRUPTED)" if interrupted else ""))
 

@@ -214,6 +214,7 @@ def test_hash_algo_names_and_errors():
         .prefix_caching_hash_algo == "builtin"
 
 
+@pytest.mark.pure_python("patches a module global of the scheduler")
 @pytest.mark.parametrize("name", ["b_shared_prefix", "b2_shared_prefix_async", "d_abort_running_00"])
 def test_recorded_replays_take_the_same_decisions_with_builtin(name, monkeypatch):
     """Decisions depend on hash equality only: every replayed step equals the sha256 replay (which

@@ -136,6 +136,7 @@ def test_simulator_trace_equals_replay_decisions(path, tmp_path):
         assert steps.num_preempted.sum() > 0  # the tight pool preempts, in the same steps as replay
 
 
+@pytest.mark.pure_python("interrupts the run by patching EngineCore.step")
 def test_ctrl_c_leaves_complete_files_marked_interrupted(tmp_path, monkeypatch):
     from servetwin.core.engine.engine_core import EngineCore
 

@@ -3,6 +3,7 @@ step-by-step simulation."""
 import os
 
 import pandas as pd
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from servetwin.core.engine.engine_args import EngineArgs
@@ -56,6 +57,7 @@ def test_fast_forward_trace_equals_step_by_step(caching, block_size, num_blocks,
     assert_same_block_pool(slow_engine, fast_engine)
 
 
+@pytest.mark.pure_python("counts steps by replacing the engine's step method")
 def test_fast_forward_actually_skips_steps():
     engine_kw = dict(enable_prefix_caching=True, num_gpu_blocks=500, max_num_seqs=8, max_model_len=512)
     workload = {"requests": 8, "seed": 1, "prompt_tokens": 20, "output_tokens": 100, "arrival": {"type": "offline"}}

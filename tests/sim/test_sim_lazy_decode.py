@@ -82,6 +82,7 @@ def test_a_run_cut_short_flushes_the_implicit_tokens():
     _assert_same_run(engine_kw, workload, max_time_s=0.05)
 
 
+@pytest.mark.pure_python("counts rows by replacing the scheduler's schedule method")
 def test_implicit_decodes_replace_most_rows():
     """In a steady batch, most decode rows are implicit (not listed in the SchedulerOutput)."""
     engine_kw = dict(enable_prefix_caching=True, num_gpu_blocks=500, max_num_seqs=8, max_model_len=512,
@@ -107,6 +108,7 @@ def test_implicit_decodes_replace_most_rows():
     assert listed + implicit == 8 * 200  # every request is a row in every step until its last token
 
 
+@pytest.mark.pure_python("counts calls by patching LazyDecodes methods")
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_block_boundaries_are_handled_in_place(async_scheduling, monkeypatch):
     """A member crossing block boundaries (a new block, a block registered) stays implicit: it is

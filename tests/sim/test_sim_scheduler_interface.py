@@ -4,6 +4,8 @@ test_sim_fast_forward.py, test_sim_scheduler_fast_forward.py)."""
 import ast
 import inspect
 
+import pytest
+
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_factory import create_engine_core
 from servetwin.core.sched import scheduler as core_scheduler
@@ -17,6 +19,7 @@ def test_sim_scheduler_overrides_only_public_methods():
     assert private_overrides == []
 
 
+@pytest.mark.pure_python("parses the scheduler module's source")
 def test_core_scheduler_has_no_simulator_code_path():
     """No name in the core scheduler's code (docs aside) belongs to a shortcut."""
     tree = ast.parse(inspect.getsource(core_scheduler))
