@@ -9,18 +9,21 @@ from importlib.machinery import EXTENSION_SUFFIXES, SOURCE_SUFFIXES, FileFinder,
 
 
 _ROOT = _os.path.dirname(_os.path.abspath(__file__))
+_SUBPACKAGES = ("core", "sim", "gpu", "experiments")  # the folders that are this package's modules
 
 
 def _import_from_source(root: str = _ROOT) -> None:
     """SERVETWIN_PURE_PYTHON=1: the modules of the package at `root` load from their `.py` files even
     where the optional compiled build (scripts/build_compiled.py) put a `.so` next to them (the
-    interpreter prefers the `.so`). A path hook for that package's folders only; every other package
-    is untouched."""
+    interpreter prefers the `.so`). A path hook for that package's folders only (the root and its
+    subpackages: not a virtual environment or anything else kept inside the checkout, whose extension
+    modules must still load); every other package is untouched."""
     root = _os.path.abspath(root)
 
     def source_only(path: str) -> FileFinder:
         path = _os.path.abspath(path)
-        if path != root and not path.startswith(root + _os.sep):
+        top = _os.path.relpath(path, root).split(_os.sep)[0]
+        if path != root and (not path.startswith(root + _os.sep) or top not in _SUBPACKAGES):
             raise ImportError("not a servetwin folder")  # (the next path hook takes it)
         return FileFinder(path, (SourceFileLoader, SOURCE_SUFFIXES))
 

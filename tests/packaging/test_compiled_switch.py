@@ -4,6 +4,7 @@ throw-away package whose "extension module" cannot even load (no compiler needed
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES
@@ -39,6 +40,22 @@ def test_the_source_only_hook_loads_the_py_next_to_a_so_and_leaves_other_package
     hooked = _import_mod(tmp_path, f"servetwin._import_from_source({str(pkg)!r}); ")
     assert hooked.returncode == 0, hooked.stderr  # numpy's own extension modules still load
     assert hooked.stdout.split() == ["source", str(pkg / "core" / "mod.py")]
+
+
+def test_extension_modules_kept_inside_the_checkout_still_load(tmp_path):
+    # a virtual environment inside the repository (`make setup`'s .venv): its packages' extension
+    # modules are not servetwin's and must load with the hook on (a copy of msgspec stands for them)
+    import msgspec
+
+    pkg = _package(tmp_path)
+    site = pkg / ".venv" / "lib" / "site-packages"
+    shutil.copytree(os.path.dirname(msgspec.__file__), site / "extpkg")
+    code = (f"import sys; sys.path.insert(0, {str(site)!r}); import servetwin; "
+            f"servetwin._import_from_source({str(pkg)!r}); import extpkg; print(extpkg._core.__file__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, SERVETWIN_PURE_PYTHON="0"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith(SUFFIX)
 
 
 def test_a_source_edited_after_the_build_is_reported(tmp_path):
