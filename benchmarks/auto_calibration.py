@@ -27,6 +27,11 @@ measurement (the load average still counts the paused ones):
   three measured runs the runs themselves were 1-24% apart in makespan (median ~10%) and identical
   decode steps switched between ~0.85 and ~1.6 ms within one run with nothing else of ours running
   (host steal 2%): the target is at or below this machine's own noise then.
+- 06:23 UTC (after issue 23's CUDA-graph padding and the compiled build, measured pure), 2 rounds,
+  everything else paused: the calibration's own fit had a 17% median error (quiet: a few %), the
+  measured-vs-measured makespan noise was 23%; per-step p50 20.9% / 22.4%, makespan +3.8% / -26.7%
+  (round 1 re-measured its calibration after drift probes of +16% and +40%): not met, with the machine's
+  noise above the target.
 - `--threads 2` (another machine class: its own fingerprint and calibration), 2 rounds: per-step p50
   5.2% / 9.3%, makespan -18.8% / -10.2%, run-to-run 5.5-6.6%.
 """

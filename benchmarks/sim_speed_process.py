@@ -28,6 +28,17 @@ A second run (`--sizes 10000,100000 --repeats 1`, after the last commits): 10k 3
 repeated); the process gains come from the output phase. The targets of 200x / 400x are not reached;
 the memory and scaling targets are.
 
+Measured 2026-12-02 06:18-06:23 UTC, every other process paused (the host's own speed still moved
++-20% between minutes), `--baseline 9f9f517` (this session's start) on bench_h100_llama8b.yaml:
+- pure Python (`SERVETWIN_PURE_PYTHON=1`), `--sizes 10000 --repeats 3`: process 31x -> 32x, loop 53x ->
+  51x (time ratios 0.985 / 1.035: unchanged; callgrind counts the same instructions to 0.1%).
+- the optional compiled build (`make build-compiled`, docs/compiled_build.md), `--repeats 3`: process
+  36x -> 47x (0.769), loop 57x -> 77x (0.737), CPU 0.795.
+- compiled, `--sizes 1000,10000,100000 --repeats 1`: 1k 16 -> 13x process / 58 -> 76x loop; 10k 35 -> 37x
+  / 54 -> 64x; 100k 34 -> 54x / 45 -> 79x, peak RSS 859 -> 862 MB; time(100k) / time(10k) 10.01 -> 6.72
+  (process), 11.46 -> 7.76 (loop).
+Still far from 200x / 400x: the four figures alone take 1.27 s of CPU drawn one after another.
+
 Two configs by default: experiments/configs/bench_h100_llama8b.yaml as it is now, and
 benchmarks/configs/bench_h100_llama8b_64rps.yaml, a copy of it at 64 req/s (overloaded, the rate the
 speed target was set on), kept so both rates can be reported if the bench config's rate changes.
