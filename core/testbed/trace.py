@@ -376,22 +376,27 @@ class TraceRecorder:
         held ~1 GB of temporaries)."""
         if self.delivery is None:
             return self.engine_itl_array()
-        packed = self._packed_token_times
-        if packed is not None and packed[1] is not None:
-            # token times packed as indexes among the distinct step ends: each end's client time once
-            # (~30k lookups instead of ~2M), then one gather per chunk - the same values
-            values, index, lengths = packed
-            by_end = self.delivery.client_times(values)
-            chunks = ((by_end[index[start:stop]], seg) for start, stop, seg in _chunk_segments(lengths))
-            return _gather((self._client_gaps(None, seg, client) for client, seg in chunks), self._num_tokens())
-        return _gather((self._client_gaps(times, seg) for times, seg in self._token_time_chunks()),
+        return _gather((self._client_gaps(client, seg) for client, seg in self._client_time_chunks()),
                        self._num_tokens())
 
-    def _client_gaps(self, times, seg, client=None):
+    def _client_time_chunks(self):
+        """`_token_time_chunks` with each token's client receipt time instead of its engine time. Token times
+        packed as indexes among the distinct step ends: each end's client time is looked up once (~30k
+        lookups instead of ~2M per run), then gathered by index - the same values."""
+        packed = self._packed_token_times
+        if packed is not None and packed[1] is not None:
+            values, index, lengths = packed
+            by_end = self.delivery.client_times(values)
+            for start, stop, seg in _chunk_segments(lengths):
+                yield by_end[index[start:stop]], seg
+            return
+        for times, seg in self._token_time_chunks():
+            yield self.delivery.client_times(times), seg
+
+    def _client_gaps(self, client, seg):
+        """The client-side gaps of one chunk (`client`: each token's receipt time, `seg`: its request)."""
         import numpy as np  # noqa: PLC0415  (lazy, like pandas in frames())
 
-        if client is None:
-            client = self.delivery.client_times(times)
         ok = ~np.isnan(client)  # never delivered (RequestTrace.itls drops them)
         if not ok.all():  # (a copy: only when some are dropped)
             client, seg = client[ok], seg[ok]

@@ -17,6 +17,7 @@ The cache lives in `$SERVETWIN_CALIBRATIONS` (default `$SERVETWIN_CACHE/calibrat
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -25,7 +26,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from servetwin.experiments.calibrate.cpu_info import cpu_name, isa_flags, torch_version
 
@@ -83,8 +84,7 @@ def ensure_calibration(model: str, dtype: str = "float32", threads: int = THREAD
     if path.is_file():
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be calibrating this very fingerprint
+    with _calibration_lock(path):  # another process may be calibrating this very fingerprint
         if path.is_file():
             return str(path)
         flags = ", ".join(fp["isa_flags"]) or "none known"
@@ -111,9 +111,16 @@ def recalibrate(path: str, model: str, dtype: str = "float32", threads: int = TH
     machine: see `servetwin.experiments.compare.compare`'s drift probe); returns the wall seconds. The
     file is replaced atomically under the same lock as `ensure_calibration`."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    with open(Path(path).with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _calibration_lock(Path(path)):
         t0 = time.perf_counter()
         (run or _run_calibration)(model, str(path), dtype, threads, log)
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _calibration_lock(path: Path) -> Iterator[None]:
+    """One process at a time measures the calibration at `path` (a lock file beside it)."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 

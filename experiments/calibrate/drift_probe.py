@@ -33,6 +33,7 @@ PROBE_BLOCK_SIZE, PROBE_MIN_TOKENS = 16, 1024
 MIN_CLEAN_STEPS = 10  # fewer uncontended steps than this: the median is taken over every step
 PROBE = {"prefill_chunks": [32, 128, 256], "decode_batches": [4, 8], "decode_kv": [128], "decode_steps": 4,
          "repeats": 3, "max_num_batched_tokens": 256, "max_num_seqs": 8}
+PROBE_DESIGN = dict(PROBE, block_size=PROBE_BLOCK_SIZE)  # as recorded: a probe is comparable to an equal one
 
 
 def probe_args(engine_args: Any, num_gpu_blocks: int, max_model_len: int) -> Optional[Any]:
@@ -88,7 +89,7 @@ def score_probe(frames: dict[str, Any], cost_model: Any) -> dict[str, Any]:
             ok = clean
     return {"steps": int(ok.sum()), "contended_steps": contended,
             "signed_pct_error_median": float(np.median(signed[ok])) if ok.any() else None,
-            "abs_pct_error": pct_stats(np.abs(signed[ok])), "design": dict(PROBE, block_size=PROBE_BLOCK_SIZE)}
+            "abs_pct_error": pct_stats(np.abs(signed[ok])), "design": PROBE_DESIGN}
 
 
 def drift_pct(now: Optional[float], at_calibration: Optional[float]) -> Optional[float]:
@@ -101,6 +102,6 @@ def drift_pct(now: Optional[float], at_calibration: Optional[float]) -> Optional
 def probe_at_calibration(provenance: dict[str, Any]) -> Optional[float]:
     """The probe's signed median the calibration recorded for itself, when it ran the same probe."""
     rec = provenance.get("drift_probe") or {}
-    if rec.get("design") != dict(PROBE, block_size=PROBE_BLOCK_SIZE):
+    if rec.get("design") != PROBE_DESIGN:
         return None
     return rec.get("signed_pct_error_median")

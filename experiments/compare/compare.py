@@ -160,6 +160,7 @@ def refresh_drifted_calibration(exp: ExperimentConfig, probe: Optional[dict[str,
     dtype = str(prov.get("dtype") or "float32")
     wall = recalibrate(path, exp.model, dtype, threads, log=log)
     return {"reason": f"drift probe {drift:+.1f}% (limit +-{DRIFT_REFRESH_PCT:.0f}%)", "drift_before": drift,
+            "limit_pct": DRIFT_REFRESH_PCT,
             "calibrated_before": prov.get("date"), "calibration_wall_s": round(wall, 1), "file": path}
 
 

@@ -56,7 +56,8 @@ def write_comparison_md(res: dict[str, Any], exp, out_dir: str) -> str:
     if refresh:
         L += [f"- calibration re-measured before the runs ({refresh['calibration_wall_s']} s): the probe found the "
               f"machine {refresh['drift_before']:+.1f}% off its speed at the calibration of "
-              f"{refresh.get('calibrated_before')} (`hardware: auto` re-measures beyond +-10% on two probes); "
+              f"{refresh.get('calibrated_before')} (`hardware: auto` re-measures beyond +-{refresh['limit_pct']:.0f}% "
+              f"on two probes); "
               f"the line above is the probe after it"]
     if res.get("discarded_repeats"):
         L += [f"- {len(res['discarded_repeats'])} contended repeat(s) discarded and run again: "

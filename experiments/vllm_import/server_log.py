@@ -163,7 +163,7 @@ def engine_settings(log: ServerLog) -> dict[str, tuple[Any, str]]:
         note = (f"the log (reduced from the requested {log.requested_max_model_len} to fit the KV cache)"
                 if log.reduced_max_model_len else "the log")
         out["max_model_len"] = (log.max_model_len, note)
-    if log.cuda_graph_sizes:  # steps up to the largest are padded to a capture size (the cost model does too)
+    if log.cuda_graph_sizes and "max_cudagraph_capture_size" not in out:  # steps up to the largest are padded
         out["max_cudagraph_capture_size"] = (max(log.cuda_graph_sizes), "the log's cudagraph_capture_sizes")
     if log.max_num_batched_tokens and "max_num_batched_tokens" not in out:
         out["max_num_batched_tokens"] = (log.max_num_batched_tokens, "the log's chunked-prefill line")
