@@ -199,10 +199,10 @@ class StepSummary:
                 p_q2 += q * q
                 p_qs += q * s
                 p_kv += s + q
-        return cls(num_reqs=len(qs) + implicit_decodes, num_tokens=p_q + d_reqs, num_sampling=num_sampling,
-                   prefill_reqs=p_reqs, prefill_sum_q=p_q, prefill_sum_q2=p_q2,
-                   prefill_sum_q_s=p_qs, prefill_sum_kv=p_kv, decode_reqs=d_reqs,
-                   decode_sum_kv=d_s + d_reqs, shared_kv=shared_kv)
+        # positional, in field order (once per simulated step: a compiled build calls the constructor
+        # natively, where `cls(**...)` parsed eleven keywords)
+        return StepSummary(len(qs) + implicit_decodes, p_q + d_reqs, num_sampling, p_reqs, p_q, p_q2, p_qs, p_kv,
+                           d_reqs, d_s + d_reqs, shared_kv)
 
 
 def _row_values(row: Any) -> tuple[int, int, bool]:

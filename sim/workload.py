@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -66,6 +66,23 @@ def draw_tokens(gen: np.random.Generator, vocab_size: int, size: int) -> list[in
     if table is None:
         table = _TOKEN_OBJECTS[vocab_size] = np.array(range(vocab_size), dtype=object)
     return table[gen.integers(0, vocab_size, size=size)].tolist()
+
+
+def draw_token_lists(gen: np.random.Generator, vocab_size: int, sizes: Sequence[int]) -> list[list[int]]:
+    """`[draw_tokens(gen, vocab_size, k) for k in sizes]` from one draw of `sum(sizes)` tokens, split
+    (speed: one generator call instead of one per prompt). The same values and generator state after:
+    `integers` draws value by value from the bit generator, so consecutive draws concatenate
+    (tests/sim/test_sim_workload.py checks it)."""
+    table = _TOKEN_OBJECTS.get(vocab_size)
+    if table is None:
+        table = _TOKEN_OBJECTS[vocab_size] = np.array(range(vocab_size), dtype=object)
+    sizes = [int(k) for k in sizes]
+    flat = table[gen.integers(0, vocab_size, size=sum(sizes))].tolist()
+    out, start = [], 0
+    for k in sizes:
+        out.append(flat[start:start + k])
+        start += k
+    return out
 
 
 # Bounds that turn an impossible run into a named error instead of a huge allocation: every request
@@ -298,7 +315,7 @@ def generate_requests(spec: WorkloadSpec, id_prefix: Optional[str] = None,
         if total > MAX_PROMPT_TOKENS:
             raise ConfigError(f"{spec.path}.prompt_tokens", f"{n:,} requests draw {total:,} prompt tokens, at "
                               f"most {MAX_PROMPT_TOKENS:,} per run (lower workload.requests or the prompt lengths)")
-        prompts = [draw_tokens(rng["tokens"], spec.vocab_size, int(k)) for k in lens]
+        prompts = draw_token_lists(rng["tokens"], spec.vocab_size, lens)
         outputs = joint_outputs if spec.lengths is not None else spec.output_tokens.sample(rng["lengths"], n)
         groups = [None] * n
     count = len(prompts)

@@ -174,3 +174,13 @@ def test_draw_tokens_is_the_same_draw_with_shared_int_objects():
     first = {t: t for t in a}
     shared = [t for t in c if t in first]
     assert shared and all(first[t] is t for t in shared)  # one object per token id (8 bytes a token, not 36)
+
+
+@pytest.mark.parametrize("vocab", [50, 32_000, 128_256, 262_144])
+def test_draw_token_lists_equals_one_draw_per_prompt(vocab):
+    from servetwin.sim.workload import draw_token_lists, draw_tokens
+    sizes = np.random.default_rng(vocab % 97).integers(0, 300, size=120).tolist() + [0, 1]
+    g1, g2 = np.random.default_rng(11), np.random.default_rng(11)
+    one_by_one = [draw_tokens(g1, vocab, k) for k in sizes]
+    assert draw_token_lists(g2, vocab, sizes) == one_by_one
+    assert g1.integers(0, 10**9, size=5).tolist() == g2.integers(0, 10**9, size=5).tolist()  # same state after
