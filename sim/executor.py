@@ -18,8 +18,8 @@ once); the host clock is never read.
 from __future__ import annotations
 
 import math
+import struct
 import zlib
-from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -48,7 +48,7 @@ def request_token_salt(request_id: str, prompt_token_ids: Optional[Sequence[int]
     (equal prompts give equal outputs, so their full output blocks hash equal); seeded sampling - the
     prompt and the seed (reproducible); otherwise the request id."""
     if params is not None and prompt_token_ids is not None:
-        prompt = array("q", prompt_token_ids).tobytes()
+        prompt = struct.pack(f"={len(prompt_token_ids)}q", *prompt_token_ids)  # = array("q", ...).tobytes(), 2x faster
         if params.temperature < GREEDY_TEMPERATURE:
             return zlib.crc32(prompt)
         if params.seed is not None:

@@ -133,3 +133,35 @@ def test_the_published_cases_the_readme_cites_are_in_the_repository():
         assert cases and set(published) <= set(cases) and (d / "README.md").is_file()
         for p in cases.values():  # each parses (models/ configs resolve), without running
             assert yaml.safe_load(p.read_text())["backends"] == ["sim"] and load_config(p).model
+
+
+def test_the_held_out_moe_cases_are_the_artifacts_rows_minus_the_training_set(tmp_path):
+    """benchmarks/published_moe_heldout is what build_cases.py writes from the verbatim artifact: every vLLM
+    row of the run but the nine training cases, each case parsing (nothing is run here)."""
+    import importlib.util
+    import pathlib
+    import shutil
+
+    from servetwin.experiments.config.schema import load_config
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    src = root / "benchmarks" / "published_moe_heldout"
+    work = tmp_path / "benchmarks"
+    shutil.copytree(src, work / "published_moe_heldout", ignore=shutil.ignore_patterns("cases", "published.json"))
+    shutil.copytree(root / "benchmarks" / "published_moe", work / "published_moe")
+    spec = importlib.util.spec_from_file_location("build_cases", work / "published_moe_heldout" / "build_cases.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+    rebuilt = work / "published_moe_heldout"
+    assert (rebuilt / "published.json").read_text() == (src / "published.json").read_text()
+    names = sorted(p.name for p in (src / "cases").glob("*.yaml"))
+    assert names == sorted(p.name for p in (rebuilt / "cases").glob("*.yaml")) and len(names) == 291
+    for name in names:
+        assert (rebuilt / "cases" / name).read_text() == (src / "cases" / name).read_text()
+    training = set(json.loads((root / "benchmarks" / "published_moe" / "published.json").read_text()))
+    held_out = set(json.loads((src / "published.json").read_text()))
+    assert len(training) == 9 and not training & held_out
+    for name in ("M_b200_tp8_1024x1024_c4_v013", "M_h200_tp1_8192x1024_c64_v013"):
+        exp = load_config(src / "cases" / f"{name}.yaml")
+        assert exp.model and exp.backends == ["sim"]

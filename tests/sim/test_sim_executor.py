@@ -121,6 +121,12 @@ def test_request_token_salt_follows_the_sampling_mode():
     assert request_token_salt("x", [1, 2], seeded) == request_token_salt("y", [1, 2], SamplingParams(seed=3))
     assert request_token_salt("x", [1, 2], seeded) != request_token_salt("x", [1, 2], SamplingParams(seed=4))
     assert request_token_salt("x", [1, 2], rand) != request_token_salt("y", [1, 2], rand)
+    # the definition the fake tokens (and every recorded sim trace) rest on: CRC-32 of the prompt as int64s
+    import zlib  # noqa: PLC0415
+    from array import array  # noqa: PLC0415
+    prompt = [1, 2, 300, 2**40, 0]
+    assert request_token_salt("x", prompt, greedy) == zlib.crc32(array("q", prompt).tobytes())
+    assert request_token_salt("x", prompt, seeded) == zlib.crc32(array("q", prompt).tobytes() + b"3")
 
 
 def test_request_rule_tokens_stay_inside_a_small_vocabulary():
