@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The simulator's hot path (benchmarks/sim_speed.py --compiled measures the gain). Left out:
 # core/sched/request_queue.py (mypyc 2.4.1 builds its deque subclass into a segfault),
 # core/sampling_params.py (its checks of a caller's value types would become TypeErrors), and the
-# modules whose time is small (front end, workload generation, experiments, gpu/).
+# modules whose time is small (workload generation, experiments, gpu/).
 COMPILED_MODULES = (
     "servetwin.core.request", "servetwin.core.kv_cache.hashing", "servetwin.core.kv_cache.block_pool",
     "servetwin.core.kv_cache.single_type_kv_cache_manager", "servetwin.core.kv_cache.kv_cache_coordinator",
@@ -32,7 +32,7 @@ COMPILED_MODULES = (
     "servetwin.core.engine.engine_core", "servetwin.core.testbed.step_table", "servetwin.core.testbed.trace",
     "servetwin.core.testbed.iteration",
     "servetwin.sim.lazy_decode", "servetwin.sim.scheduler", "servetwin.sim.cost_model",
-    "servetwin.sim.executor", "servetwin.sim.engine",
+    "servetwin.sim.executor", "servetwin.sim.engine", "servetwin.sim.frontend",
 )
 
 # What mypy may report without the compiled code behaving differently from the source: mypyc runs

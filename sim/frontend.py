@@ -96,7 +96,8 @@ class FrontendCoefficients:
         return (self.c_req_s + (self.c_chat_s if chat else 0.0) + self.c_hop_s
                 + (self.c_prompt_token_s + self.c_hop_token_s) * prompt_tokens)
 
-    def output_work(self, num_messages: int, num_tokens: int, num_chunks: int, num_finished: int) -> float:
+    def output_work(self, num_messages: int, num_tokens: float, num_chunks: float, num_finished: float) -> float:
+        """CPU seconds of one output message (counts are a server's share: fractional with several servers)."""
         return (self.c_step_s * num_messages + self.c_token_out_s * num_tokens + self.c_chunk_s * num_chunks
                 + self.c_finish_s * num_finished)
 
@@ -353,8 +354,8 @@ class ApiServerFrontend:
             self.cpu.advance(t)
             return
         while True:
-            first = min(((c.next_finish(False), i) for i, c in enumerate(self.cpus)
-                         if c.next_finish(False) is not None), default=None)
+            first = min(((t_c, i) for i, c in enumerate(self.cpus) if (t_c := c.next_finish(False)) is not None),
+                        default=None)
             if first is None or first[0] > t:
                 break
             self.cpus[first[1]].advance(max(first[0], self.cpus[first[1]].now))
