@@ -23,16 +23,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The simulator's hot path (benchmarks/sim_speed.py --compiled measures the gain). Left out:
 # core/sched/request_queue.py (mypyc 2.4.1 builds its deque subclass into a segfault),
-# core/sampling_params.py (its checks of a caller's value types would become TypeErrors), and the
-# modules whose time is small (workload generation, experiments, gpu/).
+# core/sampling_params.py (its checks of a caller's value types would become TypeErrors),
+# core/testbed/trace.py and sim/frontend.py (they compile and run byte-identically, but a bench run of
+# 30k requests peaked at +22 MB and +54 MB of RSS with them: per-value boxing; docs/compiled_build.md), and
+# the modules whose time is small (workload generation, experiments, gpu/).
 COMPILED_MODULES = (
     "servetwin.core.request", "servetwin.core.kv_cache.hashing", "servetwin.core.kv_cache.block_pool",
     "servetwin.core.kv_cache.single_type_kv_cache_manager", "servetwin.core.kv_cache.kv_cache_coordinator",
     "servetwin.core.kv_cache.kv_cache_manager", "servetwin.core.sched.output", "servetwin.core.sched.scheduler",
-    "servetwin.core.engine.engine_core", "servetwin.core.testbed.step_table", "servetwin.core.testbed.trace",
+    "servetwin.core.engine.engine_core", "servetwin.core.testbed.step_table",
     "servetwin.core.testbed.iteration",
     "servetwin.sim.lazy_decode", "servetwin.sim.scheduler", "servetwin.sim.cost_model",
-    "servetwin.sim.executor", "servetwin.sim.engine", "servetwin.sim.frontend",
+    "servetwin.sim.executor", "servetwin.sim.engine",
 )
 
 # What mypy may report without the compiled code behaving differently from the source: mypyc runs
