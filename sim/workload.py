@@ -68,20 +68,29 @@ def draw_tokens(gen: np.random.Generator, vocab_size: int, size: int) -> list[in
     return table[gen.integers(0, vocab_size, size=size)].tolist()
 
 
-def draw_token_lists(gen: np.random.Generator, vocab_size: int, sizes: Sequence[int]) -> list[list[int]]:
-    """`[draw_tokens(gen, vocab_size, k) for k in sizes]` from one draw of `sum(sizes)` tokens, split
-    (speed: one generator call instead of one per prompt). The same values and generator state after:
-    `integers` draws value by value from the bit generator, so consecutive draws concatenate
-    (tests/sim/test_sim_workload.py checks it)."""
+def draw_token_lists(gen: np.random.Generator, vocab_size: int, sizes: Sequence[int],
+                     chunk_tokens: int = 1 << 20) -> list[list[int]]:
+    """`[draw_tokens(gen, vocab_size, k) for k in sizes]` from one generator call per ~`chunk_tokens` tokens
+    (speed: not one call per prompt; memory: the transient arrays stay ~3 x 8 bytes x `chunk_tokens`). The
+    same values and generator state after: `integers` draws value by value from the bit generator, so
+    consecutive draws concatenate (tests/sim/test_sim_workload.py checks it)."""
     table = _TOKEN_OBJECTS.get(vocab_size)
     if table is None:
         table = _TOKEN_OBJECTS[vocab_size] = np.array(range(vocab_size), dtype=object)
     sizes = [int(k) for k in sizes]
-    flat = table[gen.integers(0, vocab_size, size=sum(sizes))].tolist()
-    out, start = [], 0
-    for k in sizes:
-        out.append(flat[start:start + k])
-        start += k
+    out: list[list[int]] = []
+    i = 0
+    while i < len(sizes):
+        j, total = i, 0
+        while j < len(sizes) and (j == i or total + sizes[j] <= chunk_tokens):
+            total += sizes[j]
+            j += 1
+        flat = table[gen.integers(0, vocab_size, size=total)].tolist()
+        start = 0
+        for k in sizes[i:j]:
+            out.append(flat[start:start + k])
+            start += k
+        i = j
     return out
 
 

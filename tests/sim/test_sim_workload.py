@@ -182,5 +182,13 @@ def test_draw_token_lists_equals_one_draw_per_prompt(vocab):
     sizes = np.random.default_rng(vocab % 97).integers(0, 300, size=120).tolist() + [0, 1]
     g1, g2 = np.random.default_rng(11), np.random.default_rng(11)
     one_by_one = [draw_tokens(g1, vocab, k) for k in sizes]
-    assert draw_token_lists(g2, vocab, sizes) == one_by_one
+    assert draw_token_lists(g2, vocab, sizes, chunk_tokens=1000) == one_by_one  # several chunks
     assert g1.integers(0, 10**9, size=5).tolist() == g2.integers(0, 10**9, size=5).tolist()  # same state after
+
+
+def test_draw_token_lists_in_one_chunk_or_many_is_the_same_draw():
+    from servetwin.sim.workload import draw_token_lists
+    sizes = [5, 0, 3000, 7, 1, 250]
+    one = draw_token_lists(np.random.default_rng(2), 32_000, sizes)
+    for chunk in (1, 6, 3000, 10**9):
+        assert draw_token_lists(np.random.default_rng(2), 32_000, sizes, chunk_tokens=chunk) == one
