@@ -48,7 +48,8 @@ def request_token_salt(request_id: str, prompt_token_ids: Optional[Sequence[int]
     (equal prompts give equal outputs, so their full output blocks hash equal); seeded sampling - the
     prompt and the seed (reproducible); otherwise the request id."""
     if params is not None and prompt_token_ids is not None:
-        prompt = struct.pack(f"={len(prompt_token_ids)}q", *prompt_token_ids)  # = array("q", ...).tobytes(), 2x faster
+        # the int64s' native bytes, as array("q", ...).tobytes() gave them (struct packs them 2x faster)
+        prompt = struct.pack(f"={len(prompt_token_ids)}q", *prompt_token_ids)
         if params.temperature < GREEDY_TEMPERATURE:
             return zlib.crc32(prompt)
         if params.seed is not None:
