@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # The simulator's hot path (benchmarks/sim_speed.py --compiled measures the gain). Left out:
 # core/sched/request_queue.py (mypyc 2.4.1 builds its deque subclass into a segfault),
 # core/sampling_params.py (its checks of a caller's value types would become TypeErrors),
-# core/testbed/trace.py and sim/frontend.py (they compile and run byte-identically, but a bench run of
-# 30k requests peaked at +22 MB and +54 MB of RSS with them: per-value boxing; docs/compiled_build.md), and
+# core/testbed/trace.py (its pickling reads `__dict__`, which a compiled class lacks) and sim/frontend.py:
+# compiled, they ran byte-identically but a 30k-request bench run peaked at +22 MB and +54 MB of RSS
+# (docs/compiled_build.md), and
 # the modules whose time is small (workload generation, experiments, gpu/).
 COMPILED_MODULES = (
     "servetwin.core.request", "servetwin.core.kv_cache.hashing", "servetwin.core.kv_cache.block_pool",

@@ -62,14 +62,10 @@ def draw_tokens(gen: np.random.Generator, vocab_size: int, size: int) -> list[in
     """`gen.integers(0, vocab_size, size).tolist()` whose ints are shared objects, one per token id:
     8 bytes a prompt token instead of 36 (a fresh int object each), so 100k prompts stay in memory
     (the draw, and so the workload, is the same)."""
-    return _token_objects(vocab_size)[gen.integers(0, vocab_size, size=size)].tolist()
-
-
-def _token_objects(vocab_size: int) -> np.ndarray:
     table = _TOKEN_OBJECTS.get(vocab_size)
     if table is None:
         table = _TOKEN_OBJECTS[vocab_size] = np.array(range(vocab_size), dtype=object)
-    return table
+    return table[gen.integers(0, vocab_size, size=size)].tolist()
 
 
 def draw_token_lists(gen: np.random.Generator, vocab_size: int, sizes: Sequence[int],
@@ -78,7 +74,6 @@ def draw_token_lists(gen: np.random.Generator, vocab_size: int, sizes: Sequence[
     (speed: not one call per prompt; memory: the transient arrays stay ~3 x 8 bytes x `chunk_tokens`). The
     same values and generator state after: `integers` draws value by value from the bit generator, so
     consecutive draws concatenate (tests/sim/test_sim_workload.py checks it)."""
-    table = _token_objects(vocab_size)
     sizes = [int(k) for k in sizes]
     out: list[list[int]] = []
     i = 0
@@ -87,7 +82,7 @@ def draw_token_lists(gen: np.random.Generator, vocab_size: int, sizes: Sequence[
         while j < len(sizes) and (j == i or total + sizes[j] <= chunk_tokens):
             total += sizes[j]
             j += 1
-        flat = table[gen.integers(0, vocab_size, size=total)].tolist()
+        flat = draw_tokens(gen, vocab_size, total)
         start = 0
         for k in sizes[i:j]:
             out.append(flat[start:start + k])

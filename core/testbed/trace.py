@@ -24,13 +24,12 @@ import os
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from collections.abc import Iterator
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 from servetwin.core.testbed.atomic import atomic_open, atomic_write_with
 from servetwin.core.engine.engine_core import StepResult
 from servetwin.core.testbed.iteration import IterationDetails, context_request_ids
-from servetwin.core.request import FinishReason, Request
-from servetwin.core.sched.output import SchedulerOutput
+from servetwin.core.request import Request
 from servetwin.core.testbed.step_table import STEP_COLUMNS, StepTable
 
 STEP_REQUEST_COLUMNS = ["run", "backend", "step", "request_id", "num_tokens", "num_computed_before", "phase",
@@ -187,11 +186,6 @@ class RequestTrace:
 _TRACE_FIELDS = tuple(f.name for f in dataclasses.fields(RequestTrace) if f.name != "token_times")
 
 
-# what a pickled TraceRecorder carries: every attribute `__init__` sets
-_RECORDER_STATE = ("run", "backend", "record_step_requests", "steps", "step_requests", "requests", "_step_rows",
-                   "_carried_preemptions", "_t_end_by_step", "delivery", "_packed_token_times")
-
-
 class TraceRecorder:
     """Collects step rows, per-request step rows and request lifetimes while an engine runs."""
 
@@ -222,12 +216,12 @@ class TraceRecorder:
     def on_step(self, result: StepResult, t_start: float, t_end: float) -> None:
         so = result.scheduled
         if so is not None:
-            self._record_scheduled(result, so, t_start, t_end)
+            self._record_scheduled(result, t_start, t_end)
         if result.processed is not None:
             self._record_processed(result)
 
-    def _record_scheduled(self, result: StepResult, so: SchedulerOutput, t_start: float, t_end: float) -> None:
-        stats = result.stats
+    def _record_scheduled(self, result: StepResult, t_start: float, t_end: float) -> None:
+        so, stats = result.scheduled, result.stats
         for rid in so.preempted_order:
             trace = self.requests.get(rid)
             if trace is not None:
@@ -310,7 +304,7 @@ class TraceRecorder:
                     trace.token_times.extend([t_token] * num_new)
                 trace.output_tokens += num_new
             if out.finish_reason is not None:
-                trace.finish_reason = str(FinishReason(out.finish_reason))  # (typed an int: the enum's text)
+                trace.finish_reason = str(out.finish_reason)
                 trace.finish_s = t_token
                 if row is not None:
                     self.steps.add(row, "num_finished", 1)
@@ -344,7 +338,7 @@ class TraceRecorder:
             times = t_end[f.first_step:f.first_step + f.num_tokens]
             if len(times) != f.num_tokens or None in times:
                 raise RuntimeError(f"trace: implicit tokens of {f.request_id!r} in steps with no recorded end")
-            trace.token_times.extend(cast(list[float], times))  # (no None: checked above)
+            trace.token_times.extend(times)
             trace.output_tokens += f.num_tokens
 
     def on_abort(self, request_id: str, t: float) -> None:
@@ -474,12 +468,8 @@ class TraceRecorder:
         twin._packed_token_times = (values, index, lengths)
         return twin
 
-    def __reduce__(self) -> tuple:
-        # explicit (a compiled recorder has no `__dict__` and no argument-free `__init__` to rebuild from)
-        return TraceRecorder, (self.run, self.backend, self.record_step_requests), self.__getstate__()
-
     def __getstate__(self) -> dict[str, Any]:
-        state = {name: getattr(self, name) for name in _RECORDER_STATE}  # (no `__dict__`: compiled builds)
+        state = self.__dict__.copy()
         if self._packed_token_times is not None:  # token times travel packed: the requests as columns
             state["_t_end_by_step"] = []  # (only for recording implicit rows' tokens)
             traces = list(state.pop("requests").values())
@@ -488,8 +478,7 @@ class TraceRecorder:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         columns = state.pop("_request_columns", None)
-        for name, value in state.items():
-            setattr(self, name, value)
+        self.__dict__.update(state)
         if columns is not None:
             names = list(columns)
             self.requests = {values[0]: RequestTrace(**dict(zip(names, values))) for values in zip(*columns.values())}
