@@ -33,6 +33,13 @@ Measured 2026-12-02 (`--compiled --repeats 3`, bench_h100_llama8b.yaml, 10k requ
 Traces and tables of `servetwin run` on this config are byte-identical between the two builds
 (docs/compiled_build.md has the rest).
 
+`--breakdown`, 2026-12-02 10:40 UTC, everything else paused, two runs of each build (29,881 steps):
+    build      loop x     floor per request    per decode row    ceiling with decode rows free
+    pure      81-82x        185-190 us          1.13-1.14 us           176-181x
+    compiled  98-114x       129-132 us          0.81-1.07 us           252-260x
+The floor (admission, prefix hashing, prefill, completion and the engine step each arrival brings:
+vLLM's own per-request path) caps the loop below 400x even if every decode row cost nothing.
+
 Usage: python benchmarks/sim_speed.py [--requests N] [--variants] [--breakdown] [--bounds]
        python benchmarks/sim_speed.py --compare DIR [--repeats 3] [--requests N]
        python benchmarks/sim_speed.py --compiled [--repeats 3] [--requests N]
