@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
+import yaml
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_factory import create_engine_core
@@ -30,12 +32,10 @@ from servetwin.core.sampling_params import SamplingParams
 from servetwin.experiments.calibrate.design import DESIGNS
 from servetwin.experiments.calibrate.torch_measure import set_torch_threads
 
-_D = DESIGNS["default"]
-CONFIGS = {
-    "compare": dict(max_num_seqs=8, max_num_batched_tokens=256, num_gpu_blocks=256, max_model_len=512),
-    "design": dict(max_num_seqs=_D.max_num_seqs, max_num_batched_tokens=_D.max_num_batched_tokens,
-                   num_gpu_blocks=_D.num_gpu_blocks, max_model_len=_D.max_model_len),
-}
+DEFAULT_YAML = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "default.yaml"
+KEYS = ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "max_model_len")  # where the two differ
+_COMPARE = yaml.safe_load(DEFAULT_YAML.read_text())["engine"]
+CONFIGS = {"compare": {k: _COMPARE[k] for k in KEYS}, "design": {k: getattr(DESIGNS["default"], k) for k in KEYS}}
 
 
 def decode_step_ms(engine, rng: np.random.Generator, vocab: int, tag: str, batch: int, prompt: int,

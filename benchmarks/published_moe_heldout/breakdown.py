@@ -3,7 +3,7 @@ shape, load, TP and vLLM version, with the signed medians of throughput and TPOT
 
     .venv/bin/python benchmarks/published_moe_heldout/breakdown.py TABLE.md [TABLE2.md ...]
 
-Groups as `servetwin validate`'s: throughput (out_tok_s, tot_tok_s), TPOT/ITL, TTFT, E2E (mean, p50, p99 each).
+Groups are `servetwin validate`'s (`metric_group`): throughput (out_tok_s, tot_tok_s here), TPOT/ITL, TTFT, E2E.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import sys
 from collections import defaultdict
 from typing import Callable
 
+from servetwin.experiments.validate.published import GROUPS, metric_group
+
 ROW = re.compile(r"\| (M_(\w+?)_tp(\d+)_(\d+)x(\d+)_c(\d+)_(v\d+)) \| (\w+) \| [\d,.]+ \| [\d,.]+ \| ([+-][\d.]+)% \|")
-GROUPS = {"throughput": ("out_tok_s", "tot_tok_s"),
-          "TPOT/ITL": tuple(f"{m}_{s}" for m in ("tpot", "itl") for s in ("mean", "p50", "p99")),
-          "TTFT": ("ttft_mean", "ttft_p50", "ttft_p99"), "E2E": ("e2e_mean", "e2e_p50", "e2e_p99")}
+THROUGHPUT, TPOT = metric_group("out_tok_s"), metric_group("tpot_mean")
 
 
 def read(paths: list[str]) -> list[dict]:
@@ -27,12 +27,12 @@ def read(paths: list[str]) -> list[dict]:
             if m:
                 rows.append({"case": m.group(1), "gpu": m.group(2), "tp": int(m.group(3)),
                              "shape": f"{m.group(4)}/{m.group(5)}", "conc": int(m.group(6)), "version": m.group(7),
-                             "metric": m.group(8), "err": float(m.group(9))})
+                             "group": metric_group(m.group(8)), "err": float(m.group(9))})
     return rows
 
 
-def _median(rows: list[dict], metrics: tuple[str, ...], signed: bool = False) -> float:
-    values = [r["err"] if signed else abs(r["err"]) for r in rows if r["metric"] in metrics]
+def _median(rows: list[dict], group: str, signed: bool = False) -> float:
+    values = [r["err"] if signed else abs(r["err"]) for r in rows if r["group"] == group]
     return statistics.median(values) if values else float("nan")
 
 
@@ -44,9 +44,9 @@ def table(rows: list[dict], key: Callable[[dict], str], title: str) -> str:
            "|---|---:|---:|---:|---:|---:|---|"]
     for name in sorted(groups):
         rs = groups[name]
-        cells = " | ".join(f"{_median(rs, metrics):.1f}%" for metrics in GROUPS.values())
+        cells = " | ".join(f"{_median(rs, group):.1f}%" for group in GROUPS)
         out.append(f"| {name} | {len({r['case'] for r in rs})} | {cells} | "
-                   f"{_median(rs, GROUPS['throughput'], True):+.1f}% / {_median(rs, GROUPS['TPOT/ITL'], True):+.1f}% |")
+                   f"{_median(rs, THROUGHPUT, True):+.1f}% / {_median(rs, TPOT, True):+.1f}% |")
     return "\n".join(out)
 
 

@@ -66,4 +66,3 @@ def _check_itls(token_times, ends, lag, split, jitter):
     times = [x for ts in token_times for x in ts]
     assert [None if v != v else v for v in delivery.client_times(times).tolist()] == \
         [delivery.client_time(t) for t in times]
-
