@@ -63,7 +63,7 @@ class Request:
         "skip_reading_prefix_cache", "stop_reason", "num_preemptions", "is_prefill_chunk",
         "num_output_placeholders", "num_in_flight_tokens", "num_stale_output_tokens",
         "num_cached_tokens", "parent_id", "events", "_next_hash_at", "_hash_block_size",
-        "shared_prefix_boundary",
+        "shared_prefix_boundary", "spec_token_ids",
         "__weakref__",
     )
 
@@ -112,6 +112,9 @@ class Request:
         # (sliding-window groups then retain their blocks before it; kv_cache_manager)
         self.shared_prefix_boundary: Optional[int] = None
         self.parent_id = parent_id
+        # speculative decoding: drafts proposed for the next step (vLLM's `spec_token_ids`; the
+        # AsyncScheduler stores -1 placeholders here)
+        self.spec_token_ids: list[int] = []
         self.events: list[tuple[str, float]] = []
         self.block_hashes: list[bytes] = []
         self._block_hasher: Optional[BlockHasher] = None
@@ -146,7 +149,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self._all_token_ids)
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

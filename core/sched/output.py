@@ -64,6 +64,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     step: int = 0
+    # speculative decoding: the drafts scheduled for verification per request (vLLM's field; -1
+    # entries are padding or async placeholders)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Filled by the scheduler for the benefit of traces and cost models (not in vLLM's struct):
     # per scheduled request, computed tokens *before* this step and whether the chunk samples.
     num_computed_before: dict[str, int] = field(default_factory=dict)

@@ -26,6 +26,8 @@ from servetwin.core.sched.output import CachedRequestData, NewRequestData, Sched
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from servetwin.core.request import Request, RequestStatus
 from servetwin.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from servetwin.core.sched.spec_decode import (DraftTokenIds, SpecDecodingStats, SpeculativeConfig,
+                                              spec_decode_step_blocks)
 
 
 @dataclass(slots=True)
@@ -37,6 +39,8 @@ class SchedulerStats:
     num_free_blocks: int = 0
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     num_preempted_reqs: int = 0  # preemptions since the previous make_stats()
+    # speculative decoding: drafts verified by the updates since the previous make_stats() (None: none)
+    spec_decoding_stats: Optional[SpecDecodingStats] = None
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -84,7 +88,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 log_stats: bool = True) -> None:
+                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None) -> None:
         if cache_config.num_gpu_blocks is None:
             raise ValueError("num_gpu_blocks: the KV pool size must be known before building the scheduler")
         # (SchedulerConfig.__post_init__ resolves both None defaults; typed int for the compiled build)
@@ -121,6 +125,23 @@ class Scheduler:
         self.current_step = 0
         self.num_preemptions_total = 0
         self._num_preempted_since_stats = 0
+        self._init_spec_decode(speculative_config)
+
+    def _init_spec_decode(self, speculative_config: Optional[SpeculativeConfig]) -> None:
+        """Speculative decoding state (vLLM 0.33 sched:294-381, async_scheduler.py:14-17)."""
+        self.speculative_config = speculative_config
+        k = speculative_config.num_speculative_tokens if speculative_config else 0
+        if speculative_config is not None:
+            speculative_config.check(self.max_num_batched_tokens, self.async_scheduling)
+        self.num_spec_tokens = k
+        self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
+        self.spec_decode_step_blocks = spec_decode_step_blocks(
+            k, self.num_lookahead_tokens,
+            [m.block_size for m in self.kv_cache_manager.coordinator.single_type_managers])
+        self._spec_token_placeholders = [-1] * k  # what AsyncScheduler gives each decoding request
+        self.last_spec_decoding_stats: Optional[SpecDecodingStats] = None  # of the last update
+        self._spec_stats_since_read: Optional[SpecDecodingStats] = None
+        self._step_spec_tokens: dict[str, list[int]] = {}  # scheduled_spec_decode_tokens being built
 
     # -- requests in and out -----------------------------------------------------------------
     def check_servable(self, request: Request) -> None:
@@ -226,6 +247,8 @@ class Scheduler:
         # one full-attention group: a request whose blocks already hold the slots skips allocate_slots
         req_to_blocks = kv.req_to_blocks if kv.single_full_attention else {}
         num_cached_block = kv.num_cached_block
+        lookahead = self.num_lookahead_tokens  # eagle / mtp draft KV slots (sched:914-918)
+        scheduled_spec = self._step_spec_tokens = {}  # scheduled_spec_decode_tokens, filled below
 
         scheduled_new_reqs: list[Request] = []
         scheduled_resumed_reqs: list[Request] = []
@@ -253,13 +276,13 @@ class Scheduler:
 
             rid = request.request_id
             blocks = req_to_blocks.get(rid)
-            if blocks is not None and computed + n <= len(blocks) * block_size:
+            if blocks is not None and computed + n + lookahead <= len(blocks) * block_size:
                 new_blocks: Optional[Sequence[list]] = []  # fast path: its blocks already hold these slots
                 if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
                     kv.cache_blocks(request, min(computed + n, len(request._all_token_ids)))
             else:
                 while True:
-                    new_blocks = kv.allocate_slots(request, n)
+                    new_blocks = kv.allocate_slots(request, n, num_lookahead_tokens=lookahead)
                     if new_blocks is not None:
                         break
                     if priority:
@@ -272,6 +295,7 @@ class Scheduler:
                         if victim_tokens is not None:  # un-schedule a victim scheduled earlier this step
                             scheduled_running_reqs.remove(victim)
                             req_to_new_blocks.pop(victim.request_id, None)
+                            scheduled_spec.pop(victim.request_id, None)
                             token_budget += victim_tokens
                             input_budget += victim_tokens
                     else:
@@ -290,6 +314,11 @@ class Scheduler:
             token_budget -= n
             input_budget -= n
             req_index += 1
+            if request.spec_token_ids:  # spec decode: the drafts the budget let through (sched:1010-1025)
+                num_spec = n + computed - len(request._all_token_ids) - request.num_output_placeholders
+                if num_spec > 0:
+                    scheduled_spec[rid] = request.spec_token_ids[:num_spec]
+                request.spec_token_ids = []  # the drafter proposes afresh after this step
 
         # Pass 2: waiting requests, only in a step without preemption.
         if not preempted_reqs:
@@ -306,7 +335,7 @@ class Scheduler:
         placeholders = request.num_output_placeholders
         if placeholders and computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
             return 0
-        n = len(request._all_token_ids) + placeholders - computed
+        n = len(request._all_token_ids) + len(request.spec_token_ids) + placeholders - computed
         if 0 < threshold < n:
             n = threshold
         return min(n, max_model_len - computed - 1)
@@ -318,6 +347,8 @@ class Scheduler:
         waiting = self.waiting
         chunked = self.scheduler_config.enable_chunked_prefill
         reserve_full = self.scheduler_config.scheduler_reserve_full_isl
+        # spec decode: which running requests this step's first pass scheduled (for the padding rule)
+        running_scheduled = list(num_scheduled_tokens) if self.num_spec_tokens else ()
         while token_budget > 0:
             if not waiting or input_budget <= 0:
                 break
@@ -331,6 +362,11 @@ class Scheduler:
                 hit_blocks, num_hit, num_computed = None, 0, request.num_computed_tokens
             n = request.num_tokens - num_computed
             request_budget = min(token_budget, input_budget)
+            pad = n == 1 and self._pads_drafts(num_computed, running_scheduled)
+            if pad:
+                if 1 + self.num_spec_tokens > request_budget:
+                    break  # vLLM prefers not scheduling it to scheduling it unpadded
+                n = 1 + self.num_spec_tokens
             if 0 < threshold < n:
                 n = threshold
             if not chunked and n > request_budget:
@@ -338,6 +374,7 @@ class Scheduler:
             n = min(n, request_budget)
             assert n > 0
             new_blocks = kv.allocate_slots(request, n, num_hit, hit_blocks,
+                                           num_lookahead_tokens=self.num_lookahead_tokens,
                                            full_sequence_must_fit=reserve_full,
                                            has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
@@ -360,6 +397,20 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
+            if pad:
+                self._step_spec_tokens[request.request_id] = [-1] * self.num_spec_tokens
+
+    def _pads_drafts(self, num_computed: int, running_scheduled: Sequence[str]) -> bool:
+        """Whether a waiting request needing one token is padded to 1 + k tokens with -1 drafts (to keep
+        the decode batch uniform for CUDA graphs; vLLM 0.33 sched:1308-1331): only when no running
+        prefill chunk was scheduled this step, a running request was (or the request has a prefix
+        hit), and the padded tokens plus the sampled one fit max_model_len."""
+        k = self.num_spec_tokens
+        if not k or not (running_scheduled or num_computed > 0):
+            return False
+        if any(self.requests[rid].is_prefill_chunk for rid in running_scheduled):
+            return False
+        return num_computed + 1 + k + 1 <= self.max_model_len
 
     def _finalise(self, scheduled_new_reqs, scheduled_resumed_reqs, scheduled_running_reqs,
                   preempted_reqs, req_to_new_blocks, num_scheduled_tokens) -> SchedulerOutput:
@@ -376,6 +427,8 @@ class Scheduler:
             for r in scheduled_new_reqs
         ]
         async_sched = self.async_scheduling
+        spec, drafting = self._step_spec_tokens, async_sched and self.num_spec_tokens > 0
+        self._step_spec_tokens = {}
         before: dict[str, int] = {}
         cached = CachedRequestData()
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
@@ -396,6 +449,8 @@ class Scheduler:
             r.is_prefill_chunk = is_chunk = computed < len(r._all_token_ids) + placeholders
             if async_sched and not is_chunk:
                 r.num_output_placeholders = placeholders + 1
+                if drafting:
+                    self._add_async_draft_placeholders(r, spec)
         for r in scheduled_resumed_reqs:
             rid = r.request_id
             req_ids.append(rid)
@@ -416,6 +471,7 @@ class Scheduler:
             num_computed_before=before,
             preempted_order=[r.request_id for r in preempted_reqs],
             shared_kv_tokens=self.kv_cache_manager.block_pool.num_shared_refs * self.block_size,
+            scheduled_spec_decode_tokens=spec,
         )
         for scheduled in (scheduled_new_reqs, scheduled_resumed_reqs):
             for request in scheduled:
@@ -428,15 +484,27 @@ class Scheduler:
                     computed < len(request._all_token_ids) + request.num_output_placeholders)
                 if async_sched and not is_chunk:
                     request.num_output_placeholders += 1
+                    if drafting:
+                        self._add_async_draft_placeholders(request, spec)
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
         return out
+
+    def _add_async_draft_placeholders(self, request: Request, spec: dict[str, list[int]]) -> None:
+        """AsyncScheduler (vLLM 0.33 async_scheduler.py:24-49): a decoding request gets one output
+        placeholder per scheduled draft (on top of the sampled token's) and k placeholder drafts for
+        the next step, as its real drafts only exist on the worker."""
+        drafts = spec.get(request.request_id)
+        if drafts:
+            request.num_output_placeholders += len(drafts)
+        request.spec_token_ids = self._spec_token_placeholders
 
     def _preempt_request(self, request: Request) -> None:
         assert request.status == RequestStatus.RUNNING, f"preempting a non-running request {request}"
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # preemption drops the drafts (sched:1823-1824)
         request.num_stale_output_tokens += request.num_output_placeholders
         request.num_output_placeholders = 0
         request.num_preemptions += 1
@@ -464,6 +532,10 @@ class Scheduler:
         block_size = self.block_size
         preempted_status = RequestStatus.PREEMPTED
         running_status = RequestStatus.RUNNING
+        # spec decode: every row takes the general path (rejections, vLLM's post-update caching)
+        spec_on = self.num_spec_tokens > 0
+        spec_rows = scheduler_output.scheduled_spec_decode_tokens
+        self.last_spec_decoding_stats = None
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status > preempted_status:
@@ -478,7 +550,7 @@ class Scheduler:
             status_before = request.status
             new_token_ids = generated
             if generated:
-                if len(generated) == 1:  # the hot path: check_stop and the async bookkeeping inlined
+                if len(generated) == 1 and not spec_on:  # the hot path: check_stop, async bookkeeping inlined
                     token = generated[0]
                     out_ids = request._output_token_ids
                     out_ids.append(token)
@@ -500,9 +572,7 @@ class Scheduler:
                                 if known >= (num_cached_block.get(rid, 0) + 1) * block_size:
                                     kv.cache_blocks(request, known)
                 else:
-                    new_token_ids, stopped = self._update_request_with_output(request, generated, max_model_len)
-                    if async_sched:
-                        self._update_async_bookkeeping(request, len(generated), stopped)
+                    new_token_ids, stopped = self._update_with_drafts(request, generated, spec_rows.get(rid))
             if stopped:
                 self._free_request(request)
                 if status_before == running_status:
@@ -526,7 +596,52 @@ class Scheduler:
                 self.running = [r for r in self.running if id(r) not in stopped_ids]
         if stopped_preempted:
             self.waiting.remove_requests(stopped_preempted)
+        if self.last_spec_decoding_stats is not None:
+            if self._spec_stats_since_read is None:
+                self._spec_stats_since_read = SpecDecodingStats.new(self.num_spec_tokens)
+            self._spec_stats_since_read.merge(self.last_spec_decoding_stats)
         return outputs
+
+    def _update_with_drafts(self, request: Request, generated, drafts: Optional[list[int]]):
+        """A row returning several tokens, or any row once speculative decoding is on (vLLM 0.33
+        sched:2346-2420). `a + 1` tokens back for `m` drafts: `m - a` were rejected, and the optimistic
+        `num_computed_tokens` (and, async, the placeholders) roll back by them; their blocks stay
+        allocated. A stale output (sent before the request was preempted) delivers its tokens but
+        leaves the reset counters alone."""
+        stale = request.num_stale_output_tokens > 0
+        if stale:  # drains what this output's step put in: 1 + m placeholders
+            request.num_stale_output_tokens -= min(request.num_stale_output_tokens, 1 + len(drafts or ()))
+        if drafts:
+            num_accepted = len(generated) - 1
+            num_rejected = len(drafts) - num_accepted
+            if not stale:
+                if request.num_computed_tokens > 0:
+                    request.num_computed_tokens -= num_rejected
+                if request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= num_rejected
+            if self.log_stats:
+                if self.last_spec_decoding_stats is None:
+                    self.last_spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+                self.last_spec_decoding_stats.observe_draft(len(drafts), num_accepted)
+        status_before = request.status
+        had_placeholders = request.num_output_placeholders > 0
+        new_token_ids, stopped = self._update_request_with_output(request, generated, self.max_model_len, stale)
+        if not stale and had_placeholders:
+            request.num_output_placeholders -= len(generated)  # trimmed tokens included (sched:2766-2769)
+        kv = self.kv_cache_manager
+        if (not stale and status_before == RequestStatus.RUNNING and kv.enable_caching
+                and (had_placeholders or self.num_spec_tokens)):  # even when it stopped (sched:2404-2414)
+            kv.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+        return new_token_ids, stopped
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """The drafter's proposals for the next step (vLLM 0.33 sched:2862-2881): dropped for a
+        finished request and for one still in prefill."""
+        for rid, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            request.spec_token_ids = [] if request.is_prefill_chunk else list(drafts)
 
     def _update_async_bookkeeping(self, request: Request, num_generated: int, stopped: bool) -> None:
         """Returned tokens replace placeholders (or stale ones of a preempted request); only KV known
@@ -543,12 +658,13 @@ class Scheduler:
                 kv.cache_blocks(request, known)
 
     @staticmethod
-    def _update_request_with_output(request: Request, generated, max_model_len: int):
+    def _update_request_with_output(request: Request, generated, max_model_len: int, is_stale: bool = False):
+        """Append the tokens one by one; a stop or length cap drops the rest (sched:2744-2770)."""
         for k, token in enumerate(generated, start=1):
             request.append_output_token_ids(token)
             if check_stop(request, max_model_len):
                 surplus = len(generated) - k
-                if surplus:
+                if surplus and not is_stale:
                     request.num_computed_tokens -= surplus
                 return generated[:k], True
         return generated, False
@@ -564,8 +680,10 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks,
             prefix_cache_stats=kv.make_prefix_cache_stats() or PrefixCacheStats(),
             num_preempted_reqs=self._num_preempted_since_stats,
+            spec_decoding_stats=self._spec_stats_since_read,
         )
         self._num_preempted_since_stats = 0
+        self._spec_stats_since_read = None
         return stats
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:

@@ -33,6 +33,7 @@ from servetwin.core.sampling_params import SamplingParams
 from servetwin.core.sched.scheduler import Scheduler, UnservableRequestError
 from servetwin.core.testbed.iteration import compute_iteration_details
 from servetwin.core.testbed.scenario import Scenario, ScenarioError, ScenarioRequest
+from servetwin.core.testbed.spec_worker import FakeSpecWorker
 
 
 class ScriptedSampler:
@@ -100,10 +101,20 @@ def _schedule_record(scheduler: Scheduler, so, mro) -> dict:
     }
 
 
+def _spec_schedule_record(so, mro, accepted: dict[str, int]) -> dict:
+    """Speculative decoding's per-step fields (the oracle's CONNECTORS contract): drafts scheduled,
+    which of them are padding, drafts accepted, and every token a row returned."""
+    spec = so.scheduled_spec_decode_tokens
+    from_waiting = {n.req_id for n in so.scheduled_new_reqs} | so.scheduled_cached_reqs.resumed_req_ids
+    return {"spec_tokens": {rid: len(t) for rid, t in spec.items()},
+            "spec_padded": [rid for rid in spec if rid in from_waiting], "accepted": accepted,
+            "sampled": {rid: toks for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}}
+
+
 def _blocks_per_group(scheduler: Scheduler) -> dict:
-    """The HYBRID contract's `blocks_per_group` (only when the scenario names its KV cache groups):
-    non-null blocks each running request holds per group, after `schedule()`."""
-    if scheduler.cache_config.kv_cache_groups is None:
+    """The HYBRID contract's `blocks_per_group` (when the scenario names its KV cache groups or uses
+    speculative decoding): non-null blocks each running request holds per group, after `schedule()`."""
+    if scheduler.cache_config.kv_cache_groups is None and scheduler.speculative_config is None:
         return {}
     kv = scheduler.kv_cache_manager
     return {"blocks_per_group": {r.request_id: kv.num_blocks_per_group(r.request_id)
@@ -124,7 +135,12 @@ class _Replay:
         self.scenario = scenario
         self.sampler = ScriptedSampler()
         self.executor = FakeExecutor(token_fn=self.sampler)
-        self.scheduler = Scheduler(scenario.scheduler_config, scenario.cache_config)
+        spec = scenario.speculative
+        self.scheduler = Scheduler(scenario.scheduler_config, scenario.cache_config,
+                                   speculative_config=spec.config if spec else None)
+        parents = {cid: r for r in scenario.requests for cid in r.child_ids}
+        self.spec_worker = FakeSpecWorker(spec, parents, self.sampler) if spec else None
+        self.spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.async_sched = scenario.scheduler_config.async_scheduling
         self.records: dict[int, dict] = {}
         self.finish_step: dict[str, int] = {}
@@ -166,7 +182,13 @@ class _Replay:
     def process(self, pstep: int, so, mro) -> None:
         rec = self.records[pstep]
         fin, reasons = [], {}
-        for o in self.scheduler.update_from_output(so, mro):
+        outputs = self.scheduler.update_from_output(so, mro)
+        if self.spec_worker is not None:  # vLLM trims the worker's token list in place at a stop
+            sampled = rec["sampled"]
+            for o in outputs:
+                if o.request_id in sampled:
+                    sampled[o.request_id] = o.new_token_ids
+        for o in outputs:
             if o.new_token_ids:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 self.first_token_step.setdefault(o.request_id, pstep)
@@ -183,6 +205,22 @@ class _Replay:
         rec["num_free_blocks"] = rec["num_free_blocks_after_update"] = \
             self.scheduler.kv_cache_manager.num_free_blocks
         rec["num_running_after"], rec["num_waiting_after"] = self.scheduler.get_request_counts()
+        if self.spec_worker is not None:
+            self._record_spec_update(rec, so)
+
+    def _record_spec_update(self, rec: dict, so) -> None:
+        """The update's `SpecDecodingStats` and each verified request's computed tokens after the
+        rejection correction."""
+        stats = self.scheduler.last_spec_decoding_stats
+        if stats is not None:
+            rec["spec_decoding"] = stats.to_dict()
+            for k in self.spec_totals:
+                self.spec_totals[k] += getattr(stats, k)
+        if so.scheduled_spec_decode_tokens:
+            requests = self.scheduler.requests
+            rec["num_computed_tokens_after_update"] = {
+                rid: requests[rid].num_computed_tokens for rid in so.scheduled_spec_decode_tokens
+                if rid in requests and not requests[rid].is_finished()}
 
     def ready(self) -> Iterator[dict]:
         """Records complete so far, in step order (a step waits for its output to be processed)."""
@@ -206,6 +244,9 @@ class _Replay:
             out["aborted"] = dict(sorted(self.aborted_step.items(), key=lambda kv: (kv[1], kv[0])))
             out["finish_reasons"] = dict(sorted(self.finish_reasons.items()))
             out["stop_reasons"] = dict(sorted(self.stop_reasons.items()))
+        if self.spec_worker is not None:
+            out["spec_decoding"] = dict(self.spec_totals)
+            out["accepted_tokens"] = dict(sorted(self.spec_worker.accepted_total.items()))
         return out
 
 
@@ -218,7 +259,23 @@ def _config_line(scenario: Scenario, scheduler: Scheduler) -> dict:
         "eos_token_id": scenario.eos_token_id, "num_aborts": len(scenario.aborts)}
     if cc.kv_cache_groups is not None:
         line["effective"] = _hybrid_effective(scheduler)
+    if scenario.speculative is not None:
+        line.setdefault("effective", {})["speculative"] = _spec_effective(scheduler)
     return line
+
+
+def _spec_effective(scheduler: Scheduler) -> dict:
+    """What vLLM derives from `speculative` (the oracle's `effective.speculative`)."""
+    cfg = scheduler.speculative_config
+    hash_lookahead = cfg.num_hash_lookahead_tokens(scheduler.cache_config.enable_prefix_caching)
+    return {"method": cfg.method, "num_spec_tokens": scheduler.num_spec_tokens,
+            "num_lookahead_tokens": scheduler.num_lookahead_tokens,
+            "num_prefill_lookahead_tokens": cfg.num_prefill_lookahead_tokens,
+            "num_hash_lookahead_tokens": hash_lookahead, "use_eagle": cfg.use_eagle,
+            # vLLM drops the volatile trailing cached block for eagle unless hashes look ahead
+            "use_eagle_block_drop": cfg.use_eagle and not hash_lookahead,
+            "draft_slots": 0,  # max_num_new_slots_for_drafting: 0 for ngram, eagle, mtp
+            "spec_decode_step_blocks": scheduler.spec_decode_step_blocks}
 
 
 def _hybrid_effective(scheduler: Scheduler) -> dict:
@@ -277,9 +334,14 @@ def replay(scenario: Scenario) -> Iterator[dict]:
             run.sampler.masked = []
             so = scheduler.schedule()
             so.step = step
-            mro = executor.execute_model(so)
+            if run.spec_worker is not None:
+                mro, accepted = run.spec_worker.execute_model(so, scheduler)
+            else:
+                mro = executor.execute_model(so)
             scheduled = True
             rec.update(_schedule_record(scheduler, so, mro))
+            if run.spec_worker is not None:
+                rec.update(_spec_schedule_record(so, mro, accepted))
             if run.sampler.masked:
                 rec["masked_stop"] = run.sampler.masked
             batch_queue.appendleft((step, so, mro))
@@ -293,6 +355,11 @@ def replay(scenario: Scenario) -> Iterator[dict]:
             run.process(pstep, pso, pmro)
             if run.async_sched:
                 rec["processed_output_of_step"] = pstep
+            elif run.spec_worker is not None and pso.total_num_scheduled_tokens > 0:
+                # sync: the drafter proposes after the update, as vLLM's EngineCore.post_step does
+                proposed = run.spec_worker.propose(pso, scheduler)
+                if proposed:
+                    run.records[pstep]["drafts_proposed"] = proposed
         else:
             run.abort(step, rec, during, "aborted")
         if not scheduled:

@@ -18,6 +18,8 @@ from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.kv_cache_interface import parse_kv_cache_groups
 from servetwin.core.limits import MAX_TOKENS_PER_REQUEST, load_json_file
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.testbed.spec_scenario import (REQUEST_SPEC_KEYS, SpecScenario, parse_request_spec_fields,
+                                                  parse_speculative)
 
 MAX_N = 16384  # SamplingParams' limit on n
 # The fake sampler's base tokens are (step*7 + row) % 1000 + 10: EOS and stop ids there would fire at
@@ -27,7 +29,7 @@ ABORT_PHASES = ("between_steps", "during_step")
 TOP_KEYS = ("settings", "requests", "aborts")
 REQUEST_KEYS = ("id", "arrival_step", "prompt_token_ids", "prompt_len", "prompt_seed", "prefix_token_ids",
                 "max_tokens", "priority", "arrival_time", "n", "cache_salt", "ignore_eos", "stop_token_ids",
-                "min_tokens", "stop_at")
+                "min_tokens", "stop_at") + REQUEST_SPEC_KEYS
 ABORT_KEYS = ("step", "id", "phase")
 
 
@@ -52,6 +54,9 @@ class ScenarioRequest:
     min_tokens: int = 0
     # child index -> {output position: token the fake sampler emits there}
     stop_at: dict[int, dict[int, int]] = field(default_factory=dict)
+    # speculative decoding (spec_scenario.py): drafts proposed / accepted per step, cycled
+    draft_lengths: Optional[list[int]] = None
+    accept_pattern: Optional[list[int]] = None
 
     @property
     def child_ids(self) -> list[str]:
@@ -77,6 +82,7 @@ class Scenario:
     eos_token_id: int = 2  # the tiny model's EOS
     aborts: list[ScenarioAbort] = field(default_factory=list)
     uses_events: bool = False  # the file uses the events keys: the summary reports finish/stop reasons
+    speculative: Optional[SpecScenario] = None  # settings.speculative (spec_scenario.py)
 
 
 # -- typed field readers ------------------------------------------------------------------------
@@ -164,6 +170,7 @@ SETTINGS: dict[str, tuple[_Reader, bool]] = {
 }
 # KV cache groups (the oracle's HYBRID contract), read apart: `null` retention means dense, not default
 HYBRID_SETTINGS = ("kv_cache_groups", "prefix_cache_retention_interval")
+SPEC_SETTINGS = ("speculative",)  # read apart too (spec_scenario.py)
 _SCHED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                  "long_prefill_token_threshold", "policy", "max_model_len", "scheduler_reserve_full_isl",
                  "watermark", "async_scheduling", "long_prefill_token_threshold_adaptive", "max_num_active_seqs")
@@ -171,7 +178,7 @@ _SCHED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefi
 
 def _parse_settings(raw: Any) -> dict[str, Any]:
     s = _object(raw, "settings")
-    _check_keys(s, tuple(SETTINGS) + HYBRID_SETTINGS, "settings")
+    _check_keys(s, tuple(SETTINGS) + HYBRID_SETTINGS + SPEC_SETTINGS, "settings")
     out = {}
     for name, (read, required) in SETTINGS.items():
         if name not in s:
@@ -181,7 +188,7 @@ def _parse_settings(raw: Any) -> dict[str, Any]:
         value = read(s[name], f"settings.{name}")
         if value is not None:
             out[name] = value
-    for name in HYBRID_SETTINGS:
+    for name in HYBRID_SETTINGS + SPEC_SETTINGS:
         if name in s:
             out[name] = s[name]
     eos = out.get("eos_token_id")
@@ -257,7 +264,8 @@ def _stop_at(v: Any, where: str, n: int, eos: int) -> dict[int, dict[int, int]]:
     return {i: plan for i in range(n)}
 
 
-def _parse_request(raw: Any, where: str, eos: int, max_prompt_len: int = MAX_TOKENS_PER_REQUEST) -> ScenarioRequest:
+def _parse_request(raw: Any, where: str, eos: int, max_prompt_len: int = MAX_TOKENS_PER_REQUEST,
+                   spec: Optional[SpecScenario] = None, async_scheduling: bool = False) -> ScenarioRequest:
     r = _object(raw, where)
     _check_keys(r, REQUEST_KEYS, where)
     if "id" not in r:
@@ -279,6 +287,10 @@ def _parse_request(raw: Any, where: str, eos: int, max_prompt_len: int = MAX_TOK
         if t in BASE_TOKEN_RANGE:
             raise ScenarioError(f"{where}.stop_token_ids[{j}]", f"{t} collides with the fake sampler's base "
                                 f"tokens {BASE_TOKEN_RANGE.start}..{BASE_TOKEN_RANGE.stop - 1}")
+    try:
+        draft_lengths, accept_pattern = parse_request_spec_fields(r, where, spec, async_scheduling)
+    except ConfigError as e:
+        raise ScenarioError(e.path, e.message) from None
     return ScenarioRequest(
         id=rid, arrival_step=_int(r.get("arrival_step", 0), f"{where}.arrival_step", 0),
         prompt_token_ids=_prompt(r, where, max_prompt_len), max_tokens=max_tokens, priority=priority,
@@ -287,7 +299,8 @@ def _parse_request(raw: Any, where: str, eos: int, max_prompt_len: int = MAX_TOK
         ignore_eos=_bool(r.get("ignore_eos", True), f"{where}.ignore_eos"),
         stop_token_ids=stop_ids,
         min_tokens=_int(r.get("min_tokens", 0), f"{where}.min_tokens", 0, max_tokens),
-        stop_at=_stop_at(r["stop_at"], where, n, eos) if "stop_at" in r else {})
+        stop_at=_stop_at(r["stop_at"], where, n, eos) if "stop_at" in r else {},
+        draft_lengths=draft_lengths, accept_pattern=accept_pattern)
 
 
 def _parse_aborts(raw: Any, requests: list[ScenarioRequest]) -> list[ScenarioAbort]:
@@ -327,6 +340,7 @@ def parse_scenario(data: Any) -> Scenario:
             raise ScenarioError(k, "required")
     s = _parse_settings(data["settings"])
     sched, cache = _configs(s)
+    spec = _speculative(s, sched)
     eos = s.get("eos_token_id", 2)
     # a prompt must leave room for one output token within max_model_len (when given)
     max_prompt_len = min(MAX_TOKENS_PER_REQUEST, s.get("max_model_len", MAX_TOKENS_PER_REQUEST + 1) - 1)
@@ -336,7 +350,7 @@ def parse_scenario(data: Any) -> Scenario:
     requests: list[ScenarioRequest] = []
     seen: dict[str, str] = {}  # engine request id -> the field that introduced it
     for i, raw in enumerate(raw_reqs):
-        r = _parse_request(raw, f"requests[{i}]", eos, max_prompt_len)
+        r = _parse_request(raw, f"requests[{i}]", eos, max_prompt_len, spec, sched.async_scheduling)
         for cid in dict.fromkeys([r.id, *r.child_ids]):
             if cid in seen:
                 raise ScenarioError(f"requests[{i}].id", f"duplicate id {cid!r} (also {seen[cid]})")
@@ -345,7 +359,16 @@ def parse_scenario(data: Any) -> Scenario:
     aborts = _parse_aborts(data["aborts"], requests) if "aborts" in data else []
     events = "aborts" in data or any(k in raw for raw in raw_reqs for k in _EVENT_KEYS)
     return Scenario(sched, cache, requests, max_steps=s.get("max_steps", 10000), eos_token_id=eos,
-                    aborts=aborts, uses_events=events)
+                    aborts=aborts, uses_events=events, speculative=spec)
+
+
+def _speculative(s: dict[str, Any], sched: SchedulerConfig) -> Optional[SpecScenario]:
+    if "speculative" not in s:
+        return None
+    try:
+        return parse_speculative(s["speculative"], sched.max_num_batched_tokens, sched.async_scheduling)
+    except ConfigError as e:
+        raise ScenarioError(e.path, e.message).within("settings") from None
 
 
 def load_scenario(path: str) -> Scenario:

@@ -25,11 +25,15 @@ STEP_KEYS = [
     "aborted", "aborted_during_step", "abort_noop", "stop_reasons", "masked_stop",
     # KV cache groups (HYBRID.md): non-null blocks per group of each running request
     "blocks_per_group",
+    # speculative decoding (CONNECTORS.md): drafts scheduled / padded / accepted, the rejection
+    # correction, vLLM's SpecDecodingStats of the update, the sync drafter's proposals
+    "spec_tokens", "spec_padded", "accepted", "num_computed_tokens_after_update", "spec_decoding",
+    "drafts_proposed",
 ]
 HYBRID_EFFECTIVE_KEYS = ["kv_cache_groups", "kv_cache_coordinator", "prefix_cache_retention_interval",
-                         "max_in_flight_tokens", "cache_hit_alignment_tokens"]
+                         "max_in_flight_tokens", "cache_hit_alignment_tokens", "speculative"]
 SUMMARY_KEYS = ["num_steps", "finish_step", "first_token_step", "unfinished", "output_token_ids",
-                "num_free_blocks_end", "aborted", "finish_reasons", "stop_reasons"]
+                "num_free_blocks_end", "aborted", "finish_reasons", "stop_reasons", "spec_decoding", "accepted_tokens"]
 
 
 def _load_expected(name: str) -> list[dict]:
@@ -49,6 +53,7 @@ def test_every_scenario_has_an_expected_trace():
     assert len(SCENARIOS) >= 13
     assert sum(name.startswith("d_") for name in SCENARIOS) == 6  # the recorded event scenarios
     assert sum(name.startswith("h_") for name in SCENARIOS) == 6  # the recorded KV-cache-group scenarios
+    assert sum(name.startswith("s_") for name in SCENARIOS) >= 4  # the recorded speculative-decoding ones
     for name in SCENARIOS:
         assert (DATA / f"{name}.expected.jsonl").exists(), name
 
