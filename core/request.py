@@ -63,6 +63,7 @@ class Request:
         "skip_reading_prefix_cache", "stop_reason", "num_preemptions", "is_prefill_chunk",
         "num_output_placeholders", "num_in_flight_tokens", "num_stale_output_tokens",
         "num_cached_tokens", "parent_id", "events", "_next_hash_at", "_hash_block_size",
+        "_hash_lookahead",
         "shared_prefix_boundary", "spec_token_ids",
         "__weakref__",
     )
@@ -119,6 +120,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self._block_hasher: Optional[BlockHasher] = None
         self._hash_block_size = 0
+        self._hash_lookahead = 0  # tokens past a block its hash covers (spec decode: get_request_block_hasher)
         self._next_hash_at = 1 << 62
         if block_hasher is not None:
             self.set_block_hasher(block_hasher, hash_block_size)
@@ -131,8 +133,9 @@ class Request:
             raise ValueError("hash_block_size: unknown for this block hasher; pass hash_block_size")
         self._block_hasher = block_hasher
         self._hash_block_size = block_size
+        self._hash_lookahead = getattr(block_hasher, "num_lookahead_tokens", 0)
         self.block_hashes = block_hasher(self)
-        self._next_hash_at = (len(self.block_hashes) + 1) * block_size
+        self._next_hash_at = (len(self.block_hashes) + 1) * block_size + self._hash_lookahead
 
     # -- tokens ------------------------------------------------------------------------------
     @property
@@ -167,7 +170,7 @@ class Request:
 
     def hash_new_blocks(self) -> None:
         self.block_hashes.extend(self._block_hasher(self))
-        self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size
+        self._next_hash_at = (len(self.block_hashes) + 1) * self._hash_block_size + self._hash_lookahead
 
     # -- status ------------------------------------------------------------------------------
     def is_finished(self) -> bool:

@@ -130,8 +130,15 @@ def generate_block_hash_extra_keys(request: Any, start_token_idx: int) -> Option
     return tuple(keys) if keys else None
 
 
-def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256) -> Callable[[Any], list[bytes]]:
-    """Closure returning the hashes of the request's full blocks not hashed yet (incremental)."""
+def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
+                             num_lookahead_tokens: int = 0) -> Callable[[Any], list[bytes]]:
+    """Closure returning the hashes of the request's full blocks not hashed yet (incremental).
+
+    `num_lookahead_tokens` (L > 0: EAGLE / MTP speculative decoding with prefix caching): each hash
+    also covers the L tokens after its block, whose drafter KV at the block's last position depends
+    on them, so a block is hashed only once they exist (vLLM 0.33 `kv_cache_utils.py:953-1030`)."""
+    if num_lookahead_tokens:
+        return _lookahead_request_block_hasher(block_size, hash_fn, num_lookahead_tokens)
 
     def request_block_hasher(request: Any) -> list[bytes]:
         hashes = request.block_hashes
@@ -175,4 +182,27 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256) -> Calla
 
     hasher = builtin_request_block_hasher if hash_fn is builtin else request_block_hasher
     hasher.block_size = block_size  # type: ignore[attr-defined]
+    hasher.num_lookahead_tokens = 0  # type: ignore[attr-defined]
     return hasher
+
+
+def _lookahead_request_block_hasher(block_size: int, hash_fn: HashFn,
+                                    num_lookahead_tokens: int) -> Callable[[Any], list[bytes]]:
+    def request_block_hasher(request: Any) -> list[bytes]:
+        hashes = request.block_hashes
+        start = len(hashes) * block_size
+        tokens = request.all_token_ids
+        num_tokens = len(tokens) - num_lookahead_tokens
+        prev = hashes[-1] if hashes else NONE_HASH
+        new_hashes = []
+        while start + block_size <= num_tokens:
+            end = start + block_size
+            extra = (generate_block_hash_extra_keys(request, start), *tokens[end:end + num_lookahead_tokens])
+            prev = hash_fn((prev, tuple(tokens[start:end]), extra))
+            new_hashes.append(prev)
+            start = end
+        return new_hashes
+
+    request_block_hasher.block_size = block_size  # type: ignore[attr-defined]
+    request_block_hasher.num_lookahead_tokens = num_lookahead_tokens  # type: ignore[attr-defined]
+    return request_block_hasher

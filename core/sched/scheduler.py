@@ -115,7 +115,9 @@ class Scheduler:
         self.block_hasher = None
         if cache_config.enable_prefix_caching:
             self.block_hasher = get_request_block_hasher(
-                cache_config.block_size, get_hash_fn_by_name(cache_config.prefix_caching_hash_algo))
+                cache_config.block_size, get_hash_fn_by_name(cache_config.prefix_caching_hash_algo),
+                # eagle / mtp: every block hash covers the next token too (config/vllm.py:681-695)
+                speculative_config.num_hash_lookahead_tokens(True) if speculative_config else 0)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
