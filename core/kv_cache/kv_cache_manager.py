@@ -79,13 +79,15 @@ class KVCacheManager:
         """The longest prefix cached in every group, block-granular, capped at N-1 tokens.
 
         When full attention alone would hit further than all groups together, the request keeps
-        that length as its `shared_prefix_boundary` (its sliding-window blocks there get retained)."""
+        that length as its `shared_prefix_boundary` (its sliding-window blocks there get retained);
+        every lookup sets it afresh, none when there is no such gap (vLLM 0.33 kv_cache_manager.py:
+        319-325, assigned by the scheduler on each lookup)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
+            request.shared_prefix_boundary = None
             return self.coordinator.empty_hits, 0
         blocks, hit, full_hit = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1)
-        if full_hit > hit:
-            request.shared_prefix_boundary = full_hit
+        request.shared_prefix_boundary = full_hit if full_hit > hit else None
         return blocks, hit
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
