@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -100,8 +101,12 @@ class Simulation:
                  max_time_s: Optional[float] = None, record_step_requests: bool = True,
                  fast_forward: bool = True, lazy_decode: bool = True, frontend: Any = None,
                  on_complete: Optional[Callable[[str, float], None]] = None,
-                 on_reject: Optional[Callable[[str, str], None]] = None) -> None:
-        self.env = simpy.Environment()
+                 on_reject: Optional[Callable[[str, str], None]] = None,
+                 env: Optional[simpy.Environment] = None, settler: Optional["Settler"] = None) -> None:
+        # `env`: a shared environment (a cluster runs many engines in one, `servetwin.sim.cluster`), whose
+        # engines settle one at a time through a shared `settler`
+        self.env = simpy.Environment() if env is None else env
+        self.settler = settler
         self.engine = engine
         self.requests = list(requests)
         self.arrival = arrival
@@ -128,6 +133,9 @@ class Simulation:
         self._wake: Optional[simpy.Event] = None
         self._arrivals_done = False
         self._t_end: dict[int, float] = {}
+        # called with this simulation at each step boundary, before and after the step (vLLM's engine
+        # publishes its request counts there for the DP coordinator, core.py:1621-1645); None: nobody listens
+        self.on_step_boundary: Optional[Callable[["Simulation"], None]] = None
         self.result = SimResult(self.recorder, 0.0, 0)
         # the API-server front end (None: offline); `frontend` is a servetwin.sim.frontend.FrontendConfig
         # (`FrontendConfig.resolved(device_type)` picks the hardware's default coefficients)
@@ -147,6 +155,16 @@ class Simulation:
         self._inbox.append(pending)
         self._poke()
         return pending.done
+
+    def accept(self, request: WorkloadRequest) -> simpy.Event:
+        """A request from the client side: through the front end when one is modelled, else straight to
+        the engine (what the arrival process does; a cluster's router calls it per instance)."""
+        return self.submit(request) if self.frontend is None else self._to_frontend(request)
+
+    def close_arrivals(self) -> None:
+        """No more requests will be accepted: the engine process ends once its work is done."""
+        self._arrivals_done = True
+        self._poke()
 
     def _to_frontend(self, request: WorkloadRequest) -> simpy.Event:
         self._in_frontend += 1
@@ -238,8 +256,7 @@ class Simulation:
     def _arrivals(self) -> Generator[simpy.Event, Any, None]:
         submit = self.submit if self.frontend is None else self._to_frontend
         yield from self.arrival.process(self.env, self.requests, submit, self.rng)
-        self._arrivals_done = True
-        self._poke()
+        self.close_arrivals()
 
     def _all_submitted(self) -> bool:
         return self._arrivals_done and not self._in_frontend
@@ -270,6 +287,9 @@ class Simulation:
 
     def _settle(self) -> Generator[simpy.Event, Any, None]:
         """Return once no other event is scheduled at the current time (public SimPy API only)."""
+        if self.settler is not None:
+            yield self.settler.wait()
+            return
         env = self.env
         while env.peek() <= env.now:
             yield env.timeout(0)
@@ -291,6 +311,8 @@ class Simulation:
             yield from self._settle()
             self._apply_aborts()
             self._admit()
+            if self.on_step_boundary is not None:
+                self.on_step_boundary(self)
             if not engine.has_work():
                 continue
             if self.fast_forward:
@@ -329,15 +351,26 @@ class Simulation:
                 yield env.timeout(duration)
             if t_done > t0:
                 self._complete(result, t_done)
+            if self.on_step_boundary is not None:
+                self.on_step_boundary(self)
 
     def run(self) -> SimResult:
         self.env.process(self._arrivals())
         self.env.process(self._engine())
-        with _rare_young_collections():
+        with rare_young_collections():
             if self.max_time_s is not None:
                 self.env.run(until=self.max_time_s)
             else:
                 self.env.run()
+        return self.finish()
+
+    def start_engine(self) -> simpy.Process:
+        """The engine's process alone (a cluster starts each engine's and routes the arrivals itself)."""
+        return self.env.process(self._engine())
+
+    def finish(self) -> SimResult:
+        """The result once the environment stopped: outputs still in the front end, late tokens, the
+        requests that did not finish."""
         self.result.end_time_s = float(self.env.now)
         if self.frontend is not None:  # outputs still in the front end when the engine stopped
             self.frontend.finish(self.max_time_s)
@@ -352,8 +385,36 @@ class Simulation:
         return self.result
 
 
+class Settler:
+    """Many engines in one environment: each waits (`wait()`) until no other event is scheduled at the
+    current time, one engine at a time in the order they asked. (Engines settling by themselves would each
+    keep a zero-delay timeout in the queue and wait for each other forever.) A released engine's own events at
+    that time are processed before the next one is released."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self._waiting: deque[simpy.Event] = deque()
+        self._running = False
+
+    def wait(self) -> simpy.Event:
+        event = self.env.event()
+        self._waiting.append(event)
+        if not self._running:
+            self._running = True
+            self.env.process(self._release())
+        return event
+
+    def _release(self) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        while self._waiting:
+            while env.peek() <= env.now:
+                yield env.timeout(0)
+            self._waiting.popleft().succeed()
+        self._running = False
+
+
 @contextlib.contextmanager
-def _rare_young_collections() -> Iterator[None]:
+def rare_young_collections() -> Iterator[None]:
     """`SIM_GC_THRESHOLD0` as the collector's young threshold for the block, the caller's after it."""
     thresholds = gc.get_threshold()
     if thresholds[0]:  # (0: the caller turned the collector off)
