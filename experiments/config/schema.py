@@ -688,9 +688,14 @@ def _check_cluster(exp: ExperimentConfig) -> None:
         return
     if exp.backends != ["sim"]:
         raise ConfigError("backends", f"a cluster runs in the simulator only (backends: [sim]), got {exp.backends}")
+    import numpy as np  # noqa: PLC0415
+
     from servetwin.experiments.config.cluster import instance_engine_args  # noqa: PLC0415
     from servetwin.sim.hardware import hardware_from_dict, load_hardware  # noqa: PLC0415
     from servetwin.sim.kv_pool import build_sim_executor  # noqa: PLC0415
+    from servetwin.sim.routers import build_router  # noqa: PLC0415
+
+    build_router(exp.cluster.router, np.random.default_rng(0))  # unknown routers, scorers, bad parameters
 
     for i, inst in enumerate(exp.cluster.instances):
         path = f"cluster.instances[{i}]"

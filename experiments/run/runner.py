@@ -429,10 +429,6 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     if folder is None:
         with RunFolder(out_dir, overwrite=overwrite) as owned:
             return run_experiment(exp, out_dir, progress, log, folder=owned, measure=measure)
-    if exp.cluster is not None:  # many engines: their own run and outputs
-        from servetwin.experiments.run.cluster_run import run_cluster_experiment  # noqa: PLC0415
-
-        return run_cluster_experiment(exp, out_dir, folder, progress, log)
     import yaml  # noqa: PLC0415
 
     from servetwin.experiments.run.background import Prewarmed, parallel_ok  # noqa: PLC0415

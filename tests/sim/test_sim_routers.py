@@ -1,0 +1,78 @@
+"""Routers and llm-d scorers (`servetwin.sim.routers`): worked values from the sources' formulas."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servetwin.sim.routers import (ActiveRequestScorer, ApproxPrefixIndex, Endpoint, KVCacheUtilizationScorer,
+                                   LeastLoaded, LlmdRouter, LoadAwareScorer, PrefixAffinityFilter,
+                                   PrefixCacheScorer, QueueScorer, RoundRobin, TokenLoadScorer, prompt_block_keys)
+
+
+def _eps(*waiting, **kw):
+    return [Endpoint(i, f"e{i}", waiting=w, **{k: v[i] for k, v in kw.items()}) for i, w in enumerate(waiting)]
+
+
+REQ = SimpleNamespace(prompt_token_ids=list(range(100, 164)))  # 4 blocks of 16
+
+
+def test_queue_scorer_is_min_max_normalised():
+    assert QueueScorer().score(REQ, _eps(0, 5, 10)) == [1.0, 0.5, 0.0]
+    assert QueueScorer().score(REQ, _eps(3, 3)) == [1.0, 1.0]  # all equal -> 1
+
+
+def test_load_aware_and_kv_and_token_load_and_active_request():
+    assert LoadAwareScorer().score(REQ, _eps(0, 64, 500)) == [0.5, 0.25, 0.0]
+    assert KVCacheUtilizationScorer().score(REQ, _eps(0, 0, kv_usage=[0.25, 1.0])) == [0.75, 0.0]
+    assert TokenLoadScorer(threshold=1000).score(REQ, _eps(0, 0, 0, active_tokens=[0, 500, 5000])) == [1.0, 0.5, 0.0]
+    assert ActiveRequestScorer().score(REQ, _eps(0, 0, 0, active=[0, 2, 4])) == [1.0, 0.5, 0.0]
+    assert ActiveRequestScorer().score(REQ, _eps(0, 0)) == [1.0, 1.0]
+
+
+def test_approximate_prefix_index_scores_routed_prompts_and_never_sees_evictions():
+    scorer = PrefixCacheScorer()
+    eps = _eps(0, 0)
+    assert scorer.score(REQ, eps) == [0.0, 0.0]
+    scorer.on_routed(REQ, eps[1])
+    half = SimpleNamespace(prompt_token_ids=REQ.prompt_token_ids[:32] + [7] * 32)
+    assert scorer.score(half, eps) == [0.0, 0.5]  # 2 of 4 leading blocks
+    # the engine may have evicted them long ago: the index still says so (only its own LRU forgets)
+    small = ApproxPrefixIndex(capacity=4)
+    small.add(0, prompt_block_keys(REQ.prompt_token_ids, 16, 256))
+    small.add(0, prompt_block_keys([1] * 32, 16, 256))
+    assert small.matched(0, prompt_block_keys(REQ.prompt_token_ids, 16, 256)) == 0  # its LRU dropped the head
+
+
+def test_prefix_affinity_filter_keeps_the_best_match_above_the_threshold():
+    scorer = PrefixCacheScorer()
+    eps = _eps(0, 0, 0)
+    scorer.on_routed(REQ, eps[2])
+    assert PrefixAffinityFilter(scorer).filter(REQ, eps) == [2]
+    other = SimpleNamespace(prompt_token_ids=[9] * 64)
+    assert PrefixAffinityFilter(scorer).filter(other, eps) == [0, 1, 2]
+
+
+def test_llm_d_picks_the_best_weighted_sum_with_random_tie_breaks():
+    router = LlmdRouter([(QueueScorer(), 2.0), (LoadAwareScorer(), 1.0)], np.random.default_rng(0))
+    d = router.route(REQ, _eps(4, 0, 8))
+    assert d.pick == 1 and d.scores == pytest.approx([2 * 0.5 + 0.5 * (1 - 4 / 128), 2.5, 0.5 * (1 - 8 / 128)])
+    picks = {router.route(REQ, _eps(1, 1, 1)).pick for _ in range(60)}
+    assert picks == {0, 1, 2}  # ties broken at random
+
+
+def test_round_robin_and_least_loaded():
+    rr = RoundRobin()
+    assert [rr.route(REQ, _eps(0, 0, 0)).pick for _ in range(4)] == [0, 1, 2, 0]
+    assert LeastLoaded().route(REQ, _eps(0, 0, 0, active=[3, 1, 1])).pick == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=8), st.integers(0, 2**31))
+def test_llm_d_pick_has_the_maximum_score(waiting, seed):
+    router = LlmdRouter([(QueueScorer(), 1.0), (LoadAwareScorer(), 2.0)], np.random.default_rng(seed))
+    d = router.route(REQ, _eps(*waiting))
+    assert d.scores[d.pick] == max(d.scores)
