@@ -17,8 +17,9 @@ The router sees each instance's waiting / running / KV usage as scraped every `s
 default: the llm-d EPP's metrics refresh) and its own exact in-flight counts, which drop when a request
 completes. Every routing decision is recorded (`decisions`: request, time, candidates, scores, pick).
 
-MoE lockstep DP (the global step barrier, cross-rank padding, dummy batches, the 16-step all-reduce) and
-prefill/decode roles are not simulated yet: `build_cluster` refuses them with the field named.
+MoE DP (an instance whose model has routed experts, `InstanceEngines.lockstep`) runs its ranks in lockstep
+(`servetwin.sim.lockstep`: global step barrier, padding, dummy batches, the 16-step all-reduce, wave starts).
+Prefill/decode roles are not simulated yet: the config refuses them with the field named.
 
 Event order at one simulated time is each engine's own (`servetwin.sim.engine`); between engines, the order
 of SimPy's event queue (creation order), so a run is deterministic for a seed.
@@ -37,6 +38,7 @@ from servetwin.core.engine.dp_lb import DPLoadBalancer, DPStatsCoordinator, Requ
 from servetwin.core.engine.engine_core import EngineCore
 from servetwin.sim.arrivals import ArrivalProcess
 from servetwin.sim.engine import Settler, Simulation, SimResult, rare_young_collections
+from servetwin.sim.lockstep import LockstepGroup
 from servetwin.sim.routers import DEFAULT_SCRAPE_INTERVAL_S, Endpoint, RouteDecision
 from servetwin.sim.workload import WorkloadRequest
 
@@ -48,6 +50,7 @@ class InstanceEngines:
     engines: list[EngineCore]
     role: str = "both"
     infos: list[Any] = field(default_factory=list)  # each engine's ExecutorInfo (KV pool sizing), for outputs
+    lockstep: bool = False  # MoE DP: the ranks step together (servetwin.sim.lockstep)
 
 
 @dataclass(slots=True)
@@ -88,6 +91,8 @@ class _Instance:
         self.coordinator = DPStatsCoordinator(n) if n > 1 else None
         self._publishers = [RequestCountsPublisher() for _ in range(n)]
         self._stats_arrived: Optional[simpy.Event] = None
+        self.lockstep = spec.lockstep and n > 1
+        self.group: Optional[LockstepGroup] = None
         if self.lb is not None:
             for rank, sim in enumerate(self.ranks):
                 sim.on_step_boundary = self._boundary_hook(rank)
@@ -147,6 +152,13 @@ class _Instance:
             hit += 1
         return len(hashes), hit
 
+    def start(self, settler: Settler) -> list[simpy.Process]:
+        """The engine processes: one per rank, or one for a lockstep group."""
+        if self.lockstep:
+            self.group = LockstepGroup(self.env, self.ranks, settler.wait)
+            return [self.env.process(self.group.process())]
+        return [sim.start_engine() for sim in self.ranks]
+
     def accept(self, request: WorkloadRequest) -> tuple[int, simpy.Event]:
         rank = self.lb.choose(request.request_id) if self.lb is not None else 0
         return rank, self.ranks[rank].accept(request)
@@ -180,7 +192,7 @@ class ClusterSimulation:
         self._where: dict[str, _Instance] = {}  # request -> its instance, while in flight
         self._arrivals_done = False
         self._by_id = {r.request_id: r for r in self.requests}
-        settler = Settler(self.env)
+        settler = self.settler = Settler(self.env)
 
         def make_sim(engine: EngineCore, inst: _Instance, rank: int) -> Simulation:
             return Simulation(engine, [], arrival, rng=self.rng, run=run, record_step_requests=record_step_requests,
@@ -253,7 +265,7 @@ class ClusterSimulation:
     def run(self) -> ClusterResult:
         env = self.env
         env.process(self._arrivals())
-        engines = [sim.start_engine() for inst in self.instances for sim in inst.ranks]
+        engines = [proc for inst in self.instances for proc in inst.start(self.settler)]
         if len(self.instances) > 1:  # (one instance: nothing to choose, the router needs no metrics)
             env.process(self._scraper())
         for inst in self.instances:

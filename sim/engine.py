@@ -326,33 +326,65 @@ class Simulation:
                             self.frontend.on_step_output(env.now, num_running, 0, [])
                     continue
             t0 = env.now
-            result = engine.step()
-            if self.lazy_decode:  # tokens of implicit steps applied this step: before the step's own
-                late = engine.scheduler.take_late_tokens()
-                if late:
-                    self.recorder.on_late_tokens(late)
-            so = result.scheduled
-            duration = 0.0
-            if so is not None:
-                timing = result.model_output.timing if result.model_output is not None else None
-                duration = timing.duration_s if timing is not None else 0.0
-                self._t_end[so.step] = t0 + duration
-                if self.frontend is not None:
-                    self._num_samples[so.step] = _num_samples(result)
-                if so.total_num_scheduled_tokens > 0:
-                    self.result.num_steps += 1
-            self.recorder.on_step(result, t0, t0 + duration)
-            progressed = (so is not None and so.total_num_scheduled_tokens > 0) or bool(result.outputs)
+            result, duration = self.step_engine()
+            progressed, t_done = self.record_step(result, t0, duration)
             idle = 0 if progressed else idle + 1
-            t_done = self._t_end.pop(result.processed.step) if result.processed is not None else t0
-            if t_done <= t0:
-                self._complete(result, t_done)  # async: the previous batch, finished at t0
             if duration > 0:
                 yield env.timeout(duration)
             if t_done > t0:
                 self._complete(result, t_done)
             if self.on_step_boundary is not None:
                 self.on_step_boundary(self)
+
+    # -- one step, in parts (the engine process above; a lockstep DP group drives several engines) --
+    def step_engine(self) -> tuple[StepResult, float]:
+        """One engine step at the current time: (its result, its batch's predicted duration; 0 if none ran)."""
+        result = self.engine.step()
+        if self.lazy_decode:  # tokens of implicit steps applied this step: before the step's own
+            late = self.engine.scheduler.take_late_tokens()
+            if late:
+                self.recorder.on_late_tokens(late)
+        if result.scheduled is None or result.model_output is None:
+            return result, 0.0
+        timing = result.model_output.timing
+        return result, timing.duration_s if timing is not None else 0.0
+
+    def record_step(self, result: StepResult, t0: float, duration: float) -> tuple[bool, float]:
+        """Book the step as running [t0, t0 + duration): (whether it progressed, when the batch whose outputs
+        it processed ended). Those outputs complete now when that batch ended by t0 (async scheduling: the
+        previous batch), else the caller completes them at that time (`complete_step`)."""
+        so = result.scheduled
+        if so is not None:
+            self._t_end[so.step] = t0 + duration
+            if self.frontend is not None:
+                self._num_samples[so.step] = _num_samples(result)
+            if so.total_num_scheduled_tokens > 0:
+                self.result.num_steps += 1
+        self.recorder.on_step(result, t0, t0 + duration)
+        progressed = (so is not None and so.total_num_scheduled_tokens > 0) or bool(result.outputs)
+        t_done = self._t_end.pop(result.processed.step) if result.processed is not None else t0
+        if t_done <= t0:
+            self._complete(result, t_done)  # async: the previous batch, finished at t0
+        return progressed, t_done
+
+    def complete_step(self, result: StepResult, t: float) -> None:
+        """The step's finished requests complete at `t` (after `record_step` said its batch ends then)."""
+        self._complete(result, t)
+
+    def take_inputs(self) -> None:
+        """Between steps: the client aborts, then the requests submitted so far reach the engine."""
+        self._apply_aborts()
+        self._admit()
+
+    def has_inputs(self) -> bool:
+        return bool(self._inbox or self._aborts)
+
+    def all_submitted(self) -> bool:
+        return self._all_submitted()
+
+    def set_wake(self, event: Optional[simpy.Event]) -> None:
+        """The event a new submission (or the end of arrivals) triggers (a lockstep group waits on one)."""
+        self._wake = event
 
     def run(self) -> SimResult:
         self.env.process(self._arrivals())

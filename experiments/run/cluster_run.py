@@ -40,7 +40,9 @@ def build_cluster(exp: ExperimentConfig) -> list[Any]:
     for name, inst in exp.cluster.expanded():
         args = instance_engine_args(exp.engine_args("sim"), inst, inst.hardware_spec)
         engines = [create_engine_core(args) for _ in range(inst.data_parallel_size)]
-        out.append(InstanceEngines(name, [e for e, _ in engines], inst.role, [info for _, info in engines]))
+        moe = engines[0][1].executor.cost_model.model.num_experts > 0  # vLLM: MoE DP runs in lockstep
+        out.append(InstanceEngines(name, [e for e, _ in engines], inst.role, [info for _, info in engines],
+                                   lockstep=moe and inst.data_parallel_size > 1))
     return out
 
 
