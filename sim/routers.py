@@ -23,8 +23,9 @@ random tie-break (llm-d-inference-scheduler `docs/architecture.md`, "Routing Flo
 The filter `prefix-cache-affinity` keeps the endpoints whose approximate prefix score is the best one when
 that score is at least `threshold` (default 0.5; all endpoints otherwise).
 
-Users add routers and scorers through the entry point groups `servetwin.routers` and
-`servetwin.router_scorers` (a factory called with the config's parameters).
+Users add routers and scorers through the entry point groups `servetwin.routers` (a factory called with the
+router's config and its random stream, as the built-in `make_*` ones) and `servetwin.router_scorers` (a factory
+called with the scorer's parameters); the built-ins are registered there too (pyproject.toml) and found first.
 """
 from __future__ import annotations
 
@@ -293,33 +294,50 @@ def build_scorer(name: str, params: Mapping[str, Any], path: str) -> Any:
         raise ConfigError(path, f"bad parameters for scorer {name!r}: {e}") from None
 
 
-def build_router(spec: Any, rng: np.random.Generator) -> Any:
-    """The router of a `servetwin.experiments.config.cluster.RouterConfig`."""
-    kind = spec.type
-    if kind == "round_robin":
-        return RoundRobin()
-    if kind == "random":
-        return RandomRouter(rng)
-    if kind == "least_loaded":
-        return LeastLoaded()
-    if kind == "llm_d":
-        scorers = [(build_scorer(s.type, s.params, f"cluster.router.scorers[{i}]"), s.weight)
-                   for i, s in enumerate(spec.scorers)]
-        filters = []
-        for i, f in enumerate(spec.filters):
-            if f.type != "prefix-cache-affinity":
-                raise ConfigError(f"cluster.router.filters[{i}].type",
-                                  f"unknown filter {f.type!r}; built in: prefix-cache-affinity")
-            shared = next((s for s, _ in scorers if isinstance(s, PrefixCacheScorer)), None)
+# Router factories: `factory(spec, rng)` with spec a `servetwin.experiments.config.cluster.RouterConfig` and rng
+# the router's own random stream; the same signature for the entry points of `servetwin.routers`.
+def make_round_robin(spec: Any, rng: np.random.Generator) -> RoundRobin:
+    return RoundRobin()
+
+
+def make_random(spec: Any, rng: np.random.Generator) -> RandomRouter:
+    return RandomRouter(rng)
+
+
+def make_least_loaded(spec: Any, rng: np.random.Generator) -> LeastLoaded:
+    return LeastLoaded()
+
+
+def make_llm_d(spec: Any, rng: np.random.Generator) -> LlmdRouter:
+    scorers = [(build_scorer(s.type, s.params, f"cluster.router.scorers[{i}]"), s.weight)
+               for i, s in enumerate(spec.scorers)]
+    filters = []
+    for i, f in enumerate(spec.filters):
+        if f.type != "prefix-cache-affinity":
+            raise ConfigError(f"cluster.router.filters[{i}].type",
+                              f"unknown filter {f.type!r}; built in: prefix-cache-affinity")
+        shared = next((s for s, _ in scorers if isinstance(s, PrefixCacheScorer)), None)
+        try:
             filters.append(PrefixAffinityFilter(shared or PrefixCacheScorer(), **f.params))
-        return LlmdRouter(scorers, rng, filters)
-    factory = _plugin(ROUTER_ENTRY_POINTS, kind)
+        except TypeError as e:
+            raise ConfigError(f"cluster.router.filters[{i}]", f"bad parameters: {e}") from None
+    return LlmdRouter(scorers, rng, filters)
+
+
+ROUTERS: dict[str, Callable[[Any, np.random.Generator], Any]] = {
+    "round_robin": make_round_robin, "random": make_random, "least_loaded": make_least_loaded, "llm_d": make_llm_d,
+}
+
+
+def build_router(spec: Any, rng: np.random.Generator) -> Any:
+    """The router of a `RouterConfig`: a built-in one, else the entry point of that name."""
+    factory = ROUTERS.get(spec.type) or _plugin(ROUTER_ENTRY_POINTS, spec.type)
     if factory is None:
-        raise ConfigError("cluster.router.type", f"unknown router {kind!r}; built in: round_robin, random, "
-                                                 f"least_loaded, llm_d (others through {ROUTER_ENTRY_POINTS!r})")
-    return factory(**spec.params)
+        raise ConfigError("cluster.router.type", f"unknown router {spec.type!r}; built in: {', '.join(ROUTERS)} "
+                                                 f"(others through the entry point group {ROUTER_ENTRY_POINTS!r})")
+    return factory(spec, rng)
 
 
-__all__ = ["Endpoint", "RouteDecision", "Router", "RoundRobin", "RandomRouter", "LeastLoaded", "LlmdRouter",
+__all__ = ["ROUTERS", "Endpoint", "RouteDecision", "Router", "RoundRobin", "RandomRouter", "LeastLoaded", "LlmdRouter",
            "SCORERS", "build_router", "build_scorer", "queue_scores", "prompt_block_keys", "ApproxPrefixIndex",
            "PrefixCacheScorer", "PrecisePrefixCacheScorer", "PrefixAffinityFilter", "DEFAULT_SCRAPE_INTERVAL_S"]

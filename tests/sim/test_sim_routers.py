@@ -76,3 +76,48 @@ def test_llm_d_pick_has_the_maximum_score(waiting, seed):
     router = LlmdRouter([(QueueScorer(), 1.0), (LoadAwareScorer(), 2.0)], np.random.default_rng(seed))
     d = router.route(REQ, _eps(*waiting))
     assert d.scores[d.pick] == max(d.scores)
+
+
+def test_pyproject_registers_every_built_in_router_and_scorer():
+    import tomllib
+    from pathlib import Path
+
+    from servetwin.sim import routers
+
+    eps = tomllib.loads((Path(routers.__file__).parents[1] / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert {k: v.rsplit(":", 1)[1] for k, v in eps["servetwin.routers"].items()} == {
+        k: f.__name__ for k, f in routers.ROUTERS.items()}
+    assert {k: v.rsplit(":", 1)[1] for k, v in eps["servetwin.router_scorers"].items()} == {
+        k: f.__name__ for k, f in routers.SCORERS.items()}
+
+
+def test_a_user_router_and_scorer_load_through_their_entry_points(monkeypatch):
+    import importlib.metadata
+
+    from servetwin.experiments.config.cluster import PluginConfig, RouterConfig
+    from servetwin.sim import routers
+
+    class Always:
+        def __init__(self, spec, rng):
+            self.target = spec.params["target"]
+
+        def route(self, request, endpoints):
+            return routers.RouteDecision(self.target)
+
+    class Constant:
+        def __init__(self, value=0.0):
+            self.value = value
+
+        def score(self, request, endpoints):
+            return [self.value] * len(endpoints)
+
+    def fake_entry_points(group):
+        table = {"servetwin.routers": {"always": Always}, "servetwin.router_scorers": {"constant": Constant}}
+        return [SimpleNamespace(name=n, load=lambda f=f: f) for n, f in table.get(group, {}).items()]
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
+    r = routers.build_router(RouterConfig("always", params={"target": 2}), np.random.default_rng(0))
+    assert r.route(REQ, _eps(0, 0, 0)).pick == 2
+    llmd = routers.build_router(RouterConfig("llm_d", scorers=[PluginConfig("constant", 1.0, {"value": 0.3})]),
+                                np.random.default_rng(0))
+    assert llmd.route(REQ, _eps(0, 0)).scores == [0.3, 0.3]
