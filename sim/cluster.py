@@ -71,6 +71,8 @@ class ClusterResult:
     decisions: list[Decision] = field(default_factory=list)
     completion_s: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    aborted_s: dict[str, float] = field(default_factory=dict)  # client timeouts
+    publishes: dict[str, list[float]] = field(default_factory=dict)  # DP instance -> its coordinator's publish times
 
     @property
     def num_steps(self) -> int:
@@ -92,6 +94,7 @@ class _Instance:
         self._publishers = [RequestCountsPublisher() for _ in range(n)]
         self._stats_arrived: Optional[simpy.Event] = None
         self.lockstep = spec.lockstep and n > 1
+        self.publish_times: list[float] = []
         self.group: Optional[LockstepGroup] = None
         if self.lb is not None:
             for rank, sim in enumerate(self.ranks):
@@ -122,6 +125,7 @@ class _Instance:
                 if coord.next_publish_s(env.now) > env.now:
                     continue  # stats arrived: the deadline moved (100 ms after the last publish)
             self.lb.on_publish(coord.publish(env.now))
+            self.publish_times.append(float(env.now))
             yield env.timeout(0)  # (a publish per instant at most)
 
     def counts(self) -> tuple[int, int, float]:
@@ -195,9 +199,11 @@ class ClusterSimulation:
         settler = self.settler = Settler(self.env)
 
         def make_sim(engine: EngineCore, inst: _Instance, rank: int) -> Simulation:
-            return Simulation(engine, [], arrival, rng=self.rng, run=run, record_step_requests=record_step_requests,
-                              frontend=frontend, env=self.env, settler=settler, on_complete=self._completed,
-                              on_reject=self._rejected, **sim_kwargs)
+            sim = Simulation(engine, [], arrival, rng=self.rng, run=run, record_step_requests=record_step_requests,
+                             frontend=frontend, env=self.env, settler=settler, on_complete=self._completed,
+                             on_reject=self._rejected, **sim_kwargs)
+            sim.on_abort = self._aborted
+            return sim
 
         self.instances = [_Instance(i, spec, self.env, make_sim) for i, spec in enumerate(instances)]
         self.endpoints = [Endpoint(i, inst.name, inst.role, cached_prefix_blocks=inst.cached_prefix_blocks)
@@ -236,6 +242,10 @@ class ClusterSimulation:
         self.result.completion_s[request_id] = t
         if self.on_complete is not None:
             self.on_complete(request_id, t)
+
+    def _aborted(self, request_id: str, t: float) -> None:
+        self._release(request_id)  # vLLM reports an aborted request finished: its in-flight slot is free
+        self.result.aborted_s[request_id] = t
 
     def _rejected(self, request_id: str, reason: str) -> None:
         self._release(request_id)
@@ -280,6 +290,8 @@ class ClusterSimulation:
         for inst in self.instances:
             results = [sim.finish() for sim in inst.ranks]
             self.result.instances[inst.name] = results
+            if inst.coordinator is not None:
+                self.result.publishes[inst.name] = inst.publish_times
             end = max([end, *(r.end_time_s for r in results)])
         self.result.end_time_s = end
         return self.result

@@ -18,7 +18,8 @@ Step 3 waits (`Simulation._settle`) until no other event is scheduled at t, so e
 (including the events they cause at t) goes first.
 
 Drivers observe a run through callbacks, not by subclassing: `on_complete(request_id, t)` when a
-workload request's last sequence finishes, `on_reject(request_id, reason)` when one can never be served.
+workload request's last sequence finishes, `on_reject(request_id, reason)` when one can never be served,
+`on_abort(request_id, t)` when its client gave up (`timeout_s`) and the engine aborted it.
 A workload request with `keep_output_tokens` (n = 1) gets the engine's output token ids in its
 `output_token_ids` when it completes (the multi-turn conversations of `servetwin.sim.conversation`
 build the next turn's prompt from them); an aborted or rejected one keeps None.
@@ -126,6 +127,7 @@ class Simulation:
         self.eos_token_id = eos_token_id
         self.on_complete = on_complete
         self.on_reject = on_reject
+        self.on_abort: Optional[Callable[[str, float], None]] = None
         self._inbox: list[_Pending] = []
         self._aborts: list[_Pending] = []  # client timeouts, applied at the next step start
         self._seq = -1
@@ -229,8 +231,8 @@ class Simulation:
         aborts, self._aborts = self._aborts, []
         now = float(self.env.now)
         for pending in aborts:
-            if pending.done.triggered:
-                continue  # it completed in the meantime
+            if pending.done.triggered or pending.request.request_id in self.result.completion_s:
+                continue  # it completed in the meantime (at the engine: its last chunk is on its way to the client)
             wreq = pending.request
             ids = [cid for cid, p in self._by_child.items() if p is pending]
             for cid in ids:  # one abort per id, in child order (no set-order dependence)
@@ -239,6 +241,8 @@ class Simulation:
                 self.recorder.on_abort(cid, now)
             self.result.aborted_s[wreq.request_id] = now
             pending.done.succeed()
+            if self.on_abort is not None:
+                self.on_abort(wreq.request_id, now)
 
     def _next_seq(self) -> int:
         self._seq += 1

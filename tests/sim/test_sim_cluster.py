@@ -97,3 +97,17 @@ def test_round_robin_cycles_through_the_instances():
     sim, _, _, _ = simulate_cluster(exp)
     assert [d.pick for d in sim.result.decisions] == ["r-0", "r-1", "r-2"] * 3
     assert all(d.scores is None for d in sim.result.decisions)
+
+
+def test_the_dp_coordinator_publishes_at_most_every_100ms_and_aborts_free_in_flight_slots():
+    exp = _cfg({"instances": [{"name": "dp", "count": 2, "data_parallel_size": 2}], "router": {"type": "least_loaded"}},
+               requests=60, timeout_s=0.05, arrival={"type": "poisson", "rate": 400})
+    sim, _, reqs, _ = simulate_cluster(exp)
+    for times in sim.result.publishes.values():
+        assert times and all(b - a >= 0.1 - 1e-9 for a, b in zip(times, times[1:]))
+    assert sim.result.aborted_s  # some clients gave up
+    assert set(sim.result.completion_s) | set(sim.result.aborted_s) | set(sim.result.rejected) == {
+        r.request_id for r in reqs}
+    assert all(e.active == 0 and e.active_tokens == 0 for e in sim.endpoints)  # every slot freed
+    for inst in sim.instances:
+        assert inst.lb.engine_inflight == [0, 0] and not inst.lb.reqs_in_flight
