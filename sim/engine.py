@@ -433,7 +433,10 @@ class Settler:
         self._running = False
 
     def wait(self) -> simpy.Event:
-        event = self.env.event()
+        env = self.env
+        if not self._running and env.peek() > env.now:  # nothing else at this time: settled already
+            return env.timeout(0)
+        event = env.event()
         self._waiting.append(event)
         if not self._running:
             self._running = True
