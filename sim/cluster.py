@@ -36,6 +36,7 @@ import simpy
 
 from servetwin.core.engine.dp_lb import DPLoadBalancer, DPStatsCoordinator, RequestCountsPublisher
 from servetwin.core.engine.engine_core import EngineCore
+from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
 from servetwin.sim.arrivals import ArrivalProcess
 from servetwin.sim.engine import Settler, Simulation, SimResult, rare_young_collections
 from servetwin.sim.lockstep import LockstepGroup
@@ -96,19 +97,35 @@ class _Instance:
         self.lockstep = spec.lockstep and n > 1
         self.publish_times: list[float] = []
         self.group: Optional[LockstepGroup] = None
+        self._kv_events: Optional[Callable[[int, list], None]] = None
         if self.lb is not None:
             for rank, sim in enumerate(self.ranks):
                 sim.on_step_boundary = self._boundary_hook(rank)
 
+    def publish_kv_events(self, sink: Callable[[int, list], None]) -> None:
+        """Turn the ranks' KV cache events on; after each step they go to `sink(instance index, events)`
+        (vLLM publishes them per step over ZMQ, `--kv-events-config`)."""
+        self._kv_events = sink
+        for rank, sim in enumerate(self.ranks):
+            sim.engine.scheduler.kv_cache_manager.block_pool.enable_kv_cache_events()
+            sim.on_step_boundary = self._boundary_hook(rank)
+
     def _boundary_hook(self, rank: int) -> Callable[[Simulation], None]:
         publisher = self._publishers[rank]
+        coordinator, kv_sink = self.coordinator, self._kv_events
 
         def on_boundary(sim: Simulation) -> None:
             sched = sim.engine.scheduler
+            if kv_sink is not None:
+                events = sched.kv_cache_manager.block_pool.take_events()
+                if events:
+                    kv_sink(self.index, events)
+            if coordinator is None:
+                return
             running, waiting = sched.get_request_counts()
             stats = publisher.maybe_publish(running, waiting, sched.kv_cache_manager.usage)
             if stats is not None:
-                self.coordinator.on_engine_stats(rank, *stats)
+                coordinator.on_engine_stats(rank, *stats)
                 if self._stats_arrived is not None and not self._stats_arrived.triggered:
                     self._stats_arrived.succeed()
         return on_boundary
@@ -140,21 +157,13 @@ class _Instance:
             usage += sched.kv_cache_manager.usage
         return waiting, running, usage / len(self.ranks)
 
-    def cached_prefix_blocks(self, tokens: Sequence[int]) -> tuple[int, int]:
-        """(prompt blocks, leading blocks in rank 0's prefix cache): the precise prefix scorer's lookup."""
-        sched = self.ranks[0].engine.scheduler
-        hasher = getattr(sched, "block_hasher", None)
-        if hasher is None:
-            return 0, 0
+    def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """The keys (block hash + group 0) the engines give a prompt's full blocks: what their KV events name."""
+        hasher = getattr(self.ranks[0].engine.scheduler, "block_hasher", None)
+        if hasher is None:  # prefix caching off: no events either
+            return []
         probe = SimpleNamespace(block_hashes=[], all_token_ids=tokens, lora_request=None, cache_salt=None)
-        hashes = hasher(probe)
-        pool = sched.kv_cache_manager.block_pool
-        hit = 0
-        for h in hashes:
-            if pool.get_cached_block(h, [0]) is None:
-                break
-            hit += 1
-        return len(hashes), hit
+        return [make_block_hash_with_group_id(h, 0) for h in hasher(probe)]
 
     def start(self, settler: Settler) -> list[simpy.Process]:
         """The engine processes: one per rank, or one for a lockstep group."""
@@ -206,8 +215,20 @@ class ClusterSimulation:
             return sim
 
         self.instances = [_Instance(i, spec, self.env, make_sim) for i, spec in enumerate(instances)]
-        self.endpoints = [Endpoint(i, inst.name, inst.role, cached_prefix_blocks=inst.cached_prefix_blocks)
+        self.endpoints = [Endpoint(i, inst.name, inst.role, block_keys=inst.block_keys)
                           for i, inst in enumerate(self.instances)]
+        on_kv_events = getattr(router, "on_kv_events", None)
+        if on_kv_events is not None and getattr(router, "wants_kv_events", False):
+            delay = float(getattr(router, "kv_event_delay_s", 0.0))
+            env = self.env
+
+            def sink(index: int, events: list) -> None:
+                if delay <= 0:
+                    on_kv_events(index, events)
+                else:  # the events' way to the router (ZMQ publisher -> indexer)
+                    env.timeout(delay).callbacks.append(lambda _e: on_kv_events(index, events))
+            for inst in self.instances:
+                inst.publish_kv_events(sink)
 
     # -- routing ---------------------------------------------------------------------------------
     def _route(self, request: WorkloadRequest) -> simpy.Event:

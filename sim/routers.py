@@ -18,8 +18,9 @@ random tie-break (llm-d-inference-scheduler `docs/architecture.md`, "Routing Flo
 - `prefix-cache` (approximate): a router-side LRU index per endpoint of the block hashes of the prompts routed
   there (16-token blocks, at most 256 matched, 31,250 blocks per endpoint), which never sees the engines'
   evictions; score = leading blocks matched / prompt blocks (GIE `plugins/multi/prefix/plugin.go`);
-- `precise-prefix-cache`: leading prompt blocks found in the endpoint's own prefix cache (vLLM's KV events),
-  looked up when routing (the events' delay is not modelled: it reads the cache as it is).
+- `precise-prefix-cache`: leading prompt blocks in an index of the blocks the endpoint's engines reported
+  cached through vLLM's KV events (BlockStored / BlockRemoved / AllBlocksCleared), which reach the router
+  `event_delay_s` after the step that made them (default 5 ms, assumed: llm-d does not publish it).
 The filter `prefix-cache-affinity` keeps the endpoints whose approximate prefix score is the best one when
 that score is at least `threshold` (default 0.5; all endpoints otherwise).
 
@@ -47,6 +48,8 @@ TOKEN_LOAD_THRESHOLD = 4_194_304  # GIE tokenload tokenQueueThresholdDefault
 PREFIX_BLOCK_TOKENS = 16  # GIE prefix plugin: block size in tokens
 PREFIX_MAX_BLOCKS = 256  # maxPrefixBlocksToMatch
 PREFIX_LRU_BLOCKS = 31_250  # lruCapacityPerServer
+# How long vLLM's KV events take to reach the router's index (ZMQ publish + indexer): not published; assumed.
+KV_EVENT_DELAY_S = 0.005
 
 
 @dataclass(slots=True)
@@ -60,7 +63,7 @@ class Endpoint:
     kv_usage: float = 0.0  # scraped
     active: int = 0  # the router's requests in flight there (exact)
     active_tokens: int = 0  # their prompt tokens
-    cached_prefix_blocks: Optional[Callable[[Sequence[int]], tuple[int, int]]] = None  # (blocks, cached)
+    block_keys: Optional[Callable[[Sequence[int]], list[bytes]]] = None  # a prompt's block keys as its engines name them
 
 
 @dataclass(slots=True)
@@ -204,17 +207,35 @@ class PrefixCacheScorer:
 
 @dataclass(slots=True)
 class PrecisePrefixCacheScorer:
+    """An index per endpoint of the blocks its engines reported cached (KV events: stored adds, removed and
+    cleared drop, as llm-d's kv-cache indexer keeps a key -> pods map), `event_delay_s` behind the engines."""
     max_blocks: int = PREFIX_MAX_BLOCKS
+    event_delay_s: float = KV_EVENT_DELAY_S
+    index: dict[int, set] = field(default_factory=dict)
+    wants_kv_events: bool = True
+
+    def on_kv_events(self, endpoint: int, events: Sequence[tuple[str, Any]]) -> None:
+        keys = self.index.setdefault(endpoint, set())
+        for kind, key in events:
+            if kind == "stored":
+                keys.add(key)
+            elif kind == "removed":
+                keys.discard(key)
+            else:
+                keys.clear()
 
     def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
         tokens = request.prompt_token_ids
         out = []
         for e in endpoints:
-            if e.cached_prefix_blocks is None:
-                out.append(0.0)
-                continue
-            total, hit = e.cached_prefix_blocks(tokens)
-            out.append(min(hit, self.max_blocks) / min(total, self.max_blocks) if total else 0.0)
+            keys = e.block_keys(tokens)[:self.max_blocks] if e.block_keys is not None else []
+            held = self.index.get(e.index, ())
+            hit = 0
+            for k in keys:
+                if k not in held:
+                    break
+                hit += 1
+            out.append(hit / len(keys) if keys else 0.0)
         return out
 
 
@@ -265,6 +286,20 @@ class LlmdRouter:
         for i, s in zip(candidates, total):
             scores[i] = s
         return RouteDecision(candidates[pick], scores, candidates if self.filters else None)
+
+    @property
+    def wants_kv_events(self) -> bool:
+        return any(getattr(s, "wants_kv_events", False) for s, _ in self.scorers)
+
+    @property
+    def kv_event_delay_s(self) -> float:
+        return max((getattr(s, "event_delay_s", 0.0) for s, _ in self.scorers
+                    if getattr(s, "wants_kv_events", False)), default=0.0)
+
+    def on_kv_events(self, endpoint: int, events: Sequence[tuple[str, Any]]) -> None:
+        for scorer, _ in self.scorers:
+            if getattr(scorer, "wants_kv_events", False):
+                scorer.on_kv_events(endpoint, events)
 
     def on_routed(self, request: Any, endpoint: Endpoint) -> None:
         seen = set()

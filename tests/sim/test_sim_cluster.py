@@ -25,6 +25,8 @@ WALL = ("wall_s", "sim_speedup_x")
 
 def _cfg(cluster=None, **workload):
     raw = copy.deepcopy(BASE)
+    if "shared_prefix" in workload:
+        del raw["workload"]["prompt_tokens"]
     raw["workload"].update(workload)
     if cluster is not None:
         raw["cluster"] = cluster
@@ -111,3 +113,28 @@ def test_the_dp_coordinator_publishes_at_most_every_100ms_and_aborts_free_in_fli
     assert all(e.active == 0 and e.active_tokens == 0 for e in sim.endpoints)  # every slot freed
     for inst in sim.instances:
         assert inst.lb.engine_inflight == [0, 0] and not inst.lb.reqs_in_flight
+
+
+def test_precise_prefix_routing_sees_the_engines_cache_after_the_event_delay():
+    """Shared-prefix groups behind the precise scorer alone: once a group's prefix is cached somewhere (and its
+    events arrived), the group's later requests go there; the index equals the engines' caches at the end."""
+    shared = {"groups": 4, "per_group": 8, "prefix_tokens": 128, "suffix_tokens": 16, "order": "shuffled"}
+    router = {"type": "llm_d", "scorers": [{"type": "precise-prefix-cache", "event_delay_s": 0.002}]}
+    exp = _cfg({"instances": [{"name": "p", "count": 4}], "router": router}, requests=32, shared_prefix=shared,
+               arrival={"type": "poisson", "rate": 20})
+    sim, runs, reqs, _ = simulate_cluster(exp)
+    scorer = sim.router.scorers[0][0]
+    for inst in sim.instances:  # the index is the cache: every event reached it
+        pool = inst.ranks[0].engine.scheduler.kv_cache_manager.block_pool
+        cached = {b.block_hash for b in pool.blocks if b.block_hash is not None}
+        assert scorer.index.get(inst.index, set()) == cached
+    prefix = {r.request_id: tuple(r.prompt_token_ids[:128]) for r in reqs}
+    first_pick, hits = {}, 0
+    decisions = sorted(sim.result.decisions, key=lambda d: d.t)
+    for d in decisions:
+        group = prefix[d.request_id]
+        if group in first_pick and max(x for x in d.scores if x == x) > 0:
+            hits += 1
+            assert d.pick == d.candidates[max(range(len(d.scores)), key=lambda i: d.scores[i])]
+        first_pick.setdefault(group, d.pick)
+    assert hits > 0

@@ -121,3 +121,17 @@ def test_a_user_router_and_scorer_load_through_their_entry_points(monkeypatch):
     llmd = routers.build_router(RouterConfig("llm_d", scorers=[PluginConfig("constant", 1.0, {"value": 0.3})]),
                                 np.random.default_rng(0))
     assert llmd.route(REQ, _eps(0, 0)).scores == [0.3, 0.3]
+
+
+def test_precise_prefix_index_follows_the_kv_events():
+    from servetwin.sim.routers import PrecisePrefixCacheScorer
+
+    keys = [b"a", b"b", b"c", b"d"]
+    eps = [Endpoint(i, f"e{i}", block_keys=lambda tokens: keys) for i in range(2)]
+    scorer = PrecisePrefixCacheScorer()
+    scorer.on_kv_events(1, [("stored", k) for k in keys[:3]])
+    assert scorer.score(REQ, eps) == [0.0, 0.75]
+    scorer.on_kv_events(1, [("removed", b"b")])  # an eviction breaks the leading run
+    assert scorer.score(REQ, eps) == [0.0, 0.25]
+    scorer.on_kv_events(1, [("cleared", None)])
+    assert scorer.score(REQ, eps) == [0.0, 0.0]
