@@ -37,11 +37,23 @@ def _portable(summary):
     return json.dumps({k: v for k, v in summary.items() if k not in WALL}, sort_keys=True, default=str)
 
 
-def test_one_instance_gives_the_single_engine_summary_byte_for_byte():
-    single = _cfg()
+_ARRIVALS = st.sampled_from([{"type": "poisson", "rate": 40}, {"type": "poisson", "rate": 400}, {"type": "offline"},
+                             {"type": "closed_loop", "clients": 6}])
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_ARRIVALS, st.booleans(), st.sampled_from(["offline", "api_server"]), st.integers(0, 3),
+       st.sampled_from(["round_robin", "random", "least_loaded"]))
+def test_one_instance_gives_the_single_engine_summary_byte_for_byte(arrival, async_scheduling, frontend, seed, router):
+    def raw(cluster):
+        cfg = _cfg(cluster, arrival=arrival, seed=seed).to_dict()
+        cfg["engine"]["async_scheduling"] = async_scheduling
+        cfg["frontend"] = {"type": frontend}
+        return validate_config(cfg)
+    single = raw(None)
     assert single.cluster is None  # a YAML without `cluster:` is the one-engine experiment it was
-    combined, _, _ = run_backends(single, progress=False)
-    exp = _cfg({"instances": [{"name": "only"}], "router": {"type": "round_robin"}})
+    combined, _, _ = run_backends(single, progress=False, log=lambda m: None)
+    exp = raw({"instances": [{"name": "only"}], "router": {"type": router}})
     _, runs, _, _ = simulate_cluster(exp)
     (run,) = runs.values()
     frames = run.recorder.frames()
