@@ -310,6 +310,19 @@ class LlmdRouter:
                 hook(request, endpoint)
 
 
+# -- prefill/decode disaggregation: the decider hook (P/D itself is simulated later) --------------------------
+@dataclass(slots=True)
+class PrefixBasedPDDecider:
+    """llm-d's `prefix-based-pd-decider`: a request is prefilled on a prefill instance only when the prompt
+    tokens not already cached on the chosen decode instance exceed `non_cached_tokens` (16 by default,
+    llm-d-inference-scheduler deploy/config/pd-epp-config.yaml `nonCachedTokens: 16`); otherwise the decode
+    instance prefills it itself. `cached_tokens` comes from the router's prefix index for that instance."""
+    non_cached_tokens: int = 16
+
+    def disaggregate(self, num_prompt_tokens: int, cached_tokens: int) -> bool:
+        return num_prompt_tokens - cached_tokens > self.non_cached_tokens
+
+
 # -- building from the config ----------------------------------------------------------------------
 def _plugin(group: str, name: str) -> Optional[Callable[..., Any]]:
     for ep in importlib.metadata.entry_points(group=group):
@@ -375,4 +388,5 @@ def build_router(spec: Any, rng: np.random.Generator) -> Any:
 
 __all__ = ["ROUTERS", "Endpoint", "RouteDecision", "Router", "RoundRobin", "RandomRouter", "LeastLoaded", "LlmdRouter",
            "SCORERS", "build_router", "build_scorer", "queue_scores", "prompt_block_keys", "ApproxPrefixIndex",
-           "PrefixCacheScorer", "PrecisePrefixCacheScorer", "PrefixAffinityFilter", "DEFAULT_SCRAPE_INTERVAL_S"]
+           "PrefixCacheScorer", "PrecisePrefixCacheScorer", "PrefixAffinityFilter", "PrefixBasedPDDecider",
+           "DEFAULT_SCRAPE_INTERVAL_S"]

@@ -135,3 +135,11 @@ def test_precise_prefix_index_follows_the_kv_events():
     assert scorer.score(REQ, eps) == [0.0, 0.25]
     scorer.on_kv_events(1, [("cleared", None)])
     assert scorer.score(REQ, eps) == [0.0, 0.0]
+
+
+def test_the_pd_decider_disaggregates_above_16_non_cached_tokens():
+    from servetwin.sim.routers import PrefixBasedPDDecider
+
+    d = PrefixBasedPDDecider()
+    assert d.disaggregate(100, 0) and d.disaggregate(100, 83)
+    assert not d.disaggregate(100, 84) and not d.disaggregate(16, 0)
