@@ -72,3 +72,50 @@ def test_every_link_preset_names_its_source():
     for link in LINK_PRESETS.values():
         assert link.source and link.bandwidth_gbps > 0
         assert link.transfer_s(10**9) > link.latency_us * 1e-6
+
+
+def test_one_engine_commands_refuse_a_cluster_and_the_cli_names_the_field(tmp_path, capsys):
+    import yaml
+
+    from servetwin.experiments.cli import main
+    from servetwin.experiments.run.runner import run_backends
+
+    with pytest.raises(ConfigError) as err:
+        run_backends(_cfg({"instances": [{"count": 2}]}), progress=False, log=lambda m: None)
+    assert err.value.path == "cluster"
+    raw = copy.deepcopy(BASE)
+    raw["cluster"] = {"instances": [{"role": "decode"}]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(path), "-o", str(tmp_path / "out")]) == 2
+    assert "cluster.instances[0].role" in capsys.readouterr().err
+
+
+def test_servetwin_run_writes_the_cluster_outputs(tmp_path):
+    import json
+
+    import pandas as pd
+    import yaml
+
+    from servetwin.experiments.cli import main
+
+    raw = copy.deepcopy(BASE)
+    raw["workload"] = {"requests": 12, "prompt_tokens": 64, "output_tokens": 8, "arrival": {"type": "poisson", "rate": 50}}
+    raw["output"] = {"step_requests": False, "plots": False}
+    raw["cluster"] = {"instances": [{"name": "a", "count": 2}, {"name": "b", "data_parallel_size": 2}],
+                      "router": {"type": "round_robin"}, "links": {"kv_transfer": "nvlink4"}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    assert main(["run", str(path), "-o", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    whole = summary["backends"]["sim"]
+    assert whole["completed"] == 12 and whole["num_engines"] == 4 and whole["num_gpus"] == 4
+    assert set(summary["cluster"]["engines"]) == {"a-0", "a-1", "b-r0", "b-r1"}
+    assert sum(s["requests"] for s in summary["cluster"]["engines"].values()) == 12
+    decisions = pd.read_parquet(out / "sim" / "router_decisions.parquet")
+    assert sorted(decisions.request_id) == sorted(set(decisions.request_id)) and len(decisions) == 12
+    assert list(decisions.pick[:3]) == ["a-0", "a-1", "b"]
+    assert whole["links"]["kv_transfer"]["name"] == "nvlink4"
+    for label in summary["cluster"]["engines"]:
+        assert (out / "sim" / "instances" / label / "requests.parquet").exists()
