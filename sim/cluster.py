@@ -52,6 +52,9 @@ class InstanceEngines:
     role: str = "both"
     infos: list[Any] = field(default_factory=list)  # each engine's ExecutorInfo (KV pool sizing), for outputs
     lockstep: bool = False  # MoE DP: the ranks step together (servetwin.sim.lockstep)
+    # the DP deployment the ranks belong to: instances with the same key and `lockstep` form one lockstep group
+    # (external / hybrid DP load balancing split one deployment into several endpoints); None: this instance
+    dp_group: Optional[str] = None
 
 
 @dataclass(slots=True)
@@ -94,7 +97,8 @@ class _Instance:
         self.coordinator = DPStatsCoordinator(n) if n > 1 else None
         self._publishers = [RequestCountsPublisher() for _ in range(n)]
         self._stats_arrived: Optional[simpy.Event] = None
-        self.lockstep = spec.lockstep and n > 1
+        self.lockstep = spec.lockstep
+        self.dp_group = spec.dp_group or spec.name
         self.publish_times: list[float] = []
         self.group: Optional[LockstepGroup] = None
         self._kv_events: Optional[Callable[[int, list], None]] = None
@@ -165,12 +169,6 @@ class _Instance:
         probe = SimpleNamespace(block_hashes=[], all_token_ids=tokens, lora_request=None, cache_salt=None)
         return [make_block_hash_with_group_id(h, 0) for h in hasher(probe)]
 
-    def start(self, settler: Settler) -> list[simpy.Process]:
-        """The engine processes: one per rank, or one for a lockstep group."""
-        if self.lockstep:
-            self.group = LockstepGroup(self.env, self.ranks, settler.wait)
-            return [self.env.process(self.group.process())]
-        return [sim.start_engine() for sim in self.ranks]
 
     def accept(self, request: WorkloadRequest) -> tuple[int, simpy.Event]:
         rank = self.lb.choose(request.request_id) if self.lb is not None else 0
@@ -296,7 +294,7 @@ class ClusterSimulation:
     def run(self) -> ClusterResult:
         env = self.env
         env.process(self._arrivals())
-        engines = [proc for inst in self.instances for proc in inst.start(self.settler)]
+        engines = self._start_engines()
         if len(self.instances) > 1:  # (one instance: nothing to choose, the router needs no metrics)
             env.process(self._scraper())
         for inst in self.instances:
@@ -316,6 +314,25 @@ class ClusterSimulation:
             end = max([end, *(r.end_time_s for r in results)])
         self.result.end_time_s = end
         return self.result
+
+    def _start_engines(self) -> list[simpy.Process]:
+        """One process per independent engine, one per lockstep group (its ranks may span several endpoints)."""
+        procs, groups = [], {}
+        for inst in self.instances:
+            if inst.lockstep:
+                groups.setdefault(inst.dp_group, []).append(inst)
+            else:
+                procs += [sim.start_engine() for sim in inst.ranks]
+        for members in groups.values():
+            ranks = [sim for inst in members for sim in inst.ranks]
+            if len(ranks) == 1:  # DP 1: nothing to step with
+                procs.append(ranks[0].start_engine())
+                continue
+            group = LockstepGroup(self.env, ranks, self.settler.wait)
+            for inst in members:
+                inst.group = group
+            procs.append(self.env.process(group.process()))
+        return procs
 
     def simulations(self) -> list[tuple[str, int, Simulation]]:
         """(instance, rank, simulation) of every engine, in instance and rank order."""

@@ -29,7 +29,12 @@ from typing import Any, Optional
 from servetwin.core.config_error import ConfigError
 
 ROLES = ("prefill", "decode", "both")
-INSTANCE_KEYS = ("name", "count", "role", "data_parallel_size", "hardware", "engine")
+INSTANCE_KEYS = ("name", "count", "role", "data_parallel_size", "data_parallel_lb", "data_parallel_size_local",
+                 "hardware", "engine")
+# vLLM's DP load-balancing modes: internal (one API server and its balancer over all ranks),
+# external (--data-parallel-external-lb: every rank its own endpoint), hybrid (--data-parallel-hybrid-lb: one
+# endpoint per node of `data_parallel_size_local` ranks, balanced inside)
+DP_LB_MODES = ("internal", "external", "hybrid")
 ROUTER_KEYS = ("type", "scrape_interval_s", "scorers", "filters", "params", "pd_threshold_tokens")
 LINK_KEYS = ("kv_transfer", "cpu_tier")
 BUILTIN_ROUTERS = ("round_robin", "random", "least_loaded", "llm_d")
@@ -44,6 +49,8 @@ class InstanceConfig:
     count: int = 1
     role: str = "both"
     data_parallel_size: int = 1
+    data_parallel_lb: str = "internal"
+    data_parallel_size_local: Optional[int] = None  # hybrid: ranks per node (endpoint)
     hardware: Any = None  # None: the experiment's
     engine: dict[str, Any] = field(default_factory=dict)  # overrides of the experiment's engine settings
     hardware_spec: Any = None  # servetwin.sim.hardware.HardwareSpec, set when the config is checked
@@ -82,9 +89,19 @@ class ClusterConfig:
                 out.extend((f"{inst.name}-{k}", inst) for k in range(inst.count))
         return out
 
-    @property
-    def num_gpus(self) -> int:
-        return sum(i.count * i.data_parallel_size * int(i.engine.get("tensor_parallel_size", 1))
+    @staticmethod
+    def endpoint_ranks(name: str, inst: InstanceConfig) -> list[tuple[str, int]]:
+        """An instance copy's endpoints as (name, ranks behind it), by its DP load-balancing mode."""
+        dp = inst.data_parallel_size
+        if inst.data_parallel_lb == "internal" or dp == 1:
+            return [(name, dp)]
+        local = 1 if inst.data_parallel_lb == "external" else inst.data_parallel_size_local
+        tag = "r" if local == 1 else "n"
+        return [(f"{name}-{tag}{k}", local) for k in range(dp // local)]
+
+    def num_gpus(self, base_tensor_parallel_size: int = 1) -> int:
+        """GPUs of the whole cluster (`base_tensor_parallel_size`: the experiment's, where an instance keeps it)."""
+        return sum(i.count * i.data_parallel_size * int(i.engine.get("tensor_parallel_size", base_tensor_parallel_size))
                    for i in self.instances)
 
 
@@ -127,6 +144,20 @@ def _instance(raw: Any, i: int, engine_check: Any) -> InstanceConfig:
         inst.count = _pos_int(cfg["count"], f"{path}.count")
     if "data_parallel_size" in cfg:
         inst.data_parallel_size = _pos_int(cfg["data_parallel_size"], f"{path}.data_parallel_size")
+    lb = cfg.get("data_parallel_lb", "internal")
+    if lb not in DP_LB_MODES:
+        raise ConfigError(f"{path}.data_parallel_lb", f"must be one of {', '.join(DP_LB_MODES)}, got {lb!r}")
+    inst.data_parallel_lb = lb
+    if "data_parallel_size_local" in cfg:
+        if lb != "hybrid":
+            raise ConfigError(f"{path}.data_parallel_size_local", "only with data_parallel_lb: hybrid")
+        local = _pos_int(cfg["data_parallel_size_local"], f"{path}.data_parallel_size_local")
+        if inst.data_parallel_size % local:
+            raise ConfigError(f"{path}.data_parallel_size_local", f"{local} does not divide data_parallel_size "
+                                                                  f"{inst.data_parallel_size}")
+        inst.data_parallel_size_local = local
+    elif lb == "hybrid":
+        raise ConfigError(f"{path}.data_parallel_size_local", "required with data_parallel_lb: hybrid (ranks per node)")
     role = cfg.get("role", "both")
     if role not in ROLES:
         raise ConfigError(f"{path}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
@@ -204,5 +235,5 @@ def instance_engine_args(base: Any, inst: InstanceConfig, hardware_spec: Any) ->
     return dataclasses.replace(base, **inst.engine, hardware=hardware_spec)
 
 
-__all__ = ["ClusterConfig", "InstanceConfig", "RouterConfig", "PluginConfig", "parse_cluster",
+__all__ = ["DP_LB_MODES", "ClusterConfig", "InstanceConfig", "RouterConfig", "PluginConfig", "parse_cluster",
            "instance_engine_args", "ROLES", "BUILTIN_ROUTERS", "DEFAULT_PD_THRESHOLD_TOKENS"]

@@ -39,10 +39,11 @@ def build_cluster(exp: ExperimentConfig) -> list[Any]:
     out = []
     for name, inst in exp.cluster.expanded():
         args = instance_engine_args(exp.engine_args("sim"), inst, inst.hardware_spec)
-        engines = [create_engine_core(args) for _ in range(inst.data_parallel_size)]
-        moe = engines[0][1].executor.cost_model.model.num_experts > 0  # vLLM: MoE DP runs in lockstep
-        out.append(InstanceEngines(name, [e for e, _ in engines], inst.role, [info for _, info in engines],
-                                   lockstep=moe and inst.data_parallel_size > 1))
+        for endpoint, num_ranks in exp.cluster.endpoint_ranks(name, inst):
+            engines = [create_engine_core(args) for _ in range(num_ranks)]
+            moe = engines[0][1].executor.cost_model.model.num_experts > 0  # vLLM: MoE DP runs in lockstep
+            out.append(InstanceEngines(endpoint, [e for e, _ in engines], inst.role, [info for _, info in engines],
+                                       lockstep=moe and inst.data_parallel_size > 1, dp_group=name))
     return out
 
 
@@ -113,7 +114,7 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
         "run": exp.name, "backend": "sim", "cluster": True, "requests": num_requests, "completed": completed,
         "rejected": len(sim.result.rejected), "wall_s": wall_s, "simulated_s": sim.result.end_time_s,
         "duration_s": duration, "num_steps": sum(s["num_steps"] for s in summaries.values()),
-        "num_engines": len(summaries), "num_gpus": exp.cluster.num_gpus,
+        "num_engines": len(summaries), "num_gpus": exp.cluster.num_gpus(exp.engine.args.tensor_parallel_size),
         "router": exp.cluster.router.type,
         "throughput_tok_s": per_s(prompt_done + output_done), "output_tok_s": per_s(output_done),
         "request_throughput_s": per_s(completed),

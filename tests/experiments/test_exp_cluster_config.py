@@ -26,7 +26,7 @@ def test_a_cluster_parses_into_typed_instances_router_and_links():
                 "links": {"kv_transfer": "roce-400g", "cpu_tier": {"preset": "pcie5-x16", "efficiency": 0.8}}})
     c = exp.cluster
     assert [n for n, _ in c.expanded()] == ["a-0", "a-1", "b"]
-    assert c.num_gpus == 4 and c.instances[0].engine == {"max_num_seqs": 8}
+    assert c.num_gpus() == 4 and c.num_gpus(2) == 8 and c.instances[0].engine == {"max_num_seqs": 8}
     assert c.instances[1].hardware_spec.name != exp.hardware_spec.name
     assert [s.type for s in c.router.scorers] == ["queue", "kv-cache-utilization"] and c.router.scorers[0].weight == 2
     assert c.links["kv_transfer"] is LINK_PRESETS["roce-400g"] and c.links["cpu_tier"].efficiency == 0.8
@@ -53,6 +53,13 @@ def test_a_cluster_parses_into_typed_instances_router_and_links():
     ({"instances": [{}], "links": {"kv_transfer": "nvlink9"}}, "cluster.links.kv_transfer"),
     ({"instances": [{}], "links": {"kv_transfer": {"latency_us": 2}}}, "cluster.links.kv_transfer.bandwidth_gbps"),
     ({"instances": [{}], "links": {"wan": "roce-400g"}}, "cluster.links.wan"),
+    ({"instances": [{"data_parallel_lb": "spread"}]}, "cluster.instances[0].data_parallel_lb"),
+    ({"instances": [{"data_parallel_size": 4, "data_parallel_lb": "hybrid"}]},
+     "cluster.instances[0].data_parallel_size_local"),
+    ({"instances": [{"data_parallel_size": 4, "data_parallel_lb": "hybrid", "data_parallel_size_local": 3}]},
+     "cluster.instances[0].data_parallel_size_local"),
+    ({"instances": [{"data_parallel_size": 4, "data_parallel_size_local": 2}]},
+     "cluster.instances[0].data_parallel_size_local"),
 ])
 def test_bad_fields_are_named(cluster, path):
     with pytest.raises(ConfigError) as err:

@@ -150,3 +150,17 @@ def test_precise_prefix_routing_sees_the_engines_cache_after_the_event_delay():
             assert d.pick == d.candidates[max(range(len(d.scores)), key=lambda i: d.scores[i])]
         first_pick.setdefault(group, d.pick)
     assert hits > 0
+
+
+def test_external_and_hybrid_dp_load_balancing_make_the_ranks_endpoints():
+    exp = _cfg({"instances": [{"name": "x", "data_parallel_size": 4, "data_parallel_lb": "external"},
+                              {"name": "y", "data_parallel_size": 4, "data_parallel_lb": "hybrid",
+                               "data_parallel_size_local": 2}],
+                "router": {"type": "round_robin"}}, requests=24)
+    sim, runs, _, _ = simulate_cluster(exp)
+    assert [e.name for e in sim.endpoints] == ["x-r0", "x-r1", "x-r2", "x-r3", "y-n0", "y-n1"]
+    assert [len(inst.ranks) for inst in sim.instances] == [1, 1, 1, 1, 2, 2]
+    assert [inst.lb is not None for inst in sim.instances] == [False] * 4 + [True] * 2  # balanced inside a node
+    assert [d.pick for d in sim.result.decisions[:6]] == [e.name for e in sim.endpoints]  # the router picks ranks
+    assert set(runs) == {"x-r0", "x-r1", "x-r2", "x-r3", "y-n0-r0", "y-n0-r1", "y-n1-r0", "y-n1-r1"}
+    assert exp.cluster.num_gpus() == 8

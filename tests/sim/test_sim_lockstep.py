@@ -73,3 +73,14 @@ def test_a_lone_request_runs_dummies_on_the_idle_rank_until_the_16_step_check():
     # the request's last step is not a check step (its output is 20+ tokens): the tail runs to the next 16
     assert len(steps) % DP_SYNC_INTERVAL == 0 and len(steps) - len(busy) < DP_SYNC_INTERVAL
     assert stats.dummy_batches == len(busy) + 2 * (len(steps) - len(busy))
+
+
+def test_external_lb_keeps_moe_ranks_in_one_lockstep_group():
+    raw = copy.deepcopy(BASE)
+    raw["cluster"] = {"instances": [{"name": "ep", "data_parallel_size": 2, "data_parallel_lb": "external"}],
+                      "router": {"type": "round_robin"}}
+    sim, runs, reqs, _ = simulate_cluster(validate_config(raw))
+    a, b = sim.instances
+    assert a.group is b.group is not None and len(a.group.sims) == 2  # two endpoints, one barrier
+    assert set(sim.result.completion_s) == {r.request_id for r in reqs}
+    assert all(len(s.tokens) == 2 for s in a.group.stats.steps)
