@@ -161,6 +161,11 @@ class _Instance:
             usage += sched.kv_cache_manager.usage
         return waiting, running, usage / len(self.ranks)
 
+    def key_scheme(self) -> tuple[int, str]:
+        """What decides the engines' block keys of a prompt: block size and hash algorithm."""
+        config = self.ranks[0].engine.scheduler.cache_config
+        return config.block_size, config.prefix_caching_hash_algo
+
     def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
         """The keys (block hash + group 0) the engines give a prompt's full blocks: what their KV events name."""
         hasher = getattr(self.ranks[0].engine.scheduler, "block_hasher", None)
@@ -213,7 +218,7 @@ class ClusterSimulation:
             return sim
 
         self.instances = [_Instance(i, spec, self.env, make_sim) for i, spec in enumerate(instances)]
-        self.endpoints = [Endpoint(i, inst.name, inst.role, block_keys=inst.block_keys)
+        self.endpoints = [Endpoint(i, inst.name, inst.role, block_keys=inst.block_keys, key_scheme=inst.key_scheme())
                           for i, inst in enumerate(self.instances)]
         on_kv_events = getattr(router, "on_kv_events", None)
         if on_kv_events is not None and getattr(router, "wants_kv_events", False):

@@ -64,6 +64,7 @@ class Endpoint:
     active: int = 0  # the router's requests in flight there (exact)
     active_tokens: int = 0  # their prompt tokens
     block_keys: Optional[Callable[[Sequence[int]], list[bytes]]] = None  # a prompt's block keys as its engines name them
+    key_scheme: Any = None  # endpoints with equal schemes name a prompt's blocks alike (computed once per request)
 
 
 @dataclass(slots=True)
@@ -191,9 +192,15 @@ class PrefixCacheScorer:
     block_tokens: int = PREFIX_BLOCK_TOKENS
     max_blocks: int = PREFIX_MAX_BLOCKS
     index: ApproxPrefixIndex = field(default_factory=ApproxPrefixIndex)
+    _last: Optional[tuple[Any, list[int]]] = field(default=None, repr=False, compare=False)
 
     def keys(self, request: Any) -> list[int]:
-        return prompt_block_keys(request.prompt_token_ids, self.block_tokens, self.max_blocks)
+        """(Kept for the request last asked about: the filter, the score and the routed hook ask in turn.)"""
+        if self._last is not None and self._last[0] is request:
+            return self._last[1]
+        keys = prompt_block_keys(request.prompt_token_ids, self.block_tokens, self.max_blocks)
+        self._last = (request, keys)
+        return keys
 
     def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
         keys = self.keys(request)
@@ -227,8 +234,13 @@ class PrecisePrefixCacheScorer:
     def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
         tokens = request.prompt_token_ids
         out = []
+        by_scheme: dict[Any, list] = {}
         for e in endpoints:
-            keys = e.block_keys(tokens)[:self.max_blocks] if e.block_keys is not None else []
+            keys = by_scheme.get(e.key_scheme) if e.key_scheme is not None else None
+            if keys is None:
+                keys = e.block_keys(tokens)[:self.max_blocks] if e.block_keys is not None else []
+                if e.key_scheme is not None:
+                    by_scheme[e.key_scheme] = keys
             held = self.index.get(e.index, ())
             hit = 0
             for k in keys:
