@@ -93,6 +93,9 @@ def test_every_request_is_routed_once_and_served_where_it_was_routed(layout, rou
         label = d.pick if dp[group] == 1 else f"{d.pick}-r{d.rank}"
         assert served[d.request_id] == label
     assert sum(run.completed for run in runs.values()) == len(sim.result.completion_s)
+    for run in runs.values():  # no engine's KV cache is over-committed
+        steps = run.recorder.steps.to_frame()
+        assert (steps.kv_free_blocks >= 0).all() and (steps.kv_usage <= 1.0).all()
 
 
 def test_dense_dp_ranks_share_a_burst_and_stay_independent():
