@@ -16,6 +16,10 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
     from servetwin.experiments.config.slo import parse_slo_args  # noqa: PLC0415
 
     exp = _load(args)
+    if exp.cluster is not None:  # (its probes would each fail; say why once)
+        from servetwin.core.config_error import ConfigError  # noqa: PLC0415
+
+        raise ConfigError("cluster", "`servetwin capacity` simulates one engine; a cluster runs with `servetwin run`")
     slo = parse_slo_args(args.slo) if args.slo else None  # SloError: a ConfigError naming the flag
     grid = parse_grid(args.grid)
     seeds = seeds_for(exp, args.seeds) or None

@@ -528,6 +528,25 @@ def parse_slo_section(value: Any, ctx: ParseContext) -> Any:
     return parse_slo(value, "slo")
 
 
+def _instance_engine(value: Any, path: str) -> dict[str, Any]:
+    """A cluster instance's `engine:` overrides, checked as the top-level `engine:` fields are."""
+    engine = dict(_mapping(value, path))
+    _check_keys(engine, ENGINE_FIELDS, path, {"num_gpu_blocks_override": "num_gpu_blocks"})
+    for key, check in ENGINE_FIELDS.items():
+        if key in engine:
+            engine[key] = check(engine[key], f"{path}.{key}")
+    try:
+        return resolve_aliases(engine)
+    except ConfigError as e:
+        raise e.within(path) from None
+
+
+def parse_cluster_section(value: Any, ctx: ParseContext) -> Any:
+    from servetwin.experiments.config.cluster import parse_cluster  # noqa: PLC0415
+
+    return parse_cluster(value, _instance_engine)
+
+
 def parse_sweep(value: Any, ctx: ParseContext) -> dict[str, list[Any]]:
     return _validate_sweep_shape(value or {})
 
@@ -552,6 +571,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("engine", parse_engine),
     Section("workload", parse_workload),
     Section("frontend", parse_frontend_section),
+    Section("cluster", parse_cluster_section),
     Section("output", parse_output),
     Section("slo", parse_slo_section),
     Section("sweep", parse_sweep, sweepable=False),
@@ -577,6 +597,7 @@ class ExperimentConfig:
     raw: dict[str, Any] = field(default_factory=dict)  # the validated input (paths resolved)
     base_dir: str = "."
     hardware_spec: Any = None  # servetwin.sim.hardware.HardwareSpec, parsed when a backend is "sim"
+    cluster: Any = None  # servetwin.experiments.config.cluster.ClusterConfig (None: one engine)
 
     def engine_args(self, backend: str) -> EngineArgs:
         """The engine arguments of one backend (the simulator's carry the parsed hardware)."""
@@ -660,6 +681,41 @@ def _check_engine_semantics(exp: ExperimentConfig) -> None:
         raise engine_field_path(e) from None
 
 
+def _check_cluster(exp: ExperimentConfig) -> None:
+    """A cluster runs in the simulator only; each instance's hardware and engine settings are checked as
+    the experiment's are (its KV pool sized, cheap)."""
+    if exp.cluster is None:
+        return
+    if exp.backends != ["sim"]:
+        raise ConfigError("backends", f"a cluster runs in the simulator only (backends: [sim]), got {exp.backends}")
+    import numpy as np  # noqa: PLC0415
+
+    from servetwin.experiments.config.cluster import instance_engine_args  # noqa: PLC0415
+    from servetwin.sim.hardware import hardware_from_dict, load_hardware  # noqa: PLC0415
+    from servetwin.sim.kv_pool import build_sim_executor  # noqa: PLC0415
+    from servetwin.sim.routers import build_router  # noqa: PLC0415
+
+    build_router(exp.cluster.router, np.random.default_rng(0))  # unknown routers, scorers, bad parameters
+
+    for i, inst in enumerate(exp.cluster.instances):
+        path = f"cluster.instances[{i}]"
+        hw = inst.hardware
+        if hw is None:
+            inst.hardware_spec = exp.hardware_spec
+        else:
+            try:
+                inst.hardware_spec = hardware_from_dict(hw, "hardware") if isinstance(hw, Mapping) else load_hardware(hw)
+            except ConfigError as e:
+                raise ConfigError(f"{path}.hardware", e.message) from None
+        args = instance_engine_args(exp.engine_args("sim"), inst, inst.hardware_spec)
+        try:
+            info = build_sim_executor(args)
+            args.scheduler_config(info.max_model_len)
+            args.cache_config(info.num_gpu_blocks, info.kv_cache_groups)
+        except ConfigError as e:
+            raise engine_field_path(e).within(path) from None
+
+
 def _check_backend_args(exp: ExperimentConfig) -> None:
     """Each backend's own cheap checks (`ExecutorBackend.check_args`: e.g. the torch backend's
     `max_model_len` against the model's config.json), before any model load."""
@@ -676,7 +732,8 @@ def _check_backend_args(exp: ExperimentConfig) -> None:
 CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _resolve_auto_hardware,
                                                                  _check_hardware,
                                                                  _apply_vllm_batch_defaults,
-                                                                 _check_engine_semantics, _check_backend_args)
+                                                                 _check_engine_semantics, _check_cluster,
+                                                                 _check_backend_args)
 
 
 def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "experiment") -> ExperimentConfig:

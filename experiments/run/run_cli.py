@@ -47,7 +47,7 @@ def _load(args: argparse.Namespace):
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from servetwin.experiments.run.run_folder import RunFolder  # noqa: PLC0415
-    from servetwin.experiments.run.runner import run_experiment  # noqa: PLC0415
+    from servetwin.experiments.run.experiment import run_experiment  # noqa: PLC0415
 
     exp = _load(args)
     out = args.output or os.path.join("runs", exp.name)

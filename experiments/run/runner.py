@@ -355,6 +355,9 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
     output phase starts). `defer`: build no tables or summaries here (`write_outputs` does, in the
     prewarmed output process): the frames and `combined["backends"]` come back empty."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    if exp.cluster is not None:  # (never one engine of it silently)
+        raise ConfigError("cluster", "a cluster runs through `servetwin run` (experiments/run/cluster_run.py); "
+                                     "this command simulates one engine: remove `cluster:` or use `servetwin run`")
     opts = measure or MeasureOptions()
     engines = {}
     nthreads = 0

@@ -133,7 +133,7 @@ def run_case(path: Path, hardware: Any = None, overrides: Optional[list[str]] = 
     """Run one case's sim backend (hardware: a preset name, YAML path or mapping replacing the
     case's; engine_version: published.json's, for `VERSION_ENGINE_SETTINGS`); returns (the sim
     summary, notes)."""
-    from servetwin.experiments.run.runner import run_experiment  # noqa: PLC0415
+    from servetwin.experiments.run.experiment import run_experiment  # noqa: PLC0415
     from servetwin.experiments.config.schema import ExperimentConfig, load_config, load_yaml, parse_override  # noqa: PLC0415
 
     values: dict[str, Any] = {"backends": ["sim"], "output.plots": False, "output.step_requests": False}
