@@ -228,6 +228,11 @@ class TorchExecutor:
         path = self.profiler.stop(f"servetwin-torch.{time.time_ns() // 1_000_000}.pt.trace.json")
         return None if path is None else str(path)
 
+    def kept_logits(self) -> dict[str, torch.Tensor]:
+        """The last step's logits per request (with `keep_logits`): a method, so that
+        `MultiprocExecutor.collective_rpc("kept_logits")` fetches rank 0's."""
+        return self.last_logits
+
     def reset(self) -> None:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
         self.sampler.forget(list(self.state.requests))

@@ -277,6 +277,16 @@ class MultiprocExecutor:
                 pass
 
 
+def default_worker_threads(device: str, world_size: int) -> Optional[int]:
+    """On the CPU the ranks share the cores: torch's intra-op threads of this process split over them
+    (at least 1); on CUDA torch's default (None)."""
+    if device == "cuda" or device.startswith("cuda:") or (device == "auto" and _cuda_available()):
+        return None
+    import torch  # noqa: PLC0415
+
+    return max(1, torch.get_num_threads() // world_size)
+
+
 def _rank_kwargs(kwargs: dict[str, Any], rank: int) -> dict[str, Any]:
     """Rank r's `TorchExecutor` arguments: on CUDA its own device, `cuda:r`."""
     out = dict(kwargs)
