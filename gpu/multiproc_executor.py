@@ -110,6 +110,8 @@ class MultiprocExecutor:
         self.world_size = tensor_parallel_size
         self.step_observers: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]] = []
         self._dead_reason: Optional[str] = None
+        self._dead_rank: Optional[int] = None
+        self._dead_seen = threading.Event()
         self._closing = False
         self._lock = threading.Lock()
         self.broadcast = MessageQueue.create(n_reader=tensor_parallel_size)
@@ -183,10 +185,13 @@ class MultiprocExecutor:
         died = multiprocessing.connection.wait(list(sentinels))
         if self._closing:
             return
-        rank, proc = sentinels[died[0]]
+        # rank 0 exits on its own after reporting an error: when another rank died too, that one is the cause
+        rank, proc = max(sentinels[d] for d in died) if len(died) > 1 else sentinels[died[0]]
         proc.join(0.5)
+        self._dead_rank = rank
         self._dead_reason = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with exit code "
                              f"{proc.exitcode}")
+        self._dead_seen.set()
         logger.error("%s; stopping the other workers", self._dead_reason)
         self._stop_workers()
 
@@ -208,8 +213,16 @@ class MultiprocExecutor:
             except QueueClosed:
                 raise self._dead_error() from None
         if status == "error":
+            if self._peer_died():  # rank 0's collective failed because another rank is gone
+                raise self._dead_error() from result.error
             result.reraise(f"tensor-parallel worker rank 0: {method} failed")
         return result
+
+    def _peer_died(self, wait_s: float = 1.0) -> bool:
+        """Whether the first rank to exit was not rank 0 (which exits after reporting its own error);
+        waits up to `wait_s` for the monitor to see an exit."""
+        self._dead_seen.wait(wait_s)
+        return self._dead_rank not in (None, 0)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         out = self._call("execute_model", scheduler_output)

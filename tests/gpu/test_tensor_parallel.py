@@ -5,12 +5,18 @@ vLLM's refusal of a TP size that does not divide the heads, and the shared-memor
 Workers run one torch thread each (this is a 2-core machine)."""
 from __future__ import annotations
 
+import asyncio
+import os
 import random
+import signal
+import time
 
 import pytest
 import torch
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.engine.async_llm import AsyncLLM
+from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_core import EngineCore
 from servetwin.core.engine.engine_factory import create_executor
@@ -126,3 +132,83 @@ def test_smollm2_tp3_matches_tp1_tokens_and_logits():
         assert tee.sampled == 64 * 4
     finally:
         tp.close()
+
+
+def _live_children(pid: int) -> list[int]:
+    """Live (not zombie) child pids of `pid`, from /proc."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _is_tp_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_async_llm_at_tp2_streams_tp1_tokens_and_a_killed_worker_fails_every_stream_within_5s():
+    prompts = _prompts(36, 320, 20, seed=3)
+    ref = TorchExecutor(model="tiny-llama", device="cpu", num_gpu_blocks=512, max_model_len=512)
+    eng = EngineCore(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, max_model_len=512),
+                     CacheConfig(block_size=16, num_gpu_blocks=512), ref)
+    want: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts[:4]):
+        eng.add_request(Request(f"ok{i}", p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
+    while eng.has_work():
+        for o in eng.step().outputs:
+            want.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    async def stream(llm, prompt, rid, max_tokens, seen):
+        last = None
+        async for out in llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                              ignore_eos=True), rid):
+            seen.add(rid)
+            last = out
+        return list(last.outputs[0].token_ids)
+
+    async def main():
+        args = EngineArgs.from_kwargs(model="tiny-llama", backend="torch", device="cpu", tensor_parallel_size=2,
+                                      num_gpu_blocks=512, max_model_len=512, max_num_seqs=32)
+        llm = await asyncio.to_thread(AsyncLLM, args)
+        engine = llm.client.engine_pid
+        workers = sorted(p for p in _live_children(engine) if _is_tp_worker(p))
+        try:
+            assert len(workers) == 2
+            got = await asyncio.gather(*[stream(llm, p, f"ok{i}", 8, set()) for i, p in enumerate(prompts[:4])])
+            assert {f"ok{i}": toks for i, toks in enumerate(got)} == want
+            seen: set[str] = set()
+            streams = [asyncio.ensure_future(stream(llm, p, f"s{i}", 480, seen)) for i, p in enumerate(prompts[4:])]
+            while len(seen) < 32:  # every client is streaming
+                await asyncio.sleep(0.01)
+            os.kill(workers[-1], signal.SIGKILL)
+            t_kill = time.monotonic()
+            results = await asyncio.gather(*streams, return_exceptions=True)
+            elapsed = time.monotonic() - t_kill
+            assert all(isinstance(r, EngineDeadError) for r in results), results
+            assert elapsed < 5.0, elapsed
+        finally:
+            llm.shutdown()
+        deadline = time.monotonic() + 10
+        while any(map(_alive, [engine, *workers])) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not [p for p in [engine, *workers] if _alive(p)]
+
+    asyncio.run(asyncio.wait_for(main(), 600))
