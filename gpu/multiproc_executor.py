@@ -1,40 +1,45 @@
-"""`MultiprocExecutor`: one spawned worker process per tensor-parallel rank (vLLM 0.33's
+"""`MultiprocExecutor`: one worker process per tensor-parallel rank (vLLM 0.33's
 `vllm/v1/executor/multiproc_executor.py`, `MultiprocExecutor` + `WorkerProc`).
 
 Process layout (docs/parallelism.md draws it):
 
-- the executor's process (the engine core) spawns `tensor_parallel_size` workers; each joins one
-  `torch.distributed` group (gloo on the CPU, NCCL on CUDA, rendezvous through a file in a temporary
-  directory) and builds a `TorchExecutor` over its shard of the model (`TPGroup(rank, size)`);
+- the executor's process (the engine core) starts `tensor_parallel_size` workers, each a fresh
+  interpreter (`python -m servetwin.gpu.tp_worker`, started like the engine-core process, so a script
+  without a main guard works); each joins one `torch.distributed` group (gloo on the CPU, NCCL on CUDA,
+  rendezvous through a file in a temporary directory) and builds a `TorchExecutor` over its shard of
+  the model (`TPGroup(rank, size)`);
 - each `execute_model(scheduler_output)` is pickled once and written once into a shared-memory ring
   buffer that every worker reads (`servetwin.gpu.shm_broadcast.MessageQueue`, vLLM's
   `shm_broadcast.py`), never pickled per rank over pipes; every rank runs the same step (the model's
   all-reduces keep them in lockstep) and only rank 0 writes its `ModelRunnerOutput` back, into a second
   queue with one reader;
-- start-up (ready / the start-up error) goes over one pipe per worker; a death pipe, whose write end
-  only the executor holds, ends every worker when the executor's process goes (its EOF), as vLLM's does.
+- the arguments go on the worker's standard input; ready (or the start-up error) comes back over one
+  pipe per worker; a death pipe, whose write end only the executor holds, ends every worker when the
+  executor's process goes (its EOF), as vLLM's does.
 
-Faults: a monitor thread waits on the workers' process sentinels (vLLM's `start_worker_monitor`); the
-first worker that exits kills the others and marks the executor dead, and a call waiting on a queue
-(or any later call) raises `EngineDeadError` within a poll interval. A worker whose step raises exits
-(rank 0 first returns the exception to the executor, which re-raises it), so no rank is left waiting in
-a collective for a peer that will not come.
+Faults: a monitor thread waits on the workers' pidfds (vLLM's `start_worker_monitor` waits on process
+sentinels); the first worker that exits kills the others and marks the executor dead, and a call
+waiting on a queue (or any later call) raises `EngineDeadError` within a poll interval. A worker whose
+step raises exits (rank 0 first returns the exception, which the executor re-raises), so no rank is
+left waiting in a collective for a peer that will not come.
 """
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import tempfile
 import threading
+import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_client import EngineDeadError
+from servetwin.core.engine.mp_client import EngineProcess
 from servetwin.core.outputs import ModelRunnerOutput
 from servetwin.core.sched.output import SchedulerOutput
 from servetwin.gpu.shm_broadcast import MessageQueue, QueueClosed, QueueHandle
@@ -44,6 +49,8 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0  # a worker that neither reports ready nor dies within this is a start-up failure
 TERMINATE_GRACE_S = 2.0  # SIGTERM, then SIGKILL after this
 SHUTDOWN = "shutdown"
+WORKER_MODULE = "servetwin.gpu.tp_worker"
+POLL_S = 0.05  # exit polling where pidfds are missing
 
 
 @dataclass(slots=True)
@@ -55,6 +62,8 @@ class WorkerArgs:
     response: QueueHandle
     executor_kwargs: dict[str, Any]
     threads: Optional[int]
+    ready_fd: int  # write end of the ready pipe (the worker's own copy)
+    death_fd: int  # read end of the death pipe
 
 
 @dataclass(slots=True)
@@ -85,9 +94,7 @@ class WorkerFailure:
         raise self.error
 
 
-def _exception_to_send(e: BaseException) -> WorkerFailure:
-    import pickle  # noqa: PLC0415
-
+def exception_to_send(e: BaseException) -> WorkerFailure:
     tb = traceback.format_exc()
     try:
         pickle.dumps(e)
@@ -117,28 +124,30 @@ class MultiprocExecutor:
         self.broadcast = MessageQueue.create(n_reader=tensor_parallel_size)
         self.response = MessageQueue.create(n_reader=1, reader_rank=0)  # rank 0 writes, this process reads
         self._rendezvous = tempfile.mkdtemp(prefix="servetwin-tp-")
-        ctx = multiprocessing.get_context("spawn")
-        death_reader, self._death_writer = ctx.Pipe(duplex=False)
-        self.workers: list[multiprocessing.process.BaseProcess] = []
-        ready_pipes = []
+        death_r, self._death_w = os.pipe()
+        self.workers: list[EngineProcess] = []
+        ready_fds: list[int] = []
         try:
             for rank in range(tensor_parallel_size):
-                reader, writer = ctx.Pipe(duplex=False)
+                ready_r, ready_w = os.pipe()
                 args = WorkerArgs(rank, tensor_parallel_size, f"file://{self._rendezvous}/store",
                                   self.broadcast.handle, self.response.handle,
-                                  _rank_kwargs(executor_kwargs, rank), threads)
-                proc = ctx.Process(target=worker_main, args=(args, writer, death_reader),
-                                   name=f"servetwin-TPWorker-{rank}", daemon=True)
-                proc.start()
-                writer.close()
-                self.workers.append(proc)
-                ready_pipes.append(reader)
-            death_reader.close()
-            self.ready = self._wait_all_ready(ready_pipes)
+                                  _rank_kwargs(executor_kwargs, rank), threads, ready_w, death_r)
+                ready_fds.append(ready_r)
+                try:
+                    self.workers.append(EngineProcess.start({"args": args}, module=WORKER_MODULE,
+                                                            pass_fds=(ready_w, death_r)))
+                finally:
+                    os.close(ready_w)
+            self.ready = self._wait_all_ready(ready_fds)
         except BaseException:
             self._stop_workers()
             self._release()
             raise
+        finally:
+            os.close(death_r)
+            for fd in ready_fds:
+                os.close(fd)
         first = self.ready[0]
         self.num_gpu_blocks, self.max_model_len = first.num_gpu_blocks, first.max_model_len
         self.vocab_size, self.eos_token_ids = first.vocab_size, first.eos_token_ids
@@ -149,26 +158,22 @@ class MultiprocExecutor:
         self._monitor.start()
 
     # -- start-up ---------------------------------------------------------------------------------
-    def _wait_all_ready(self, pipes: list[multiprocessing.connection.Connection]) -> list[WorkerReady]:
-        """Every worker's `WorkerReady`; the first start-up error (or a worker gone without one) raises,
-        without waiting for the others (they may wait for the failed one in the rendezvous)."""
+    def _wait_all_ready(self, ready_fds: list[int]) -> list[WorkerReady]:
+        """Every worker's `WorkerReady` (a pickle on its ready pipe, then EOF); the first start-up error,
+        or a worker gone without one, raises without waiting for the others (they may be waiting for
+        the failed one in the rendezvous)."""
+        received: dict[int, bytearray] = {rank: bytearray() for rank in range(len(ready_fds))}
         ready: dict[int, WorkerReady] = {}
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.workers)}
-        while len(ready) < len(pipes):
-            pending = [pipes[r] for r in range(len(pipes)) if r not in ready]
-            fired = multiprocessing.connection.wait([*pending, *sentinels], timeout=READY_TIMEOUT_S)
+        while len(ready) < len(ready_fds):
+            fired = multiprocessing.connection.wait([ready_fds[r] for r in received], timeout=READY_TIMEOUT_S)
             if not fired:
                 raise EngineDeadError(f"tensor-parallel workers not ready after {READY_TIMEOUT_S:.0f} s")
-            # a worker that exits sends its message first: read the pipes before judging the sentinels
-            for rank in sorted({pipes.index(o) if o in pipes else sentinels[o] for o in fired}):
-                if rank in ready and self.workers[rank].is_alive():
+            for rank in [r for r in received if ready_fds[r] in fired]:
+                chunk = os.read(ready_fds[rank], 1 << 16)
+                if chunk:
+                    received[rank] += chunk
                     continue
-                msg = None
-                if rank not in ready and pipes[rank].poll():
-                    try:
-                        msg = pipes[rank].recv()
-                    except EOFError:
-                        pass
+                msg = pickle.loads(received.pop(rank)) if received[rank] else None  # EOF: the whole message
                 if isinstance(msg, WorkerFailure):
                     msg.reraise(f"tensor-parallel worker rank {rank} failed to start")
                 if not isinstance(msg, WorkerReady):
@@ -176,17 +181,17 @@ class MultiprocExecutor:
                     raise EngineDeadError(f"tensor-parallel worker rank {rank} exited during start-up "
                                           f"(exit code {self.workers[rank].exitcode})")
                 ready[rank] = msg
-        return [ready[r] for r in range(len(pipes))]
+        return [ready[r] for r in range(len(ready_fds))]
 
     # -- faults -----------------------------------------------------------------------------------
     def _monitor_workers(self) -> None:
         """The first worker to exit (unless we are closing) kills the others and marks us dead."""
-        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.workers)}
-        died = multiprocessing.connection.wait(list(sentinels))
+        died = _wait_any_exit(self.workers)
         if self._closing:
             return
         # rank 0 exits on its own after reporting an error: when another rank died too, that one is the cause
-        rank, proc = max(sentinels[d] for d in died) if len(died) > 1 else sentinels[died[0]]
+        rank = max(died)
+        proc = self.workers[rank]
         proc.join(0.5)
         self._dead_rank = rank
         self._dead_reason = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with exit code "
@@ -277,17 +282,34 @@ class MultiprocExecutor:
                 p.join()
 
     def _release(self) -> None:
-        self._death_writer.close()
+        if self._death_w is not None:
+            os.close(self._death_w)  # any worker still alive exits on the EOF
+            self._death_w = None
+        for p in self.workers:
+            p.close()
         self.broadcast.close()
         self.response.close()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def __del__(self) -> None:
-        if getattr(self, "_death_writer", None) is not None and not getattr(self, "_closing", True):
+        if getattr(self, "_death_w", None) is not None and not getattr(self, "_closing", True):
             try:
                 self.close()
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+
+def _wait_any_exit(workers: list[EngineProcess]) -> list[int]:
+    """Block until a worker exits; the ranks that have."""
+    sentinels = [p.sentinel for p in workers]
+    while True:
+        if all(fd is not None for fd in sentinels):
+            multiprocessing.connection.wait(sentinels)
+        else:
+            time.sleep(POLL_S)
+        died = [rank for rank, p in enumerate(workers) if not p.is_alive()]
+        if died:
+            return died
 
 
 def default_worker_threads(device: str, world_size: int) -> Optional[int]:
@@ -313,64 +335,3 @@ def _cuda_available() -> bool:
     import torch  # noqa: PLC0415
 
     return torch.cuda.is_available()
-
-
-# -- the worker process ---------------------------------------------------------------------------
-def _watch_death_pipe(death_reader: multiprocessing.connection.Connection) -> None:
-    """Exit at once when the executor's process is gone (the pipe's write end closed)."""
-    def watch() -> None:
-        try:
-            death_reader.recv()
-        except (EOFError, OSError):
-            pass
-        os._exit(1)
-
-    threading.Thread(target=watch, name="servetwin-death-pipe", daemon=True).start()
-
-
-def worker_main(args: WorkerArgs, ready_pipe: multiprocessing.connection.Connection,
-                death_reader: multiprocessing.connection.Connection) -> None:
-    """Body of one tensor-parallel worker: build the shard, report ready, then run every broadcast call."""
-    _watch_death_pipe(death_reader)
-    import torch  # noqa: PLC0415
-
-    from servetwin.gpu.executor import TorchExecutor, resolve_device  # noqa: PLC0415
-    from servetwin.gpu.parallel_state import destroy_tp_group, init_tp_group  # noqa: PLC0415
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    try:
-        device = resolve_device(args.executor_kwargs.get("device", "auto"))
-        tp = init_tp_group(args.rank, args.world_size, args.init_method, device)
-        ex = TorchExecutor(**args.executor_kwargs, tp=tp)
-        broadcast = MessageQueue.attach(args.broadcast, reader_rank=args.rank)
-        response = MessageQueue.attach(args.response, reader_rank=None) if args.rank == 0 else None
-        path = ex.model_info.path
-        ready_pipe.send(WorkerReady(
-            args.rank, os.getpid(), ex.num_gpu_blocks, ex.max_model_len, ex.vocab_size, list(ex.eos_token_ids),
-            ex.kv_cache_groups, str(path) if path else None, ex.weight_bytes, ex.kv_cache_bytes,
-            ex.kv_spec.num_kv_heads, ex.attention_backend_name))
-    except BaseException as e:  # noqa: BLE001 - the executor re-raises it
-        ready_pipe.send(_exception_to_send(e))
-        ready_pipe.close()
-        os._exit(1)
-    ready_pipe.close()
-    while True:
-        method, call_args = broadcast.dequeue()
-        if method == SHUTDOWN:
-            break
-        try:
-            reply = ("ok", getattr(ex, method)(*call_args))
-        except Exception as e:  # noqa: BLE001
-            if response is None:
-                logger.error("tensor-parallel worker rank %d: %s failed: %s", args.rank, method, e)
-                os._exit(1)  # a peer waiting in a collective fails at once instead of at its timeout
-            response.enqueue(("error", _exception_to_send(e)))
-            os._exit(1)
-        if response is not None:
-            response.enqueue(reply)
-    ex.close()
-    destroy_tp_group()
-    broadcast.close()
-    if response is not None:
-        response.close()

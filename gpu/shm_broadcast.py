@@ -26,7 +26,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Callable, Optional
 
 _LEN = 4  # bytes of the total-length prefix of every chunk
@@ -34,6 +34,9 @@ SPIN_ITERATIONS = 200
 MAX_SLEEP_S = 0.001
 IDLE_SLEEP_S = 0.01
 IDLE_AFTER_S = 1.0
+
+
+_CREATED_HERE: set[str] = set()  # segments this process created (and its resource tracker owns)
 
 
 class QueueClosed(RuntimeError):
@@ -91,6 +94,7 @@ class MessageQueue:
                              f"max_chunks {max_chunks}")
         size = (max_chunk_bytes + 1 + n_reader) * max_chunks
         shm = shared_memory.SharedMemory(create=True, size=size)
+        _CREATED_HERE.add(shm.name)
         shm.buf[max_chunk_bytes * max_chunks:size] = bytes((1 + n_reader) * max_chunks)  # every flag 0
         return cls(QueueHandle(shm.name, n_reader, max_chunk_bytes, max_chunks), shm, reader_rank, True)
 
@@ -99,7 +103,12 @@ class MessageQueue:
         """Open a queue made by another process, as reader `reader_rank` (None: as its writer)."""
         if reader_rank is not None and not 0 <= reader_rank < handle.n_reader:
             raise ValueError(f"MessageQueue: reader rank {reader_rank} of {handle.n_reader}")
-        return cls(handle, shared_memory.SharedMemory(name=handle.name), reader_rank, False)
+        shm = shared_memory.SharedMemory(name=handle.name)
+        if os.name == "posix" and handle.name not in _CREATED_HERE:
+            # attaching registers the segment with this process's resource tracker, which would unlink
+            # it when this process exits (bpo-38119; Python 3.13's `track=False`): only the creator owns it
+            resource_tracker.unregister("/" + shm.name, "shared_memory")
+        return cls(handle, shm, reader_rank, False)
 
     def close(self) -> None:
         """Detach; the creator also removes the shared memory."""

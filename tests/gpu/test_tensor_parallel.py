@@ -159,7 +159,7 @@ def _alive(pid: int) -> bool:
 def _is_tp_worker(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"spawn_main" in f.read()
+            return b"servetwin.gpu.tp_worker" in f.read()
     except (FileNotFoundError, ProcessLookupError):
         return False
 
