@@ -153,6 +153,7 @@ class MultiprocExecutor:
         self.vocab_size, self.eos_token_ids = first.vocab_size, first.eos_token_ids
         self.kv_cache_groups, self.model_path = first.kv_cache_groups, first.model_path
         self.attention_backend_name = first.attention_backend
+        self.block_size = int(executor_kwargs.get("block_size", 16))
         self._monitor = threading.Thread(target=self._monitor_workers, name="servetwin-TPWorkerMonitor",
                                          daemon=True)
         self._monitor.start()
