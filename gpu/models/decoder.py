@@ -24,7 +24,7 @@ from servetwin.gpu.models.config import AttentionWindow, DecoderConfig
 from servetwin.gpu.models.layers import RMSNorm, SwiGLU, VocabParallelEmbedding, linear
 from servetwin.gpu.models.moe import FusedMoE
 from servetwin.gpu.models.rope import RotaryEmbedding
-from servetwin.gpu.models.tp_shard import TPShard, single_rank
+from servetwin.gpu.models.tp_shard import TPShard
 from servetwin.gpu.parallel_state import TPGroup
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -113,8 +113,7 @@ class DecoderLM(nn.Module):
         self.config = cfg
         self.tp = tp or TPGroup()
         self.shard = TPShard(self.tp.rank, self.tp.world_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.vocab_size) if tp is not None else single_rank(cfg.num_heads, cfg.num_kv_heads,
-                                                                                cfg.head_dim, cfg.vocab_size)
+                             cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, hf_config)
         self.embed_tokens = VocabParallelEmbedding(self.shard, cfg.hidden_size, self.tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i, self.shard, self.tp)

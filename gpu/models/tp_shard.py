@@ -83,6 +83,3 @@ class TPShard:
         start = min(self.vocab_start, self.vocab_size)
         return start, min(self.vocab_per_rank, self.vocab_size - start)
 
-
-def single_rank(num_heads: int, num_kv_heads: int, head_dim: int, vocab_size: int) -> TPShard:
-    return TPShard(0, 1, num_heads, num_kv_heads, head_dim, vocab_size)
