@@ -224,8 +224,9 @@ def test_async_llm_at_tp2_streams_tp1_tokens_and_a_killed_worker_fails_every_str
 
 
 def test_a_worker_start_up_error_is_raised_and_leaves_no_process():
+    me = os.getpid()
+    before = {p for p in _live_children(me) if _is_tp_worker(p)}  # a module fixture's workers may be alive
     with pytest.raises(ConfigError, match="tensor_parallel_test_no_such_dtype"):
         MultiprocExecutor(2, dict(model="tiny-llama", device="cpu", dtype="tensor_parallel_test_no_such_dtype",
                                   num_gpu_blocks=16, max_model_len=64), threads=1)
-    me = os.getpid()
-    assert not [p for p in _live_children(me) if _is_tp_worker(p)]
+    assert {p for p in _live_children(me) if _is_tp_worker(p)} <= before
