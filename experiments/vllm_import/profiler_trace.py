@@ -21,8 +21,6 @@ writes a step table (a servetwin run's, the simulator's predictions) in the same
 """
 from __future__ import annotations
 
-import gzip
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -30,6 +28,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import MAX_IMPORT_NUMBER, bounded_number, load_json_text, printable, read_import_text
 from servetwin.core.testbed.step_ranges import CPU_CATEGORY, GPU_CATEGORY
 
 PLAIN = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
@@ -58,40 +57,62 @@ def parse_annotation(name: str) -> Optional[dict[str, int]]:
     return out
 
 
-def load_chrome_trace(path: str | Path) -> list[dict[str, Any]]:
-    """The `traceEvents` of a Chrome trace JSON file (plain or gzip)."""
-    p = Path(path)
-    try:
-        raw = p.read_bytes()
-        text = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
-        data = json.loads(text)
-    except FileNotFoundError:
-        raise ConfigError(str(path), "file not found") from None
-    except IsADirectoryError:
-        raise ConfigError(str(path), "is a folder; give the trace files (one per rank)") from None
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(str(path), f"not a Chrome trace JSON (plain or .gz; truncated?): {e}") from None
+def _keep_step_ranges(obj: dict) -> Any:
+    """json's object hook: a trace event is dropped as it is parsed unless it is a step range, which keeps
+    only the keys read here (a 2M-event trace holds its few thousand steps, not 2M dicts with their args)."""
+    if "ph" not in obj:
+        return obj  # the top-level object, an event's args, metadata
+    name = obj.get("name")
+    if obj.get("ph") != "X" or obj.get("cat") not in _CATEGORIES or not isinstance(name, str) \
+            or not name.startswith("execute_"):
+        return None
+    return {"ph": "X", "cat": obj["cat"], "name": name, "ts": obj.get("ts"), "dur": obj.get("dur")}
+
+
+_CATEGORIES = (CPU_CATEGORY, GPU_CATEGORY)
+
+
+def load_chrome_trace(path: str | Path) -> list[Any]:
+    """The step-range events of a Chrome trace JSON file (plain or gzip; other events come back as None),
+    read through `core.limits` (regular file, size and inflated-size limits, nesting, UTF-8)."""
+    text = read_import_text(path, "trace")
+    data = load_json_text(text, path, "trace", object_hook=_keep_step_ranges)
+    del text
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
-        raise ConfigError(f"{path}.traceEvents", "must be a list of trace events")
+        raise ConfigError(f"{path}.traceEvents", "must be a list of trace events (not a Chrome trace JSON?)")
     return events
+
+
+def _composition(name: str, where: str) -> Optional[dict[str, int]]:
+    comp = parse_annotation(name)
+    if comp is not None and max(comp.values()) > MAX_IMPORT_NUMBER:
+        raise ConfigError(where, f"a step range states a count over the limit of {MAX_IMPORT_NUMBER}: "
+                                 f"{printable(name, 80)}")
+    return comp
 
 
 def _step_events(events: list, path: str, category: str) -> list[tuple[float, float, str]]:
     out = []
     for i, ev in enumerate(events):
-        if not isinstance(ev, dict) or ev.get("ph") != "X" or ev.get("cat") != category:
+        if not isinstance(ev, dict) or ev.get("cat") != category:
             continue
-        name = ev.get("name")
-        if not isinstance(name, str) or not name.startswith("execute_") or parse_annotation(name) is None:
+        where = f"{path}.traceEvents[{i}]"
+        if _composition(ev["name"], f"{where}.name") is None:
             continue
-        for key in ("ts", "dur"):
-            v = ev.get(key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or (key == "dur" and v < 0):
-                raise ConfigError(f"{path}.traceEvents[{i}].{key}", f"must be a number of microseconds, got {v!r}")
-        out.append((float(ev["ts"]) * 1e-6, float(ev["dur"]) * 1e-6, name))
+        ts = bounded_number(ev.get("ts"), f"{where}.ts")  # microseconds since the profiler's epoch
+        dur = bounded_number(ev.get("dur"), f"{where}.dur", low_open=True)  # a step takes time
+        out.append((ts * 1e-6, dur * 1e-6, ev["name"], i))
     out.sort()
-    return out
+    if category == CPU_CATEGORY:  # one thread runs the steps one after another
+        for (t0, d0, _, _), (t1, _, _, i) in zip(out, out[1:]):
+            if t1 < t0 + d0 - _OVERLAP_TOLERANCE_S:
+                raise ConfigError(f"{path}.traceEvents[{i}].ts", f"this step range starts {1e6 * (t0 + d0 - t1):.3f} "
+                                                               "us before the previous one ends (steps do not overlap)")
+    return [(t, d, n) for t, d, n, _ in out]
+
+
+_OVERLAP_TOLERANCE_S = 1e-6  # the trace's microsecond rounding
 
 
 def _rank_table(path: str | Path) -> tuple[list[tuple[float, float, str]], Optional[list[float]]]:
