@@ -221,15 +221,16 @@ def iterate_trace_fit(traces: list[str], experiments: list[str], start: StartSet
 # -- end-to-end fit from bench files ----------------------------------------------------------------------
 def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path) -> dict[str, list[str]]:
     """Every record of every bench file as a case under `case_dir`: {file: [case names]}."""
-    from servetwin.experiments.vllm_import.bench_case import build_case, write_case  # noqa: PLC0415
+    from servetwin.experiments.vllm_import.bench_case import build_case, import_cases  # noqa: PLC0415
     from servetwin.experiments.vllm_import.bench_file import load_bench_file  # noqa: PLC0415
 
     out: dict[str, list[str]] = {}
+    cases = []
     for k, path in enumerate(benches):
         for record in load_bench_file(path):
-            case = build_case(record, opts, prefix=f"f{k}_")
-            write_case(case, case_dir)
-            out.setdefault(path, []).append(case.name)
+            cases.append(build_case(record, opts, prefix=f"f{k}_"))
+            out.setdefault(path, []).append(cases[-1].name)
+    import_cases(cases, case_dir)
     return out
 
 

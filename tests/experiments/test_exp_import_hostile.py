@@ -35,7 +35,7 @@ def importers(f: Path, out: Path) -> dict[str, list[str]]:
     exp = out.parent / "exp.yaml"
     exp.write_text("name: e\nmodel: tiny-llama\nhardware: cpu\nbackends: [sim]\n")
     return {"vllm-trace": ["import", "vllm-trace", str(f), "-o", str(out)],
-            "vllm-bench": ["import", "vllm-bench", str(f), "-o", str(out), "--hardware", "h100-sxm"],
+            "vllm-bench": ["import", "vllm-bench", str(f), "-o", str(out), "--hardware", "h100-sxm", "--model", "llama-3.1-8b"],
             "vllm-log": ["import", "vllm-log", str(f)],
             "from-vllm": ["calibrate", "--from-vllm", str(f), "-o", str(out) + ".yaml", "--hardware", "h100-sxm"],
             "measured": ["compare", "--measured", str(f), str(exp)]}
@@ -252,3 +252,47 @@ def test_bounded_reader_and_numbers(tmp_path):
         with pytest.raises(ConfigError, match="^w: "):
             bounded_number(bad, "w", integer=True)
     assert printable("a\x1b[2Jb\u202e") == "a\\x1b[2Jb\\u202e"
+
+
+# -- item 11: published.json written once; an interrupted import leaves the folder marked -----------------
+def _jsonl(tmp_path: Path, n: int) -> Path:
+    line = json.dumps(json.loads(BENCH.read_text()))
+    f = tmp_path / "many.jsonl"
+    f.write_text((line + "\n") * n)
+    return f
+
+
+def test_published_json_is_written_once_for_all_cases(tmp_path, capsys, monkeypatch):
+    from servetwin.experiments.vllm_import import bench_case
+
+    calls = []
+    real = bench_case.write_published
+    monkeypatch.setattr(bench_case, "write_published", lambda *a: calls.append(1) or real(*a))
+    out = tmp_path / "o"
+    argv = ["import", "vllm-bench", str(_jsonl(tmp_path, 40)), "-o", str(out), "--hardware", "h100-sxm", "--model", "llama-3.1-8b"]
+    assert main(argv) == 0
+    assert calls == [1] and len(json.loads((out / "published.json").read_text())) == 40
+    assert not (out / bench_case.IMPORT_INCOMPLETE_MARKER).exists()
+    assert "(40/40)" in capsys.readouterr().err  # a progress count on each case
+
+
+def test_sigterm_mid_import_leaves_the_folder_marked_and_validate_refuses_it(tmp_path):
+    import signal
+    import time
+
+    from servetwin.experiments.validate.published import IMPORT_INCOMPLETE_MARKER
+
+    out = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, "-m", "servetwin.experiments.cli", "import", "vllm-bench",
+                             str(_jsonl(tmp_path, 3000)), "-o", str(out), "--hardware", "h100-sxm", "--model", "llama-3.1-8b"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(list((out / "cases").glob("*.yaml"))) < 3:  # some cases written, the import still going
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert (out / IMPORT_INCOMPLETE_MARKER).exists() and not (out / "published.json").exists()
+    r = subprocess.run([sys.executable, "-m", "servetwin.experiments.cli", "validate", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and IMPORT_INCOMPLETE_MARKER in r.stderr and "Traceback" not in r.stderr
