@@ -83,6 +83,21 @@ def _fmt(v: Any) -> str:
         return f"an integer of {v.bit_length()} bits" if isinstance(v, int) else type(v).__name__
 
 
+# vLLM 0.33 takes any block_size > 0 in CacheConfig (vllm/config/cache.py:187), then the attention
+# backend must support it: every CUDA one (FlashAttention, Triton, FlexAttention) advertises
+# `MultipleOf(16)` (vllm/v1/attention/backends/flash_attn.py:367, triton_attn.py:340,
+# flex_attention.py:154), so `--block-size 3` starts no server. An experiment models such a server.
+KV_BLOCK_SIZE_MULTIPLE = 16
+
+
+def _kv_block_size(v: Any, path: str) -> int:
+    size = _int(1)(v, path)
+    if size % KV_BLOCK_SIZE_MULTIPLE:
+        raise ConfigError(path, f"must be a multiple of {KV_BLOCK_SIZE_MULTIPLE} (vLLM's GPU attention backends "
+                                f"support no other KV block size), got {size}")
+    return size
+
+
 def _int(low: Optional[int] = None, nullable: bool = False, also: tuple = ()) -> Callable[[Any, str], Any]:
     def check(v: Any, path: str) -> Any:
         if v is None and nullable:
@@ -220,7 +235,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "long_prefill_token_threshold": _int(0),
     "enable_prefix_caching": _bool,
     "prefix_caching_hash_algo": _choice(*HASH_ALGOS),
-    "block_size": _int(1),
+    "block_size": _kv_block_size,
     "gpu_memory_utilization": _float(0.0, 1.0, low_open=True),
     "num_gpu_blocks": _int(2, nullable=True),
     "max_model_len": _int(2, nullable=True, also=(-1,)),

@@ -62,3 +62,11 @@ def test_a_large_grid_within_the_limit_prints_progress():
     points = expand_sweep(exp, log=lines.append)
     assert len(points) == 1000
     assert "sweep: 500 sweep values checked" in lines and "sweep: 1,000/1,000 grid points checked" in lines
+
+
+@pytest.mark.parametrize("size", [3, 8, 24])
+def test_a_kv_block_size_no_vllm_gpu_backend_supports_is_refused(size):
+    """vLLM 0.33's CUDA attention backends take multiples of 16 only (issue 38 item 13)."""
+    with pytest.raises(ConfigError, match=f"engine.block_size: must be a multiple of 16 .*got {size}"):
+        validate_config(tiny(engine__block_size=size))
+    assert validate_config(tiny(engine__block_size=32)).engine.args.block_size == 32
