@@ -159,9 +159,12 @@ class WorkloadSpec:
         spec.seed = int_at_least(cfg.get("seed", 0), 0, f"{path}.seed")
         vocab = cfg.get("vocab_size", vocab_size)
         spec.vocab_size = None if vocab is None else int_at_least(vocab, 2, f"{path}.vocab_size")
-        spec.arrival = parse_arrival(cfg.get("arrival"), f"{path}.arrival")
+        # a trace keeps only the `requests` earliest records (a 10M-line file for a 1000-request run)
+        limit = cfg.get("requests") if isinstance(cfg.get("requests"), int) and cfg["requests"] >= 1 else None
+        spec.arrival = parse_arrival(cfg.get("arrival"), f"{path}.arrival", trace_limit=limit)
         if "file" in cfg:  # lengths from the file; its times unless an arrival process is given
-            spec.trace = TraceArrivals(str(cfg["file"]), tuple(load_trace(cfg["file"], f"{path}.file")))
+            spec.trace = TraceArrivals(str(cfg["file"]), tuple(load_trace(cfg["file"], f"{path}.file",
+                                                                          limit=limit)))
             spec.trace_field = f"{path}.file"
             if "arrival" not in cfg:
                 spec.arrival = spec.trace
