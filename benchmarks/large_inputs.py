@@ -1,0 +1,134 @@
+"""The worst case each documented input limit allows (issue 38 items 2 and 8; docs/limits.md): peak memory,
+wall time and the longest silence (no stderr line) of the command in a child process.
+
+Cases (each file generated into a temporary folder, removed after):
+- `trace-csv`: a workload trace CSV of 10M lines (about 150 MB, under MAX_TRACE_FILE_BYTES) read by a run of
+  `requests: 1000` (issue 38 item 2: was 6.5 GB and 163 s, 71 s of it silent);
+- `chrome-trace`: a vLLM profiler trace of 2M events (about 230 MB, under MAX_IMPORT_FILE_BYTES), 1 in 100 a
+  step range, through `servetwin import vllm-trace` (item 8: was 4.2 GB and 44 s);
+- `requests-1m`: `servetwin run` of 1M offline requests of 8 + 4 tokens on the simulator, no figures, no
+  step rows (item 8: 2.9 GB and 90 s with no progress line).
+
+PASS: peak RSS < 2 GB and no silence over 30 s (the targets of issue 38's "Done when"). Memory figures hold on
+a loaded machine; times measured on one are not results (the script prints the load average).
+
+Usage: python benchmarks/large_inputs.py [--case trace-csv|chrome-trace|requests-1m|all]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+MEMORY_LIMIT_MB = 2048
+SILENCE_LIMIT_S = 30.0
+
+
+def measure(argv: list[str], timeout: float) -> tuple[int, float, float, float, str]:
+    """(exit status, wall s, peak RSS MB, longest silence s, last stderr line) of `servetwin argv`."""
+    proc = subprocess.Popen([sys.executable, "-m", "servetwin.experiments.cli", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    t0 = time.monotonic()
+    stamps = [t0]
+    last = [""]
+
+    def read() -> None:
+        for line in proc.stderr:  # tqdm's \r updates arrive as chunks of one line: each counts
+            stamps.append(time.monotonic())
+            if line.strip():
+                last[0] = line.strip()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = t0 + timeout
+    while True:
+        done, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            done, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.05)
+    end = time.monotonic()
+    reader.join(5)
+    stamps.append(end)
+    silence = max(b - a for a, b in zip(stamps, stamps[1:]))
+    return os.waitstatus_to_exitcode(status), end - t0, usage.ru_maxrss / 1024, silence, last[0]
+
+
+def trace_csv(d: Path) -> list[str]:
+    f = d / "big.csv"
+    with open(f, "w") as out:
+        out.write("arrival_s,prompt_tokens,output_tokens\n")
+        block = "".join(f"{i * 0.001:.3f},{8 + i % 50},{4 + i % 7}\n" for i in range(100_000))
+        for _ in range(100):  # 10M lines (the arrival times repeat per block: the reader sorts them)
+            out.write(block)
+    cfg = d / "trace.yaml"
+    cfg.write_text("name: trace\nmodel: tiny-llama\nhardware: cpu\nbackends: [sim]\n"
+                   f"workload: {{requests: 1000, arrival: {{type: trace, path: {json.dumps(str(f))}}}}}\n"
+                   "output: {plots: false, step_requests: false}\n")
+    return ["run", str(cfg), "-o", str(d / "out-trace"), "--no-progress"]
+
+
+def chrome_trace(d: Path) -> list[str]:
+    f = d / "trace.json"
+    with open(f, "w") as out:
+        out.write('{"traceEvents": [')
+        t = 0
+        for i in range(2_000_000):
+            if i % 100 == 0:
+                ev = {"ph": "X", "cat": "user_annotation", "name": "execute_context_1(64)_generation_31(31)",
+                      "ts": t, "dur": 900, "pid": 1, "tid": 1, "args": {"External id": i}}
+                t += 1000
+            else:
+                ev = {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16bf16", "ts": t, "dur": 3, "pid": 0,
+                      "tid": 7, "args": {"grid": [132, 1, 1]}}
+            out.write(("," if i else "") + json.dumps(ev, separators=(",", ":")))
+        out.write("]}")
+    return ["import", "vllm-trace", str(f), "-o", str(d / "out-import")]
+
+
+def requests_1m(d: Path) -> list[str]:
+    cfg = d / "million.yaml"
+    cfg.write_text("name: million\nmodel: tiny-llama\nhardware: cpu\nbackends: [sim]\n"
+                   "engine: {max_num_seqs: 256, max_num_batched_tokens: 8192, num_gpu_blocks: 65536}\n"
+                   "workload: {requests: 1000000, prompt_tokens: 8, output_tokens: 4, arrival: {type: offline}}\n"
+                   "output: {plots: false, step_requests: false}\n")
+    return ["run", str(cfg), "-o", str(d / "out-million")]
+
+
+CASES = {"trace-csv": (trace_csv, 900.0), "chrome-trace": (chrome_trace, 600.0), "requests-1m": (requests_1m, 1800.0)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--case", choices=[*CASES, "all"], default="all")
+    ns = ap.parse_args()
+    print(f"host load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (times under load are not results)")
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="servetwin-large-") as tmp:
+        for name, (build, timeout) in CASES.items():
+            if ns.case not in (name, "all"):
+                continue
+            d = Path(tmp) / name
+            d.mkdir()
+            argv = build(d)
+            size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+            rc, wall, rss, silence, last = measure(argv, timeout)
+            good = rc == 0 and rss < MEMORY_LIMIT_MB and silence < SILENCE_LIMIT_S
+            ok &= good
+            print(f"{name:14s} input {size / 1e6:7.1f} MB  exit {rc:3d}  wall {wall:7.1f} s  peak {rss:7.0f} MB  "
+                  f"longest silence {silence:6.1f} s  {'PASS' if good else 'FAIL'}  {last[:100]}", flush=True)
+    print("ALL PASS" if ok else "SOME FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
