@@ -341,6 +341,9 @@ def backend_line(backend: str, s: dict, interrupted: bool) -> str:
 
 
 # -- the run ------------------------------------------------------------------------------------
+LARGE_RUN_REQUESTS = 100_000  # runs this large log their workload and output phases (each can take a minute)
+
+
 def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Callable[[str], None]] = None,
                  on_backend: Optional[Callable[[str, BackendRun, dict, dict], None]] = None,
                  measure: Optional[MeasureOptions] = None, timings: Optional[dict] = None,
@@ -370,7 +373,10 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
         log(f"[{backend}] engine ready in {time.perf_counter() - t0:.1f}s: {info.num_gpu_blocks} KV blocks, "
             f"max_model_len {info.max_model_len}")
     vocabs = [info.vocab_size for _, info in engines.values() if info.vocab_size]
+    t0 = time.perf_counter()
     requests, arrival, rng = build_requests(exp, min(vocabs) if vocabs else None)
+    if len(requests) >= LARGE_RUN_REQUESTS:  # a long step before the progress bar: say what it was
+        log(f"[workload] {len(requests):,} requests drawn in {time.perf_counter() - t0:.1f}s")
     wsum = workload_summary(requests)
     wsum["arrival"] = type(arrival).__name__
     runs: dict[str, BackendRun] = {}
@@ -442,6 +448,10 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     try:
         combined, _, runs = run_backends(exp, progress, log, measure=measure, timings=phase, defer=True)
         folder.begin()  # the first write: what an earlier run left is cleared only now
+        requests_run = sum(r.num_requests for r in runs.values())
+        if requests_run >= LARGE_RUN_REQUESTS:  # tables of a million requests take a while: say so first
+            log(f"[outputs] writing the tables, trace.json, {'figures, ' if exp.output.plots else ''}report and "
+                f"summary of {requests_run:,} requests")
         folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
         step_rows = sum(len(r.recorder.step_requests) for r in runs.values())
         if worker is not None and step_rows <= MAX_SHIPPED_STEP_ROWS:
