@@ -6,13 +6,15 @@ Cases (each file generated into a temporary folder, removed after):
   `requests: 1000` (issue 38 item 2: was 6.5 GB and 163 s, 71 s of it silent);
 - `chrome-trace`: a vLLM profiler trace of 2M events (about 230 MB, under MAX_IMPORT_FILE_BYTES), 1 in 100 a
   step range, through `servetwin import vllm-trace` (item 8: was 4.2 GB and 44 s);
+- `chrome-steps`: a trace of MAX_TRACE_STEPS (500,000) steps, each a CPU and a GPU range (the most step
+  rows one import builds);
 - `requests-1m`: `servetwin run` of 1M offline requests of 8 + 4 tokens on the simulator, no figures, no
   step rows (item 8: 2.9 GB and 90 s with no progress line).
 
 PASS: peak RSS < 2 GB and no silence over 30 s (the targets of issue 38's "Done when"). Memory figures hold on
 a loaded machine; times measured on one are not results (the script prints the load average).
 
-Usage: python benchmarks/large_inputs.py [--case trace-csv|chrome-trace|requests-1m|all]
+Usage: python benchmarks/large_inputs.py [--case trace-csv|chrome-trace|chrome-steps|requests-1m|all]
 """
 from __future__ import annotations
 
@@ -95,6 +97,22 @@ def chrome_trace(d: Path) -> list[str]:
     return ["import", "vllm-trace", str(f), "-o", str(d / "out-import")]
 
 
+def chrome_steps(d: Path) -> list[str]:
+    """The most step ranges one trace may hold (MAX_TRACE_STEPS), each a CPU and a GPU range."""
+    from servetwin.experiments.vllm_import.profiler_trace import MAX_TRACE_STEPS  # noqa: PLC0415
+
+    f = d / "steps.json"
+    with open(f, "w") as out:
+        out.write('{"traceEvents": [')
+        for i in range(MAX_TRACE_STEPS):
+            name = f"execute_context_{i % 3}({64 * (i % 3)})_generation_{31 + i % 5}({31 + i % 5})"
+            for cat, tid in (("user_annotation", 1), ("gpu_user_annotation", 7)):
+                ev = {"ph": "X", "cat": cat, "name": name, "ts": 1000 * i, "dur": 900, "pid": 1, "tid": tid}
+                out.write(("," if i or cat == "gpu_user_annotation" else "") + json.dumps(ev, separators=(",", ":")))
+        out.write("]}")
+    return ["import", "vllm-trace", str(f), "-o", str(d / "out-steps")]
+
+
 def requests_1m(d: Path) -> list[str]:
     cfg = d / "million.yaml"
     cfg.write_text("name: million\nmodel: tiny-llama\nhardware: cpu\nbackends: [sim]\n"
@@ -104,7 +122,8 @@ def requests_1m(d: Path) -> list[str]:
     return ["run", str(cfg), "-o", str(d / "out-million")]
 
 
-CASES = {"trace-csv": (trace_csv, 900.0), "chrome-trace": (chrome_trace, 600.0), "requests-1m": (requests_1m, 1800.0)}
+CASES = {"trace-csv": (trace_csv, 900.0), "chrome-trace": (chrome_trace, 600.0),
+         "chrome-steps": (chrome_steps, 600.0), "requests-1m": (requests_1m, 1800.0)}
 
 
 def main() -> int:

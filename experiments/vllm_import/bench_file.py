@@ -18,6 +18,8 @@ seconds (`duration`) and per-second rates; every bad or missing field is a `Conf
 """
 from __future__ import annotations
 
+import io
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,15 +239,19 @@ def load_bench_file(path: str | Path) -> list[BenchRecord]:
 
 def _jsonl(text: str, path: Path) -> Optional[list[tuple[int, Any]]]:
     """JSON lines (one object a line, at least two lines, the first a whole object), else None (one
-    document, possibly indented, parsed whole)."""
-    lines = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
-    if len(lines) < 2 or not lines[0][1].lstrip().startswith("{") or not lines[0][1].rstrip().endswith("}"):
+    document, possibly indented, parsed whole). Lines are iterated, never listed (256 MB of newlines
+    would be a list of 256M strings)."""
+    lines = ((number, line) for number, line in enumerate(io.StringIO(text), start=1) if line.strip())
+    first = next(lines, None)
+    if first is None or not first[1].lstrip().startswith("{") or not first[1].rstrip().endswith("}"):
+        return None
+    second = next(lines, None)
+    if second is None:
         return None
     try:
-        first = load_json_text(lines[0][1], path, path.name)
+        out = [(first[0], load_json_text(first[1], path, path.name))]
     except ConfigError:
         return None  # not one object on its own: the whole-document parse names the problem
-    out = [(lines[0][0], first)]
-    for number, line in lines[1:]:
+    for number, line in itertools.chain([second], lines):
         out.append((number, load_json_text(line, f"{path}:{number}", f"{path.name}:{number}")))
     return out

@@ -22,8 +22,9 @@ writes a step table (a servetwin run's, the simulator's predictions) in the same
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
@@ -57,30 +58,54 @@ def parse_annotation(name: str) -> Optional[dict[str, int]]:
     return out
 
 
-def _keep_step_ranges(obj: dict) -> Any:
-    """json's object hook: a trace event is dropped as it is parsed unless it is a step range, which keeps
-    only the keys read here (a 2M-event trace holds its few thousand steps, not 2M dicts with their args)."""
-    if "ph" not in obj:
-        return obj  # the top-level object, an event's args, metadata
-    name = obj.get("name")
-    if obj.get("ph") != "X" or obj.get("cat") not in _CATEGORIES or not isinstance(name, str) \
-            or not name.startswith("execute_"):
-        return None
-    return {"ph": "X", "cat": obj["cat"], "name": name, "ts": obj.get("ts"), "dur": obj.get("dur")}
-
-
+# Step ranges one trace may hold: each becomes a row of the step table (a long vLLM profile has tens of
+# thousands; a file of only step ranges at MAX_IMPORT_FILE_BYTES would hold 2.5M, several GB of rows).
+MAX_TRACE_STEPS = 500_000
 _CATEGORIES = (CPU_CATEGORY, GPU_CATEGORY)
+
+
+class _TooManySteps(Exception):
+    """Raised from inside json's parse (not a ValueError: load_json_text would call it bad JSON)."""
+
+
+def _step_range_keeper() -> Callable[[dict], Any]:
+    """json's object hook: a trace event is dropped as it is parsed unless it is a step range, which keeps
+    only the keys read here (a 2M-event trace holds its few thousand steps, not 2M dicts with their args);
+    past MAX_TRACE_STEPS step ranges the parse stops."""
+    kept = 0
+
+    def keep(obj: dict) -> Any:
+        nonlocal kept
+        if "ph" not in obj:
+            return obj  # the top-level object, an event's args, metadata
+        name = obj.get("name")
+        if obj.get("ph") != "X" or obj.get("cat") not in _CATEGORIES or not isinstance(name, str) \
+                or not name.startswith("execute_"):
+            return None
+        kept += 1
+        if kept > 2 * MAX_TRACE_STEPS:  # a CPU and a GPU range per step
+            raise _TooManySteps()
+        return {"ph": "X", "cat": obj["cat"], "name": name, "ts": obj.get("ts"), "dur": obj.get("dur")}
+    return keep
 
 
 def load_chrome_trace(path: str | Path) -> list[Any]:
     """The step-range events of a Chrome trace JSON file (plain or gzip; other events come back as None),
     read through `core.limits` (regular file, size and inflated-size limits, nesting, UTF-8)."""
     text = read_import_text(path, "trace")
-    data = load_json_text(text, path, "trace", object_hook=_keep_step_ranges)
+    try:
+        data = load_json_text(text, path, "trace", object_hook=_step_range_keeper())
+    except _TooManySteps:
+        raise ConfigError("trace", f"{path} holds more than {MAX_TRACE_STEPS:,} steps (the limit of one trace; "
+                                   "profile a shorter window)") from None
     del text
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ConfigError(f"{path}.traceEvents", "must be a list of trace events (not a Chrome trace JSON?)")
+    steps = sum(1 for ev in events if isinstance(ev, dict) and ev.get("cat") == CPU_CATEGORY)
+    if steps > MAX_TRACE_STEPS:
+        raise ConfigError("trace", f"{path} holds {steps:,} steps, more than the limit of {MAX_TRACE_STEPS:,} "
+                                   "(profile a shorter window)")
     return events
 
 
@@ -95,8 +120,9 @@ def _composition(name: str, where: str) -> Optional[dict[str, int]]:
 def _step_events(events: list, path: str, category: str) -> list[tuple[float, float, str]]:
     out = []
     for i, ev in enumerate(events):
-        if not isinstance(ev, dict) or ev.get("cat") != category:
-            continue
+        if not isinstance(ev, dict) or ev.get("ph") != "X" or ev.get("cat") != category \
+                or not isinstance(ev.get("name"), str):
+            continue  # (only step ranges reach here as events; an object without "ph" is kept whole)
         where = f"{path}.traceEvents[{i}]"
         if _composition(ev["name"], f"{where}.name") is None:
             continue
@@ -127,8 +153,10 @@ def _rank_table(path: str | Path) -> tuple[list[tuple[float, float, str]], Optio
     return cpu, ([d for _, d, _ in gpu] if gpu else None)
 
 
-def read_profiler_traces(paths: Iterable[str | Path], run: str = "measured"):
-    """One row per step (a pandas DataFrame, see the module docstring) from one trace per rank."""
+def read_profiler_traces(paths: Iterable[str | Path], run: str = "measured",
+                         log: Optional[Callable[[str], None]] = None):
+    """One row per step (a pandas DataFrame, see the module docstring) from one trace per rank. `log`: a
+    line per file read and per PROGRESS_EVERY_STEPS rows built (default: stderr, for large traces only)."""
     import pandas as pd  # noqa: PLC0415
 
     from servetwin.core.testbed.trace import STEP_COLUMNS  # noqa: PLC0415
@@ -136,7 +164,10 @@ def read_profiler_traces(paths: Iterable[str | Path], run: str = "measured"):
     paths = list(paths)
     if not paths:
         raise ConfigError("--measured", "no trace file given")
-    ranks = [_rank_table(p) for p in paths]
+    ranks = []
+    for p in paths:
+        ranks.append(_rank_table(p))
+        _progress(log, f"trace: {p}: {len(ranks[-1][0]):,} step ranges read", len(ranks[-1][0]))
     cpu0 = ranks[0][0]
     for p, (cpu, _) in zip(paths[1:], ranks[1:]):
         if [n for _, _, n in cpu] != [n for _, _, n in cpu0]:
@@ -158,8 +189,22 @@ def read_profiler_traces(paths: Iterable[str | Path], run: str = "measured"):
         row["num_reqs"] = comp["num_context_reqs"] + comp["num_generation_reqs"]
         row["total_tokens"] = comp["num_context_tokens"] + comp["num_generation_tokens"]
         rows.append(row)
+        if (i + 1) % PROGRESS_EVERY_STEPS == 0:
+            _progress(log, f"trace: {i + 1:,}/{len(cpu0):,} step rows built", len(cpu0))
         prev_end = start + float(dc)
     return pd.DataFrame(rows, columns=list(STEP_COLUMNS) + [c for c in EXTRA_COLUMNS])
+
+
+PROGRESS_EVERY_STEPS = 100_000
+
+
+def _progress(log: Optional[Callable[[str], None]], msg: str, steps: int) -> None:
+    """`log(msg)`; without a `log`, stderr for a large trace only (a line per file is noise for the usual
+    few thousand steps, and a 500k-step trace reads for most of a minute)."""
+    if log is not None:
+        log(msg)
+    elif steps >= PROGRESS_EVERY_STEPS:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def detailed_annotation(rows: Iterable[tuple[int, int, bool]]) -> str:

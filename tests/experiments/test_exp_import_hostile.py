@@ -106,8 +106,9 @@ def trace_doc(**event) -> bytes:
     (trace_doc(ts=1e308), "traceEvents[0].ts: must be a finite number in [0, 9.0072e+15], got 1e+308"),
     (trace_doc(name="execute_context_99999999999999999999999(1)_generation_0(0)"), "a count over the limit"),
     (b'{"traceEvents": [{"ts": ' + b"9" * 5000 + b"}]}", "an integer of too many digits"),
+    (json.dumps({"traceEvents": [{"cat": "user_annotation"}, [], 7]}).encode(), "no execute_context_X(a)"),
     ("\ufeff".encode("utf-16") + b"\x00{", "is not UTF-8 text"),
-], ids=["10**400", "1e300", "zero-dur", "ts-1e308", "step-overflow", "5000-digits", "utf-16"])
+], ids=["10**400", "1e300", "zero-dur", "ts-1e308", "step-overflow", "5000-digits", "no-ph", "utf-16"])
 def test_trace_numbers_are_bounded_before_any_arithmetic(tmp_path, text, needle):
     f = tmp_path / "t.json"
     f.write_bytes(text)
@@ -283,3 +284,30 @@ def test_sigterm_mid_import_leaves_the_folder_marked_and_validate_refuses_it(tmp
     r = subprocess.run([sys.executable, "-m", "servetwin.experiments.cli", "validate", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and IMPORT_INCOMPLETE_MARKER in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_trace_of_more_step_ranges_than_the_limit_is_refused(tmp_path, monkeypatch):
+    from servetwin.experiments.vllm_import import profiler_trace
+
+    monkeypatch.setattr(profiler_trace, "MAX_TRACE_STEPS", 10)
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": STEP, "ts": 100 * i,
+                                              "dur": 50} for i in range(11)]}))
+    with pytest.raises(ConfigError, match="t.json holds 11 steps, more than the limit of 10"):
+        read_profiler_traces([f])
+    f.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": STEP, "ts": 100 * i,
+                                              "dur": 50} for i in range(25)]}))
+    with pytest.raises(ConfigError, match="t.json holds more than 10 steps"):  # stopped while parsing
+        read_profiler_traces([f])
+
+
+def test_a_large_trace_reports_progress(tmp_path, monkeypatch):
+    from servetwin.experiments.vllm_import import profiler_trace
+
+    monkeypatch.setattr(profiler_trace, "PROGRESS_EVERY_STEPS", 10)
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": STEP, "ts": 100 * i,
+                                              "dur": 50} for i in range(25)]}))
+    lines: list[str] = []
+    assert len(read_profiler_traces([f], log=lines.append)) == 25
+    assert lines == [f"trace: {f}: 25 step ranges read", "trace: 10/25 step rows built", "trace: 20/25 step rows built"]
