@@ -6,7 +6,7 @@ Cases (each file generated into a temporary folder, removed after):
   `requests: 1000` (issue 38 item 2: was 6.5 GB and 163 s, 71 s of it silent);
 - `chrome-trace`: a vLLM profiler trace of 2M events (about 230 MB, under MAX_IMPORT_FILE_BYTES), 1 in 100 a
   step range, through `servetwin import vllm-trace` (item 8: was 4.2 GB and 44 s);
-- `chrome-steps`: a trace of MAX_TRACE_STEPS (500,000) steps, each a CPU and a GPU range (the most step
+- `chrome-steps`: a trace of MAX_TRACE_STEPS (250,000) steps, each a CPU and a GPU range (the most step
   rows one import builds);
 - `requests-1m`: `servetwin run` of 1M offline requests of 8 + 4 tokens on the simulator, no figures, no
   step rows (item 8: 2.9 GB and 90 s with no progress line).

@@ -60,7 +60,7 @@ def parse_annotation(name: str) -> Optional[dict[str, int]]:
 
 # Step ranges one trace may hold: each becomes a row of the step table (a long vLLM profile has tens of
 # thousands; a file of only step ranges at MAX_IMPORT_FILE_BYTES would hold 2.5M, several GB of rows).
-MAX_TRACE_STEPS = 500_000
+MAX_TRACE_STEPS = 250_000
 _CATEGORIES = (CPU_CATEGORY, GPU_CATEGORY)
 
 
