@@ -508,9 +508,12 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
 
     jobs = OutputJobs()
     frames, summaries, written = {}, {}, []
+    large = sum(r.num_requests for r in runs.values()) >= LARGE_RUN_REQUESTS
+    say = (lambda m: print(f"[outputs] {m}", file=sys.stderr, flush=True)) if large else (lambda m: None)
     for backend, run in runs.items():
         # the tables first: the trace and figure writers forked below read them
         frames[backend] = run.recorder.frames()
+        say(f"{backend}: tables built")
     for backend, run in runs.items():
         os.makedirs(os.path.join(out_dir, backend), exist_ok=True)
         trace_path = os.path.join(out_dir, backend, "trace.json")
@@ -542,6 +545,7 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
             written.append(os.path.relpath(path, out_dir))
         write_json(os.path.join(bdir, "summary.json"), summaries[backend])
         written.append(os.path.join(backend, "summary.json"))
+        say(f"{backend}: tables and summary written")
     plots = exp.output.plots
     if plots and frames:
         try:
@@ -553,6 +557,7 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
             # log-scaled"): its tables, report and summary still come, without figures, and the interrupt
             # still ends the command (exit 130), not this error (exit 2)
             plots, plot_paths = False, None
+    say("writing the report (and waiting for trace.json" + (", the figures)" if plots else ")"))
     paths = write_report(exp, out_dir, dict(combined, backends=summaries), frames, itls, plots=plots,
                          jobs=jobs, plot_paths=plot_paths)
     written += [os.path.relpath(p, out_dir) for p in paths]
