@@ -35,18 +35,18 @@ SILENCE_LIMIT_S = 30.0
 
 
 def measure(argv: list[str], timeout: float) -> tuple[int, float, float, float, str]:
-    """(exit status, wall s, peak RSS MB, longest silence s, last stderr line) of `servetwin argv`."""
+    """(exit status, wall s, peak RSS MB, longest silence s, the line the longest silence followed) of
+    `servetwin argv`."""
     proc = subprocess.Popen([sys.executable, "-m", "servetwin.experiments.cli", *argv], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     t0 = time.monotonic()
     stamps = [t0]
-    last = [""]
+    lines = ["(start)"]
 
     def read() -> None:
-        for line in proc.stderr:  # tqdm's \r updates arrive as chunks of one line: each counts
+        for line in proc.stderr:  # tqdm's \r updates arrive as lines of their own: each counts
             stamps.append(time.monotonic())
-            if line.strip():
-                last[0] = line.strip()
+            lines.append(line.strip())
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = t0 + timeout
@@ -62,8 +62,9 @@ def measure(argv: list[str], timeout: float) -> tuple[int, float, float, float, 
     end = time.monotonic()
     reader.join(5)
     stamps.append(end)
-    silence = max(b - a for a, b in zip(stamps, stamps[1:]))
-    return os.waitstatus_to_exitcode(status), end - t0, usage.ru_maxrss / 1024, silence, last[0]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    k = max(range(len(gaps)), key=gaps.__getitem__)
+    return os.waitstatus_to_exitcode(status), end - t0, usage.ru_maxrss / 1024, gaps[k], f"after: {lines[k][:90]}"
 
 
 def trace_csv(d: Path) -> list[str]:
