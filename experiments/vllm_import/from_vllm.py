@@ -226,8 +226,10 @@ def iterate_trace_fit(traces: list[str], experiments: list[str], start: StartSet
 
 
 # -- end-to-end fit from bench files ----------------------------------------------------------------------
-def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path) -> dict[str, list[str]]:
-    """Every record of every bench file as a case under `case_dir`: {file: [case names]}."""
+def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path,
+                   log: Callable[[str], None] = lambda m: None) -> dict[str, list[str]]:
+    """Every record of every bench file as a case under `case_dir`: {file: [case names]}; each case's
+    assumptions (what the file does not record) logged as one block."""
     from servetwin.experiments.vllm_import.bench_case import build_case, write_case  # noqa: PLC0415
     from servetwin.experiments.vllm_import.bench_file import load_bench_file  # noqa: PLC0415
 
@@ -236,6 +238,7 @@ def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path) -> d
         for record in load_bench_file(path):
             case = build_case(record, opts, prefix=f"f{k}_")
             write_case(case, case_dir)
+            log(case.assumption_block())
             out.setdefault(path, []).append(case.name)
     return out
 
@@ -251,16 +254,20 @@ def bench_fit(benches: list[str], opts: ImportOptions, base: str, start: Optiona
               ) -> tuple[dict[str, float], dict[str, Any]]:
     """({(section, name) fitted value}, report). `fit_params` False: only predict the files (`start` fitted
     elsewhere). `params`: the `preset_fit` entries searched (default: its FIT set)."""
-    from servetwin.experiments.validate.preset_fit import FIT, evaluate, fit, start_values  # noqa: PLC0415
+    from servetwin.experiments.validate.preset_fit import FIT, evaluate, fit, hardware_mapping, start_values  # noqa: PLC0415
+    from servetwin.experiments.vllm_import.fit_check import check_bench_fit  # noqa: PLC0415
 
     params = params or FIT
     with tempfile.TemporaryDirectory(prefix="servetwin-from-vllm-") as tmp:
-        by_file = import_benches(benches, opts, Path(tmp))
+        by_file = import_benches(benches, opts, Path(tmp), log if fit_params else lambda m: None)
         names = [n for ns in by_file.values() for n in ns]
         values = start_values(params, base, start) if fit_params else {}
         if fit_params:
             values, _ = fit(tmp, values, names, rounds, log, params, base, start)
-        report: dict[str, Any] = {"in_sample": _case_errors(evaluate(tmp, values, names, base, start))}
+        in_sample = evaluate(tmp, values, names, base, start)
+        report: dict[str, Any] = {"in_sample": _case_errors(in_sample)}
+        if fit_params:  # a fit that misses its own files stops here, naming the term (nothing is written)
+            check_bench_fit(in_sample, Path(tmp), hardware_mapping(values, base, start), values, params, log)
         if fit_params and len(by_file) > 1:
             loo = {}
             for path, held in by_file.items():
