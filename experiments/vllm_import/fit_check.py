@@ -62,6 +62,14 @@ def at_bounds(values: dict[tuple[str, str], float], params: list) -> list[str]:
     return out
 
 
+def _slow_edge(values: dict[tuple[str, str], float], param: tuple) -> bool:
+    """A parameter at the end of its range that makes steps slower (a low efficiency, a high CPU cost, a
+    large half-efficiency row count)."""
+    section, name, lo, hi = param
+    higher_is_slower = section != "efficiency" or "half" in name
+    return math.isclose(values[(section, name)], hi if higher_is_slower else lo, rel_tol=1e-6)
+
+
 def engine_alone(path: Path, hardware: Any, published: dict[str, float], engine_version: Any) -> Optional[float]:
     """The engine's TPOT p50 (s) when requests reach it at the file's request rate without an API server
     (None: the file has no request rate)."""
@@ -103,8 +111,12 @@ def diagnose(result, errs: dict[str, float], case_dir: Path, hardware: Any, publ
                 "front end shares its CPU among all requests at once, so they reach the engine together; "
                 "the bench fit does not search the front end, docs/vllm_import.md)")
     edges = at_bounds(values, params)
+    slow = edges and all(_slow_edge(values, p) for p in params if at_bounds(values, [p]))
     term = (f"the engine's step terms at the edge of their range: {'; '.join(edges)}" if edges else
             "the engine's step terms (GPU efficiencies, c_step, c_req) cannot reach both figures")
+    if slow:  # every parameter the fit pushed out wanted a slower machine than this GPU's ranges allow
+        term += (" - all on the slow side: the run was slower than this GPU can be; check --hardware (no bench "
+                 "file records the GPU) and, with TP > 1, the interconnect (not searched)")
     return f"{head}; {bound['line']}; term: {term}"
 
 
