@@ -110,13 +110,16 @@ def diagnose(result, errs: dict[str, float], case_dir: Path, hardware: Any, publ
         return (f"{head}; {bound['line']}{measured}; term: the API server's admission of the burst (the modelled "
                 "front end shares its CPU among all requests at once, so they reach the engine together; "
                 "the bench fit does not search the front end, docs/vllm_import.md)")
-    edges = at_bounds(values, params)
-    slow = edges and all(_slow_edge(values, p) for p in params if at_bounds(values, [p]))
-    term = (f"the engine's step terms at the edge of their range: {'; '.join(edges)}" if edges else
-            "the engine's step terms (GPU efficiencies, c_step, c_req) cannot reach both figures")
-    if slow:  # every parameter the fit pushed out wanted a slower machine than this GPU's ranges allow
+    edged = [p for p in params if at_bounds(values, [p])]
+    term = (f"the engine's step terms at the edge of their range: {'; '.join(at_bounds(values, edged))}" if edged
+            else "the engine's step terms (GPU efficiencies, c_step, c_req) cannot reach both figures")
+    sides = {_slow_edge(values, p) for p in edged}
+    if sides == {True}:  # every parameter the fit pushed out wanted a slower machine than this GPU's ranges allow
         term += (" - all on the slow side: the run was slower than this GPU can be; check --hardware (no bench "
                  "file records the GPU) and, with TP > 1, the interconnect (not searched)")
+    elif sides == {False}:
+        term += (" - all on the fast side: the server did not pay a cost the model charges; check the version's "
+                 "differences and the settings in the assumption block")
     return f"{head}; {bound['line']}; term: {term}"
 
 

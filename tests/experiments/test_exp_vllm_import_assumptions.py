@@ -126,3 +126,14 @@ def test_the_cli_exits_1_on_a_failed_fit_and_takes_engine_flags(tmp_path, capsys
                "--engine", "quantization=fp8", "-o", str(out)])
     assert rc == 1 and seen == {"quantization": "fp8"}
     assert "term: X" in capsys.readouterr().err and not out.exists()
+
+
+def test_parameters_at_the_edge_of_their_range_and_which_side_is_slow():
+    from servetwin.experiments.vllm_import.fit_check import _slow_edge, at_bounds
+
+    values = {("efficiency", "gemm_compute"): 0.25, ("efficiency", "gemm_half_m"): 1024.0,
+              ("coefficients", "c_step"): 4e-3, ("coefficients", "c_req"): 1e-6,
+              ("efficiency", "gemm_bandwidth"): 0.8}
+    edged = [p for p in FIT if at_bounds(values, [p])]
+    assert [p[1] for p in edged] == ["gemm_compute", "gemm_half_m", "c_step", "c_req"]  # not gemm_bandwidth
+    assert [_slow_edge(values, p) for p in edged] == [True, True, True, False]  # a tiny c_req makes steps faster
