@@ -72,6 +72,8 @@ OLD_VERSION_DEFAULTS: tuple[tuple[tuple[int, int], str], ...] = (
     ((0, 7), "enable_prefix_caching off (V0 default); used: on (0.33) - a hit needs a shared prefix, so random "
              "and ShareGPT prompts are unaffected"),
     ((0, 7), "max_num_seqs 256 (V0 default); used: 0.33's (1024 on an H100-class GPU behind the API server)"),
+    ((0, 15), "the API server tokenises in its event loop, so a burst's requests progress together (frontend "
+              "ingress: shared, used); 0.33 tokenises on one worker thread, in arrival order (in_order)"),
     ((0, 11), "waiting requests admitted when their first chunk fits the KV pool; 0.33 needs the whole prompt "
               "(engine.scheduler_reserve_full_isl: false, applied)"),
 )
@@ -79,6 +81,21 @@ OLD_VERSION_DEFAULTS: tuple[tuple[tuple[int, int], str], ...] = (
 ASYNC_SCHEDULING = ("async scheduling: on by default in 0.33 (vllm/config/vllm.py turns `None` into True unless an "
                     "option rules it out), off in older versions; used: off (servetwin's default, the one its GPU "
                     "presets were fitted with; --engine async_scheduling=true to change)")
+
+
+# From this version on, vLLM's API server tokenises (and renders chat templates) on one worker thread
+# (vLLM PR #34789, merged 2026-02-19: a single-thread executor in vllm/renderers/base.py; 0.33:
+# `renderer_num_workers` = 1), so a burst is admitted one request after another: the case's front end
+# gets `ingress: in_order` (sim/frontend.py). The first release carrying the PR is taken to be 0.16 (not
+# checked against a release note); the evidence is a 0.19 run (tests/data/vllm_bench, kvcached) that
+# in-order admission reproduces and processor sharing does not, and a 0.11 one (B5) the other way round.
+IN_ORDER_INGRESS_FROM = (0, 16)
+
+
+def ingress_for(version: Optional[str]) -> Optional[str]:
+    """"in_order" for a version with the single-thread renderer, None where the front end's default holds."""
+    vt = version_tuple(version) if version else None
+    return "in_order" if vt is not None and vt >= IN_ORDER_INGRESS_FROM else None
 
 
 def version_assumptions(version: Optional[str]) -> list[str]:

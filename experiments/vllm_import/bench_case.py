@@ -27,7 +27,8 @@ import numpy as np
 
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.vllm_import.assumptions import (Assumption, infer_fp8, infer_tp_from_name,
-                                                            infer_version_from_name, version_assumptions)
+                                                            infer_version_from_name, ingress_for,
+                                                            version_assumptions)
 from servetwin.experiments.vllm_import.bench_file import BenchRecord
 
 
@@ -233,6 +234,11 @@ def build_case(record: BenchRecord, opts: ImportOptions, prefix: str = "") -> Im
         if key != "quantization":
             assumptions.append(Assumption(f"engine.{key}", str(opts.engine[key]), src))
     assumptions.append(Assumption("vLLM version", version or "unknown", version_source))
+    frontend = _frontend(record, notes)
+    if record.client == "vllm" and ingress_for(version):
+        frontend["ingress"] = ingress_for(version)
+        assumptions.append(Assumption("frontend.ingress", "in_order", f"vLLM {version} tokenises on one thread, "
+                                      "in arrival order: docs/frontend_model.md"))
     assumptions += [Assumption("  differs from 0.33", text, "") for text in version_assumptions(version)]
     workload: dict[str, Any] = {"seed": 0}
     rows = None
@@ -250,7 +256,7 @@ def build_case(record: BenchRecord, opts: ImportOptions, prefix: str = "") -> Im
         n = _count(record, opts)
         workload.update(requests=n, **_lengths(record, opts, n, notes), arrival=_arrival(record, notes))
     config = {"name": name, "seed": 0, "model": model, "hardware": opts.hardware, "backends": ["sim"],
-              "frontend": _frontend(record, notes), "engine": engine, "workload": workload,
+              "frontend": frontend, "engine": engine, "workload": workload,
               "output": {"step_requests": False, "plots": False}}
     version = (f"vLLM {version}" if version and record.client != "sglang"
                else "SGLang bench_serving" if record.client == "sglang" else "unknown (not in the file)")

@@ -107,9 +107,9 @@ def diagnose(result, errs: dict[str, float], case_dir: Path, hardware: Any, publ
                         f"server, the engine's TPOT p50 is {1000 * tpot:.3g} ms ({_pct(err)} against the file's "
                         f"{pub_tpot:.3g} ms)" + (": the engine terms fit, the admission does not"
                                                   if abs(err) <= FIT_BOUND else ""))
-        return (f"{head}; {bound['line']}{measured}; term: the API server's admission of the burst (the modelled "
-                "front end shares its CPU among all requests at once, so they reach the engine together; "
-                "the bench fit does not search the front end, docs/vllm_import.md)")
+        return (f"{head}; {bound['line']}{measured}; term: the API server's admission of the requests (the bench "
+                "fit does not search the front end; its ingress is `frontend.ingress: shared` unless the version "
+                "says in_order - the assumption block; docs/vllm_import.md)")
     edged = [p for p in params if at_bounds(values, [p])]
     term = (f"the engine's step terms at the edge of their range: {'; '.join(at_bounds(values, edged))}" if edged
             else "the engine's step terms (GPU efficiencies, c_step, c_req) cannot reach both figures")
