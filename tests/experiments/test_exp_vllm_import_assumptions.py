@@ -61,6 +61,7 @@ def test_the_dstack_405b_file_imports_as_tp8_fp8_on_063():
     case = build_case(record, ImportOptions(model="llama-3.1-405b", hardware="h100-sxm"))
     assert case.config["engine"] == {"tensor_parallel_size": 8, "quantization": "fp8"}
     assert case.published["engine_version"] == "vLLM 0.6.3"  # validate applies 0.6.3's admission rule
+    assert "ingress" not in case.config["frontend"]  # before the single-thread tokeniser: shared
     block = case.assumption_block()
     for text in ("tensor_parallel_size: 8 (the file name says '8xh100'", "quantization: fp8 (the model id",
                  "vLLM version: 0.6.3 (the file name", "max_num_seqs 256", "async scheduling"):
@@ -81,6 +82,8 @@ def test_a_finite_rate_case_takes_a_new_rate_and_an_inf_one_says_why_not():
                                    "arrival": {**workload["arrival"], "rate": 32.0}}, "workload")
     assert spec.arrival.rate == 32.0
     inf = build_case(load_bench_file(QWEN)[0], ImportOptions(model="qwen3-0.6b", hardware="h100-sxm"))
+    assert inf.config["frontend"]["ingress"] == "in_order"  # vLLM 0.19 from the name: one tokeniser thread
+    assert "frontend.ingress: in_order" in inf.assumption_block()
     arrival = {**inf.config["workload"]["arrival"], "rate": 32}
     with pytest.raises(ConfigError, match="t = 0.*type: poisson, rate: 32"):
         WorkloadSpec.from_dict({"seed": 0, "requests": 4, "prompt_tokens": 8, "output_tokens": 2,
@@ -92,11 +95,21 @@ def test_checked_errors_take_the_first_tpot_and_throughput_figure():
     assert checked_errors(errs) == {"tpot_p50": 0.1, "req_s": 0.05}
 
 
+def test_the_qwen3_burst_fits_with_its_versions_in_order_admission(tmp_path):
+    out = tmp_path / "gpu.yaml"
+    doc = calibrate_from_vllm([str(QWEN)], str(out), hardware="h100-sxm", experiments=[],
+                              opts=ImportOptions(model="qwen3-0.6b"), params=C_STEP_ONLY)
+    (errors,) = doc["provenance"]["bench_errors"]["in_sample"].values()
+    checked = checked_errors(errors["signed_errors"])
+    assert set(checked) == {"tpot_p50", "req_s"} and all(abs(e) <= 0.15 for e in checked.values())
+    assert out.exists()
+
+
 def test_a_fit_that_misses_its_file_writes_nothing_and_names_the_front_end(tmp_path):
     out = tmp_path / "gpu.yaml"
-    with pytest.raises(FitFailed) as e:
+    with pytest.raises(FitFailed) as e:  # the same burst as if from vLLM 0.11: admitted all together
         calibrate_from_vllm([str(QWEN)], str(out), hardware="h100-sxm", experiments=[],
-                            opts=ImportOptions(model="qwen3-0.6b"), params=C_STEP_ONLY)
+                            opts=ImportOptions(model="qwen3-0.6b", vllm_version="0.11.0"), params=C_STEP_ONLY)
     msg = str(e.value)
     assert "nothing written" in msg and "tpot_p50" in msg and "API server" in msg
     assert "the engine's TPOT p50 is" in msg  # measured: the engine alone at the file's request rate
