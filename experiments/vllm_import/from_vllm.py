@@ -13,7 +13,9 @@ preset (`--hardware`: a preset, or a GPU name such as "NVIDIA H100 80GB HBM3"):
   non-negative least squares (`servetwin.experiments.calibrate.calibrate.fit_from_tables`, the torch
   calibration's fit). Bench files given with traces are only predicted (their figures as a check);
 - benchmark results alone: the end-to-end search of `servetwin.experiments.validate.preset_fit` (GPU
-  efficiencies and the engine's per-step / per-request CPU) on the files imported as validate cases.
+  efficiencies and the engine's per-step / per-request CPU) on the files imported as validate cases; a
+  fit that misses its own files' TPOT or request throughput by more than 15% (or a case that cannot
+  run) raises `fit_check.FitFailed` naming the term, before anything is written.
 
 The provenance lists every file, the errors in sample (per file) and leave-one-file-out (refit
 without the file, predict it); fewer than two files: no leave-one-out.
