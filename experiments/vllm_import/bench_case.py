@@ -207,16 +207,9 @@ def _frontend(record: BenchRecord, notes: list[str]) -> dict[str, Any]:
     return {"type": "api_server", "endpoint": "chat" if chat else "completions"}
 
 
-def build_case(record: BenchRecord, opts: ImportOptions, prefix: str = "") -> ImportedCase:
-    """The case for one record (ConfigError naming the flag or field that is missing); `prefix` goes in
-    front of its name (records of several files in one directory)."""
-    notes = list(record.notes)
-    name = prefix + case_name(record, opts.name)
-    model = resolve_model(record, opts)
-    if not opts.hardware:
-        said = f" (the file says {record.hardware_name!r})" if record.hardware_name else ""
-        raise ConfigError("--hardware", f"{record.where}: the file does not record the GPU{said}; give --hardware "
-                                        "(a preset such as h100-sxm, or a hardware YAML from servetwin calibrate)")
+def _server_settings(record: BenchRecord, opts: ImportOptions, model: str, notes: list[str]
+                     ) -> tuple[dict[str, Any], dict[str, Any], Optional[str], list[Assumption]]:
+    """(engine, frontend, vLLM version, assumptions): what the server ran with, each value with its source."""
     tp, tp_source = resolve_tp(record, opts, notes)
     version, version_source = resolve_version(record, opts)
     assumptions = [Assumption("model", model, "--model" if opts.model else "the file's model_id"),
@@ -240,31 +233,51 @@ def build_case(record: BenchRecord, opts: ImportOptions, prefix: str = "") -> Im
         assumptions.append(Assumption("frontend.ingress", "in_order", f"vLLM {version} tokenises on one thread, "
                                       "in arrival order: docs/frontend_model.md"))
     assumptions += [Assumption("  differs from 0.33", text, "") for text in version_assumptions(version)]
+    return engine, frontend, version, assumptions
+
+
+def _workload(record: BenchRecord, opts: ImportOptions, name: str, notes: list[str]
+              ) -> tuple[dict[str, Any], Optional[list[tuple[float, int, int]]]]:
+    """(the workload section, the requests file's rows or None)."""
     workload: dict[str, Any] = {"seed": 0}
-    rows = None
-    if record.detailed is not None:
-        rows = _trace_rows(record, notes)
-        if record.max_concurrency and math.isinf(record.request_rate):
-            notes.append("per-request lengths with max_concurrency: drawn from the file's pairs (a closed loop "
-                         "cannot replay a fixed order)")
-            workload.update(requests=len(rows), lengths={"type": "empirical", "pairs": [[p, o] for _, p, o in rows]},
-                            arrival=_arrival(record, notes))
-            rows = None
-        else:  # the file's lengths in order; the send times from the client's process, so a rate can be changed
-            workload.update(file=f"{name}.requests.csv", arrival=_arrival(record, notes))
-    else:
+    if record.detailed is None:
         n = _count(record, opts)
         workload.update(requests=n, **_lengths(record, opts, n, notes), arrival=_arrival(record, notes))
+        return workload, None
+    rows = _trace_rows(record, notes)
+    if record.max_concurrency and math.isinf(record.request_rate):
+        notes.append("per-request lengths with max_concurrency: drawn from the file's pairs (a closed loop "
+                     "cannot replay a fixed order)")
+        workload.update(requests=len(rows), lengths={"type": "empirical", "pairs": [[p, o] for _, p, o in rows]},
+                        arrival=_arrival(record, notes))
+        return workload, None
+    # the file's lengths in order; the send times from the client's process, so a rate can be changed
+    workload.update(file=f"{name}.requests.csv", arrival=_arrival(record, notes))
+    return workload, rows
+
+
+def build_case(record: BenchRecord, opts: ImportOptions, prefix: str = "") -> ImportedCase:
+    """The case for one record (ConfigError naming the flag or field that is missing); `prefix` goes in
+    front of its name (records of several files in one directory)."""
+    notes = list(record.notes)
+    name = prefix + case_name(record, opts.name)
+    model = resolve_model(record, opts)
+    if not opts.hardware:
+        said = f" (the file says {record.hardware_name!r})" if record.hardware_name else ""
+        raise ConfigError("--hardware", f"{record.where}: the file does not record the GPU{said}; give --hardware "
+                                        "(a preset such as h100-sxm, or a hardware YAML from servetwin calibrate)")
+    engine, frontend, version, assumptions = _server_settings(record, opts, model, notes)
+    workload, rows = _workload(record, opts, name, notes)
     config = {"name": name, "seed": 0, "model": model, "hardware": opts.hardware, "backends": ["sim"],
               "frontend": frontend, "engine": engine, "workload": workload,
               "output": {"step_requests": False, "plots": False}}
-    version = (f"vLLM {version}" if version and record.client != "sglang"
-               else "SGLang bench_serving" if record.client == "sglang" else "unknown (not in the file)")
-    published = {"source": f"{record.where} (imported by servetwin import vllm-bench)", "engine_version": version,
-                 "client": record.client, "published": dict(record.metrics), "notes": notes}
+    engine_version = ("SGLang bench_serving" if record.client == "sglang" else f"vLLM {version}" if version
+                      else "unknown (not in the file)")
     if not record.metrics:
         raise ConfigError(record.where, "no figure servetwin can compare (duration, throughputs, TTFT/TPOT/ITL/E2E)")
-    published["notes"] = [a.line() for a in assumptions] + notes
+    published = {"source": f"{record.where} (imported by servetwin import vllm-bench)",
+                 "engine_version": engine_version, "client": record.client, "published": dict(record.metrics),
+                 "notes": [a.line() for a in assumptions] + notes}
     return ImportedCase(name, config, published, rows, notes, assumptions)
 
 
