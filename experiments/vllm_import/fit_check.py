@@ -114,12 +114,16 @@ def diagnose(result, errs: dict[str, float], case_dir: Path, hardware: Any, publ
     term = (f"the engine's step terms at the edge of their range: {'; '.join(at_bounds(values, edged))}" if edged
             else "the engine's step terms (GPU efficiencies, c_step, c_req) cannot reach both figures")
     sides = {_slow_edge(values, p) for p in edged}
-    if sides == {True}:  # every parameter the fit pushed out wanted a slower machine than this GPU's ranges allow
+    tpot_err = next((e for m, e in errs.items() if m in TPOT_METRICS), 0.0)
+    # a side hint only where the case's own TPOT error points the same way as the parameters at the edge
+    if sides == {True} and tpot_err < 0:  # predicted too fast, and the fit wanted a slower machine still
         term += (" - all on the slow side: the run was slower than this GPU can be; check --hardware (no bench "
                  "file records the GPU) and, with TP > 1, the interconnect (not searched)")
-    elif sides == {False}:
+    elif sides == {False} and tpot_err > 0:
         term += (" - all on the fast side: the server did not pay a cost the model charges; check the version's "
                  "differences and the settings in the assumption block")
+    if entry.get("client") == "sglang":
+        term = "the server is SGLang, modelled as vLLM's engine and API server (its scheduler and streaming differ); " + term
     return f"{head}; {bound['line']}; term: {term}"
 
 
