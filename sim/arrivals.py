@@ -125,12 +125,21 @@ class ClosedLoop:
 ARRIVAL_TYPES = ("offline", "poisson", "gamma", "closed_loop", "trace")
 
 
+RATE_NEEDS_A_PROCESS = ("{what}, so there is no rate to change: give a process instead, e.g. --set "
+                        "'workload.arrival={{type: poisson, rate: 32}}' (a workload file keeps its lengths and order, "
+                        "the process draws the send times)")
+
+
 def parse_arrival(cfg: Any, path: str = "workload.arrival", trace_limit: Optional[int] = None) -> ArrivalProcess:
     """Build an arrival process from `{type: ..., ...}` with errors naming the field path. `trace_limit`:
     a trace keeps only that many earliest records (the run's `requests`)."""
     if cfg is None:
         return Offline()
     cfg = check_mapping(cfg, path)
+    if "rate" in cfg and cfg.get("type") in (None, "offline", "trace"):  # `--set workload.arrival.rate=R`
+        raise ConfigError(f"{path}.rate", RATE_NEEDS_A_PROCESS.format(
+            what="every request is sent at t = 0 (a request rate of inf)" if cfg.get("type") == "offline"
+            else "the times come from a trace"))
     kind = one_of(cfg.get("type"), ARRIVAL_TYPES, f"{path}.type")
     if kind == "offline":
         check_keys(cfg, {"type"}, path)

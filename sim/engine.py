@@ -148,7 +148,7 @@ class Simulation:
             from servetwin.sim.frontend import ApiServerFrontend  # noqa: PLC0415
 
             self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend,
-                                              frontend.api_server_count)
+                                              frontend.api_server_count, frontend.ingress)
 
     # -- submission ------------------------------------------------------------------------------
     def submit(self, request: WorkloadRequest, done: Optional[simpy.Event] = None) -> simpy.Event:

@@ -13,7 +13,9 @@ preset (`--hardware`: a preset, or a GPU name such as "NVIDIA H100 80GB HBM3"):
   non-negative least squares (`servetwin.experiments.calibrate.calibrate.fit_from_tables`, the torch
   calibration's fit). Bench files given with traces are only predicted (their figures as a check);
 - benchmark results alone: the end-to-end search of `servetwin.experiments.validate.preset_fit` (GPU
-  efficiencies and the engine's per-step / per-request CPU) on the files imported as validate cases.
+  efficiencies and the engine's per-step / per-request CPU) on the files imported as validate cases; a
+  fit that misses its own files' TPOT or request throughput by more than 15% (or a case that cannot
+  run) raises `fit_check.FitFailed` naming the term, before anything is written.
 
 The provenance lists every file, the errors in sample (per file) and leave-one-file-out (refit
 without the file, predict it); fewer than two files: no leave-one-out.
@@ -219,8 +221,10 @@ def iterate_trace_fit(traces: list[str], experiments: list[str], start: StartSet
 
 
 # -- end-to-end fit from bench files ----------------------------------------------------------------------
-def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path) -> dict[str, list[str]]:
-    """Every record of every bench file as a case under `case_dir`: {file: [case names]}."""
+def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path,
+                   log: Callable[[str], None] = lambda m: None) -> dict[str, list[str]]:
+    """Every record of every bench file as a case under `case_dir`: {file: [case names]}; each case's
+    assumptions (what the file does not record) logged as one block."""
     from servetwin.experiments.vllm_import.bench_case import build_case, import_cases  # noqa: PLC0415
     from servetwin.experiments.vllm_import.bench_file import load_bench_file  # noqa: PLC0415
 
@@ -230,7 +234,7 @@ def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path) -> d
         for record in load_bench_file(path):
             cases.append(build_case(record, opts, prefix=f"f{k}_"))
             out.setdefault(path, []).append(cases[-1].name)
-    import_cases(cases, case_dir)
+    import_cases(cases, case_dir, log=log)
     return out
 
 
@@ -245,16 +249,20 @@ def bench_fit(benches: list[str], opts: ImportOptions, base: str, start: Optiona
               ) -> tuple[dict[str, float], dict[str, Any]]:
     """({(section, name) fitted value}, report). `fit_params` False: only predict the files (`start` fitted
     elsewhere). `params`: the `preset_fit` entries searched (default: its FIT set)."""
-    from servetwin.experiments.validate.preset_fit import FIT, evaluate, fit, start_values  # noqa: PLC0415
+    from servetwin.experiments.validate.preset_fit import FIT, evaluate, fit, hardware_mapping, start_values  # noqa: PLC0415
+    from servetwin.experiments.vllm_import.fit_check import check_bench_fit  # noqa: PLC0415
 
     params = params or FIT
     with tempfile.TemporaryDirectory(prefix="servetwin-from-vllm-") as tmp:
-        by_file = import_benches(benches, opts, Path(tmp))
+        by_file = import_benches(benches, opts, Path(tmp), log if fit_params else lambda m: None)
         names = [n for ns in by_file.values() for n in ns]
         values = start_values(params, base, start) if fit_params else {}
         if fit_params:
             values, _ = fit(tmp, values, names, rounds, log, params, base, start)
-        report: dict[str, Any] = {"in_sample": _case_errors(evaluate(tmp, values, names, base, start))}
+        in_sample = evaluate(tmp, values, names, base, start)
+        report: dict[str, Any] = {"in_sample": _case_errors(in_sample)}
+        if fit_params:  # a fit that misses its own files stops here, naming the term (nothing is written)
+            check_bench_fit(in_sample, Path(tmp), hardware_mapping(values, base, start), values, params, log)
         if fit_params and len(by_file) > 1:
             loo = {}
             for path, held in by_file.items():
