@@ -333,6 +333,10 @@ class MPClientBase(EngineCoreClient):
     def is_dead(self) -> bool:
         return self._res.dead
 
+    @property
+    def dead_reason(self) -> str:
+        return self._res.dead_reason or "EngineCore process is dead"
+
     def _dead_error(self) -> EngineDeadError:
         return EngineDeadError(self._res.dead_reason or "EngineCore process is dead")
 
@@ -427,10 +431,25 @@ class SyncMPClient(MPClientBase):
         elif isinstance(msg, m.UtilityResultMsg):
             self._utility_results[msg.call_id] = msg
 
+    @property
+    def output_socket(self) -> Any:
+        """The socket the engine's messages arrive on (a data-parallel front end polls several)."""
+        return self._res.output_socket
+
+    def receive(self) -> Any:
+        """Block until one message arrives, take it in (outputs, stats, results) and return it."""
+        msg = self._recv_one()
+        self._dispatch(msg)
+        return msg
+
+    def take_output(self) -> Optional[tuple[list[EngineCoreOutput], float]]:
+        """The oldest received outputs not yet taken, with their simulated time, or None."""
+        return self._pending.popleft() if self._pending else None
+
     def get_output(self) -> list[EngineCoreOutput]:
         """The next batch of outputs; [] once the engine has no work for anything sent so far."""
         while not self._pending:
-            self._raise_request_error()
+            self.raise_request_error()
             if self._idle_seq >= self._sent_seq:
                 return []
             self._dispatch(self._recv_one())
@@ -439,7 +458,8 @@ class SyncMPClient(MPClientBase):
             self.last_sim_time_s = sim_time_s
         return outputs
 
-    def _raise_request_error(self) -> None:
+    def raise_request_error(self) -> None:
+        """Raise the oldest request refusal the engine sent (an `EngineRequestError`), if any."""
         if self._errors:
             err = self._errors.pop(0)
             raise EngineRequestError(err.request_id, err.message)
