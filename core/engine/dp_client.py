@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -84,6 +85,27 @@ def engine_args_for_rank(args: EngineArgs) -> EngineArgs:
     return dataclasses.replace(args, data_parallel_size=1)
 
 
+def engine_thread_env(num_engines: int) -> dict[str, str]:
+    """The engines share the host's cores: each gets `cpu_count // N` intra-op threads (`OMP_NUM_THREADS`,
+    which torch reads at import; its tensor-parallel workers split that again), unless the user set it."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // num_engines))}
+
+
+def combine_utility_results(name: str, results: list[Any]) -> Any:
+    """One answer from every engine's: `get_stats` sums the counts (KV usage: the mean) and lists each
+    engine's stats under "engines"; `reset_prefix_cache` is True when every engine reset; else the list."""
+    if name == "reset_prefix_cache":
+        return all(results)
+    if name == "get_stats":
+        total = {k: sum(r[k] for r in results) for k in results[0] if k != "kv_cache_usage"}
+        total["kv_cache_usage"] = sum(r["kv_cache_usage"] for r in results) / len(results)
+        total["engines"] = results
+        return total
+    return results
+
+
 def start_engines(cls: type, args: EngineArgs, n: int, kwargs: dict[str, Any]) -> list[Any]:
     """`n` engine clients of `cls`, started at once (each constructor waits for its engine's ready
     message); if any fails, the others are shut down and its error is raised."""
@@ -109,21 +131,19 @@ def start_engines(cls: type, args: EngineArgs, n: int, kwargs: dict[str, Any]) -
     return results
 
 
-class DPSyncMPClient(EngineCoreClient):
-    """`data_parallel_size` engine processes behind vLLM's internal load balancer (blocking I/O)."""
+class DPClientBase(EngineCoreClient):
+    """What both data-parallel clients share: the engines (one client of `client_cls` per rank), the
+    coordinator, routing of adds and aborts."""
 
-    def __init__(self, args: EngineArgs, **kwargs: Any) -> None:
+    def __init__(self, args: EngineArgs, client_cls: type, kwargs: dict[str, Any]) -> None:
         n = args.data_parallel_size
         self.args = args
-        self.clients = start_engines(SyncMPClient, engine_args_for_rank(args), n, kwargs)
+        kwargs = dict(kwargs, extra_env=engine_thread_env(n))
+        self.clients: list[Any] = start_engines(client_cls, engine_args_for_rank(args), n, kwargs)
         self.config = self.clients[0].config
         self.simulated = self.clients[0].simulated
         self.coordinator = DPFrontEndCoordinator(n)
         self.sim_arrivals: dict[str, float] = {}
-        self._poller = zmq.Poller()
-        for c in self.clients:
-            self._poller.register(c.output_socket, zmq.POLLIN)
-        self._next = 0  # the engine whose outputs are taken first next time (fair turns)
 
     @property
     def lb_trace(self) -> list[tuple]:
@@ -136,6 +156,13 @@ class DPSyncMPClient(EngineCoreClient):
     @property
     def is_dead(self) -> bool:
         return any(c.is_dead for c in self.clients)
+
+    @property
+    def dead_reason(self) -> str:
+        for rank, c in enumerate(self.clients):
+            if c.is_dead:
+                return f"data-parallel engine {rank} is dead: {c.dead_reason}"
+        return "the data-parallel engines are shut down"
 
     def validate_params(self, params: SamplingParams) -> None:
         self.clients[0].validate_params(params)
@@ -150,12 +177,15 @@ class DPSyncMPClient(EngineCoreClient):
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: Optional[float] = None, priority: int = 0,
                     cache_salt: Optional[str] = None, parent_id: Optional[str] = None) -> None:
-        self._check_alive()
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
         rank = self.coordinator.choose(request_id)
         self.clients[rank].add_request(request_id, prompt_token_ids, params, arrival_time, priority, cache_salt,
                                        parent_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort in each request's engine; the balancer frees their in-flight slots at once (the engine
+        reports an aborted request finished, which frees it in vLLM)."""
         by_rank: dict[int, list[str]] = {}
         for rid in request_ids:
             rank = self.coordinator.rank_of(rid)
@@ -165,20 +195,40 @@ class DPSyncMPClient(EngineCoreClient):
         for rank, ids in by_rank.items():
             self.clients[rank].abort_requests(ids)
 
+    def on_engine_message(self, rank: int, msg: Any) -> None:
+        """An engine's outputs message reached the front end: its stats and finished requests."""
+        stats = getattr(msg, "stats", None)
+        if stats is not None:
+            self.coordinator.on_engine_stats(rank, stats)
+        for out in getattr(msg, "outputs", ()):
+            if out.finished:
+                self.coordinator.on_finished(out.request_id)
+
+    def shutdown(self) -> None:
+        for c in self.clients:
+            c.shutdown()
+
+
+class DPSyncMPClient(DPClientBase):
+    """`data_parallel_size` engine processes behind vLLM's internal load balancer (blocking I/O)."""
+
+    def __init__(self, args: EngineArgs, **kwargs: Any) -> None:
+        super().__init__(args, SyncMPClient, kwargs)
+        self._poller = zmq.Poller()
+        for c in self.clients:
+            self._poller.register(c.output_socket, zmq.POLLIN)
+        self._next = 0  # the engine whose outputs are taken first next time (fair turns)
+
     def _check_alive(self) -> None:
-        for rank, c in enumerate(self.clients):
-            if c.is_dead:
-                raise EngineDeadError(f"data-parallel engine {rank} is dead: {c.dead_reason}")
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
 
     def _receive_ready(self) -> None:
         """Wait for messages from any engine and take in every one that arrived."""
         ready = dict(self._poller.poll(POLL_SLICE_MS))
         for rank, c in enumerate(self.clients):
             if c.output_socket in ready:
-                msg = c.receive()
-                stats = getattr(msg, "stats", None)
-                if stats is not None:
-                    self.coordinator.on_engine_stats(rank, stats)
+                self.on_engine_message(rank, c.receive())
 
     def _take_output(self) -> Optional[list[EngineCoreOutput]]:
         n = len(self.clients)
@@ -192,9 +242,6 @@ class DPSyncMPClient(EngineCoreClient):
             outputs, sim_time_s = item
             if self.simulated:
                 self.last_sim_time_s = sim_time_s
-            for out in outputs:
-                if out.finished:
-                    self.coordinator.on_finished(out.request_id)
             return outputs
         return None
 
@@ -221,20 +268,7 @@ class DPSyncMPClient(EngineCoreClient):
         return any(c.has_work() for c in self.clients)
 
     def utility(self, name: str, *args: Any) -> Any:
-        """Every engine runs the call; `get_stats` sums the counts and lists each engine's under "engines"."""
-        results = [c.utility(name, *args) for c in self.clients]
-        if name == "reset_prefix_cache":
-            return all(results)
-        if name == "get_stats":
-            total = {k: sum(r[k] for r in results) for k in results[0] if k != "kv_cache_usage"}
-            total["kv_cache_usage"] = sum(r["kv_cache_usage"] for r in results) / len(results)
-            total["engines"] = results
-            return total
-        return results
+        """Every engine runs the call (see `combine_utility_results`)."""
+        return combine_utility_results(name, [c.utility(name, *args) for c in self.clients])
 
-    def shutdown(self) -> None:
-        for c in self.clients:
-            c.shutdown()
-
-
-__all__ = ["DPSyncMPClient", "DPFrontEndCoordinator", "engine_args_for_rank", "start_engines"]
+__all__ = ["DPClientBase", "DPSyncMPClient", "combine_utility_results", "DPFrontEndCoordinator", "engine_args_for_rank", "start_engines"]
