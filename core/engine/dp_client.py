@@ -203,6 +203,8 @@ class DPClientBase(EngineCoreClient):
         for out in getattr(msg, "outputs", ()):
             if out.finished:
                 self.coordinator.on_finished(out.request_id)
+        for err in getattr(msg, "errors", None) or ():  # a refused request never runs: its slot is free
+            self.coordinator.on_finished(err.request_id)
 
     def shutdown(self) -> None:
         for c in self.clients:

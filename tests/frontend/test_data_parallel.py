@@ -73,7 +73,7 @@ def test_bad_data_parallel_size_is_refused_naming_the_field():
 
 
 def test_llm_with_two_engines_spreads_requests_and_leaves_no_process():
-    llm = LLM(**dict(FAKE, multiprocess=True))
+    llm = LLM(**dict(FAKE, multiprocess=True, num_gpu_blocks=64, block_size=16, max_model_len=4096))
     client = llm.llm_engine.client
     pids = client.engine_pids
     try:
@@ -84,6 +84,10 @@ def test_llm_with_two_engines_spreads_requests_and_leaves_no_process():
         assert sum(client.coordinator.lb.engine_inflight) == 0  # every finish freed its slot
         stats = llm.get_stats()
         assert len(stats["engines"]) == 2 and all(e["num_steps"] > 0 for e in stats["engines"])
+        # a request the engine refuses (it can never fit the KV pool) frees its in-flight slot too
+        with pytest.raises(ValueError):
+            llm.generate([[7] * 2000], SamplingParams(max_tokens=1))
+        assert sum(client.coordinator.lb.engine_inflight) == 0
     finally:
         llm.close()
     deadline = time.monotonic() + 10
