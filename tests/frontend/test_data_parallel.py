@@ -144,3 +144,21 @@ def test_async_llm_labels_metrics_per_engine_aborts_and_fails_every_stream_when_
         assert not [p for p in pids if pid_alive(p)]
 
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_llm_raises_engine_dead_when_one_engine_dies_and_close_stops_the_other():
+    llm = LLM(**dict(FAKE, multiprocess=True))
+    pids = llm.llm_engine.client.engine_pids
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not llm.llm_engine.client.is_dead and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(EngineDeadError, match="data-parallel engine 0"):
+            llm.generate([f"prompt {i}" for i in range(8)], SamplingParams(max_tokens=3))
+    finally:
+        llm.close()
+    deadline = time.monotonic() + 10
+    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if pid_alive(p)]
