@@ -100,6 +100,7 @@ class EngineArgs:
     # min(2 * max_num_seqs, 512, max_num_batched_tokens)
     max_cudagraph_capture_size: Optional[int] = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine-core processes behind the front end's load balancer
     max_logprobs: int = 20
     attention_backend: str = "auto"
     device: str = "auto"
@@ -129,6 +130,9 @@ class EngineArgs:
                                          f"({', '.join(map(repr, registered)) or NO_BACKENDS}), got {args.backend!r}")
         if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {args.tensor_parallel_size!r}")
+        if (not isinstance(args.data_parallel_size, int) or isinstance(args.data_parallel_size, bool)
+                or args.data_parallel_size < 1):
+            raise ConfigError("data_parallel_size", f"must be an integer >= 1, got {args.data_parallel_size!r}")
         if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
             raise ConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
         if args.quantization not in (None, "fp8"):
@@ -212,6 +216,8 @@ FIELD_HELP: dict[str, str] = {
                                   "512, max_num_batched_tokens))",
     "tensor_parallel_size": "devices one model is split over (the simulator models the communication; the torch "
                             "backend runs one worker process per rank: gloo on the CPU, NCCL on CUDA)",
+    "data_parallel_size": "engine-core processes (DP ranks, each with its own tensor_parallel_size workers); the "
+                          "front end routes each request with vLLM's internal load balancer",
     "max_logprobs": "most logprobs a request may ask for (-1: no limit)",
     "attention_backend": "attention kernel: auto, torch-paged, flash-attn",
     "device": "torch device: auto, cpu, cuda, cuda:N",

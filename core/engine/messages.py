@@ -216,6 +216,8 @@ class OutputsMsg(msgspec.Struct, tag="out", array_like=True):
     # arrival of each engine request added since the previous outputs message
     sim_time_s: float = 0.0
     sim_arrivals: Optional[dict[str, float]] = None
+    # the DP rank whose engine sent it (set by the data-parallel front end; 0 with one engine)
+    engine_index: int = 0
 
 
 class UtilityResultMsg(msgspec.Struct, tag="util_result", array_like=True):
