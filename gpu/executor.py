@@ -31,6 +31,9 @@ from servetwin.gpu.loader import load_model
 from servetwin.gpu.models.registry import ModelInfo, load_tokenizer, resolve_model
 from servetwin.gpu.step_profiling import StepProfiler, StepTimer, step_annotation
 from servetwin.gpu.step_sampler import StepSampler
+from servetwin.core.sched.spec_decode import DraftTokenIds, SpeculativeConfig
+from servetwin.gpu.spec_decode import make_drafter
+from servetwin.gpu.spec_decode.verify import draft_positions, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +111,7 @@ class TorchExecutor:
                  attention_backend: str = "auto", seed: int = 0, profile_dir: Optional[str] = None,
                  torch_paged_mode: str = "auto", cuda_graph_sizes: Optional[list[int]] = None,
                  keep_logits: bool = False, disable_hybrid_kv_cache_manager: bool = False,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, speculative_config: Optional[SpeculativeConfig] = None) -> None:
         torch.manual_seed(seed)
         self.device = resolve_device(device)
         self.model_info: ModelInfo = resolve_model(model)
@@ -164,6 +167,7 @@ class TorchExecutor:
             self.graph_runner.capture()
         self.state = RunnerState()
         self.sampler = StepSampler(self.device, self.vocab_size)
+        self._init_drafter(speculative_config, async_scheduling, seed)
         self.profiler = StepProfiler(profile_dir, self.device)
         self.keep_logits = keep_logits
         self.last_logits: dict[str, torch.Tensor] = {}
@@ -171,6 +175,30 @@ class TorchExecutor:
         # called after every step with (scheduler_output, model_output); e.g. `servetwin compare` reads
         # each step's `timing.cpu_s` to tell a contended core from a slow step
         self.step_observers: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]] = []
+
+    def _init_drafter(self, config: Optional[SpeculativeConfig], async_scheduling: bool, seed: int) -> None:
+        """Speculative decoding: the drafter, and the generator of the rejection sampler's draws."""
+        self.drafter = None if config is None else make_drafter(config, self.vocab_size, self.max_model_len,
+                                                                self.device, self.dtype)
+        if config is not None and async_scheduling:
+            raise ConfigError("async_scheduling", "the torch backend drafts after each step (sync scheduling "
+                                                  "only); turn async_scheduling off with speculative_config")
+        self.spec_generator = torch.Generator(self.device).manual_seed(seed)
+        self._draft_token_ids: Optional[DraftTokenIds] = None
+
+    def take_draft_token_ids(self) -> Optional[DraftTokenIds]:
+        """The drafts for the requests of the step just executed (vLLM's executor method)."""
+        drafts, self._draft_token_ids = self._draft_token_ids, None
+        return drafts
+
+    def _propose(self, rows: list[ScheduledRow], sampled: list[list[int]]) -> None:
+        """vLLM's drafter runs after sampling, for the rows that sampled (a partial prefill gets [])."""
+        live = [i for i, toks in enumerate(sampled) if toks]
+        drafts = self.drafter.propose([rows[i].state.token_ids for i in live])
+        per_row: list[list[int]] = [[] for _ in rows]
+        for i, d in zip(live, drafts):
+            per_row[i] = d
+        self._draft_token_ids = DraftTokenIds([r.req_id for r in rows], per_row)
 
     # -- public helpers ------------------------------------------------------------------------
     @property
@@ -272,8 +300,14 @@ class TorchExecutor:
                 logprobs = [None] * len(rows)
                 for j, i in enumerate(sample_idx):
                     logprobs[i] = None if lps[j] is None else [lps[j]]
+            if any(rows[i].spec_token_ids for i in sample_idx):  # the verify step
+                pos = draft_positions(rows, sample_idx, batch.logits_indices)
+                draft_logits = self.model.compute_logits(hidden[torch.tensor(pos, device=self.device)]) if pos else None
+                tokens = verify_rows(rows, sample_idx, tokens, draft_logits, self.spec_generator)
+            else:
+                tokens = [[t] for t in tokens]
             for j, i in enumerate(sample_idx):
-                sampled[i] = [tokens[j]]
+                sampled[i] = tokens[j]
         prompt_logprobs = self._prompt_logprobs(rows, batch, hidden, so) if not use_graph else {}
         timer.mark()
         timing = timer.timing(padded)
@@ -283,6 +317,8 @@ class TorchExecutor:
         for r, toks in zip(rows, sampled):
             if toks:
                 self.state.append_sampled(r.req_id, toks)
+        if self.drafter is not None:
+            self._propose(rows, sampled)
         req_ids = batch.req_ids
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                  sampled_token_ids=sampled, logprobs=logprobs,

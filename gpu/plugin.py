@@ -26,7 +26,7 @@ def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
                        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                        seed=args.seed, profile_dir=args.profile_dir,
                        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-                       async_scheduling=args.async_scheduling)
+                       async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
     path = ex.model_info.path
     return ExecutorInfo(ex, ex.num_gpu_blocks, ex.max_model_len, ex.vocab_size, list(ex.eos_token_ids or []),
                         str(path) if path else None, kv_cache_groups=ex.kv_cache_groups)
