@@ -102,6 +102,7 @@ class ServingMetrics:
         self.predicted_itl = Histogram(ITL_BUCKETS)
         self.predicted_e2e = Histogram(E2E_BUCKETS)
         self._reqs: dict[str, _ReqTimes] = {}
+        self.spec_decode: Any = None
 
     # -- engine side --------------------------------------------------------------------------------
     def update_engine(self, stats: Any) -> None:
@@ -113,6 +114,7 @@ class ServingMetrics:
         self.num_preemptions = max(self.num_preemptions, stats.num_preemptions)
         self.num_steps = max(self.num_steps, stats.num_steps)
         self.sim_busy_s = max(self.sim_busy_s, stats.sim_busy_s)
+        self.spec_decode = stats  # the spec-decode totals (counters since start) of the latest stats
 
     # -- requests -----------------------------------------------------------------------------------
     def on_arrival(self, request_id: str, prompt_tokens: int, t: Optional[float] = None) -> None:
@@ -163,6 +165,23 @@ class ServingMetrics:
             self.prompt_tokens += rt.prompt_tokens
             self.finished["abort"] = self.finished.get("abort", 0) + num_children
 
+    def _render_spec_decode(self, metric: Any, out: list[str]) -> None:
+        """vLLM's spec-decode counters (v1/spec_decode/metrics.py:229-262), once drafting is on: the
+        per-position one has a `position` label per draft position."""
+        st = self.spec_decode
+        if st is None or not st.spec_decode_num_accepted_tokens_per_pos:
+            return
+        metric("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", st.spec_decode_num_drafts)
+        metric("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.",
+               st.spec_decode_num_draft_tokens)
+        metric("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.",
+               st.spec_decode_num_accepted_tokens)
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+        out.append(f"# HELP {name} Accepted tokens per draft position.")
+        out.append(f"# TYPE {name} counter")
+        for pos, n in enumerate(st.spec_decode_num_accepted_tokens_per_pos):
+            out.append(f"{name}_total{_labels(dict(self.labels, position=str(pos)))} {_fmt(float(n))}")
+
     # -- exposition ---------------------------------------------------------------------------------
     def render(self) -> str:
         lb = self.labels
@@ -194,6 +213,7 @@ class ServingMetrics:
                "Sim backend: simulated time at the end of the latest step whose outputs were sent.", self.sim_time_s)
         metric("servetwin:simulated_busy_seconds", "counter",
                "Sim backend: total predicted duration of the engine's steps.", self.sim_busy_s)
+        self._render_spec_decode(metric, out)
         out.append("# HELP vllm:request_success Count of successfully processed requests.")
         out.append("# TYPE vllm:request_success counter")
         for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):

@@ -15,6 +15,7 @@ too, with vLLM's defaults (config/speculative.py:1302-1326), and read only by th
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -65,6 +66,11 @@ class SpeculativeConfig:
         an unknown key or a bad value is a `ConfigError` naming it."""
         if isinstance(raw, cls):
             return raw
+        if isinstance(raw, str):  # `--speculative-config '{"method": "ngram", ...}'`, as vLLM's CLI
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConfigError("speculative_config", f"not valid JSON ({e})") from None
         if not isinstance(raw, dict):
             raise ConfigError("speculative_config", f"must be a mapping, got {type(raw).__name__}")
         for key in raw:
