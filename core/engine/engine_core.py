@@ -47,7 +47,7 @@ class EngineCore:
             raise TypeError(f"scheduler_cls: {scheduler_cls!r} of {type(executor).__name__} "
                             "is not a Scheduler subclass")
         self.scheduler = scheduler_cls(scheduler_config, cache_config, log_stats=log_stats,
-                                       **({"speculative_config": speculative_config} if speculative_config else {}))
+                                       speculative_config=speculative_config)
         # vLLM's check_for_draft_tokens: sync scheduling takes the drafts after each step (post_step)
         self.check_for_draft_tokens = speculative_config is not None and not scheduler_config.async_scheduling
         # vLLM's spec-decode counters since start (v1/spec_decode/metrics.py), for get_stats / /metrics
