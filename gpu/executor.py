@@ -33,7 +33,7 @@ from servetwin.gpu.step_profiling import StepProfiler, StepTimer, step_annotatio
 from servetwin.gpu.step_sampler import StepSampler
 from servetwin.core.sched.spec_decode import DraftTokenIds, SpeculativeConfig
 from servetwin.gpu.spec_decode import make_drafter
-from servetwin.gpu.spec_decode.verify import draft_positions, verify_rows
+from servetwin.gpu.spec_decode.verify import draft_positions, first_positions, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +265,8 @@ class TorchExecutor:
         timer = StepTimer(self.device)
         timer.mark()
         batch = prepare_inputs(rows, self.block_size, self.pad_block_id)
+        if self.drafter is not None:  # rows whose drafts go unverified sample before them
+            batch.logits_indices = first_positions(rows, batch.logits_indices)
         input_ids = to_device(batch.input_ids, self.device)
         positions = to_device(batch.positions, self.device)
         use_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)

@@ -72,3 +72,19 @@ def test_random_sampling_with_ngram_drafts_runs_the_rejection_sampler():
     tokens, metrics = generate(params, speculative_config=NGRAM)
     assert all(len(t) == 12 and all(0 <= x < 320 for x in t) for t in tokens)
     assert 0.0 <= acceptance(metrics) <= 1.0
+
+
+def test_rows_the_verifier_cannot_judge_sample_as_without_drafts():
+    """Logprobs and penalties: such rows reject their drafts unseen and sample at the first draft
+    position with the full sampler, so tokens and logprobs equal decoding without drafts."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, repetition_penalty=1.3)
+
+    def run(**kw):
+        with LLM(**CPU, **kw) as llm:
+            outs = llm.generate(prompts()[:8], params, use_tqdm=False)
+            return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+    plain, spec = run(), run(speculative_config=NGRAM)
+    assert [t for t, _ in spec] == [t for t, _ in plain]
+    for (_, a), (_, b) in zip(spec, plain):
+        assert len(a) == len(b) and all(x.keys() == y.keys() for x, y in zip(a, b))
