@@ -71,6 +71,21 @@ def apply_batch_defaults(kwargs: dict[str, Any], api_server: bool) -> dict[str, 
     return out
 
 
+def parse_acceptance_rates(raw: Any) -> list[float]:
+    """`spec_acceptance_rates`: a list of probabilities, or "0.8,0.6" (a CLI flag)."""
+    if isinstance(raw, str):
+        try:
+            raw = [float(x) for x in raw.split(",")]
+        except ValueError:
+            raise ConfigError("spec_acceptance_rates", f"must be comma-separated numbers, got {raw!r}") from None
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ConfigError("spec_acceptance_rates", f"must be a non-empty list of probabilities, got {raw!r}")
+    for i, r in enumerate(raw):
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ConfigError(f"spec_acceptance_rates[{i}]", f"must be a probability in [0, 1], got {r!r}")
+    return [float(r) for r in raw]
+
+
 @dataclass(slots=True)
 class EngineArgs:
     model: str = "tiny-llama"
@@ -114,6 +129,8 @@ class EngineArgs:
     # vLLM's speculative_config dict ({"method": "ngram", "num_speculative_tokens": 3, ...}); parsed
     # by from_kwargs into a SpeculativeConfig (core/sched/spec_decode.py)
     speculative_config: Optional[SpeculativeConfig] = None
+    # simulator: per-position acceptance rates of the drafts (sim/spec_acceptance.py; None: the method's default)
+    spec_acceptance_rates: Optional[list[float]] = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -146,6 +163,8 @@ class EngineArgs:
             args.speculative_config = SpeculativeConfig.from_dict(args.speculative_config)
             args.speculative_config.check(args.default_max_num_batched_tokens(args.max_model_len or 0),
                                           args.async_scheduling)
+        if args.spec_acceptance_rates is not None:
+            args.spec_acceptance_rates = parse_acceptance_rates(args.spec_acceptance_rates)
         if args.num_gpu_blocks_override is not None:
             CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override)  # raises naming num_gpu_blocks
         # the KV-cache settings fail here, before any executor divides by a zero block size or
@@ -230,5 +249,7 @@ FIELD_HELP: dict[str, str] = {
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\"|\"draft_model\"|\"eagle\"|"
                           "\"mtp\", \"num_speculative_tokens\": k, \"prompt_lookup_min\"/\"prompt_lookup_max\" (ngram), "
                           "\"model\" (draft_model)}",
+    "spec_acceptance_rates": "simulator: acceptance rate of draft position 0, 1, ... given the ones before "
+                             "accepted, the last repeating (e.g. 0.8,0.6; default: the method's, sim/spec_acceptance.py)",
     "profile_dir": "torch backend: write a torch.profiler chrome trace and per-step timings here",
 }

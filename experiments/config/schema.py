@@ -242,6 +242,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "attention_backend": _choice(*ATTENTION_BACKENDS),
     "device": _device,
     "speculative_config": lambda v, path: _speculative_config(v),
+    "spec_acceptance_rates": lambda v, path: v,  # EngineArgs checks it (errors name engine.spec_acceptance_rates)
 }
 OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "plots": _bool}
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests)

@@ -2,6 +2,9 @@
 verify rows priced as decode rows, and the decode shortcuts (lazy decodes, fast-forward) off."""
 from __future__ import annotations
 
+import pytest
+
+from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_factory import create_engine_core
 from servetwin.core.request import Request
@@ -57,3 +60,20 @@ def test_simulation_switches_its_decode_shortcuts_off_with_speculation():
     assert len(result.completion_s) == len(plain.completion_s) == 16 and not result.unfinished
     # accepted drafts (0.875 a step on average with k = 3) leave fewer steps than one token a step
     assert result.num_steps < 0.75 * plain.num_steps
+
+
+def test_user_set_acceptance_rates_drive_the_draws():
+    def accepted(rates):
+        engine, _ = create_engine_core(EngineArgs.from_kwargs(**ENGINE, spec_acceptance_rates=rates))
+        for i in range(8):
+            engine.add_request(Request(f"r{i}", list(range(10, 30)), SamplingParams(max_tokens=20, ignore_eos=True)))
+        while engine.has_work():
+            engine.step()
+        return engine.spec_decoding_totals
+
+    everything, nothing = accepted([1.0]), accepted("0.0")
+    assert everything.num_accepted_tokens == everything.num_draft_tokens > 0  # no cut drafts: k=3 fits
+    assert nothing.num_accepted_tokens == 0 and nothing.num_drafts > everything.num_drafts
+    with pytest.raises(ConfigError) as e:
+        EngineArgs.from_kwargs(**ENGINE, spec_acceptance_rates=[0.5, 1.5])
+    assert e.value.path == "spec_acceptance_rates[1]"
