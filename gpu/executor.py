@@ -228,6 +228,7 @@ class TorchExecutor:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
         self.sampler.forget(list(self.state.requests))
         self.state = RunnerState()
+        self._draft_token_ids = None
 
     # -- one step ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -77,3 +77,19 @@ def test_user_set_acceptance_rates_drive_the_draws():
     with pytest.raises(ConfigError) as e:
         EngineArgs.from_kwargs(**ENGINE, spec_acceptance_rates=[0.5, 1.5])
     assert e.value.path == "spec_acceptance_rates[1]"
+
+
+def test_eagle_under_async_scheduling_verifies_the_placeholder_drafts():
+    """Async scheduling: the scheduler holds -1 placeholders (the worker keeps the real drafts); the
+    simulated worker verifies them, and every request still gets exactly its max_tokens."""
+    engine, _ = create_engine_core(EngineArgs.from_kwargs(**dict(
+        ENGINE, async_scheduling=True, speculative_config={"method": "eagle", "num_speculative_tokens": 3})))
+    for i in range(8):
+        engine.add_request(Request(f"r{i}", list(range(10, 40 + i)), SamplingParams(max_tokens=20, ignore_eos=True)))
+    tokens: dict[str, int] = {}
+    while engine.has_work():
+        for o in engine.step().outputs:
+            tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.new_token_ids)
+    assert tokens == {f"r{i}": 20 for i in range(8)}
+    st = engine.spec_decoding_totals
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens == 3 * st.num_drafts
