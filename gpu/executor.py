@@ -4,6 +4,10 @@ One `execute_model(scheduler_output)` = RunnerState update -> flattened inputs (
 decodes together) -> one forward over the paged KV cache -> logits at each request's last scheduled
 token -> sampler for the rows whose chunk reaches their last known token. Decode-only batches replay
 a CUDA graph on CUDA unless `enforce_eager`.
+
+With `tp` (a `TPGroup` of size > 1) this executor is one tensor-parallel rank inside a
+`servetwin.gpu.multiproc_executor` worker: it holds that rank's model shard and a KV pool of its own KV
+heads, and runs the same steps as every other rank (the collectives inside the model keep them in step).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import numpy as np
 import torch
 
 from servetwin.core.kv_cache.kv_cache_planning import model_kv_plan
-from servetwin.core.kv_cache.kv_sizing import KVCacheSpec
+from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, kv_heads_per_rank
 from servetwin.gpu.models.model_files import check_max_model_len
 from servetwin.core.outputs import Logprobs, ModelRunnerOutput, StepTiming
 from servetwin.core.sched.output import SchedulerOutput
@@ -29,6 +33,8 @@ from servetwin.gpu.input_batch import InputBatch, build_block_table, prepare_inp
 from servetwin.gpu.kv_cache import allocate_kv_caches, cpu_num_blocks, cuda_num_blocks
 from servetwin.gpu.loader import load_model
 from servetwin.gpu.models.registry import ModelInfo, load_tokenizer, resolve_model
+from servetwin.gpu.models.tp_shard import check_tensor_parallel
+from servetwin.gpu.parallel_state import TPGroup
 from servetwin.gpu.step_profiling import StepProfiler, StepTimer, step_annotation
 from servetwin.gpu.step_sampler import StepSampler
 from servetwin.core.sched.spec_decode import DraftTokenIds, SpeculativeConfig
@@ -102,6 +108,11 @@ def cuda_graph_unsupported_reason(cfg: Any) -> Optional[str]:
     return None
 
 
+def tensor_parallel_widths(cfg: Any) -> tuple[int, ...]:
+    """The MLP widths tensor parallelism splits (dense, and the experts')."""
+    return (cfg.intermediate_size,) + (() if cfg.moe is None else (cfg.moe.intermediate_size,))
+
+
 class TorchExecutor:
     def __init__(self, model: str = "tiny-llama", dtype: Optional[str] = None, device: str = "auto",
                  block_size: int = 16, num_gpu_blocks: Optional[int] = None,
@@ -111,10 +122,13 @@ class TorchExecutor:
                  attention_backend: str = "auto", seed: int = 0, profile_dir: Optional[str] = None,
                  torch_paged_mode: str = "auto", cuda_graph_sizes: Optional[list[int]] = None,
                  keep_logits: bool = False, disable_hybrid_kv_cache_manager: bool = False,
-                 async_scheduling: bool = False, speculative_config: Optional[SpeculativeConfig] = None) -> None:
+                 async_scheduling: bool = False, tp: Optional[TPGroup] = None,
+                 model_info: Optional[ModelInfo] = None,
+                 speculative_config: Optional[SpeculativeConfig] = None) -> None:
         torch.manual_seed(seed)
         self.device = resolve_device(device)
-        self.model_info: ModelInfo = resolve_model(model)
+        self.model_info: ModelInfo = model_info or resolve_model(model)
+        self.tp = tp or TPGroup()
         self.dtype = resolve_dtype(dtype, self.device, self.model_info.hf_config)
         if (warning := slow_cpu_dtype_warning(self.device, self.dtype)) is not None:
             logger.warning(warning)
@@ -124,10 +138,14 @@ class TorchExecutor:
         derived_max_len = cfg.max_position_embeddings
         check_max_model_len(max_model_len, derived_max_len)
         want_len = derived_max_len if max_model_len in (None, -1) else max_model_len
-        self.model = load_model(self.model_info, self.dtype, self.device, max_positions=want_len)
+        check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, tensor_parallel_widths(cfg), self.tp.world_size)
+        self.model = load_model(self.model_info, self.dtype, self.device, max_positions=want_len,
+                                tp=self.tp if self.tp.world_size > 1 else None)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(self.model_info.eos_token_ids)
-        self.kv_spec = KVCacheSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+        # this rank's KV heads (core's rule, so the simulator's pool and this one agree)
+        local_kv_heads = kv_heads_per_rank(cfg.num_kv_heads, self.tp.world_size)
+        self.kv_spec = KVCacheSpec(num_layers=cfg.num_layers, num_kv_heads=local_kv_heads,
                                    head_size=cfg.head_dim, dtype=str(self.dtype).replace("torch.", ""),
                                    block_size=block_size)
         # KV cache groups from the layers' attention types; a pool block = one page of `group_size` layers
@@ -135,7 +153,8 @@ class TorchExecutor:
         self.kv_cache_groups = self.kv_plan.scheduler_groups
         pool_spec = dataclasses.replace(self.kv_spec, num_layers=self.kv_plan.group_size)
         self.attn_backend = select_attention_backend(attention_backend, self.device, self.dtype, block_size,
-                                                     cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                                     cfg.head_dim, cfg.num_heads // self.tp.world_size,
+                                                     local_kv_heads,
                                                      torch_paged_mode, cfg.attention_sinks,
                                                      any(w.chunk_size for w in cfg.layer_windows))
         self.model.set_attention_backend(self.attn_backend)
@@ -145,6 +164,7 @@ class TorchExecutor:
                                 lambda: self._dummy_forward(min(max_num_batched_tokens, want_len)))
         else:
             n = cpu_num_blocks(pool_spec, num_gpu_blocks, kv_cache_memory_bytes)
+        n = self.tp.min_int(n)  # every rank's pool as large as the smallest (vLLM takes the minimum too)
         self.max_model_len = self.kv_plan.fit_max_model_len(
             n, self.kv_spec, -1 if max_model_len == -1 else want_len, derived_max_len,
             max_num_batched_tokens * (2 if async_scheduling else 1))
@@ -157,7 +177,9 @@ class TorchExecutor:
                     len(self.kv_plan.kv_cache_groups))
         self.graph_runner: Optional[CudaGraphRunner] = None
         reason = cuda_graph_unsupported_reason(cfg) or (
-            None if self.kv_cache_groups is None else "a CUDA graph captures one block table, not one per KV cache group")
+            None if self.kv_cache_groups is None else "a CUDA graph captures one block table, not one per KV cache group"
+        ) or ("tensor parallelism: the graphs would capture the NCCL collectives (not done here)"
+              if self.tp.world_size > 1 else None)
         if self.device.type == "cuda" and not enforce_eager and reason:
             logger.info("CUDA graphs off: %s", reason)
         elif self.device.type == "cuda" and not enforce_eager:
@@ -206,6 +228,17 @@ class TorchExecutor:
         return self.attn_backend.name
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters this process holds (a tensor-parallel rank: its shard; tied once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this process's KV pool (distinct tensors: KV cache groups share theirs)."""
+        seen = {t.data_ptr(): t.numel() * t.element_size() for kv in self.kv_caches for t in kv}
+        return sum(seen.values())
+
+    @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.model_info)
@@ -223,6 +256,11 @@ class TorchExecutor:
         """Write the steps since `start_profile` as `<dir>/servetwin-torch.<ms>.pt.trace.json` (None: not on)."""
         path = self.profiler.stop(f"servetwin-torch.{time.time_ns() // 1_000_000}.pt.trace.json")
         return None if path is None else str(path)
+
+    def kept_logits(self) -> dict[str, torch.Tensor]:
+        """The last step's logits per request (with `keep_logits`): a method, so that
+        `MultiprocExecutor.collective_rpc("kept_logits")` fetches rank 0's."""
+        return self.last_logits
 
     def reset(self) -> None:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""

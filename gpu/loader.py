@@ -4,6 +4,10 @@
 and copies every tensor in, packing q/k/v into `qkv_proj` and gate/up into `gate_up_proj`. A tied
 `lm_head.weight` in the checkpoint is ignored; any other missing or unexpected tensor is an error.
 
+With a tensor-parallel model (`load_model(..., tp=TPGroup(rank, size))`) each checkpoint tensor is cut
+to the rank's slice on the way in (`_rank_slice`, the rules of `servetwin.gpu.models.tp_shard`): every
+rank reads the checkpoint and keeps its part, as vLLM's `weight_loader`s do.
+
 A directory holding `config.json` and `servetwin_random_weights.json` (`{"seed": N}`) instead of
 weights is a random-weight model of that shape: its tensors are drawn directly on `device` (seeded,
 O(1) activations), so a timing run of a full-size model (e.g. Llama-3.1-8B's shape on a GPU) needs
@@ -21,6 +25,8 @@ import torch
 
 from servetwin.gpu.models.decoder import DecoderLM
 from servetwin.gpu.models.registry import ModelInfo, ModelNotFoundError, resolve_model
+from servetwin.gpu.models.tp_shard import TPShard
+from servetwin.gpu.parallel_state import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +145,10 @@ def load_weights(model: DecoderLM, path: Path) -> None:
     """Every checkpoint tensor into our modules; gpt-oss's MXFP4 experts are dequantised here (the model
     then holds them in its own dtype: no MXFP4 kernel)."""
     params = dict(model.named_parameters())
-    cfg = model.config
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shard_offsets = {"qkv_proj": [0, q, q + kv], "gate_up_proj": [0, cfg.intermediate_size]}
+    cfg, tp = model.config, model.shard
+    q, kv = tp.local_heads * cfg.head_dim, tp.local_kv_heads * cfg.head_dim
+    shard_offsets = {"qkv_proj": [0, q, q + kv], "gate_up_proj": [0, cfg.intermediate_size // tp.size]}
+    moe_width = None if cfg.moe is None else cfg.moe.intermediate_size // tp.size
     expert_parts = {"w13": [0, 1], "w2": [None]}
     loaded: set[tuple[str, Shard]] = set()
     pending: dict[str, torch.Tensor] = {}
@@ -165,10 +172,15 @@ def load_weights(model: DecoderLM, path: Path) -> None:
         if cfg.model_type == "gpt_oss" and shard is None:  # MXFP4 rows are already output features
             tensor = (_deinterleave(tensor, 1) if name.endswith("mlp.w13") else tensor) if mxfp4 \
                 else _gpt_oss_experts(name, tensor)
+        if tp.size > 1:
+            tensor = _rank_slice(name, shard, tensor, tp, cfg.intermediate_size,
+                                 None if cfg.moe is None else cfg.moe.intermediate_size)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")) and tensor.shape[0] < p.shape[0]:
+            p[tensor.shape[0]:].zero_()  # vocabulary padding rows of the last rank
+            p = p[:tensor.shape[0]]
         if isinstance(shard, tuple):  # one expert's matrix
             e, part = shard
-            dst = p[e] if part is None else p[e].narrow(0, part * cfg.moe.intermediate_size,
-                                                         cfg.moe.intermediate_size)
+            dst = p[e] if part is None else p[e].narrow(0, part * moe_width, moe_width)
             _copy(dst, tensor, hf_name)
         elif shard is None:
             _copy(p, tensor, hf_name)
@@ -195,6 +207,46 @@ def load_weights(model: DecoderLM, path: Path) -> None:
         raise ValueError(f"checkpoint: {len(missing)} tensors missing in {path}: {sorted(missing)[:8]}")
 
 
+_ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")  # input columns split
+_RANK0_BIAS = (".o_proj.bias", ".down_proj.bias", ".mlp.w2_bias")  # added once, by rank 0
+
+
+def _halves(t: torch.Tensor, dim: int, width: int, tp: TPShard) -> torch.Tensor:
+    """This rank's columns of both halves [gate; up] of a packed `2 * width` dim."""
+    start, n = tp.split(width)
+    return torch.cat([t.narrow(dim, start, n), t.narrow(dim, width + start, n)], dim=dim)
+
+
+def _rank_slice(name: str, shard: Shard, t: torch.Tensor, tp: TPShard, mlp_width: int,
+                moe_width: Optional[int]) -> torch.Tensor:
+    """The part of checkpoint tensor `t` (already in our layout; `shard` as `_our_name` gives it) that
+    rank `tp.rank` holds (`servetwin.gpu.models.tp_shard`); replicated tensors come back whole."""
+    kind = name.split(".")[-2] if "." in name else ""
+    if kind == "qkv_proj":
+        return t.narrow(0, *(tp.q_rows() if shard == 0 else tp.kv_rows()))
+    if kind == "gate_up_proj":
+        return t.narrow(0, *tp.split(mlp_width))
+    if name.endswith(_RANK0_BIAS):
+        return t if tp.rank == 0 else torch.zeros_like(t)
+    if name.endswith(".o_proj.weight"):
+        return t.narrow(1, *tp.q_rows())
+    if name.endswith(".down_proj.weight"):
+        return t.narrow(1, *tp.split(mlp_width))
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return t.narrow(0, *tp.vocab_rows())
+    if name.endswith(".sinks"):
+        return t.narrow(0, tp.rank * tp.local_heads, tp.local_heads)
+    if isinstance(shard, tuple):  # one expert's HF matrix: w13 parts [I, H], w2 [H, I]
+        return t.narrow(0 if shard[1] is not None else 1, *tp.split(moe_width))
+    if name.endswith(".mlp.w13"):  # fused [E, 2I, H] (gate rows, then up rows)
+        return _halves(t, 1, moe_width, tp)
+    if name.endswith(".mlp.w13_bias"):
+        return _halves(t, 1, moe_width, tp)
+    if name.endswith(".mlp.w2"):  # fused [E, H, I]
+        return t.narrow(2, *tp.split(moe_width))
+    return t
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, hf_name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"checkpoint: {hf_name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
@@ -206,10 +258,15 @@ RANDOM_WEIGHTS_MARKER = "servetwin_random_weights.json"
 
 @torch.no_grad()
 def randomize_weights(model: DecoderLM, seed: int) -> None:
-    """Seeded random weights drawn on the model's device: norms ~1, matrices scaled by 1/sqrt(fan-in)."""
+    """Seeded random weights drawn on the model's device: norms ~1, matrices scaled by 1/sqrt(fan-in).
+    A tensor-parallel rank draws its own slice (another seed per rank: a timing model, not TP=1's
+    weights cut up), scaled by the full fan-in of the row-parallel matrices."""
+    tp = model.shard
     for i, (name, p) in enumerate(model.named_parameters()):
-        gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i)
+        gen = torch.Generator(device=p.device).manual_seed(seed * 100_003 + i + tp.rank * 7_919)
         fan_in = p.shape[-2] if name.endswith((".mlp.w13", ".mlp.w2")) else p.shape[-1]  # experts: input-major
+        if name.endswith(_ROW_PARALLEL + (".mlp.w2",)):
+            fan_in *= tp.size
         if name.endswith("norm.weight"):
             p.normal_(1.0, 0.1, generator=gen)
         elif name.endswith(".bias"):
@@ -221,14 +278,16 @@ def randomize_weights(model: DecoderLM, seed: int) -> None:
 
 
 def load_model(info: ModelInfo | str, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", max_positions: Optional[int] = None) -> DecoderLM:
-    """Our `DecoderLM` with the checkpoint's weights, in `dtype` on `device`, in eval mode."""
+               device: torch.device | str = "cpu", max_positions: Optional[int] = None,
+               tp: Optional[TPGroup] = None) -> DecoderLM:
+    """Our `DecoderLM` with the checkpoint's weights, in `dtype` on `device`, in eval mode (`tp`: one
+    tensor-parallel rank's shard of it)."""
     if isinstance(info, str):
         info = resolve_model(info)
     device = torch.device(device)
     max_positions = max_positions or info.decoder_config.max_position_embeddings
     with torch.device("meta"):
-        model = DecoderLM(info.decoder_config, max_positions, info.hf_config)
+        model = DecoderLM(info.decoder_config, max_positions, info.hf_config, tp)
     marker = info.path / RANDOM_WEIGHTS_MARKER
     if marker.exists():  # drawn in the target dtype on the device: no fp32 copy of a full-size model
         model = model.to(dtype).to_empty(device=device)

@@ -5,7 +5,9 @@
    agreement rate is reported too.
 3. Greedy tokens equal HF `generate` on the GPU (fp32 tiny-qwen3).
 4. bf16 throughput of a SmolLM2-135M-shaped model with random weights (graphs on and off).
-5. torch-paged batched vs loop attention micro-benchmark (bf16).
+5. Tensor parallelism: TP=2 with NCCL when two GPUs exist (gloo in the CPU dry run) gives TP=1's greedy
+   tokens (fp32 tiny-llama); one GPU: TP=1 only.
+6. torch-paged batched vs loop attention micro-benchmark (bf16).
 Writes `gpu_check.json` under $OUT (or ./gpu_check_out). Exit status 1 if a check fails.
 A CPU dry run of the script itself: GPU_CHECK_DEVICE=cpu GPU_CHECK_SMALL=1 (graphs are not used there).
 """
@@ -182,6 +184,30 @@ def _():
         if DEV == "cuda":
             torch.cuda.empty_cache()
     return res
+
+
+@check("tensor_parallel")
+def _():
+    """TP=2 (NCCL on two GPUs; gloo in the CPU dry run) against one process: identical greedy tokens
+    (fp32 tiny-llama). One GPU: TP=1 only, which the checks above cover."""
+    from servetwin.gpu.multiproc_executor import MultiprocExecutor
+    tp = 2 if DEV == "cpu" or torch.cuda.device_count() >= 2 else 1
+    if tp == 1:
+        return {"tensor_parallel_size": 1, "note": f"{torch.cuda.device_count()} GPU(s): TP=2 needs two"}
+    kwargs = dict(model="tiny-llama", device=DEV, dtype="float32", num_gpu_blocks=512, max_model_len=1024,
+                  max_num_seqs=16, seed=0)
+    prompts = prompts_of([3, 17, 40, 64, 100, 7, 33, 250][:4 if SMALL else 8], 320, seed=3)
+    want, _, _ = generate(TorchExecutor(**kwargs), prompts, 32, max_num_seqs=16, budget=256)
+    mp = MultiprocExecutor(tp, kwargs, threads=1 if DEV == "cpu" else None)
+    try:
+        got, _, secs = generate(mp, prompts, 32, max_num_seqs=16, budget=256)
+        weights = [r.weight_bytes for r in mp.ready]
+    finally:
+        mp.close()
+    same = sum(want[k] == got[k] for k in want)
+    return {"tensor_parallel_size": tp, "backend": "nccl" if DEV == "cuda" else "gloo",
+            "identical_requests": f"{same}/{len(prompts)}", "per_rank_weight_bytes": weights,
+            "generate_seconds": round(secs, 3), "ok": same == len(prompts)}
 
 
 @check("torch_paged_batched_vs_loop")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import simpy
@@ -125,8 +125,9 @@ class ClosedLoop:
 ARRIVAL_TYPES = ("offline", "poisson", "gamma", "closed_loop", "trace")
 
 
-def parse_arrival(cfg: Any, path: str = "workload.arrival") -> ArrivalProcess:
-    """Build an arrival process from `{type: ..., ...}` with errors naming the field path."""
+def parse_arrival(cfg: Any, path: str = "workload.arrival", trace_limit: Optional[int] = None) -> ArrivalProcess:
+    """Build an arrival process from `{type: ..., ...}` with errors naming the field path. `trace_limit`:
+    a trace keeps only that many earliest records (the run's `requests`)."""
     if cfg is None:
         return Offline()
     cfg = check_mapping(cfg, path)
@@ -152,5 +153,5 @@ def parse_arrival(cfg: Any, path: str = "workload.arrival") -> ArrivalProcess:
         columns = dict(check_mapping(columns, f"{path}.columns"))
     block = int_at_least(cfg.get("hash_block_tokens", 512), 1, f"{path}.hash_block_tokens")
     records = load_trace(cfg["path"], f"{path}.path", fmt=cfg.get("format", "auto"), columns=columns,
-                         time_unit=cfg.get("time_unit", "s"), hash_block_tokens=block)
+                         time_unit=cfg.get("time_unit", "s"), hash_block_tokens=block, limit=trace_limit)
     return TraceArrivals(str(cfg["path"]), tuple(records), block)

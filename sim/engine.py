@@ -18,7 +18,8 @@ Step 3 waits (`Simulation._settle`) until no other event is scheduled at t, so e
 (including the events they cause at t) goes first.
 
 Drivers observe a run through callbacks, not by subclassing: `on_complete(request_id, t)` when a
-workload request's last sequence finishes, `on_reject(request_id, reason)` when one can never be served.
+workload request's last sequence finishes, `on_reject(request_id, reason)` when one can never be served,
+`on_abort(request_id, t)` when its client gave up (`timeout_s`) and the engine aborted it.
 A workload request with `keep_output_tokens` (n = 1) gets the engine's output token ids in its
 `output_token_ids` when it completes (the multi-turn conversations of `servetwin.sim.conversation`
 build the next turn's prompt from them); an aborted or rejected one keeps None.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -100,8 +102,12 @@ class Simulation:
                  max_time_s: Optional[float] = None, record_step_requests: bool = True,
                  fast_forward: bool = True, lazy_decode: bool = True, frontend: Any = None,
                  on_complete: Optional[Callable[[str, float], None]] = None,
-                 on_reject: Optional[Callable[[str, str], None]] = None) -> None:
-        self.env = simpy.Environment()
+                 on_reject: Optional[Callable[[str, str], None]] = None,
+                 env: Optional[simpy.Environment] = None, settler: Optional["Settler"] = None) -> None:
+        # `env`: a shared environment (a cluster runs many engines in one, `servetwin.sim.cluster`), whose
+        # engines settle one at a time through a shared `settler`
+        self.env = simpy.Environment() if env is None else env
+        self.settler = settler
         self.engine = engine
         self.requests = list(requests)
         self.arrival = arrival
@@ -124,6 +130,7 @@ class Simulation:
         self.eos_token_id = eos_token_id
         self.on_complete = on_complete
         self.on_reject = on_reject
+        self.on_abort: Optional[Callable[[str, float], None]] = None
         self._inbox: list[_Pending] = []
         self._aborts: list[_Pending] = []  # client timeouts, applied at the next step start
         self._seq = -1
@@ -131,6 +138,9 @@ class Simulation:
         self._wake: Optional[simpy.Event] = None
         self._arrivals_done = False
         self._t_end: dict[int, float] = {}
+        # called with this simulation at each step boundary, before and after the step (vLLM's engine
+        # publishes its request counts there for the DP coordinator, core.py:1621-1645); None: nobody listens
+        self.on_step_boundary: Optional[Callable[["Simulation"], None]] = None
         self.result = SimResult(self.recorder, 0.0, 0)
         # the API-server front end (None: offline); `frontend` is a servetwin.sim.frontend.FrontendConfig
         # (`FrontendConfig.resolved(device_type)` picks the hardware's default coefficients)
@@ -150,6 +160,16 @@ class Simulation:
         self._inbox.append(pending)
         self._poke()
         return pending.done
+
+    def accept(self, request: WorkloadRequest) -> simpy.Event:
+        """A request from the client side: through the front end when one is modelled, else straight to
+        the engine (what the arrival process does; a cluster's router calls it per instance)."""
+        return self.submit(request) if self.frontend is None else self._to_frontend(request)
+
+    def close_arrivals(self) -> None:
+        """No more requests will be accepted: the engine process ends once its work is done."""
+        self._arrivals_done = True
+        self._poke()
 
     def _to_frontend(self, request: WorkloadRequest) -> simpy.Event:
         self._in_frontend += 1
@@ -214,8 +234,8 @@ class Simulation:
         aborts, self._aborts = self._aborts, []
         now = float(self.env.now)
         for pending in aborts:
-            if pending.done.triggered:
-                continue  # it completed in the meantime
+            if pending.done.triggered or pending.request.request_id in self.result.completion_s:
+                continue  # it completed in the meantime (at the engine: its last chunk is on its way to the client)
             wreq = pending.request
             ids = [cid for cid, p in self._by_child.items() if p is pending]
             for cid in ids:  # one abort per id, in child order (no set-order dependence)
@@ -224,6 +244,8 @@ class Simulation:
                 self.recorder.on_abort(cid, now)
             self.result.aborted_s[wreq.request_id] = now
             pending.done.succeed()
+            if self.on_abort is not None:
+                self.on_abort(wreq.request_id, now)
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -241,8 +263,7 @@ class Simulation:
     def _arrivals(self) -> Generator[simpy.Event, Any, None]:
         submit = self.submit if self.frontend is None else self._to_frontend
         yield from self.arrival.process(self.env, self.requests, submit, self.rng)
-        self._arrivals_done = True
-        self._poke()
+        self.close_arrivals()
 
     def _all_submitted(self) -> bool:
         return self._arrivals_done and not self._in_frontend
@@ -273,6 +294,9 @@ class Simulation:
 
     def _settle(self) -> Generator[simpy.Event, Any, None]:
         """Return once no other event is scheduled at the current time (public SimPy API only)."""
+        if self.settler is not None:
+            yield self.settler.wait()
+            return
         env = self.env
         while env.peek() <= env.now:
             yield env.timeout(0)
@@ -294,6 +318,8 @@ class Simulation:
             yield from self._settle()
             self._apply_aborts()
             self._admit()
+            if self.on_step_boundary is not None:
+                self.on_step_boundary(self)
             if not engine.has_work():
                 continue
             if self.fast_forward:
@@ -307,40 +333,83 @@ class Simulation:
                             self.frontend.on_step_output(env.now, num_running, 0, [])
                     continue
             t0 = env.now
-            result = engine.step()
-            if self.lazy_decode:  # tokens of implicit steps applied this step: before the step's own
-                late = engine.scheduler.take_late_tokens()
-                if late:
-                    self.recorder.on_late_tokens(late)
-            so = result.scheduled
-            duration = 0.0
-            if so is not None:
-                timing = result.model_output.timing if result.model_output is not None else None
-                duration = timing.duration_s if timing is not None else 0.0
-                self._t_end[so.step] = t0 + duration
-                if self.frontend is not None:
-                    self._num_samples[so.step] = _num_samples(result)
-                if so.total_num_scheduled_tokens > 0:
-                    self.result.num_steps += 1
-            self.recorder.on_step(result, t0, t0 + duration)
-            progressed = (so is not None and so.total_num_scheduled_tokens > 0) or bool(result.outputs)
+            result, duration = self.step_engine()
+            progressed, t_done = self.record_step(result, t0, duration)
             idle = 0 if progressed else idle + 1
-            t_done = self._t_end.pop(result.processed.step) if result.processed is not None else t0
-            if t_done <= t0:
-                self._complete(result, t_done)  # async: the previous batch, finished at t0
             if duration > 0:
                 yield env.timeout(duration)
             if t_done > t0:
                 self._complete(result, t_done)
+            if self.on_step_boundary is not None:
+                self.on_step_boundary(self)
+
+    # -- one step, in parts (the engine process above; a lockstep DP group drives several engines) --
+    def step_engine(self) -> tuple[StepResult, float]:
+        """One engine step at the current time: (its result, its batch's predicted duration; 0 if none ran)."""
+        result = self.engine.step()
+        if self.lazy_decode:  # tokens of implicit steps applied this step: before the step's own
+            late = self.engine.scheduler.take_late_tokens()
+            if late:
+                self.recorder.on_late_tokens(late)
+        if result.scheduled is None or result.model_output is None:
+            return result, 0.0
+        timing = result.model_output.timing
+        return result, timing.duration_s if timing is not None else 0.0
+
+    def record_step(self, result: StepResult, t0: float, duration: float) -> tuple[bool, float]:
+        """Book the step as running [t0, t0 + duration): (whether it progressed, when the batch whose outputs
+        it processed ended). Those outputs complete now when that batch ended by t0 (async scheduling: the
+        previous batch), else the caller completes them at that time (`complete_step`)."""
+        so = result.scheduled
+        if so is not None:
+            self._t_end[so.step] = t0 + duration
+            if self.frontend is not None:
+                self._num_samples[so.step] = _num_samples(result)
+            if so.total_num_scheduled_tokens > 0:
+                self.result.num_steps += 1
+        self.recorder.on_step(result, t0, t0 + duration)
+        progressed = (so is not None and so.total_num_scheduled_tokens > 0) or bool(result.outputs)
+        t_done = self._t_end.pop(result.processed.step) if result.processed is not None else t0
+        if t_done <= t0:
+            self._complete(result, t_done)  # async: the previous batch, finished at t0
+        return progressed, t_done
+
+    def complete_step(self, result: StepResult, t: float) -> None:
+        """The step's finished requests complete at `t` (after `record_step` said its batch ends then)."""
+        self._complete(result, t)
+
+    def take_inputs(self) -> None:
+        """Between steps: the client aborts, then the requests submitted so far reach the engine."""
+        self._apply_aborts()
+        self._admit()
+
+    def has_inputs(self) -> bool:
+        return bool(self._inbox or self._aborts)
+
+    def all_submitted(self) -> bool:
+        return self._all_submitted()
+
+    def set_wake(self, event: Optional[simpy.Event]) -> None:
+        """The event a new submission (or the end of arrivals) triggers (a lockstep group waits on one)."""
+        self._wake = event
 
     def run(self) -> SimResult:
         self.env.process(self._arrivals())
         self.env.process(self._engine())
-        with _rare_young_collections():
+        with rare_young_collections():
             if self.max_time_s is not None:
                 self.env.run(until=self.max_time_s)
             else:
                 self.env.run()
+        return self.finish()
+
+    def start_engine(self) -> simpy.Process:
+        """The engine's process alone (a cluster starts each engine's and routes the arrivals itself)."""
+        return self.env.process(self._engine())
+
+    def finish(self) -> SimResult:
+        """The result once the environment stopped: outputs still in the front end, late tokens, the
+        requests that did not finish."""
         self.result.end_time_s = float(self.env.now)
         if self.frontend is not None:  # outputs still in the front end when the engine stopped
             self.frontend.finish(self.max_time_s)
@@ -355,8 +424,39 @@ class Simulation:
         return self.result
 
 
+class Settler:
+    """Many engines in one environment: each waits (`wait()`) until no other event is scheduled at the
+    current time, one engine at a time in the order they asked. (Engines settling by themselves would each
+    keep a zero-delay timeout in the queue and wait for each other forever.) A released engine's own events at
+    that time are processed before the next one is released."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self._waiting: deque[simpy.Event] = deque()
+        self._running = False
+
+    def wait(self) -> simpy.Event:
+        env = self.env
+        if not self._running and env.peek() > env.now:  # nothing else at this time: settled already
+            return env.timeout(0)
+        event = env.event()
+        self._waiting.append(event)
+        if not self._running:
+            self._running = True
+            self.env.process(self._release())
+        return event
+
+    def _release(self) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        while self._waiting:
+            while env.peek() <= env.now:
+                yield env.timeout(0)
+            self._waiting.popleft().succeed()
+        self._running = False
+
+
 @contextlib.contextmanager
-def _rare_young_collections() -> Iterator[None]:
+def rare_young_collections() -> Iterator[None]:
     """`SIM_GC_THRESHOLD0` as the collector's young threshold for the block, the caller's after it."""
     thresholds = gc.get_threshold()
     if thresholds[0]:  # (0: the caller turned the collector off)

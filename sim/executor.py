@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
@@ -96,6 +97,7 @@ class SimExecutor:
         self.last_summary: Optional[StepSummary] = None
         self.profile: Optional[PredictedProfile] = None  # between start_profile and stop_profile
         self.profiles_written = 0
+        self.profile_writer: Optional[threading.Thread] = None  # the last trace being written
         self.kv_pool: Any = None  # the KV pool it was sized with (sim/kv_pool.py:build_sim_executor)
         self.drafter: Optional[SimDrafter] = None  # speculative decoding (enable_spec_decode)
         self.draft_token_ids: Optional[DraftTokenIds] = None  # the latest proposals, until taken
@@ -249,10 +251,11 @@ class SimExecutor:
             self.profile = PredictedProfile(profile_dir, self.profiles_written)
 
     def stop_profile(self) -> Optional[str]:
-        """Write the predicted steps since `start_profile` (None: not on)."""
+        """Write the predicted steps since `start_profile` off the step loop (a thread); returns the
+        trace's path (None: not on)."""
         if self.profile is None:
             return None
-        path, self.profile = self.profile.write(), None
+        (path, self.profile_writer), self.profile = self.profile.write_in_background(), None
         self.profiles_written += 1
         return str(path)
 

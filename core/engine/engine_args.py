@@ -237,7 +237,8 @@ FIELD_HELP: dict[str, str] = {
     "max_cudagraph_capture_size": "simulator: largest CUDA-graph capture size; steps up to it are padded to the "
                                   "next size (vLLM's --max-cudagraph-capture-size; default min(2 x max_num_seqs, "
                                   "512, max_num_batched_tokens))",
-    "tensor_parallel_size": "devices one model is split over (the simulator models the communication)",
+    "tensor_parallel_size": "devices one model is split over (the simulator models the communication; the torch "
+                            "backend runs one worker process per rank: gloo on the CPU, NCCL on CUDA)",
     "max_logprobs": "most logprobs a request may ask for (-1: no limit)",
     "attention_backend": "attention kernel: auto, torch-paged, flash-attn",
     "device": "torch device: auto, cpu, cuda, cuda:N",

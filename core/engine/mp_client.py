@@ -160,13 +160,16 @@ class EngineProcess:
                 self.sentinel = None
 
     @classmethod
-    def start(cls, payload: dict[str, Any]) -> "EngineProcess":
-        cmd = [sys.executable, "-m", "servetwin.core.engine.engine_proc"]
+    def start(cls, payload: dict[str, Any], module: str = "servetwin.core.engine.engine_proc",
+              pass_fds: tuple[int, ...] = ()) -> "EngineProcess":
+        """`python -m module` with `payload` pickled on its standard input and `pass_fds` kept open in it
+        (the torch backend starts its tensor-parallel workers the same way: `servetwin.gpu.tp_worker`)."""
+        cmd = [sys.executable, "-m", module]
         env = dict(os.environ)
         root = _import_root()
         if root is not None:  # servetwin found through sys.path rather than installed: the child finds it too
             env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, close_fds=True)
+        popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, close_fds=True, pass_fds=pass_fds)
         try:
             pickle.dump(payload, popen.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             popen.stdin.close()

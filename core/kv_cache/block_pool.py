@@ -205,6 +205,23 @@ class BlockPool:
         # sum over blocks of (ref_cnt - 1) where ref_cnt >= 1: reads of a block beyond its first when
         # every holder reads its blocks (a step's rows sharing prefix blocks; kept for the cost model)
         self.num_shared_refs = 0
+        # vLLM's KV cache events (`enable_kv_cache_events`, `kv_event_queue`, vLLM 0.33 v1/core/block_pool.py:194-195):
+        # ("stored", key) when a block is cached (:582), ("removed", key) when a cached block's hash is dropped
+        # (:658), ("cleared", None) on a prefix-cache reset (:908); a key is the block hash + its group id.
+        # None: off (the default: the hot paths only test it).
+        self.kv_event_queue: Optional[list[tuple[str, Optional[bytes]]]] = None
+
+    def enable_kv_cache_events(self) -> None:
+        if self.kv_event_queue is None:
+            self.kv_event_queue = []
+
+    def take_events(self) -> list[tuple[str, Optional[bytes]]]:
+        """The events since the last call (vLLM's `take_events`, block_pool.py:934-945); [] when off."""
+        events = self.kv_event_queue
+        if not events:
+            return []
+        self.kv_event_queue = []
+        return events
 
     def _new_block(self, block_id: int) -> KVCacheBlock:
         block = KVCacheBlock(block_id)
@@ -232,15 +249,19 @@ class BlockPool:
             return
         gid = kv_cache_group_id.to_bytes(4, "big")
         table = self.cached_block_hash_to_block
+        events = self.kv_event_queue
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
             if blk.is_null:
                 continue
             if blk.block_hash is not None:
-                table.pop(blk.block_hash, blk.block_id)
+                if table.pop(blk.block_hash, blk.block_id) is not None and events is not None:
+                    events.append(("removed", blk.block_hash))
             key = block_hashes[i] + gid
             blk.block_hash = key
             table.insert(key, blk)
+            if events is not None:
+                events.append(("stored", key))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.free_block_queue.num_free_blocks:
@@ -249,10 +270,12 @@ class BlockPool:
         queue = self.free_block_queue  # (one block: the common case, a decode crossing a boundary)
         blocks = [queue.popleft()] if num_blocks == 1 else queue.popleft_n(num_blocks)
         table = self.cached_block_hash_to_block
+        events = self.kv_event_queue
         for b in blocks:
             key = b.block_hash
             if key is not None:  # = self._maybe_evict_cached_block(b), inlined (most reused blocks are hashed)
-                table.pop(key, b.block_id)
+                if table.pop(key, b.block_id) is not None and events is not None:
+                    events.append(("removed", key))
                 b.block_hash = None
             b.ref_cnt = 1
         return blocks
@@ -261,7 +284,8 @@ class BlockPool:
         key = block.block_hash
         if key is None:
             return False
-        self.cached_block_hash_to_block.pop(key, block.block_id)
+        if self.cached_block_hash_to_block.pop(key, block.block_id) is not None and self.kv_event_queue is not None:
+            self.kv_event_queue.append(("removed", key))
         block.block_hash = None
         return True
 
@@ -301,6 +325,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for b in self._blocks:  # never-used blocks have no hash
             b.reset_hash()
+        if self.kv_event_queue is not None:
+            self.kv_event_queue.append(("cleared", None))
         return True
 
     def get_num_free_blocks(self) -> int:

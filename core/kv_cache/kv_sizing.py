@@ -45,6 +45,13 @@ class KVCacheSpec:
         return self.bytes_per_block // self.block_size
 
 
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads one tensor-parallel rank caches: the model's split over the ranks, at least one (fewer KV
+    heads than ranks: each is replicated), vLLM 0.33 `vllm/config/model.py` `get_num_kv_heads`. The torch
+    backend's worker sizes its KV pool from this; so does the simulator's (`sim/kv_pool.py`)."""
+    return max(1, num_kv_heads // tensor_parallel_size)
+
+
 def num_blocks_for_memory(available_kv_bytes: int, spec: KVCacheSpec) -> int:
     return max(0, int(available_kv_bytes) // spec.bytes_per_block)
 

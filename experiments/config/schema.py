@@ -84,6 +84,21 @@ def _fmt(v: Any) -> str:
         return f"an integer of {v.bit_length()} bits" if isinstance(v, int) else type(v).__name__
 
 
+# vLLM 0.33 takes any block_size > 0 in CacheConfig (vllm/config/cache.py:187), then the attention
+# backend must support it: every CUDA one (FlashAttention, Triton, FlexAttention) advertises
+# `MultipleOf(16)` (vllm/v1/attention/backends/flash_attn.py:367, triton_attn.py:340,
+# flex_attention.py:154), so `--block-size 3` starts no server. An experiment models such a server.
+KV_BLOCK_SIZE_MULTIPLE = 16
+
+
+def _kv_block_size(v: Any, path: str) -> int:
+    size = _int(1)(v, path)
+    if size % KV_BLOCK_SIZE_MULTIPLE:
+        raise ConfigError(path, f"must be a multiple of {KV_BLOCK_SIZE_MULTIPLE} (vLLM's GPU attention backends "
+                                f"support no other KV block size), got {size}")
+    return size
+
+
 def _int(low: Optional[int] = None, nullable: bool = False, also: tuple = ()) -> Callable[[Any, str], Any]:
     def check(v: Any, path: str) -> Any:
         if v is None and nullable:
@@ -221,7 +236,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "long_prefill_token_threshold": _int(0),
     "enable_prefix_caching": _bool,
     "prefix_caching_hash_algo": _choice(*HASH_ALGOS),
-    "block_size": _int(1),
+    "block_size": _kv_block_size,
     "gpu_memory_utilization": _float(0.0, 1.0, low_open=True),
     "num_gpu_blocks": _int(2, nullable=True),
     "max_model_len": _int(2, nullable=True, also=(-1,)),
@@ -525,6 +540,8 @@ def parse_seeds(value: Any, ctx: ParseContext) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 1:
             raise ConfigError("seeds", f"a count must be >= 1, got {value}")
+        if value > MAX_RUNS:  # built as a list below; --seeds N with --max-runs allows more
+            raise ConfigError("seeds", f"{value:,} seeds, more than the limit of {MAX_RUNS:,} runs")
         return list(range(ctx.parsed["seed"], ctx.parsed["seed"] + value))
     if not isinstance(value, list) or not value:
         raise ConfigError("seeds", f"must be a non-empty list of integers (or a count), got {_fmt(value)}")
@@ -539,6 +556,25 @@ def parse_slo_section(value: Any, ctx: ParseContext) -> Any:
     from servetwin.experiments.config.slo import parse_slo  # noqa: PLC0415
 
     return parse_slo(value, "slo")
+
+
+def _instance_engine(value: Any, path: str) -> dict[str, Any]:
+    """A cluster instance's `engine:` overrides, checked as the top-level `engine:` fields are."""
+    engine = dict(_mapping(value, path))
+    _check_keys(engine, ENGINE_FIELDS, path, {"num_gpu_blocks_override": "num_gpu_blocks"})
+    for key, check in ENGINE_FIELDS.items():
+        if key in engine:
+            engine[key] = check(engine[key], f"{path}.{key}")
+    try:
+        return resolve_aliases(engine)
+    except ConfigError as e:
+        raise e.within(path) from None
+
+
+def parse_cluster_section(value: Any, ctx: ParseContext) -> Any:
+    from servetwin.experiments.config.cluster import parse_cluster  # noqa: PLC0415
+
+    return parse_cluster(value, _instance_engine)
 
 
 def parse_sweep(value: Any, ctx: ParseContext) -> dict[str, list[Any]]:
@@ -565,6 +601,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("engine", parse_engine),
     Section("workload", parse_workload),
     Section("frontend", parse_frontend_section),
+    Section("cluster", parse_cluster_section),
     Section("output", parse_output),
     Section("slo", parse_slo_section),
     Section("sweep", parse_sweep, sweepable=False),
@@ -590,6 +627,7 @@ class ExperimentConfig:
     raw: dict[str, Any] = field(default_factory=dict)  # the validated input (paths resolved)
     base_dir: str = "."
     hardware_spec: Any = None  # servetwin.sim.hardware.HardwareSpec, parsed when a backend is "sim"
+    cluster: Any = None  # servetwin.experiments.config.cluster.ClusterConfig (None: one engine)
 
     def engine_args(self, backend: str) -> EngineArgs:
         """The engine arguments of one backend (the simulator's carry the parsed hardware)."""
@@ -673,6 +711,41 @@ def _check_engine_semantics(exp: ExperimentConfig) -> None:
         raise engine_field_path(e) from None
 
 
+def _check_cluster(exp: ExperimentConfig) -> None:
+    """A cluster runs in the simulator only; each instance's hardware and engine settings are checked as
+    the experiment's are (its KV pool sized, cheap)."""
+    if exp.cluster is None:
+        return
+    if exp.backends != ["sim"]:
+        raise ConfigError("backends", f"a cluster runs in the simulator only (backends: [sim]), got {exp.backends}")
+    import numpy as np  # noqa: PLC0415
+
+    from servetwin.experiments.config.cluster import instance_engine_args  # noqa: PLC0415
+    from servetwin.sim.hardware import hardware_from_dict, load_hardware  # noqa: PLC0415
+    from servetwin.sim.kv_pool import build_sim_executor  # noqa: PLC0415
+    from servetwin.sim.routers import build_router  # noqa: PLC0415
+
+    build_router(exp.cluster.router, np.random.default_rng(0))  # unknown routers, scorers, bad parameters
+
+    for i, inst in enumerate(exp.cluster.instances):
+        path = f"cluster.instances[{i}]"
+        hw = inst.hardware
+        if hw is None:
+            inst.hardware_spec = exp.hardware_spec
+        else:
+            try:
+                inst.hardware_spec = hardware_from_dict(hw, "hardware") if isinstance(hw, Mapping) else load_hardware(hw)
+            except ConfigError as e:
+                raise ConfigError(f"{path}.hardware", e.message) from None
+        args = instance_engine_args(exp.engine_args("sim"), inst, inst.hardware_spec)
+        try:
+            info = build_sim_executor(args)
+            args.scheduler_config(info.max_model_len)
+            args.cache_config(info.num_gpu_blocks, info.kv_cache_groups)
+        except ConfigError as e:
+            raise engine_field_path(e).within(path) from None
+
+
 def _check_backend_args(exp: ExperimentConfig) -> None:
     """Each backend's own cheap checks (`ExecutorBackend.check_args`: e.g. the torch backend's
     `max_model_len` against the model's config.json), before any model load."""
@@ -689,7 +762,8 @@ def _check_backend_args(exp: ExperimentConfig) -> None:
 CROSS_CHECKS: tuple[Callable[[ExperimentConfig], None], ...] = (_check_sim_only_engine_args, _resolve_auto_hardware,
                                                                  _check_hardware,
                                                                  _apply_vllm_batch_defaults,
-                                                                 _check_engine_semantics, _check_backend_args)
+                                                                 _check_engine_semantics, _check_cluster,
+                                                                 _check_backend_args)
 
 
 def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "experiment") -> ExperimentConfig:
@@ -788,15 +862,44 @@ class SweepPoint:
     config: Optional[ExperimentConfig] = None  # `raw`, parsed
 
 
-def expand_sweep(exp: ExperimentConfig) -> list[SweepPoint]:
-    """Every combination of the sweep lists; each point's config is validated (errors name the point)."""
+# Runs one command may start: sweep points x seeds, capacity grid points, `--seeds N`. Counted from the
+# list lengths before anything is expanded (a 1000 x 1000 x 1000 grid is refused at once, not built);
+# `--max-runs N` raises it.
+MAX_RUNS = 10_000
+_PROGRESS_EVERY = 500  # points validated between progress lines
+
+
+def check_run_count(count: int, what: str, where: str, limit: Optional[int] = None) -> int:
+    """`count`, or a `ConfigError` at `where` when it passes `limit` (default MAX_RUNS)."""
+    limit = MAX_RUNS if limit is None else limit
+    if count > limit:
+        raise ConfigError(where, f"{what} make {count:,} runs, more than the limit of {limit:,} "
+                                 "(give --max-runs N to allow more)")
+    return count
+
+
+def sweep_run_count(sweep: Mapping[str, list], seeds: int = 1) -> int:
+    return math.prod(len(v) for v in sweep.values()) * max(seeds, 1)
+
+
+def expand_sweep(exp: ExperimentConfig, max_runs: Optional[int] = None, seeds: int = 1,
+                 log: Optional[Callable[[str], None]] = None) -> list[SweepPoint]:
+    """Every combination of the sweep lists; each point's config is validated (errors name the point).
+    The count (x `seeds`) is checked against `max_runs` first; `log` gets a progress line every
+    `_PROGRESS_EVERY` points of a large grid."""
+    check_run_count(sweep_run_count(exp.sweep, seeds), "the sweep's points x seeds", "sweep", max_runs)
     base = exp.to_dict()
     base.pop("sweep", None)
     base_dir = exp.base_dir
     keys = list(exp.sweep)
+    total = sweep_run_count(exp.sweep)
     # one key at a time first, so an error names the sweep entry that causes it
+    checked = 0
     for key in keys:
         for i, value in enumerate(exp.sweep[key]):
+            checked += 1
+            if log is not None and checked % _PROGRESS_EVERY == 0:
+                log(f"sweep: {checked:,} sweep values checked")
             trial = copy.deepcopy(base)
             set_dotted(trial, key, value)
             try:
@@ -823,16 +926,19 @@ def expand_sweep(exp: ExperimentConfig) -> list[SweepPoint]:
         except ConfigError as e:
             raise ConfigError("sweep", f"point {name}: {e}") from None
         points.append(SweepPoint(name, assignments, config.to_dict(), config))
+        if log is not None and len(points) % _PROGRESS_EVERY == 0:
+            log(f"sweep: {len(points):,}/{total:,} grid points checked")
     return points
 
 
 # -- loading ------------------------------------------------------------------------------------
-def seeds_for(exp: ExperimentConfig, count: Optional[int] = None) -> list[int]:
+def seeds_for(exp: ExperimentConfig, count: Optional[int] = None, max_runs: Optional[int] = None) -> list[int]:
     """The seeds to run: `--seeds N` (N seeds from the config's `seed` on), else the config's `seeds`;
     [] for a single run with the config's own seed."""
     if count is not None:
         if not isinstance(count, int) or count < 1:
             raise ConfigError("--seeds", f"must be an integer >= 1, got {count!r}")
+        check_run_count(count, f"--seeds {count}", "--seeds", max_runs)
         return list(range(exp.seed, exp.seed + count))
     return list(exp.seeds)
 

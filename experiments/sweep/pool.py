@@ -87,7 +87,8 @@ def execute_task(task: PointTask, out_dir: Optional[str], in_worker: bool = Fals
     """Run one task; never raises, except KeyboardInterrupt when run in the driver's own process
     (`in_worker=False`, after writing what ran). `signals`: install the Ctrl-C handler (a pool process)."""
     global _interrupted_once
-    from servetwin.experiments.run.runner import run_backends, run_experiment  # noqa: PLC0415
+    from servetwin.experiments.run.experiment import run_experiment  # noqa: PLC0415
+    from servetwin.experiments.run.runner import run_backends  # noqa: PLC0415
     from servetwin.experiments.config.schema import validate_config  # noqa: PLC0415
 
     where = {"host": socket.gethostname(), "pid": os.getpid()}

@@ -102,10 +102,16 @@ class CaseResult:
         return {m: (p - pub) / pub for m, pub, p in self.rows if p is not None and pub}
 
 
+IMPORT_INCOMPLETE_MARKER = ".servetwin-import-incomplete"  # in a case directory while an import writes to it
+
+
 def load_published(case_dir: str | Path) -> tuple[dict[str, Path], dict[str, Any]]:
     """({case name: yaml path}, published.json) of a case directory; names must match."""
     d = Path(case_dir)
     pub_path = d / "published.json"
+    if (d / IMPORT_INCOMPLETE_MARKER).exists():  # `servetwin import vllm-bench` was cut short
+        raise ValueError(f"validate: {d} holds {IMPORT_INCOMPLETE_MARKER}: an import into it did not finish "
+                         "(run the import again, with --overwrite)")
     if not pub_path.is_file():
         raise ValueError(f"validate: {d} has no published.json (expected DIR/published.json and DIR/cases/*.yaml)")
     with open(pub_path, encoding="utf-8") as f:
@@ -133,7 +139,7 @@ def run_case(path: Path, hardware: Any = None, overrides: Optional[list[str]] = 
     """Run one case's sim backend (hardware: a preset name, YAML path or mapping replacing the
     case's; engine_version: published.json's, for `VERSION_ENGINE_SETTINGS`); returns (the sim
     summary, notes)."""
-    from servetwin.experiments.run.runner import run_experiment  # noqa: PLC0415
+    from servetwin.experiments.run.experiment import run_experiment  # noqa: PLC0415
     from servetwin.experiments.config.schema import ExperimentConfig, load_config, load_yaml, parse_override  # noqa: PLC0415
 
     values: dict[str, Any] = {"backends": ["sim"], "output.plots": False, "output.step_requests": False}

@@ -21,11 +21,13 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import MAX_IMPORT_FILE_BYTES, printable
+from servetwin.experiments.validate.published import IMPORT_INCOMPLETE_MARKER
 from servetwin.experiments.vllm_import.bench_file import BenchRecord
 
 
@@ -214,25 +216,24 @@ def build_case(record: BenchRecord, opts: ImportOptions, prefix: str = "") -> Im
     return ImportedCase(name, config, published, rows, notes)
 
 
+
+
+def check_case_free(case: ImportedCase, out_dir: str | Path, overwrite: bool = False) -> None:
+    yaml_path = Path(out_dir) / "cases" / f"{case.name}.yaml"
+    if yaml_path.exists() and not overwrite:
+        raise ConfigError("-o/--output", f"{yaml_path} exists (give --overwrite to replace it)")
+
+
 def write_case(case: ImportedCase, out_dir: str | Path, overwrite: bool = False) -> Path:
-    """Write `out_dir/cases/NAME.yaml` (+ `NAME.requests.csv`) and add the entry to `published.json`."""
+    """Write `out_dir/cases/NAME.yaml` (+ `NAME.requests.csv`); `write_published` adds the entries after."""
     import yaml  # noqa: PLC0415
 
     from servetwin.core.testbed.atomic import atomic_open  # noqa: PLC0415
 
-    out = Path(out_dir)
-    cases = out / "cases"
+    check_case_free(case, out_dir, overwrite)
+    cases = Path(out_dir) / "cases"
     yaml_path = cases / f"{case.name}.yaml"
-    if yaml_path.exists() and not overwrite:
-        raise ConfigError("-o/--output", f"{yaml_path} exists (give --overwrite to replace it)")
     cases.mkdir(parents=True, exist_ok=True)
-    pub_path = out / "published.json"
-    published = {}
-    if pub_path.is_file():
-        try:
-            published = json.loads(pub_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(str(pub_path), f"not valid JSON ({e}); not adding to it") from None
     if case.trace_rows is not None:
         with atomic_open(str(cases / f"{case.name}.requests.csv")) as f:
             f.write("arrival_s,prompt_tokens,output_tokens\n")
@@ -241,8 +242,52 @@ def write_case(case: ImportedCase, out_dir: str | Path, overwrite: bool = False)
                      [f"Imported from {case.published['source']}.", *[f"- {n}" for n in case.notes]])
     with atomic_open(str(yaml_path)) as f:
         f.write(header + yaml.safe_dump(case.config, sort_keys=False, width=110))
-    published[case.name] = case.published
-    with atomic_open(str(pub_path)) as f:
+    return yaml_path
+
+
+def read_published(out_dir: str | Path) -> dict[str, Any]:
+    """The directory's `published.json` (empty when there is none), read through `core.limits`."""
+    from servetwin.core.limits import load_json_file  # noqa: PLC0415
+
+    pub_path = Path(out_dir) / "published.json"
+    if not pub_path.exists():
+        return {}
+    doc = load_json_file(pub_path, str(pub_path), max_bytes=MAX_IMPORT_FILE_BYTES)
+    if not isinstance(doc, dict):
+        raise ConfigError(str(pub_path), "must be a JSON object {case name: entry}; not adding to it")
+    return doc
+
+
+def write_published(cases: list[ImportedCase], out_dir: str | Path, published: dict[str, Any]) -> None:
+    """`published` (the directory's entries, read before the cases were written) with every case's entry,
+    written once (a file of 3,000 records took a minute rewritten after each)."""
+    from servetwin.core.testbed.atomic import atomic_open  # noqa: PLC0415
+
+    for case in cases:
+        published[case.name] = case.published
+    with atomic_open(str(Path(out_dir) / "published.json")) as f:
         json.dump(published, f, indent=1)
         f.write("\n")
-    return yaml_path
+
+
+def import_cases(cases: list[ImportedCase], out_dir: str | Path, overwrite: bool = False,
+                 log: Callable[[str], None] = lambda m: None) -> list[Path]:
+    """Write every case and their `published.json` entries. While it runs the directory holds
+    `IMPORT_INCOMPLETE_MARKER` (removed last): an import cut short (SIGTERM, a full disk) leaves the directory
+    marked, and `servetwin validate` refuses it until the import is run again."""
+    out = Path(out_dir)
+    for case in cases:  # every name checked before anything is written
+        check_case_free(case, out, overwrite)
+    published = read_published(out)
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / IMPORT_INCOMPLETE_MARKER
+    marker.write_text(f"an import into this directory did not finish ({len(cases)} case(s)); run it again\n",
+                      encoding="utf-8")
+    paths = []
+    for k, case in enumerate(cases, start=1):
+        paths.append(write_case(case, out, overwrite=True))
+        log(f"{printable(case.name)}: wrote {printable(paths[-1], 400)} ({k}/{len(cases)})"
+            + "".join(f"\n  note: {printable(n, 400)}" for n in case.notes))
+    write_published(cases, out, published)
+    marker.unlink()
+    return paths

@@ -21,7 +21,6 @@ without the file, predict it); fewer than two files: no leave-one-out.
 from __future__ import annotations
 
 import datetime as dt
-import gzip
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.vllm_import.bench_case import ImportOptions
 
+GZIP_MAGIC = b"\x1f\x8b"
 STEP_OFFSET = 1_000_000  # step numbers of run k are shifted by k * STEP_OFFSET when runs are pooled
 
 
@@ -66,18 +66,14 @@ class StartSet:
 
 def start_set(hardware: Optional[str]) -> StartSet:
     """`--hardware`: a preset, a GPU name (the nearest preset), or a hardware YAML naming its `base` preset."""
-    import yaml  # noqa: PLC0415
-
+    from servetwin.core.safe_yaml import load_yaml_file  # noqa: PLC0415
     from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
     from servetwin.sim.hardware_presets import HARDWARE_PRESETS  # noqa: PLC0415
 
     if not hardware or not Path(hardware).is_file():
         base = nearest_preset(hardware)
         return StartSet(base, base)
-    try:
-        raw = yaml.safe_load(Path(hardware).read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ConfigError("--hardware", f"{hardware} is not valid YAML: {e}") from None
+    raw = load_yaml_file(hardware, "--hardware")
     base = raw.get("base") if isinstance(raw, dict) else None
     if base not in HARDWARE_PRESETS:
         raise ConfigError("--hardware", f"{hardware}: a hardware file to start from must name its preset (base: "
@@ -87,29 +83,26 @@ def start_set(hardware: Optional[str]) -> StartSet:
     return StartSet(base, {"base": base, **values}, hw.efficiency, values)
 
 
-def is_chrome_trace(path: str | Path) -> bool:
-    head = Path(path).read_bytes()[:4096]
-    if head[:2] == b"\x1f\x8b":
-        try:
-            with gzip.open(path, "rb") as f:
-                head = f.read(4096)
-        except (OSError, EOFError):
-            return True  # a damaged gzip: the trace reader names it
-    return b"traceEvents" in head
+def is_chrome_trace(head: bytes) -> bool:
+    """Whether a file's first bytes (inflated) are a Chrome trace's; a damaged gzip counts (its reader
+    names it)."""
+    return b"traceEvents" in head or head[:2] == GZIP_MAGIC
 
 
 def classify(files: list[str]) -> tuple[list[str], list[str], list[str]]:
     """(profiler traces, bench results, server logs): a trace holds `traceEvents`, a bench result starts
-    as JSON, anything else is read as a server log (whose readers name a file that is none of them)."""
+    as JSON, anything else is read as a server log (whose readers name a file that is none of them).
+    Only each file's first 4 KiB are read, after `core.limits`' file-type check (a FIFO, a folder or a
+    device is refused by name)."""
+    from servetwin.core.limits import read_head  # noqa: PLC0415
+
     traces, benches, logs = [], [], []
     for f in files:
-        if not Path(f).is_file():
-            raise ConfigError(f, "file not found")
-        if is_chrome_trace(f):
+        head = read_head(f, "--from-vllm")
+        if is_chrome_trace(head):
             traces.append(f)
         else:
-            head = Path(f).read_bytes()[:64].lstrip()
-            (benches if head[:1] in (b"{", b"[") else logs).append(f)
+            (benches if head.lstrip()[:1] in (b"{", b"[") else logs).append(f)
     return traces, benches, logs
 
 
@@ -228,15 +221,16 @@ def iterate_trace_fit(traces: list[str], experiments: list[str], start: StartSet
 # -- end-to-end fit from bench files ----------------------------------------------------------------------
 def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path) -> dict[str, list[str]]:
     """Every record of every bench file as a case under `case_dir`: {file: [case names]}."""
-    from servetwin.experiments.vllm_import.bench_case import build_case, write_case  # noqa: PLC0415
+    from servetwin.experiments.vllm_import.bench_case import build_case, import_cases  # noqa: PLC0415
     from servetwin.experiments.vllm_import.bench_file import load_bench_file  # noqa: PLC0415
 
     out: dict[str, list[str]] = {}
+    cases = []
     for k, path in enumerate(benches):
         for record in load_bench_file(path):
-            case = build_case(record, opts, prefix=f"f{k}_")
-            write_case(case, case_dir)
-            out.setdefault(path, []).append(case.name)
+            cases.append(build_case(record, opts, prefix=f"f{k}_"))
+            out.setdefault(path, []).append(cases[-1].name)
+    import_cases(cases, case_dir)
     return out
 
 

@@ -31,7 +31,7 @@ def _options(args: argparse.Namespace):
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from servetwin.experiments.vllm_import.bench_case import build_case, write_case  # noqa: PLC0415
+    from servetwin.experiments.vllm_import.bench_case import build_case, import_cases  # noqa: PLC0415
     from servetwin.experiments.vllm_import.bench_file import load_bench_file  # noqa: PLC0415
 
     for flag in ("tensor_parallel_size", "num_prompts", "input_len", "output_len"):
@@ -43,9 +43,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.name and len(records) > 1:
         raise ValueError(f"--name: {len(records)} records imported; --name names one")
     cases = [build_case(r, opts) for r in records]  # every record checked before anything is written
-    for case in cases:
-        path = write_case(case, args.output, overwrite=args.overwrite)
-        _log(f"{case.name}: wrote {path}" + "".join(f"\n  note: {n}" for n in case.notes))
+    import_cases(cases, args.output, overwrite=args.overwrite, log=_log)
     print(f"imported {len(cases)} case(s) into {args.output}; run: servetwin validate {args.output}")
     return 0
 

@@ -4,7 +4,9 @@ paged batch.
 `forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, hidden]`; `attn_metadata`
 is one backend plan shared by every layer, or a list with each layer's plan (layers of different
 `AttentionWindow`s, or of different KV-cache groups, attend with different plans: `layer_windows`);
-`compute_logits(hidden [N, hidden]) -> [N, vocab]` in float32. q/k/v and gate/up are packed
+`compute_logits(hidden [N, hidden]) -> [N, vocab]` in float32. Built for one tensor-parallel rank
+(`shard`, `tp`; default: the whole model) it holds that rank's heads, MLP columns and vocabulary rows
+(`servetwin.gpu.models.tp_shard`) and sums / gathers the partial results over `tp`. q/k/v and gate/up are packed
 (`qkv_proj`, `gate_up_proj`); `servetwin.gpu.loader` packs HF checkpoints into them. On the CPU in
 float32 the small ops run as fused native calls (`servetwin.gpu.cpu_layer_kernels`): q/k norm + RoPE in
 place in `qkv`, the residual add fused into the post-attention RMSNorm, the MoE layer whole.
@@ -19,19 +21,23 @@ from torch import nn
 from servetwin.gpu.attention.backend import AttentionBackend
 from servetwin.gpu.cpu_layer_kernels import layer_kernels_for
 from servetwin.gpu.models.config import AttentionWindow, DecoderConfig
-from servetwin.gpu.models.layers import RMSNorm, SwiGLU, linear
+from servetwin.gpu.models.layers import RMSNorm, SwiGLU, VocabParallelEmbedding, linear
 from servetwin.gpu.models.moe import FusedMoE
 from servetwin.gpu.models.rope import RotaryEmbedding
+from servetwin.gpu.models.tp_shard import TPShard
+from servetwin.gpu.parallel_state import TPGroup
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # this rank's heads: q/k/v column-parallel (`qkv_proj`), o_proj row-parallel, summed over `tp`
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.local_heads, shard.local_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.tp = tp
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -41,7 +47,7 @@ class Attention(nn.Module):
         self.backend: Optional[AttentionBackend] = None
         # gpt-oss: one learned logit per head joins the softmax (passed only when present, so backends
         # without sinks keep their signature)
-        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
@@ -65,7 +71,7 @@ class Attention(nn.Module):
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
         else:
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale, sinks=self.sinks)
-        return linear(o.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return self.tp.all_reduce(linear(o.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias))
 
     def _native_qk(self, qkv: torch.Tensor, positions: torch.Tensor) -> bool:
         """On the CPU in float32: normalise (Qwen3) and rotate q and k in place with the native kernel
@@ -85,13 +91,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, layer: int) -> None:
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, layer: int, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = (FusedMoE(cfg.hidden_size, cfg.moe) if cfg.moe is not None and cfg.is_moe_layer(layer)
-                               else SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
+        self.mlp: nn.Module = (FusedMoE(cfg.hidden_size, cfg.moe, tp) if cfg.moe is not None and cfg.is_moe_layer(layer)
+                               else SwiGLU(cfg.hidden_size, cfg.intermediate_size // tp.world_size, cfg.mlp_bias, tp))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 attn_metadata: Any) -> torch.Tensor:
@@ -101,14 +107,21 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: DecoderConfig, max_positions: int, hf_config: Optional[Any] = None) -> None:
+    def __init__(self, cfg: DecoderConfig, max_positions: int, hf_config: Optional[Any] = None,
+                 tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp or TPGroup()
+        self.shard = TPShard(self.tp.rank, self.tp.world_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, hf_config)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(self.shard, cfg.hidden_size, self.tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i, self.shard, self.tp)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # the LM head's rows: this rank's vocabulary slice (tied: the embedding's own)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.shard.vocab_per_rank,
+                                                                      bias=False)
 
     @property
     def layer_windows(self) -> list[AttentionWindow]:
@@ -131,4 +144,7 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, w).float()
+        logits = linear(hidden, w)
+        if self.tp.world_size > 1:  # every rank samples the same tokens, so every rank gets all logits
+            logits = self.tp.all_gather(logits, dim=-1)[..., :self.config.vocab_size]
+        return logits.float()

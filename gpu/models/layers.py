@@ -11,6 +11,8 @@ from torch import nn
 
 from servetwin.gpu.cpu_kernels import small_m_linear_kernel
 from servetwin.gpu.cpu_layer_kernels import layer_kernels_for
+from servetwin.gpu.models.tp_shard import TPShard
+from servetwin.gpu.parallel_state import TPGroup
 
 # Rows up to which `linear` may use the native kernel (measured on an Intel Xeon, 2 threads, SmolLM2-135M's
 # shapes: x1.6-1.9 at 4-13 rows, x1.4 at 16, x1.2 at 24-32, parity at 48, MKL ahead from ~64 and at 1 row);
@@ -58,14 +60,38 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """`down(silu(gate(x)) * up(x))` with gate and up packed in one `gate_up_proj`."""
+    """`down(silu(gate(x)) * up(x))` with gate and up packed in one `gate_up_proj`. Under tensor
+    parallelism `intermediate_size` is this rank's columns (gate/up column-parallel, down row-parallel)
+    and the output is summed over `tp`."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.tp = tp or TPGroup()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows of this rank's vocabulary slice (`TPShard.vocab_rows`); a token outside it
+    embeds to zeros, and the sum over `tp` gives every token its one row (vLLM's
+    `VocabParallelEmbedding`). One rank: a plain embedding lookup."""
+
+    def __init__(self, shard: TPShard, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shard.vocab_per_rank, hidden_size))
+        self.vocab_start = shard.vocab_start
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))

@@ -66,6 +66,20 @@ def max_position_embeddings(config_path: Path) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def attention_heads(config_path: Path) -> Optional[tuple[int, int]]:
+    """(attention heads, KV heads) from the config (KV heads default to the heads, as in HF); None when
+    it does not say (a nested `text_config`, an unreadable file: the loader decides)."""
+    try:
+        cfg = load_json_file(config_path, "model")
+    except (OSError, ValueError):
+        return None
+    heads = cfg.get("num_attention_heads") if isinstance(cfg, dict) else None
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
+        return None
+    kv = cfg.get("num_key_value_heads") or heads
+    return (heads, kv) if isinstance(kv, int) and not isinstance(kv, bool) and kv > 0 else None
+
+
 def check_max_model_len(max_model_len: Optional[int], limit: int) -> None:
     """A `max_model_len` longer than the model's positions is an error naming the field."""
     if max_model_len is not None and max_model_len > limit:

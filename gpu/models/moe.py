@@ -16,6 +16,7 @@ these (a contiguous `bmm` operand: the transposed view of vLLM's [E, 2I, H] cost
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from servetwin.gpu.cpu_layer_kernels import layer_kernels_for
 from servetwin.gpu.models.config import MoEConfig
 from servetwin.gpu.models.layers import linear
+from servetwin.gpu.parallel_state import TPGroup
 
 
 # padded batched GEMMs while the padded rows stay within this factor of the real ones, else a loop over
@@ -35,10 +37,13 @@ PAD_SLACK = 3.0
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, hidden_size: int, cfg: MoEConfig) -> None:
+    def __init__(self, hidden_size: int, cfg: MoEConfig, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        E, I = cfg.num_experts, cfg.intermediate_size
+        # tensor parallelism shards every expert's width (vLLM's FusedMoE without expert parallelism):
+        # w13 column-, w2 row-parallel, the router replicated, the layer's output summed over `tp`
+        self.tp = tp or TPGroup()
+        self.cfg = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size // self.tp.world_size)
+        E, I = cfg.num_experts, self.cfg.intermediate_size
         self.gate = nn.Linear(hidden_size, E, bias=cfg.router_bias)  # the router
         self.w13 = nn.Parameter(torch.empty(E, hidden_size, 2 * I))
         self.w2 = nn.Parameter(torch.empty(E, I, hidden_size))
@@ -64,6 +69,9 @@ class FusedMoE(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.cfg.swiglu_alpha))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self._local_forward(x))
+
+    def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = (self.gate.weight, self.gate.bias, self.w13, self.w13_bias, self.w2, self.w2_bias)
         lk = layer_kernels_for(x, *weights)
         if lk is not None and all(w is None or w.is_contiguous() for w in weights):

@@ -292,3 +292,21 @@ def test_block_pool_reset_prefix_cache():
 def test_block_pool_needs_two_blocks():
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         BlockPool(1, enable_caching=True)
+
+
+def test_kv_cache_events_are_off_by_default_and_follow_caching_and_eviction():
+    pool = BlockPool(4, enable_caching=True)  # 3 usable blocks
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, [b"h0", b"h1"], 0, 2)
+    assert pool.kv_event_queue is None and pool.take_events() == []  # off: nothing recorded
+    pool.enable_kv_cache_events()
+    more = pool.get_new_blocks(1)
+    pool.cache_full_blocks(more, [b"h2"], 0, 1)
+    assert pool.take_events() == [("stored", b"h2" + GID)]
+    pool.free_blocks(blocks + more)
+    pool.get_new_blocks(2)  # reuses the two least recent hashed blocks: their hashes are dropped
+    assert pool.take_events() == [("removed", b"h0" + GID), ("removed", b"h1" + GID)]
+    assert pool.take_events() == []
+    pool.free_blocks([b for b in pool.blocks if b.ref_cnt and not b.is_null])
+    assert pool.reset_prefix_cache()
+    assert pool.take_events() == [("cleared", None)]

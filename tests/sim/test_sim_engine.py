@@ -205,3 +205,22 @@ def test_builtin_hash_runs_the_same_simulation_as_sha256():
     steps, requests = run("builtin")
     assert (steps, requests) == run("sha256")
     assert any(cached for _, cached in requests.values())  # the prefix cache was hit
+
+
+def test_a_client_timeout_between_the_engine_finish_and_the_delivery_is_no_abort():
+    """The API server still carries the last chunk when the client's deadline passes: the request completed
+    (it used to be aborted too, and its completion event fired twice)."""
+    import copy
+
+    from servetwin.experiments.config.schema import validate_config
+    from servetwin.experiments.run.runner import run_backends
+
+    raw = {"name": "t", "model": "tiny-llama", "hardware": "h100-sxm",
+           "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 256, "block_size": 16, "max_model_len": 512},
+           "workload": {"requests": 60, "timeout_s": 0.05, "prompt_tokens": {"type": "lognormal", "mean": 120, "cv": 0.5},
+                        "output_tokens": {"type": "lognormal", "mean": 30, "cv": 0.5}, "max_prompt_tokens": 300,
+                        "max_output_tokens": 80, "arrival": {"type": "poisson", "rate": 100}},
+           "output": {"step_requests": False, "plots": False}}
+    combined, _, runs = run_backends(validate_config(copy.deepcopy(raw)), progress=False, log=lambda m: None)
+    s = combined["backends"]["sim"]
+    assert s["completed"] + s["aborted_sequences"] == 60

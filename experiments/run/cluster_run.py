@@ -1,0 +1,186 @@
+"""`servetwin run` of an experiment with a `cluster:` section: every instance's engines in one simulation
+(`servetwin.sim.cluster`), then per-engine and whole-cluster metrics and the router's decision table.
+
+Layout under the output folder DIR:
+
+    DIR/config.yaml                              the validated config
+    DIR/summary.json                             {"name", "interrupted", "workload", "backends": {"sim": cluster},
+                                                  "cluster": {"instances": {name/rank: summary}, ...}}
+    DIR/sim/summary.json                         the whole cluster's summary
+    DIR/sim/router_decisions.parquet             request, t_s, pick, rank, candidates, scores
+    DIR/sim/instances/<name>[-r<rank>]/          each engine's steps.parquet, requests.parquet, summary.json
+
+The whole-cluster figures pool every engine's requests (latency distributions over all of them) over the
+cluster's duration (the last engine's end). No report.md, figures or trace.json for a cluster yet.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from servetwin.experiments.config.cluster import instance_engine_args
+from servetwin.experiments.config.schema import ExperimentConfig
+from servetwin.experiments.config.workloads import build_requests, workload_summary
+from servetwin.experiments.run.runner import (BackendRun, _Progress, _progress_bar, dist_stats, kv_pool_dict,
+                                              summarize, write_json)
+
+CLUSTER_LATENCY_KEYS = ("ttft_s", "tpot_s", "e2e_s", "queue_s")
+
+
+def build_cluster(exp: ExperimentConfig) -> list[Any]:
+    """Every instance copy's `InstanceEngines` (one engine per DP rank), in the config's order."""
+    from servetwin.core.engine.engine_factory import create_engine_core  # noqa: PLC0415
+    from servetwin.sim.cluster import InstanceEngines  # noqa: PLC0415
+
+    out = []
+    for name, inst in exp.cluster.expanded():
+        args = instance_engine_args(exp.engine_args("sim"), inst, inst.hardware_spec)
+        for endpoint, num_ranks in exp.cluster.endpoint_ranks(name, inst):
+            engines = [create_engine_core(args) for _ in range(num_ranks)]
+            moe = engines[0][1].executor.cost_model.model.num_experts > 0  # vLLM: MoE DP runs in lockstep
+            out.append(InstanceEngines(endpoint, [e for e, _ in engines], inst.role, [info for _, info in engines],
+                                       lockstep=moe and inst.data_parallel_size > 1, dp_group=name))
+    return out
+
+
+def engine_label(name: str, rank: int, dp: int) -> str:
+    return name if dp == 1 else f"{name}-r{rank}"
+
+
+def simulate_cluster(exp: ExperimentConfig, progress: bool = False):
+    """(ClusterSimulation after its run, per-engine BackendRuns by label, requests, interrupted)."""
+    from servetwin.sim.cluster import ClusterSimulation  # noqa: PLC0415
+    from servetwin.sim.routers import build_router  # noqa: PLC0415
+
+    instances = build_cluster(exp)
+    vocab = min(info.vocab_size for inst in instances for info in inst.infos if info.vocab_size)
+    requests, arrival, rng = build_requests(exp, vocab)
+    router_rng = np.random.default_rng([exp.seed, 0x5EED])  # the router's own draws (random picks, tie-breaks)
+    router = build_router(exp.cluster.router, router_rng)
+    bar = _progress_bar(progress, len(requests), f"{exp.name} [sim cluster]")
+    counter = _Progress(bar)
+    frontend = exp.frontend.resolved(exp.hardware_spec.device_type)
+    sim = ClusterSimulation(instances, router, requests, arrival, rng=rng, run=exp.name,
+                            scrape_interval_s=exp.cluster.router.scrape_interval_s,
+                            record_step_requests=exp.output.step_requests, frontend=frontend,
+                            on_complete=counter.on_complete, on_reject=counter.on_reject)
+    t0 = time.perf_counter()
+    interrupted = False
+    try:
+        sim.run()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if bar is not None:
+            bar.close()
+    wall = time.perf_counter() - t0
+    routed: dict[tuple[str, int], int] = {}
+    for d in sim.result.decisions:
+        routed[(d.pick, d.rank)] = routed.get((d.pick, d.rank), 0) + 1
+    runs: dict[str, BackendRun] = {}
+    for inst in instances:
+        dp = len(inst.engines)
+        for rank, (s, info) in enumerate(zip([r for n, _, r in sim.simulations() if n == inst.name], inst.infos)):
+            fe = s.frontend.summary(s.result.end_time_s) if s.frontend is not None else frontend.describe()
+            runs[engine_label(inst.name, rank, dp)] = BackendRun(
+                "sim", s.recorder, info, wall, s.result.end_time_s, routed.get((inst.name, rank), 0),
+                len(s.result.completion_s), dict(s.result.rejected), interrupted, frontend=fe,
+                kv_pool=kv_pool_dict(info))
+    return sim, runs, requests, interrupted
+
+
+def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict], frames: dict[str, dict],
+                    itls: list[np.ndarray], wall_s: float, num_requests: int) -> dict[str, Any]:
+    """The whole cluster's figures: every engine's requests pooled, over the cluster's duration."""
+    import pandas as pd  # noqa: PLC0415
+
+    reqs = pd.concat([f["requests"] for f in frames.values()], ignore_index=True) if frames else pd.DataFrame()
+    duration = max((s["duration_s"] for s in summaries.values()), default=0.0)
+    finished = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")] if len(reqs) else reqs
+    output_done = int(finished.output_tokens.sum()) if len(finished) else 0
+    prompt_done = int(finished.prompt_tokens.sum()) if len(finished) else 0
+    completed = len(sim.result.completion_s)
+
+    def per_s(x: float) -> Optional[float]:
+        return x / duration if duration > 0 else None
+
+    queries = sum(s["prefix_queries"] for s in summaries.values())
+    hits = sum(s["prefix_hits"] for s in summaries.values())
+    out: dict[str, Any] = {
+        "run": exp.name, "backend": "sim", "cluster": True, "requests": num_requests, "completed": completed,
+        "rejected": len(sim.result.rejected), "wall_s": wall_s, "simulated_s": sim.result.end_time_s,
+        "duration_s": duration, "num_steps": sum(s["num_steps"] for s in summaries.values()),
+        "num_engines": len(summaries), "num_gpus": exp.cluster.num_gpus(exp.engine.args.tensor_parallel_size),
+        "router": exp.cluster.router.type,
+        "throughput_tok_s": per_s(prompt_done + output_done), "output_tok_s": per_s(output_done),
+        "request_throughput_s": per_s(completed),
+        "itl_s": dist_stats(np.concatenate(itls) if itls else np.array([])),
+        "prefix_queries": queries, "prefix_hits": hits, "prefix_hit_rate": hits / queries if queries else None,
+        "preemptions": sum(s["preemptions"] for s in summaries.values()),
+        "kv_peak_usage": max((s["kv_peak_usage"] or 0.0 for s in summaries.values()), default=None),
+        "requests_per_engine": {k: s["requests"] for k, s in summaries.items()},
+        "links": {k: v.to_dict() for k, v in exp.cluster.links.items()},
+    }
+    for key in CLUSTER_LATENCY_KEYS:
+        out[key] = dist_stats(reqs[key]) if len(reqs) else dist_stats([])
+    return out
+
+
+def decisions_frame(sim: Any):
+    import pandas as pd  # noqa: PLC0415
+
+    rows = [{"request_id": d.request_id, "t_s": d.t, "pick": d.pick, "rank": d.rank,
+             "candidates": list(d.candidates), "scores": None if d.scores is None else [float(x) for x in d.scores]}
+            for d in sim.result.decisions]
+    return pd.DataFrame(rows, columns=["request_id", "t_s", "pick", "rank", "candidates", "scores"])
+
+
+def run_cluster_experiment(exp: ExperimentConfig, out_dir: str, folder: Any, progress: bool = True,
+                           log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Run the cluster, write everything under `out_dir` (the run-folder protocol of `run_experiment`)."""
+    import yaml  # noqa: PLC0415
+
+    from servetwin.experiments.run.report import portable_config  # noqa: PLC0415
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    t0 = time.perf_counter()
+    sim, runs, requests, interrupted = simulate_cluster(exp, progress)
+    wall = time.perf_counter() - t0
+    folder.begin()
+    folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
+    summaries, frames, itls = {}, {}, []
+    for label, run in runs.items():
+        frames[label] = run.recorder.frames()
+        run.itls = run.recorder.itl_array()
+        itls.append(np.asarray(run.itls, dtype=float))
+        summaries[label] = summarize(run, frames[label], exp, run.itls)
+        edir = os.path.join(out_dir, "sim", "instances", label)
+        os.makedirs(edir, exist_ok=True)
+        for path in run.recorder.write(edir, frames[label], trace=False).values():
+            folder.record(os.path.relpath(path, out_dir))
+        write_json(os.path.join(edir, "summary.json"), summaries[label])
+        folder.record(os.path.join("sim", "instances", label, "summary.json"))
+    whole = cluster_summary(exp, sim, summaries, frames, itls, wall, len(requests))
+    write_json(os.path.join(out_dir, "sim", "summary.json"), whole)
+    folder.record(os.path.join("sim", "summary.json"))
+    decisions = decisions_frame(sim)
+    path = os.path.join(out_dir, "sim", "router_decisions.parquet")
+    decisions.to_parquet(path, index=False)
+    folder.record(os.path.relpath(path, out_dir))
+    wsum = workload_summary(requests)
+    combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
+                "workload": wsum, "backends": {"sim": whole}, "cluster": {"engines": summaries}}
+    folder.write_json("summary.json", combined)
+    log(f"[sim cluster] {whole['completed']}/{whole['requests']} requests on {whole['num_engines']} engines "
+        f"({whole['num_gpus']} GPUs), router {whole['router']}, {whole['simulated_s']:.1f}s simulated in "
+        f"{wall:.1f}s wall")
+    if interrupted:
+        raise KeyboardInterrupt
+    return combined
+
+
+__all__ = ["run_cluster_experiment", "simulate_cluster", "cluster_summary", "build_cluster", "decisions_frame"]

@@ -1,0 +1,347 @@
+"""Many engines in one SimPy environment: instances behind a router, data-parallel ranks behind vLLM's
+internal load balancer.
+
+Layout: a cluster has instances (endpoints a router picks among); an instance has `data_parallel_size`
+ranks, each one `servetwin.sim.engine.Simulation` over its own `EngineCore`, all sharing the cluster's
+environment. The arrival process hands each request to the router (`servetwin.sim.routers`), which picks an
+instance; the instance's DP front end picks a rank with vLLM's rule (`servetwin.core.engine.dp_lb`).
+
+Dense DP (vLLM's rule for non-MoE models, `v1/engine/core.py:1546-1555`): the ranks are independent
+engines. Each rank sends `(waiting, running, kv_usage)` to the instance's coordinator at step boundaries when
+`(running, waiting)` changed; the coordinator publishes to the balancer 100 ms after the previous publish if
+anything changed, else every 5 s (`DPStatsCoordinator`), so the balancer works on stale counts overlaid by
+its exact in-flight counts and its own +client_count bumps. One API-server client per instance
+(`client_count = 1`). The ZMQ latency between engines, coordinator and front end is taken as 0.
+
+The router sees each instance's waiting / running / KV usage as scraped every `scrape_interval_s` (50 ms by
+default: the llm-d EPP's metrics refresh) and its own exact in-flight counts, which drop when a request
+completes. Every routing decision is recorded (`decisions`: request, time, candidates, scores, pick).
+
+MoE DP (an instance whose model has routed experts, `InstanceEngines.lockstep`) runs its ranks in lockstep
+(`servetwin.sim.lockstep`: global step barrier, padding, dummy batches, the 16-step all-reduce, wave starts).
+Prefill/decode roles are not simulated yet: the config refuses them with the field named.
+
+Event order at one simulated time is each engine's own (`servetwin.sim.engine`); between engines, the order
+of SimPy's event queue (creation order), so a run is deterministic for a seed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import numpy as np
+import simpy
+
+from servetwin.core.engine.dp_lb import DPLoadBalancer, DPStatsCoordinator, RequestCountsPublisher
+from servetwin.core.engine.engine_core import EngineCore
+from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
+from servetwin.sim.arrivals import ArrivalProcess
+from servetwin.sim.engine import Settler, Simulation, SimResult, rare_young_collections
+from servetwin.sim.lockstep import LockstepGroup
+from servetwin.sim.routers import DEFAULT_SCRAPE_INTERVAL_S, Endpoint, RouteDecision
+from servetwin.sim.workload import WorkloadRequest
+
+
+@dataclass(slots=True)
+class InstanceEngines:
+    """One instance's engines (its DP ranks, in rank order)."""
+    name: str
+    engines: list[EngineCore]
+    role: str = "both"
+    infos: list[Any] = field(default_factory=list)  # each engine's ExecutorInfo (KV pool sizing), for outputs
+    lockstep: bool = False  # MoE DP: the ranks step together (servetwin.sim.lockstep)
+    # the DP deployment the ranks belong to: instances with the same key and `lockstep` form one lockstep group
+    # (external / hybrid DP load balancing split one deployment into several endpoints); None: this instance
+    dp_group: Optional[str] = None
+
+
+@dataclass(slots=True)
+class Decision:
+    """One row of the router decision table."""
+    request_id: str
+    t: float
+    pick: str
+    rank: int  # the DP rank the instance's balancer chose
+    candidates: list[str]
+    scores: Optional[list[float]]
+
+
+@dataclass(slots=True)
+class ClusterResult:
+    end_time_s: float
+    instances: dict[str, list[SimResult]]  # instance -> one result per DP rank
+    decisions: list[Decision] = field(default_factory=list)
+    completion_s: dict[str, float] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    aborted_s: dict[str, float] = field(default_factory=dict)  # client timeouts
+    publishes: dict[str, list[float]] = field(default_factory=dict)  # DP instance -> its coordinator's publish times
+
+    @property
+    def num_steps(self) -> int:
+        return sum(r.num_steps for results in self.instances.values() for r in results)
+
+
+class _Instance:
+    """An instance: its ranks' simulations, the DP front end (balancer + coordinator) when it has several."""
+
+    def __init__(self, index: int, spec: InstanceEngines, env: simpy.Environment, make_sim: Callable) -> None:
+        self.index = index
+        self.name = spec.name
+        self.role = spec.role
+        self.env = env
+        self.ranks: list[Simulation] = [make_sim(engine, self, rank) for rank, engine in enumerate(spec.engines)]
+        n = len(self.ranks)
+        self.lb = DPLoadBalancer(n) if n > 1 else None
+        self.coordinator = DPStatsCoordinator(n) if n > 1 else None
+        self._publishers = [RequestCountsPublisher() for _ in range(n)]
+        self._stats_arrived: Optional[simpy.Event] = None
+        self.lockstep = spec.lockstep
+        self.dp_group = spec.dp_group or spec.name
+        self.publish_times: list[float] = []
+        self.group: Optional[LockstepGroup] = None
+        self._kv_events: Optional[Callable[[int, list], None]] = None
+        if self.lb is not None:
+            for rank, sim in enumerate(self.ranks):
+                sim.on_step_boundary = self._boundary_hook(rank)
+
+    def publish_kv_events(self, sink: Callable[[int, list], None]) -> None:
+        """Turn the ranks' KV cache events on; after each step they go to `sink(instance index, events)`
+        (vLLM publishes them per step over ZMQ, `--kv-events-config`)."""
+        self._kv_events = sink
+        for rank, sim in enumerate(self.ranks):
+            sim.engine.scheduler.kv_cache_manager.block_pool.enable_kv_cache_events()
+            sim.on_step_boundary = self._boundary_hook(rank)
+
+    def _boundary_hook(self, rank: int) -> Callable[[Simulation], None]:
+        publisher = self._publishers[rank]
+        coordinator, kv_sink = self.coordinator, self._kv_events
+
+        def on_boundary(sim: Simulation) -> None:
+            sched = sim.engine.scheduler
+            if kv_sink is not None:
+                events = sched.kv_cache_manager.block_pool.take_events()
+                if events:
+                    kv_sink(self.index, events)
+            if coordinator is None:
+                return
+            running, waiting = sched.get_request_counts()
+            stats = publisher.maybe_publish(running, waiting, sched.kv_cache_manager.usage)
+            if stats is not None:
+                coordinator.on_engine_stats(rank, *stats)
+                if self._stats_arrived is not None and not self._stats_arrived.triggered:
+                    self._stats_arrived.succeed()
+        return on_boundary
+
+    def coordinator_process(self, done: Callable[[], bool]):
+        """Publishes the ranks' counts to the balancer on the coordinator's schedule."""
+        env, coord = self.env, self.coordinator
+        while not done():
+            due = coord.next_publish_s(env.now)
+            if due > env.now:
+                self._stats_arrived = env.event()
+                yield env.any_of([env.timeout(due - env.now), self._stats_arrived])
+                self._stats_arrived = None
+                if coord.next_publish_s(env.now) > env.now:
+                    continue  # stats arrived: the deadline moved (100 ms after the last publish)
+            self.lb.on_publish(coord.publish(env.now))
+            self.publish_times.append(float(env.now))
+            yield env.timeout(0)  # (a publish per instant at most)
+
+    def counts(self) -> tuple[int, int, float]:
+        """(waiting, running, kv usage) now, summed over ranks (usage: their mean), as /metrics reports."""
+        waiting = running = 0
+        usage = 0.0
+        for sim in self.ranks:
+            sched = sim.engine.scheduler
+            r, w = sched.get_request_counts()
+            waiting += w
+            running += r
+            usage += sched.kv_cache_manager.usage
+        return waiting, running, usage / len(self.ranks)
+
+    def key_scheme(self) -> tuple[int, str]:
+        """What decides the engines' block keys of a prompt: block size and hash algorithm."""
+        config = self.ranks[0].engine.scheduler.cache_config
+        return config.block_size, config.prefix_caching_hash_algo
+
+    def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """The keys (block hash + group 0) the engines give a prompt's full blocks: what their KV events name."""
+        hasher = getattr(self.ranks[0].engine.scheduler, "block_hasher", None)
+        if hasher is None:  # prefix caching off: no events either
+            return []
+        probe = SimpleNamespace(block_hashes=[], all_token_ids=tokens, lora_request=None, cache_salt=None)
+        return [make_block_hash_with_group_id(h, 0) for h in hasher(probe)]
+
+
+    def accept(self, request: WorkloadRequest) -> tuple[int, simpy.Event]:
+        rank = self.lb.choose(request.request_id) if self.lb is not None else 0
+        return rank, self.ranks[rank].accept(request)
+
+    def on_finished(self, request_id: str) -> None:
+        if self.lb is not None:
+            self.lb.on_finished(request_id)
+
+
+class ClusterSimulation:
+    """Instances behind a router in one simulated time (see the module docstring)."""
+
+    def __init__(self, instances: Sequence[InstanceEngines], router: Any, requests: Sequence[WorkloadRequest],
+                 arrival: ArrivalProcess, *, rng: Optional[np.random.Generator] = None, run: str = "sim",
+                 scrape_interval_s: float = DEFAULT_SCRAPE_INTERVAL_S, max_time_s: Optional[float] = None,
+                 record_step_requests: bool = True, frontend: Any = None,
+                 on_complete: Optional[Callable[[str, float], None]] = None,
+                 on_reject: Optional[Callable[[str, str], None]] = None, **sim_kwargs: Any) -> None:
+        if not instances:
+            raise ValueError("cluster.instances: at least one instance")
+        self.env = simpy.Environment()
+        self.router = router
+        self.requests = list(requests)
+        self.arrival = arrival
+        self.rng = rng if rng is not None else np.random.default_rng(0)
+        self.scrape_interval_s = scrape_interval_s
+        self.max_time_s = max_time_s
+        self.on_complete = on_complete
+        self.on_reject = on_reject
+        self.result = ClusterResult(0.0, {})
+        self._where: dict[str, _Instance] = {}  # request -> its instance, while in flight
+        self._arrivals_done = False
+        self._by_id = {r.request_id: r for r in self.requests}
+        settler = self.settler = Settler(self.env)
+
+        def make_sim(engine: EngineCore, inst: _Instance, rank: int) -> Simulation:
+            sim = Simulation(engine, [], arrival, rng=self.rng, run=run, record_step_requests=record_step_requests,
+                             frontend=frontend, env=self.env, settler=settler, on_complete=self._completed,
+                             on_reject=self._rejected, **sim_kwargs)
+            sim.on_abort = self._aborted
+            return sim
+
+        self.instances = [_Instance(i, spec, self.env, make_sim) for i, spec in enumerate(instances)]
+        self.endpoints = [Endpoint(i, inst.name, inst.role, block_keys=inst.block_keys, key_scheme=inst.key_scheme())
+                          for i, inst in enumerate(self.instances)]
+        on_kv_events = getattr(router, "on_kv_events", None)
+        if on_kv_events is not None and getattr(router, "wants_kv_events", False):
+            delay = float(getattr(router, "kv_event_delay_s", 0.0))
+            env = self.env
+
+            def sink(index: int, events: list) -> None:
+                if delay <= 0:
+                    on_kv_events(index, events)
+                else:  # the events' way to the router (ZMQ publisher -> indexer)
+                    env.timeout(delay).callbacks.append(lambda _e: on_kv_events(index, events))
+            for inst in self.instances:
+                inst.publish_kv_events(sink)
+
+    # -- routing ---------------------------------------------------------------------------------
+    def _route(self, request: WorkloadRequest) -> simpy.Event:
+        decision: RouteDecision = self.router.route(request, self.endpoints)
+        inst = self.instances[decision.pick]
+        endpoint = self.endpoints[decision.pick]
+        endpoint.active += 1
+        endpoint.active_tokens += len(request.prompt_token_ids)
+        on_routed = getattr(self.router, "on_routed", None)
+        if on_routed is not None:
+            on_routed(request, endpoint)
+        self._where[request.request_id] = inst
+        rank, done = inst.accept(request)
+        cands = decision.candidates if decision.candidates is not None else range(len(self.endpoints))
+        self.result.decisions.append(Decision(request.request_id, float(self.env.now), inst.name, rank,
+                                              [self.endpoints[i].name for i in cands], decision.scores))
+        return done
+
+    def _release(self, request_id: str) -> Optional[_Instance]:
+        inst = self._where.pop(request_id, None)
+        if inst is not None:
+            endpoint = self.endpoints[inst.index]
+            endpoint.active -= 1
+            req = self._by_id.get(request_id)
+            if req is not None:
+                endpoint.active_tokens -= len(req.prompt_token_ids)
+            inst.on_finished(request_id)
+        return inst
+
+    def _completed(self, request_id: str, t: float) -> None:
+        self._release(request_id)
+        self.result.completion_s[request_id] = t
+        if self.on_complete is not None:
+            self.on_complete(request_id, t)
+
+    def _aborted(self, request_id: str, t: float) -> None:
+        self._release(request_id)  # vLLM reports an aborted request finished: its in-flight slot is free
+        self.result.aborted_s[request_id] = t
+
+    def _rejected(self, request_id: str, reason: str) -> None:
+        self._release(request_id)
+        self.result.rejected[request_id] = reason
+        if self.on_reject is not None:
+            self.on_reject(request_id, reason)
+
+    # -- processes -------------------------------------------------------------------------------
+    def _arrivals(self):
+        yield from self.arrival.process(self.env, self.requests, self._route, self.rng)
+        self._arrivals_done = True
+        for inst in self.instances:
+            for sim in inst.ranks:
+                sim.close_arrivals()
+
+    def _done(self) -> bool:
+        return self._arrivals_done and not self._where
+
+    def _scraper(self):
+        """The router's metrics refresh: every endpoint's counts as they are at each tick."""
+        env = self.env
+        while not self._done():
+            for endpoint, inst in zip(self.endpoints, self.instances):
+                endpoint.waiting, endpoint.running, endpoint.kv_usage = inst.counts()
+            yield env.timeout(self.scrape_interval_s)
+
+    def run(self) -> ClusterResult:
+        env = self.env
+        env.process(self._arrivals())
+        engines = self._start_engines()
+        if len(self.instances) > 1:  # (one instance: nothing to choose, the router needs no metrics)
+            env.process(self._scraper())
+        for inst in self.instances:
+            if inst.coordinator is not None:
+                env.process(inst.coordinator_process(self._done))
+        until: Any = env.all_of(engines)
+        if self.max_time_s is not None:
+            until = env.any_of([until, env.timeout(self.max_time_s)])
+        with rare_young_collections():
+            env.run(until=until)
+        end = 0.0
+        for inst in self.instances:
+            results = [sim.finish() for sim in inst.ranks]
+            self.result.instances[inst.name] = results
+            if inst.coordinator is not None:
+                self.result.publishes[inst.name] = inst.publish_times
+            end = max([end, *(r.end_time_s for r in results)])
+        self.result.end_time_s = end
+        return self.result
+
+    def _start_engines(self) -> list[simpy.Process]:
+        """One process per independent engine, one per lockstep group (its ranks may span several endpoints)."""
+        procs, groups = [], {}
+        for inst in self.instances:
+            if inst.lockstep:
+                groups.setdefault(inst.dp_group, []).append(inst)
+            else:
+                procs += [sim.start_engine() for sim in inst.ranks]
+        for members in groups.values():
+            ranks = [sim for inst in members for sim in inst.ranks]
+            if len(ranks) == 1:  # DP 1: nothing to step with
+                procs.append(ranks[0].start_engine())
+                continue
+            group = LockstepGroup(self.env, ranks, self.settler.wait)
+            for inst in members:
+                inst.group = group
+            procs.append(self.env.process(group.process()))
+        return procs
+
+    def simulations(self) -> list[tuple[str, int, Simulation]]:
+        """(instance, rank, simulation) of every engine, in instance and rank order."""
+        return [(inst.name, rank, sim) for inst in self.instances for rank, sim in enumerate(inst.ranks)]
+
+
+__all__ = ["ClusterSimulation", "ClusterResult", "InstanceEngines", "Decision"]

@@ -1,0 +1,404 @@
+"""Routers in front of a cluster's instances: which instance (endpoint) serves a request.
+
+A router sees `Endpoint`s: each instance's metrics as last scraped (`waiting`, `running`, `kv_usage`: stale
+by up to the scrape interval, 50 ms by default, GIE's `DefaultRefreshMetricsInterval`), and the router's own
+exact in-flight bookkeeping (`active`, `active_tokens`). `route(request, endpoints)` returns a `RouteDecision`
+(the pick and, when the router scores, every candidate's score: the cluster's decision table).
+
+Built in (`ROUTERS`): `round_robin`, `random`, `least_loaded` and `llm_d`, the llm-d / Gateway API
+Inference Extension pipeline: filters, then the weighted sum of scorers, then the max-score picker with a
+random tie-break (llm-d-inference-scheduler `docs/architecture.md`, "Routing Flow"). Scorers (`SCORERS`):
+- `queue`: min-max normalised waiting count, `(maxQ - q) / (maxQ - minQ)`, all equal -> 1 (GIE
+  `scorer/queue.go`);
+- `kv-cache-utilization`: `1 - kv_usage` (GIE `scorer/kvcache_utilization.go`);
+- `load-aware`: `q == 0 -> 0.5`, else `0.5 * (1 - min(q, T) / T)`, T = 128 (llm-d `QueueThresholdDefault`);
+- `active-request`: the router's in-flight count, `(max - n) / max`, all idle -> 1 (llm-d `active-request-scorer`);
+- `token-load`: the router's in-flight prompt tokens, `1 - min(t, T) / T`, T = 4,194,304 (GIE
+  `scorer/tokenload`, `tokenQueueThresholdDefault`, "128 requests @ 32K");
+- `prefix-cache` (approximate): a router-side LRU index per endpoint of the block hashes of the prompts routed
+  there (16-token blocks, at most 256 matched, 31,250 blocks per endpoint), which never sees the engines'
+  evictions; score = leading blocks matched / prompt blocks (GIE `plugins/multi/prefix/plugin.go`);
+- `precise-prefix-cache`: leading prompt blocks in an index of the blocks the endpoint's engines reported
+  cached through vLLM's KV events (BlockStored / BlockRemoved / AllBlocksCleared), which reach the router
+  `event_delay_s` after the step that made them (default 5 ms, assumed: llm-d does not publish it).
+The filter `prefix-cache-affinity` keeps the endpoints whose approximate prefix score is the best one when
+that score is at least `threshold` (default 0.5; all endpoints otherwise).
+
+Users add routers and scorers through the entry point groups `servetwin.routers` (a factory called with the
+router's config and its random stream, as the built-in `make_*` ones) and `servetwin.router_scorers` (a factory
+called with the scorer's parameters); the built-ins are registered there too (pyproject.toml) and found first.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from servetwin.core.config_error import ConfigError
+
+ROUTER_ENTRY_POINTS = "servetwin.routers"
+SCORER_ENTRY_POINTS = "servetwin.router_scorers"
+DEFAULT_SCRAPE_INTERVAL_S = 0.05  # GIE cmd/epp: DefaultRefreshMetricsInterval = 50ms
+LOAD_AWARE_THRESHOLD = 128  # llm-d QueueThresholdDefault
+TOKEN_LOAD_THRESHOLD = 4_194_304  # GIE tokenload tokenQueueThresholdDefault
+PREFIX_BLOCK_TOKENS = 16  # GIE prefix plugin: block size in tokens
+PREFIX_MAX_BLOCKS = 256  # maxPrefixBlocksToMatch
+PREFIX_LRU_BLOCKS = 31_250  # lruCapacityPerServer
+# How long vLLM's KV events take to reach the router's index (ZMQ publish + indexer): not published; assumed.
+KV_EVENT_DELAY_S = 0.005
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """One routable instance as the router sees it."""
+    index: int
+    name: str
+    role: str = "both"
+    waiting: int = 0  # scraped
+    running: int = 0  # scraped
+    kv_usage: float = 0.0  # scraped
+    active: int = 0  # the router's requests in flight there (exact)
+    active_tokens: int = 0  # their prompt tokens
+    block_keys: Optional[Callable[[Sequence[int]], list[bytes]]] = None  # a prompt's block keys as its engines name them
+    key_scheme: Any = None  # endpoints with equal schemes name a prompt's blocks alike (computed once per request)
+
+
+@dataclass(slots=True)
+class RouteDecision:
+    pick: int
+    scores: Optional[list[float]] = None  # per endpoint (None: the router does not score)
+    candidates: Optional[list[int]] = None  # the endpoints left by the filters (None: all)
+
+
+class Router(Protocol):
+    def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision: ...
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self.next = 0
+
+    def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision:
+        pick = self.next % len(endpoints)
+        self.next += 1
+        return RouteDecision(pick)
+
+
+class RandomRouter:
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+
+    def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision:
+        return RouteDecision(int(self.rng.integers(len(endpoints))))
+
+
+class LeastLoaded:
+    """The endpoint with the fewest of the router's requests in flight (the first of equals)."""
+
+    def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision:
+        loads = [float(e.active) for e in endpoints]
+        return RouteDecision(loads.index(min(loads)), loads)
+
+
+# -- llm-d scorers -------------------------------------------------------------------------------
+class Scorer(Protocol):
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]: ...
+
+
+def queue_scores(endpoints: Sequence[Endpoint]) -> list[float]:
+    qs = [e.waiting for e in endpoints]
+    lo, hi = min(qs), max(qs)
+    if hi == lo:
+        return [1.0] * len(qs)
+    return [(hi - q) / (hi - lo) for q in qs]
+
+
+class QueueScorer:
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        return queue_scores(endpoints)
+
+
+class KVCacheUtilizationScorer:
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        return [1.0 - e.kv_usage for e in endpoints]
+
+
+@dataclass(slots=True)
+class LoadAwareScorer:
+    threshold: int = LOAD_AWARE_THRESHOLD
+
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        t = self.threshold
+        return [0.5 if e.waiting == 0 else 0.5 * (1.0 - min(e.waiting, t) / t) for e in endpoints]
+
+
+class ActiveRequestScorer:
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        top = max(e.active for e in endpoints)
+        if top == 0:
+            return [1.0] * len(endpoints)
+        return [(top - e.active) / top for e in endpoints]
+
+
+@dataclass(slots=True)
+class TokenLoadScorer:
+    threshold: int = TOKEN_LOAD_THRESHOLD
+
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        t = self.threshold
+        return [1.0 if e.active_tokens <= 0 else 1.0 - min(e.active_tokens, t) / t for e in endpoints]
+
+
+def prompt_block_keys(tokens: Sequence[int], block_tokens: int, max_blocks: int) -> list[int]:
+    """Chained keys of the prompt's full blocks (a block's key covers every token before it)."""
+    keys, parent = [], 0
+    for start in range(0, min(len(tokens) // block_tokens, max_blocks) * block_tokens, block_tokens):
+        parent = hash((parent, tuple(tokens[start:start + block_tokens])))
+        keys.append(parent)
+    return keys
+
+
+@dataclass(slots=True)
+class ApproxPrefixIndex:
+    """Per endpoint, an LRU set of the block keys of prompts routed there; it never sees evictions."""
+    capacity: int = PREFIX_LRU_BLOCKS
+    lru: dict[int, OrderedDict] = field(default_factory=dict)
+
+    def matched(self, endpoint: int, keys: Sequence[int]) -> int:
+        table = self.lru.get(endpoint)
+        n = 0
+        if table:
+            for k in keys:
+                if k not in table:
+                    break
+                n += 1
+        return n
+
+    def add(self, endpoint: int, keys: Sequence[int]) -> None:
+        table = self.lru.setdefault(endpoint, OrderedDict())
+        for k in keys:
+            table[k] = None
+            table.move_to_end(k)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
+
+
+@dataclass(slots=True)
+class PrefixCacheScorer:
+    block_tokens: int = PREFIX_BLOCK_TOKENS
+    max_blocks: int = PREFIX_MAX_BLOCKS
+    index: ApproxPrefixIndex = field(default_factory=ApproxPrefixIndex)
+    _last: Optional[tuple[Any, list[int]]] = field(default=None, repr=False, compare=False)
+
+    def keys(self, request: Any) -> list[int]:
+        """(Kept for the request last asked about: the filter, the score and the routed hook ask in turn.)"""
+        if self._last is not None and self._last[0] is request:
+            return self._last[1]
+        keys = prompt_block_keys(request.prompt_token_ids, self.block_tokens, self.max_blocks)
+        self._last = (request, keys)
+        return keys
+
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        keys = self.keys(request)
+        if not keys:
+            return [0.0] * len(endpoints)
+        return [self.index.matched(e.index, keys) / len(keys) for e in endpoints]
+
+    def on_routed(self, request: Any, endpoint: Endpoint) -> None:
+        self.index.add(endpoint.index, self.keys(request))
+
+
+@dataclass(slots=True)
+class PrecisePrefixCacheScorer:
+    """An index per endpoint of the blocks its engines reported cached (KV events: stored adds, removed and
+    cleared drop, as llm-d's kv-cache indexer keeps a key -> pods map), `event_delay_s` behind the engines."""
+    max_blocks: int = PREFIX_MAX_BLOCKS
+    event_delay_s: float = KV_EVENT_DELAY_S
+    index: dict[int, set] = field(default_factory=dict)
+    wants_kv_events: bool = True
+
+    def on_kv_events(self, endpoint: int, events: Sequence[tuple[str, Any]]) -> None:
+        keys = self.index.setdefault(endpoint, set())
+        for kind, key in events:
+            if kind == "stored":
+                keys.add(key)
+            elif kind == "removed":
+                keys.discard(key)
+            else:
+                keys.clear()
+
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        tokens = request.prompt_token_ids
+        out = []
+        by_scheme: dict[Any, list] = {}
+        for e in endpoints:
+            keys = by_scheme.get(e.key_scheme) if e.key_scheme is not None else None
+            if keys is None:
+                keys = e.block_keys(tokens)[:self.max_blocks] if e.block_keys is not None else []
+                if e.key_scheme is not None:
+                    by_scheme[e.key_scheme] = keys
+            held = self.index.get(e.index, ())
+            hit = 0
+            for k in keys:
+                if k not in held:
+                    break
+                hit += 1
+            out.append(hit / len(keys) if keys else 0.0)
+        return out
+
+
+SCORERS: dict[str, Callable[..., Any]] = {
+    "queue": QueueScorer, "kv-cache-utilization": KVCacheUtilizationScorer, "load-aware": LoadAwareScorer,
+    "active-request": ActiveRequestScorer, "token-load": TokenLoadScorer, "prefix-cache": PrefixCacheScorer,
+    "precise-prefix-cache": PrecisePrefixCacheScorer,
+}
+
+
+@dataclass(slots=True)
+class PrefixAffinityFilter:
+    """Keeps the endpoints with the best approximate prefix match when it reaches `threshold`."""
+    scorer: PrefixCacheScorer
+    threshold: float = 0.5
+
+    def filter(self, request: Any, endpoints: Sequence[Endpoint]) -> list[int]:
+        scores = self.scorer.score(request, endpoints)
+        best = max(scores)
+        if best < self.threshold or best == 0.0:
+            return list(range(len(endpoints)))
+        return [i for i, s in enumerate(scores) if s == best]
+
+
+class LlmdRouter:
+    """Filters -> weighted scorers -> max-score picker, ties broken at random."""
+
+    def __init__(self, scorers: Sequence[tuple[Any, float]], rng: np.random.Generator,
+                 filters: Sequence[Any] = ()) -> None:
+        self.scorers = list(scorers)
+        self.filters = list(filters)
+        self.rng = rng
+
+    def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision:
+        candidates = list(range(len(endpoints)))
+        for f in self.filters:
+            kept = f.filter(request, [endpoints[i] for i in candidates])
+            candidates = [candidates[i] for i in kept]
+        views = [endpoints[i] for i in candidates]
+        total = [0.0] * len(views)
+        for scorer, weight in self.scorers:
+            for i, s in enumerate(scorer.score(request, views)):
+                total[i] += weight * s
+        best = max(total)
+        ties = [i for i, s in enumerate(total) if s == best]
+        pick = ties[int(self.rng.integers(len(ties)))] if len(ties) > 1 else ties[0]
+        scores = [float("nan")] * len(endpoints)
+        for i, s in zip(candidates, total):
+            scores[i] = s
+        return RouteDecision(candidates[pick], scores, candidates if self.filters else None)
+
+    @property
+    def wants_kv_events(self) -> bool:
+        return any(getattr(s, "wants_kv_events", False) for s, _ in self.scorers)
+
+    @property
+    def kv_event_delay_s(self) -> float:
+        return max((getattr(s, "event_delay_s", 0.0) for s, _ in self.scorers
+                    if getattr(s, "wants_kv_events", False)), default=0.0)
+
+    def on_kv_events(self, endpoint: int, events: Sequence[tuple[str, Any]]) -> None:
+        for scorer, _ in self.scorers:
+            if getattr(scorer, "wants_kv_events", False):
+                scorer.on_kv_events(endpoint, events)
+
+    def on_routed(self, request: Any, endpoint: Endpoint) -> None:
+        seen = set()
+        for scorer in [s for s, _ in self.scorers] + [getattr(f, "scorer", None) for f in self.filters]:
+            hook = getattr(scorer, "on_routed", None)
+            if hook is not None and id(scorer) not in seen:
+                seen.add(id(scorer))
+                hook(request, endpoint)
+
+
+# -- prefill/decode disaggregation: the decider hook (P/D itself is simulated later) --------------------------
+@dataclass(slots=True)
+class PrefixBasedPDDecider:
+    """llm-d's `prefix-based-pd-decider`: a request is prefilled on a prefill instance only when the prompt
+    tokens not already cached on the chosen decode instance exceed `non_cached_tokens` (16 by default,
+    llm-d-inference-scheduler deploy/config/pd-epp-config.yaml `nonCachedTokens: 16`); otherwise the decode
+    instance prefills it itself. `cached_tokens` comes from the router's prefix index for that instance."""
+    non_cached_tokens: int = 16
+
+    def disaggregate(self, num_prompt_tokens: int, cached_tokens: int) -> bool:
+        return num_prompt_tokens - cached_tokens > self.non_cached_tokens
+
+
+# -- building from the config ----------------------------------------------------------------------
+def _plugin(group: str, name: str) -> Optional[Callable[..., Any]]:
+    for ep in importlib.metadata.entry_points(group=group):
+        if ep.name == name:
+            return ep.load()
+    return None
+
+
+def build_scorer(name: str, params: Mapping[str, Any], path: str) -> Any:
+    factory = SCORERS.get(name) or _plugin(SCORER_ENTRY_POINTS, name)
+    if factory is None:
+        raise ConfigError(f"{path}.type", f"unknown scorer {name!r}; built in: {', '.join(SCORERS)} "
+                                          f"(others through the entry point group {SCORER_ENTRY_POINTS!r})")
+    try:
+        return factory(**params)
+    except TypeError as e:
+        raise ConfigError(path, f"bad parameters for scorer {name!r}: {e}") from None
+
+
+# Router factories: `factory(spec, rng)` with spec a `servetwin.experiments.config.cluster.RouterConfig` and rng
+# the router's own random stream; the same signature for the entry points of `servetwin.routers`.
+def make_round_robin(spec: Any, rng: np.random.Generator) -> RoundRobin:
+    return RoundRobin()
+
+
+def make_random(spec: Any, rng: np.random.Generator) -> RandomRouter:
+    return RandomRouter(rng)
+
+
+def make_least_loaded(spec: Any, rng: np.random.Generator) -> LeastLoaded:
+    return LeastLoaded()
+
+
+def make_llm_d(spec: Any, rng: np.random.Generator) -> LlmdRouter:
+    scorers = [(build_scorer(s.type, s.params, f"cluster.router.scorers[{i}]"), s.weight)
+               for i, s in enumerate(spec.scorers)]
+    filters = []
+    for i, f in enumerate(spec.filters):
+        if f.type != "prefix-cache-affinity":
+            raise ConfigError(f"cluster.router.filters[{i}].type",
+                              f"unknown filter {f.type!r}; built in: prefix-cache-affinity")
+        shared = next((s for s, _ in scorers if isinstance(s, PrefixCacheScorer)), None)
+        try:
+            filters.append(PrefixAffinityFilter(shared or PrefixCacheScorer(), **f.params))
+        except TypeError as e:
+            raise ConfigError(f"cluster.router.filters[{i}]", f"bad parameters: {e}") from None
+    return LlmdRouter(scorers, rng, filters)
+
+
+ROUTERS: dict[str, Callable[[Any, np.random.Generator], Any]] = {
+    "round_robin": make_round_robin, "random": make_random, "least_loaded": make_least_loaded, "llm_d": make_llm_d,
+}
+
+
+def build_router(spec: Any, rng: np.random.Generator) -> Any:
+    """The router of a `RouterConfig`: a built-in one, else the entry point of that name."""
+    factory = ROUTERS.get(spec.type) or _plugin(ROUTER_ENTRY_POINTS, spec.type)
+    if factory is None:
+        raise ConfigError("cluster.router.type", f"unknown router {spec.type!r}; built in: {', '.join(ROUTERS)} "
+                                                 f"(others through the entry point group {ROUTER_ENTRY_POINTS!r})")
+    return factory(spec, rng)
+
+
+__all__ = ["ROUTERS", "Endpoint", "RouteDecision", "Router", "RoundRobin", "RandomRouter", "LeastLoaded", "LlmdRouter",
+           "SCORERS", "build_router", "build_scorer", "queue_scores", "prompt_block_keys", "ApproxPrefixIndex",
+           "PrefixCacheScorer", "PrecisePrefixCacheScorer", "PrefixAffinityFilter", "PrefixBasedPDDecider",
+           "DEFAULT_SCRAPE_INTERVAL_S"]

@@ -1,0 +1,145 @@
+"""Routers and llm-d scorers (`servetwin.sim.routers`): worked values from the sources' formulas."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servetwin.sim.routers import (ActiveRequestScorer, ApproxPrefixIndex, Endpoint, KVCacheUtilizationScorer,
+                                   LeastLoaded, LlmdRouter, LoadAwareScorer, PrefixAffinityFilter,
+                                   PrefixCacheScorer, QueueScorer, RoundRobin, TokenLoadScorer, prompt_block_keys)
+
+
+def _eps(*waiting, **kw):
+    return [Endpoint(i, f"e{i}", waiting=w, **{k: v[i] for k, v in kw.items()}) for i, w in enumerate(waiting)]
+
+
+REQ = SimpleNamespace(prompt_token_ids=list(range(100, 164)))  # 4 blocks of 16
+
+
+def test_queue_scorer_is_min_max_normalised():
+    assert QueueScorer().score(REQ, _eps(0, 5, 10)) == [1.0, 0.5, 0.0]
+    assert QueueScorer().score(REQ, _eps(3, 3)) == [1.0, 1.0]  # all equal -> 1
+
+
+def test_load_aware_and_kv_and_token_load_and_active_request():
+    assert LoadAwareScorer().score(REQ, _eps(0, 64, 500)) == [0.5, 0.25, 0.0]
+    assert KVCacheUtilizationScorer().score(REQ, _eps(0, 0, kv_usage=[0.25, 1.0])) == [0.75, 0.0]
+    assert TokenLoadScorer(threshold=1000).score(REQ, _eps(0, 0, 0, active_tokens=[0, 500, 5000])) == [1.0, 0.5, 0.0]
+    assert ActiveRequestScorer().score(REQ, _eps(0, 0, 0, active=[0, 2, 4])) == [1.0, 0.5, 0.0]
+    assert ActiveRequestScorer().score(REQ, _eps(0, 0)) == [1.0, 1.0]
+
+
+def test_approximate_prefix_index_scores_routed_prompts_and_never_sees_evictions():
+    scorer = PrefixCacheScorer()
+    eps = _eps(0, 0)
+    assert scorer.score(REQ, eps) == [0.0, 0.0]
+    scorer.on_routed(REQ, eps[1])
+    half = SimpleNamespace(prompt_token_ids=REQ.prompt_token_ids[:32] + [7] * 32)
+    assert scorer.score(half, eps) == [0.0, 0.5]  # 2 of 4 leading blocks
+    # the engine may have evicted them long ago: the index still says so (only its own LRU forgets)
+    small = ApproxPrefixIndex(capacity=4)
+    small.add(0, prompt_block_keys(REQ.prompt_token_ids, 16, 256))
+    small.add(0, prompt_block_keys([1] * 32, 16, 256))
+    assert small.matched(0, prompt_block_keys(REQ.prompt_token_ids, 16, 256)) == 0  # its LRU dropped the head
+
+
+def test_prefix_affinity_filter_keeps_the_best_match_above_the_threshold():
+    scorer = PrefixCacheScorer()
+    eps = _eps(0, 0, 0)
+    scorer.on_routed(REQ, eps[2])
+    assert PrefixAffinityFilter(scorer).filter(REQ, eps) == [2]
+    other = SimpleNamespace(prompt_token_ids=[9] * 64)
+    assert PrefixAffinityFilter(scorer).filter(other, eps) == [0, 1, 2]
+
+
+def test_llm_d_picks_the_best_weighted_sum_with_random_tie_breaks():
+    router = LlmdRouter([(QueueScorer(), 2.0), (LoadAwareScorer(), 1.0)], np.random.default_rng(0))
+    d = router.route(REQ, _eps(4, 0, 8))
+    assert d.pick == 1 and d.scores == pytest.approx([2 * 0.5 + 0.5 * (1 - 4 / 128), 2.5, 0.5 * (1 - 8 / 128)])
+    picks = {router.route(REQ, _eps(1, 1, 1)).pick for _ in range(60)}
+    assert picks == {0, 1, 2}  # ties broken at random
+
+
+def test_round_robin_and_least_loaded():
+    rr = RoundRobin()
+    assert [rr.route(REQ, _eps(0, 0, 0)).pick for _ in range(4)] == [0, 1, 2, 0]
+    assert LeastLoaded().route(REQ, _eps(0, 0, 0, active=[3, 1, 1])).pick == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=8), st.integers(0, 2**31))
+def test_llm_d_pick_has_the_maximum_score(waiting, seed):
+    router = LlmdRouter([(QueueScorer(), 1.0), (LoadAwareScorer(), 2.0)], np.random.default_rng(seed))
+    d = router.route(REQ, _eps(*waiting))
+    assert d.scores[d.pick] == max(d.scores)
+
+
+def test_pyproject_registers_every_built_in_router_and_scorer():
+    import tomllib
+    from pathlib import Path
+
+    from servetwin.sim import routers
+
+    eps = tomllib.loads((Path(routers.__file__).parents[1] / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert {k: v.rsplit(":", 1)[1] for k, v in eps["servetwin.routers"].items()} == {
+        k: f.__name__ for k, f in routers.ROUTERS.items()}
+    assert {k: v.rsplit(":", 1)[1] for k, v in eps["servetwin.router_scorers"].items()} == {
+        k: f.__name__ for k, f in routers.SCORERS.items()}
+
+
+def test_a_user_router_and_scorer_load_through_their_entry_points(monkeypatch):
+    import importlib.metadata
+
+    from servetwin.experiments.config.cluster import PluginConfig, RouterConfig
+    from servetwin.sim import routers
+
+    class Always:
+        def __init__(self, spec, rng):
+            self.target = spec.params["target"]
+
+        def route(self, request, endpoints):
+            return routers.RouteDecision(self.target)
+
+    class Constant:
+        def __init__(self, value=0.0):
+            self.value = value
+
+        def score(self, request, endpoints):
+            return [self.value] * len(endpoints)
+
+    def fake_entry_points(group):
+        table = {"servetwin.routers": {"always": Always}, "servetwin.router_scorers": {"constant": Constant}}
+        return [SimpleNamespace(name=n, load=lambda f=f: f) for n, f in table.get(group, {}).items()]
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
+    r = routers.build_router(RouterConfig("always", params={"target": 2}), np.random.default_rng(0))
+    assert r.route(REQ, _eps(0, 0, 0)).pick == 2
+    llmd = routers.build_router(RouterConfig("llm_d", scorers=[PluginConfig("constant", 1.0, {"value": 0.3})]),
+                                np.random.default_rng(0))
+    assert llmd.route(REQ, _eps(0, 0)).scores == [0.3, 0.3]
+
+
+def test_precise_prefix_index_follows_the_kv_events():
+    from servetwin.sim.routers import PrecisePrefixCacheScorer
+
+    keys = [b"a", b"b", b"c", b"d"]
+    eps = [Endpoint(i, f"e{i}", block_keys=lambda tokens: keys) for i in range(2)]
+    scorer = PrecisePrefixCacheScorer()
+    scorer.on_kv_events(1, [("stored", k) for k in keys[:3]])
+    assert scorer.score(REQ, eps) == [0.0, 0.75]
+    scorer.on_kv_events(1, [("removed", b"b")])  # an eviction breaks the leading run
+    assert scorer.score(REQ, eps) == [0.0, 0.25]
+    scorer.on_kv_events(1, [("cleared", None)])
+    assert scorer.score(REQ, eps) == [0.0, 0.0]
+
+
+def test_the_pd_decider_disaggregates_above_16_non_cached_tokens():
+    from servetwin.sim.routers import PrefixBasedPDDecider
+
+    d = PrefixBasedPDDecider()
+    assert d.disaggregate(100, 0) and d.disaggregate(100, 83)
+    assert not d.disaggregate(100, 84) and not d.disaggregate(16, 0)
