@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 
 from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import ExecutorBackend, ExecutorInfo
 from servetwin.gpu.models.model_files import (attention_heads, check_max_model_len, config_on_disk,
                                               max_position_embeddings)
@@ -26,7 +27,7 @@ def torch_executor_kwargs(args: EngineArgs) -> dict:
                 enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                 seed=args.seed, profile_dir=args.profile_dir,
                 disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-                async_scheduling=args.async_scheduling)
+                async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
 
 
 def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
@@ -34,6 +35,8 @@ def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
     (`UniprocExecutor`'s place) at TP=1, in one worker process per rank (`MultiprocExecutor`) above."""
     kwargs = torch_executor_kwargs(args)
     if args.tensor_parallel_size > 1:
+        if args.speculative_config is not None:  # the ranks would draft, but nothing takes their drafts
+            raise ConfigError("speculative_config", "the torch backend drafts at tensor_parallel_size 1 only")
         from servetwin.gpu.multiproc_executor import MultiprocExecutor, default_worker_threads  # noqa: PLC0415
 
         tp = args.tensor_parallel_size

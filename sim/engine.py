@@ -118,12 +118,15 @@ class Simulation:
         # implicit, so only without `step_requests`; they replace the (sync-only) decode fast-forward.
         ex = engine.executor
         # (both shortcuts assume one full-attention KV cache group: window groups free blocks every step)
-        self.lazy_decode = bool(lazy_decode and not record_step_requests and isinstance(engine.scheduler, SimScheduler)
+        # speculative decoding: both off (their steady decode rows sample one token each, no drafts)
+        drafting = bool(getattr(engine.scheduler, "num_spec_tokens", 0))
+        self.lazy_decode = bool(lazy_decode and not drafting and not record_step_requests
+                                and isinstance(engine.scheduler, SimScheduler)
                                 and hasattr(ex, "lazy_tokens") and getattr(ex, "token_rule", None) == "request"
                                 and engine.scheduler.kv_cache_manager.single_full_attention)
         if self.lazy_decode:
             engine.scheduler.enable_lazy_decode(ex)
-        self.fast_forward = fast_forward and not self.lazy_decode
+        self.fast_forward = fast_forward and not self.lazy_decode and not drafting
         self.eos_token_id = eos_token_id
         self.on_complete = on_complete
         self.on_reject = on_reject

@@ -195,6 +195,11 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0
     num_steps: int = 0
     sim_busy_s: float = 0.0  # paced mode: total predicted duration of the steps run so far
+    # speculative decoding since start (vLLM's spec_decode counters; per_pos empty when off)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class RequestErrorMsg(msgspec.Struct, array_like=True):

@@ -91,8 +91,10 @@ class EngineGauges:
     num_preemptions: int = 0
     num_steps: int = 0
     sim_busy_s: float = 0.0  # sim backend: total predicted duration of the engine's steps
+    spec_decode: Any = None  # the latest EngineStats: its spec-decode totals (counters since start)
 
     def update(self, stats: Any) -> None:
+        self.spec_decode = stats
         self.num_running = stats.num_running
         self.num_waiting = stats.num_waiting
         self.kv_cache_usage = stats.kv_cache_usage
@@ -178,6 +180,31 @@ class ServingMetrics:
             self.prompt_tokens += rt.prompt_tokens
             self.finished["abort"] = self.finished.get("abort", 0) + num_children
 
+    def _render_spec_decode(self, out: list[str]) -> None:
+        """vLLM's spec-decode counters (v1/spec_decode/metrics.py:229-262), once drafting is on, one sample per
+        engine (DP rank, `engine="<rank>"`); the per-position one has a `position` label per draft position."""
+        ranks = [r for r in sorted(self.engines) if self.engines[r].spec_decode is not None
+                 and self.engines[r].spec_decode.spec_decode_num_accepted_tokens_per_pos]
+        if not ranks:
+            return
+        for name, help_, attr in (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                 "spec_decode_num_accepted_tokens")):
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} counter")
+            for rank in ranks:
+                value = getattr(self.engines[rank].spec_decode, attr)
+                out.append(f"{name}_total{_labels(dict(self.labels, engine=str(rank)))} {_fmt(float(value))}")
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+        out.append(f"# HELP {name} Accepted tokens per draft position.")
+        out.append(f"# TYPE {name} counter")
+        for rank in ranks:
+            for pos, n in enumerate(self.engines[rank].spec_decode.spec_decode_num_accepted_tokens_per_pos):
+                labels = dict(self.labels, engine=str(rank), position=str(pos))
+                out.append(f"{name}_total{_labels(labels)} {_fmt(float(n))}")
+
     # -- exposition ---------------------------------------------------------------------------------
     def render(self) -> str:
         lb = self.labels
@@ -218,6 +245,7 @@ class ServingMetrics:
                "Sim backend: simulated time at the end of the latest step whose outputs were sent.", self.sim_time_s)
         engine_metric("servetwin:simulated_busy_seconds", "counter",
                       "Sim backend: total predicted duration of the engine's steps.", "sim_busy_s")
+        self._render_spec_decode(out)
         out.append("# HELP vllm:request_success Count of successfully processed requests.")
         out.append("# TYPE vllm:request_success counter")
         for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):

@@ -63,6 +63,7 @@ from typing import Any, Callable, Optional
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, resolve_aliases
 from servetwin.core.kv_cache.hashing import HASH_ALGOS
+from servetwin.core.sched.spec_decode import SpeculativeConfig
 
 __all__ = ["ConfigError", "ExperimentConfig", "EngineConfig", "WorkloadConfig", "OutputConfig", "ParseContext",
            "Section", "SECTIONS", "load_config", "validate_config", "expand_sweep", "SweepPoint"]
@@ -255,6 +256,8 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "enable_fi_allreduce_fusion": _bool,  # vLLM 0.11's name of `fuse_allreduce_rms` (ENGINE_ARG_ALIASES)
     "attention_backend": _choice(*ATTENTION_BACKENDS),
     "device": _device,
+    "speculative_config": lambda v, path: _speculative_config(v),
+    "spec_acceptance_rates": lambda v, path: v,  # EngineArgs checks it (errors name engine.spec_acceptance_rates)
 }
 OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "plots": _bool}
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests)
@@ -268,6 +271,16 @@ WORKLOAD_HINTS = {"num_requests": "requests", "prompt_len": "prompt_tokens", "ou
 SHARED_PREFIX_KEYS = ("groups", "per_group", "prefix_tokens", "suffix_tokens", "order")
 # EngineArgs fields an experiment YAML sets at the top level, not under `engine:`
 TOP_LEVEL_ENGINE_ARGS = ("model", "seed", "hardware", "backend")
+
+
+def _speculative_config(value: Any) -> Any:
+    """vLLM's `speculative_config` mapping, checked here (errors name `engine.speculative_config.<key>`)
+    and kept as given (config.yaml writes it back as a mapping)."""
+    try:
+        SpeculativeConfig.from_dict(value)
+    except ConfigError as e:
+        raise e.within("engine") from None
+    return value
 
 
 def engine_field_path(err: ConfigError) -> ConfigError:
