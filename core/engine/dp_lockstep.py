@@ -103,7 +103,7 @@ class DPLockstep:
         return ended
 
     def stats(self) -> dict[str, int | bool]:
-        return dict(dp_rank=self.rank, lockstep_steps=self.lockstep_steps, dummy_batches=self.dummy_batches,
+        return dict(lockstep=True, dp_rank=self.rank, lockstep_steps=self.lockstep_steps, dummy_batches=self.dummy_batches,
                     padded_tokens=self.padded_tokens, waves=self.waves, current_wave=self.current_wave,
                     engines_running=self.engines_running)
 
