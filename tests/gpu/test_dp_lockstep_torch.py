@@ -5,6 +5,7 @@ ends only at the every-16-steps all-reduce, greedy outputs equal one DP=1 engine
 still fails the client within 5 s and leaves no process."""
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -13,7 +14,9 @@ import time
 
 import pytest
 
+from servetwin.core.engine.async_llm import AsyncLLM
 from servetwin.core.engine.dp_lockstep import DP_SYNC_INTERVAL
+from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.llm import LLM
 from servetwin.core.sampling_params import SamplingParams
@@ -121,3 +124,38 @@ def test_a_killed_engine_fails_the_client_within_5s_and_leaves_no_process():
     while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
+def test_async_llm_streams_moe_dp2_in_lockstep_with_dp1_tokens():
+    """The server's path (`AsyncLLM`, `DPAsyncMPClient`): the start-wave relay runs in its engine readers."""
+    prompts = [f"lockstep prompt {i}" for i in range(6)]
+    with LLM(MODEL, multiprocess=False, **ENGINE) as ref:
+        want = [list(o.outputs[0].token_ids) for o in ref.generate(prompts, GREEDY)]
+
+    async def stream(llm: AsyncLLM, i: int) -> list[int]:
+        tokens: list[int] = []
+        async for out in llm.generate(prompts[i], GREEDY, f"r{i}"):
+            tokens = list(out.outputs[0].token_ids)
+        return tokens
+
+    async def main() -> tuple[list, list]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("OMP_NUM_THREADS", "1")
+            args = EngineArgs.from_kwargs(model=MODEL, data_parallel_size=2, **ENGINE)
+            llm = await asyncio.to_thread(AsyncLLM, args)
+        try:
+            got = [await stream(llm, 0)]  # one rank alone first, then both
+            got += await asyncio.gather(*[stream(llm, i) for i in range(1, len(prompts))])
+            deadline = time.monotonic() + 60
+            while True:
+                ranks = (await llm.client.call_utility_async("get_stats"))["engines"]
+                if not any(r["engines_running"] for r in ranks) or time.monotonic() > deadline:
+                    return got, ranks
+                await asyncio.sleep(0.05)
+        finally:
+            llm.shutdown()
+
+    got, ranks = asyncio.run(asyncio.wait_for(main(), 300))
+    assert got == want
+    assert ranks[0]["lockstep_steps"] == ranks[1]["lockstep_steps"] > 0
+    assert not any(r["engines_running"] for r in ranks) and ranks[0]["waves"] == ranks[1]["waves"] >= 1
