@@ -4,8 +4,9 @@ vLLM's internal load balancer (`DPLBAsyncMPClient`, `v1/engine/core_client.py:17
 `DPSyncMPClient` (the offline `LLM`'s client with `data_parallel_size=N`) starts N `SyncMPClient`s, one
 engine-core process each (each with its own tensor-parallel workers when `tensor_parallel_size > 1`),
 and routes every new request with `servetwin.core.engine.dp_lb.DPLoadBalancer` - the code the
-simulator's cluster uses. Dense models only: a dense DP rank is an independent engine
-(`v1/engine/core.py:1546-1555`), so the engines never talk to each other.
+simulator's cluster uses. A dense DP rank is an independent engine (`v1/engine/core.py:1546-1555`); an
+MoE model's ranks step in lockstep through their own DP group (core/engine/dp_lockstep.py), and the
+front end relays a rank's `start_wave` to the others (vLLM's coordinator does, `coordinator.py:426-456`).
 
 The coordinator (`DPFrontEndCoordinator`) lives in the front end's thread rather than a process of
 its own: every engine's stats already reach the front end on its output socket (with each step's
@@ -85,7 +86,8 @@ class DPFrontEndCoordinator:
 
 
 def engine_args_for_rank(args: EngineArgs) -> EngineArgs:
-    """One DP rank's engine: the same arguments with data_parallel_size 1 (a dense rank is independent)."""
+    """One DP rank's engine: the same arguments with data_parallel_size 1 (its rank and group size reach
+    the engine as its `DPRankInfo`)."""
     return dataclasses.replace(args, data_parallel_size=1)
 
 

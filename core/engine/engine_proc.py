@@ -15,6 +15,11 @@ know that no more output can come). With nothing to do it blocks on the input so
 0.5 s to check that its parent is still alive (it exits when the parent is gone, so an engine never
 outlives its front end).
 
+MoE data parallelism: when the executor reports an MoE model and the engine is one rank of several
+(`dp`, a `DPRankInfo`), it joins the backend's DP group and runs `run_lockstep` instead (vLLM's
+`DPEngineCoreProc`; core/engine/dp_lockstep.py has the rules): a step - or a dummy batch - on every rank
+while the wave runs, each followed by the step barrier. Not combined with paced mode.
+
 Paced (simulated-time) mode, used to serve a `sim` backend in "real time": every step's duration is
 the executor's prediction `ModelRunnerOutput.timing.duration_s`. Simulated time is mapped onto wall
 time from the moment the engine became ready, `wall = t_ready + sim * time_scale`. While the engine has
