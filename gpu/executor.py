@@ -228,6 +228,17 @@ class TorchExecutor:
         return self.attn_backend.name
 
     @property
+    def is_moe(self) -> bool:
+        """Routed experts in some layer: the model's data-parallel ranks step in lockstep."""
+        return self.model_info.decoder_config.moe is not None
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """One forward of a single token on a throwaway cache (vLLM's `execute_dummy_batch`): the step an
+        idle MoE data-parallel rank runs so that its peers' collectives have a partner."""
+        self._dummy_forward(1)
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of the parameters this process holds (a tensor-parallel rank: its shard; tied once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

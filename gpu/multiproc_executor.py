@@ -81,6 +81,7 @@ class WorkerReady:
     kv_cache_bytes: int
     num_kv_heads: int
     attention_backend: str
+    is_moe: bool = False
 
 
 @dataclass(slots=True)
@@ -153,6 +154,7 @@ class MultiprocExecutor:
         self.vocab_size, self.eos_token_ids = first.vocab_size, first.eos_token_ids
         self.kv_cache_groups, self.model_path = first.kv_cache_groups, first.model_path
         self.attention_backend_name = first.attention_backend
+        self.is_moe = first.is_moe
         self.block_size = int(executor_kwargs.get("block_size", 16))
         self._monitor = threading.Thread(target=self._monitor_workers, name="servetwin-TPWorkerMonitor",
                                          daemon=True)
@@ -235,6 +237,10 @@ class MultiprocExecutor:
         for observe in self.step_observers:
             observe(scheduler_output, out)
         return out
+
+    def execute_dummy_batch(self) -> None:
+        """A dummy forward on every rank (an idle MoE data-parallel rank's step)."""
+        self._call("execute_dummy_batch")
 
     def reset(self) -> None:
         """Forget every request on every rank."""

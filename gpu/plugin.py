@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from servetwin.core.engine.dp_lockstep import DPGroup, DPRankInfo
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import ExecutorBackend, ExecutorInfo
@@ -42,13 +43,13 @@ def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
         tp = args.tensor_parallel_size
         mp = MultiprocExecutor(tp, kwargs, threads=default_worker_threads(args.device, tp))
         return ExecutorInfo(mp, mp.num_gpu_blocks, mp.max_model_len, mp.vocab_size, list(mp.eos_token_ids or []),
-                            mp.model_path, kv_cache_groups=mp.kv_cache_groups)
+                            mp.model_path, kv_cache_groups=mp.kv_cache_groups, is_moe=mp.is_moe)
     from servetwin.gpu.executor import TorchExecutor  # noqa: PLC0415
 
     ex = TorchExecutor(**kwargs)
     path = ex.model_info.path
     return ExecutorInfo(ex, ex.num_gpu_blocks, ex.max_model_len, ex.vocab_size, list(ex.eos_token_ids or []),
-                        str(path) if path else None, kv_cache_groups=ex.kv_cache_groups)
+                        str(path) if path else None, kv_cache_groups=ex.kv_cache_groups, is_moe=ex.is_moe)
 
 
 def check_torch_args(args: EngineArgs) -> None:
@@ -64,5 +65,12 @@ def check_torch_args(args: EngineArgs) -> None:
         check_tensor_parallel(*heads, (), args.tensor_parallel_size)
 
 
+def init_torch_dp_group(info: DPRankInfo) -> DPGroup:
+    """The gloo group of an MoE model's data-parallel ranks (one per engine process)."""
+    from servetwin.gpu.dp_group import GlooDPGroup  # noqa: PLC0415
+
+    return GlooDPGroup(info.rank, info.size, info.init_path)
+
+
 BACKEND = ExecutorBackend("torch", "servetwin.gpu.executor:TorchExecutor", build_torch_executor,
-                          check_args=check_torch_args)
+                          check_args=check_torch_args, init_dp_group=init_torch_dp_group)

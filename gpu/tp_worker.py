@@ -62,7 +62,8 @@ def run_worker(args: WorkerArgs) -> None:
         path = ex.model_info.path
         ready = WorkerReady(args.rank, os.getpid(), ex.num_gpu_blocks, ex.max_model_len, ex.vocab_size,
                             list(ex.eos_token_ids), ex.kv_cache_groups, str(path) if path else None,
-                            ex.weight_bytes, ex.kv_cache_bytes, ex.kv_spec.num_kv_heads, ex.attention_backend_name)
+                            ex.weight_bytes, ex.kv_cache_bytes, ex.kv_spec.num_kv_heads, ex.attention_backend_name,
+                            ex.is_moe)
     except BaseException as e:  # noqa: BLE001 - the executor re-raises it
         _send(args.ready_fd, exception_to_send(e))
         os._exit(1)

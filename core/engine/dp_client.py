@@ -4,8 +4,9 @@ vLLM's internal load balancer (`DPLBAsyncMPClient`, `v1/engine/core_client.py:17
 `DPSyncMPClient` (the offline `LLM`'s client with `data_parallel_size=N`) starts N `SyncMPClient`s, one
 engine-core process each (each with its own tensor-parallel workers when `tensor_parallel_size > 1`),
 and routes every new request with `servetwin.core.engine.dp_lb.DPLoadBalancer` - the code the
-simulator's cluster uses. Dense models only: a dense DP rank is an independent engine
-(`v1/engine/core.py:1546-1555`), so the engines never talk to each other.
+simulator's cluster uses. A dense DP rank is an independent engine (`v1/engine/core.py:1546-1555`); an
+MoE model's ranks step in lockstep through their own DP group (core/engine/dp_lockstep.py), and the
+front end relays a rank's `start_wave` to the others (vLLM's coordinator does, `coordinator.py:426-456`).
 
 The coordinator (`DPFrontEndCoordinator`) lives in the front end's thread rather than a process of
 its own: every engine's stats already reach the front end on its output socket (with each step's
@@ -27,13 +28,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
+import tempfile
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import zmq
 
 from servetwin.core.engine import messages as m
+from servetwin.core.engine.dp_lockstep import DPRankInfo
 from servetwin.core.engine.dp_lb import DPLoadBalancer, DPStatsCoordinator, RequestCountsPublisher
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineCoreClient, EngineDeadError
@@ -81,7 +86,8 @@ class DPFrontEndCoordinator:
 
 
 def engine_args_for_rank(args: EngineArgs) -> EngineArgs:
-    """One DP rank's engine: the same arguments with data_parallel_size 1 (a dense rank is independent)."""
+    """One DP rank's engine: the same arguments with data_parallel_size 1 (its rank and group size reach
+    the engine as its `DPRankInfo`)."""
     return dataclasses.replace(args, data_parallel_size=1)
 
 
@@ -106,14 +112,17 @@ def combine_utility_results(name: str, results: list[Any]) -> Any:
     return results
 
 
-def start_engines(cls: type, args: EngineArgs, n: int, kwargs: dict[str, Any]) -> list[Any]:
+def start_engines(cls: type, args: EngineArgs, n: int, kwargs: dict[str, Any],
+                  dp_init_path: Optional[str] = None) -> list[Any]:
     """`n` engine clients of `cls`, started at once (each constructor waits for its engine's ready
-    message); if any fails, the others are shut down and its error is raised."""
+    message; an MoE model's ranks join their DP group from `dp_init_path` while starting); if any fails,
+    the others are shut down and its error is raised."""
     results: list[Any] = [None] * n
 
     def start(rank: int) -> None:
         try:
-            results[rank] = cls(args, **kwargs)
+            dp = None if dp_init_path is None else DPRankInfo(rank, n, dp_init_path)
+            results[rank] = cls(args, dp=dp, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
             results[rank] = e
 
@@ -139,7 +148,15 @@ class DPClientBase(EngineCoreClient):
         n = args.data_parallel_size
         self.args = args
         kwargs = dict(kwargs, extra_env=engine_thread_env(n))
-        self.clients: list[Any] = start_engines(client_cls, engine_args_for_rank(args), n, kwargs)
+        # the DP group's rendezvous file (an MoE model's ranks step in lockstep; dense ranks never read it)
+        self._dp_dir = tempfile.mkdtemp(prefix="servetwin-dp-")
+        self._dp_dir_cleanup = weakref.finalize(self, shutil.rmtree, self._dp_dir, True)
+        try:
+            self.clients: list[Any] = start_engines(client_cls, engine_args_for_rank(args), n, kwargs,
+                                                    os.path.join(self._dp_dir, "dp_group"))
+        except BaseException:
+            self._dp_dir_cleanup()
+            raise
         self.config = self.clients[0].config
         self.simulated = self.clients[0].simulated
         self.coordinator = DPFrontEndCoordinator(n)
@@ -205,10 +222,22 @@ class DPClientBase(EngineCoreClient):
                 self.coordinator.on_finished(out.request_id)
         for err in getattr(msg, "errors", None) or ():  # a refused request never runs: its slot is free
             self.coordinator.on_finished(err.request_id)
+        wave = getattr(msg, "start_wave", -1)
+        if wave >= 0:  # an MoE rank started a lockstep wave: wake the others (vLLM's coordinator.py:426-456)
+            for other, c in enumerate(self.clients):
+                if other != rank:
+                    c.start_dp_wave(wave)
 
     def shutdown(self) -> None:
-        for c in self.clients:
-            c.shutdown()
+        """Stop every engine at once: an MoE rank in a lockstep collective waits for its peers, so the
+        ranks must all be asked before any is waited for."""
+        threads = [threading.Thread(target=c.shutdown, name=f"DPEngineShutdown-{rank}")
+                   for rank, c in enumerate(self.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self._dp_dir_cleanup()
 
 
 class DPSyncMPClient(DPClientBase):

@@ -15,6 +15,11 @@ know that no more output can come). With nothing to do it blocks on the input so
 0.5 s to check that its parent is still alive (it exits when the parent is gone, so an engine never
 outlives its front end).
 
+MoE data parallelism: when the executor reports an MoE model and the engine is one rank of several
+(`dp`, a `DPRankInfo`), it joins the backend's DP group and runs `run_lockstep` instead (vLLM's
+`DPEngineCoreProc`; core/engine/dp_lockstep.py has the rules): a step - or a dummy batch - on every rank
+while the wave runs, each followed by the step barrier. Not combined with paced mode.
+
 Paced (simulated-time) mode, used to serve a `sim` backend in "real time": every step's duration is
 the executor's prediction `ModelRunnerOutput.timing.duration_s`. Simulated time is mapped onto wall
 time from the moment the engine became ready, `wall = t_ready + sim * time_scale`. While the engine has
@@ -96,6 +101,9 @@ class EngineCoreProc:
         self.ipc_profile: deque[tuple[int, float, float]] = deque(maxlen=IPC_PROFILE_LEN)
         self.input_time_s = 0.0
         self.input_msgs = 0
+        # MoE data parallelism: the rank's wave state (`start_lockstep`); None runs the plain loop
+        self.lockstep: Any = None
+        self.idle_sent_seq = -1  # lockstep loop: the last input number an idle marker was sent for
 
     # -- messages ---------------------------------------------------------------------------------
     def send(self, msg: Any) -> None:
@@ -147,6 +155,10 @@ class EngineCoreProc:
                                                 cache_salt=msg.cache_salt, parent_id=msg.parent_id))
                 if self.clock is not None:
                     self.clock.on_add(msg.request_id, self._sim_now() if self.pace else None)
+                if self.lockstep is not None:
+                    wave = self.lockstep.on_local_request()
+                    if wave is not None:  # this rank was idle: the front end wakes the others
+                        self.send(m.OutputsMsg([], self.stats(), start_wave=wave))
             except ValueError as e:  # unservable / duplicate request: report it, keep serving
                 errors.append(m.RequestErrorMsg(msg.request_id, error_kind(e), str(e)))
         elif type(msg) is m.AbortMsg:
@@ -158,6 +170,9 @@ class EngineCoreProc:
                 self.handle_input(sub, errors)
         elif type(msg) is m.ShutdownMsg:
             self.running = False
+        elif type(msg) is m.StartDPWaveMsg:
+            if self.lockstep is not None:
+                self.lockstep.on_start_wave(msg.wave)
 
     def handle_utility(self, msg: Any) -> None:
         from servetwin.core.engine.engine_client import call_utility  # noqa: PLC0415
@@ -178,7 +193,8 @@ class EngineCoreProc:
                                   prefix_cache_hits=self.prefix_hits, paced=self.pace,
                                   paced_late_steps=self.late_steps, paced_max_late_s=self.max_late_s,
                                   sim_time_s=self.clock.now if self.clock else 0.0,
-                                  sim_busy_s=self.clock.busy_s if self.clock else 0.0)
+                                  sim_busy_s=self.clock.busy_s if self.clock else 0.0,
+                                  **(self.lockstep.stats() if self.lockstep is not None else {}))
             self.send(m.UtilityResultMsg(msg.call_id, result))
         except Exception as e:  # noqa: BLE001 - the caller gets the error text
             self.send(m.UtilityResultMsg(msg.call_id, None, f"{type(e).__name__}: {e}", error_kind(e)))
@@ -234,6 +250,9 @@ class EngineCoreProc:
         return os.getppid() == self.parent_pid
 
     def run(self) -> None:
+        if self.lockstep is not None:
+            self.run_lockstep()
+            return
         m = self.m
         engine = self.engine
         busy = False
@@ -288,6 +307,68 @@ class EngineCoreProc:
                 if idle >= 0:
                     busy = False
 
+    # -- MoE data parallelism ---------------------------------------------------------------------
+    def start_lockstep(self, group: Any) -> None:
+        """Step in lockstep with the other DP ranks of `group` (an MoE model; core/engine/dp_lockstep.py)."""
+        from servetwin.core.engine.dp_lockstep import DPLockstep  # noqa: PLC0415
+
+        self.lockstep = DPLockstep(group)
+
+    def _send_idle_if_new(self) -> None:
+        """Tell the client that every input so far is done (it waits for that), once per input number."""
+        if not self.has_work() and self.input_seq > self.idle_sent_seq:
+            self.idle_sent_seq = self.input_seq
+            self.send(self.outputs_msg([], idle_seq=self.input_seq))
+
+    def run_lockstep(self) -> None:
+        """vLLM's `DPEngineCoreProc.run_busy_loop` (`core.py:2465-2552`): while the wave runs, one step per
+        iteration - the engine's, or a dummy batch when it executed nothing - then the step barrier and the
+        every-16-steps check whether any rank still has unfinished requests."""
+        ls = self.lockstep
+        last_parent_check = time.monotonic()
+        while self.running:
+            waiting = not self.has_work() and not ls.engines_running
+            errors = self.handle_inputs(int(PARENT_CHECK_INTERVAL_S * 1000) if waiting else 0)
+            if not self.running:
+                break
+            now = time.monotonic()
+            if now - last_parent_check > PARENT_CHECK_INTERVAL_S:
+                last_parent_check = now
+                if not self.parent_alive():
+                    break
+            if errors:
+                self.send(self.outputs_msg([], idle_seq=-1 if self.has_work() else self.input_seq, errors=errors))
+            if not self.has_work() and not ls.engines_running:  # every rank is idle
+                self._send_idle_if_new()
+                continue
+            num_tokens = self._lockstep_engine_step() if self.has_work() else 0
+            if num_tokens == 0:
+                self.engine.executor.execute_dummy_batch()
+                ls.dummy_batches += 1
+            ls.step_barrier(num_tokens)
+            if not ls.has_global_unfinished(self.engine.scheduler.has_unfinished_requests()):
+                wave = ls.end_wave()
+                if ls.rank == 0:
+                    self.send(self.m.OutputsMsg([], self.stats(), wave_complete=wave))
+            self._send_idle_if_new()
+
+    def _lockstep_engine_step(self) -> int:
+        """One engine step and its outputs; the number of tokens its forward ran (0: none)."""
+        result = self.engine.step()
+        self.num_steps += 1
+        st = result.stats
+        if st is not None:
+            self.prefix_queries += st.prefix_cache_stats.queries
+            self.prefix_hits += st.prefix_cache_stats.hits
+        sim_t = (self.clock.on_step(result) or 0.0) if self.clock is not None else 0.0
+        if result.outputs:
+            idle = -1 if self.has_work() else self.input_seq
+            self.send(self.outputs_msg(result.outputs, idle, sim_t=sim_t))
+            if idle >= 0:
+                self.idle_sent_seq = idle
+        so = result.scheduled
+        return 0 if so is None else so.total_num_scheduled_tokens
+
     def close(self) -> None:
         for sock in (self.input, self.output):
             try:
@@ -302,7 +383,7 @@ class EngineCoreProc:
 
 def run_engine_core(args: Any, input_addr: str, output_addr: str, parent_pid: int,
                     pace: bool = False, time_scale: float = 1.0,
-                    fake_step_time_s: Optional[float] = None) -> None:
+                    fake_step_time_s: Optional[float] = None, dp: Any = None) -> None:
     """Body of the EngineCore process (`main()` reads these arguments from standard input)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides; it shuts us down
 
@@ -324,11 +405,14 @@ def run_engine_core(args: Any, input_addr: str, output_addr: str, parent_pid: in
             engine, info = create_engine_core(args)
             if fake_step_time_s is not None and args.backend == "fake":
                 info.executor.step_time_s = float(fake_step_time_s)
+            dp_group = _join_dp_group(args, info, dp)  # blocks until every rank has joined
         except BaseException as e:  # noqa: BLE001 - report any start-up failure to the parent
             _send_startup_error(output_addr, e)
             sys.exit(1)
         proc = EngineCoreProc(engine, info, args, input_addr, output_addr, parent_pid, pace=pace,
                               time_scale=time_scale)
+        if dp_group is not None:
+            proc.start_lockstep(dp_group)
         from servetwin.core.gc_heap import freeze_gc_heap  # noqa: PLC0415
 
         freeze_gc_heap()  # the engine, model and executor leave the collector's full passes (vLLM does too)
@@ -341,6 +425,11 @@ def run_engine_core(args: Any, input_addr: str, output_addr: str, parent_pid: in
             proc.send(m.EngineErrorMsg(type(e).__name__, str(e), traceback.format_exc()))
             raise
     finally:
+        if proc is not None and proc.lockstep is not None:
+            try:
+                proc.lockstep.group.close()
+            except Exception:  # noqa: BLE001 - a peer may be gone already
+                pass
         if proc is not None:
             close = getattr(proc.engine.executor, "close", None)
             if close is not None:
@@ -351,6 +440,17 @@ def run_engine_core(args: Any, input_addr: str, output_addr: str, parent_pid: in
             proc.close()
             if not proc.parent_alive():
                 _remove_socket_dir(input_addr)  # the front end died and cannot clean up its temp dir
+
+
+def _join_dp_group(args: Any, info: Any, dp: Any) -> Any:
+    """The DP group of an MoE model's rank (`dp`: its `DPRankInfo`), when its backend has one; None: a
+    dense model or one DP rank (vLLM runs those as independent engines, `core.py:1546-1555`)."""
+    if dp is None or dp.size < 2 or not info.is_moe:
+        return None
+    from servetwin.core.engine.executor import executor_backend  # noqa: PLC0415
+
+    init = executor_backend(args.backend).init_dp_group
+    return None if init is None else init(dp)
 
 
 def _remove_socket_dir(addr: str) -> None:

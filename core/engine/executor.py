@@ -43,6 +43,8 @@ class ExecutorInfo:
     model_path: Optional[str] = None
     # the model's KV cache groups (core/kv_cache/kv_cache_planning.py); None: one full-attention group
     kv_cache_groups: Optional[tuple] = None
+    # an MoE model: its data-parallel ranks step in lockstep (vLLM's DPEngineCoreProc, core.py:1546-1555)
+    is_moe: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +59,16 @@ class ExecutorBackend:
     it when they are parsed, before any model load. `batch_defaults(hardware, api_server)` (optional)
     gives the (max_num_batched_tokens, max_num_seqs) that vLLM would pick on the backend's device for
     an API server or the offline `LLM` (vLLM's defaults depend on the GPU), or None where the
-    `EngineArgs` defaults stand; `apply_batch_defaults` fills them where the caller left them out."""
+    `EngineArgs` defaults stand; `apply_batch_defaults` fills them where the caller left them out.
+    `init_dp_group(info: DPRankInfo) -> DPGroup` (optional) joins the data-parallel group an MoE model's
+    ranks step in lockstep with (core/engine/dp_lockstep.py); a backend without it runs every DP rank
+    independently, as for a dense model. Executors of such a backend have `execute_dummy_batch()`."""
     name: str
     executor_class: type | str
     from_engine_args: Callable[["EngineArgs"], ExecutorInfo]
     check_args: Optional[Callable[["EngineArgs"], None]] = None
     batch_defaults: Optional[Callable[[Any, bool], Optional[tuple[int, int]]]] = None
+    init_dp_group: Optional[Callable[[Any], Any]] = None
 
     def load_executor_class(self) -> type:
         if not isinstance(self.executor_class, str):

@@ -145,7 +145,13 @@ class BatchMsg(msgspec.Struct, tag="batch", array_like=True):
     msgs: list[Union[AddRequestMsg, AbortMsg]]
 
 
-InputMsg = Union[AddRequestMsg, AbortMsg, UtilityMsg, ShutdownMsg, BatchMsg]
+class StartDPWaveMsg(msgspec.Struct, tag="start_dp_wave", array_like=True):
+    """Front end -> an MoE data-parallel rank: another rank started lockstep wave `wave` (vLLM's
+    START_DP_WAVE, `v1/engine/coordinator.py:426-456`, relayed here by the front end)."""
+    wave: int
+
+
+InputMsg = Union[AddRequestMsg, AbortMsg, UtilityMsg, ShutdownMsg, BatchMsg, StartDPWaveMsg]
 
 
 # -- engine -> client ----------------------------------------------------------------------------
@@ -223,6 +229,10 @@ class OutputsMsg(msgspec.Struct, tag="out", array_like=True):
     sim_arrivals: Optional[dict[str, float]] = None
     # the DP rank whose engine sent it (set by the data-parallel front end; 0 with one engine)
     engine_index: int = 0
+    # MoE data parallelism in lockstep (>= 0 when set): this rank started wave `start_wave` (an idle rank got
+    # a request; the front end wakes the others), or rank 0 saw wave `wave_complete` end
+    start_wave: int = -1
+    wave_complete: int = -1
 
 
 class UtilityResultMsg(msgspec.Struct, tag="util_result", array_like=True):

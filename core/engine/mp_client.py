@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 
 from servetwin.core.engine import messages as m
+from servetwin.core.engine.dp_lockstep import DPRankInfo
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineCoreClient, EngineDeadError
 from servetwin.core.outputs import EngineCoreOutput
@@ -252,7 +253,7 @@ class MPClientBase(EngineCoreClient):
     def __init__(self, args: EngineArgs, *, pace: bool = False, time_scale: float = 1.0,
                  fake_step_time_s: Optional[float] = None,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-                 extra_env: Optional[dict[str, str]] = None) -> None:
+                 extra_env: Optional[dict[str, str]] = None, dp: Optional[DPRankInfo] = None) -> None:
         if time_scale is None or not time_scale > 0:
             raise ValueError(f"time_scale: must be > 0, got {time_scale!r}")
         self.args = args
@@ -264,14 +265,14 @@ class MPClientBase(EngineCoreClient):
         res = self._res = _Resources()
         self._finalizer = weakref.finalize(self, res.shutdown)
         try:
-            self._start(args, pace, time_scale, fake_step_time_s, startup_timeout_s, extra_env)
+            self._start(args, pace, time_scale, fake_step_time_s, startup_timeout_s, extra_env, dp)
         except BaseException:
             res.shutdown(timeout_s=1.0)
             raise
 
     # -- start-up -----------------------------------------------------------------------------------
     def _start(self, args: EngineArgs, pace: bool, time_scale: float, fake_step_time_s: Optional[float],
-               startup_timeout_s: float, extra_env: Optional[dict[str, str]]) -> None:
+               startup_timeout_s: float, extra_env: Optional[dict[str, str]], dp: Optional[DPRankInfo]) -> None:
         res = self._res
         res.tmpdir = tempfile.mkdtemp(prefix="servetwin-engine-")
         input_addr = f"ipc://{res.tmpdir}/input.sock"
@@ -288,7 +289,7 @@ class MPClientBase(EngineCoreClient):
 
         res.proc = EngineProcess.start(dict(args=args, input_addr=input_addr, output_addr=res.output_addr,
                                             parent_pid=os.getpid(), pace=pace, time_scale=time_scale,
-                                            fake_step_time_s=fake_step_time_s), extra_env=extra_env)
+                                            fake_step_time_s=fake_step_time_s, dp=dp), extra_env=extra_env)
         self.config = self._wait_ready(startup_timeout_s)
         # the engine keeps simulated time (sim backend, or paced): outputs carry it
         self.simulated = self.config.backend == "sim" or self.config.paced
@@ -387,6 +388,11 @@ class MPClientBase(EngineCoreClient):
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self._res.dead and not self._res.closed:
             self._send(m.AbortMsg(list(request_ids)))
+
+    def start_dp_wave(self, wave: int) -> None:
+        """Wake this MoE data-parallel rank for lockstep wave `wave` (another rank started it)."""
+        if not self._res.dead and not self._res.closed:
+            self._send(m.StartDPWaveMsg(wave))
 
     def shutdown(self) -> None:
         self._finalizer()
