@@ -63,7 +63,7 @@ class Request:
         "skip_reading_prefix_cache", "stop_reason", "num_preemptions", "is_prefill_chunk",
         "num_output_placeholders", "num_in_flight_tokens", "num_stale_output_tokens",
         "num_cached_tokens", "parent_id", "events", "_next_hash_at", "_hash_block_size",
-        "shared_prefix_boundary",
+        "shared_prefix_boundary", "kv_transfer_params", "last_sched_seq",
         "__weakref__",
     )
 
@@ -112,6 +112,11 @@ class Request:
         # (sliding-window groups then retain their blocks before it; kv_cache_manager)
         self.shared_prefix_boundary: Optional[int] = None
         self.parent_id = parent_id
+        # KV connectors (vLLM request.py): the P/D hand-off parameters ride in extra_args
+        extra = sampling_params.extra_args
+        self.kv_transfer_params: Optional[dict[str, Any]] = (
+            extra.get("kv_transfer_params") if extra else None)
+        self.last_sched_seq = 0  # the step that last scheduled it (a consumer's deferred frees)
         self.events: list[tuple[str, float]] = []
         self.block_hashes: list[bytes] = []
         self._block_hasher: Optional[BlockHasher] = None
