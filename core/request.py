@@ -63,7 +63,7 @@ class Request:
         "skip_reading_prefix_cache", "stop_reason", "num_preemptions", "is_prefill_chunk",
         "num_output_placeholders", "num_in_flight_tokens", "num_stale_output_tokens",
         "num_cached_tokens", "parent_id", "events", "_next_hash_at", "_hash_block_size",
-        "shared_prefix_boundary", "kv_transfer_params", "last_sched_seq",
+        "shared_prefix_boundary", "kv_transfer_params", "last_sched_seq", "drop_stale_output",
         "__weakref__",
     )
 
@@ -117,6 +117,9 @@ class Request:
         self.kv_transfer_params: Optional[dict[str, Any]] = (
             extra.get("kv_transfer_params") if extra else None)
         self.last_sched_seq = 0  # the step that last scheduled it (a consumer's deferred frees)
+        # a preemption drops (not delivers) the output still in flight: a producer's hand-off needs
+        # KV the preemption freed (vLLM's requires_kv_delivery)
+        self.drop_stale_output = False
         self.events: list[tuple[str, float]] = []
         self.block_hashes: list[bytes] = []
         self._block_hasher: Optional[BlockHasher] = None

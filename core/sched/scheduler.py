@@ -237,7 +237,7 @@ class Scheduler(ConnectorSchedulerMixin):
     # -- schedule ----------------------------------------------------------------------------
     def _long_prefill_threshold(self) -> int:
         cfg = self.scheduler_config
-        num_eligible = len(self.running) + len(self.waiting)
+        num_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
         threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
         if threshold > 0 and cfg.long_prefill_token_threshold_adaptive:
             threshold = max(threshold, self.max_num_batched_tokens // num_eligible)
@@ -513,6 +513,9 @@ class Scheduler(ConnectorSchedulerMixin):
             self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if self.connector is not None:  # (sched:1832-1834)
+            request.drop_stale_output = self.connector.requires_kv_delivery or (
+                request.drop_stale_output and request.num_stale_output_tokens > 0)
         request.num_stale_output_tokens += request.num_output_placeholders
         request.num_output_placeholders = 0
         request.num_preemptions += 1
@@ -549,6 +552,11 @@ class Scheduler(ConnectorSchedulerMixin):
             request.num_in_flight_tokens -= n
             if failed_kv_loads and rid in failed_kv_loads:
                 continue  # its KV load failed: rescheduled or failed below (sched:2318-2320)
+            if request.drop_stale_output and request.num_stale_output_tokens:
+                i = index.get(rid)  # output of a step before its preemption, dropped (sched:2337-2339)
+                request.num_stale_output_tokens -= min(request.num_stale_output_tokens,
+                                                       len(sampled[i]) if i is not None else 0)
+                continue
             i = index.get(rid)
             generated = sampled[i] if i is not None else ()
             plp = prompt_logprobs.get(rid) if prompt_logprobs else None
@@ -586,8 +594,10 @@ class Scheduler(ConnectorSchedulerMixin):
             kv_transfer_params = None
             if stopped:
                 kv_transfer_params = self._free_request(request)
-                if kv_transfer_params is not None and kv_transfer_params.get("do_remote_prefill"):
-                    # the prefill side's own hits, for the decode side's usage report (sched:2478-2487)
+                if (kv_transfer_params is not None and kv_transfer_params.get("do_remote_prefill")
+                        and len(request._output_token_ids) == len(new_token_ids)):
+                    # the prefill side's own hits, for the decode side's usage report; only on the
+                    # request's first output, which carries its prefill stats (sched:2453-2487)
                     kv_transfer_params["remote_prefill_cached_tokens"] = max(request.num_cached_tokens, 0)
                 if status_before == running_status:
                     stopped_running.append(request)
