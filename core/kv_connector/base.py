@@ -59,10 +59,12 @@ class KVConnectorBase:
     #: Whether a preempted request's in-flight output must be dropped (vLLM's requires_kv_delivery).
     requires_kv_delivery = False
 
-    def __init__(self, config: KVTransferConfig, block_size: int, num_kv_cache_groups: int = 1) -> None:
+    def __init__(self, config: KVTransferConfig, block_size: int,
+                 kv_cache_groups: Optional[tuple] = None) -> None:
+        """`kv_cache_groups`: the model's KV cache group specs (None: one full-attention group)."""
         self.config = config
         self.block_size = block_size
-        self.num_kv_cache_groups = num_kv_cache_groups
+        self.kv_cache_groups = kv_cache_groups
         self.stats = KVConnectorStats()
 
     @property

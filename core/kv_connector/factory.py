@@ -6,7 +6,7 @@ defines the class (`kv_connector` is then the class name), or by one "module:Cla
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Callable, Optional
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_connector.base import KVConnectorBase
@@ -64,5 +64,7 @@ def connector_class(config: KVTransferConfig) -> type:
     return cls
 
 
-def create_connector(config: KVTransferConfig, block_size: int, num_kv_cache_groups: int = 1) -> KVConnectorBase:
-    return connector_class(config)(config, block_size, num_kv_cache_groups)
+def create_connector(config: KVTransferConfig, block_size: int,
+                     kv_cache_groups: Optional[tuple] = None) -> KVConnectorBase:
+    """`kv_cache_groups`: the model's KV cache group specs (None: one full-attention group)."""
+    return connector_class(config)(config, block_size, kv_cache_groups)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from servetwin.core.kv_connector.base import KVConnectorBase, KVConnectorOutput
+from servetwin.core.kv_cache.kv_cache_interface import SLIDING_WINDOW
+from servetwin.core.kv_cache.kv_sizing import cdiv
 from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.request import RequestStatus
 
@@ -47,8 +49,12 @@ class NixlConnector(KVConnectorBase):
 
     class_name = "NixlPullConnector"
 
-    def __init__(self, config: KVTransferConfig, block_size: int, num_kv_cache_groups: int = 1) -> None:
-        super().__init__(config, block_size, num_kv_cache_groups)
+    def __init__(self, config: KVTransferConfig, block_size: int, kv_cache_groups: Optional[tuple] = None) -> None:
+        super().__init__(config, block_size, kv_cache_groups)
+        # blocks a sliding-window group hands over: its window, plus one for a misaligned boundary
+        # (base_scheduler.py `blocks_per_sw`); 0 = the whole group
+        self.blocks_per_window = [cdiv(g.sliding_window, block_size) + 1 if g.type == SLIDING_WINDOW else 0
+                                  for g in kv_cache_groups or ()]
         self.engine_id = config.get_from_extra_config("engine_id", "engine-local")
         self.kv_lease_duration = config.get_from_extra_config("kv_lease_duration", 30)
         self.kv_recompute_threshold = int(config.get_from_extra_config("kv_recompute_threshold", 64))
@@ -91,6 +97,12 @@ class NixlConnector(KVConnectorBase):
             params["do_remote_prefill"] = False  # only one transfer per request
             params["_remote_blocks_processed"] = True
 
+    def exchange_clipped_blocks(self, block_ids: tuple[list[int], ...]) -> tuple[list[int], ...]:
+        """A sliding-window group hands over only its in-window tail (`get_exchange_clipped_blocks`)."""
+        if not any(self.blocks_per_window):
+            return block_ids
+        return tuple(ids[-n:] if n else ids for ids, n in zip(block_ids, self.blocks_per_window))
+
     def build_connector_meta(self, scheduler_output) -> NixlConnectorMetadata:
         meta = NixlConnectorMetadata(dict(self._reqs_need_recv), self._reqs_need_send,
                                      self._reqs_in_batch, self._reqs_not_processed)
@@ -124,6 +136,7 @@ class NixlConnector(KVConnectorBase):
         if delay:  # kept for the decode engine's read until finished_sending (pull_scheduler.py:262-282)
             self._reqs_need_send[request.request_id] = self.kv_lease_duration
             remote_num_tokens = request.num_computed_tokens
+            block_ids = self.exchange_clipped_blocks(block_ids)
         return delay, dict(
             do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[list(g) for g in block_ids],
             remote_engine_id=self.engine_id, remote_request_id=request.request_id,

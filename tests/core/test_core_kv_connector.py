@@ -24,8 +24,8 @@ class TinyRemoteConnector(KVConnectorBase):
     """A user's connector: the first lookup of a request asks again later, the second offers the
     whole prompt as an asynchronous load; it records every call the scheduler makes."""
 
-    def __init__(self, config, block_size, num_kv_cache_groups=1):
-        super().__init__(config, block_size, num_kv_cache_groups)
+    def __init__(self, config, block_size, kv_cache_groups=None):
+        super().__init__(config, block_size, kv_cache_groups)
         self.asked: dict[str, int] = {}
         self.calls: list[tuple] = []
 
