@@ -1,6 +1,6 @@
 """Build a connector from a `KVTransferConfig` (vLLM 0.33 `kv_connector/factory.py`).
 
-Built-in names: `NixlConnector`, `OffloadingConnector`. Users register their own either with
+Built-in name: `NixlConnector` (vLLM's OffloadingConnector is not modelled yet). Users register their own either with
 `register_connector(name, cls)` or, as vLLM's `kv_connector_module_path`, by naming the module that
 defines the class (`kv_connector` is then the class name), or by one "module:Class" path."""
 from __future__ import annotations
@@ -27,13 +27,7 @@ def _builtin_nixl() -> type:
     return NixlConnector
 
 
-def _builtin_offloading() -> type:
-    from servetwin.core.kv_connector.offloading import OffloadingConnector
-    return OffloadingConnector
-
-
 register_connector("NixlConnector", _builtin_nixl)
-register_connector("OffloadingConnector", _builtin_offloading)
 
 
 def _load_from_module(module_path: str, class_name: str, field: str) -> type:

@@ -196,3 +196,55 @@ def test_remote_admission_is_all_or_nothing_and_blocks_the_queue():
 
 def test_nixl_is_the_registered_name():
     assert connector_class(KVTransferConfig("NixlConnector")) is NixlConnector
+
+
+# -- the scenario contract's connector keys: what the recording driver rejects, rejected here ------
+def _scenario(conn=None, **request_keys) -> dict:
+    settings = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "num_gpu_blocks": 64, "block_size": 16}
+    if conn is not None:
+        settings["kv_connector"] = conn
+    return {"settings": settings,
+            "requests": [dict({"id": "r0", "prompt_token_ids": [1, 2, 3], "max_tokens": 2}, **request_keys)]}
+
+
+CONSUMER = {"name": "NixlConnector", "role": "kv_consumer"}
+PRODUCER = {"name": "NixlConnector", "role": "kv_producer"}
+
+
+@pytest.mark.parametrize("scenario, field", [
+    (_scenario({"name": "LMCacheConnector"}), "settings.kv_connector"),
+    (_scenario({"name": "NixlConnector"}), "settings.kv_connector.role"),
+    (_scenario(dict(CONSUMER, bogus=1)), "settings.kv_connector.bogus"),
+    (_scenario(dict(CONSUMER, recv_delay_steps=-1)), "settings.kv_connector.recv_delay_steps"),
+    (_scenario(dict(CONSUMER, lease_steps=0)), "settings.kv_connector.lease_steps"),
+    (_scenario(dict(CONSUMER, kv_load_failure_policy="retry")), "settings.kv_connector.kv_load_failure_policy"),
+    (_scenario({"name": "OffloadingConnector"}), "settings.kv_connector.cpu_bytes_to_use"),
+    (_scenario({"name": "OffloadingConnector", "cpu_bytes_to_use": 4096}), "settings.kv_connector.name"),
+    (_scenario(kv_transfer_params={"do_remote_prefill": True}), "requests[0].kv_transfer_params"),
+    (_scenario(CONSUMER, kv_transfer_params={}), "requests[0].kv_transfer_params"),
+    (_scenario(CONSUMER, kv_transfer_params={"do_remote_prefill": True, "do_remote_decode": True}),
+     "requests[0].kv_transfer_params"),
+    (_scenario(CONSUMER, kv_transfer_params={"do_remote_decode": True}), "requests[0].kv_transfer_params"),
+    (_scenario(PRODUCER, kv_transfer_params={"do_remote_prefill": True}), "requests[0].kv_transfer_params"),
+    (_scenario(CONSUMER, kv_transfer_params={"do_remote_prefill": True}, n=2), "requests[0].kv_transfer_params"),
+    (_scenario(CONSUMER, kv_recv={"delay_steps": 1}), "requests[0].kv_recv"),
+    (_scenario(CONSUMER, kv_transfer_params={"do_remote_prefill": True}, kv_recv={"fail": "some"}),
+     "requests[0].kv_recv.fail"),
+    (_scenario(PRODUCER, kv_transfer_params={"do_remote_decode": True}, kv_send={"delay_steps": -2}),
+     "requests[0].kv_send.delay_steps"),
+    (_scenario(PRODUCER, kv_send={"delay_steps": None}), "requests[0].kv_send"),
+])
+def test_connector_scenario_errors_name_the_field(scenario, field):
+    from servetwin.core.testbed.scenario import ScenarioError, parse_scenario
+    with pytest.raises(ScenarioError) as info:
+        parse_scenario(scenario)
+    assert info.value.path == field, str(info.value)
+
+
+def test_connector_scenario_reads_the_overrides():
+    from servetwin.core.testbed.scenario import parse_scenario
+    sc = parse_scenario(_scenario(dict(PRODUCER, send_delay_steps=2, lease_steps=5),
+                                  kv_transfer_params={"do_remote_decode": True}, kv_send={"delay_steps": None}))
+    assert sc.kv_connector.send_delay_steps == 2 and sc.kv_connector.lease_steps == 5
+    f = sc.requests[0].connector
+    assert f.do_remote_decode and f.send_delay_given and f.send_delay_steps is None

@@ -15,6 +15,8 @@ from servetwin.core.testbed.scenario import ScenarioError, load_scenario, parse_
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted(p.name[: -len(".json")] for p in DATA.glob("*.json"))
+# vLLM's OffloadingConnector is not modelled yet: its recordings are rejected with a clear error
+NOT_MODELLED = {"k_offload_cpu_tier"}
 
 STEP_KEYS = [
     "arrived", "num_scheduled_tokens", "total_scheduled_tokens", "new", "new_prefix_hit_tokens", "running",
@@ -67,7 +69,10 @@ def test_every_scenario_has_an_expected_trace():
         assert (DATA / f"{name}.expected.jsonl").exists(), name
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(raises=ScenarioError, strict=True, reason="OffloadingConnector "
+                                            "not modelled yet")) if n in NOT_MODELLED else n
+    for n in SCENARIOS])
 def test_replay_matches_vllm_oracle(name):
     expected = _load_expected(name)
     ours = _ours(name)
