@@ -544,19 +544,21 @@ class Scheduler(ConnectorSchedulerMixin):
         preempted_status = RequestStatus.PREEMPTED
         running_status = RequestStatus.RUNNING
         kv_output = model_runner_output.kv_connector_output
-        failed_kv_loads = self._begin_connector_update(scheduler_output, kv_output) if self.connector else ()
+        connector_active = self.connector is not None
+        failed_kv_loads = self._begin_connector_update(scheduler_output, kv_output) if connector_active else ()
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status > preempted_status:
                 continue  # finished or aborted while the step was executing
             request.num_in_flight_tokens -= n
-            if failed_kv_loads and rid in failed_kv_loads:
-                continue  # its KV load failed: rescheduled or failed below (sched:2318-2320)
-            if request.drop_stale_output and request.num_stale_output_tokens:
-                i = index.get(rid)  # output of a step before its preemption, dropped (sched:2337-2339)
-                request.num_stale_output_tokens -= min(request.num_stale_output_tokens,
-                                                       len(sampled[i]) if i is not None else 0)
-                continue
+            if connector_active:
+                if failed_kv_loads and rid in failed_kv_loads:
+                    continue  # its KV load failed: rescheduled or failed below (sched:2318-2320)
+                if request.drop_stale_output and request.num_stale_output_tokens:
+                    i = index.get(rid)  # output of a step before its preemption, dropped (sched:2337-2339)
+                    request.num_stale_output_tokens -= min(request.num_stale_output_tokens,
+                                                           len(sampled[i]) if i is not None else 0)
+                    continue
             i = index.get(rid)
             generated = sampled[i] if i is not None else ()
             plp = prompt_logprobs.get(rid) if prompt_logprobs else None

@@ -1,4 +1,4 @@
-"""The scenario contract's KV connector keys (recorded with vLLM 0.33.0; docs/scenario_connectors.md):
+"""The scenario contract's KV connector keys (recorded with vLLM 0.33.0; docs/kv_connectors.md):
 `settings.kv_connector`, per request `kv_transfer_params`, `kv_recv`, `kv_send`.
 
 Parsed once into typed objects; bad input raises `ScenarioError` naming the field, for every input

@@ -1,6 +1,6 @@
 """The worker side of a KV connector in a scenario replay: turns each step's connector metadata
 into the `KVConnectorOutput` that step's `ModelRunnerOutput` carries (the recording driver's fake
-worker; docs/scenario_connectors.md). Step numbers are engine steps; "the output of step s" is what
+worker; docs/kv_connectors.md). Step numbers are engine steps; "the output of step s" is what
 `update_from_output` of step s processes.
 
 - NIXL read of a request in step s's `reqs_to_recv` (admitted in s): reported in `finished_recving`
