@@ -27,7 +27,13 @@ def _builtin_nixl() -> type:
     return NixlConnector
 
 
+def _builtin_offloading() -> type:
+    from servetwin.core.kv_connector.offloading import OffloadingConnector
+    return OffloadingConnector
+
+
 register_connector("NixlConnector", _builtin_nixl)
+register_connector("OffloadingConnector", _builtin_offloading)
 
 
 def _load_from_module(module_path: str, class_name: str, field: str) -> type:

@@ -171,8 +171,10 @@ class ConnectorSchedulerMixin:
         return victim.last_sched_seq <= self.processed_step_seq
 
     def _finalise_connector(self, scheduler_output) -> None:
-        """End of `schedule()`: the connector's metadata for the worker; the fence of this step's
-        writes (non-empty steps only); requests leaving prefill stop reserving blocks."""
+        """End of `schedule()`, computed counts advanced: the connector's metadata for the worker
+        (vLLM builds it just before advancing them; servetwin's connectors read the advanced counts);
+        the fence of this step's writes (non-empty steps only); requests leaving prefill stop
+        reserving blocks."""
         scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(scheduler_output)
         nst = scheduler_output.num_scheduled_tokens
         if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
@@ -180,9 +182,9 @@ class ConnectorSchedulerMixin:
             for rid in nst:
                 self.requests[rid].last_sched_seq = self.sched_step_seq
         if self._inflight_prefills:
-            for rid, n in nst.items():
+            for rid in nst:
                 r = self.requests[rid]
-                if r.num_computed_tokens + n >= len(r.all_token_ids) + r.num_output_placeholders:
+                if not r.is_prefill_chunk:
                     self._inflight_prefills.discard(r)
 
     def _drain_deferred_frees(self) -> None:

@@ -487,8 +487,6 @@ class Scheduler(ConnectorSchedulerMixin):
             preempted_order=[r.request_id for r in preempted_reqs],
             shared_kv_tokens=self.kv_cache_manager.block_pool.num_shared_refs * self.block_size,
         )
-        if self.connector is not None:  # built before C advances (sched:1755-1781)
-            self._finalise_connector(out)
         for scheduled in (scheduled_new_reqs, scheduled_resumed_reqs):
             for request in scheduled:
                 n = nst[request.request_id]
@@ -500,6 +498,8 @@ class Scheduler(ConnectorSchedulerMixin):
                     computed < len(request._all_token_ids) + request.num_output_placeholders)
                 if async_sched and not is_chunk:
                     request.num_output_placeholders += 1
+        if self.connector is not None:  # the connector's metadata, fences (sched:1755-1781)
+            self._finalise_connector(out)
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
         return out

@@ -93,13 +93,11 @@ def parse_connector_settings(raw: Any, kv_cache_groups: Optional[list]) -> Conne
         raise _Error(f"{w}.eviction_policy", f'must be "lru" or "arc", got {raw.get("eviction_policy")!r}')
     if kv_cache_groups and any(g.get("type") != "full_attention" for g in kv_cache_groups if isinstance(g, dict)):
         raise _Error(w, "OffloadingConnector scenarios must use full attention only")
-    ConnectorSettings(
+    return ConnectorSettings(
         name, "kv_both", policy, cpu_bytes_to_use=_int(raw, "cpu_bytes_to_use", None, 1, w),
         eviction_policy=raw.get("eviction_policy", "lru"), store_threshold=_int(raw, "store_threshold", 0, 0, w),
         load_delay_steps=_int(raw, "load_delay_steps", 1, 0, w),
-        store_delay_steps=_int(raw, "store_delay_steps", 1, 1, w))  # (the recording's checks, all of them)
-    raise _Error(f"{w}.name", "OffloadingConnector (vLLM's CPU offloading tier) is not modelled by servetwin "
-                 "yet; only NixlConnector scenarios replay")
+        store_delay_steps=_int(raw, "store_delay_steps", 1, 1, w))
 
 
 @dataclass(slots=True)

@@ -15,8 +15,7 @@ from servetwin.core.testbed.scenario import ScenarioError, load_scenario, parse_
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted(p.name[: -len(".json")] for p in DATA.glob("*.json"))
-# vLLM's OffloadingConnector is not modelled yet: its recordings are rejected with a clear error
-NOT_MODELLED = {"k_offload_cpu_tier"}
+NOT_MODELLED: set[str] = set()  # recordings of behaviour servetwin does not model (rejected, strict xfail)
 
 STEP_KEYS = [
     "arrived", "num_scheduled_tokens", "total_scheduled_tokens", "new", "new_prefix_hit_tokens", "running",
@@ -70,8 +69,8 @@ def test_every_scenario_has_an_expected_trace():
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(raises=ScenarioError, strict=True, reason="OffloadingConnector "
-                                            "not modelled yet")) if n in NOT_MODELLED else n
+    pytest.param(n, marks=pytest.mark.xfail(raises=ScenarioError, strict=True, reason="not modelled yet"))
+    if n in NOT_MODELLED else n
     for n in SCENARIOS])
 def test_replay_matches_vllm_oracle(name):
     expected = _load_expected(name)
