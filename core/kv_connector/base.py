@@ -16,11 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_connector.config import KVTransferConfig
 
 if TYPE_CHECKING:
     from servetwin.core.request import Request
     from servetwin.core.sched.output import SchedulerOutput
+
+
+class KVConnectorOutputError(ConfigError):
+    """A worker report the connector cannot accept (a job reported done that is not in flight);
+    `path` names the report's field."""
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
-"""The CPU tier behind the offloading connector: vLLM 0.33's `CPUOffloadingManager` with its LRU
-cache policy (`v1/kv_offload/cpu/manager.py`, `policies/lru.py`), one chunk per GPU block.
+"""The CPU tier behind the offloading connector: vLLM 0.33's `CPUOffloadingManager` with its LRU and
+ARC cache policies (`v1/kv_offload/cpu/manager.py`, `policies/lru.py`, `policies/arc.py`), one chunk
+per GPU block.
 
 A chunk is written by a store job (not readable until the store completes), read by load jobs (pinned
 while one runs) and evicted only when neither. LRU recency is logical: a request keeps one rank while
@@ -43,6 +44,8 @@ class RequestContext:
     key_groups: list[OffloadKey] = field(default_factory=list)  # keys observed, head to tail
     seen_keys: set[OffloadKey] = field(default_factory=set)
     store_miss_keys: set[OffloadKey] = field(default_factory=set)
+    inserted_keys: set[OffloadKey] = field(default_factory=set)  # chunks this request stored
+    reused_keys: set[OffloadKey] = field(default_factory=set)  # ready chunks it read or offered again
     finished: bool = False
 
 
@@ -129,7 +132,8 @@ class LRUPolicy:
                 updated.append(key)
         self._update_heap(updated)
 
-    def on_request_finished(self, keys: Sequence[OffloadKey], ctx: RequestContext) -> None:
+    def on_request_finished(self, keys: Sequence[OffloadKey], insertion_only: set[OffloadKey],
+                            reused: set[OffloadKey], ctx: RequestContext) -> None:
         self.touch(reversed(list(keys)))  # head ends most recent
 
     def evict(self, n: int, protected: set[OffloadKey]) -> Optional[list[tuple[OffloadKey, ChunkStatus]]]:
@@ -171,7 +175,110 @@ class LRUPolicy:
         self._evictable.remove(key)
 
 
-POLICIES = {"lru": LRUPolicy}
+class ARCPolicy:
+    """vLLM's ARC: T1 (seen once) and T2 (reused) with ghost lists B1 / B2 steering the target T1
+    size; new chunks enter T1, a request's reuse promotes them to T2 when it finishes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.target_t1_size = 0.0
+        self.t1: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
+        self.t2: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
+        self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def get(self, key: OffloadKey) -> Optional[ChunkStatus]:
+        return self.t1.get(key) or self.t2.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, ctx: RequestContext) -> None:
+        self.t1[key] = chunk
+        self.b1.pop(key, None)
+        self.b2.pop(key, None)
+
+    def remove(self, key: OffloadKey) -> None:
+        if self.t1.pop(key, None) is None:
+            self.t2.pop(key, None)
+
+    def _adapt_to_ghost_hit(self, key: OffloadKey) -> None:
+        if key in self.b1:
+            self.target_t1_size = min(self.target_t1_size + max(1, len(self.b2) / len(self.b1)), self.capacity)
+            self.b1.move_to_end(key)
+        elif key in self.b2:
+            self.target_t1_size = max(self.target_t1_size - max(1, len(self.b1) / len(self.b2)), 0)
+            self.b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], ctx: RequestContext) -> None:
+        for key in reversed(list(keys)):
+            self._adapt_to_ghost_hit(key)
+
+    def on_request_access(self, keys: Sequence[OffloadKey], ctx: RequestContext) -> None:
+        return
+
+    def on_request_finished(self, keys: Sequence[OffloadKey], insertion_only: set[OffloadKey],
+                            reused: set[OffloadKey], ctx: RequestContext) -> None:
+        for key in reversed(list(keys)):
+            if key in insertion_only:
+                if key in self.t1:
+                    self.t1.move_to_end(key)
+                elif key in self.t2:
+                    self.t2.move_to_end(key)
+            elif key in reused and key in self.t1:
+                self.t2[key] = self.t1.pop(key)
+            elif key in reused and key in self.t2:
+                self.t2.move_to_end(key)
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> Optional[list[tuple[OffloadKey, ChunkStatus]]]:
+        """T1 while it is at least its target, else T2, else T1; evicted keys become ghosts."""
+        if n == 0:
+            return []
+        chosen: list[tuple[OffloadKey, ChunkStatus, bool]] = []
+        t1_size = len(self.t1)
+        t1_iter, t2_iter = iter(self.t1.items()), iter(self.t2.items())
+
+        def next_candidate(entries):
+            for key, chunk in entries:
+                if chunk.ref_cnt == 0 and key not in protected:
+                    return key, chunk
+            return None
+
+        for _ in range(n):
+            pick = None
+            if t1_size >= int(self.target_t1_size):
+                entry = next_candidate(t1_iter)
+                if entry is not None:
+                    pick, t1_size = (*entry, True), t1_size - 1
+            if pick is None:
+                entry = next_candidate(t2_iter)
+                if entry is not None:
+                    pick = (*entry, False)
+            if pick is None:
+                entry = next_candidate(t1_iter)
+                if entry is None:
+                    return None
+                pick, t1_size = (*entry, True), t1_size - 1
+            chosen.append(pick)
+        out = []
+        for key, chunk, from_t1 in chosen:
+            if from_t1:
+                del self.t1[key]
+                self.b1[key] = None
+            else:
+                del self.t2[key]
+                self.b2[key] = None
+            out.append((key, chunk))
+        for ghost in (self.b1, self.b2):
+            for _ in range(len(ghost) - self.capacity):
+                ghost.popitem(last=False)
+        return out
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        return
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        return
+
+
+POLICIES = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
 class CPUOffloadingManager:
@@ -223,7 +330,9 @@ class CPUOffloadingManager:
                 unprotected -= 1
             counts[key] = 1
 
-    def _record_request_access(self, keys: Iterable[OffloadKey], ctx: RequestContext) -> None:
+    def _record_request_access(self, keys: Iterable[OffloadKey], ctx: RequestContext,
+                               reused: Iterable[OffloadKey] = ()) -> None:
+        ctx.reused_keys.update(k for k in reused if k not in ctx.inserted_keys)
         new = []
         for key in keys:
             if key not in ctx.seen_keys:
@@ -248,7 +357,7 @@ class CPUOffloadingManager:
                 self._policy.mark_non_evictable(key)
                 self._num_evictable -= 1
             chunk.ref_cnt += 1
-        self._record_request_access(keys, ctx)
+        self._record_request_access(keys, ctx, reused=keys)
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
         for key in keys:
@@ -277,7 +386,7 @@ class CPUOffloadingManager:
             self._policy.on_store_miss(misses, ctx)
             ctx.store_miss_keys.update(misses)
         recorded = set(to_store) | set(ready)
-        self._record_request_access([k for k in keys if k in recorded], ctx)
+        self._record_request_access([k for k in keys if k in recorded], ctx, reused=ready)
         if not to_store:
             return []
         evict = len(to_store) - self._num_free()
@@ -293,6 +402,7 @@ class CPUOffloadingManager:
         for key, chunk in zip(to_store, self._allocate(len(to_store))):
             self._policy.insert(key, chunk, ctx)
         self._num_write_pending += len(to_store)
+        ctx.inserted_keys.update(to_store)
         return to_store
 
     def complete_store(self, keys: Iterable[OffloadKey]) -> None:
@@ -311,4 +421,4 @@ class CPUOffloadingManager:
         keys = list(ctx.key_groups)
         if all(k in ctx.positions for k in keys):
             keys.sort(key=ctx.positions.__getitem__)
-        self._policy.on_request_finished(keys, ctx)
+        self._policy.on_request_finished(keys, ctx.inserted_keys - ctx.reused_keys, ctx.reused_keys, ctx)

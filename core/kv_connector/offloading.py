@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.kv_cache_interface import FULL_ATTENTION
 from servetwin.core.kv_cache.kv_sizing import cdiv
-from servetwin.core.kv_connector.base import KVConnectorBase, KVConnectorOutput
+from servetwin.core.kv_connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorOutputError
 from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.kv_connector.cpu_tier import (
     POLICIES, CPUOffloadingManager, LookupResult, OffloadKey, RequestContext)
@@ -258,7 +258,12 @@ class OffloadingConnector(KVConnectorBase):
     # -- the worker's report, finishing ---------------------------------------------------------
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for job_id in connector_output.completed_jobs:
-            job = self._jobs.pop(job_id)
+            job = self._jobs.pop(job_id, None)
+            if job is None:  # (vLLM fails on a KeyError here)
+                raise KVConnectorOutputError(
+                    "kv_connector_output.completed_jobs", f"job {job_id} is reported done but is not in "
+                    "flight (a worker that reports a job twice, e.g. a store flushed again while its "
+                    "completion is still in flight under async scheduling)")
             req = self._req_status[job.req_id]
             if job.is_store:
                 self.manager.complete_store(job.keys)

@@ -253,3 +253,39 @@ def test_connector_scenario_reads_the_overrides():
     assert sc.kv_connector.send_delay_steps == 2 and sc.kv_connector.lease_steps == 5
     f = sc.requests[0].connector
     assert f.do_remote_decode and f.send_delay_given and f.send_delay_steps is None
+
+
+# -- the offloading connector ---------------------------------------------------------------------
+def _offloading(cpu_chunks: int, policy: str = "lru", **extra) -> KVTransferConfig:
+    return KVTransferConfig("OffloadingConnector", kv_connector_extra_config=dict(
+        cpu_bytes_to_use=4096 * cpu_chunks, eviction_policy=policy, **extra))
+
+
+def test_offloading_cpu_tier_size_is_page_aligned_chunks():
+    assert create_connector(_offloading(15), BLOCK).num_cpu_chunks == 15
+    assert create_connector(_offloading(15, kv_bytes_per_block=5000), BLOCK).num_cpu_chunks == 7  # 8192 B/chunk
+
+
+def test_offloading_stores_then_a_later_request_loads_from_the_cpu_tier():
+    s = _scheduler(_offloading(8), num_blocks=64)
+    prompt = [2000 + i for i in range(64)]
+    s.add_request(Request("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=0.0))
+    so, _ = _step(s)
+    stores = so.kv_connector_metadata.store_jobs
+    assert [j.req_id for j in stores.values()] == ["a"]  # the 4 full prompt blocks, one job
+    _step(s, KVConnectorOutput(completed_jobs={j: 1 for j in stores}))
+    s.reset_prefix_cache()  # the GPU copy is gone; the CPU tier still holds it
+    s.add_request(Request("b", prompt + [7, 7], SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=1.0))
+    so, _ = _step(s)
+    loads = so.kv_connector_metadata.load_jobs
+    assert [j.req_id for j in loads.values()] == ["b"] and s.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    _step(s, KVConnectorOutput(finished_recving={"b"}, completed_jobs={j: 1 for j in loads}))
+    so, _ = _step(s)
+    assert so.num_scheduled_tokens == {"b": 2} and so.scheduled_new_reqs[0].num_computed_tokens == 64
+
+
+def test_offloading_rejects_a_job_reported_twice():
+    from servetwin.core.kv_connector.base import KVConnectorOutputError
+    conn = create_connector(_offloading(4), BLOCK)
+    with pytest.raises(KVConnectorOutputError, match="job 3"):
+        conn.update_connector_output(KVConnectorOutput(completed_jobs={3: 1}))
