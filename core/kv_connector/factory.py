@@ -1,6 +1,6 @@
 """Build a connector from a `KVTransferConfig` (vLLM 0.33 `kv_connector/factory.py`).
 
-Built-in name: `NixlConnector` (vLLM's OffloadingConnector is not modelled yet). Users register their own either with
+Built-in names: `NixlConnector`, `OffloadingConnector`. Users register their own either with
 `register_connector(name, cls)` or, as vLLM's `kv_connector_module_path`, by naming the module that
 defines the class (`kv_connector` is then the class name), or by one "module:Class" path."""
 from __future__ import annotations
