@@ -46,7 +46,7 @@ class ConnectorSchedulerMixin:
         self.kv_holding_waiting = create_request_queue(self.policy)
         self.finished_recving_kv_req_ids: set[str] = set()
         self.failed_recving_kv_req_ids: set[str] = set()
-        self._inflight_prefills: set[Request] = set()
+        self._inflight_prefills: dict[str, Request] = {}  # by id (a compiled Request is unhashable)
         # blocks one speculative step needs (vLLM's `_spec_decode_step_blocks`; 0 without spec decoding)
         self.spec_decode_step_blocks = num_spec_step_blocks
         self.sched_step_seq = 0
@@ -106,7 +106,7 @@ class ConnectorSchedulerMixin:
         """Blocks the in-flight prefills still need for their whole sequence (sched:3404-3436)."""
         coord = self.kv_cache_manager.coordinator
         total = 0
-        for request in self._inflight_prefills:
+        for request in self._inflight_prefills.values():
             num_tokens = min(request.num_tokens, self.max_model_len)
             total += coord.get_num_blocks_to_allocate(request.request_id, num_tokens, coord.empty_hits,
                                                       request.num_computed_tokens, True)
@@ -185,7 +185,7 @@ class ConnectorSchedulerMixin:
             for rid in nst:
                 r = self.requests[rid]
                 if not r.is_prefill_chunk:
-                    self._inflight_prefills.discard(r)
+                    self._inflight_prefills.pop(rid, None)
 
     def _drain_deferred_frees(self) -> None:
         pool = self.kv_cache_manager.block_pool

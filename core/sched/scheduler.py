@@ -206,7 +206,7 @@ class Scheduler(ConnectorSchedulerMixin):
         connector's kv_transfer_params for the request's output."""
         kv_transfer_params = None
         if self.connector is not None:
-            self._inflight_prefills.discard(request)
+            self._inflight_prefills.pop(request.request_id, None)
             delay, kv_transfer_params = self._connector_finished(request)
             delay_free_blocks |= delay
         self.finished_req_ids.add(request.request_id)
@@ -404,7 +404,7 @@ class Scheduler(ConnectorSchedulerMixin):
             if load_async:  # park it, holding its blocks, until the load is reported (sched:1514-1545)
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 request.num_computed_tokens = num_computed
-                self._inflight_prefills.add(request)
+                self._inflight_prefills[request.request_id] = request
                 self._skip_waiting_request(waiting, skipped_holding, skipped_waiting)
                 continue
             waiting.pop_request()
@@ -425,7 +425,7 @@ class Scheduler(ConnectorSchedulerMixin):
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             if connector is not None and num_computed + n < request.num_tokens:
-                self._inflight_prefills.add(request)
+                self._inflight_prefills[request.request_id] = request
         if skipped_holding:
             self.kv_holding_waiting.prepend_requests(skipped_holding)
         if skipped_waiting:
@@ -507,7 +507,7 @@ class Scheduler(ConnectorSchedulerMixin):
     def _preempt_request(self, request: Request) -> None:
         assert request.status == RequestStatus.RUNNING, f"preempting a non-running request {request}"
         if self.connector is not None:
-            self._inflight_prefills.discard(request)
+            self._inflight_prefills.pop(request.request_id, None)
             self._free_request_blocks(request)
         else:
             self.kv_cache_manager.free(request)
