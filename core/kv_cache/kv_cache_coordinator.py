@@ -69,6 +69,14 @@ class KVCacheCoordinator:
         for m in self.single_type_managers:
             m.free(request_id)
 
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        out: list[KVCacheBlock] = []
+        for m in self.single_type_managers:
+            blocks = m.req_to_blocks.pop(request_id, [])
+            m.num_cached_block.pop(request_id, None)
+            out.extend(b for b in blocks if not b.is_null)  # (null entries are only the head)
+        return out
+
     def get_blocks(self, request_id: str) -> BlocksPerGroup:
         return tuple([m.req_to_blocks.get(request_id, []) for m in self.single_type_managers])
 
