@@ -41,9 +41,10 @@ STEP_KEYS = ["num_scheduled_tokens", "new", "new_prefix_hit_tokens", "running", 
              "sampled", "num_free_blocks_after_schedule", "waiting_ids", "num_free_blocks_after_update",
              "num_running_after", "num_waiting_after", "blocks_per_group", "waiting_for_remote_kvs",
              "delayed_free_after_update", "kv_connector_output", "connector_prefix_cache", "kv_transfer_params",
-             "prefix_cache"]
+             "prefix_cache", "spec_tokens", "spec_padded", "accepted", "num_computed_tokens_after_update",
+             "spec_decoding", "drafts_proposed"]
 SUMMARY_KEYS = ["finish_step", "first_token_step", "unfinished", "output_token_ids", "num_free_blocks_end",
-                "kv_transfer_params", "held_at_end", "kv_worker_pending"]
+                "kv_transfer_params", "held_at_end", "kv_worker_pending", "spec_decoding", "accepted_tokens"]
 
 
 def random_scenario(seed: int) -> dict:
@@ -94,6 +95,66 @@ def random_scenario(seed: int) -> dict:
     return scenario
 
 
+def random_offload_scenario(seed: int) -> dict:
+    """An OffloadingConnector scenario: shared prefixes evicted from a tight GPU pool and found again
+    in a small CPU tier (LRU / ARC, store thresholds, load and store delays)."""
+    rnd = random.Random(seed)
+    bs = rnd.choice([16, 32])
+    conn = {"name": "OffloadingConnector", "cpu_bytes_to_use": 4096 * rnd.randint(2, 24),
+            "eviction_policy": rnd.choice(["lru", "arc"]), "store_threshold": rnd.choice([0, 0, 1, 2, 3]),
+            "load_delay_steps": rnd.randint(0, 4), "store_delay_steps": rnd.randint(1, 4)}
+    prefixes = [[rnd.randint(1000, 29000) for _ in range(rnd.choice([bs, 2 * bs, 3 * bs + 5]))] for _ in range(3)]
+    requests, longest = [], 0
+    for i in range(rnd.randint(4, 12)):
+        body = [rnd.randint(1000, 29000) for _ in range(rnd.randint(1, rnd.choice([40, 120])))]
+        prompt = rnd.choice(prefixes) + body if rnd.random() < 0.7 else body
+        r = {"id": f"r{i:02d}", "arrival_step": rnd.randint(0, 30), "prompt_token_ids": prompt,
+             "max_tokens": rnd.choice([1, 3, 8, 20])}
+        requests.append(r)
+        longest = max(longest, len(prompt) + r["max_tokens"])
+    need = -(-longest // bs) + 2
+    settings = {"max_num_seqs": rnd.choice([1, 2, 4, 8]), "max_num_batched_tokens": rnd.choice([32, 64, 128]),
+                "enable_chunked_prefill": True, "long_prefill_token_threshold": rnd.choice([0, 32]),
+                "block_size": bs, "num_gpu_blocks": rnd.randint(need, int(need * 2) + 2),
+                "enable_prefix_caching": True, "policy": "fcfs", "max_model_len": 1024,
+                "max_steps": 300, "kv_connector": conn}
+    if rnd.random() < 0.4:
+        settings["async_scheduling"] = True
+    return {"settings": settings, "requests": requests}
+
+
+def random_spec_connector_scenario(seed: int) -> dict:
+    """A connector scenario (P/D or offloading, as above) with speculative decoding on top: method,
+    k, acceptance, per-request draft lengths and accept patterns, sync or async (not ngram), and a
+    pool tight enough that an async load's spec-step reserve matters."""
+    rnd = random.Random(seed * 7919 + 1)
+    scenario = random_scenario(seed) if rnd.random() < 0.65 else random_offload_scenario(seed)
+    settings = scenario["settings"]
+    method = rnd.choice(["ngram", "eagle", "mtp", "eagle"])
+    k = rnd.choice([1, 2, 3, 4, 5])
+    acceptance = rnd.choice(["all", "none", {"seed": rnd.randrange(10000)},
+                             {"pattern": [rnd.randrange(0, k + 2) for _ in range(rnd.randint(1, 4))]}])
+    settings["speculative"] = {"num_speculative_tokens": k, "method": method, "acceptance": acceptance}
+    if method == "ngram":
+        settings.pop("async_scheduling", None)  # vLLM rejects ngram with async scheduling
+    settings["max_num_batched_tokens"] = max(settings["max_num_batched_tokens"], k + 2)
+    for r in scenario["requests"]:
+        if not settings.get("async_scheduling") and rnd.random() < 0.3:
+            r["draft_lengths"] = [rnd.randrange(0, k + 1) for _ in range(rnd.randint(1, 4))]
+        if rnd.random() < 0.25:
+            r["accept_pattern"] = [rnd.randrange(0, k + 2) for _ in range(rnd.randint(1, 4))]
+        if rnd.random() < 0.3:
+            r["max_tokens"] = rnd.choice([12, 30, 60])
+    # every request still fits once, with one verify step of room
+    longest = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in scenario["requests"])
+    need = -(-(longest + 2 * k + 2) // settings["block_size"]) + 1
+    settings["num_gpu_blocks"] = max(need, settings["num_gpu_blocks"] + rnd.choice([-2, 0, 0, 1, 3]))
+    return scenario
+
+
+FAMILIES = {"nixl": random_scenario, "offload": random_offload_scenario, "spec": random_spec_connector_scenario}
+
+
 def divergences(scenario_path: Path) -> list[str]:
     from servetwin.core.testbed.replay import replay
     from servetwin.core.testbed.scenario import load_scenario
@@ -119,13 +180,15 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-python", required=True, help="a Python with vLLM 0.33.0 installed")
     ap.add_argument("--out", required=True, help="folder for the scenarios and recordings")
     ap.add_argument("--seeds", nargs=2, type=int, default=[0, 50], metavar=("FROM", "TO"))
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="nixl",
+                    help="nixl: P/D; offload: CPU tier; spec: either with speculative decoding")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for seed in range(*args.seeds):
-        p = out / f"k_fuzz_{seed:05d}.json"
-        p.write_text(json.dumps(random_scenario(seed)))
+        p = out / f"k_fuzz_{args.family}_{seed:05d}.json"
+        p.write_text(json.dumps(FAMILIES[args.family](seed)))
         paths.append(p)
     subprocess.run([args.vllm_python, "-c", RECORDER, args.driver, *map(str, paths)], check=True)
     recorded = [p for p in paths if p.with_suffix(".expected.jsonl").exists()]

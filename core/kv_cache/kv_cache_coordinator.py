@@ -15,7 +15,7 @@ from typing import Optional
 from servetwin.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from servetwin.core.kv_cache.kv_cache_interface import FULL_ATTENTION, KVCacheGroupSpec
 from servetwin.core.kv_cache.single_type_kv_cache_manager import (
-    MANAGER_FOR_SPEC, SingleTypeKVCacheManager, SlidingWindowManager)
+    MANAGER_FOR_SPEC, FullAttentionManager, SingleTypeKVCacheManager, SlidingWindowManager)
 from servetwin.core.request import Request
 
 BlocksPerGroup = tuple[list[KVCacheBlock], ...]
@@ -39,6 +39,10 @@ class KVCacheCoordinator:
                 **extra))
         self.has_windows = any(g.type != FULL_ATTENTION for g in groups)
         self.empty_hits: BlocksPerGroup = tuple([] for _ in groups)
+        # EAGLE / MTP without lookahead block hashes (a KV connector keeps the legacy hashes): a hit
+        # gives back its last block, whose KV the drafter must recompute (single_type_kv_cache_manager
+        # .py:826-830); set by make_coordinator
+        self.drop_eagle_block = False
 
     # -- demand and allocation (summed / in group order) ------------------------------------------
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, hits: BlocksPerGroup,
@@ -97,6 +101,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         m = self.single_type_managers[0]
         blocks = m.find_longest_cache_hit(block_hashes, max_length, [0], self.block_pool,
                                           m.kv_cache_spec, self.block_size)
+        if self.drop_eagle_block and blocks[0] and type(m) is FullAttentionManager:
+            del blocks[0][-1]
         hit = len(blocks[0]) * self.block_size
         return tuple(blocks), hit, hit
 
@@ -150,7 +156,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
 def make_coordinator(groups: tuple[KVCacheGroupSpec, ...], block_pool: BlockPool, block_size: int,
                      enable_caching: bool, max_in_flight_tokens: int, max_model_len: int,
-                     retention_interval: Optional[int]) -> KVCacheCoordinator:
+                     retention_interval: Optional[int], drop_eagle_block: bool = False) -> KVCacheCoordinator:
+    """The coordinator for these groups. `drop_eagle_block`: EAGLE's last-block drop on a hit (one
+    full-attention group; not modelled for hybrid groups yet)."""
     cls: type[KVCacheCoordinator]
     if not enable_caching:
         cls = KVCacheCoordinatorNoPrefixCache
@@ -158,5 +166,7 @@ def make_coordinator(groups: tuple[KVCacheGroupSpec, ...], block_pool: BlockPool
         cls = UnitaryKVCacheCoordinator
     else:
         cls = HybridKVCacheCoordinator
-    return cls(groups, block_pool, block_size, enable_caching, max_in_flight_tokens, max_model_len,
-               retention_interval)
+    coordinator = cls(groups, block_pool, block_size, enable_caching, max_in_flight_tokens, max_model_len,
+                      retention_interval)
+    coordinator.drop_eagle_block = drop_eagle_block
+    return coordinator

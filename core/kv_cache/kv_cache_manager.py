@@ -42,9 +42,10 @@ class KVCacheManager:
                  enable_caching: bool = True, watermark: float = 0.0, log_stats: bool = True,
                  kv_cache_groups: Optional[tuple[KVCacheGroupSpec, ...]] = None,
                  prefix_cache_retention_interval: Optional[int] = 0,
-                 max_in_flight_tokens: Optional[int] = None) -> None:
+                 max_in_flight_tokens: Optional[int] = None, drop_eagle_block: bool = False) -> None:
         """`max_in_flight_tokens` sizes the window groups' admission cap (the scheduler passes
-        `SchedulerConfig.max_in_flight_tokens`; None: max_model_len, no cap below the sequence)."""
+        `SchedulerConfig.max_in_flight_tokens`; None: max_model_len, no cap below the sequence).
+        `drop_eagle_block`: vLLM's `use_eagle_block_drop` (a hit gives back its last block)."""
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark: must be in [0, 1), got {watermark}")
         self.block_size = block_size
@@ -58,7 +59,7 @@ class KVCacheManager:
         self.coordinator = make_coordinator(
             groups, self.block_pool, block_size, enable_caching,
             max_model_len if max_in_flight_tokens is None else max_in_flight_tokens, max_model_len,
-            prefix_cache_retention_interval)
+            prefix_cache_retention_interval, drop_eagle_block)
         self.single_full_attention = groups == ONE_FULL_GROUP
         self.has_windows = self.coordinator.has_windows
         manager0 = self.coordinator.single_type_managers[0]

@@ -112,19 +112,25 @@ class Scheduler(ConnectorSchedulerMixin):
         self.policy = scheduler_config.scheduling_policy
         self.async_scheduling = scheduler_config.async_scheduling
         self.log_stats = log_stats
+        # eagle / mtp: every block hash covers the next token too, or (no lookahead hashes, as with a
+        # KV connector) a hit drops its last block (config/vllm.py:677-693, sched:330-345)
+        self.num_hash_lookahead_tokens = speculative_config.num_hash_lookahead_tokens(
+            cache_config.enable_prefix_caching, kv_transfer_config is not None) if speculative_config else 0
+        self.use_eagle_block_drop = bool(speculative_config and speculative_config.use_eagle_block_drop(
+            self.num_hash_lookahead_tokens))
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks=cache_config.num_gpu_blocks, block_size=cache_config.block_size,
             max_model_len=self.max_model_len, enable_caching=cache_config.enable_prefix_caching,
             watermark=scheduler_config.watermark, log_stats=log_stats,
             kv_cache_groups=cache_config.kv_cache_groups,
             prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval,
-            max_in_flight_tokens=scheduler_config.max_in_flight_tokens)
+            max_in_flight_tokens=scheduler_config.max_in_flight_tokens,
+            drop_eagle_block=self.use_eagle_block_drop)
         self.block_hasher = None
         if cache_config.enable_prefix_caching:
             self.block_hasher = get_request_block_hasher(
                 cache_config.block_size, get_hash_fn_by_name(cache_config.prefix_caching_hash_algo),
-                # eagle / mtp: every block hash covers the next token too (config/vllm.py:681-695)
-                speculative_config.num_hash_lookahead_tokens(True) if speculative_config else 0)
+                self.num_hash_lookahead_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []

@@ -315,13 +315,13 @@ def _config_line(scenario: Scenario, scheduler: Scheduler) -> dict:
 def _spec_effective(scheduler: Scheduler) -> dict:
     """What vLLM derives from `speculative` (the oracle's `effective.speculative`)."""
     cfg = scheduler.speculative_config
-    hash_lookahead = cfg.num_hash_lookahead_tokens(scheduler.cache_config.enable_prefix_caching)
+    hash_lookahead = scheduler.num_hash_lookahead_tokens
     return {"method": cfg.method, "num_spec_tokens": scheduler.num_spec_tokens,
             "num_lookahead_tokens": scheduler.num_lookahead_tokens,
             "num_prefill_lookahead_tokens": cfg.num_prefill_lookahead_tokens,
             "num_hash_lookahead_tokens": hash_lookahead, "use_eagle": cfg.use_eagle,
             # vLLM drops the volatile trailing cached block for eagle unless hashes look ahead
-            "use_eagle_block_drop": cfg.use_eagle and not hash_lookahead,
+            "use_eagle_block_drop": scheduler.use_eagle_block_drop,
             "draft_slots": 0,  # max_num_new_slots_for_drafting: 0 for ngram, eagle, mtp
             "spec_decode_step_blocks": scheduler.spec_decode_step_blocks}
 
