@@ -152,7 +152,27 @@ def random_spec_connector_scenario(seed: int) -> dict:
     return scenario
 
 
-FAMILIES = {"nixl": random_scenario, "offload": random_offload_scenario, "spec": random_spec_connector_scenario}
+def random_spec_hybrid_scenario(seed: int) -> dict:
+    """A P/D scenario with speculative decoding over a full-attention + sliding-window model."""
+    rnd = random.Random(seed * 104729 + 3)
+    scenario = random_spec_connector_scenario(seed)
+    while scenario["settings"]["kv_connector"]["name"] != "NixlConnector":
+        seed += 1000003
+        scenario = random_spec_connector_scenario(seed)
+    settings = scenario["settings"]
+    window = rnd.choice([16, 32, 48, 64, 128])
+    settings["kv_cache_groups"] = [{"type": "full_attention"}, {"type": "sliding_window", "sliding_window": window}]
+    settings["num_gpu_blocks"] *= 2
+    if rnd.random() < 0.3:
+        settings["prefix_cache_retention_interval"] = rnd.choice([None, 64, 128])
+    for r in scenario["requests"]:  # block-level load failures need one KV cache group
+        if isinstance((r.get("kv_recv") or {}).get("fail"), list):
+            r["kv_recv"]["fail"] = "all"
+    return scenario
+
+
+FAMILIES = {"nixl": random_scenario, "offload": random_offload_scenario, "spec": random_spec_connector_scenario,
+            "spec_hybrid": random_spec_hybrid_scenario}
 
 
 def divergences(scenario_path: Path) -> list[str]:

@@ -102,7 +102,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         blocks = m.find_longest_cache_hit(block_hashes, max_length, [0], self.block_pool,
                                           m.kv_cache_spec, self.block_size)
         if self.drop_eagle_block and blocks[0] and type(m) is FullAttentionManager:
-            del blocks[0][-1]
+            del blocks[0][-1]  # (a lone sliding-window group: not modelled)
         hit = len(blocks[0]) * self.block_size
         return tuple(blocks), hit, hit
 
@@ -128,17 +128,28 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hits: list[Optional[list[KVCacheBlock]]] = [None] * len(self.kv_cache_groups)
         hit_length = max_length
         full_hit = 0
+        # EAGLE: each spec peeks one block past the candidate and drops it, once per candidate
+        # length (kv_cache_coordinator.py:840-915)
+        eagle_verified: set[int] = set()
         while True:
             curr = hit_length
-            for spec, gids in self.attention_groups:
+            for idx, (spec, gids) in enumerate(self.attention_groups):
                 if spec.type == FULL_ATTENTION and hits[gids[0]] is not None:
                     curr = curr // bs * bs  # a prefix of a full-attention hit is a hit
                     for g in gids:
                         del hits[g][curr // bs:]
                     continue
                 m = self.single_type_managers[gids[0]]
-                found = m.find_longest_cache_hit(block_hashes, curr, gids, self.block_pool, spec, bs)
-                curr = len(found[0]) * bs
+                drop = self.drop_eagle_block and idx not in eagle_verified
+                search = min(curr + bs, len(block_hashes) * bs) if drop else curr
+                found = m.find_longest_cache_hit(block_hashes, search, gids, self.block_pool, spec, bs,
+                                                 drop_eagle_block=drop)
+                new = len(found[0]) * bs
+                if drop:
+                    eagle_verified.add(idx)
+                elif new < curr:
+                    eagle_verified.clear()
+                curr = new
                 if spec.type == FULL_ATTENTION:
                     full_hit = curr
                 for g, blocks in zip(gids, found):
@@ -169,4 +180,6 @@ def make_coordinator(groups: tuple[KVCacheGroupSpec, ...], block_pool: BlockPool
     coordinator = cls(groups, block_pool, block_size, enable_caching, max_in_flight_tokens, max_model_len,
                       retention_interval)
     coordinator.drop_eagle_block = drop_eagle_block
+    for manager in coordinator.single_type_managers:
+        manager.use_eagle = drop_eagle_block
     return coordinator
