@@ -4,7 +4,11 @@ real scheduler (the oracle's connectors driver, with its fake worker) and throug
 every divergence is printed, and its scenario + recording kept for tests/core/data.
 
     python scripts/connector_fuzz.py --driver PATH/vllm_oracle_driver_connectors.py \\
-        --vllm-python /tmp/vllm-venv/bin/python --out /tmp/fuzz --seeds 0 100
+        --vllm-python /tmp/vllm-venv/bin/python --out /tmp/fuzz --seeds 0 100 [--family spec]
+
+Families: `nixl` (P/D, the default), `offload` (the CPU tier), `spec` (either, with speculative
+decoding; tests/core/data/k_spec_fuzz_0NN = seed NN), `spec_hybrid` (P/D with speculative decoding
+over full attention + a sliding window; k_spec_hybrid_fuzz_0NN = seed NN).
 
 The driver and a Python with vLLM 0.33.0 are not part of servetwin (the script records with them in a
 subprocess, one process for the whole batch: vLLM's import dominates a single recording).

@@ -16,6 +16,7 @@ from servetwin.core.request import Request, RequestStatus
 from servetwin.core.sampling_params import SamplingParams
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.sched.scheduler import Scheduler
+from servetwin.core.sched.spec_decode import SpeculativeConfig
 
 BLOCK = 16
 
@@ -289,3 +290,58 @@ def test_offloading_rejects_a_job_reported_twice():
     conn = create_connector(_offloading(4), BLOCK)
     with pytest.raises(KVConnectorOutputError, match="job 3"):
         conn.update_connector_output(KVConnectorOutput(completed_jobs={3: 1}))
+
+
+# -- with speculative decoding ----------------------------------------------------------------------
+def _spec_scheduler(method: str, connector: bool, num_blocks: int = 64) -> Scheduler:
+    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    cc = CacheConfig(block_size=BLOCK, num_gpu_blocks=num_blocks, enable_prefix_caching=True)
+    return Scheduler(sc, cc, speculative_config=SpeculativeConfig(3, method),
+                     kv_transfer_config=KVTransferConfig("NixlConnector", kv_role="kv_consumer") if connector else None)
+
+
+def _cached_hit(s: Scheduler) -> int:
+    """Prefill and finish a 3-block prompt, then the prefix-cache hit of the same prompt + 1 token."""
+    prompt = [1000 + i for i in range(3 * BLOCK)]
+    s.add_request(Request("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=0.0))
+    _step(s)
+    _, hit = s.kv_cache_manager.get_computed_blocks(
+        Request("b", prompt + [7], SamplingParams(max_tokens=1, ignore_eos=True), arrival_time=1.0,
+                block_hasher=s.block_hasher))
+    return hit
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_a_connector_keeps_legacy_hashes_so_eagle_drops_the_last_hit_block(method):
+    """vLLM 0.33: no lookahead block hashes with a KV connector (config/vllm.py:677-693), so an eagle /
+    mtp hit gives back its last block; without a connector the hashes look ahead and nothing drops."""
+    with_conn = _spec_scheduler(method, connector=True)
+    assert (with_conn.num_hash_lookahead_tokens, with_conn.use_eagle_block_drop) == (0, True)
+    assert _cached_hit(with_conn) == 2 * BLOCK
+    alone = _spec_scheduler(method, connector=False)
+    assert (alone.num_hash_lookahead_tokens, alone.use_eagle_block_drop) == (1, False)
+    assert _cached_hit(alone) == 3 * BLOCK
+    ngram = _spec_scheduler("ngram", connector=True)
+    assert not ngram.use_eagle_block_drop and _cached_hit(ngram) == 3 * BLOCK
+
+
+@pytest.mark.parametrize("num_blocks, admitted", [(12, True), (11, False)])
+def test_an_async_load_reserves_a_spec_step_and_in_flight_prefills_count_theirs(num_blocks, admitted):
+    """An async load must leave free what the in-flight prefills still need (each with one verify
+    step, 1 + k + lookahead tokens, past its sequence) plus one spec-decode step of its own
+    (sched:1421-1430, :3404-3420). Here: a 5-block prompt prefilled 32 tokens at a time holds 3 blocks
+    (2 + eagle's lookahead slots) and reserves cdiv(80 + 7, 16) - 3 = 3 more; the 4-block load then
+    needs 4 + 3 + 1 blocks of the 8 or 7 left (pool minus the null block and local's 3)."""
+    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
+                         long_prefill_token_threshold=2 * BLOCK)
+    cc = CacheConfig(block_size=BLOCK, num_gpu_blocks=num_blocks, enable_prefix_caching=True)
+    s = Scheduler(sc, cc, speculative_config=SpeculativeConfig(3, "eagle"),
+                  kv_transfer_config=KVTransferConfig("NixlConnector", kv_role="kv_consumer"))
+    assert s.spec_decode_step_blocks == 1  # cdiv(1 + 3 + 3, 16)
+    s.add_request(_request("local", 5 * BLOCK, max_tokens=1))
+    s.add_request(_request("remote", 4 * BLOCK, params=_remote_prefill()))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"local": 2 * BLOCK}
+    assert s.kv_cache_manager.num_blocks_per_group("local") == [3]
+    waiting_for_kv = s.requests["remote"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert waiting_for_kv == admitted
