@@ -219,7 +219,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def _cache_range(self, request: Request, start: int, end: int) -> None:
         """Sparse retention: hash only the blocks a later lookup can reach (the window tail before
         a reachable boundary); the others are counted as cached but never hashed."""
-        if self.retention_interval is None:  # dense
+        interval = self.retention_interval
+        if interval is None or (interval and self.contiguous_blocks + self.use_eagle >= interval // self.block_size):
+            # dense, or a run a hit needs spans a whole retention interval: every block is reachable
+            # (single_type_kv_cache_manager.py:1114-1118)
             super()._cache_range(request, start, end)
             return
         for lo, hi in self._reachable_ranges(request, end):
