@@ -7,7 +7,8 @@ every divergence is printed, and its scenario + recording kept for tests/core/da
         --vllm-python /tmp/vllm-venv/bin/python --out /tmp/fuzz --seeds 0 100 [--family spec]
 
 Families: `nixl` (P/D, the default), `offload` (the CPU tier), `spec` (either, with speculative
-decoding; tests/core/data/k_spec_fuzz_0NN = seed NN), `spec_hybrid` (P/D with speculative decoding
+decoding; tests/core/data/k_spec_fuzz_0NN came from seed NN of an earlier version that sized the pool
+before drawing the requests' lengths - the data files, not this script, are the record), `spec_hybrid` (P/D with speculative decoding
 over full attention + a sliding window; k_spec_hybrid_fuzz_0NN = seed NN).
 
 The driver and a Python with vLLM 0.33.0 are not part of servetwin (the script records with them in a
