@@ -34,6 +34,7 @@ class ModelRunnerOutput:
     logprobs: Optional[list[Optional[list[Logprobs]]]] = None  # per request, per sampled token
     prompt_logprobs_dict: dict[str, list[Optional[Logprobs]]] = field(default_factory=dict)
     timing: Optional[StepTiming] = None
+    kv_connector_output: Optional[Any] = None  # servetwin.core.kv_connector.base.KVConnectorOutput
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -49,6 +50,7 @@ class EngineCoreOutput(msgspec.Struct):
     new_logprobs: Optional[list[Logprobs]] = None
     new_prompt_logprobs: Optional[list[Optional[Logprobs]]] = None
     num_cached_tokens: int = 0
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a KV connector's hand-off (P/D)
 
     @property
     def finished(self) -> bool:

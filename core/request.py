@@ -64,7 +64,8 @@ class Request:
         "num_output_placeholders", "num_in_flight_tokens", "num_stale_output_tokens",
         "num_cached_tokens", "parent_id", "events", "_next_hash_at", "_hash_block_size",
         "_hash_lookahead",
-        "shared_prefix_boundary", "spec_token_ids",
+        "shared_prefix_boundary", "spec_token_ids", "kv_transfer_params", "last_sched_seq",
+        "drop_stale_output",
         "__weakref__",
     )
 
@@ -116,6 +117,14 @@ class Request:
         # speculative decoding: drafts proposed for the next step (vLLM's `spec_token_ids`; the
         # AsyncScheduler stores -1 placeholders here)
         self.spec_token_ids: list[int] = []
+        # KV connectors (vLLM request.py): the P/D hand-off parameters ride in extra_args
+        extra = sampling_params.extra_args
+        self.kv_transfer_params: Optional[dict[str, Any]] = (
+            extra.get("kv_transfer_params") if extra else None)
+        self.last_sched_seq = 0  # the step that last scheduled it (a consumer's deferred frees)
+        # a preemption drops (not delivers) the output still in flight: a producer's hand-off needs
+        # KV the preemption freed (vLLM's requires_kv_delivery)
+        self.drop_stale_output = False
         self.events: list[tuple[str, float]] = []
         self.block_hashes: list[bytes] = []
         self._block_hasher: Optional[BlockHasher] = None

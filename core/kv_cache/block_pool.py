@@ -289,6 +289,13 @@ class BlockPool:
         block.block_hash = None
         return True
 
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop these blocks from the prefix cache (a KV connector reported their KV invalid); a
+        held block stays held (vLLM 0.33 block_pool.py `evict_blocks`)."""
+        blocks = self.blocks
+        for block_id in block_ids:
+            self._maybe_evict_cached_block(blocks[block_id])
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         queue = self.free_block_queue
         for b in blocks:

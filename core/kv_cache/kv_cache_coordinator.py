@@ -15,7 +15,7 @@ from typing import Optional
 from servetwin.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from servetwin.core.kv_cache.kv_cache_interface import FULL_ATTENTION, KVCacheGroupSpec
 from servetwin.core.kv_cache.single_type_kv_cache_manager import (
-    MANAGER_FOR_SPEC, SingleTypeKVCacheManager, SlidingWindowManager)
+    MANAGER_FOR_SPEC, FullAttentionManager, SingleTypeKVCacheManager, SlidingWindowManager)
 from servetwin.core.request import Request
 
 BlocksPerGroup = tuple[list[KVCacheBlock], ...]
@@ -39,6 +39,10 @@ class KVCacheCoordinator:
                 **extra))
         self.has_windows = any(g.type != FULL_ATTENTION for g in groups)
         self.empty_hits: BlocksPerGroup = tuple([] for _ in groups)
+        # EAGLE / MTP without lookahead block hashes (a KV connector keeps the legacy hashes): a hit
+        # gives back its last block, whose KV the drafter must recompute (single_type_kv_cache_manager
+        # .py:826-830); set by make_coordinator
+        self.drop_eagle_block = False
 
     # -- demand and allocation (summed / in group order) ------------------------------------------
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, hits: BlocksPerGroup,
@@ -69,6 +73,14 @@ class KVCacheCoordinator:
         for m in self.single_type_managers:
             m.free(request_id)
 
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        out: list[KVCacheBlock] = []
+        for m in self.single_type_managers:
+            blocks = m.req_to_blocks.pop(request_id, [])
+            m.num_cached_block.pop(request_id, None)
+            out.extend(b for b in blocks if not b.is_null)  # (null entries are only the head)
+        return out
+
     def get_blocks(self, request_id: str) -> BlocksPerGroup:
         return tuple([m.req_to_blocks.get(request_id, []) for m in self.single_type_managers])
 
@@ -89,6 +101,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         m = self.single_type_managers[0]
         blocks = m.find_longest_cache_hit(block_hashes, max_length, [0], self.block_pool,
                                           m.kv_cache_spec, self.block_size)
+        if self.drop_eagle_block and blocks[0] and type(m) is FullAttentionManager:
+            del blocks[0][-1]  # (a lone sliding-window group: not modelled)
         hit = len(blocks[0]) * self.block_size
         return tuple(blocks), hit, hit
 
@@ -114,17 +128,28 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hits: list[Optional[list[KVCacheBlock]]] = [None] * len(self.kv_cache_groups)
         hit_length = max_length
         full_hit = 0
+        # EAGLE: each spec peeks one block past the candidate and drops it, once per candidate
+        # length (kv_cache_coordinator.py:840-915)
+        eagle_verified: set[int] = set()
         while True:
             curr = hit_length
-            for spec, gids in self.attention_groups:
+            for idx, (spec, gids) in enumerate(self.attention_groups):
                 if spec.type == FULL_ATTENTION and hits[gids[0]] is not None:
                     curr = curr // bs * bs  # a prefix of a full-attention hit is a hit
                     for g in gids:
                         del hits[g][curr // bs:]
                     continue
                 m = self.single_type_managers[gids[0]]
-                found = m.find_longest_cache_hit(block_hashes, curr, gids, self.block_pool, spec, bs)
-                curr = len(found[0]) * bs
+                drop = self.drop_eagle_block and idx not in eagle_verified
+                search = min(curr + bs, len(block_hashes) * bs) if drop else curr
+                found = m.find_longest_cache_hit(block_hashes, search, gids, self.block_pool, spec, bs,
+                                                 drop_eagle_block=drop)
+                new = len(found[0]) * bs
+                if drop:
+                    eagle_verified.add(idx)
+                elif new < curr:
+                    eagle_verified.clear()
+                curr = new
                 if spec.type == FULL_ATTENTION:
                     full_hit = curr
                 for g, blocks in zip(gids, found):
@@ -142,7 +167,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
 def make_coordinator(groups: tuple[KVCacheGroupSpec, ...], block_pool: BlockPool, block_size: int,
                      enable_caching: bool, max_in_flight_tokens: int, max_model_len: int,
-                     retention_interval: Optional[int]) -> KVCacheCoordinator:
+                     retention_interval: Optional[int], drop_eagle_block: bool = False) -> KVCacheCoordinator:
+    """The coordinator for these groups. `drop_eagle_block`: EAGLE's last-block drop on a hit (one
+    full-attention group; not modelled for hybrid groups yet)."""
     cls: type[KVCacheCoordinator]
     if not enable_caching:
         cls = KVCacheCoordinatorNoPrefixCache
@@ -150,5 +177,9 @@ def make_coordinator(groups: tuple[KVCacheGroupSpec, ...], block_pool: BlockPool
         cls = UnitaryKVCacheCoordinator
     else:
         cls = HybridKVCacheCoordinator
-    return cls(groups, block_pool, block_size, enable_caching, max_in_flight_tokens, max_model_len,
-               retention_interval)
+    coordinator = cls(groups, block_pool, block_size, enable_caching, max_in_flight_tokens, max_model_len,
+                      retention_interval)
+    coordinator.drop_eagle_block = drop_eagle_block
+    for manager in coordinator.single_type_managers:
+        manager.use_eagle = drop_eagle_block
+    return coordinator

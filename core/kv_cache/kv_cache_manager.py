@@ -42,9 +42,10 @@ class KVCacheManager:
                  enable_caching: bool = True, watermark: float = 0.0, log_stats: bool = True,
                  kv_cache_groups: Optional[tuple[KVCacheGroupSpec, ...]] = None,
                  prefix_cache_retention_interval: Optional[int] = 0,
-                 max_in_flight_tokens: Optional[int] = None) -> None:
+                 max_in_flight_tokens: Optional[int] = None, drop_eagle_block: bool = False) -> None:
         """`max_in_flight_tokens` sizes the window groups' admission cap (the scheduler passes
-        `SchedulerConfig.max_in_flight_tokens`; None: max_model_len, no cap below the sequence)."""
+        `SchedulerConfig.max_in_flight_tokens`; None: max_model_len, no cap below the sequence).
+        `drop_eagle_block`: vLLM's `use_eagle_block_drop` (a hit gives back its last block)."""
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark: must be in [0, 1), got {watermark}")
         self.block_size = block_size
@@ -58,7 +59,7 @@ class KVCacheManager:
         self.coordinator = make_coordinator(
             groups, self.block_pool, block_size, enable_caching,
             max_model_len if max_in_flight_tokens is None else max_in_flight_tokens, max_model_len,
-            prefix_cache_retention_interval)
+            prefix_cache_retention_interval, drop_eagle_block)
         self.single_full_attention = groups == ONE_FULL_GROUP
         self.has_windows = self.coordinator.has_windows
         manager0 = self.coordinator.single_type_managers[0]
@@ -106,18 +107,24 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Optional[BlocksPerGroup] = None,
                        num_lookahead_tokens: int = 0, full_sequence_must_fit: bool = False,
-                       has_scheduled_reqs: bool = False) -> Optional[BlocksPerGroup]:
+                       has_scheduled_reqs: bool = False, num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False, reserved_blocks: int = 0) -> Optional[BlocksPerGroup]:
         """Allocate blocks for `num_new_tokens` more tokens in every group; the new blocks per group,
-        or None when they don't fit (then only the out-of-window blocks were freed)."""
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+        or None when they don't fit (then only the out-of-window blocks were freed).
+
+        KV connectors: `num_external_computed_tokens` get blocks too (the connector fills them);
+        `delay_cache_blocks` leaves them out of the prefix cache until the load is done;
+        `reserved_blocks` must stay free for in-flight prefills (an async load's admission)."""
+        if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens")
         coord = self.coordinator
         hits = new_computed_blocks or coord.empty_hits
         rid = request.request_id
+        local_computed = request.num_computed_tokens + num_new_computed_tokens
         if self.has_windows:  # on what is processed: an in-flight step's tokens do not count yet
-            coord.remove_skipped_blocks(rid, request.num_computed_tokens + num_new_computed_tokens
+            coord.remove_skipped_blocks(rid, local_computed + num_external_computed_tokens
                                         - request.num_in_flight_tokens)
-        total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
+        total_computed = min(local_computed + num_external_computed_tokens, self.max_model_len)
         free = self.block_pool.free_block_queue.num_free_blocks
         watermark = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -127,11 +134,11 @@ class KVCacheManager:
             if coord.get_num_blocks_to_allocate(rid, full_len, hits, total_computed, True) + watermark > free:
                 return None
         need_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        if coord.get_num_blocks_to_allocate(rid, need_slots, hits, total_computed) + watermark > free:
+        if coord.get_num_blocks_to_allocate(rid, need_slots, hits, total_computed) + watermark > free - reserved_blocks:
             return None
         coord.save_new_computed_blocks(rid, hits, total_computed)
         new_blocks = coord.allocate_new_blocks(rid, need_slots)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
@@ -158,6 +165,14 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Free the request's blocks group by group, each tail first."""
         self.coordinator.free(request.request_id)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Take the request's blocks (group order, no null head) without returning them to the pool:
+        the caller frees them later, in reverse (a consumer's deferred free)."""
+        return self.coordinator.pop_blocks_for_free(request.request_id)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.block_pool.evict_blocks(block_ids)
 
     def get_blocks(self, request_id: str) -> BlocksPerGroup:
         return self.coordinator.get_blocks(request_id)

@@ -34,6 +34,9 @@ class SingleTypeKVCacheManager:
         self.enable_caching = enable_caching
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
         self.null_block = block_pool.null_block
+        # EAGLE / MTP without lookahead hashes: hits peek one block further and drop it (the
+        # coordinator sets it; vLLM's `use_eagle` of a manager)
+        self.use_eagle = False
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
 
@@ -132,10 +135,11 @@ class SingleTypeKVCacheManager:
 class FullAttentionManager(SingleTypeKVCacheManager):
     @staticmethod
     def find_longest_cache_hit(block_hashes: list[bytes], max_length: int, group_ids: list[int],
-                               block_pool: BlockPool, spec: KVCacheGroupSpec,
-                               block_size: int) -> list[list[KVCacheBlock]]:
+                               block_pool: BlockPool, spec: KVCacheGroupSpec, block_size: int,
+                               drop_eagle_block: bool = False) -> list[list[KVCacheBlock]]:
         """The longest cached prefix (chained hashes: the first miss ends it), in every group of
-        `group_ids`."""
+        `group_ids`; `drop_eagle_block` gives back its last block (single_type_kv_cache_manager.py:
+        826-830)."""
         hashes = block_hashes[:max_length // block_size]
         if len(group_ids) == 1:  # one group (the common case): the hash map directly
             get_one = block_pool.cached_block_hash_to_block.get_one_block
@@ -146,6 +150,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 if block is None:
                     break
                 hits.append(block)
+            if drop_eagle_block and hits:
+                hits.pop()
             return [hits]
         out: list[list[KVCacheBlock]] = [[] for _ in group_ids]
         get = block_pool.get_cached_block
@@ -155,6 +161,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 break
             for blocks, b in zip(out, cached):
                 blocks.append(b)
+        if drop_eagle_block and out[0]:
+            for blocks in out:
+                blocks.pop()
         return out
 
 
@@ -175,11 +184,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     @staticmethod
     def find_longest_cache_hit(block_hashes: list[bytes], max_length: int, group_ids: list[int],
-                               block_pool: BlockPool, spec: SlidingWindowSpec,
-                               block_size: int) -> list[list[KVCacheBlock]]:
+                               block_pool: BlockPool, spec: SlidingWindowSpec, block_size: int,
+                               drop_eagle_block: bool = False) -> list[list[KVCacheBlock]]:
         """Right to left: the hit ends at the right end of the first run of `cdiv(W - 1, B)` cached
-        blocks (null before it); without such a run only a run starting at block 0 counts."""
-        need = cdiv(spec.sliding_window - 1, block_size)
+        blocks (null before it); without such a run only a run starting at block 0 counts. With
+        `drop_eagle_block` the run is one block longer and its last block is given back
+        (single_type_kv_cache_manager.py:956-1062)."""
+        need = cdiv(spec.sliding_window - 1, block_size) + drop_eagle_block
         n = max_length // block_size
         null = block_pool.null_block
         out = [[null] * n for _ in group_ids]
@@ -196,15 +207,22 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if run >= need:
                 for blocks in out:
                     del blocks[i + run:]
-                return out
-        for blocks in out:
-            del blocks[run:]
+                break
+        else:
+            for blocks in out:
+                del blocks[run:]
+        if drop_eagle_block and out[0]:
+            for blocks in out:
+                blocks.pop()
         return out
 
     def _cache_range(self, request: Request, start: int, end: int) -> None:
         """Sparse retention: hash only the blocks a later lookup can reach (the window tail before
         a reachable boundary); the others are counted as cached but never hashed."""
-        if self.retention_interval is None:  # dense
+        interval = self.retention_interval
+        if interval is None or (interval and self.contiguous_blocks + self.use_eagle >= interval // self.block_size):
+            # dense, or a run a hit needs spans a whole retention interval: every block is reachable
+            # (single_type_kv_cache_manager.py:1114-1118)
             super()._cache_range(request, start, end)
             return
         for lo, hi in self._reachable_ranges(request, end):
@@ -216,6 +234,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Block index ranges [lo, hi) that end at a boundary a hit can stop at: the prompt's
         replay boundary, the request's shared-prefix boundary and every retention interval."""
         bs = self.block_size
+        if self.use_eagle:
+            return self._eagle_reachable_ranges(request, end)
         boundaries = {(request.num_prompt_tokens - 1) // bs}
         shared = request.shared_prefix_boundary
         if shared:
@@ -225,6 +245,21 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             boundaries.update(range(step, end + 1, step))
         k = self.contiguous_blocks
         return sorted((max(0, b - k), b) for b in boundaries if b > 0)
+
+    def _eagle_reachable_ranges(self, request: Request, end: int) -> list[tuple[int, int]]:
+        """EAGLE's hits peek one block past a boundary: each kept run is one block longer and ends
+        one block later; a resend resumes a block lower (kv_cache_coordinator.py:65-86,
+        single_type_kv_cache_manager.py:510-520, :1093-1145)."""
+        bs, p = self.block_size, request.num_prompt_tokens
+        boundaries = {max((p - 1) // bs - 1, 0), max(p // bs - 1, 0)}
+        shared = request.shared_prefix_boundary
+        if shared:
+            boundaries.update((shared // bs, max(shared // bs - 1, 0)))
+        if self.retention_interval:
+            step = self.retention_interval // bs
+            boundaries.update(range(step, end + 1, step))
+        k = self.contiguous_blocks + 1
+        return sorted((max(0, b + 1 - k), b + 1) for b in boundaries)
 
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
@@ -240,8 +275,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     @staticmethod
     def find_longest_cache_hit(block_hashes: list[bytes], max_length: int, group_ids: list[int],
-                               block_pool: BlockPool, spec: ChunkedLocalAttentionSpec,
-                               block_size: int) -> list[list[KVCacheBlock]]:
+                               block_pool: BlockPool, spec: ChunkedLocalAttentionSpec, block_size: int,
+                               drop_eagle_block: bool = False) -> list[list[KVCacheBlock]]:
         """Blocks before the current chunk count as hits (null, never read); from there on the
         cached blocks must be consecutive."""
         n = max_length // block_size

@@ -76,6 +76,7 @@ class SchedulerOutput:
     # sum of (ref_cnt - 1) over held blocks after scheduling (prefix-cache sharing, for the cost model)
     shared_kv_tokens: int = 0
     implicit_decodes: Optional[ImplicitDecodes] = None  # unlisted decode rows (see ImplicitDecodes)
+    kv_connector_metadata: Any = None  # what the KV connector's worker side must do this step
 
     @property
     def is_empty(self) -> bool:

@@ -13,6 +13,7 @@ in a subclass, `servetwin.sim.scheduler.SimScheduler`, built on the protected in
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Iterable, Optional, Sequence
@@ -22,6 +23,8 @@ from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.kv_cache.hashing import get_hash_fn_by_name, get_request_block_hasher
 from servetwin.core.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from servetwin.core.kv_cache.kv_sizing import cdiv
+from servetwin.core.kv_connector.config import KVTransferConfig
+from servetwin.core.kv_connector.scheduler_hooks import ConnectorSchedulerMixin
 from servetwin.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from servetwin.core.request import Request, RequestStatus
@@ -41,6 +44,9 @@ class SchedulerStats:
     num_preempted_reqs: int = 0  # preemptions since the previous make_stats()
     # speculative decoding: drafts verified by the updates since the previous make_stats() (None: none)
     spec_decoding_stats: Optional[SpecDecodingStats] = None
+    # KV connector: its hits for this schedule (vLLM's connector_prefix_cache_stats), its counters
+    connector_prefix_cache_stats: Optional[PrefixCacheStats] = None
+    kv_connector_stats: Optional[object] = None
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -70,8 +76,8 @@ class UnservableRequestError(ConfigError):
     request's field at fault (`prompt`), `message` says why."""
 
 
-class Scheduler:
-    """vLLM 0.33's scheduler.
+class Scheduler(ConnectorSchedulerMixin):
+    """vLLM 0.33's scheduler (a KV connector's paths: `ConnectorSchedulerMixin`).
 
     Protected interface for subclasses (the contract `servetwin.sim.scheduler.SimScheduler` relies
     on; a subclass overrides only public methods and must leave every decision, block id and output
@@ -88,7 +94,8 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None) -> None:
+                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None,
+                 kv_transfer_config: Optional[KVTransferConfig] = None) -> None:
         if cache_config.num_gpu_blocks is None:
             raise ValueError("num_gpu_blocks: the KV pool size must be known before building the scheduler")
         # (SchedulerConfig.__post_init__ resolves both None defaults; typed int for the compiled build)
@@ -105,19 +112,25 @@ class Scheduler:
         self.policy = scheduler_config.scheduling_policy
         self.async_scheduling = scheduler_config.async_scheduling
         self.log_stats = log_stats
+        # eagle / mtp: every block hash covers the next token too, or (no lookahead hashes, as with a
+        # KV connector) a hit drops its last block (config/vllm.py:677-693, sched:330-345)
+        self.num_hash_lookahead_tokens = speculative_config.num_hash_lookahead_tokens(
+            cache_config.enable_prefix_caching, kv_transfer_config is not None) if speculative_config else 0
+        self.use_eagle_block_drop = bool(speculative_config and speculative_config.use_eagle_block_drop(
+            self.num_hash_lookahead_tokens))
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks=cache_config.num_gpu_blocks, block_size=cache_config.block_size,
             max_model_len=self.max_model_len, enable_caching=cache_config.enable_prefix_caching,
             watermark=scheduler_config.watermark, log_stats=log_stats,
             kv_cache_groups=cache_config.kv_cache_groups,
             prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval,
-            max_in_flight_tokens=scheduler_config.max_in_flight_tokens)
+            max_in_flight_tokens=scheduler_config.max_in_flight_tokens,
+            drop_eagle_block=self.use_eagle_block_drop)
         self.block_hasher = None
         if cache_config.enable_prefix_caching:
             self.block_hasher = get_request_block_hasher(
                 cache_config.block_size, get_hash_fn_by_name(cache_config.prefix_caching_hash_algo),
-                # eagle / mtp: every block hash covers the next token too (config/vllm.py:681-695)
-                speculative_config.num_hash_lookahead_tokens(True) if speculative_config else 0)
+                self.num_hash_lookahead_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -128,6 +141,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._num_preempted_since_stats = 0
         self._init_spec_decode(speculative_config)
+        # KV connector (None without kv_transfer_config) and the held-blocks queue
+        self._init_connector(kv_transfer_config, self.async_scheduling, log_stats)
 
     def _init_spec_decode(self, speculative_config: Optional[SpeculativeConfig]) -> None:
         """Speculative decoding state (vLLM 0.33 sched:294-381, async_scheduler.py:14-17)."""
@@ -177,6 +192,8 @@ class Scheduler:
             request.set_block_hasher(self.block_hasher, self.block_size)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        if self.connector is not None:
+            self.connector.on_new_request(request)
 
     def finish_requests(self, request_ids: Optional[str | Iterable[str]],
                         finished_status: RequestStatus) -> list[Request]:
@@ -201,36 +218,56 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in running_to_remove]
         if waiting_to_remove:
             self.waiting.remove_requests(waiting_to_remove)
+            if self.kv_holding_waiting:
+                self.kv_holding_waiting.remove_requests(waiting_to_remove)
         for request in finished:
+            delay_free = False
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # the load still lands in its blocks: free them when it is reported (sched:3014-3027)
+                delay_free = request.request_id not in self.finished_recving_kv_req_ids
+                self.finished_recving_kv_req_ids.discard(request.request_id)
+                self.failed_recving_kv_req_ids.discard(request.request_id)
             request.status = finished_status
-            self._free_request(request)
+            self._free_request(request, delay_free)
         return finished
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Optional[dict]:
+        """Finish a request; a connector may keep its blocks for a transfer (delay free). Returns the
+        connector's kv_transfer_params for the request's output."""
+        kv_transfer_params = None
+        if self.connector is not None:
+            self._inflight_prefills.pop(request.request_id, None)
+            delay, kv_transfer_params = self._connector_finished(request)
+            delay_free_blocks |= delay
         self.finished_req_ids.add(request.request_id)
-        del self.requests[request.request_id]
+        if not delay_free_blocks:
+            self._free_blocks(request)
+        return kv_transfer_params
 
     # -- counters ----------------------------------------------------------------------------
     def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
+        return len(self.running), len(self.waiting) + len(self.kv_holding_waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
     def has_finished_requests(self) -> bool:
-        return bool(self.finished_req_ids)
+        if self.finished_req_ids:
+            return True
+        # finished requests whose blocks a connector still holds stay in `requests` (sched:3157-3165)
+        return self.connector is not None and len(self.requests) > self.get_num_unfinished_requests()
 
     def has_requests(self) -> bool:
-        return self.has_unfinished_requests() or self.has_finished_requests()
+        return (self.has_unfinished_requests() or self.has_finished_requests()
+                or (self.connector is not None and self.connector.has_pending_push_work()))
 
     # -- schedule ----------------------------------------------------------------------------
     def _long_prefill_threshold(self) -> int:
         cfg = self.scheduler_config
-        num_eligible = len(self.running) + len(self.waiting)
+        num_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
         threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
         if threshold > 0 and cfg.long_prefill_token_threshold_adaptive:
             threshold = max(threshold, self.max_num_batched_tokens // num_eligible)
@@ -287,6 +324,8 @@ class Scheduler:
                     new_blocks = kv.allocate_slots(request, n, num_lookahead_tokens=lookahead)
                     if new_blocks is not None:
                         break
+                    if self.defer_block_free and not self._victim_blocks_can_be_freed(priority):
+                        break  # a deferred free would not help this allocation (sched:940-942)
                     if priority:
                         victim = max(running, key=attrgetter("priority", "arrival_time"))
                         victim_index = running.index(victim)
@@ -346,42 +385,76 @@ class Scheduler:
                           scheduled_new_reqs: list[Request], scheduled_resumed_reqs: list[Request],
                           req_to_new_blocks: dict, num_scheduled_tokens: dict[str, int]) -> None:
         kv = self.kv_cache_manager
-        waiting = self.waiting
+        connector = self.connector
         chunked = self.scheduler_config.enable_chunked_prefill
         reserve_full = self.scheduler_config.scheduler_reserve_full_isl
         # spec decode: which running requests this step's first pass scheduled (for the padding rule)
         running_scheduled = list(num_scheduled_tokens) if self.num_spec_tokens else ()
+        skipped_holding: deque = deque()  # requests skipped this step go back to their queue's head
+        skipped_waiting: deque = deque()
         while token_budget > 0:
+            # requests holding KV blocks (remote loads) are drained before `waiting` (sched:1062-1066)
+            waiting = self.kv_holding_waiting or self.waiting
             if not waiting or input_budget <= 0:
                 break
             if len(self.running) >= self.max_num_active_reqs:
                 break
             request = waiting.peek_request()
-            if request.num_computed_tokens == 0:
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self._finish_remote_kv_wait(request):
+                self._skip_waiting_request(waiting, skipped_holding, skipped_waiting)
+                continue
+            num_external, load_async, looked_up = 0, False, request.num_computed_tokens == 0
+            if looked_up:
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
-                num_computed = num_hit
+                if connector is not None:
+                    matched = self._connector_matched_tokens(request, hit_blocks, num_hit)
+                    if matched is None:  # the connector asks to be asked again later
+                        self._skip_waiting_request(waiting, skipped_holding, skipped_waiting)
+                        continue
+                    hit_blocks, num_hit, num_external, load_async = matched
+                num_computed = num_hit + num_external
             else:
                 hit_blocks, num_hit, num_computed = None, 0, request.num_computed_tokens
-            n = request.num_tokens - num_computed
-            request_budget = min(token_budget, input_budget)
-            pad = n == 1 and self._pads_drafts(num_computed, running_scheduled)
-            if pad:
-                if 1 + self.num_spec_tokens > request_budget:
-                    break  # vLLM prefers not scheduling it to scheduling it unpadded
-                n = 1 + self.num_spec_tokens
-            if 0 < threshold < n:
-                n = threshold
-            if not chunked and n > request_budget:
-                break  # no skipping ahead: strict head-of-line
-            n = min(n, request_budget)
-            assert n > 0
+            pad = False
+            if load_async:
+                n = 0  # an async load runs no forward pass yet
+            else:
+                n = request.num_tokens - num_computed
+                request_budget = min(token_budget, input_budget)
+                pad = n == 1 and self._pads_drafts(num_computed, running_scheduled)
+                if pad:
+                    if 1 + self.num_spec_tokens > request_budget:
+                        break  # vLLM prefers not scheduling it to scheduling it unpadded
+                    n = 1 + self.num_spec_tokens
+                if 0 < threshold < n:
+                    n = threshold
+                if not chunked and n > request_budget:
+                    break  # no skipping ahead: strict head-of-line
+                n = min(n, request_budget)
+                assert n > 0
+            # an async load holds its blocks with no progress: it must leave what in-flight prefills
+            # still need plus one spec-decode step of its own (all-or-nothing, sched:1421-1430); its
+            # lookahead slots come once it runs (sched:1398-1403)
+            reserved = self._inflight_prefill_reserved_blocks() + self.spec_decode_step_blocks if load_async else 0
             new_blocks = kv.allocate_slots(request, n, num_hit, hit_blocks,
-                                           num_lookahead_tokens=self.num_lookahead_tokens,
+                                           num_lookahead_tokens=0 if load_async else self.num_lookahead_tokens,
                                            full_sequence_must_fit=reserve_full,
-                                           has_scheduled_reqs=bool(self.running))
+                                           has_scheduled_reqs=bool(self.running),
+                                           num_external_computed_tokens=num_external,
+                                           delay_cache_blocks=load_async, reserved_blocks=reserved)
             if new_blocks is None:
                 break  # the waiting pass never preempts
-            kv.record_prefix_cache_stats(request, num_hit)
+            if connector is not None:
+                self._connector_after_alloc(request, num_external,
+                                            request.num_tokens - num_hit if looked_up else 0)
+            if looked_up:
+                kv.record_prefix_cache_stats(request, num_hit)
+            if load_async:  # park it, holding its blocks, until the load is reported (sched:1514-1545)
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                request.num_computed_tokens = num_computed
+                self._inflight_prefills[request.request_id] = request
+                self._skip_waiting_request(waiting, skipped_holding, skipped_waiting)
+                continue
             waiting.pop_request()
             self.deferred_waiting.discard(request.request_id)
             self.running.append(request)
@@ -401,6 +474,12 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
             if pad:
                 self._step_spec_tokens[request.request_id] = [-1] * self.num_spec_tokens
+            if connector is not None and num_computed + n < request.num_tokens:
+                self._inflight_prefills[request.request_id] = request
+        if skipped_holding:
+            self.kv_holding_waiting.prepend_requests(skipped_holding)
+        if skipped_waiting:
+            self.waiting.prepend_requests(skipped_waiting)
 
     def _pads_drafts(self, num_computed: int, running_scheduled: Sequence[str]) -> bool:
         """Whether a waiting request needing one token is padded to 1 + k tokens with -1 drafts (to keep
@@ -488,6 +567,8 @@ class Scheduler:
                     request.num_output_placeholders += 1
                     if drafting:
                         self._add_async_draft_placeholders(request, spec)
+        if self.connector is not None:  # the connector's metadata, fences (sched:1755-1781)
+            self._finalise_connector(out)
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
         return out
@@ -503,10 +584,17 @@ class Scheduler:
 
     def _preempt_request(self, request: Request) -> None:
         assert request.status == RequestStatus.RUNNING, f"preempting a non-running request {request}"
-        self.kv_cache_manager.free(request)
+        if self.connector is not None:
+            self._inflight_prefills.pop(request.request_id, None)
+            self._free_request_blocks(request)
+        else:
+            self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []  # preemption drops the drafts (sched:1823-1824)
+        if self.connector is not None:  # (sched:1832-1834)
+            request.drop_stale_output = self.connector.requires_kv_delivery or (
+                request.drop_stale_output and request.num_stale_output_tokens > 0)
         request.num_stale_output_tokens += request.num_output_placeholders
         request.num_output_placeholders = 0
         request.num_preemptions += 1
@@ -538,11 +626,25 @@ class Scheduler:
         spec_on = self.num_spec_tokens > 0
         spec_rows = scheduler_output.scheduled_spec_decode_tokens
         self.last_spec_decoding_stats = None
+        kv_output = model_runner_output.kv_connector_output
+        connector_active = self.connector is not None
+        failed_kv_loads = self._begin_connector_update(scheduler_output, kv_output) if connector_active else ()
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status > preempted_status:
                 continue  # finished or aborted while the step was executing
             request.num_in_flight_tokens -= n
+            if connector_active:
+                if failed_kv_loads and rid in failed_kv_loads:
+                    continue  # its KV load failed: rescheduled or failed below (sched:2318-2320)
+                if request.drop_stale_output and request.num_stale_output_tokens:
+                    # output of a step before its preemption, dropped (sched:2337-2339); it drains
+                    # what that step put in (with drafts: 1 + m placeholders, as _update_with_drafts)
+                    i = index.get(rid)
+                    num_stale = (1 + len(spec_rows.get(rid) or ()) if spec_on
+                                 else len(sampled[i]) if i is not None else 0)
+                    request.num_stale_output_tokens -= min(request.num_stale_output_tokens, num_stale)
+                    continue
             i = index.get(rid)
             generated = sampled[i] if i is not None else ()
             plp = prompt_logprobs.get(rid) if prompt_logprobs else None
@@ -575,8 +677,14 @@ class Scheduler:
                                     kv.cache_blocks(request, known)
                 else:
                     new_token_ids, stopped = self._update_with_drafts(request, generated, spec_rows.get(rid))
+            kv_transfer_params = None
             if stopped:
-                self._free_request(request)
+                kv_transfer_params = self._free_request(request)
+                if (kv_transfer_params is not None and kv_transfer_params.get("do_remote_prefill")
+                        and len(request._output_token_ids) == len(new_token_ids)):
+                    # the prefill side's own hits, for the decode side's usage report; only on the
+                    # request's first output, which carries its prefill stats (sched:2453-2487)
+                    kv_transfer_params["remote_prefill_cached_tokens"] = max(request.num_cached_tokens, 0)
                 if status_before == running_status:
                     stopped_running.append(request)
                 else:
@@ -588,7 +696,8 @@ class Scheduler:
                 (logprobs[i][:len(new_token_ids)] if logprobs is not None and i is not None
                  and logprobs[i] is not None else None),
                 plp,
-                request.num_cached_tokens if request.num_cached_tokens > 0 else 0))
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+                kv_transfer_params))
         if stopped_running:
             if len(stopped_running) <= 4:  # (list.remove finds a request by identity, in C)
                 for request in stopped_running:
@@ -598,10 +707,14 @@ class Scheduler:
                 self.running = [r for r in self.running if id(r) not in stopped_ids]
         if stopped_preempted:
             self.waiting.remove_requests(stopped_preempted)
+            if self.kv_holding_waiting:
+                self.kv_holding_waiting.remove_requests(stopped_preempted)
         if self.last_spec_decoding_stats is not None:
             if self._spec_stats_since_read is None:
                 self._spec_stats_since_read = SpecDecodingStats.new(self.num_spec_tokens)
             self._spec_stats_since_read.merge(self.last_spec_decoding_stats)
+        if self.connector is not None:
+            self._end_connector_update(kv_output, failed_kv_loads, outputs)
         return outputs
 
     def _update_with_drafts(self, request: Request, generated, drafts: Optional[list[int]]):
@@ -674,15 +787,20 @@ class Scheduler:
     # -- stats and maintenance ---------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
+        connector_stats = None
+        if self.connector_prefix_cache_stats is not None:  # (per schedule, like the local hits)
+            connector_stats, self.connector_prefix_cache_stats = self.connector_prefix_cache_stats, PrefixCacheStats()
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) - len(self.deferred_waiting),
+            num_waiting_reqs=self.get_request_counts()[1] - len(self.deferred_waiting),
             num_skipped_waiting_reqs=len(self.deferred_waiting),
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
             prefix_cache_stats=kv.make_prefix_cache_stats() or PrefixCacheStats(),
             num_preempted_reqs=self._num_preempted_since_stats,
             spec_decoding_stats=self._spec_stats_since_read,
+            connector_prefix_cache_stats=connector_stats,
+            kv_connector_stats=self.connector.take_stats() if self.connector is not None else None,
         )
         self._num_preempted_since_stats = 0
         self._spec_stats_since_read = None

@@ -105,9 +105,15 @@ class SpeculativeConfig:
         single-module MTP included); vLLM's multi-module MTP needs a draft model config we lack."""
         return 1 if self.use_eagle else 0
 
-    def num_hash_lookahead_tokens(self, enable_prefix_caching: bool) -> int:
-        """Tokens after each block that its hash covers (eagle / mtp with prefix caching)."""
-        return self.num_prefill_lookahead_tokens if enable_prefix_caching else 0
+    def num_hash_lookahead_tokens(self, enable_prefix_caching: bool, has_kv_connector: bool = False) -> int:
+        """Tokens after each block that its hash covers (eagle / mtp with prefix caching; a KV
+        connector keeps the legacy hashes, config/vllm.py:677-693)."""
+        return self.num_prefill_lookahead_tokens if enable_prefix_caching and not has_kv_connector else 0
+
+    def use_eagle_block_drop(self, num_hash_lookahead_tokens: int) -> bool:
+        """Whether a prefix-cache hit drops its last block (eagle / mtp, unless hashes look ahead:
+        sched:330-345)."""
+        return self.use_eagle and not num_hash_lookahead_tokens
 
     def check(self, max_num_batched_tokens: int, async_scheduling: bool) -> None:
         """vLLM's config-time rejections (`config/vllm.py:1651-1680`; `_set_max_num_scheduled_tokens`)."""

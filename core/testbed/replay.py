@@ -31,6 +31,8 @@ from servetwin.core.engine.parallel_sampling import fan_out
 from servetwin.core.request import Request, RequestStatus
 from servetwin.core.sampling_params import SamplingParams
 from servetwin.core.sched.scheduler import Scheduler, UnservableRequestError
+from servetwin.core.testbed.connector_scenario import full_kv_transfer_params, kv_transfer_params_summary
+from servetwin.core.testbed.fake_kv_worker import FakeKVWorker
 from servetwin.core.testbed.iteration import compute_iteration_details
 from servetwin.core.testbed.scenario import Scenario, ScenarioError, ScenarioRequest
 from servetwin.core.testbed.spec_worker import FakeSpecWorker
@@ -64,9 +66,15 @@ class ScriptedSampler:
         return want
 
 
-def _make_requests(r: ScenarioRequest, index: int, eos_token_id: int) -> list[tuple[Request, dict]]:
+def _make_requests(r: ScenarioRequest, index: int, eos_token_id: int,
+                   block_size: int = 16) -> list[tuple[Request, dict]]:
+    extra = None
+    if r.connector is not None and (r.connector.do_remote_prefill or r.connector.do_remote_decode):
+        extra = {"kv_transfer_params": full_kv_transfer_params(r.connector, r.id, len(r.prompt_token_ids),
+                                                               block_size)}
     params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos, n=r.n,
-                            stop_token_ids=list(r.stop_token_ids) or None, min_tokens=r.min_tokens)
+                            stop_token_ids=list(r.stop_token_ids) or None, min_tokens=r.min_tokens,
+                            extra_args=extra)
     params.update_from_generation_config(eos_token_id)  # what vLLM's input processor does
     arrival = r.arrival_time if r.arrival_time is not None else r.arrival_step + index * 1e-6
     return [(Request(cid, r.prompt_token_ids, p, arrival_time=arrival, priority=r.priority,
@@ -98,6 +106,7 @@ def _schedule_record(scheduler: Scheduler, so, mro) -> dict:
         "waiting_ids": [r.request_id for r in scheduler.waiting],
         "annotation": compute_iteration_details(so).annotation,
         **_blocks_per_group(scheduler),
+        **_connector_schedule_record(scheduler, stats),
     }
 
 
@@ -111,10 +120,24 @@ def _spec_schedule_record(so, mro, accepted: dict[str, int]) -> dict:
             "sampled": {rid: toks for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}}
 
 
+def _connector_schedule_record(scheduler: Scheduler, stats) -> dict:
+    """The connector contract's per-step fields after `schedule()` (none without a connector)."""
+    if scheduler.connector is None:
+        return {}
+    rec = {"waiting_for_remote_kvs": [rid for rid, q in scheduler.requests.items()
+                                      if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS]}
+    cpc = stats.connector_prefix_cache_stats
+    if cpc is not None:
+        rec["connector_prefix_cache"] = {"requests": cpc.requests, "queries": cpc.queries, "hits": cpc.hits}
+    return rec
+
+
 def _blocks_per_group(scheduler: Scheduler) -> dict:
-    """The HYBRID contract's `blocks_per_group` (when the scenario names its KV cache groups or uses
-    speculative decoding): non-null blocks each running request holds per group, after `schedule()`."""
-    if scheduler.cache_config.kv_cache_groups is None and scheduler.speculative_config is None:
+    """The HYBRID contract's `blocks_per_group` (when the scenario names its KV cache groups, uses
+    speculative decoding or a connector): non-null blocks each running request holds per group, after
+    `schedule()`."""
+    if (scheduler.cache_config.kv_cache_groups is None and scheduler.speculative_config is None
+            and scheduler.connector is None):
         return {}
     kv = scheduler.kv_cache_manager
     return {"blocks_per_group": {r.request_id: kv.num_blocks_per_group(r.request_id)
@@ -135,12 +158,17 @@ class _Replay:
         self.scenario = scenario
         self.sampler = ScriptedSampler()
         self.executor = FakeExecutor(token_fn=self.sampler)
-        spec = scenario.speculative
+        spec, conn = scenario.speculative, scenario.kv_connector
         self.scheduler = Scheduler(scenario.scheduler_config, scenario.cache_config,
-                                   speculative_config=spec.config if spec else None)
+                                   speculative_config=spec.config if spec else None,
+                                   kv_transfer_config=conn.kv_transfer_config() if conn else None)
         parents = {cid: r for r in scenario.requests for cid in r.child_ids}
         self.spec_worker = FakeSpecWorker(spec, parents, self.sampler) if spec else None
         self.spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.kv_worker = None if conn is None else FakeKVWorker(
+            conn, {r.id: r.connector for r in scenario.requests},
+            len(self.scheduler.kv_cache_manager.kv_cache_groups))
+        self.final_kv_transfer_params: dict[str, dict] = {}
         self.async_sched = scenario.scheduler_config.async_scheduling
         self.records: dict[int, dict] = {}
         self.finish_step: dict[str, int] = {}
@@ -152,7 +180,7 @@ class _Replay:
 
     def add(self, r: ScenarioRequest, index: int) -> list[str]:
         ids = []
-        for req, plan in _make_requests(r, index, self.scenario.eos_token_id):
+        for req, plan in _make_requests(r, index, self.scenario.eos_token_id, self.scenario.cache_config.block_size):
             try:
                 self.scheduler.add_request(req)
             except UnservableRequestError as e:
@@ -189,6 +217,10 @@ class _Replay:
                 if o.request_id in sampled:
                     sampled[o.request_id] = o.new_token_ids
         for o in outputs:
+            if o.kv_transfer_params is not None and self.kv_worker is not None:
+                summary = kv_transfer_params_summary(o.kv_transfer_params)
+                rec.setdefault("kv_transfer_params", {})[o.request_id] = summary
+                self.final_kv_transfer_params[o.request_id] = summary
             if o.new_token_ids:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 self.first_token_step.setdefault(o.request_id, pstep)
@@ -205,6 +237,8 @@ class _Replay:
         rec["num_free_blocks"] = rec["num_free_blocks_after_update"] = \
             self.scheduler.kv_cache_manager.num_free_blocks
         rec["num_running_after"], rec["num_waiting_after"] = self.scheduler.get_request_counts()
+        if self.kv_worker is not None:
+            rec["delayed_free_after_update"] = self.scheduler.delayed_free_blocks()
         if self.spec_worker is not None:
             self._record_spec_update(rec, so)
 
@@ -247,7 +281,19 @@ class _Replay:
         if self.spec_worker is not None:
             out["spec_decoding"] = dict(self.spec_totals)
             out["accepted_tokens"] = dict(sorted(self.spec_worker.accepted_total.items()))
+        if self.kv_worker is not None:
+            out["kv_transfer_params"] = dict(sorted(self.final_kv_transfer_params.items()))
+            out["held_at_end"] = self.scheduler.delayed_free_blocks()
+            out["kv_worker_pending"] = self.kv_worker.pending_summary()
         return out
+
+    def connector_step(self, step: int, rec: dict, so, mro) -> None:
+        """The fake worker's report for this step rides on its model runner output."""
+        rec["connector_meta"] = self.kv_worker.describe_meta(so.kv_connector_metadata)
+        out, out_rec = self.kv_worker.output_for_step(step, so.kv_connector_metadata)
+        mro.kv_connector_output = out
+        if out_rec:
+            rec["kv_connector_output"] = out_rec
 
 
 def _config_line(scenario: Scenario, scheduler: Scheduler) -> dict:
@@ -261,21 +307,41 @@ def _config_line(scenario: Scenario, scheduler: Scheduler) -> dict:
         line["effective"] = _hybrid_effective(scheduler)
     if scenario.speculative is not None:
         line.setdefault("effective", {})["speculative"] = _spec_effective(scheduler)
+    if scenario.kv_connector is not None:
+        line.setdefault("effective", {})["kv_connector"] = _connector_effective(scenario, scheduler)
     return line
 
 
 def _spec_effective(scheduler: Scheduler) -> dict:
     """What vLLM derives from `speculative` (the oracle's `effective.speculative`)."""
     cfg = scheduler.speculative_config
-    hash_lookahead = cfg.num_hash_lookahead_tokens(scheduler.cache_config.enable_prefix_caching)
+    hash_lookahead = scheduler.num_hash_lookahead_tokens
     return {"method": cfg.method, "num_spec_tokens": scheduler.num_spec_tokens,
             "num_lookahead_tokens": scheduler.num_lookahead_tokens,
             "num_prefill_lookahead_tokens": cfg.num_prefill_lookahead_tokens,
             "num_hash_lookahead_tokens": hash_lookahead, "use_eagle": cfg.use_eagle,
             # vLLM drops the volatile trailing cached block for eagle unless hashes look ahead
-            "use_eagle_block_drop": cfg.use_eagle and not hash_lookahead,
+            "use_eagle_block_drop": scheduler.use_eagle_block_drop,
             "draft_slots": 0,  # max_num_new_slots_for_drafting: 0 for ngram, eagle, mtp
             "spec_decode_step_blocks": scheduler.spec_decode_step_blocks}
+
+
+def _connector_effective(scenario: Scenario, scheduler: Scheduler) -> dict:
+    conn, c = scenario.kv_connector, scheduler.connector
+    eff = {"class": getattr(type(c), "class_name", type(c).__name__), "role": conn.role,
+           "kv_load_failure_policy": conn.kv_load_failure_policy,
+           "recompute_kv_load_failures": scheduler.recompute_kv_load_failures,
+           "defer_block_free": scheduler.defer_block_free, "requires_kv_delivery": bool(c.requires_kv_delivery)}
+    if conn.is_nixl:
+        eff.update(kv_lease_duration=c.kv_lease_duration, kv_recompute_threshold=c.kv_recompute_threshold,
+                   prefill_backoff=c.prefill_backoff(), recv_delay_steps=conn.recv_delay_steps,
+                   send_delay_steps=conn.send_delay_steps, lease_steps=conn.lease_steps)
+    else:
+        eff.update(cpu_bytes_to_use=conn.cpu_bytes_to_use, eviction_policy=conn.eviction_policy,
+                   store_threshold=conn.store_threshold, num_cpu_chunks=c.num_cpu_chunks,
+                   manager_class="CPUOffloadingManager", load_delay_steps=conn.load_delay_steps,
+                   store_delay_steps=conn.store_delay_steps)
+    return eff
 
 
 def _hybrid_effective(scheduler: Scheduler) -> dict:
@@ -342,6 +408,8 @@ def replay(scenario: Scenario) -> Iterator[dict]:
             rec.update(_schedule_record(scheduler, so, mro))
             if run.spec_worker is not None:
                 rec.update(_spec_schedule_record(so, mro, accepted))
+            if run.kv_worker is not None:
+                run.connector_step(step, rec, so, mro)
             if run.sampler.masked:
                 rec["masked_stop"] = run.sampler.masked
             batch_queue.appendleft((step, so, mro))

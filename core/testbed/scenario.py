@@ -20,6 +20,9 @@ from servetwin.core.limits import MAX_TOKENS_PER_REQUEST, load_json_file
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.testbed.spec_scenario import (REQUEST_SPEC_KEYS, SpecScenario, parse_request_spec_fields,
                                                   parse_speculative)
+from servetwin.core.testbed.connector_scenario import (
+    REQUEST_CONNECTOR_KEYS, ConnectorSettings, RequestConnectorFields, parse_connector_settings,
+    parse_request_connector_fields)
 
 MAX_N = 16384  # SamplingParams' limit on n
 # The fake sampler's base tokens are (step*7 + row) % 1000 + 10: EOS and stop ids there would fire at
@@ -29,7 +32,7 @@ ABORT_PHASES = ("between_steps", "during_step")
 TOP_KEYS = ("settings", "requests", "aborts")
 REQUEST_KEYS = ("id", "arrival_step", "prompt_token_ids", "prompt_len", "prompt_seed", "prefix_token_ids",
                 "max_tokens", "priority", "arrival_time", "n", "cache_salt", "ignore_eos", "stop_token_ids",
-                "min_tokens", "stop_at") + REQUEST_SPEC_KEYS
+                "min_tokens", "stop_at") + REQUEST_SPEC_KEYS + REQUEST_CONNECTOR_KEYS
 ABORT_KEYS = ("step", "id", "phase")
 
 
@@ -57,6 +60,7 @@ class ScenarioRequest:
     # speculative decoding (spec_scenario.py): drafts proposed / accepted per step, cycled
     draft_lengths: Optional[list[int]] = None
     accept_pattern: Optional[list[int]] = None
+    connector: Optional[RequestConnectorFields] = None  # kv_transfer_params, kv_recv, kv_send
 
     @property
     def child_ids(self) -> list[str]:
@@ -83,6 +87,7 @@ class Scenario:
     aborts: list[ScenarioAbort] = field(default_factory=list)
     uses_events: bool = False  # the file uses the events keys: the summary reports finish/stop reasons
     speculative: Optional[SpecScenario] = None  # settings.speculative (spec_scenario.py)
+    kv_connector: Optional[ConnectorSettings] = None  # settings.kv_connector
 
 
 # -- typed field readers ------------------------------------------------------------------------
@@ -171,6 +176,7 @@ SETTINGS: dict[str, tuple[_Reader, bool]] = {
 # KV cache groups (the oracle's HYBRID contract), read apart: `null` retention means dense, not default
 HYBRID_SETTINGS = ("kv_cache_groups", "prefix_cache_retention_interval")
 SPEC_SETTINGS = ("speculative",)  # read apart too (spec_scenario.py)
+CONNECTOR_SETTINGS = ("kv_connector",)  # read apart (core/testbed/connector_scenario.py)
 _SCHED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                  "long_prefill_token_threshold", "policy", "max_model_len", "scheduler_reserve_full_isl",
                  "watermark", "async_scheduling", "long_prefill_token_threshold_adaptive", "max_num_active_seqs")
@@ -178,7 +184,7 @@ _SCHED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefi
 
 def _parse_settings(raw: Any) -> dict[str, Any]:
     s = _object(raw, "settings")
-    _check_keys(s, tuple(SETTINGS) + HYBRID_SETTINGS + SPEC_SETTINGS, "settings")
+    _check_keys(s, tuple(SETTINGS) + HYBRID_SETTINGS + SPEC_SETTINGS + CONNECTOR_SETTINGS, "settings")
     out = {}
     for name, (read, required) in SETTINGS.items():
         if name not in s:
@@ -188,7 +194,7 @@ def _parse_settings(raw: Any) -> dict[str, Any]:
         value = read(s[name], f"settings.{name}")
         if value is not None:
             out[name] = value
-    for name in HYBRID_SETTINGS + SPEC_SETTINGS:
+    for name in HYBRID_SETTINGS + SPEC_SETTINGS + CONNECTOR_SETTINGS:
         if name in s:
             out[name] = s[name]
     eos = out.get("eos_token_id")
@@ -341,6 +347,8 @@ def parse_scenario(data: Any) -> Scenario:
     s = _parse_settings(data["settings"])
     sched, cache = _configs(s)
     spec = _speculative(s, sched)
+    conn = _connector_part(lambda: parse_connector_settings(s["kv_connector"], s.get("kv_cache_groups"))
+                           if "kv_connector" in s else None)
     eos = s.get("eos_token_id", 2)
     # a prompt must leave room for one output token within max_model_len (when given)
     max_prompt_len = min(MAX_TOKENS_PER_REQUEST, s.get("max_model_len", MAX_TOKENS_PER_REQUEST + 1) - 1)
@@ -351,6 +359,8 @@ def parse_scenario(data: Any) -> Scenario:
     seen: dict[str, str] = {}  # engine request id -> the field that introduced it
     for i, raw in enumerate(raw_reqs):
         r = _parse_request(raw, f"requests[{i}]", eos, max_prompt_len, spec, sched.async_scheduling)
+        r.connector = _connector_part(lambda: parse_request_connector_fields(
+            raw, f"requests[{i}]", conn, r.n, len(cache.kv_cache_groups or (1,))))
         for cid in dict.fromkeys([r.id, *r.child_ids]):
             if cid in seen:
                 raise ScenarioError(f"requests[{i}].id", f"duplicate id {cid!r} (also {seen[cid]})")
@@ -359,7 +369,8 @@ def parse_scenario(data: Any) -> Scenario:
     aborts = _parse_aborts(data["aborts"], requests) if "aborts" in data else []
     events = "aborts" in data or any(k in raw for raw in raw_reqs for k in _EVENT_KEYS)
     return Scenario(sched, cache, requests, max_steps=s.get("max_steps", 10000), eos_token_id=eos,
-                    aborts=aborts, uses_events=events, speculative=spec)
+                    aborts=aborts, uses_events=events, speculative=spec,
+                    kv_connector=conn)
 
 
 def _speculative(s: dict[str, Any], sched: SchedulerConfig) -> Optional[SpecScenario]:
@@ -369,6 +380,13 @@ def _speculative(s: dict[str, Any], sched: SchedulerConfig) -> Optional[SpecScen
         return parse_speculative(s["speculative"], sched.max_num_batched_tokens, sched.async_scheduling)
     except ConfigError as e:
         raise ScenarioError(e.path, e.message).within("settings") from None
+
+
+def _connector_part(read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except ConfigError as e:
+        raise ScenarioError(e.path, e.message) from None
 
 
 def load_scenario(path: str) -> Scenario:

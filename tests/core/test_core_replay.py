@@ -15,6 +15,7 @@ from servetwin.core.testbed.scenario import ScenarioError, load_scenario, parse_
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted(p.name[: -len(".json")] for p in DATA.glob("*.json"))
+NOT_MODELLED: set[str] = set()  # recordings of behaviour servetwin does not model (rejected, strict xfail)
 
 STEP_KEYS = [
     "arrived", "num_scheduled_tokens", "total_scheduled_tokens", "new", "new_prefix_hit_tokens", "running",
@@ -29,11 +30,18 @@ STEP_KEYS = [
     # correction, vLLM's SpecDecodingStats of the update, the sync drafter's proposals
     "spec_tokens", "spec_padded", "accepted", "num_computed_tokens_after_update", "spec_decoding",
     "drafts_proposed",
+    # KV connectors (CONNECTORS.md): remote-KV waits, held blocks, what the fake worker reported
+    "waiting_for_remote_kvs", "delayed_free_after_update", "kv_connector_output", "connector_prefix_cache",
+    "kv_transfer_params", "connector_meta",
 ]
+SET_VALUED_KEYS = {"connector_meta"}  # compared with lists as sets (the contract)
 HYBRID_EFFECTIVE_KEYS = ["kv_cache_groups", "kv_cache_coordinator", "prefix_cache_retention_interval",
                          "max_in_flight_tokens", "cache_hit_alignment_tokens", "speculative"]
 SUMMARY_KEYS = ["num_steps", "finish_step", "first_token_step", "unfinished", "output_token_ids",
-                "num_free_blocks_end", "aborted", "finish_reasons", "stop_reasons", "spec_decoding", "accepted_tokens"]
+                "num_free_blocks_end", "aborted", "finish_reasons", "stop_reasons", "spec_decoding", "accepted_tokens",
+                "kv_transfer_params", "held_at_end", "kv_worker_pending"]
+CONNECTOR_EFFECTIVE_KEYS = ["class", "role", "kv_load_failure_policy", "recompute_kv_load_failures",
+                            "defer_block_free", "requires_kv_delivery", "num_cpu_chunks"]
 
 
 def _load_expected(name: str) -> list[dict]:
@@ -43,6 +51,13 @@ def _load_expected(name: str) -> list[dict]:
 
 def _ours(name: str) -> list[dict]:
     return list(replay(load_scenario(str(DATA / f"{name}.json"))))
+
+
+def _as_sets(meta):
+    """connector_meta with its lists as sets (`load_jobs` entries are lists themselves)."""
+    if not meta:
+        return meta
+    return {k: {json.dumps(x) for x in v} for k, v in meta.items()}
 
 
 def _finished_pairs(rec: dict) -> list[list[str]]:
@@ -58,7 +73,10 @@ def test_every_scenario_has_an_expected_trace():
         assert (DATA / f"{name}.expected.jsonl").exists(), name
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(raises=ScenarioError, strict=True, reason="not modelled yet"))
+    if n in NOT_MODELLED else n
+    for n in SCENARIOS])
 def test_replay_matches_vllm_oracle(name):
     expected = _load_expected(name)
     ours = _ours(name)
@@ -70,6 +88,9 @@ def test_replay_matches_vllm_oracle(name):
                 assert got["settings"][k] == exp["settings"][k]
             assert got["settings"]["max_model_len"] == exp["effective"]["max_model_len"]
             assert got["num_requests"] == exp["num_requests"]
+            for k in CONNECTOR_EFFECTIVE_KEYS:
+                if k in exp["effective"].get("kv_connector", {}):
+                    assert got["effective"]["kv_connector"][k] == exp["effective"]["kv_connector"][k], (name, k)
             for k in HYBRID_EFFECTIVE_KEYS:
                 if k in exp["effective"]:
                     assert got["effective"][k] == exp["effective"][k], (name, "effective", k)
@@ -99,6 +120,8 @@ def test_replay_matches_vllm_oracle(name):
                 continue
             if k == "finished":
                 assert _finished_pairs(got) == exp[k], (where, k)
+            elif k in SET_VALUED_KEYS:
+                assert _as_sets(got[k]) == _as_sets(exp[k]), (where, k, got[k], exp[k])
             elif k == "num_scheduled_tokens":
                 # dict ORDER is part of the contract (running first, then new/resumed, scheduling order)
                 assert list(got[k].items()) == list(exp[k].items()), (where, k)
