@@ -7,6 +7,7 @@ from pathlib import Path
 
 from servetwin.experiments.validate.published import group_medians, load_published, render_table, validate_cases
 from servetwin.experiments.config.schema import load_yaml
+from servetwin.experiments.validate.cluster_stages import ranking_checks
 
 
 def _loo_preset(args: argparse.Namespace) -> str:
@@ -24,8 +25,8 @@ def _print_loo(args: argparse.Namespace, grid: dict, preset: str, log) -> None:
     """Leave-one-case-out over the --loo grid (experiments/validate/preset_fit.py): each case at the grid point
     best on the others."""
     from servetwin.experiments.validate import preset_fit  # noqa: PLC0415
-    cases, _ = load_published(args.dir)
-    selected = [c for c in cases if not args.case or c in args.case]
+    cases, published = load_published(args.dir)
+    selected = [c for c in cases if (not args.case or c in args.case) and not published[c].get("pending")]
     best, _, held = preset_fit.grid_loo(args.dir, grid, selected, preset, log)
     print("\nleave-one-case-out (each case predicted at the --loo grid's best point without it):\n")
     print(render_table(held))
@@ -42,6 +43,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     results = validate_cases(args.dir, hardware=args.hardware, only=args.case or None,
                              overrides=args.set or None, log=log)
     table = render_table(results)
+    _, published = load_published(args.dir)
+    ranks = ranking_checks(results, published)
+    if ranks:
+        table += "\n\nRankings the sources show:\n" + "\n".join(ranks)
     print(table)
     if args.loo:
         _print_loo(args, grid, preset, log)
