@@ -179,9 +179,23 @@ def run_case(path: Path, hardware: Any = None, overrides: Optional[list[str]] = 
     return sim, notes
 
 
+def read_run(run_dir: Path, stage_counts: Optional[list[int]] = None) -> dict[str, Any]:
+    """The sim summary of an earlier `servetwin run` of a case (its output folder), with `stages` as
+    `run_case` gives them."""
+    with open(run_dir / "summary.json", encoding="utf-8") as f:
+        sim = json.load(f)["backends"]["sim"]
+    if stage_counts is not None:
+        from servetwin.experiments.validate.cluster_stages import run_stage_figures  # noqa: PLC0415
+        sim = {**sim, "stages": run_stage_figures(str(run_dir), stage_counts)}
+    return sim
+
+
 def validate_cases(case_dir: str | Path, hardware: Any = None, only: Optional[list[str]] = None,
                    overrides: Optional[list[str]] = None,
-                   log: Callable[[str], None] = lambda msg: None) -> list[CaseResult]:
+                   log: Callable[[str], None] = lambda msg: None,
+                   runs_dir: Optional[str | Path] = None) -> list[CaseResult]:
+    """`runs_dir`: read each case's prediction from `runs_dir/NAME` (an earlier `servetwin run` of
+    cases/NAME.yaml as it is) instead of running it."""
     cases, published = load_published(case_dir)
     if only:
         unknown = sorted(set(only) - set(cases))
@@ -199,8 +213,11 @@ def validate_cases(case_dir: str | Path, hardware: Any = None, only: Optional[li
             continue
         staged = entry.get("stages")
         try:
-            sim, notes = run_case(path, hardware, overrides, entry.get("engine_version"),
-                                  stage_counts=_stage_counts(path, overrides) if staged else None)
+            counts = _stage_counts(path, overrides) if staged else None
+            if runs_dir is not None:
+                sim, notes = read_run(Path(runs_dir) / name, counts), [f"read from {Path(runs_dir) / name}"]
+            else:
+                sim, notes = run_case(path, hardware, overrides, entry.get("engine_version"), stage_counts=counts)
         except (ValueError, FileNotFoundError) as e:  # the case cannot run: reported, the others still run
             results.append(CaseResult(name, str(entry.get("source", "")), [(m, v, None) for m, v in pub.items()],
                                       error=str(e)))

@@ -40,8 +40,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             raise ValueError("--loo: not with --set (the grid's runs take the cases as they are)")
         from servetwin.experiments.validate.preset_fit import parse_grid  # noqa: PLC0415
         grid, preset = parse_grid(args.loo, "--loo"), _loo_preset(args)
+    if args.runs and (args.hardware or args.set or args.loo):
+        raise ValueError("--runs: not with --hardware, --set or --loo (the runs were made from the cases as they are)")
     results = validate_cases(args.dir, hardware=args.hardware, only=args.case or None,
-                             overrides=args.set or None, log=log)
+                             overrides=args.set or None, log=log, runs_dir=args.runs)
     table = render_table(results)
     _, published = load_published(args.dir)
     ranks = ranking_checks(results, published)
@@ -72,6 +74,8 @@ def register(subparsers) -> None:
     p.add_argument("--loo", action="append", metavar="NAME=V1,V2,...",
                    help="also leave each case out: run this grid of a fitted parameter (repeatable; names as "
                         "benchmarks/fit_gpu_presets.py) and predict each case at the point best on the others")
+    p.add_argument("--runs", metavar="RUNS_DIR", help="read each case's prediction from RUNS_DIR/NAME, an earlier "
+                                                       "`servetwin run cases/NAME.yaml -o RUNS_DIR/NAME`, instead of running it")
     p.add_argument("-o", "--output", help="also write the table as Markdown to this file")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-case progress lines")
     p.set_defaults(func=_cmd_validate)

@@ -185,7 +185,7 @@ cluster:
 
 
 def _staged_dir(tmp_path):
-    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases").mkdir(parents=True)
     per_stage = [{"rate": 3, "out_tok_s": 20.0, "ttft_mean": 30.0, "ttft_p90": 20_000.0, "itl_mean": 5.0},
                  {"rate": 4, "out_tok_s": 25.0, "ttft_mean": 30.0, "e2e_mean": 60.0}]
     pub = {}
@@ -234,3 +234,14 @@ def test_bad_stage_metrics_are_named(tmp_path, capsys):
     (d / "published.json").write_text(json.dumps(pub))
     assert main(["validate", str(d)]) == 2
     assert "unknown metric 'ttft_bogus'" in capsys.readouterr().err
+
+
+def test_validate_reads_earlier_runs_with_the_same_figures(tmp_path, capsys):
+    d = _staged_dir(tmp_path / "cases_dir")
+    runs = tmp_path / "runs"
+    assert main(["run", str(d / "cases" / "a_rr.yaml"), "-o", str(runs / "a_rr")]) == 0
+    direct = validate_cases(d, only=["a_rr"])[0]
+    read = validate_cases(d, only=["a_rr"], runs_dir=runs)[0]
+    assert read.rows == direct.rows  # the simulation is deterministic: reading the run changes nothing
+    assert main(["validate", str(d), "--case", "b_llmd", "--runs", str(runs), "-q"]) == 1  # no run of it: reported
+    assert "| b_llmd | (not run) |" in capsys.readouterr().out
