@@ -3,7 +3,8 @@
 Open-loop processes (`Offline`, `Poisson`, `Gamma`, `TraceArrivals`) fix every arrival time in
 advance (`times(n, rng)`; the workload builder writes them into `WorkloadRequest.arrival_s`) and
 replay them in the simulation. `ClosedLoop` needs completion feedback: each of N clients submits a
-request, waits for it to finish, thinks, and submits the next; arrival times are set at run time.
+request, waits for it to finish, thinks, and submits the next; arrival times are set at run time. So
+does `StageLadder` (inference-perf's multi-stage load): a stage starts when the previous one drained.
 
 Every process exposes `process(env, requests, submit, rng)`, a SimPy generator the simulation loop
 starts; `submit(request)` hands a request to the engine and returns an event that fires when the
