@@ -13,6 +13,20 @@ cluster / single ratio against issue 35's targets: <= 1.5x the wall time per req
 stops the ladder early: the stages keep their counts, so pick N at a stage boundary, e.g. 1,060 = the
 warm-up and the first two stages), and print the functions with the most cumulative and own time.
 
+Measured 2026-12-06 on the shared 2-core machine, under load (eight sessions; not results):
+- the two routing arms run at once with `servetwin run`: llm-d 2,041 s wall, round robin 2,139 s, 17,084
+  requests each: ~120 ms of wall per request (the single-engine bench runs at ~1 ms per request: about
+  100x, far from the 1.5x target). The side-by-side run of this script (~40 min) was not made.
+- `--profile 810` (the warm-up and first stage, 92.8 s under cProfile): 102,095 engine steps for 810
+  requests (126 steps per request of 500 output tokens). The time is the engines' own step path: the
+  scheduler's `schedule` 36 s cumulative (`allocate_slots` 24 s), trace recording 12.6 s, the executor
+  10.5 s, the front end 8.3 s; no function of sim/cluster.py, sim/routers.py or sim/lockstep.py is among
+  the 25 with the most cumulative or own time. The cause of the gap: gpt-oss has a sliding-window KV
+  group, and the simulator's exact decode shortcuts (lazy decode, decode fast-forward, sim/engine.py)
+  require a single full-attention group, so every decode step of every engine is simulated one by one;
+  the Llama-3.1-8B bench uses them. Making those shortcuts handle a sliding-window group (blocks freed
+  each step) is the lever, not the cluster machinery; not done here.
+
 Usage: python benchmarks/cluster_speed.py [--repeats 1] [--both-arms] [--profile 1060]
 """
 from __future__ import annotations
