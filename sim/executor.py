@@ -29,6 +29,7 @@ from servetwin.core.testbed.iteration import compute_iteration_details
 from servetwin.sim.cost_model import CostModel, StepSummary
 from servetwin.sim.hardware import HardwareSpec
 from servetwin.sim.model_spec import ModelSpec
+from servetwin.sim.pipeline import PipelineStages
 from servetwin.sim.predicted_profile import PredictedProfile
 from servetwin.sim.scheduler import SimScheduler
 
@@ -95,11 +96,15 @@ class SimExecutor:
         self.profile: Optional[PredictedProfile] = None  # between start_profile and stop_profile
         self.profiles_written = 0
         self.kv_pool: Any = None  # the KV pool it was sized with (sim/kv_pool.py:build_sim_executor)
+        # pipeline parallelism: the stages whose times the simulation books per batch (sim/pipeline.py)
+        self.pipeline: Optional[PipelineStages] = None
 
     def reset(self) -> None:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
         for table in (self.num_tokens, self.num_prompt_tokens, self.salts, self.output_lengths):
             table.clear()
+        if self.pipeline is not None:
+            self.pipeline.reset()
 
     def set_output_length(self, request_id: str, n: int) -> None:
         """Force EOS as the `n`-th output token of `request_id`."""
