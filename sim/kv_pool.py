@@ -172,6 +172,10 @@ def build_sim_executor(args: Any):
                            kv_cache_dtype=kv_cache_dtype, async_scheduling=bool(args.async_scheduling),
                            fuse_allreduce_rms=bool(getattr(args, "fuse_allreduce_rms", False)))
     pp = getattr(args, "pipeline_parallel_size", 1)
+    if pp > 1 and hw.interconnect_bandwidth <= 0:
+        raise ConfigError("pipeline_parallel_size", f"hardware {hw.name!r} has no interconnect to send activations "
+                                                    "between stages (interconnect_bandwidth 0; a CPU calibration "
+                                                    "measures one)")
     stage_model, weight_bytes = pipeline_stage_model(model, cost_model.weight_bytes_per_rank, pp)
     pool = size_kv_pool(stage_model, hw, args.block_size, args.gpu_memory_utilization, mnbt, args.max_num_seqs,
                         args.tensor_parallel_size, args.num_gpu_blocks, args.kv_cache_memory_bytes,

@@ -116,3 +116,6 @@ def test_sim_backend_takes_pipeline_parallel_size():
     with pytest.raises(ConfigError, match="pipeline_parallel_size"):
         create_executor(EngineArgs.from_kwargs(model="tiny-llama", backend="sim", hardware="h100-sxm",
                                                pipeline_parallel_size=64))
+    with pytest.raises(ConfigError, match="interconnect"):
+        create_executor(EngineArgs.from_kwargs(model="tiny-llama", backend="sim", hardware="cpu",
+                                               pipeline_parallel_size=2, num_gpu_blocks=64))
