@@ -18,7 +18,17 @@ Part 2, the command line: every hostile file case of issue 27 (items 2, 9, 10, 1
 5 s and under 500 MB peak RSS (`wait4`'s ru_maxrss), with no traceback and no file content echoed.
 Large files are sparse (no disk used). Only loopback addresses; every loop is bounded.
 
-Usage: python benchmarks/server_hostile.py [--part server|cli|both] [--backend fake|torch]
+Part 3, the profiler endpoints (issue 38 item 5): `servetwin serve --backend sim --api-key K
+--profiler-dir D`: /start_profile and /stop_profile without the key (401), a profile over a stream of
+requests (200; /stop_profile answers within 1 s, the reply names the file and no server path, the
+trace holds at most MAX_PROFILE_STEPS steps), and the directory replaced by a file (/start_profile 500
+naming --profiler-dir, nothing started).
+
+Part 2 also runs every importer (`import vllm-trace`, `vllm-bench`, `vllm-log`, `calibrate --from-vllm`,
+`compare --measured`) on a decompression bomb, a /dev/zero symlink, a FIFO, a folder and 100k-deep JSON
+(issue 38 item 1): PASS when it exits 2 naming the file and the limit within 10 s under 600 MB.
+
+Usage: python benchmarks/server_hostile.py [--part server|cli|profiler|all] [--backend fake|torch]
 """
 from __future__ import annotations
 
@@ -316,6 +326,46 @@ def cli_cases(d: Path) -> list[tuple[str, list[str], str]]:
     ]
 
 
+def _gzip_bomb(path: Path, inflated: int) -> str:
+    import zlib  # noqa: PLC0415
+
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)
+    chunk = b"0" * (1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(inflated // len(chunk)):
+            f.write(z.compress(chunk))
+        f.write(z.flush())
+    return str(path)
+
+
+def import_cases(d: Path) -> list[tuple[str, list[str], str]]:
+    """Every importer x every hostile file kind (issue 38 item 1); the error must name the file."""
+    from servetwin.core.limits import MAX_IMPORT_FILE_BYTES  # noqa: PLC0415
+
+    files = {"gzip bomb": (_gzip_bomb(d / "bomb.json.gz", MAX_IMPORT_FILE_BYTES + (64 << 20)), "inflates to more"),
+             "/dev/zero link": (str(d / "zero.json"), "not a regular file"),
+             "FIFO": (str(d / "fifo.json"), "not a regular file"), "folder": (str(d / "dir.json"), "is a folder"),
+             "JSON nested 10^5": (str(d / "deep.json"), "nested more than")}
+    (d / "zero.json").symlink_to("/dev/zero")
+    os.mkfifo(d / "fifo.json")
+    (d / "dir.json").mkdir()
+    (d / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    exp = d / "exp.yaml"
+    exp.write_text("name: e\nmodel: tiny-llama\nhardware: cpu\nbackends: [sim]\n")
+    out = []
+    for kind, (path, needle) in files.items():
+        commands = {"import vllm-trace": ["import", "vllm-trace", path, "-o", str(d / "o")],
+                    "import vllm-bench": ["import", "vllm-bench", path, "-o", str(d / "o"), "--hardware", "h100-sxm"],
+                    "import vllm-log": ["import", "vllm-log", path],
+                    "calibrate --from-vllm": ["calibrate", "--from-vllm", path, "-o", str(d / "c.yaml"),
+                                              "--hardware", "h100-sxm"],
+                    "compare --measured": ["compare", "--measured", path, str(exp)]}
+        for command, argv in commands.items():
+            text = "no vLLM startup line" if (command == "import vllm-log" and kind == "JSON nested 10^5") else needle
+            out.append((f"1  {command}: {kind}", argv, text))
+    return out
+
+
 def _peak_rss_mb(argv: list[str], timeout: float) -> tuple[int, float, float, str]:
     """(exit status, wall s, peak RSS MB, stderr) of `servetwin argv` in a child process; the peak RSS
     is wait4's for that child alone."""
@@ -348,29 +398,102 @@ def run_cli_part() -> bool:
     ok = True
     with tempfile.TemporaryDirectory(prefix="servetwin-hostile-") as tmp:
         d = Path(tmp)
-        print(f"\n{'case':38s} {'exit':>4s} {'time s':>7s} {'peak MB':>8s}  result")
-        for name, argv, needle in cli_cases(d):
-            rc, dt, rss, err = _peak_rss_mb(argv, timeout=10.0)
+        print(f"\n{'case':52s} {'exit':>4s} {'time s':>7s} {'peak MB':>8s}  result")
+        imports = d / "imports"
+        imports.mkdir()
+        # issue 27's cases: 5 s and 500 MB; issue 38's importer cases: 10 s and 600 MB, the file named
+        cases = [(c, 5.0, 500) for c in cli_cases(d)] + [(c, 10.0, 600) for c in import_cases(imports)]
+        for (name, argv, needle), limit_s, limit_mb in cases:
+            rc, dt, rss, err = _peak_rss_mb(argv, timeout=2 * limit_s)
             last = err.strip().splitlines()[-1] if err.strip() else ""
             clean = "Traceback" not in err and "HOME=" not in err and "PATH=" not in err
-            good = rc == 2 and needle in err and dt < 5.0 and rss < 500 and clean
+            named = not name.startswith("1  ") or argv[2] in err  # an importer case: its file named
+            good = rc == 2 and needle in err and dt < limit_s and rss < limit_mb and clean and named
             ok &= good
-            print(f"{name:38s} {rc:4d} {dt:7.2f} {rss:8.0f}  {'PASS' if good else 'FAIL'}  {last[:150]}", flush=True)
+            print(f"{name:52s} {rc:4d} {dt:7.2f} {rss:8.0f}  {'PASS' if good else 'FAIL'}  {last[:150]}", flush=True)
+    return ok
+
+
+# -- part 3: the profiler endpoints ---------------------------------------------------------------------
+def run_profiler_part() -> bool:
+    """Auth, growth under a stream of requests, an unwritable directory (issue 38 item 5)."""
+    import shutil  # noqa: PLC0415
+
+    from servetwin.experiments.vllm_import.profiler_trace import read_profiler_traces  # noqa: PLC0415
+    from servetwin.sim.predicted_profile import MAX_PROFILE_STEPS  # noqa: PLC0415
+
+    ok = True
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": "Bearer hostile-key"}
+    with tempfile.TemporaryDirectory(prefix="servetwin-profiler-") as tmp:
+        prof = Path(tmp) / "prof"
+        cmd = [sys.executable, "-m", "servetwin.experiments.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--model", "llama-3.1-8b", "--backend", "sim", "--max-model-len", "4096", "--api-key", "hostile-key",
+               "--profiler-dir", str(prof)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def check(name: str, good: bool, detail: str = "") -> None:
+            nonlocal ok
+            ok &= good
+            print(f"{name:52s} {'PASS' if good else 'FAIL'}  {detail}", flush=True)
+        try:
+            wait_healthy(url, proc)
+            print(f"\n{'profiler case':52s} result")
+            for route in ("/start_profile", "/stop_profile"):
+                check(f"5  {route} without the API key", httpx.post(url + route, timeout=10).status_code == 401)
+            check("5  /start_profile with the key", httpx.post(url + "/start_profile", headers=auth,
+                                                               timeout=10).status_code == 200)
+            t0 = time.perf_counter()
+            with httpx.Client(timeout=60, headers=auth) as c:
+                while time.perf_counter() - t0 < 20.0:  # a steady stream: the profile grows
+                    c.post(url + "/v1/completions", json={"model": "llama-3.1-8b", "prompt": [[7] * 64] * 16,
+                                                          "max_tokens": 64})
+            t1 = time.perf_counter()
+            r = httpx.post(url + "/stop_profile", headers=auth, timeout=60)
+            stop_s = time.perf_counter() - t1
+            name = r.json().get("trace") if r.status_code == 200 else None
+            check("5  /stop_profile: quick, names the file only", r.status_code == 200 and stop_s < 1.0
+                  and name is not None and "/" not in name and tmp not in r.text, f"{stop_s:.2f} s, {r.text[:80]}")
+            path = prof / str(name)
+            deadline = time.monotonic() + 60
+            while not path.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            steps = len(read_profiler_traces([path])) if path.exists() else -1
+            check("5  trace capped at MAX_PROFILE_STEPS", 0 < steps <= MAX_PROFILE_STEPS,
+                  f"{steps} steps, {path.stat().st_size / 1e6 if path.exists() else 0:.1f} MB")
+            shutil.rmtree(prof)
+            prof.write_text("not a folder")
+            r = httpx.post(url + "/start_profile", headers=auth, timeout=10)
+            check("5  unwritable directory: 500 at /start_profile", r.status_code == 500
+                  and "--profiler-dir" in r.text and tmp not in r.text, r.text[:100])
+            check("5  ... and no profile running", httpx.post(url + "/stop_profile", headers=auth,
+                                                             timeout=10).json() == {"trace": None})
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
     return ok
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--part", choices=["server", "cli", "both"], default="both")
+    ap.add_argument("--part", choices=["server", "cli", "profiler", "both", "all"], default="all")
     ap.add_argument("--backend", choices=["fake", "torch"], default="fake",
                     help="the server's backend (torch: tiny-llama with its Hugging Face tokenizer)")
     ns = ap.parse_args()
     print(f"host load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     ok = True
-    if ns.part in ("server", "both"):
+    if ns.part in ("server", "both", "all"):
         ok &= run_server_part(ns.backend)
-    if ns.part in ("cli", "both"):
+    if ns.part in ("cli", "both", "all"):
         ok &= run_cli_part()
+    if ns.part in ("profiler", "all"):
+        ok &= run_profiler_part()
     print("\nALL PASS" if ok else "\nSOME FAILED")
     return 0 if ok else 1
 

@@ -9,8 +9,9 @@ above any real input: a real experiment YAML nests 5 levels, a chat request 6, a
 from __future__ import annotations
 
 import json
+import math
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from servetwin.core.config_error import ConfigError
 
@@ -19,6 +20,12 @@ MAX_DOCUMENT_NODES = 1_000_000  # YAML nodes after alias expansion (a real confi
 MAX_CONFIG_FILE_BYTES = 16 * 1024 * 1024  # experiment YAML, scenario JSON, model config.json, hardware YAML
 MAX_TRACE_FILE_BYTES = 512 * 1024 * 1024  # a request trace (CSV / JSONL); rows are held in memory
 MAX_TOKENS_PER_REQUEST = 1 << 24  # prompt or output tokens of one synthetic / traced request (16.7M)
+# what vLLM wrote (importers: profiler traces, bench results, server logs): a file, or what a .gz inflates to.
+# 256 MB of JSON parses to well under 2 GB (the Chrome trace reader keeps only the step ranges).
+MAX_IMPORT_FILE_BYTES = 256 * 1024 * 1024
+MAX_IMPORT_NUMBER = 1 << 53  # any count or microsecond figure of an imported file (exact in a float64)
+_GZIP_MAGIC = b"\x1f\x8b"
+_CHUNK = 1 << 20
 
 
 def nesting_depth(value: Any, limit: int = MAX_NESTING_DEPTH) -> int:
@@ -76,6 +83,99 @@ def read_text(path: str | os.PathLike, where: str, limit: int = MAX_CONFIG_FILE_
     return decode_utf8(data, path, where)
 
 
+def read_bytes(path: str | os.PathLike, where: str, limit: int = MAX_IMPORT_FILE_BYTES) -> bytes:
+    """The file's bytes, inflated when it is gzip (told by its first bytes, not its name): the regular-file
+    and size checks come before it is opened (a FIFO, a folder, `/dev/zero` behind a symlink are refused,
+    never read), and gzip is inflated in chunks, refused as soon as it passes `limit` (a bomb never reaches
+    memory). The one reader of every importer (`servetwin import ...`, `calibrate --from-vllm`,
+    `compare --measured`)."""
+    check_file_size(path, where, limit)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+            f.seek(0)
+            data = _inflate(f, path, where, limit) if head == _GZIP_MAGIC else f.read(limit + 1)
+    except OSError as e:
+        raise ConfigError(where, f"cannot read {path}: {e.strerror or type(e).__name__}") from None
+    if len(data) > limit:
+        raise ConfigError(where, f"{path} is more than the limit of {limit} bytes")
+    return data
+
+
+def _inflate(f: Any, path: Any, where: str, limit: int) -> bytes:
+    import gzip  # noqa: PLC0415
+    import zlib  # noqa: PLC0415
+
+    parts, total = [], 0
+    try:
+        with gzip.GzipFile(fileobj=f, mode="rb") as z:
+            while chunk := z.read(_CHUNK):
+                total += len(chunk)
+                if total > limit:
+                    raise ConfigError(where, f"{path} inflates to more than the limit of {limit} bytes "
+                                             "(a decompression bomb, or a trace too large to import whole)")
+                parts.append(chunk)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise ConfigError(where, f"{path} is not a readable gzip file (truncated?): {_short(e)}") from None
+    return b"".join(parts)
+
+
+def read_head(path: str | os.PathLike, where: str, size: int = 4096) -> bytes:
+    """The first `size` bytes of a file (inflated when gzip), after the same checks as `read_bytes`: what
+    a reader needs to tell a file's kind without reading it whole."""
+    import gzip  # noqa: PLC0415
+    import zlib  # noqa: PLC0415
+
+    check_file_size(path, where, 1 << 62)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(size)
+            if head[:2] != _GZIP_MAGIC:
+                return head
+            f.seek(0)
+            with gzip.GzipFile(fileobj=f, mode="rb") as z:
+                return z.read(size)
+    except (EOFError, zlib.error, gzip.BadGzipFile):
+        return head  # a damaged gzip: its reader names it
+    except OSError as e:
+        raise ConfigError(where, f"cannot read {path}: {e.strerror or type(e).__name__}") from None
+
+
+def printable(text: Any, limit: int = 200) -> str:
+    """`text` safe to echo to a terminal: control characters (ESC, BEL, CR, C1 ...) shown as escapes,
+    never sent raw (a file could set the terminal title or clear the screen), cut to `limit` characters."""
+    s = str(text)
+    if len(s) > limit:
+        s = s[:limit - 3] + "..."
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in s)
+
+
+def bounded_number(value: Any, where: str, low: float = 0.0, high: float = MAX_IMPORT_NUMBER,
+                   integer: bool = False, low_open: bool = False) -> float:
+    """A number of an untrusted document, checked before any arithmetic (an int of 400 digits would
+    overflow numpy / pyarrow, `1e400` parses as inf): finite, in [low, high] (`low_open`: > low),
+    whole when `integer`. A `ConfigError` at `where` otherwise, the value shown cut."""
+    span = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(where, f"must be a number in {span}, got {_short_repr(value)}")
+    # an int is compared as an int (10**400 would overflow float()), a float checked for inf / nan
+    v = float(value) if low <= value <= high else math.nan
+    if not math.isfinite(v) or (low_open and v <= low):
+        raise ConfigError(where, f"must be a finite number in {span}, got {_short_repr(value)}")
+    if integer and not v.is_integer():
+        raise ConfigError(where, f"must be an integer in {span}, got {_short_repr(value)}")
+    return v
+
+
+def _short_repr(value: Any, limit: int = 40) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** limit:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def decode_utf8(data: bytes, path: Any, where: str) -> str:
     try:
         return data.decode("utf-8-sig")
@@ -94,12 +194,14 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def load_json_text(text: str, path: Any, where: str, limit: int = MAX_NESTING_DEPTH, unique_keys: bool = False) -> Any:
+def load_json_text(text: str, path: Any, where: str, limit: int = MAX_NESTING_DEPTH, unique_keys: bool = False,
+                   object_hook: Optional[Callable[[dict], Any]] = None) -> Any:
     """`json.loads` for untrusted text: nesting, huge integers and syntax errors are `ConfigError`s at
     `where` that name `path` and the position, never the text itself. `unique_keys`: a key given twice
-    in one object is an error (json keeps the last one silently)."""
+    in one object is an error (json keeps the last one silently). `object_hook`: json's, each object
+    replaced by what it returns as it is parsed (a reader that keeps a few keys of millions of objects)."""
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys if unique_keys else None)
+        value = json.loads(text, object_pairs_hook=_unique_keys if unique_keys else None, object_hook=object_hook)
     except RecursionError:
         raise ConfigError(where, f"{path} is nested more than {limit} levels deep") from None
     except json.JSONDecodeError as e:
@@ -115,6 +217,12 @@ def load_json_text(text: str, path: Any, where: str, limit: int = MAX_NESTING_DE
 def load_json_file(path: str | os.PathLike, where: str, max_bytes: int = MAX_CONFIG_FILE_BYTES,
                    unique_keys: bool = False) -> Any:
     return load_json_text(read_text(path, where, max_bytes), path, where, unique_keys=unique_keys)
+
+
+def read_import_text(path: str | os.PathLike, where: str, limit: int = MAX_IMPORT_FILE_BYTES) -> str:
+    """An importer's file as text: `read_bytes` (checks, size and inflated-size limits), then UTF-8."""
+    data = read_bytes(path, where, limit)
+    return decode_utf8(data, path, where)
 
 
 def _short(e: BaseException, limit: int = 120) -> str:
@@ -133,5 +241,6 @@ def check_tokens(value: int, where: str, limit: Optional[int] = None) -> int:
 
 
 __all__ = ["MAX_NESTING_DEPTH", "MAX_DOCUMENT_NODES", "MAX_CONFIG_FILE_BYTES", "MAX_TRACE_FILE_BYTES",
-           "MAX_TOKENS_PER_REQUEST", "nesting_depth", "check_depth", "check_file_size", "read_text", "decode_utf8",
-           "load_json_text", "load_json_file", "check_tokens"]
+           "MAX_TOKENS_PER_REQUEST", "MAX_IMPORT_FILE_BYTES", "MAX_IMPORT_NUMBER", "nesting_depth", "check_depth",
+           "check_file_size", "read_text", "read_bytes", "read_head", "read_import_text", "printable",
+           "bounded_number", "decode_utf8", "load_json_text", "load_json_file", "check_tokens"]

@@ -37,6 +37,9 @@ from servetwin.gpu.models.tp_shard import check_tensor_parallel
 from servetwin.gpu.parallel_state import PPGroup, TPGroup, pp_layer_range
 from servetwin.gpu.step_profiling import StepProfiler, StepTimer, step_annotation
 from servetwin.gpu.step_sampler import StepSampler
+from servetwin.core.sched.spec_decode import DraftTokenIds, SpeculativeConfig
+from servetwin.gpu.spec_decode import make_drafter
+from servetwin.gpu.spec_decode.verify import draft_positions, first_positions, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,8 @@ class TorchExecutor:
                  torch_paged_mode: str = "auto", cuda_graph_sizes: Optional[list[int]] = None,
                  keep_logits: bool = False, disable_hybrid_kv_cache_manager: bool = False,
                  async_scheduling: bool = False, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None,
-                 model_info: Optional[ModelInfo] = None) -> None:
+                 model_info: Optional[ModelInfo] = None,
+                 speculative_config: Optional[SpeculativeConfig] = None) -> None:
         torch.manual_seed(seed)
         self.device = resolve_device(device)
         self.model_info: ModelInfo = model_info or resolve_model(model)
@@ -195,6 +199,7 @@ class TorchExecutor:
             self.graph_runner.capture()
         self.state = RunnerState()
         self.sampler = StepSampler(self.device, self.vocab_size)
+        self._init_drafter(speculative_config, async_scheduling, seed)
         self.profiler = StepProfiler(profile_dir, self.device)
         self.keep_logits = keep_logits
         self.last_logits: dict[str, torch.Tensor] = {}
@@ -216,6 +221,30 @@ class TorchExecutor:
         self.model.keep_pipeline_stage(start, end, self.pp.is_first_rank, self.pp.is_last_rank)
         self.kv_plan = model_kv_plan(_StageLayers(end - start))
         return end - start
+
+    def _init_drafter(self, config: Optional[SpeculativeConfig], async_scheduling: bool, seed: int) -> None:
+        """Speculative decoding: the drafter, and the generator of the rejection sampler's draws."""
+        self.drafter = None if config is None else make_drafter(config, self.vocab_size, self.max_model_len,
+                                                                self.device, self.dtype)
+        if config is not None and async_scheduling:
+            raise ConfigError("async_scheduling", "the torch backend drafts after each step (sync scheduling "
+                                                  "only); turn async_scheduling off with speculative_config")
+        self.spec_generator = torch.Generator(self.device).manual_seed(seed)
+        self._draft_token_ids: Optional[DraftTokenIds] = None
+
+    def take_draft_token_ids(self) -> Optional[DraftTokenIds]:
+        """The drafts for the requests of the step just executed (vLLM's executor method)."""
+        drafts, self._draft_token_ids = self._draft_token_ids, None
+        return drafts
+
+    def _propose(self, rows: list[ScheduledRow], sampled: list[list[int]]) -> None:
+        """vLLM's drafter runs after sampling, for the rows that sampled (a partial prefill gets [])."""
+        live = [i for i, toks in enumerate(sampled) if toks]
+        drafts = self.drafter.propose([rows[i].state.token_ids for i in live])
+        per_row: list[list[int]] = [[] for _ in rows]
+        for i, d in zip(live, drafts):
+            per_row[i] = d
+        self._draft_token_ids = DraftTokenIds([r.req_id for r in rows], per_row)
 
     # -- public helpers ------------------------------------------------------------------------
     @property
@@ -261,6 +290,7 @@ class TorchExecutor:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
         self.sampler.forget(list(self.state.requests))
         self.state = RunnerState()
+        self._draft_token_ids = None
 
     # -- one step ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -298,6 +328,8 @@ class TorchExecutor:
         timer = StepTimer(self.device)
         timer.mark()
         batch = prepare_inputs(rows, self.block_size, self.pad_block_id)
+        if self.drafter is not None:  # rows whose drafts go unverified sample before them
+            batch.logits_indices = first_positions(rows, batch.logits_indices)
         input_ids = to_device(batch.input_ids, self.device)
         positions = to_device(batch.positions, self.device)
         use_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
@@ -338,8 +370,14 @@ class TorchExecutor:
                 logprobs = [None] * len(rows)
                 for j, i in enumerate(sample_idx):
                     logprobs[i] = None if lps[j] is None else [lps[j]]
+            if any(rows[i].spec_token_ids for i in sample_idx):  # the verify step
+                pos = draft_positions(rows, sample_idx, batch.logits_indices)
+                draft_logits = self.model.compute_logits(hidden[torch.tensor(pos, device=self.device)]) if pos else None
+                tokens = verify_rows(rows, sample_idx, tokens, draft_logits, self.spec_generator)
+            else:
+                tokens = [[t] for t in tokens]
             for j, i in enumerate(sample_idx):
-                sampled[i] = [tokens[j]]
+                sampled[i] = tokens[j]
         prompt_logprobs = self._prompt_logprobs(rows, batch, hidden, so) if not use_graph else {}
         timer.mark()
         timing = timer.timing(padded)
@@ -349,6 +387,8 @@ class TorchExecutor:
         for r, toks in zip(rows, sampled):
             if toks:
                 self.state.append_sampled(r.req_id, toks)
+        if self.drafter is not None:
+            self._propose(rows, sampled)
         req_ids = batch.req_ids
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                                  sampled_token_ids=sampled, logprobs=logprobs,

@@ -75,6 +75,14 @@ def build_block_table(block_ids: Sequence[Sequence[int]], num_blocks_needed: np.
     return table
 
 
+def _row_tokens(row: ScheduledRow, c: int, n: int) -> list[int]:
+    """Tokens [c, c + n) of a row: its known tokens, then its drafts (a padded -1 draft runs as token
+    0; verification never accepts it)."""
+    if not row.spec_token_ids:
+        return row.state.token_ids[c:c + n]
+    return row.state.token_ids[c:] + [max(t, 0) for t in row.spec_token_ids]
+
+
 def prepare_inputs(rows: Sequence[ScheduledRow], block_size: int, pad_block_id: int) -> InputBatch:
     R = len(rows)
     computed = np.fromiter((r.num_computed_before for r in rows), dtype=np.int64, count=R)
@@ -84,10 +92,10 @@ def prepare_inputs(rows: Sequence[ScheduledRow], block_size: int, pad_block_id: 
     np.cumsum(q_lens, out=qsl[1:])
     seq_lens = computed + q_lens
     for r, c, n in zip(rows, computed.tolist(), q_lens.tolist()):
-        if c + n > len(r.state.token_ids):
+        if c + n > len(r.state.token_ids) + len(r.spec_token_ids):
             raise ValueError(f"input_ids: request {r.req_id} schedules tokens [{c}, {c + n}) but only "
                              f"{len(r.state.token_ids)} are known")
-    input_ids = np.fromiter(chain.from_iterable(r.state.token_ids[c:c + n] for r, c, n in
+    input_ids = np.fromiter(chain.from_iterable(_row_tokens(r, c, n) for r, c, n in
                                                 zip(rows, computed.tolist(), q_lens.tolist())),
                             dtype=np.int64, count=T)
     req_of_token = np.repeat(np.arange(R), q_lens)

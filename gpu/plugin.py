@@ -27,13 +27,18 @@ def torch_executor_kwargs(args: EngineArgs) -> dict:
                 enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                 seed=args.seed, profile_dir=args.profile_dir,
                 disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-                async_scheduling=args.async_scheduling)
+                async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
 
 
 def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
     """Load the model and size the KV cache on the device (as vLLM's GPU worker does): in this process
     (`UniprocExecutor`'s place) at TP=1, in one worker process per rank (`MultiprocExecutor`) above."""
     kwargs = torch_executor_kwargs(args)
+    if args.tensor_parallel_size > 1 and args.speculative_config is not None:
+        # the ranks would draft, but nothing takes their drafts
+        raise ConfigError("speculative_config", "the torch backend drafts at tensor_parallel_size 1 only")
+    if args.pipeline_parallel_size > 1 and args.speculative_config is not None:
+        raise ConfigError("speculative_config", "the torch backend drafts at pipeline_parallel_size 1 only")
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         from servetwin.gpu.multiproc_executor import MultiprocExecutor, default_worker_threads  # noqa: PLC0415
 

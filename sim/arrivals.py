@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import simpy
@@ -125,11 +125,21 @@ class ClosedLoop:
 ARRIVAL_TYPES = ("offline", "poisson", "gamma", "closed_loop", "trace")
 
 
-def parse_arrival(cfg: Any, path: str = "workload.arrival") -> ArrivalProcess:
-    """Build an arrival process from `{type: ..., ...}` with errors naming the field path."""
+RATE_NEEDS_A_PROCESS = ("{what}, so there is no rate to change: give a process instead, e.g. --set "
+                        "'workload.arrival={{type: poisson, rate: 32}}' (a workload file keeps its lengths and order, "
+                        "the process draws the send times)")
+
+
+def parse_arrival(cfg: Any, path: str = "workload.arrival", trace_limit: Optional[int] = None) -> ArrivalProcess:
+    """Build an arrival process from `{type: ..., ...}` with errors naming the field path. `trace_limit`:
+    a trace keeps only that many earliest records (the run's `requests`)."""
     if cfg is None:
         return Offline()
     cfg = check_mapping(cfg, path)
+    if "rate" in cfg and cfg.get("type") in (None, "offline", "trace"):  # `--set workload.arrival.rate=R`
+        raise ConfigError(f"{path}.rate", RATE_NEEDS_A_PROCESS.format(
+            what="every request is sent at t = 0 (a request rate of inf)" if cfg.get("type") == "offline"
+            else "the times come from a trace"))
     kind = one_of(cfg.get("type"), ARRIVAL_TYPES, f"{path}.type")
     if kind == "offline":
         check_keys(cfg, {"type"}, path)
@@ -152,5 +162,5 @@ def parse_arrival(cfg: Any, path: str = "workload.arrival") -> ArrivalProcess:
         columns = dict(check_mapping(columns, f"{path}.columns"))
     block = int_at_least(cfg.get("hash_block_tokens", 512), 1, f"{path}.hash_block_tokens")
     records = load_trace(cfg["path"], f"{path}.path", fmt=cfg.get("format", "auto"), columns=columns,
-                         time_unit=cfg.get("time_unit", "s"), hash_block_tokens=block)
+                         time_unit=cfg.get("time_unit", "s"), hash_block_tokens=block, limit=trace_limit)
     return TraceArrivals(str(cfg["path"]), tuple(records), block)

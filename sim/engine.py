@@ -123,12 +123,15 @@ class Simulation:
         if self.pipeline is not None:
             lazy_decode = fast_forward = False
         # (both shortcuts assume one full-attention KV cache group: window groups free blocks every step)
-        self.lazy_decode = bool(lazy_decode and not record_step_requests and isinstance(engine.scheduler, SimScheduler)
+        # speculative decoding: both off (their steady decode rows sample one token each, no drafts)
+        drafting = bool(getattr(engine.scheduler, "num_spec_tokens", 0))
+        self.lazy_decode = bool(lazy_decode and not drafting and not record_step_requests
+                                and isinstance(engine.scheduler, SimScheduler)
                                 and hasattr(ex, "lazy_tokens") and getattr(ex, "token_rule", None) == "request"
                                 and engine.scheduler.kv_cache_manager.single_full_attention)
         if self.lazy_decode:
             engine.scheduler.enable_lazy_decode(ex)
-        self.fast_forward = fast_forward and not self.lazy_decode
+        self.fast_forward = fast_forward and not self.lazy_decode and not drafting
         self.eos_token_id = eos_token_id
         self.on_complete = on_complete
         self.on_reject = on_reject
@@ -154,7 +157,7 @@ class Simulation:
             from servetwin.sim.frontend import ApiServerFrontend  # noqa: PLC0415
 
             self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend,
-                                              frontend.api_server_count)
+                                              frontend.api_server_count, frontend.ingress)
 
     # -- submission ------------------------------------------------------------------------------
     def submit(self, request: WorkloadRequest, done: Optional[simpy.Event] = None) -> simpy.Event:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
@@ -32,6 +33,8 @@ from servetwin.sim.model_spec import ModelSpec
 from servetwin.sim.pipeline import PipelineStages
 from servetwin.sim.predicted_profile import PredictedProfile
 from servetwin.sim.scheduler import SimScheduler
+from servetwin.sim.spec_drafter import SimDrafter
+from servetwin.core.sched.spec_decode import DraftTokenIds
 
 
 TOKEN_RULES = ("request", "oracle")
@@ -95,9 +98,12 @@ class SimExecutor:
         self.last_summary: Optional[StepSummary] = None
         self.profile: Optional[PredictedProfile] = None  # between start_profile and stop_profile
         self.profiles_written = 0
+        self.profile_writer: Optional[threading.Thread] = None  # the last trace being written
         self.kv_pool: Any = None  # the KV pool it was sized with (sim/kv_pool.py:build_sim_executor)
         # pipeline parallelism: the stages whose times the simulation books per batch (sim/pipeline.py)
         self.pipeline: Optional[PipelineStages] = None
+        self.drafter: Optional[SimDrafter] = None  # speculative decoding (enable_spec_decode)
+        self.draft_token_ids: Optional[DraftTokenIds] = None  # the latest proposals, until taken
 
     def reset(self) -> None:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
@@ -131,6 +137,8 @@ class SimExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = scheduler_output
+        if self.drafter is not None:
+            return self._execute_spec(so)
         self._update_token_counts(so)
         counts = self.num_tokens
         before = so.num_computed_before
@@ -182,16 +190,77 @@ class SimExecutor:
         return ModelRunnerOutput(req_ids=ids, req_id_to_index=dict(zip(ids, range(len(ids)))),
                                  sampled_token_ids=sampled, timing=timing)
 
+    # -- speculative decoding (sim/spec_drafter.py) ------------------------------------------------
+    def enable_spec_decode(self, drafter: SimDrafter) -> None:
+        """Draft and verify with `drafter`; the simulator's decode shortcuts must be off (Simulation
+        switches them off when the scheduler drafts)."""
+        self.drafter = drafter
+
+    def take_draft_token_ids(self) -> Optional[DraftTokenIds]:
+        drafts, self.draft_token_ids = self.draft_token_ids, None
+        return drafts
+
+    def _execute_spec(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """`execute_model` with drafts: a verifying row samples accepted + 1 tokens, and is priced as
+        1 + m decode rows (vLLM runs a uniform (k + 1)-token decode batch: each query token attends
+        the KV before it like a decode, not like a prefill chunk)."""
+        self._update_token_counts(so)
+        self.drafter.forget(so.finished_req_ids)
+        qs, ss, sampled, num_sampling = [], [], [], 0
+        for r, (rid, q) in enumerate(so.num_scheduled_tokens.items()):
+            s = so.num_computed_before[rid]
+            drafts = so.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                qs += [1] * q
+                ss += range(s, s + q)
+            else:
+                qs.append(q)
+                ss.append(s)
+            if s + q - len(drafts or ()) < self.num_tokens[rid]:  # a partial prefill samples nothing
+                sampled.append([])
+                continue
+            num_sampling += 1
+            a = self.drafter.num_accepted(so, rid, len(drafts)) if drafts else 0
+            sampled.append(self._next_tokens(rid, a + 1, so.step, r))
+        summary = StepSummary.from_lists(qs, ss, num_sampling, shared_kv=so.shared_kv_tokens)
+        self.last_summary = summary
+        timing = self.cost_model.predict(summary) if so.total_num_scheduled_tokens else StepTiming(duration_s=0.0)
+        ids = list(so.num_scheduled_tokens)
+        self.draft_token_ids = DraftTokenIds(ids, [[10] * self.drafter.proposal_length(rid) if toks else []
+                                                   for rid, toks in zip(ids, sampled)])
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index=dict(zip(ids, range(len(ids)))),
+                                 sampled_token_ids=sampled, timing=timing)
+
+    def _next_tokens(self, rid: str, n: int, step: int, row: int) -> list[int]:
+        """The next `n` tokens of a row (the token rule, forced EOS and EOS avoidance as in
+        `execute_model`), ending at a forced EOS."""
+        out = []
+        for _ in range(n):
+            n_out = self.num_tokens[rid] - self.num_prompt_tokens[rid]
+            forced = self.output_lengths.get(rid)
+            if forced is not None and n_out + 1 >= forced:
+                tok = self.eos_token_id
+            else:
+                tok = (request_token(self.salts[rid], n_out, self.token_modulus) if self.token_rule == "request"
+                       else fake_token(step, row))
+                tok += tok == self.eos_token_id
+            out.append(tok)
+            self.num_tokens[rid] += 1
+            if tok == self.eos_token_id:
+                break
+        return out
+
     # -- vLLM's /start_profile and /stop_profile: the predicted steps as a profiler trace -------------
     def start_profile(self, profile_dir: str) -> None:
         if self.profile is None:
             self.profile = PredictedProfile(profile_dir, self.profiles_written)
 
     def stop_profile(self) -> Optional[str]:
-        """Write the predicted steps since `start_profile` (None: not on)."""
+        """Write the predicted steps since `start_profile` off the step loop (a thread); returns the
+        trace's path (None: not on)."""
         if self.profile is None:
             return None
-        path, self.profile = self.profile.write(), None
+        (path, self.profile_writer), self.profile = self.profile.write_in_background(), None
         self.profiles_written += 1
         return str(path)
 

@@ -35,6 +35,13 @@ ended and step k-1's output job is done. A burst of N equal requests therefore l
 together after about N x ingress (what vLLM's server does under `--request-rate inf`), and a busy
 front end delays output chunks.
 
+`ingress: in_order` serves the ingress jobs of each API server one at a time, in arrival order (each
+still sharing the CPU, weight 1, with the output path): vLLM 0.33 renders chat templates and tokenises
+in the renderer's thread pool (vllm/renderers/base.py, `_SwappableExecutor(renderer_num_workers)`,
+default 1 worker: vllm/config/model.py), so a burst reaches the engine one request after another
+instead of all together. `shared` (the default, what the coefficients were fitted with) is the
+processor sharing above. Which one a version shows is in docs/frontend_model.md.
+
 `FrontendSpec` is data (coefficients + provenance), loaded like a hardware spec: a preset name, a
 YAML file, or a mapping with an optional `base: <preset>`. The presets are in
 `servetwin.sim.frontend_presets`; how they were obtained is in docs/frontend_model.md.
@@ -70,6 +77,7 @@ from servetwin.sim.validate import check_keys, check_mapping, non_negative, one_
 
 FRONTEND_TYPES = ("api_server", "offline")
 ENDPOINTS = ("chat", "completions")
+INGRESS_MODES = ("shared", "in_order")
 _EPS = 1e-12
 
 
@@ -251,7 +259,8 @@ class ApiServerFrontend:
     end time to the time its tokens reach the client."""
 
     def __init__(self, env: simpy.Environment, spec: FrontendSpec, endpoint: str,
-                 to_engine: Callable[[Any, simpy.Event], None], api_server_count: int = 1) -> None:
+                 to_engine: Callable[[Any, simpy.Event], None], api_server_count: int = 1,
+                 ingress: str = "shared") -> None:
         self.env = env
         self.spec = spec
         self.coeffs = spec.coefficients
@@ -264,6 +273,9 @@ class ApiServerFrontend:
         self._outputs: deque[_StepOutput] = deque()
         self._handler_busy = False
         self._wake_at: Optional[float] = None
+        self.ingress = one_of(ingress, INGRESS_MODES, "frontend.ingress")
+        # in_order: per server, the ingress jobs waiting for the one in service (None: none in service)
+        self._ingress_queues: list[Optional[deque[_Job]]] = [None] * api_server_count
         self.num_requests = 0
         self.num_messages = 0
 
@@ -271,11 +283,28 @@ class ApiServerFrontend:
     def submit(self, request: Any) -> simpy.Event:
         """A client sends `request` now; the returned event fires when its last chunk reached it."""
         done = self.env.event()
-        server = self.cpus[self.num_requests % len(self.cpus)]  # connections spread round robin
+        k = self.num_requests % len(self.cpus)  # connections spread round robin
         self.num_requests += 1
         work = self.coeffs.ingress_work(len(request.prompt_token_ids), self.chat)
-        self._add(server, _Job(work, 1.0, lambda t, r=request, d=done: self._ingress_done(t, r, d)))
+        if self.ingress == "shared":
+            self._add(self.cpus[k], _Job(work, 1.0, lambda t, r=request, d=done: self._ingress_done(t, r, d)))
+            return done
+        job = _Job(work, 1.0, lambda t, r=request, d=done, k=k: self._in_order_done(t, k, r, d))
+        if self._ingress_queues[k] is None:  # none in service: this one starts now
+            self._ingress_queues[k] = deque()
+            self._add(self.cpus[k], job)
+        else:
+            self._ingress_queues[k].append(job)
         return done
+
+    def _in_order_done(self, t: float, k: int, request: Any, done: simpy.Event) -> None:
+        """An in-order ingress finished at `t`: the next one of its server starts at `t`."""
+        queue = self._ingress_queues[k]
+        if queue:
+            self.cpus[k].add(t, queue.popleft())  # at t, inside the CPU's advance (as the output handler)
+        else:
+            self._ingress_queues[k] = None
+        self._ingress_done(t, request, done)
 
     def _ingress_done(self, t: float, request: Any, done: simpy.Event) -> None:
         delay = self.coeffs.latency_in_s + (t - self.env.now)  # t <= now: done while catching up
@@ -407,6 +436,7 @@ class FrontendConfig:
     endpoint: str = "completions"
     coefficients: Any = None  # preset name / YAML path / mapping; None: the hardware's default
     api_server_count: int = 1  # vLLM's --api-server-count: API-server processes, one CPU each
+    ingress: str = "shared"  # "shared" (processor sharing) | "in_order" (one at a time per server, FIFO)
 
     def spec(self, device_type: str = "cuda") -> FrontendSpec:
         return load_frontend_spec(self.coefficients if self.coefficients is not None
@@ -416,7 +446,7 @@ class FrontendConfig:
         """The same front end with its coefficient set loaded (the hardware's default when not given)."""
         if self.type != "api_server":
             return self
-        return FrontendConfig(self.type, self.endpoint, self.spec(device_type), self.api_server_count)
+        return FrontendConfig(self.type, self.endpoint, self.spec(device_type), self.api_server_count, self.ingress)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
@@ -425,18 +455,21 @@ class FrontendConfig:
             out.update(endpoint=self.endpoint,
                        coefficients=spec.name if isinstance(spec, FrontendSpec) else spec,
                        api_server_count=self.api_server_count)
+            if self.ingress != "shared":
+                out["ingress"] = self.ingress
         return out
 
 
 def parse_frontend(cfg: Any, path: str = "frontend") -> FrontendConfig:
-    """`{type: api_server, endpoint: chat|completions, coefficients: ..., api_server_count: N}` or
+    """`{type: api_server, endpoint: chat|completions, coefficients: ..., api_server_count: N,
+    ingress: shared|in_order}` or
     `{type: offline}`."""
     cfg = check_mapping(cfg, path)
     kind = one_of(cfg.get("type"), FRONTEND_TYPES, f"{path}.type")
     if kind == "offline":
         check_keys(cfg, {"type"}, path)
         return FrontendConfig("offline")
-    check_keys(cfg, {"type", "endpoint", "coefficients", "api_server_count"}, path)
+    check_keys(cfg, {"type", "endpoint", "coefficients", "api_server_count", "ingress"}, path)
     endpoint = one_of(cfg.get("endpoint", "completions"), ENDPOINTS, f"{path}.endpoint")
     coeffs = cfg.get("coefficients")
     if coeffs is not None:
@@ -444,7 +477,8 @@ def parse_frontend(cfg: Any, path: str = "frontend") -> FrontendConfig:
     count = cfg.get("api_server_count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1024:
         raise ConfigError(f"{path}.api_server_count", f"must be an integer from 1 to 1024, got {count!r}")
-    return FrontendConfig("api_server", endpoint, copy.deepcopy(coeffs), count)
+    ingress = one_of(cfg.get("ingress", "shared"), INGRESS_MODES, f"{path}.ingress")
+    return FrontendConfig("api_server", endpoint, copy.deepcopy(coeffs), count, ingress)
 
 
 def default_frontend(online: bool) -> FrontendConfig:

@@ -39,6 +39,8 @@ from servetwin.core.kv_cache.kv_cache_planning import KVCachePlan, describe_kv_p
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec
 from servetwin.sim.cost_model import CostModel, default_cuda_graph_sizes
 from servetwin.sim.executor import SimExecutor
+from servetwin.sim.spec_acceptance import AcceptanceModel
+from servetwin.sim.spec_drafter import SimDrafter
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
 from servetwin.sim.pipeline import PipelineStages, stage_layers
@@ -188,6 +190,10 @@ def build_sim_executor(args: Any):
                                              model.max_position_embeddings, in_flight)
     executor = SimExecutor(cost_model=cost_model)
     executor.kv_pool = pool
+    if getattr(args, "speculative_config", None) is not None:
+        rates = getattr(args, "spec_acceptance_rates", None)
+        executor.enable_spec_decode(SimDrafter(args.speculative_config,
+                                               AcceptanceModel(tuple(rates), args.seed) if rates else None))
     if pp > 1:
         executor.pipeline = PipelineStages(stage_layers(model.num_layers, pp), model.hidden_size * model.dtype_bytes,
                                            hw.interconnect_bandwidth, hw.interconnect_latency_s)

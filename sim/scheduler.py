@@ -29,6 +29,7 @@ from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from servetwin.core.request import Request, RequestStatus
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.sched.output import SchedulerOutput
+from servetwin.core.sched.spec_decode import SpeculativeConfig
 from servetwin.core.sched.scheduler import Scheduler
 from servetwin.core.testbed.trace import LateTokens
 from servetwin.sim.lazy_decode import LazyDecodes, LazyTokenSource
@@ -46,8 +47,8 @@ def _with_rows(so: SchedulerOutput, num_scheduled_tokens: dict[str, int]) -> Sch
 
 class SimScheduler(Scheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 log_stats: bool = True) -> None:
-        super().__init__(scheduler_config, cache_config, log_stats)
+                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None) -> None:
+        super().__init__(scheduler_config, cache_config, log_stats, speculative_config)
         self.lazy: Optional[LazyDecodes] = None  # implicit steady decodes, off until enabled
         self.last_updated_step = -1  # scheduler step of the last output processed
         self.running_order: dict[str, int] = {}  # request id -> stamp of its (re)admission (lazy only)

@@ -10,14 +10,16 @@ arrival time, stably (ties keep file order).
 from __future__ import annotations
 
 import csv
-import io
+import dataclasses
+import heapq
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from servetwin.core.config_error import ConfigError
-from servetwin.core.limits import MAX_TRACE_FILE_BYTES, check_file_size, check_tokens, decode_utf8, load_json_text
+from servetwin.core.limits import MAX_TRACE_FILE_BYTES, check_file_size, check_tokens, load_json_text
 from servetwin.sim.validate import int_at_least, non_negative
 
 _ALIASES = {
@@ -93,33 +95,64 @@ def _int(value: Any, where: str) -> int:
     return value
 
 
-def _read_rows(p: Path, field_path: str) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
-    """(where, row) of every request line, and the column names found. The file's size is checked before
-    it is read; bad UTF-8, a line nested too deep and an oversized CSV field are errors naming the line."""
-    check_file_size(p, field_path, MAX_TRACE_FILE_BYTES)
-    rows: list[tuple[str, dict[str, Any]]] = []
-    columns: dict[str, None] = {}
-    with open(p, "rb") as f:
-        data = f.read(MAX_TRACE_FILE_BYTES + 1)
-    text = decode_utf8(data, p, field_path)  # a leading BOM (spreadsheets write one) is dropped
-    del data
-    if p.suffix.lower() in (".jsonl", ".json", ".ndjson"):
-        for lineno, line in enumerate(text.splitlines(), 1):
+class _Rows:
+    """The request lines of a trace file, streamed: (where, row) one at a time, never the whole file in
+    memory (a 10M-line CSV held as rows took 6.5 GB). `columns`: the CSV header, or the first JSON line's
+    keys. Bad UTF-8, a line nested too deep and an oversized CSV field are errors naming the line."""
+
+    def __init__(self, p: Path, field_path: str) -> None:
+        check_file_size(p, field_path, MAX_TRACE_FILE_BYTES)  # a FIFO or device is refused before opening
+        self.p, self.field_path = p, field_path
+        self.jsonl = p.suffix.lower() in (".jsonl", ".json", ".ndjson")
+        self.f = open(p, "rb")
+        self.lineno = 0
+        self.reader = None if self.jsonl else csv.DictReader(self._lines())
+        self.first: Optional[tuple[str, dict[str, Any]]] = None
+        if self.jsonl:
+            self.first = next(self._json_rows(), None)
+            self.columns = list(self.first[1]) if self.first else []
+        else:
+            self.columns = list(self._csv(lambda: self.reader.fieldnames) or [])
+
+    def _lines(self):
+        """Each line decoded on its own: a bad byte is named by its line, however far into the file."""
+        for raw in self.f:
+            self.lineno += 1
+            try:
+                yield raw.decode("utf-8-sig" if self.lineno == 1 else "utf-8")  # a spreadsheet's BOM dropped
+            except UnicodeDecodeError as e:
+                raise ConfigError(self.field_path, f"{self.p} is not UTF-8 text (invalid byte on line "
+                                                   f"{self.lineno}, offset {e.start}; a binary file?)") from None
+
+    def _csv(self, step):
+        try:
+            return step()
+        except csv.Error as e:  # e.g. a field over csv's 131072-character limit: not a trace
+            raise ConfigError(f"{self.p}:{self.reader.line_num}", f"not a valid CSV line ({e})") from None
+
+    def _json_rows(self):
+        for line in self._lines():
             if line.strip():
-                row = load_json_text(line, "this line", f"{p}:{lineno}")
+                where = f"{self.p}:{self.lineno}"
+                row = load_json_text(line, "this line", where)
                 if not isinstance(row, dict):
-                    raise ConfigError(f"{p}:{lineno}", "each line must be a JSON object")
-                columns.update(dict.fromkeys(row))
-                rows.append((f"{p}:{lineno}", row))
-        return rows, list(columns)
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    try:
-        columns.update(dict.fromkeys(reader.fieldnames or []))
-        for row in reader:
-            rows.append((f"{p}:{reader.line_num}", row))
-    except csv.Error as e:  # e.g. a field over csv's 131072-character limit: not a trace
-        raise ConfigError(f"{p}:{reader.line_num}", f"not a valid CSV line ({e})") from None
-    return rows, list(columns)
+                    raise ConfigError(where, "each line must be a JSON object")
+                yield where, row
+
+    def __iter__(self):
+        if self.jsonl:
+            if self.first is not None:
+                yield self.first
+            yield from self._json_rows()
+            return
+        while True:
+            row = self._csv(lambda: next(self.reader, None))
+            if row is None:
+                return
+            yield f"{self.p}:{self.reader.line_num}", row
+
+    def close(self) -> None:
+        self.f.close()
 
 
 def _shown_columns(found: list[str]) -> str:
@@ -133,11 +166,14 @@ def _shown_columns(found: list[str]) -> str:
 
 def load_trace(path: str | Path, field_path: str = "workload.arrival.path", fmt: str = "auto",
                columns: Optional[dict[str, str]] = None, time_unit: str = "s",
-               hash_block_tokens: Optional[int] = None) -> list[TraceRecord]:
+               hash_block_tokens: Optional[int] = None, limit: Optional[int] = None,
+               log: Optional[Callable[[str], None]] = None) -> list[TraceRecord]:
     """The trace's records; `fmt` is auto (by the columns), servetwin, azure, burstgpt or mooncake, or a
-    `columns` mapping with `time_unit` (`servetwin.sim.trace_formats`)."""
+    `columns` mapping with `time_unit` (`servetwin.sim.trace_formats`). `limit`: keep only the `limit`
+    earliest (a run of `requests: N` uses no more; every line is still checked). `log`: a progress line
+    every PROGRESS_EVERY_LINES lines (default: stderr)."""
     from servetwin.sim.trace_formats import (FORMAT_NAMES, KNOWN_FORMATS, accepted_columns,  # noqa: PLC0415
-                                             detect_format, mapped_format, normalize)
+                                             detect_format, mapped_format)
 
     base = field_path.rsplit(".", 1)[0]
     p = Path(path)
@@ -145,24 +181,66 @@ def load_trace(path: str | Path, field_path: str = "workload.arrival.path", fmt:
         raise ConfigError(f"{field_path}", f"trace file not found: {p}")
     if fmt not in FORMAT_NAMES:
         raise ConfigError(f"{base}.format", f"must be one of {', '.join(FORMAT_NAMES)}, got {fmt!r}")
-    rows, found = _read_rows(p, field_path)
-    if columns:
-        spec = mapped_format(columns, time_unit, hash_block_tokens, base)
-    else:
-        name = detect_format(found) if fmt == "auto" else (None if fmt == "servetwin" else fmt)
-        spec = KNOWN_FORMATS.get(name) if name else None
-        if spec is None and not all(any(a in found for a in _ALIASES[k]) for k in _REQUIRED):
-            raise ConfigError(f"{field_path}", f"{p} has columns {_shown_columns(found)}; accepted: "
-                             f"{accepted_columns()}; or map yours with {base}.columns")
-        if spec is not None and not {spec.columns[k] for k in _REQUIRED} <= set(found):
-            raise ConfigError(f"{field_path}", f"{p} has columns {_shown_columns(found)}, not the {spec.name} "
-                             f"columns {', '.join(spec.columns[k] for k in _REQUIRED)}")
-    if spec is not None:
-        rows, skipped = normalize(rows, spec)
-        if skipped:
-            logging.getLogger("servetwin").warning("%s: skipped %d failed requests (0 output tokens)", p, skipped)
-    records = [_record(row, where) for where, row in rows]
+    rows = _Rows(p, field_path)
+    try:
+        found = rows.columns
+        if columns:
+            spec = mapped_format(columns, time_unit, hash_block_tokens, base)
+        else:
+            name = detect_format(found) if fmt == "auto" else (None if fmt == "servetwin" else fmt)
+            spec = KNOWN_FORMATS.get(name) if name else None
+            if spec is None and not all(any(a in found for a in _ALIASES[k]) for k in _REQUIRED):
+                raise ConfigError(f"{field_path}", f"{p} has columns {_shown_columns(found)}; accepted: "
+                                 f"{accepted_columns()}; or map yours with {base}.columns")
+            if spec is not None and not {spec.columns[k] for k in _REQUIRED} <= set(found):
+                raise ConfigError(f"{field_path}", f"{p} has columns {_shown_columns(found)}, not the {spec.name} "
+                                 f"columns {', '.join(spec.columns[k] for k in _REQUIRED)}")
+        records, lines, skipped = _earliest(rows, spec, limit, log or _log_progress, p)
+    finally:
+        rows.close()
+    if skipped:
+        logging.getLogger("servetwin").warning("%s: skipped %d failed requests (0 output tokens)", p, skipped)
     if not records:
         raise ConfigError(f"{field_path}", f"trace file {p} holds no requests")
-    order = sorted(range(len(records)), key=lambda i: records[i].arrival_s)
-    return [records[i] for i in order]
+    if spec is not None:  # a published format's times start at its first request
+        t0 = records[0].arrival_s
+        records = [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in records]
+    return records
+
+
+PROGRESS_EVERY_LINES = 250_000  # a 10M-line trace reads for minutes on a loaded machine: a line per 250k
+
+
+def _log_progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _earliest(rows: Iterable[tuple[str, dict[str, Any]]], spec: Any, limit: Optional[int],
+              log: Callable[[str], None], p: Path) -> tuple[list[TraceRecord], int, int]:
+    """Every line checked, the `limit` earliest records kept (all without a limit), sorted by arrival
+    stably (ties keep file order): memory bounded by the requests the run uses, not the file's lines.
+    Returns (records, lines read, failed requests skipped)."""
+    from servetwin.sim.trace_formats import normalize_row  # noqa: PLC0415
+
+    kept: list[tuple[float, int, TraceRecord]] = []  # a max-heap of the earliest, by (-arrival, -index)
+    skipped = lines = 0
+    for lines, (where, row) in enumerate(rows, start=1):
+        if spec is not None:
+            row = normalize_row(where, row, spec)
+            if row is None:
+                skipped += 1
+                continue
+        record = _record(row, where)
+        if limit is None:
+            kept.append((record.arrival_s, lines, record))
+        elif len(kept) < limit:
+            heapq.heappush(kept, (-record.arrival_s, -lines, record))
+        elif (-record.arrival_s, -lines) > kept[0][:2]:
+            heapq.heapreplace(kept, (-record.arrival_s, -lines, record))
+        if lines % PROGRESS_EVERY_LINES == 0:
+            log(f"workload: read {lines:,} lines of {p}" + (f" (keeping the {limit:,} earliest)" if limit else ""))
+    if limit is None:
+        kept.sort(key=lambda k: (k[0], k[1]))
+        return [r for _, _, r in kept], lines, skipped
+    kept.sort(key=lambda k: (-k[0], -k[1]))
+    return [r for _, _, r in kept], lines, skipped

@@ -109,37 +109,28 @@ def parse_hash_ids(value: Any, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def normalize(rows: list[tuple[str, dict[str, Any]]], fmt: TraceFormat
-              ) -> tuple[list[tuple[str, dict[str, Any]]], int]:
-    """Rows `(where, raw row)` of a file in `fmt` -> `(where, row in servetwin's field names)`, arrival_s
-    from the first request; returns them and how many failed requests were skipped."""
-    out, skipped = [], 0
+def normalize_row(where: str, row: dict[str, Any], fmt: TraceFormat) -> Optional[dict[str, Any]]:
+    """One raw row of a file in `fmt` -> the row in servetwin's field names (arrival_s in seconds, not yet
+    shifted to start at 0); None for a failed request the format skips."""
+    new: dict[str, Any] = {}
     scale = TIME_UNITS[fmt.time_unit]
-    for where, row in rows:
-        new: dict[str, Any] = {}
-        for field, col in fmt.columns.items():
-            value = row.get(col)
-            if value in (None, ""):
-                if field in REQUIRED:
-                    raise ConfigError(f"{where}.{col}", f"required column is empty or missing")
-                continue
-            if field == "arrival_s":
-                value = (parse_datetime(value, f"{where}.{col}") if scale is None
-                         else _number(value, f"{where}.{col}") * scale)
-            elif field == "hash_ids":
-                value = parse_hash_ids(value, f"{where}.{col}")
-            elif field in ("prompt_tokens", "output_tokens"):  # bounded under the file's own column name
-                check_tokens(_number(value, f"{where}.{col}"), f"{where}.{col}")
-            new[field] = value
-        if fmt.skip_zero_output and _number(new["output_tokens"], f"{where}.{fmt.columns['output_tokens']}") == 0:
-            skipped += 1
+    for field, col in fmt.columns.items():
+        value = row.get(col)
+        if value in (None, ""):
+            if field in REQUIRED:
+                raise ConfigError(f"{where}.{col}", f"required column is empty or missing")
             continue
-        out.append((where, new))
-    if out:
-        t0 = min(r["arrival_s"] for _, r in out)
-        for _, r in out:
-            r["arrival_s"] -= t0
-    return out, skipped
+        if field == "arrival_s":
+            value = (parse_datetime(value, f"{where}.{col}") if scale is None
+                     else _number(value, f"{where}.{col}") * scale)
+        elif field == "hash_ids":
+            value = parse_hash_ids(value, f"{where}.{col}")
+        elif field in ("prompt_tokens", "output_tokens"):  # bounded under the file's own column name
+            check_tokens(_number(value, f"{where}.{col}"), f"{where}.{col}")
+        new[field] = value
+    if fmt.skip_zero_output and _number(new["output_tokens"], f"{where}.{fmt.columns['output_tokens']}") == 0:
+        return None
+    return new
 
 
 def mapped_format(columns: dict[str, Any], time_unit: str, hash_block_tokens: Optional[int], path: str) -> TraceFormat:

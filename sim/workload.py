@@ -40,6 +40,7 @@ and different groups differ from their first token.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -95,6 +96,29 @@ def draw_token_lists(gen: np.random.Generator, vocab_size: int, sizes: Sequence[
 # and its prompt token ids are built before the run (10M requests, 200M prompt tokens: a few GiB).
 MAX_REQUESTS = 10_000_000
 MAX_PROMPT_TOKENS = 200_000_000
+# What a run holds per request and per token (measured, benchmarks/large_inputs.py and docs/limits.md:
+# 1M requests of 8 + 4 tokens peaked at 2.5 GB, 2,000 of 10,000 + 2 at 650 MB), and the budget a run's
+# estimate must stay under before anything is built; SERVETWIN_MAX_RUN_MEMORY_MB raises it.
+RUN_BYTES_PER_REQUEST = 2_400
+RUN_BYTES_PER_TOKEN = 24
+RUN_BASE_BYTES = 200 << 20
+DEFAULT_MAX_RUN_MEMORY_MB = 2048
+
+
+def check_run_memory(requests: int, prompt_tokens: int, output_tokens: int, path: str) -> None:
+    """A `ConfigError` at `path` when a run of this size would need more memory than the budget (every
+    request, its prompt and its output tokens are held until the run ends)."""
+    raw = os.environ.get("SERVETWIN_MAX_RUN_MEMORY_MB", "")
+    try:
+        budget_mb = int(raw) if raw.strip() else DEFAULT_MAX_RUN_MEMORY_MB
+    except ValueError:
+        raise ConfigError("SERVETWIN_MAX_RUN_MEMORY_MB", f"must be an integer (MB), got {raw!r}") from None
+    need = RUN_BASE_BYTES + RUN_BYTES_PER_REQUEST * requests + RUN_BYTES_PER_TOKEN * (prompt_tokens + output_tokens)
+    if need > budget_mb << 20:
+        raise ConfigError(path, f"{requests:,} requests of {prompt_tokens:,} prompt and {output_tokens:,} output "
+                                f"tokens would need about {need >> 20:,} MB, more than the run memory limit of "
+                                f"{budget_mb:,} MB (lower workload.requests or the lengths; "
+                                "SERVETWIN_MAX_RUN_MEMORY_MB=N raises the limit)")
 
 # appended streams leave the others unchanged (SeedSequence children are keyed by their index)
 _STREAMS = ("tokens", "lengths", "arrivals", "order", "priority", "runtime", "think")
@@ -159,9 +183,12 @@ class WorkloadSpec:
         spec.seed = int_at_least(cfg.get("seed", 0), 0, f"{path}.seed")
         vocab = cfg.get("vocab_size", vocab_size)
         spec.vocab_size = None if vocab is None else int_at_least(vocab, 2, f"{path}.vocab_size")
-        spec.arrival = parse_arrival(cfg.get("arrival"), f"{path}.arrival")
+        # a trace keeps only the `requests` earliest records (a 10M-line file for a 1000-request run)
+        limit = cfg.get("requests") if isinstance(cfg.get("requests"), int) and cfg["requests"] >= 1 else None
+        spec.arrival = parse_arrival(cfg.get("arrival"), f"{path}.arrival", trace_limit=limit)
         if "file" in cfg:  # lengths from the file; its times unless an arrival process is given
-            spec.trace = TraceArrivals(str(cfg["file"]), tuple(load_trace(cfg["file"], f"{path}.file")))
+            spec.trace = TraceArrivals(str(cfg["file"]), tuple(load_trace(cfg["file"], f"{path}.file",
+                                                                          limit=limit)))
             spec.trace_field = f"{path}.file"
             if "arrival" not in cfg:
                 spec.arrival = spec.trace
@@ -307,6 +334,8 @@ def generate_requests(spec: WorkloadSpec, id_prefix: Optional[str] = None,
     id_prefix = "req-" if id_prefix is None else id_prefix
     if spec.trace is not None:
         records = spec.trace.records[:spec.requests] if spec.requests else spec.trace.records
+        check_run_memory(len(records), sum(r.prompt_tokens for r in records),
+                         sum(r.output_tokens for r in records), spec.trace_field)
         prompts, outputs, groups = _trace_prompts(list(records), spec, rng["tokens"], spec.trace.hash_block_tokens)
     elif spec.shared_prefix is not None:
         prompts, groups = _group_prompts(spec, rng["tokens"], rng["lengths"], rng["order"])
@@ -321,8 +350,10 @@ def generate_requests(spec: WorkloadSpec, id_prefix: Optional[str] = None,
         if total > MAX_PROMPT_TOKENS:
             raise ConfigError(f"{spec.path}.prompt_tokens", f"{n:,} requests draw {total:,} prompt tokens, at "
                               f"most {MAX_PROMPT_TOKENS:,} per run (lower workload.requests or the prompt lengths)")
-        prompts = draw_token_lists(rng["tokens"], spec.vocab_size, lens)
         outputs = joint_outputs if spec.lengths is not None else spec.output_tokens.sample(rng["lengths"], n)
+        check_run_memory(n, total, int(np.sum(_cap(np.asarray(outputs), spec.max_output_tokens), dtype=np.float64)),
+                         f"{spec.path}.requests")
+        prompts = draw_token_lists(rng["tokens"], spec.vocab_size, lens)
         groups = [None] * n
     count = len(prompts)
     outputs = _cap(np.asarray(outputs, dtype=np.int64), spec.max_output_tokens)

@@ -114,7 +114,7 @@ class AsyncLLM:
 
     @property
     def dead_error(self) -> BaseException:
-        return self._dead or EngineDeadError(self.client._res.dead_reason or "EngineCore process is dead")
+        return self._dead or EngineDeadError(self.client.dead_reason)
 
     @property
     def is_running(self) -> bool:
@@ -220,7 +220,7 @@ class AsyncLLM:
             while True:
                 msg = await client.get_output_async()
                 if msg.stats is not None:
-                    metrics.update_engine(msg.stats)
+                    metrics.update_engine(msg.stats, msg.engine_index)
                 if msg.sim_time_s:
                     metrics.sim_time_s = msg.sim_time_s
                 if msg.sim_arrivals:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineCoreClient, InprocClient
 from servetwin.core.engine.mp_client import AsyncMPClient, SyncMPClient
@@ -14,6 +15,17 @@ def make_client(multiprocess_mode: bool, asyncio_mode: bool, args: EngineArgs, *
     if asyncio_mode and not multiprocess_mode:
         raise NotImplementedError("Running EngineCore in asyncio without multiprocessing is not "
                                   "supported (use multiprocess_mode=True).")
+    if args.data_parallel_size > 1 and not multiprocess_mode:
+        raise ConfigError("data_parallel_size", "needs the multi-process engine (one process per rank); "
+                                                "multiprocess=False runs one engine in the caller")
+    if args.data_parallel_size > 1:
+        if asyncio_mode:
+            from servetwin.core.engine.dp_async_client import DPAsyncMPClient  # noqa: PLC0415
+
+            return DPAsyncMPClient(args, **kwargs)
+        from servetwin.core.engine.dp_client import DPSyncMPClient  # noqa: PLC0415
+
+        return DPSyncMPClient(args, **kwargs)
     if multiprocess_mode:
         cls = AsyncMPClient if asyncio_mode else SyncMPClient
         return cls(args, **kwargs)

@@ -159,6 +159,25 @@ class RequestCountsPublisher:
         return waiting, running, kv_cache_usage
 
 
-__all__ = ["DPLoadBalancer", "DPStatsCoordinator", "RequestCountsPublisher", "engine_score",
+def replay_lb_trace(trace: list[tuple], num_engines: int) -> dict[str, int]:
+    """Feed a recorded balancer stream - `("publish", t, rows)`, `("pick", request_id, rank)`,
+    `("finish", request_id)`, in the order the real front end saw them - into a fresh `DPLoadBalancer`
+    and return the engine it picks for each request (the recorded ranks are not consulted)."""
+    lb = DPLoadBalancer(num_engines)
+    picks: dict[str, int] = {}
+    for event in trace:
+        kind = event[0]
+        if kind == "publish":
+            lb.on_publish(event[2])
+        elif kind == "pick":
+            picks[event[1]] = lb.choose(event[1])
+        elif kind == "finish":
+            lb.on_finished(event[1])
+        else:
+            raise ValueError(f"trace: unknown event {kind!r}")
+    return picks
+
+
+__all__ = ["DPLoadBalancer", "replay_lb_trace", "DPStatsCoordinator", "RequestCountsPublisher", "engine_score",
            "KV_PENALTY_FACTOR", "KV_PENALTY_THRESHOLD", "MIN_STATS_UPDATE_INTERVAL_S",
            "IDLE_STATS_UPDATE_INTERVAL_S"]

@@ -10,6 +10,7 @@ from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import NO_BACKENDS, executor_backend, registered_backends
 from servetwin.core.kv_cache.hashing import HASH_ALGOS
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
+from servetwin.core.sched.spec_decode import SpeculativeConfig
 
 
 # vLLM's engine-argument names for fields we name as its configs do (vLLM's `--scheduling-policy`
@@ -70,6 +71,21 @@ def apply_batch_defaults(kwargs: dict[str, Any], api_server: bool) -> dict[str, 
     return out
 
 
+def parse_acceptance_rates(raw: Any) -> list[float]:
+    """`spec_acceptance_rates`: a list of probabilities, or "0.8,0.6" (a CLI flag)."""
+    if isinstance(raw, str):
+        try:
+            raw = [float(x) for x in raw.split(",")]
+        except ValueError:
+            raise ConfigError("spec_acceptance_rates", f"must be comma-separated numbers, got {raw!r}") from None
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ConfigError("spec_acceptance_rates", f"must be a non-empty list of probabilities, got {raw!r}")
+    for i, r in enumerate(raw):
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ConfigError(f"spec_acceptance_rates[{i}]", f"must be a probability in [0, 1], got {r!r}")
+    return [float(r) for r in raw]
+
+
 @dataclass(slots=True)
 class EngineArgs:
     model: str = "tiny-llama"
@@ -101,6 +117,7 @@ class EngineArgs:
     max_cudagraph_capture_size: Optional[int] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine-core processes behind the front end's load balancer
     max_logprobs: int = 20
     attention_backend: str = "auto"
     device: str = "auto"
@@ -111,6 +128,11 @@ class EngineArgs:
     fuse_allreduce_rms: bool = False
     multiprocess: bool = False
     profile_dir: Optional[str] = None
+    # vLLM's speculative_config dict ({"method": "ngram", "num_speculative_tokens": 3, ...}); parsed
+    # by from_kwargs into a SpeculativeConfig (core/sched/spec_decode.py)
+    speculative_config: Optional[SpeculativeConfig] = None
+    # simulator: per-position acceptance rates of the drafts (sim/spec_acceptance.py; None: the method's default)
+    spec_acceptance_rates: Optional[list[float]] = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -133,6 +155,9 @@ class EngineArgs:
         if (not isinstance(args.pipeline_parallel_size, int) or isinstance(args.pipeline_parallel_size, bool)
                 or args.pipeline_parallel_size < 1):
             raise ConfigError("pipeline_parallel_size", f"must be an integer >= 1, got {args.pipeline_parallel_size!r}")
+        if (not isinstance(args.data_parallel_size, int) or isinstance(args.data_parallel_size, bool)
+                or args.data_parallel_size < 1):
+            raise ConfigError("data_parallel_size", f"must be an integer >= 1, got {args.data_parallel_size!r}")
         if not isinstance(args.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
             raise ConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {args.device!r}")
         if args.quantization not in (None, "fp8"):
@@ -142,6 +167,12 @@ class EngineArgs:
         if (not isinstance(args.max_logprobs, int) or isinstance(args.max_logprobs, bool)
                 or args.max_logprobs < -1):
             raise ConfigError("max_logprobs", f"must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")
+        if args.speculative_config is not None:
+            args.speculative_config = SpeculativeConfig.from_dict(args.speculative_config)
+            args.speculative_config.check(args.default_max_num_batched_tokens(args.max_model_len or 0),
+                                          args.async_scheduling)
+        if args.spec_acceptance_rates is not None:
+            args.spec_acceptance_rates = parse_acceptance_rates(args.spec_acceptance_rates)
         if args.num_gpu_blocks_override is not None:
             CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override)  # raises naming num_gpu_blocks
         # the KV-cache settings fail here, before any executor divides by a zero block size or
@@ -218,6 +249,8 @@ FIELD_HELP: dict[str, str] = {
                             "backend runs one worker process per rank: gloo on the CPU, NCCL on CUDA)",
     "pipeline_parallel_size": "pipeline stages the model's layers are split over (vLLM's layer partition); the "
                               "engine keeps that many batches in flight (torch backend: one worker per stage)",
+    "data_parallel_size": "engine-core processes (DP ranks, each with its own tensor_parallel_size workers); the "
+                          "front end routes each request with vLLM's internal load balancer",
     "max_logprobs": "most logprobs a request may ask for (-1: no limit)",
     "attention_backend": "attention kernel: auto, torch-paged, flash-attn",
     "device": "torch device: auto, cpu, cuda, cuda:N",
@@ -226,5 +259,10 @@ FIELD_HELP: dict[str, str] = {
     "kv_cache_dtype": "simulator: KV-cache dtype, auto (the model dtype) or fp8",
     "fuse_allreduce_rms": "simulator: vLLM's fused all-reduce + residual add + RMSNorm (compilation_config."
                           "pass_config.fuse_allreduce_rms; 0.11: enable_fi_allreduce_fusion), TP > 1 on Hopper/Blackwell",
+    "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\"|\"draft_model\"|\"eagle\"|"
+                          "\"mtp\", \"num_speculative_tokens\": k, \"prompt_lookup_min\"/\"prompt_lookup_max\" (ngram), "
+                          "\"model\" (draft_model)}",
+    "spec_acceptance_rates": "simulator: acceptance rate of draft position 0, 1, ... given the ones before "
+                             "accepted, the last repeating (e.g. 0.8,0.6; default: the method's, sim/spec_acceptance.py)",
     "profile_dir": "torch backend: write a torch.profiler chrome trace and per-step timings here",
 }

@@ -93,6 +93,16 @@ class InprocClient(EngineCoreClient):
             close()
 
 
+def spec_decode_totals(engine_core: EngineCore) -> dict[str, Any]:
+    """vLLM's spec-decode counters since start, under its metric names without `vllm:` ({} when off)."""
+    totals = engine_core.spec_decoding_totals
+    if totals is None:
+        return {}
+    return {"spec_decode_num_drafts": totals.num_drafts, "spec_decode_num_draft_tokens": totals.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": totals.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(totals.num_accepted_tokens_per_pos)}
+
+
 def call_utility(engine_core: EngineCore, name: str, *args: Any) -> Any:
     """Utility calls the clients forward to the engine core."""
     sched = engine_core.scheduler
@@ -102,7 +112,8 @@ def call_utility(engine_core: EngineCore, name: str, *args: Any) -> Any:
         kv = sched.kv_cache_manager
         return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_cache_usage": kv.usage, "num_free_blocks": kv.num_free_blocks,
-                "num_gpu_blocks": kv.block_pool.num_gpu_blocks, "num_preemptions": sched.num_preemptions_total}
+                "num_gpu_blocks": kv.block_pool.num_gpu_blocks, "num_preemptions": sched.num_preemptions_total,
+                **spec_decode_totals(engine_core)}
     if name in ("start_profile", "stop_profile"):  # vLLM's profiler endpoints: the executor's, where it has one
         method = getattr(engine_core.executor, name, None)
         if method is None:

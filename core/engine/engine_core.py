@@ -20,6 +20,7 @@ from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from servetwin.core.sched.output import SchedulerOutput
 from servetwin.core.request import Request, RequestStatus
 from servetwin.core.sched.scheduler import Scheduler, SchedulerStats
+from servetwin.core.sched.spec_decode import SpecDecodingStats, SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -45,12 +46,18 @@ class EngineCore:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor,
-                 log_stats: bool = True) -> None:
+                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None) -> None:
         scheduler_cls = getattr(executor, "scheduler_cls", Scheduler)
         if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
             raise TypeError(f"scheduler_cls: {scheduler_cls!r} of {type(executor).__name__} "
                             "is not a Scheduler subclass")
-        self.scheduler = scheduler_cls(scheduler_config, cache_config, log_stats=log_stats)
+        self.scheduler = scheduler_cls(scheduler_config, cache_config, log_stats=log_stats,
+                                       speculative_config=speculative_config)
+        # vLLM's check_for_draft_tokens: sync scheduling takes the drafts after each step (post_step)
+        self.check_for_draft_tokens = speculative_config is not None and not scheduler_config.async_scheduling
+        # vLLM's spec-decode counters since start (v1/spec_decode/metrics.py), for get_stats / /metrics
+        self.spec_decoding_totals = (SpecDecodingStats.new(speculative_config.num_speculative_tokens)
+                                     if speculative_config is not None else None)
         self.executor = executor
         self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput | Future]] = deque()
         self.batch_queue_size = scheduler_config.max_concurrent_batches
@@ -76,7 +83,8 @@ class EngineCore:
             so.step = self.step_counter if step_index is None else step_index
             result.scheduled = so
             result.stats = scheduler.make_stats()
-            mro = self.executor.execute_model(so, non_block=True) if self._non_block else self.executor.execute_model(so)
+            execute = self.executor.execute_model
+            mro = execute(so, non_block=True) if self._non_block else execute(so)
             result.model_output = None if isinstance(mro, Future) else mro
             self.batch_queue.appendleft((so, mro))
             executed = so.total_num_scheduled_tokens > 0
@@ -86,17 +94,35 @@ class EngineCore:
         if self.batch_queue:
             pso, pmro = self.batch_queue.pop()
             result.processed = pso
-            result.outputs = scheduler.update_from_output(pso, _resolved(pmro))
+            result.outputs = self._update_from_output(pso, _resolved(pmro))
+            self.post_step(pso.total_num_scheduled_tokens > 0)
         if result.scheduled is not None or result.processed is not None:
             self.step_counter += 1  # a call with nothing to do is not a step
         return result
+
+    def _update_from_output(self, so: SchedulerOutput, mro: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(so, mro)
+        step_stats = self.scheduler.last_spec_decoding_stats
+        if self.spec_decoding_totals is not None and step_stats is not None:
+            self.spec_decoding_totals.merge(step_stats)
+        return outputs
+
+    def post_step(self, model_executed: bool) -> None:
+        """vLLM's `EngineCore.post_step` (v1/engine/core.py:699-706): under sync scheduling the
+        executor's drafts for the batch just processed go to the scheduler for the next step; under
+        async scheduling the scheduler already holds placeholders and the worker keeps the drafts."""
+        if self.check_for_draft_tokens and model_executed:
+            take = getattr(self.executor, "take_draft_token_ids", None)
+            draft_token_ids = take() if take is not None else None
+            if draft_token_ids is not None:
+                self.scheduler.update_draft_token_ids(draft_token_ids)
 
     def drain(self) -> list[StepResult]:
         """Process every batch still queued (async mode) without scheduling new ones."""
         results = []
         while self.batch_queue:
             pso, pmro = self.batch_queue.pop()
-            results.append(StepResult(processed=pso, outputs=self.scheduler.update_from_output(pso, _resolved(pmro))))
+            results.append(StepResult(processed=pso, outputs=self._update_from_output(pso, _resolved(pmro))))
         return results
 
 

@@ -23,7 +23,11 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Executor(Protocol):
-    """Executes one `SchedulerOutput` and returns the sampled tokens (and the step's timing)."""
+    """Executes one `SchedulerOutput` and returns the sampled tokens (and the step's timing).
+
+    A backend that drafts for speculative decoding also has `take_draft_token_ids() ->
+    Optional[DraftTokenIds]` (vLLM's executor method): the drafts of the step just executed, which
+    `EngineCore.post_step` hands to the scheduler (sync scheduling)."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -84,6 +88,10 @@ class FakeExecutor:
     def reset(self) -> None:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
         self.state = RunnerState()
+
+    def take_draft_token_ids(self) -> None:
+        """No drafter: a speculative config schedules no drafts here (the replay's worker drafts)."""
+        return None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         rows = self.state.update(scheduler_output)

@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Optional, Sequence, Union
 
 from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults
+from servetwin.core.engine.metrics_reader import Metric, metrics_from_stats
 from servetwin.core.engine.core_client import make_client
 from servetwin.core.engine.engine_client import EngineCoreClient, EngineDeadError
 from servetwin.core.engine.input_processor import InputProcessor, PromptType, check_priority
@@ -253,6 +254,11 @@ class LLM:
         """Scheduler state from the engine core (running / waiting requests, KV usage, preemptions)."""
         self._check_open()
         return self.llm_engine.client.utility("get_stats")
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's `LLM.get_metrics()`: `Metric` objects (`name`, `labels`, `value` / `values`) with
+        vLLM's names, among them the spec-decode counters when speculative decoding is on."""
+        return metrics_from_stats(self.get_stats(), self.args.model)
 
     def close(self) -> None:
         """Stop the engine (its process, in multi-process mode). Safe to call more than once."""

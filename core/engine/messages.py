@@ -195,6 +195,11 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0
     num_steps: int = 0
     sim_busy_s: float = 0.0  # paced mode: total predicted duration of the steps run so far
+    # speculative decoding since start (vLLM's spec_decode counters; per_pos empty when off)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class RequestErrorMsg(msgspec.Struct, array_like=True):
@@ -216,6 +221,8 @@ class OutputsMsg(msgspec.Struct, tag="out", array_like=True):
     # arrival of each engine request added since the previous outputs message
     sim_time_s: float = 0.0
     sim_arrivals: Optional[dict[str, float]] = None
+    # the DP rank whose engine sent it (set by the data-parallel front end; 0 with one engine)
+    engine_index: int = 0
 
 
 class UtilityResultMsg(msgspec.Struct, tag="util_result", array_like=True):

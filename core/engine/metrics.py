@@ -2,7 +2,8 @@
 
 Engine-side values come from the `EngineStats` attached to the engine core's outputs (gauges: running /
 waiting requests, KV-cache usage; counters kept as totals in the engine: prefix-cache queries and
-hits, preemptions). Request latencies are measured in the front end when outputs arrive, like vLLM:
+hits, preemptions), one sample per engine (DP rank) labelled `engine="<rank>"` as vLLM's per-engine
+labels; the request-level counters and histograms are the front end's, under `engine="0"`. Request latencies are measured in the front end when outputs arrive, like vLLM:
 TTFT = first token - arrival, ITL = time between consecutive outputs of a request, E2E = finish -
 arrival, all on the front end's monotonic clock (with a paced `sim` backend they follow simulated
 time mapped onto the wall clock). Counter samples get prometheus_client's `_total` suffix.
@@ -78,20 +79,39 @@ class _ReqTimes:
     sim_last_token: Optional[float] = None
 
 
+@dataclass(slots=True)
+class EngineGauges:
+    """One engine's latest scheduler state and its running totals (kept as totals in the engine)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    sim_busy_s: float = 0.0  # sim backend: total predicted duration of the engine's steps
+    spec_decode: Any = None  # the latest EngineStats: its spec-decode totals (counters since start)
+
+    def update(self, stats: Any) -> None:
+        self.spec_decode = stats
+        self.num_running = stats.num_running
+        self.num_waiting = stats.num_waiting
+        self.kv_cache_usage = stats.kv_cache_usage
+        self.prefix_queries = max(self.prefix_queries, stats.prefix_cache_queries)
+        self.prefix_hits = max(self.prefix_hits, stats.prefix_cache_hits)
+        self.num_preemptions = max(self.num_preemptions, stats.num_preemptions)
+        self.num_steps = max(self.num_steps, stats.num_steps)
+        self.sim_busy_s = max(self.sim_busy_s, stats.sim_busy_s)
+
+
 class ServingMetrics:
     """Aggregates engine stats and per-request latencies; `render()` gives the /metrics text."""
 
     def __init__(self, model_name: str) -> None:
         self.labels = {"model_name": model_name, "engine": "0"}
-        self.num_running = 0
-        self.num_waiting = 0
-        self.kv_cache_usage = 0.0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self.num_preemptions = 0
-        self.num_steps = 0
+        self.engines: dict[int, EngineGauges] = {0: EngineGauges()}  # by DP rank (`engine` label)
         self.sim_time_s = 0.0  # sim backend: simulated time at the end of the latest step sent
-        self.sim_busy_s = 0.0  # sim backend: total predicted duration of the engine's steps
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
@@ -104,15 +124,12 @@ class ServingMetrics:
         self._reqs: dict[str, _ReqTimes] = {}
 
     # -- engine side --------------------------------------------------------------------------------
-    def update_engine(self, stats: Any) -> None:
-        self.num_running = stats.num_running
-        self.num_waiting = stats.num_waiting
-        self.kv_cache_usage = stats.kv_cache_usage
-        self.prefix_queries = max(self.prefix_queries, stats.prefix_cache_queries)
-        self.prefix_hits = max(self.prefix_hits, stats.prefix_cache_hits)
-        self.num_preemptions = max(self.num_preemptions, stats.num_preemptions)
-        self.num_steps = max(self.num_steps, stats.num_steps)
-        self.sim_busy_s = max(self.sim_busy_s, stats.sim_busy_s)
+    def update_engine(self, stats: Any, engine: int = 0) -> None:
+        """The latest `EngineStats` of DP rank `engine` (its samples carry `engine="<rank>"`, as vLLM's)."""
+        gauges = self.engines.get(engine)
+        if gauges is None:
+            gauges = self.engines[engine] = EngineGauges()
+        gauges.update(stats)
 
     # -- requests -----------------------------------------------------------------------------------
     def on_arrival(self, request_id: str, prompt_tokens: int, t: Optional[float] = None) -> None:
@@ -163,6 +180,31 @@ class ServingMetrics:
             self.prompt_tokens += rt.prompt_tokens
             self.finished["abort"] = self.finished.get("abort", 0) + num_children
 
+    def _render_spec_decode(self, out: list[str]) -> None:
+        """vLLM's spec-decode counters (v1/spec_decode/metrics.py:229-262), once drafting is on, one sample per
+        engine (DP rank, `engine="<rank>"`); the per-position one has a `position` label per draft position."""
+        ranks = [r for r in sorted(self.engines) if self.engines[r].spec_decode is not None
+                 and self.engines[r].spec_decode.spec_decode_num_accepted_tokens_per_pos]
+        if not ranks:
+            return
+        for name, help_, attr in (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                 "spec_decode_num_accepted_tokens")):
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} counter")
+            for rank in ranks:
+                value = getattr(self.engines[rank].spec_decode, attr)
+                out.append(f"{name}_total{_labels(dict(self.labels, engine=str(rank)))} {_fmt(float(value))}")
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+        out.append(f"# HELP {name} Accepted tokens per draft position.")
+        out.append(f"# TYPE {name} counter")
+        for rank in ranks:
+            for pos, n in enumerate(self.engines[rank].spec_decode.spec_decode_num_accepted_tokens_per_pos):
+                labels = dict(self.labels, engine=str(rank), position=str(pos))
+                out.append(f"{name}_total{_labels(labels)} {_fmt(float(n))}")
+
     # -- exposition ---------------------------------------------------------------------------------
     def render(self) -> str:
         lb = self.labels
@@ -174,26 +216,36 @@ class ServingMetrics:
             out.append(f"# TYPE {name} {kind}")
             out.append(f"{sample}{_labels(labels or lb)} {_fmt(float(value))}")
 
-        metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
-               self.num_running)
-        metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-               self.num_waiting)
-        metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-               self.kv_cache_usage)
-        metric("vllm:prefix_cache_queries", "counter",
-               "Prefix cache queries, in terms of number of queried tokens.", self.prefix_queries)
-        metric("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
-               self.prefix_hits)
-        metric("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.",
-               self.num_preemptions)
+        def engine_metric(name: str, kind: str, help_: str, attr: str) -> None:
+            """One sample per engine (DP rank), labelled `engine="<rank>"` as vLLM labels them."""
+            sample = f"{name}_total" if kind == "counter" else name
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            for rank in sorted(self.engines):
+                value = getattr(self.engines[rank], attr)
+                out.append(f"{sample}{_labels(dict(lb, engine=str(rank)))} {_fmt(float(value))}")
+
+        engine_metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+                      "num_running")
+        engine_metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+                      "num_waiting")
+        engine_metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+                      "kv_cache_usage")
+        engine_metric("vllm:prefix_cache_queries", "counter",
+                      "Prefix cache queries, in terms of number of queried tokens.", "prefix_queries")
+        engine_metric("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+                      "prefix_hits")
+        engine_metric("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.",
+                      "num_preemptions")
         metric("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", self.prompt_tokens)
         metric("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
                self.generation_tokens)
-        metric("servetwin:engine_steps", "counter", "Engine steps run by the engine core.", self.num_steps)
+        engine_metric("servetwin:engine_steps", "counter", "Engine steps run by the engine core.", "num_steps")
         metric("servetwin:simulated_time_seconds", "gauge",
                "Sim backend: simulated time at the end of the latest step whose outputs were sent.", self.sim_time_s)
-        metric("servetwin:simulated_busy_seconds", "counter",
-               "Sim backend: total predicted duration of the engine's steps.", self.sim_busy_s)
+        engine_metric("servetwin:simulated_busy_seconds", "counter",
+                      "Sim backend: total predicted duration of the engine's steps.", "sim_busy_s")
+        self._render_spec_decode(out)
         out.append("# HELP vllm:request_success Count of successfully processed requests.")
         out.append("# TYPE vllm:request_success counter")
         for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):

@@ -161,11 +161,12 @@ class EngineProcess:
 
     @classmethod
     def start(cls, payload: dict[str, Any], module: str = "servetwin.core.engine.engine_proc",
-              pass_fds: tuple[int, ...] = ()) -> "EngineProcess":
+              pass_fds: tuple[int, ...] = (), extra_env: Optional[dict[str, str]] = None) -> "EngineProcess":
         """`python -m module` with `payload` pickled on its standard input and `pass_fds` kept open in it
-        (the torch backend starts its tensor-parallel workers the same way: `servetwin.gpu.tp_worker`)."""
+        (the torch backend starts its tensor-parallel workers the same way: `servetwin.gpu.tp_worker`);
+        `extra_env` is added to the child's environment."""
         cmd = [sys.executable, "-m", module]
-        env = dict(os.environ)
+        env = dict(os.environ, **(extra_env or {}))
         root = _import_root()
         if root is not None:  # servetwin found through sys.path rather than installed: the child finds it too
             env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -250,7 +251,8 @@ class MPClientBase(EngineCoreClient):
 
     def __init__(self, args: EngineArgs, *, pace: bool = False, time_scale: float = 1.0,
                  fake_step_time_s: Optional[float] = None,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 extra_env: Optional[dict[str, str]] = None) -> None:
         if time_scale is None or not time_scale > 0:
             raise ValueError(f"time_scale: must be > 0, got {time_scale!r}")
         self.args = args
@@ -262,14 +264,14 @@ class MPClientBase(EngineCoreClient):
         res = self._res = _Resources()
         self._finalizer = weakref.finalize(self, res.shutdown)
         try:
-            self._start(args, pace, time_scale, fake_step_time_s, startup_timeout_s)
+            self._start(args, pace, time_scale, fake_step_time_s, startup_timeout_s, extra_env)
         except BaseException:
             res.shutdown(timeout_s=1.0)
             raise
 
     # -- start-up -----------------------------------------------------------------------------------
     def _start(self, args: EngineArgs, pace: bool, time_scale: float, fake_step_time_s: Optional[float],
-               startup_timeout_s: float) -> None:
+               startup_timeout_s: float, extra_env: Optional[dict[str, str]]) -> None:
         res = self._res
         res.tmpdir = tempfile.mkdtemp(prefix="servetwin-engine-")
         input_addr = f"ipc://{res.tmpdir}/input.sock"
@@ -286,7 +288,7 @@ class MPClientBase(EngineCoreClient):
 
         res.proc = EngineProcess.start(dict(args=args, input_addr=input_addr, output_addr=res.output_addr,
                                             parent_pid=os.getpid(), pace=pace, time_scale=time_scale,
-                                            fake_step_time_s=fake_step_time_s))
+                                            fake_step_time_s=fake_step_time_s), extra_env=extra_env)
         self.config = self._wait_ready(startup_timeout_s)
         # the engine keeps simulated time (sim backend, or paced): outputs carry it
         self.simulated = self.config.backend == "sim" or self.config.paced
@@ -332,6 +334,10 @@ class MPClientBase(EngineCoreClient):
     @property
     def is_dead(self) -> bool:
         return self._res.dead
+
+    @property
+    def dead_reason(self) -> str:
+        return self._res.dead_reason or "EngineCore process is dead"
 
     def _dead_error(self) -> EngineDeadError:
         return EngineDeadError(self._res.dead_reason or "EngineCore process is dead")
@@ -427,10 +433,25 @@ class SyncMPClient(MPClientBase):
         elif isinstance(msg, m.UtilityResultMsg):
             self._utility_results[msg.call_id] = msg
 
+    @property
+    def output_socket(self) -> Any:
+        """The socket the engine's messages arrive on (a data-parallel front end polls several)."""
+        return self._res.output_socket
+
+    def receive(self) -> Any:
+        """Block until one message arrives, take it in (outputs, stats, results) and return it."""
+        msg = self._recv_one()
+        self._dispatch(msg)
+        return msg
+
+    def take_output(self) -> Optional[tuple[list[EngineCoreOutput], float]]:
+        """The oldest received outputs not yet taken, with their simulated time, or None."""
+        return self._pending.popleft() if self._pending else None
+
     def get_output(self) -> list[EngineCoreOutput]:
         """The next batch of outputs; [] once the engine has no work for anything sent so far."""
         while not self._pending:
-            self._raise_request_error()
+            self.raise_request_error()
             if self._idle_seq >= self._sent_seq:
                 return []
             self._dispatch(self._recv_one())
@@ -439,7 +460,8 @@ class SyncMPClient(MPClientBase):
             self.last_sim_time_s = sim_time_s
         return outputs
 
-    def _raise_request_error(self) -> None:
+    def raise_request_error(self) -> None:
+        """Raise the oldest request refusal the engine sent (an `EngineRequestError`), if any."""
         if self._errors:
             err = self._errors.pop(0)
             raise EngineRequestError(err.request_id, err.message)

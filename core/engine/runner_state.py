@@ -33,6 +33,8 @@ class ScheduledRow:
     state: CachedRequestState
     num_computed_before: int
     num_scheduled: int
+    # speculative decoding: the drafts scheduled after the known tokens (-1: a padded, empty draft)
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -79,9 +81,10 @@ class RunnerState:
                         ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens[i]
         rows = []
+        spec = so.scheduled_spec_decode_tokens
         for req_id, n in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
-            rows.append(ScheduledRow(req_id, state, state.num_computed_tokens, n))
+            rows.append(ScheduledRow(req_id, state, state.num_computed_tokens, n, tuple(spec.get(req_id, ()))))
             state.num_computed_tokens += n
         return rows
 

@@ -13,6 +13,28 @@ from typing import IO, Callable, Iterator
 
 TMP_MARK = ".tmp-"  # temporary names: .NAME.tmp-XXXXXXXX (hidden, recognisable, cleaned on failure)
 
+# Callbacks told each final path before a file is renamed into place (innermost last). An output folder
+# lists its files this way before they exist (`experiments/run/run_folder.py`), so an output phase cut
+# short leaves no file the folder's list lacks; forked writers inherit the list.
+_placing_hooks: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def announcing_writes(hook: Callable[[str], None]) -> Iterator[None]:
+    """While the block runs, `hook(final path)` is called before every atomic write here renames its
+    file into place (nested: the innermost hook alone)."""
+    _placing_hooks.append(hook)
+    try:
+        yield
+    finally:
+        _placing_hooks.remove(hook)
+
+
+def _place(tmp: str, path: str) -> None:
+    if _placing_hooks:
+        _placing_hooks[-1](os.path.abspath(path))
+    os.replace(tmp, path)
+
 
 def temp_path(path: str) -> str:
     folder, name = os.path.split(os.path.abspath(path))
@@ -36,7 +58,7 @@ def atomic_open(path: str, mode: str = "w", encoding: str | None = "utf-8") -> I
             yield f
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the name points at it
-        os.replace(tmp, path)
+        _place(tmp, path)
     except BaseException:
         _discard(tmp)
         raise
@@ -53,7 +75,7 @@ def atomic_write_with(path: str, writer: Callable[[str], None]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        _place(tmp, path)
     except BaseException:
         _discard(tmp)
         raise
@@ -77,6 +99,6 @@ def staged_folder(out_dir: str) -> Iterator[str]:
     try:
         yield stage
         for name in sorted(os.listdir(stage)):
-            os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+            _place(os.path.join(stage, name), os.path.join(out_dir, name))
     finally:
         shutil.rmtree(stage, ignore_errors=True)

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from servetwin.core.config_error import ConfigError
-from servetwin.core.sched.spec_decode import SPEC_METHODS, SpeculativeConfig
+from servetwin.core.sched.spec_decode import SpeculativeConfig
+
+SPEC_METHODS = ("ngram", "eagle", "mtp")  # the recorded oracle's methods (no draft model there)
 
 SPEC_KEYS = ("num_speculative_tokens", "method", "acceptance")
 REQUEST_SPEC_KEYS = ("draft_lengths", "accept_pattern")

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import printable
 from servetwin.experiments.calibrate.cpu_info import cpu_name, isa_flags, torch_version
 
 AUTO = "auto"
@@ -81,12 +83,17 @@ def ensure_calibration(model: str, dtype: str = "float32", threads: int = THREAD
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     fp = fingerprint(model, dtype, threads)
     path = cache_path(fp)
-    if path.is_file():
-        return str(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(path):
+        return check_cached_calibration(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("hardware: auto", f"cannot create the calibration cache folder {path.parent} "
+                                            f"({e.strerror or type(e).__name__}); set SERVETWIN_CALIBRATIONS to a "
+                                            "writable folder") from None
     with _calibration_lock(path):  # another process may be calibrating this very fingerprint
-        if path.is_file():
-            return str(path)
+        if os.path.lexists(path):
+            return check_cached_calibration(path)
         flags = ", ".join(fp["isa_flags"]) or "none known"
         log(f"hardware: auto: no calibration of the CPU cost model for {model} on this machine yet "
             f"({fp['cpu_model']}, {fp['logical_cpus']} CPUs, ISA {flags}, torch {fp['torch']}, {dtype}, "
@@ -94,6 +101,42 @@ def ensure_calibration(model: str, dtype: str = "float32", threads: int = THREAD
         t0 = time.perf_counter()
         (run or _run_calibration)(model, str(path), dtype, threads, log)
         log(f"hardware: auto: calibrated in {time.perf_counter() - t0:.0f} s; later runs read {path}")
+    return check_cached_calibration(path)
+
+
+# Physical bounds of a CPU calibration's coefficients (`servetwin.sim.coefficients`): the roofline terms'
+# dimensionless corrections (the shipped tiny-llama file's LM head is 590x its datasheet roofline on a
+# CPU) and the engine's seconds per step, request, token or layer. A cached file outside them was edited or
+# damaged: its predictions would be absurd (1e30 -> "16/16 requests in 5e22 h"; all 0 -> "0 s").
+CORRECTION_TERMS = ("linear", "elementwise", "attn_prefill", "attn_decode", "attn_shared", "lm_head", "sampler",
+                    "comm", "moe")
+MAX_CORRECTION = 1e5
+MAX_SECONDS_PER_UNIT = 10.0
+EVERY_STEP_TERMS = ("step", "req", "token", "linear", "lm_head")  # a step with one token pays all of these
+
+
+def check_cached_calibration(path: Path) -> str:
+    """`path`, when it is a readable calibration whose coefficients are within physical bounds; else a
+    `ConfigError` naming the file and the fix (delete it: the next run measures it anew)."""
+    from servetwin.core.safe_yaml import load_yaml_file  # noqa: PLC0415
+
+    fix = f"delete {path} (the next run calibrates this machine anew)"
+    try:
+        doc = load_yaml_file(path, "hardware: auto")
+    except ConfigError as e:
+        raise ConfigError("hardware: auto", f"the cached calibration is unreadable ({e.message}); {fix}") from None
+    coeffs = doc.get("coefficients") if isinstance(doc, dict) else None
+    if not isinstance(coeffs, dict) or not coeffs:
+        raise ConfigError("hardware: auto", f"the cached calibration {path} has no coefficients mapping; {fix}")
+    for key, value in coeffs.items():
+        term = str(key).removeprefix("c_")
+        high = MAX_CORRECTION if term in CORRECTION_TERMS else MAX_SECONDS_PER_UNIT
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
+            raise ConfigError("hardware: auto", f"the cached calibration {path} has coefficients.{printable(key, 40)} "
+                                                f"= {printable(repr(value), 40)}, outside [0, {high:g}]; {fix}")
+    if not any(coeffs.get(f"c_{t}", 0) > 0 for t in EVERY_STEP_TERMS):
+        raise ConfigError("hardware: auto", f"the cached calibration {path} prices a step at 0 s (c_step, c_req, "
+                                            f"c_token, c_linear and c_lm_head all 0); {fix}")
     return str(path)
 
 
@@ -120,7 +163,13 @@ def recalibrate(path: str, model: str, dtype: str = "float32", threads: int = TH
 @contextlib.contextmanager
 def _calibration_lock(path: Path) -> Iterator[None]:
     """One process at a time measures the calibration at `path` (a lock file beside it)."""
-    with open(path.with_suffix(".lock"), "w") as lock:
+    try:
+        lock = open(path.with_suffix(".lock"), "w")
+    except OSError as e:
+        raise ConfigError("hardware: auto", f"cannot write in the calibration cache folder {path.parent} "
+                                            f"({e.strerror or type(e).__name__}); set SERVETWIN_CALIBRATIONS to a "
+                                            "writable folder") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 

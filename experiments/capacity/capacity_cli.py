@@ -22,7 +22,7 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
         raise ConfigError("cluster", "`servetwin capacity` simulates one engine; a cluster runs with `servetwin run`")
     slo = parse_slo_args(args.slo) if args.slo else None  # SloError: a ConfigError naming the flag
     grid = parse_grid(args.grid)
-    seeds = seeds_for(exp, args.seeds) or None
+    seeds = seeds_for(exp, args.seeds, args.max_runs) or None
     out = args.output or os.path.join("runs", f"{exp.name}.capacity")
     t0 = time.perf_counter()
     with RunFolder(out, overwrite=args.overwrite) as folder:
@@ -30,7 +30,8 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
             answer = run_capacity(exp, out, knob=args.over, slo=slo, seeds=seeds, confidence=args.confidence,
                                   rel_tol=args.tol, grid=grid, jobs=args.jobs, ray=args.ray,
                                   retries=args.retries, lo=args.lo, hi=args.hi, max_probes=args.max_probes,
-                                  progress=not args.no_progress, plots=not args.no_plots, folder=folder)
+                                  progress=not args.no_progress, plots=not args.no_plots, folder=folder,
+                                  max_runs=args.max_runs)
         except KeyboardInterrupt:
             state = folder_summary_state(out, "capacity.json")  # written last: the truth about the folder
             if state is None:

@@ -26,7 +26,8 @@ from servetwin.experiments.capacity.capacity import CapacitySearch, run_ratio
 from servetwin.experiments.sweep.pool import PointResult, PointTask, host_summary, map_with_retries
 from servetwin.experiments.sweep.pool_factory import make_pool
 from servetwin.experiments.run.run_folder import RunFolder
-from servetwin.experiments.config.schema import (ConfigError, ExperimentConfig, expand_sweep, parse_override,
+from servetwin.experiments.config.schema import (ConfigError, ExperimentConfig, check_run_count, expand_sweep,
+                                                 parse_override, sweep_run_count,
                                           set_dotted, validate_config, with_seed)
 from servetwin.experiments.config.slo import SloSpec, parse_slo
 from servetwin.experiments.common.stats import mean_ci
@@ -79,7 +80,8 @@ def _start_load(exp: ExperimentConfig, knob: str) -> float:
 
 def build_searches(exp: ExperimentConfig, knob: str, grid: dict[str, list[Any]], spec: SloSpec,
                    confidence: float, rel_tol: float, lo: Optional[float], hi: Optional[float],
-                   max_probes: int) -> list[Search]:
+                   max_probes: int, max_runs: Optional[int] = None,
+                   log: Optional[Callable[[str], None]] = None) -> list[Search]:
     base = exp.to_dict()
     for key in ("sweep", "seeds"):
         base.pop(key, None)
@@ -87,10 +89,11 @@ def build_searches(exp: ExperimentConfig, knob: str, grid: dict[str, list[Any]],
     base.setdefault("output", {})
     base["output"] = dict(base["output"] or {}, plots=False, step_requests=False)
     if grid:
+        check_run_count(sweep_run_count(grid), "the --grid points", "--grid", max_runs)  # before any is built
         gridded = copy.deepcopy(base)
         gridded["sweep"] = grid
         try:
-            points = expand_sweep(validate_config(gridded, exp.base_dir, exp.name))
+            points = expand_sweep(validate_config(gridded, exp.base_dir, exp.name), max_runs=max_runs, log=log)
         except ConfigError as e:
             # a grid error names the sweep key; on this command that key is a --grid flag
             raise ConfigError("--grid " + e.path.removeprefix("sweep."), e.message) if e.path.startswith("sweep.") \
@@ -127,7 +130,7 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
                  lo: Optional[float] = None, hi: Optional[float] = None, max_probes: int = 40,
                  progress: bool = True, plots: bool = True,
                  log: Optional[Callable[[str], None]] = None, overwrite: bool = False,
-                 folder: Optional[RunFolder] = None) -> dict[str, Any]:
+                 folder: Optional[RunFolder] = None, max_runs: Optional[int] = None) -> dict[str, Any]:
     """Search the capacity of every grid point x backend; writes DIR/capacity.{json,md,png}, probes.csv.
     `slo`: a mapping like the YAML's `slo:` (None: the config's). Returns the capacity.json content.
     `folder`: a RunFolder of `out_dir` the caller already acquired (else one is acquired here, refusing a
@@ -136,7 +139,7 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
     if folder is None:
         with RunFolder(out_dir, overwrite=overwrite) as owned:
             return run_capacity(exp, out_dir, knob, slo, seeds, confidence, rel_tol, grid, jobs, ray, retries,
-                                lo, hi, max_probes, progress, plots, log, folder=owned)
+                                lo, hi, max_probes, progress, plots, log, folder=owned, max_runs=max_runs)
     log = log or (lambda msg: print(msg, file=sys.stderr))
     knob = knob or default_knob(exp)
     if knob not in LOAD_KNOBS:
@@ -150,7 +153,8 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
     if not 0 < rel_tol < 1:
         raise ConfigError("--tol", f"must be in (0, 1), got {rel_tol}")
     seeds = seeds or list(range(exp.seed, exp.seed + DEFAULT_SEEDS))
-    searches = build_searches(exp, knob, grid or {}, spec, confidence, rel_tol, lo, hi, max_probes)
+    searches = build_searches(exp, knob, grid or {}, spec, confidence, rel_tol, lo, hi, max_probes, max_runs,
+                              log if progress else None)
     pool = make_pool(jobs if ray is None else 1, ray)
     first = ", ".join(_fmt_load(x) for x in (lo, hi) if x is not None) or _fmt_load(searches[0].search.start)
     log(f"capacity {exp.name}: {len(searches)} search(es) over {knob} from {first}, "

@@ -153,4 +153,9 @@ def register(subparsers) -> None:
     k.add_argument("--hardware", help="with --from-vllm: the GPU (a preset or a GPU name) the files come from")
     k.add_argument("--tensor-parallel-size", type=int, help="with --from-vllm bench files: the server's TP size")
     k.add_argument("--rounds", type=int, default=1, help="with --from-vllm bench files: search rounds (default 1)")
+    k.add_argument("--engine", action="append", metavar="KEY=VALUE",
+                   help="with --from-vllm bench files: an engine setting of the server, as `import vllm-bench "
+                        "--engine` (e.g. quantization=fp8); repeatable")
+    k.add_argument("--vllm-version", help="with --from-vllm bench files: the server's vLLM version (default: the "
+                                          "file name's, e.g. vllm0.6.3)")
     k.set_defaults(func=_cmd_calibrate)

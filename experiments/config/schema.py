@@ -63,6 +63,7 @@ from typing import Any, Callable, Optional
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, resolve_aliases
 from servetwin.core.kv_cache.hashing import HASH_ALGOS
+from servetwin.core.sched.spec_decode import SpeculativeConfig
 
 __all__ = ["ConfigError", "ExperimentConfig", "EngineConfig", "WorkloadConfig", "OutputConfig", "ParseContext",
            "Section", "SECTIONS", "load_config", "validate_config", "expand_sweep", "SweepPoint"]
@@ -81,6 +82,21 @@ def _fmt(v: Any) -> str:
         return _SHORT.repr(v)
     except ValueError:  # an integer over Python's 4300-digit formatting limit
         return f"an integer of {v.bit_length()} bits" if isinstance(v, int) else type(v).__name__
+
+
+# vLLM 0.33 takes any block_size > 0 in CacheConfig (vllm/config/cache.py:187), then the attention
+# backend must support it: every CUDA one (FlashAttention, Triton, FlexAttention) advertises
+# `MultipleOf(16)` (vllm/v1/attention/backends/flash_attn.py:367, triton_attn.py:340,
+# flex_attention.py:154), so `--block-size 3` starts no server. An experiment models such a server.
+KV_BLOCK_SIZE_MULTIPLE = 16
+
+
+def _kv_block_size(v: Any, path: str) -> int:
+    size = _int(1)(v, path)
+    if size % KV_BLOCK_SIZE_MULTIPLE:
+        raise ConfigError(path, f"must be a multiple of {KV_BLOCK_SIZE_MULTIPLE} (vLLM's GPU attention backends "
+                                f"support no other KV block size), got {size}")
+    return size
 
 
 def _int(low: Optional[int] = None, nullable: bool = False, also: tuple = ()) -> Callable[[Any, str], Any]:
@@ -220,7 +236,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "long_prefill_token_threshold": _int(0),
     "enable_prefix_caching": _bool,
     "prefix_caching_hash_algo": _choice(*HASH_ALGOS),
-    "block_size": _int(1),
+    "block_size": _kv_block_size,
     "gpu_memory_utilization": _float(0.0, 1.0, low_open=True),
     "num_gpu_blocks": _int(2, nullable=True),
     "max_model_len": _int(2, nullable=True, also=(-1,)),
@@ -241,6 +257,8 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "enable_fi_allreduce_fusion": _bool,  # vLLM 0.11's name of `fuse_allreduce_rms` (ENGINE_ARG_ALIASES)
     "attention_backend": _choice(*ATTENTION_BACKENDS),
     "device": _device,
+    "speculative_config": lambda v, path: _speculative_config(v),
+    "spec_acceptance_rates": lambda v, path: v,  # EngineArgs checks it (errors name engine.spec_acceptance_rates)
 }
 OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "plots": _bool}
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests)
@@ -254,6 +272,16 @@ WORKLOAD_HINTS = {"num_requests": "requests", "prompt_len": "prompt_tokens", "ou
 SHARED_PREFIX_KEYS = ("groups", "per_group", "prefix_tokens", "suffix_tokens", "order")
 # EngineArgs fields an experiment YAML sets at the top level, not under `engine:`
 TOP_LEVEL_ENGINE_ARGS = ("model", "seed", "hardware", "backend")
+
+
+def _speculative_config(value: Any) -> Any:
+    """vLLM's `speculative_config` mapping, checked here (errors name `engine.speculative_config.<key>`)
+    and kept as given (config.yaml writes it back as a mapping)."""
+    try:
+        SpeculativeConfig.from_dict(value)
+    except ConfigError as e:
+        raise e.within("engine") from None
+    return value
 
 
 def engine_field_path(err: ConfigError) -> ConfigError:
@@ -513,6 +541,8 @@ def parse_seeds(value: Any, ctx: ParseContext) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 1:
             raise ConfigError("seeds", f"a count must be >= 1, got {value}")
+        if value > MAX_RUNS:  # built as a list below; --seeds N with --max-runs allows more
+            raise ConfigError("seeds", f"{value:,} seeds, more than the limit of {MAX_RUNS:,} runs")
         return list(range(ctx.parsed["seed"], ctx.parsed["seed"] + value))
     if not isinstance(value, list) or not value:
         raise ConfigError("seeds", f"must be a non-empty list of integers (or a count), got {_fmt(value)}")
@@ -833,15 +863,44 @@ class SweepPoint:
     config: Optional[ExperimentConfig] = None  # `raw`, parsed
 
 
-def expand_sweep(exp: ExperimentConfig) -> list[SweepPoint]:
-    """Every combination of the sweep lists; each point's config is validated (errors name the point)."""
+# Runs one command may start: sweep points x seeds, capacity grid points, `--seeds N`. Counted from the
+# list lengths before anything is expanded (a 1000 x 1000 x 1000 grid is refused at once, not built);
+# `--max-runs N` raises it.
+MAX_RUNS = 10_000
+_PROGRESS_EVERY = 500  # points validated between progress lines
+
+
+def check_run_count(count: int, what: str, where: str, limit: Optional[int] = None) -> int:
+    """`count`, or a `ConfigError` at `where` when it passes `limit` (default MAX_RUNS)."""
+    limit = MAX_RUNS if limit is None else limit
+    if count > limit:
+        raise ConfigError(where, f"{what} make {count:,} runs, more than the limit of {limit:,} "
+                                 "(give --max-runs N to allow more)")
+    return count
+
+
+def sweep_run_count(sweep: Mapping[str, list], seeds: int = 1) -> int:
+    return math.prod(len(v) for v in sweep.values()) * max(seeds, 1)
+
+
+def expand_sweep(exp: ExperimentConfig, max_runs: Optional[int] = None, seeds: int = 1,
+                 log: Optional[Callable[[str], None]] = None) -> list[SweepPoint]:
+    """Every combination of the sweep lists; each point's config is validated (errors name the point).
+    The count (x `seeds`) is checked against `max_runs` first; `log` gets a progress line every
+    `_PROGRESS_EVERY` points of a large grid."""
+    check_run_count(sweep_run_count(exp.sweep, seeds), "the sweep's points x seeds", "sweep", max_runs)
     base = exp.to_dict()
     base.pop("sweep", None)
     base_dir = exp.base_dir
     keys = list(exp.sweep)
+    total = sweep_run_count(exp.sweep)
     # one key at a time first, so an error names the sweep entry that causes it
+    checked = 0
     for key in keys:
         for i, value in enumerate(exp.sweep[key]):
+            checked += 1
+            if log is not None and checked % _PROGRESS_EVERY == 0:
+                log(f"sweep: {checked:,} sweep values checked")
             trial = copy.deepcopy(base)
             set_dotted(trial, key, value)
             try:
@@ -868,16 +927,19 @@ def expand_sweep(exp: ExperimentConfig) -> list[SweepPoint]:
         except ConfigError as e:
             raise ConfigError("sweep", f"point {name}: {e}") from None
         points.append(SweepPoint(name, assignments, config.to_dict(), config))
+        if log is not None and len(points) % _PROGRESS_EVERY == 0:
+            log(f"sweep: {len(points):,}/{total:,} grid points checked")
     return points
 
 
 # -- loading ------------------------------------------------------------------------------------
-def seeds_for(exp: ExperimentConfig, count: Optional[int] = None) -> list[int]:
+def seeds_for(exp: ExperimentConfig, count: Optional[int] = None, max_runs: Optional[int] = None) -> list[int]:
     """The seeds to run: `--seeds N` (N seeds from the config's `seed` on), else the config's `seeds`;
     [] for a single run with the config's own seed."""
     if count is not None:
         if not isinstance(count, int) or count < 1:
             raise ConfigError("--seeds", f"must be an integer >= 1, got {count!r}")
+        check_run_count(count, f"--seeds {count}", "--seeds", max_runs)
         return list(range(exp.seed, exp.seed + count))
     return list(exp.seeds)
 

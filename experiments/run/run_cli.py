@@ -176,7 +176,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     with RunFolder(out, overwrite=args.overwrite) as folder:
         try:
             df = run_sweep(exp, out, jobs=args.jobs, progress=not args.no_progress, seeds=_seeds(args, exp),
-                           ray=args.ray, retries=args.retries, folder=folder)
+                           ray=args.ray, retries=args.retries, folder=folder, max_runs=args.max_runs)
         except KeyboardInterrupt:
             if os.path.exists(os.path.join(out, "sweep.csv")):
                 print(f"interrupted: the table of finished points is in {out}/sweep.csv", file=sys.stderr)
@@ -212,7 +212,7 @@ def slo_line(ev: dict) -> str:
 def _seeds(args: argparse.Namespace, exp) -> list[int]:
     from servetwin.experiments.config.schema import seeds_for  # noqa: PLC0415
 
-    return seeds_for(exp, args.seeds)
+    return seeds_for(exp, args.seeds, args.max_runs)
 
 
 def add_pool_args(p: argparse.ArgumentParser, what: str = "point") -> None:
@@ -229,6 +229,9 @@ def add_pool_args(p: argparse.ArgumentParser, what: str = "point") -> None:
 def add_seed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, metavar="N",
                    help="repeat with N workload draws (seeds `seed`..`seed`+N-1; overrides the config's `seeds`)")
+    p.add_argument("--max-runs", type=int, metavar="N",
+                   help="allow up to N runs (sweep points x seeds, capacity grid points, --seeds); default 10,000, "
+                        "checked before anything is expanded (docs/limits.md)")
 
 
 def register(subparsers) -> None:

@@ -11,20 +11,26 @@ The protocol every folder-writing command (`run`, `sweep`, `compare`) follows:
 3. `begin()` right before the first file is written: with `overwrite`, the old summary goes first,
    then every other file an earlier run wrote; files servetwin did not write (a notebook the user
    saved there) stay. A fresh marker (`MARKER`) starts the list of what this run writes.
-4. every file goes through `write_json` / `write_text` / `write_with` (temporary name, then rename),
-   the summary file last: its presence and its `interrupted` flag are the truth about the folder;
-   `record` appends each one to the marker, so a later `--overwrite` knows exactly what is ours.
+4. every file goes through `write_json` / `write_text` / `write_with` or another atomic write of
+   `core.testbed.atomic` (temporary name, then rename), the summary file last: its presence and its
+   `interrupted` flag are the truth about the folder. Each file's name is appended to the marker
+   *before* it is renamed into place (`atomic.announcing_writes`, inherited by forked writers), so an
+   output phase cut short (SIGTERM between two files) leaves no file the marker lacks, and a later
+   `--overwrite` knows exactly what is ours.
 
 A folder reached through a symlink gets the same rules (the target is checked, never wiped blindly).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import stat
+import sys
 from typing import Any, Callable, Optional
 
-from servetwin.core.testbed.atomic import TMP_MARK, atomic_open, atomic_write_text, atomic_write_with
+from servetwin.core.testbed.atomic import TMP_MARK, announcing_writes, atomic_open, atomic_write_text, atomic_write_with
 from servetwin.experiments.config.schema import ConfigError, ensure_output_dir
 
 MARKER = ".servetwin-written"  # one relative path a line: the files servetwin wrote into this folder
@@ -33,6 +39,8 @@ _MARKER_HEADER = "# servetwin wrote these files here; `--overwrite` removes only
 # config.yaml, and only kinds of file servetwin writes (a notebook, .git, a script: not ours -> refused)
 _OLD_FIRST_FILE = "config.yaml"
 _OLD_KINDS = (".json", ".md", ".csv", ".parquet", ".png", ".yaml", ".log")
+MAX_MARKER_BYTES = 256 * 1024 * 1024  # a marker's size (a 10M-request sweep lists far fewer files)
+_REMOVE_PROGRESS_EVERY = 20_000  # files removed by --overwrite between progress lines
 
 
 def _json_default(o: Any) -> Any:
@@ -59,6 +67,8 @@ class RunFolder:
         self._created = False
         self._begun = False
         self._owned: Optional[list[str]] = []  # what an earlier run wrote here (cleared by begin)
+        self._announcing = contextlib.ExitStack()
+        self._announced: set[str] = set()  # names this process appended to the marker
 
     # -- ownership -----------------------------------------------------------------------------
     def acquire(self) -> "RunFolder":
@@ -76,15 +86,29 @@ class RunFolder:
             self.release()
             raise ConfigError(self.flag, f"{self.path} is not empty ({_shown(existing)}); pass --overwrite to "
                               "replace what servetwin wrote there, or choose another folder")
-        self._owned = owned_files(self.path, self.keep) if existing else []
+        try:
+            self._owned = owned_files(self.path, self.keep) if existing else []
+        except ConfigError:  # a marker no reader should open
+            self.release()
+            raise
         if self._owned is None:
             self.release()
             raise ConfigError(self.flag, _not_ours(self.path))
+        self._announcing.enter_context(announcing_writes(self._announce))
         return self
+
+    def _announce(self, path: str) -> None:
+        """An atomic write is about to rename `path` into place: list it in the marker first (never
+        `begin` here: a forked writer's copy of this object may predate the parent's `begin`)."""
+        rel = os.path.relpath(path, os.path.abspath(self.path))
+        if rel == MARKER or rel.startswith(".." + os.sep) or rel == ".." or "\n" in rel:
+            return
+        self._append_marker([rel])
 
     def release(self) -> None:
         if self._fd is None:
             return
+        self._announcing.close()
         if self._created and not self._begun:  # failed before writing: leave no trace
             try:
                 os.rmdir(self.path)
@@ -108,8 +132,13 @@ class RunFolder:
             raise RuntimeError("RunFolder.begin: acquire() the folder first")
         self._begun = True
         # the summary first: no moment where an old summary vouches for new files
-        for rel in sorted(self._owned, key=lambda r: r != summary_name):
-            _remove_owned(self.path, rel)
+        owned = sorted(self._owned, key=lambda r: r != summary_name)
+        real_root = os.path.realpath(self.path)
+        for k, rel in enumerate(owned, start=1):
+            _remove_owned(self.path, rel, real_root)
+            if k % _REMOVE_PROGRESS_EVERY == 0:
+                print(f"{self.flag} --overwrite: removed {k:,}/{len(owned):,} files an earlier run wrote",
+                      file=sys.stderr, flush=True)
         atomic_write_text(os.path.join(self.path, MARKER), _MARKER_HEADER + "".join(f"{k}\n" for k in sorted(self.keep)))
 
     # -- writing -------------------------------------------------------------------------------
@@ -137,11 +166,23 @@ class RunFolder:
 
     def own(self, *rels: str) -> None:
         """Add files to the marker without listing them as this run's output (a point's run.log, which
-        the point's worker writes): a later `--overwrite` removes them too."""
+        the point's worker writes): a later `--overwrite` removes them too. One append per call
+        (O_APPEND: forked writers add their lines whole); never follows a link, never waits on a FIFO."""
         if not self._begun:
             self.begin()
-        with open(os.path.join(self.path, MARKER), "a", encoding="utf-8") as f:
-            f.write("".join(f"{r}\n" for r in rels))
+        self._append_marker(rels)
+
+    def _append_marker(self, rels) -> None:
+        new = [r for r in rels if r not in self._announced]
+        if not new:
+            return
+        fd = os.open(os.path.join(self.path, MARKER),
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        try:
+            os.write(fd, "".join(f"{r}\n" for r in new).encode("utf-8", "surrogateescape"))
+        finally:
+            os.close(fd)
+        self._announced.update(new)
 
     def write_json(self, rel: str, data: Any) -> str:
         with atomic_open(self.file(rel)) as f:
@@ -208,11 +249,24 @@ def _not_old_servetwin(path: str, files: list[str]) -> str:
 
 
 def _marker_lines(folder: str) -> list[str]:
-    """The marker's paths that stay inside `folder` (a hand-edited `../x` or `/etc/x` is ignored)."""
+    """The marker's paths that stay inside `folder` (a hand-edited `../x` or `/etc/x` is ignored). A
+    marker that is no regular file (a symlink to /dev/zero, a FIFO) or past MAX_MARKER_BYTES is refused,
+    never read: `--overwrite` would hang or fill memory on it."""
+    path = os.path.join(folder, MARKER)
     try:
-        with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
+        st = os.lstat(path)
+    except OSError:
+        return []
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError("--overwrite", f"{path} is not a regular file (a link, FIFO or device); servetwin "
+                                         "writes its marker as a plain file: remove it, or choose another folder")
+    if st.st_size > MAX_MARKER_BYTES:
+        raise ConfigError("--overwrite", f"{path} is {st.st_size} bytes, more than the limit of {MAX_MARKER_BYTES} "
+                                         "bytes for a marker: remove it, or choose another folder")
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             lines = [ln.rstrip("\n") for ln in f]
-    except (OSError, UnicodeDecodeError):
+    except OSError:
         return []
     safe = []
     for ln in lines:
@@ -222,11 +276,11 @@ def _marker_lines(folder: str) -> list[str]:
     return safe
 
 
-def _remove_owned(root: str, rel: str) -> None:
+def _remove_owned(root: str, rel: str, real_root: Optional[str] = None) -> None:
     """Remove one file servetwin wrote (a symlink: the link, never its target), then the folders it
     leaves empty up to `root`; a path whose folder resolves outside `root` is left alone."""
     full = os.path.join(root, rel)
-    real_root = os.path.realpath(root)
+    real_root = real_root or os.path.realpath(root)
     parent = os.path.realpath(os.path.dirname(full))
     if parent != real_root and not parent.startswith(real_root + os.sep):
         return

@@ -341,6 +341,9 @@ def backend_line(backend: str, s: dict, interrupted: bool) -> str:
 
 
 # -- the run ------------------------------------------------------------------------------------
+LARGE_RUN_REQUESTS = 100_000  # runs this large log their workload and output phases (each can take a minute)
+
+
 def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Callable[[str], None]] = None,
                  on_backend: Optional[Callable[[str, BackendRun, dict, dict], None]] = None,
                  measure: Optional[MeasureOptions] = None, timings: Optional[dict] = None,
@@ -373,7 +376,10 @@ def run_backends(exp: ExperimentConfig, progress: bool = True, log: Optional[Cal
         log(f"[{backend}] engine ready in {time.perf_counter() - t0:.1f}s: {info.num_gpu_blocks} KV blocks, "
             f"max_model_len {info.max_model_len}")
     vocabs = [info.vocab_size for _, info in engines.values() if info.vocab_size]
+    t0 = time.perf_counter()
     requests, arrival, rng = build_requests(exp, min(vocabs) if vocabs else None)
+    if len(requests) >= LARGE_RUN_REQUESTS:  # a long step before the progress bar: say what it was
+        log(f"[workload] {len(requests):,} requests drawn in {time.perf_counter() - t0:.1f}s")
     wsum = workload_summary(requests)
     wsum["arrival"] = type(arrival).__name__
     runs: dict[str, BackendRun] = {}
@@ -445,6 +451,10 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     try:
         combined, _, runs = run_backends(exp, progress, log, measure=measure, timings=phase, defer=True)
         folder.begin()  # the first write: what an earlier run left is cleared only now
+        requests_run = sum(r.num_requests for r in runs.values())
+        if requests_run >= LARGE_RUN_REQUESTS:  # tables of a million requests take a while: say so first
+            log(f"[outputs] writing the tables, trace.json, {'figures, ' if exp.output.plots else ''}report and "
+                f"summary of {requests_run:,} requests")
         folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
         step_rows = sum(len(r.recorder.step_requests) for r in runs.values())
         if worker is not None and step_rows <= MAX_SHIPPED_STEP_ROWS:
@@ -501,9 +511,12 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
 
     jobs = OutputJobs()
     frames, summaries, written = {}, {}, []
+    large = sum(r.num_requests for r in runs.values()) >= LARGE_RUN_REQUESTS
+    say = (lambda m: print(f"[outputs] {m}", file=sys.stderr, flush=True)) if large else (lambda m: None)
     for backend, run in runs.items():
         # the tables first: the trace and figure writers forked below read them
         frames[backend] = run.recorder.frames()
+        say(f"{backend}: tables built")
     for backend, run in runs.items():
         os.makedirs(os.path.join(out_dir, backend), exist_ok=True)
         trace_path = os.path.join(out_dir, backend, "trace.json")
@@ -535,6 +548,7 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
             written.append(os.path.relpath(path, out_dir))
         write_json(os.path.join(bdir, "summary.json"), summaries[backend])
         written.append(os.path.join(backend, "summary.json"))
+        say(f"{backend}: tables and summary written")
     plots = exp.output.plots
     if plots and frames:
         try:
@@ -546,6 +560,7 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
             # log-scaled"): its tables, report and summary still come, without figures, and the interrupt
             # still ends the command (exit 130), not this error (exit 2)
             plots, plot_paths = False, None
+    say("writing the report (and waiting for trace.json" + (", the figures)" if plots else ")"))
     paths = write_report(exp, out_dir, dict(combined, backends=summaries), frames, itls, plots=plots,
                          jobs=jobs, plot_paths=plot_paths)
     written += [os.path.relpath(p, out_dir) for p in paths]

@@ -170,7 +170,7 @@ def server_limits(ns: argparse.Namespace) -> Any:
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from servetwin.core.engine.executor import check_engine_args  # noqa: PLC0415
-    from servetwin.core.entrypoints.openai.api_server import run_server  # noqa: PLC0415
+    from servetwin.core.entrypoints.openai.api_server import check_profiler_dir, run_server  # noqa: PLC0415
 
     if not ns.time_scale > 0:
         raise ValueError(f"time_scale: must be > 0, got {ns.time_scale}")
@@ -180,13 +180,15 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     api_key = ns.api_key if ns.api_key is not None else os.environ.get("SERVETWIN_API_KEY") or None
     args = engine_args_from(ns)
     check_engine_args(args)  # the backend's cheap checks (e.g. torch: max_model_len vs the model's config)
+    profiler_dir = ns.profiler_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None
+    if profiler_dir is not None:
+        check_profiler_dir(profiler_dir)  # a folder the profile could not be written to: found now, exit 2
     check_listen(ns.host, ns.port)  # before the engine loads (minutes for a big model), not after
     print(f"servetwin serve: {args.backend} backend, model {args.model!r} on http://{ns.host}:{ns.port} "
           "(the engine loads in the background; GET /health turns 200 when it is ready)", flush=True)
     return run_server(args, host=ns.host, port=ns.port, served_model_name=ns.served_model_name, pace=ns.pace,
                time_scale=ns.time_scale, fake_step_time_s=ns.fake_step_time, log_level=ns.log_level,
-               limits=limits, api_key=api_key,
-               profiler_dir=ns.profiler_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None)
+               limits=limits, api_key=api_key, profiler_dir=profiler_dir)
 
 
 __all__ = ["register", "engine_args_from", "check_listen", "server_limits"]

@@ -171,7 +171,8 @@ def _map_points(pool, tasks: list[PointTask], retries: int, log, progress: Optio
 
 def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool = True,
               log: Optional[Callable[[str], None]] = None, seeds: Optional[list[int]] = None,
-              ray: Any = None, retries: int = 0, overwrite: bool = False, folder: Optional[RunFolder] = None):
+              ray: Any = None, retries: int = 0, overwrite: bool = False, folder: Optional[RunFolder] = None,
+              max_runs: Optional[int] = None):
     """Run every point (x seed); write sweep_comparison.png / sweep.md / sweep.csv (last); returns the
     table (DataFrame). `ray`: None for the local pool of `jobs` workers, True / an address for Ray.
     The output folder follows `servetwin.experiments.run.run_folder` (locked, a non-empty one refused
@@ -179,7 +180,7 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     re-raised."""
     if folder is None:
         with RunFolder(out_dir, overwrite=overwrite) as owned:
-            return run_sweep(exp, out_dir, jobs, progress, log, seeds, ray, retries, folder=owned)
+            return run_sweep(exp, out_dir, jobs, progress, log, seeds, ray, retries, folder=owned, max_runs=max_runs)
     import pandas as pd  # noqa: PLC0415
     import yaml  # noqa: PLC0415
 
@@ -187,7 +188,8 @@ def run_sweep(exp: ExperimentConfig, out_dir: str, jobs: int = 1, progress: bool
     if not exp.sweep:
         raise ValueError("sweep: the config has no `sweep:` grid (use `servetwin run` for a single run)")
     seeds = seeds_for(exp) if seeds is None else seeds
-    points = expand_sweep(exp)  # validates the whole grid before anything runs
+    # counts points x seeds before expanding (refused past max_runs), then validates the whole grid
+    points = expand_sweep(exp, max_runs=max_runs, seeds=len(seeds), log=log)
     from servetwin.experiments.run.report import portable_config  # noqa: PLC0415
 
     folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))

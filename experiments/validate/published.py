@@ -102,10 +102,16 @@ class CaseResult:
         return {m: (p - pub) / pub for m, pub, p in self.rows if p is not None and pub}
 
 
+IMPORT_INCOMPLETE_MARKER = ".servetwin-import-incomplete"  # in a case directory while an import writes to it
+
+
 def load_published(case_dir: str | Path) -> tuple[dict[str, Path], dict[str, Any]]:
     """({case name: yaml path}, published.json) of a case directory; names must match."""
     d = Path(case_dir)
     pub_path = d / "published.json"
+    if (d / IMPORT_INCOMPLETE_MARKER).exists():  # `servetwin import vllm-bench` was cut short
+        raise ValueError(f"validate: {d} holds {IMPORT_INCOMPLETE_MARKER}: an import into it did not finish "
+                         "(run the import again, with --overwrite)")
     if not pub_path.is_file():
         raise ValueError(f"validate: {d} has no published.json (expected DIR/published.json and DIR/cases/*.yaml)")
     with open(pub_path, encoding="utf-8") as f:

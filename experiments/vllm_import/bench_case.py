@@ -21,11 +21,16 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import MAX_IMPORT_FILE_BYTES, printable
+from servetwin.experiments.validate.published import IMPORT_INCOMPLETE_MARKER
+from servetwin.experiments.vllm_import.assumptions import (Assumption, infer_fp8, infer_tp_from_name,
+                                                            infer_version_from_name, ingress_for,
+                                                            version_assumptions)
 from servetwin.experiments.vllm_import.bench_file import BenchRecord
 
 
@@ -50,6 +55,14 @@ class ImportedCase:
     published: dict[str, Any]  # its published.json entry
     trace_rows: Optional[list[tuple[float, int, int]]]  # (arrival_s, prompt, output) when detailed
     notes: list[str]
+    assumptions: list[Assumption] = field(default_factory=list)  # every setting the file does not record
+
+    def assumption_block(self) -> str:
+        """One block: what the case assumes (value and source), then the notes on how it was read."""
+        lines = [f"{self.name}: what the file does not record, and what is used:"]
+        lines += [f"  {a.line()}" for a in self.assumptions]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
 
 
 def case_name(record: BenchRecord, given: Optional[str] = None) -> str:
@@ -77,16 +90,39 @@ def resolve_model(record: BenchRecord, opts: ImportOptions) -> str:
                                  "a Hugging Face name servetwin knows, or a config.json folder)")
 
 
-def resolve_tp(record: BenchRecord, opts: ImportOptions, notes: list[str]) -> int:
+def resolve_tp(record: BenchRecord, opts: ImportOptions, notes: list[str]) -> tuple[int, str]:
+    """(TP size, where it came from): the flag or a server log, the file's own field, the file's name
+    (`tp8`, `8xh100`), else 1."""
     if opts.tensor_parallel_size:
         if record.tensor_parallel_size and record.tensor_parallel_size != opts.tensor_parallel_size:
             notes.append(f"tensor_parallel_size: {opts.tensor_parallel_size} from the flag/log, the file says "
                          f"{record.tensor_parallel_size}")
-        return opts.tensor_parallel_size
+        return opts.tensor_parallel_size, "--tensor-parallel-size or the server log"
     if record.tensor_parallel_size:
-        return record.tensor_parallel_size
-    notes.append("tensor_parallel_size: not in the file, 1 assumed (give --tensor-parallel-size or a server log)")
-    return 1
+        return record.tensor_parallel_size, "the file's tp field"
+    named = infer_tp_from_name(record.where)
+    if named is not None:
+        return named[0], f"the file name says {named[1]!r}; --tensor-parallel-size to change"
+    return 1, "assumed: not in the file or its name; give --tensor-parallel-size or a server log"
+
+
+def resolve_quantization(record: BenchRecord, opts: ImportOptions) -> Optional[Assumption]:
+    """fp8 weights when the model id names them and no --engine quantization was given."""
+    if "quantization" in opts.engine:
+        return Assumption("engine.quantization", str(opts.engine["quantization"]), "--engine")
+    if infer_fp8(record.model_id):
+        return Assumption("engine.quantization", "fp8", f"the model id {record.model_id!r} names FP8 weights; "
+                                                        "--engine quantization=null to change")
+    return None
+
+
+def resolve_version(record: BenchRecord, opts: ImportOptions) -> tuple[Optional[str], str]:
+    if opts.vllm_version:
+        return opts.vllm_version, "--vllm-version"
+    named = infer_version_from_name(record.where)
+    if named:
+        return named, "the file name; --vllm-version to change"
+    return None, "not in the file or its name; --vllm-version to give it"
 
 
 def _count(record: BenchRecord, opts: ImportOptions) -> int:
@@ -160,8 +196,9 @@ def _trace_rows(record: BenchRecord, notes: list[str]) -> list[tuple[float, int,
     else:
         shape = record.burstiness
         times = np.cumsum(rng.gamma(shape, 1.0 / (record.request_rate * shape), size=n))
-        notes.append(f"arrival times: not in the file; drawn (seed 0) as vLLM's client sends, gamma gaps shape "
-                     f"{shape} at {record.request_rate}/s")
+        notes.append(f"arrival times: not in the file; the case draws them as vLLM's client sends (gamma gaps "
+                     f"shape {shape} at {record.request_rate}/s: workload.arrival, whose rate --set can change); "
+                     "the requests file holds one such draw (seed 0)")
     return [(float(t), d.input_lens[i], max(d.output_lens[i], 1)) for t, i in zip(times, keep)]
 
 
@@ -170,6 +207,55 @@ def _frontend(record: BenchRecord, notes: list[str]) -> dict[str, Any]:
     if record.client == "sglang":
         notes.append("frontend: SGLang's /generate endpoint modelled as vLLM's completions API server")
     return {"type": "api_server", "endpoint": "chat" if chat else "completions"}
+
+
+def _server_settings(record: BenchRecord, opts: ImportOptions, model: str, notes: list[str]
+                     ) -> tuple[dict[str, Any], dict[str, Any], Optional[str], list[Assumption]]:
+    """(engine, frontend, vLLM version, assumptions): what the server ran with, each value with its source."""
+    tp, tp_source = resolve_tp(record, opts, notes)
+    version, version_source = resolve_version(record, opts)
+    assumptions = [Assumption("model", model, "--model" if opts.model else "the file's model_id"),
+                   Assumption("hardware", str(opts.hardware), "--hardware"),
+                   Assumption("engine.tensor_parallel_size", str(tp), tp_source)]
+    engine: dict[str, Any] = {"tensor_parallel_size": tp}
+    quant = resolve_quantization(record, opts)
+    if quant is not None:
+        assumptions.append(quant)
+        if quant.value != "None":
+            engine["quantization"] = quant.value
+    engine.update(record.engine)
+    engine.update({k: v for k, v in opts.engine.items() if not (k == "quantization" and v is None)})
+    for key, src in opts.engine_sources.items():
+        if key != "quantization":
+            assumptions.append(Assumption(f"engine.{key}", str(opts.engine[key]), src))
+    assumptions.append(Assumption("vLLM version", version or "unknown", version_source))
+    frontend = _frontend(record, notes)
+    if record.client == "vllm" and ingress_for(version):
+        frontend["ingress"] = ingress_for(version)
+        assumptions.append(Assumption("frontend.ingress", "in_order", f"vLLM {version} tokenises on one thread, "
+                                      "in arrival order: docs/frontend_model.md"))
+    assumptions += [Assumption("  differs from 0.33", text, "") for text in version_assumptions(version)]
+    return engine, frontend, version, assumptions
+
+
+def _workload(record: BenchRecord, opts: ImportOptions, name: str, notes: list[str]
+              ) -> tuple[dict[str, Any], Optional[list[tuple[float, int, int]]]]:
+    """(the workload section, the requests file's rows or None)."""
+    workload: dict[str, Any] = {"seed": 0}
+    if record.detailed is None:
+        n = _count(record, opts)
+        workload.update(requests=n, **_lengths(record, opts, n, notes), arrival=_arrival(record, notes))
+        return workload, None
+    rows = _trace_rows(record, notes)
+    if record.max_concurrency and math.isinf(record.request_rate):
+        notes.append("per-request lengths with max_concurrency: drawn from the file's pairs (a closed loop "
+                     "cannot replay a fixed order)")
+        workload.update(requests=len(rows), lengths={"type": "empirical", "pairs": [[p, o] for _, p, o in rows]},
+                        arrival=_arrival(record, notes))
+        return workload, None
+    # the file's lengths in order; the send times from the client's process, so a rate can be changed
+    workload.update(file=f"{name}.requests.csv", arrival=_arrival(record, notes))
+    return workload, rows
 
 
 def build_case(record: BenchRecord, opts: ImportOptions, prefix: str = "") -> ImportedCase:
@@ -182,67 +268,94 @@ def build_case(record: BenchRecord, opts: ImportOptions, prefix: str = "") -> Im
         said = f" (the file says {record.hardware_name!r})" if record.hardware_name else ""
         raise ConfigError("--hardware", f"{record.where}: the file does not record the GPU{said}; give --hardware "
                                         "(a preset such as h100-sxm, or a hardware YAML from servetwin calibrate)")
-    engine: dict[str, Any] = {"tensor_parallel_size": resolve_tp(record, opts, notes)}
-    engine.update(record.engine)
-    engine.update(opts.engine)
-    for key, src in opts.engine_sources.items():
-        notes.append(f"engine.{key}: {src}")
-    workload: dict[str, Any] = {"seed": 0}
-    rows = None
-    if record.detailed is not None:
-        rows = _trace_rows(record, notes)
-        if record.max_concurrency and math.isinf(record.request_rate):
-            notes.append("per-request lengths with max_concurrency: drawn from the file's pairs (a closed loop "
-                         "cannot replay a fixed order)")
-            workload.update(requests=len(rows), lengths={"type": "empirical", "pairs": [[p, o] for _, p, o in rows]},
-                            arrival=_arrival(record, notes))
-            rows = None
-        else:
-            workload.update(file=f"{name}.requests.csv")
-    else:
-        n = _count(record, opts)
-        workload.update(requests=n, **_lengths(record, opts, n, notes), arrival=_arrival(record, notes))
+    engine, frontend, version, assumptions = _server_settings(record, opts, model, notes)
+    workload, rows = _workload(record, opts, name, notes)
     config = {"name": name, "seed": 0, "model": model, "hardware": opts.hardware, "backends": ["sim"],
-              "frontend": _frontend(record, notes), "engine": engine, "workload": workload,
+              "frontend": frontend, "engine": engine, "workload": workload,
               "output": {"step_requests": False, "plots": False}}
-    version = (f"vLLM {opts.vllm_version}" if opts.vllm_version
-               else "SGLang bench_serving" if record.client == "sglang" else "unknown (not in the file)")
-    published = {"source": f"{record.where} (imported by servetwin import vllm-bench)", "engine_version": version,
-                 "client": record.client, "published": dict(record.metrics), "notes": notes}
+    engine_version = ("SGLang bench_serving" if record.client == "sglang" else f"vLLM {version}" if version
+                      else "unknown (not in the file)")
     if not record.metrics:
         raise ConfigError(record.where, "no figure servetwin can compare (duration, throughputs, TTFT/TPOT/ITL/E2E)")
-    return ImportedCase(name, config, published, rows, notes)
+    published = {"source": f"{record.where} (imported by servetwin import vllm-bench)",
+                 "engine_version": engine_version, "client": record.client, "published": dict(record.metrics),
+                 "notes": [a.line() for a in assumptions] + notes}
+    return ImportedCase(name, config, published, rows, notes, assumptions)
+
+
+
+
+def check_case_free(case: ImportedCase, out_dir: str | Path, overwrite: bool = False) -> None:
+    yaml_path = Path(out_dir) / "cases" / f"{case.name}.yaml"
+    if yaml_path.exists() and not overwrite:
+        raise ConfigError("-o/--output", f"{yaml_path} exists (give --overwrite to replace it)")
 
 
 def write_case(case: ImportedCase, out_dir: str | Path, overwrite: bool = False) -> Path:
-    """Write `out_dir/cases/NAME.yaml` (+ `NAME.requests.csv`) and add the entry to `published.json`."""
+    """Write `out_dir/cases/NAME.yaml` (+ `NAME.requests.csv`); `write_published` adds the entries after."""
     import yaml  # noqa: PLC0415
 
     from servetwin.core.testbed.atomic import atomic_open  # noqa: PLC0415
 
-    out = Path(out_dir)
-    cases = out / "cases"
+    check_case_free(case, out_dir, overwrite)
+    cases = Path(out_dir) / "cases"
     yaml_path = cases / f"{case.name}.yaml"
-    if yaml_path.exists() and not overwrite:
-        raise ConfigError("-o/--output", f"{yaml_path} exists (give --overwrite to replace it)")
     cases.mkdir(parents=True, exist_ok=True)
-    pub_path = out / "published.json"
-    published = {}
-    if pub_path.is_file():
-        try:
-            published = json.loads(pub_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(str(pub_path), f"not valid JSON ({e}); not adding to it") from None
     if case.trace_rows is not None:
         with atomic_open(str(cases / f"{case.name}.requests.csv")) as f:
             f.write("arrival_s,prompt_tokens,output_tokens\n")
             f.writelines(f"{t:.6f},{p},{o}\n" for t, p, o in case.trace_rows)
     header = "".join(f"# {line}\n" for line in
-                     [f"Imported from {case.published['source']}.", *[f"- {n}" for n in case.notes]])
+                     [f"Imported from {case.published['source']}.", *[f"- {n}" for n in case.published["notes"]]])
     with atomic_open(str(yaml_path)) as f:
         f.write(header + yaml.safe_dump(case.config, sort_keys=False, width=110))
-    published[case.name] = case.published
-    with atomic_open(str(pub_path)) as f:
+    return yaml_path
+
+
+def read_published(out_dir: str | Path) -> dict[str, Any]:
+    """The directory's `published.json` (empty when there is none), read through `core.limits`."""
+    from servetwin.core.limits import load_json_file  # noqa: PLC0415
+
+    pub_path = Path(out_dir) / "published.json"
+    if not pub_path.exists():
+        return {}
+    doc = load_json_file(pub_path, str(pub_path), max_bytes=MAX_IMPORT_FILE_BYTES)
+    if not isinstance(doc, dict):
+        raise ConfigError(str(pub_path), "must be a JSON object {case name: entry}; not adding to it")
+    return doc
+
+
+def write_published(cases: list[ImportedCase], out_dir: str | Path, published: dict[str, Any]) -> None:
+    """`published` (the directory's entries, read before the cases were written) with every case's entry,
+    written once (a file of 3,000 records took a minute rewritten after each)."""
+    from servetwin.core.testbed.atomic import atomic_open  # noqa: PLC0415
+
+    for case in cases:
+        published[case.name] = case.published
+    with atomic_open(str(Path(out_dir) / "published.json")) as f:
         json.dump(published, f, indent=1)
         f.write("\n")
-    return yaml_path
+
+
+def import_cases(cases: list[ImportedCase], out_dir: str | Path, overwrite: bool = False,
+                 log: Callable[[str], None] = lambda m: None) -> list[Path]:
+    """Write every case and their `published.json` entries. While it runs the directory holds
+    `IMPORT_INCOMPLETE_MARKER` (removed last): an import cut short (SIGTERM, a full disk) leaves the directory
+    marked, and `servetwin validate` refuses it until the import is run again."""
+    out = Path(out_dir)
+    for case in cases:  # every name checked before anything is written
+        check_case_free(case, out, overwrite)
+    published = read_published(out)
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / IMPORT_INCOMPLETE_MARKER
+    marker.write_text(f"an import into this directory did not finish ({len(cases)} case(s)); run it again\n",
+                      encoding="utf-8")
+    paths = []
+    for k, case in enumerate(cases, start=1):
+        paths.append(write_case(case, out, overwrite=True))
+        # the assumption block carries the notes; everything echoed from a file is escaped
+        log("\n".join(printable(line, 400) for line in case.assumption_block().splitlines()))
+        log(f"{printable(case.name)}: wrote {printable(paths[-1], 400)} ({k}/{len(cases)})")
+    write_published(cases, out, published)
+    marker.unlink()
+    return paths

@@ -18,13 +18,16 @@ seconds (`duration`) and per-second rates; every bad or missing field is a `Conf
 """
 from __future__ import annotations
 
-import json
+import io
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import (MAX_IMPORT_NUMBER, MAX_TOKENS_PER_REQUEST, bounded_number, load_json_text, printable,
+                                   read_import_text)
 
 # (file key stem, published metric head): `{mean,median,p99}_{stem}_ms` -> `{head}_{mean,p50,p99}`
 _LATENCY_STEMS = (("ttft", "ttft"), ("tpot", "tpot"), ("itl", "itl"), ("e2el", "e2e"), ("latency", "e2e"),
@@ -76,42 +79,47 @@ class BenchRecord:
     notes: list[str] = field(default_factory=list)
 
 
-def _num(rec: dict, key: str, where: str, required: bool = False) -> Optional[float]:
+# Bounds on a result file's figures, checked before anything is built from them: request counts as a
+# run allows (servetwin.sim.workload.MAX_REQUESTS), lengths as one request may have, rates a client can send.
+MAX_COUNT = 10_000_000  # num_prompts, completed, max_concurrency, per-request arrays
+MIN_REQUEST_RATE = 1e-6  # requests/s (one in 11.6 days); "inf" is all at once
+MAX_REQUEST_RATE = 1e9
+
+
+def _num(rec: dict, key: str, where: str, required: bool = False, high: float = MAX_IMPORT_NUMBER,
+         integer: bool = False) -> Optional[float]:
     v = rec.get(key)
     if v is None:
         if required:
             raise ConfigError(f"{where}.{key}", "required field is missing")
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ConfigError(f"{where}.{key}", f"must be a finite number >= 0, got {v!r}")
-    return float(v)
+    return bounded_number(v, f"{where}.{key}", high=high, integer=integer)
 
 
-def _count(rec: dict, key: str, where: str, required: bool = False) -> Optional[int]:
-    v = _num(rec, key, where, required)
-    if v is None:
-        return None
-    if not float(v).is_integer():
-        raise ConfigError(f"{where}.{key}", f"must be an integer, got {rec[key]!r}")
-    return int(v)
+def _count(rec: dict, key: str, where: str, required: bool = False, high: float = MAX_IMPORT_NUMBER) -> Optional[int]:
+    v = _num(rec, key, where, required, high=high, integer=True)
+    return None if v is None else int(v)
 
 
 def _request_rate(rec: dict, where: str) -> float:
     v = rec.get("request_rate", "inf")
     if isinstance(v, str) and v.strip().lower() in ("inf", "infinity"):
         return math.inf
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v <= 0:
-        raise ConfigError(f"{where}.request_rate", f"must be a number > 0 or \"inf\", got {v!r}")
-    return float(v)
+    if isinstance(v, str):
+        raise ConfigError(f"{where}.request_rate", f"must be a number or \"inf\", got {printable(repr(v), 40)}")
+    return bounded_number(v, f"{where}.request_rate", low=MIN_REQUEST_RATE, high=MAX_REQUEST_RATE)
 
 
 def _int_list(rec: dict, key: str, where: str) -> list[int]:
     v = rec.get(key)
     if not isinstance(v, list):
         raise ConfigError(f"{where}.{key}", f"must be a list of integers, got {type(v).__name__}")
+    if len(v) > MAX_COUNT:
+        raise ConfigError(f"{where}.{key}", f"{len(v)} entries, more than the limit of {MAX_COUNT:,} requests")
     for i, x in enumerate(v):
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-            raise ConfigError(f"{where}.{key}[{i}]", f"must be an integer >= 0, got {x!r}")
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_TOKENS_PER_REQUEST:
+            raise ConfigError(f"{where}.{key}[{i}]", f"must be an integer in [0, {MAX_TOKENS_PER_REQUEST}] "
+                                                     f"(tokens of one request), got {printable(repr(x), 40)}")
     return v
 
 
@@ -127,8 +135,7 @@ def _detailed(rec: dict, where: str) -> Optional[DetailedRequests]:
             got = len(arr) if isinstance(arr, list) else type(arr).__name__
             raise ConfigError(f"{where}.{key}", f"must be a list as long as input_lens ({n}), got {got}")
     for i, t in enumerate(ttfts):
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-            raise ConfigError(f"{where}.ttfts[{i}]", f"must be a number of seconds, got {t!r}")
+        bounded_number(t, f"{where}.ttfts[{i}]")  # seconds
     return DetailedRequests(ins, outs, [float(t) for t in ttfts], [str(e or "") for e in errors])
 
 
@@ -167,23 +174,24 @@ def parse_record(rec: Any, where: str) -> BenchRecord:
         notes.append("e2e_*: the file's *_latency_ms (not an upstream vLLM key; the request's end-to-end latency)")
     concurrency = rec.get("max_concurrency")
     if concurrency is not None:
-        concurrency = _count(rec, "max_concurrency", where)
+        concurrency = _count(rec, "max_concurrency", where, high=MAX_COUNT)
     burst = _num(rec, "burstiness", where)
     record = BenchRecord(
         where=where, client=client, backend=_str(rec, "backend"), endpoint_type=_str(rec, "endpoint_type"),
-        date=_str(rec, "date"), model_id=_str(rec, "model_id"), num_prompts=_count(rec, "num_prompts", where),
-        completed=_count(rec, "completed", where, required=True), request_rate=_request_rate(rec, where),
+        date=_str(rec, "date"), model_id=_str(rec, "model_id"), num_prompts=_count(rec, "num_prompts", where, high=MAX_COUNT),
+        completed=_count(rec, "completed", where, required=True, high=MAX_COUNT), request_rate=_request_rate(rec, where),
         burstiness=1.0 if burst is None else burst, max_concurrency=concurrency,
         duration_s=_num(rec, "duration", where, required=True),
         total_input_tokens=_count(rec, "total_input_tokens", where, required=True),
         total_output_tokens=_count(rec, "total_output_tokens", where, required=True), metrics=metrics,
-        dataset_name=_str(rec, "dataset_name"), random_input_len=_count(rec, "random_input_len", where),
-        random_output_len=_count(rec, "random_output_len", where),
+        dataset_name=_str(rec, "dataset_name"),
+        random_input_len=_count(rec, "random_input_len", where, high=MAX_TOKENS_PER_REQUEST),
+        random_output_len=_count(rec, "random_output_len", where, high=MAX_TOKENS_PER_REQUEST),
         random_range_ratio=_num(rec, "random_range_ratio", where), detailed=_detailed(rec, where), notes=notes)
     if record.burstiness <= 0:
         raise ConfigError(f"{where}.burstiness", f"must be > 0, got {rec.get('burstiness')!r}")
     if "max_num_seqs" in rec:  # `vllm bench sweep serve` appends the serve parameters it swept
-        record.engine["max_num_seqs"] = _count(rec, "max_num_seqs", where)
+        record.engine["max_num_seqs"] = _count(rec, "max_num_seqs", where, high=MAX_COUNT)
     if record.completed == 0:
         raise ConfigError(f"{where}.completed", "no request completed: nothing to compare")
     return record
@@ -197,7 +205,7 @@ def _str(rec: dict, key: str) -> Optional[str]:
 def _inferencemax(rec: dict, where: str) -> BenchRecord:
     """InferenceMAX's aggregated file: per-GPU throughputs (x tp) and latencies in seconds; no request
     count, lengths or duration (they come from flags)."""
-    tp = _count(rec, "tp", where, required=True)
+    tp = _count(rec, "tp", where, required=True, high=4096)
     if not tp:
         raise ConfigError(f"{where}.tp", "must be >= 1")
     metrics = _latency_metrics(rec, where, 1000.0, "")
@@ -208,51 +216,42 @@ def _inferencemax(rec: dict, where: str) -> BenchRecord:
     return BenchRecord(
         where=where, client="inferencemax", backend=_str(rec, "framework"), endpoint_type=None, date=None,
         model_id=_str(rec, "model"), num_prompts=None, completed=None, request_rate=math.inf, burstiness=1.0,
-        max_concurrency=_count(rec, "conc", where), duration_s=None, total_input_tokens=None,
+        max_concurrency=_count(rec, "conc", where, high=MAX_COUNT), duration_s=None, total_input_tokens=None,
         total_output_tokens=None, metrics=metrics, tensor_parallel_size=tp, hardware_name=_str(rec, "hw"),
         notes=["InferenceMAX aggregate: tot_tok_s / out_tok_s are tput_per_gpu x tp"])
 
 
 def load_bench_file(path: str | Path) -> list[BenchRecord]:
-    """Every result record of a file: one JSON object (any indentation) or JSON lines (one run each)."""
+    """Every result record of a file: one JSON object (any indentation) or JSON lines (one run each),
+    read through `core.limits` (regular file, size and inflated-size limits, nesting, UTF-8, digits)."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(str(path), "file not found") from None
-    except IsADirectoryError:
-        raise ConfigError(str(path), "is a folder, not a result file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(str(path), "is not a text (JSON) file") from None
+    text = read_import_text(path, p.name)
     if not text.strip():
         raise ConfigError(str(path), "is empty")
-    try:
-        whole = json.loads(text)
-    except json.JSONDecodeError as e:
-        whole = _jsonl(text, p.name, e)
-        return [parse_record(rec, f"{p.name}:{line}") for line, rec in whole]
+    lines = _jsonl(text, p)
+    if lines is not None:
+        return [parse_record(rec, f"{p.name}:{line}") for line, rec in lines]
+    whole = load_json_text(text, path, p.name)
     if isinstance(whole, list):  # a list of runs
         return [parse_record(rec, f"{p.name}[{i}]") for i, rec in enumerate(whole)]
     return [parse_record(whole, p.name)]
 
 
-def _parses(line: str) -> bool:
+def _jsonl(text: str, path: Path) -> Optional[list[tuple[int, Any]]]:
+    """JSON lines (one object a line, at least two lines, the first a whole object), else None (one
+    document, possibly indented, parsed whole). Lines are iterated, never listed (256 MB of newlines
+    would be a list of 256M strings)."""
+    lines = ((number, line) for number, line in enumerate(io.StringIO(text), start=1) if line.strip())
+    first = next(lines, None)
+    if first is None or not first[1].lstrip().startswith("{") or not first[1].rstrip().endswith("}"):
+        return None
+    second = next(lines, None)
+    if second is None:
+        return None
     try:
-        json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return True
-
-
-def _jsonl(text: str, name: str, first_error: json.JSONDecodeError) -> list[tuple[int, Any]]:
-    lines = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
-    if len(lines) < 2 or not _parses(lines[0][1]):  # one (indented) object that does not parse: truncated
-        raise ConfigError(name, f"not valid JSON (truncated?): {first_error.msg} at line {first_error.lineno} "
-                                f"column {first_error.colno}") from None
-    out = []
-    for number, line in lines:
-        try:
-            out.append((number, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{name}:{number}", f"not valid JSON (truncated?): {e.msg} at column {e.colno}") from None
+        out = [(first[0], load_json_text(first[1], path, path.name))]
+    except ConfigError:
+        return None  # not one object on its own: the whole-document parse names the problem
+    for number, line in itertools.chain([second], lines):
+        out.append((number, load_json_text(line, f"{path}:{number}", f"{path.name}:{number}")))
     return out

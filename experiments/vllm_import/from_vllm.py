@@ -13,7 +13,9 @@ preset (`--hardware`: a preset, or a GPU name such as "NVIDIA H100 80GB HBM3"):
   non-negative least squares (`servetwin.experiments.calibrate.calibrate.fit_from_tables`, the torch
   calibration's fit). Bench files given with traces are only predicted (their figures as a check);
 - benchmark results alone: the end-to-end search of `servetwin.experiments.validate.preset_fit` (GPU
-  efficiencies and the engine's per-step / per-request CPU) on the files imported as validate cases.
+  efficiencies and the engine's per-step / per-request CPU) on the files imported as validate cases; a
+  fit that misses its own files' TPOT or request throughput by more than 15% (or a case that cannot
+  run) raises `fit_check.FitFailed` naming the term, before anything is written.
 
 The provenance lists every file, the errors in sample (per file) and leave-one-file-out (refit
 without the file, predict it); fewer than two files: no leave-one-out.
@@ -21,7 +23,6 @@ without the file, predict it); fewer than two files: no leave-one-out.
 from __future__ import annotations
 
 import datetime as dt
-import gzip
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ import numpy as np
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.vllm_import.bench_case import ImportOptions
 
+GZIP_MAGIC = b"\x1f\x8b"
 STEP_OFFSET = 1_000_000  # step numbers of run k are shifted by k * STEP_OFFSET when runs are pooled
 
 
@@ -66,18 +68,14 @@ class StartSet:
 
 def start_set(hardware: Optional[str]) -> StartSet:
     """`--hardware`: a preset, a GPU name (the nearest preset), or a hardware YAML naming its `base` preset."""
-    import yaml  # noqa: PLC0415
-
+    from servetwin.core.safe_yaml import load_yaml_file  # noqa: PLC0415
     from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
     from servetwin.sim.hardware_presets import HARDWARE_PRESETS  # noqa: PLC0415
 
     if not hardware or not Path(hardware).is_file():
         base = nearest_preset(hardware)
         return StartSet(base, base)
-    try:
-        raw = yaml.safe_load(Path(hardware).read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ConfigError("--hardware", f"{hardware} is not valid YAML: {e}") from None
+    raw = load_yaml_file(hardware, "--hardware")
     base = raw.get("base") if isinstance(raw, dict) else None
     if base not in HARDWARE_PRESETS:
         raise ConfigError("--hardware", f"{hardware}: a hardware file to start from must name its preset (base: "
@@ -87,29 +85,26 @@ def start_set(hardware: Optional[str]) -> StartSet:
     return StartSet(base, {"base": base, **values}, hw.efficiency, values)
 
 
-def is_chrome_trace(path: str | Path) -> bool:
-    head = Path(path).read_bytes()[:4096]
-    if head[:2] == b"\x1f\x8b":
-        try:
-            with gzip.open(path, "rb") as f:
-                head = f.read(4096)
-        except (OSError, EOFError):
-            return True  # a damaged gzip: the trace reader names it
-    return b"traceEvents" in head
+def is_chrome_trace(head: bytes) -> bool:
+    """Whether a file's first bytes (inflated) are a Chrome trace's; a damaged gzip counts (its reader
+    names it)."""
+    return b"traceEvents" in head or head[:2] == GZIP_MAGIC
 
 
 def classify(files: list[str]) -> tuple[list[str], list[str], list[str]]:
     """(profiler traces, bench results, server logs): a trace holds `traceEvents`, a bench result starts
-    as JSON, anything else is read as a server log (whose readers name a file that is none of them)."""
+    as JSON, anything else is read as a server log (whose readers name a file that is none of them).
+    Only each file's first 4 KiB are read, after `core.limits`' file-type check (a FIFO, a folder or a
+    device is refused by name)."""
+    from servetwin.core.limits import read_head  # noqa: PLC0415
+
     traces, benches, logs = [], [], []
     for f in files:
-        if not Path(f).is_file():
-            raise ConfigError(f, "file not found")
-        if is_chrome_trace(f):
+        head = read_head(f, "--from-vllm")
+        if is_chrome_trace(head):
             traces.append(f)
         else:
-            head = Path(f).read_bytes()[:64].lstrip()
-            (benches if head[:1] in (b"{", b"[") else logs).append(f)
+            (benches if head.lstrip()[:1] in (b"{", b"[") else logs).append(f)
     return traces, benches, logs
 
 
@@ -226,17 +221,20 @@ def iterate_trace_fit(traces: list[str], experiments: list[str], start: StartSet
 
 
 # -- end-to-end fit from bench files ----------------------------------------------------------------------
-def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path) -> dict[str, list[str]]:
-    """Every record of every bench file as a case under `case_dir`: {file: [case names]}."""
-    from servetwin.experiments.vllm_import.bench_case import build_case, write_case  # noqa: PLC0415
+def import_benches(benches: list[str], opts: ImportOptions, case_dir: Path,
+                   log: Callable[[str], None] = lambda m: None) -> dict[str, list[str]]:
+    """Every record of every bench file as a case under `case_dir`: {file: [case names]}; each case's
+    assumptions (what the file does not record) logged as one block."""
+    from servetwin.experiments.vllm_import.bench_case import build_case, import_cases  # noqa: PLC0415
     from servetwin.experiments.vllm_import.bench_file import load_bench_file  # noqa: PLC0415
 
     out: dict[str, list[str]] = {}
+    cases = []
     for k, path in enumerate(benches):
         for record in load_bench_file(path):
-            case = build_case(record, opts, prefix=f"f{k}_")
-            write_case(case, case_dir)
-            out.setdefault(path, []).append(case.name)
+            cases.append(build_case(record, opts, prefix=f"f{k}_"))
+            out.setdefault(path, []).append(cases[-1].name)
+    import_cases(cases, case_dir, log=log)
     return out
 
 
@@ -251,16 +249,20 @@ def bench_fit(benches: list[str], opts: ImportOptions, base: str, start: Optiona
               ) -> tuple[dict[str, float], dict[str, Any]]:
     """({(section, name) fitted value}, report). `fit_params` False: only predict the files (`start` fitted
     elsewhere). `params`: the `preset_fit` entries searched (default: its FIT set)."""
-    from servetwin.experiments.validate.preset_fit import FIT, evaluate, fit, start_values  # noqa: PLC0415
+    from servetwin.experiments.validate.preset_fit import FIT, evaluate, fit, hardware_mapping, start_values  # noqa: PLC0415
+    from servetwin.experiments.vllm_import.fit_check import check_bench_fit  # noqa: PLC0415
 
     params = params or FIT
     with tempfile.TemporaryDirectory(prefix="servetwin-from-vllm-") as tmp:
-        by_file = import_benches(benches, opts, Path(tmp))
+        by_file = import_benches(benches, opts, Path(tmp), log if fit_params else lambda m: None)
         names = [n for ns in by_file.values() for n in ns]
         values = start_values(params, base, start) if fit_params else {}
         if fit_params:
             values, _ = fit(tmp, values, names, rounds, log, params, base, start)
-        report: dict[str, Any] = {"in_sample": _case_errors(evaluate(tmp, values, names, base, start))}
+        in_sample = evaluate(tmp, values, names, base, start)
+        report: dict[str, Any] = {"in_sample": _case_errors(in_sample)}
+        if fit_params:  # a fit that misses its own files stops here, naming the term (nothing is written)
+            check_bench_fit(in_sample, Path(tmp), hardware_mapping(values, base, start), values, params, log)
         if fit_params and len(by_file) > 1:
             loo = {}
             for path, held in by_file.items():

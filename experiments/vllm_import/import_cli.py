@@ -3,26 +3,35 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def _options(args: argparse.Namespace):
-    from servetwin.experiments.vllm_import.bench_case import ImportOptions  # noqa: PLC0415
+def import_options(opts, engine_flags: Optional[list[str]]):
+    """`opts` with the server's `--engine KEY=VALUE` flags (a result file cannot record them:
+    quantization, max_num_seqs, ...) - shared by `import vllm-bench` and `calibrate --from-vllm`."""
+    import yaml  # noqa: PLC0415
 
-    opts = ImportOptions(model=args.model, hardware=args.hardware, tensor_parallel_size=args.tensor_parallel_size,
-                         vllm_version=args.vllm_version, num_prompts=args.num_prompts, input_len=args.input_len,
-                         output_len=args.output_len, name=args.name)
-    for text in args.engine or []:  # the server's flags a result file cannot record (quantization, ...)
-        import yaml  # noqa: PLC0415
-
+    for text in engine_flags or []:
         key, sep, value = text.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--engine: expected KEY=VALUE (a vLLM engine argument), got {text!r}")
         opts.engine[key.strip()] = yaml.safe_load(value)
         opts.engine_sources[key.strip()] = f"{value} from --engine"
+    return opts
+
+
+def _options(args: argparse.Namespace):
+    from servetwin.experiments.vllm_import.bench_case import ImportOptions  # noqa: PLC0415
+
+    opts = import_options(ImportOptions(model=args.model, hardware=args.hardware,
+                                        tensor_parallel_size=args.tensor_parallel_size,
+                                        vllm_version=args.vllm_version, num_prompts=args.num_prompts,
+                                        input_len=args.input_len, output_len=args.output_len, name=args.name),
+                          args.engine)
     if args.server_log:
         from servetwin.experiments.vllm_import.server_log import apply_to_options, read_server_log  # noqa: PLC0415
 
@@ -31,7 +40,7 @@ def _options(args: argparse.Namespace):
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from servetwin.experiments.vllm_import.bench_case import build_case, write_case  # noqa: PLC0415
+    from servetwin.experiments.vllm_import.bench_case import build_case, import_cases  # noqa: PLC0415
     from servetwin.experiments.vllm_import.bench_file import load_bench_file  # noqa: PLC0415
 
     for flag in ("tensor_parallel_size", "num_prompts", "input_len", "output_len"):
@@ -43,9 +52,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.name and len(records) > 1:
         raise ValueError(f"--name: {len(records)} records imported; --name names one")
     cases = [build_case(r, opts) for r in records]  # every record checked before anything is written
-    for case in cases:
-        path = write_case(case, args.output, overwrite=args.overwrite)
-        _log(f"{case.name}: wrote {path}" + "".join(f"\n  note: {n}" for n in case.notes))
+    import_cases(cases, args.output, overwrite=args.overwrite, log=_log)
     print(f"imported {len(cases)} case(s) into {args.output}; run: servetwin validate {args.output}")
     return 0
 

@@ -21,15 +21,15 @@ writes a step table (a servetwin run's, the simulator's predictions) in the same
 """
 from __future__ import annotations
 
-import gzip
-import json
 import re
+import sys
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import MAX_IMPORT_NUMBER, bounded_number, load_json_text, printable, read_import_text
 from servetwin.core.testbed.step_ranges import CPU_CATEGORY, GPU_CATEGORY
 
 PLAIN = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$")
@@ -58,40 +58,87 @@ def parse_annotation(name: str) -> Optional[dict[str, int]]:
     return out
 
 
-def load_chrome_trace(path: str | Path) -> list[dict[str, Any]]:
-    """The `traceEvents` of a Chrome trace JSON file (plain or gzip)."""
-    p = Path(path)
+# Step ranges one trace may hold: each becomes a row of the step table (a long vLLM profile has tens of
+# thousands; a file of only step ranges at MAX_IMPORT_FILE_BYTES would hold 2.5M, several GB of rows).
+MAX_TRACE_STEPS = 250_000
+_CATEGORIES = (CPU_CATEGORY, GPU_CATEGORY)
+
+
+class _TooManySteps(Exception):
+    """Raised from inside json's parse (not a ValueError: load_json_text would call it bad JSON)."""
+
+
+def _step_range_keeper() -> Callable[[dict], Any]:
+    """json's object hook: a trace event is dropped as it is parsed unless it is a step range, which keeps
+    only the keys read here (a 2M-event trace holds its few thousand steps, not 2M dicts with their args);
+    past MAX_TRACE_STEPS step ranges the parse stops."""
+    kept = 0
+
+    def keep(obj: dict) -> Any:
+        nonlocal kept
+        if "ph" not in obj:
+            return obj  # the top-level object, an event's args, metadata
+        name = obj.get("name")
+        if obj.get("ph") != "X" or obj.get("cat") not in _CATEGORIES or not isinstance(name, str) \
+                or not name.startswith("execute_"):
+            return None
+        kept += 1
+        if kept > 2 * MAX_TRACE_STEPS:  # a CPU and a GPU range per step
+            raise _TooManySteps()
+        return {"ph": "X", "cat": obj["cat"], "name": name, "ts": obj.get("ts"), "dur": obj.get("dur")}
+    return keep
+
+
+def load_chrome_trace(path: str | Path) -> list[Any]:
+    """The step-range events of a Chrome trace JSON file (plain or gzip; other events come back as None),
+    read through `core.limits` (regular file, size and inflated-size limits, nesting, UTF-8)."""
+    text = read_import_text(path, "trace")
     try:
-        raw = p.read_bytes()
-        text = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
-        data = json.loads(text)
-    except FileNotFoundError:
-        raise ConfigError(str(path), "file not found") from None
-    except IsADirectoryError:
-        raise ConfigError(str(path), "is a folder; give the trace files (one per rank)") from None
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(str(path), f"not a Chrome trace JSON (plain or .gz; truncated?): {e}") from None
+        data = load_json_text(text, path, "trace", object_hook=_step_range_keeper())
+    except _TooManySteps:
+        raise ConfigError("trace", f"{path} holds more than {MAX_TRACE_STEPS:,} steps (the limit of one trace; "
+                                   "profile a shorter window)") from None
+    del text
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
-        raise ConfigError(f"{path}.traceEvents", "must be a list of trace events")
+        raise ConfigError(f"{path}.traceEvents", "must be a list of trace events (not a Chrome trace JSON?)")
+    steps = sum(1 for ev in events if isinstance(ev, dict) and ev.get("cat") == CPU_CATEGORY)
+    if steps > MAX_TRACE_STEPS:
+        raise ConfigError("trace", f"{path} holds {steps:,} steps, more than the limit of {MAX_TRACE_STEPS:,} "
+                                   "(profile a shorter window)")
     return events
+
+
+def _composition(name: str, where: str) -> Optional[dict[str, int]]:
+    comp = parse_annotation(name)
+    if comp is not None and max(comp.values()) > MAX_IMPORT_NUMBER:
+        raise ConfigError(where, f"a step range states a count over the limit of {MAX_IMPORT_NUMBER}: "
+                                 f"{printable(name, 80)}")
+    return comp
 
 
 def _step_events(events: list, path: str, category: str) -> list[tuple[float, float, str]]:
     out = []
     for i, ev in enumerate(events):
-        if not isinstance(ev, dict) or ev.get("ph") != "X" or ev.get("cat") != category:
+        if not isinstance(ev, dict) or ev.get("ph") != "X" or ev.get("cat") != category \
+                or not isinstance(ev.get("name"), str):
+            continue  # (only step ranges reach here as events; an object without "ph" is kept whole)
+        where = f"{path}.traceEvents[{i}]"
+        if _composition(ev["name"], f"{where}.name") is None:
             continue
-        name = ev.get("name")
-        if not isinstance(name, str) or not name.startswith("execute_") or parse_annotation(name) is None:
-            continue
-        for key in ("ts", "dur"):
-            v = ev.get(key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or (key == "dur" and v < 0):
-                raise ConfigError(f"{path}.traceEvents[{i}].{key}", f"must be a number of microseconds, got {v!r}")
-        out.append((float(ev["ts"]) * 1e-6, float(ev["dur"]) * 1e-6, name))
+        ts = bounded_number(ev.get("ts"), f"{where}.ts")  # microseconds since the profiler's epoch
+        dur = bounded_number(ev.get("dur"), f"{where}.dur", low_open=True)  # a step takes time
+        out.append((ts * 1e-6, dur * 1e-6, ev["name"], i))
     out.sort()
-    return out
+    if category == CPU_CATEGORY:  # one thread runs the steps one after another
+        for (t0, d0, _, _), (t1, _, _, i) in zip(out, out[1:]):
+            if t1 < t0 + d0 - _OVERLAP_TOLERANCE_S:
+                raise ConfigError(f"{path}.traceEvents[{i}].ts", f"this step range starts {1e6 * (t0 + d0 - t1):.3f} "
+                                                               "us before the previous one ends (steps do not overlap)")
+    return [(t, d, n) for t, d, n, _ in out]
+
+
+_OVERLAP_TOLERANCE_S = 1e-6  # the trace's microsecond rounding
 
 
 def _rank_table(path: str | Path) -> tuple[list[tuple[float, float, str]], Optional[list[float]]]:
@@ -106,8 +153,10 @@ def _rank_table(path: str | Path) -> tuple[list[tuple[float, float, str]], Optio
     return cpu, ([d for _, d, _ in gpu] if gpu else None)
 
 
-def read_profiler_traces(paths: Iterable[str | Path], run: str = "measured"):
-    """One row per step (a pandas DataFrame, see the module docstring) from one trace per rank."""
+def read_profiler_traces(paths: Iterable[str | Path], run: str = "measured",
+                         log: Optional[Callable[[str], None]] = None):
+    """One row per step (a pandas DataFrame, see the module docstring) from one trace per rank. `log`: a
+    line per file read and per PROGRESS_EVERY_STEPS rows built (default: stderr, for large traces only)."""
     import pandas as pd  # noqa: PLC0415
 
     from servetwin.core.testbed.trace import STEP_COLUMNS  # noqa: PLC0415
@@ -115,7 +164,10 @@ def read_profiler_traces(paths: Iterable[str | Path], run: str = "measured"):
     paths = list(paths)
     if not paths:
         raise ConfigError("--measured", "no trace file given")
-    ranks = [_rank_table(p) for p in paths]
+    ranks = []
+    for p in paths:
+        ranks.append(_rank_table(p))
+        _progress(log, f"trace: {p}: {len(ranks[-1][0]):,} step ranges read", len(ranks[-1][0]))
     cpu0 = ranks[0][0]
     for p, (cpu, _) in zip(paths[1:], ranks[1:]):
         if [n for _, _, n in cpu] != [n for _, _, n in cpu0]:
@@ -137,8 +189,22 @@ def read_profiler_traces(paths: Iterable[str | Path], run: str = "measured"):
         row["num_reqs"] = comp["num_context_reqs"] + comp["num_generation_reqs"]
         row["total_tokens"] = comp["num_context_tokens"] + comp["num_generation_tokens"]
         rows.append(row)
+        if (i + 1) % PROGRESS_EVERY_STEPS == 0:
+            _progress(log, f"trace: {i + 1:,}/{len(cpu0):,} step rows built", len(cpu0))
         prev_end = start + float(dc)
     return pd.DataFrame(rows, columns=list(STEP_COLUMNS) + [c for c in EXTRA_COLUMNS])
+
+
+PROGRESS_EVERY_STEPS = 100_000
+
+
+def _progress(log: Optional[Callable[[str], None]], msg: str, steps: int) -> None:
+    """`log(msg)`; without a `log`, stderr for a large trace only (a line per file is noise for the usual
+    few thousand steps, and a 500k-step trace reads for most of a minute)."""
+    if log is not None:
+        log(msg)
+    elif steps >= PROGRESS_EVERY_STEPS:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def detailed_annotation(rows: Iterable[tuple[int, int, bool]]) -> str:

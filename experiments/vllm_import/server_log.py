@@ -21,12 +21,14 @@ fact wins (a restarted server). Nothing here is guessed: a fact the log does not
 from __future__ import annotations
 
 import ast
+import io
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.limits import printable, read_bytes
 
 _NUM = r"([\d,]+)"
 _PATTERNS: dict[str, re.Pattern] = {
@@ -42,10 +44,14 @@ _PATTERNS: dict[str, re.Pattern] = {
     "gpu_memory_utilization": re.compile(r"gpu_memory_utilization \(([\d.]+)\)"
                                         r"|Desired GPU memory utilization is \(([\d.]+),"),
 }
-_NON_DEFAULT = re.compile(r"non-default args: (\{.*\})\s*$")
-_CAPTURE = re.compile(r"Capturing CUDA graphs? \(([^)]*)\).*?\|\s*(\d+)/(\d+)")
-_CAPTURE_SIZES = re.compile(r"['\"]cudagraph_capture_sizes['\"]: \[([\d,\s]*)\]")
-_CONFIG_FIELD = re.compile(r"\b(model|tensor_parallel_size|max_seq_len)=('([^']*)'|\d+)")
+# Every pattern is linear in the line: an unbounded `.*?` or `[^)]*` after a literal that repeats would be
+# tried from each repeat to the end of the line (a 1 MB line of "Capturing CUDA graphs (" took minutes).
+_NON_DEFAULT = "non-default args: "
+_CAPTURE = re.compile(r"Capturing CUDA graphs? \(([^)\n]{0,200})\)[^\n]{0,300}?\|\s{0,8}(\d{1,9})/(\d{1,9})")
+_CAPTURE_SIZES = re.compile(r"['\"]cudagraph_capture_sizes['\"]: \[([\d,\s]{0,100000})\]")
+_CONFIG_FIELD = re.compile(r"\b(model|tensor_parallel_size|max_seq_len)=('([^'\n]{0,1000})'|\d+)")
+MAX_NON_DEFAULT_CHARS = 1 << 20  # the `non-default args` dict repr read with ast.literal_eval
+_MAX_DIGITS = 30
 # engine settings an imported case takes from the log (vLLM argument name -> servetwin engine field)
 ENGINE_ARGS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
                "enable_prefix_caching": "enable_prefix_caching", "enable_chunked_prefill": "enable_chunked_prefill",
@@ -92,35 +98,61 @@ def _first_group(m: re.Match) -> str:
     return next(g for g in m.groups() if g is not None)
 
 
-def _convert(name: str, text: str) -> Any:
+def _convert(name: str, text: str, where: str) -> Any:
     if name == "vllm_version":
-        return text
+        return printable(text, 80)
+    if len(text) > _MAX_DIGITS:
+        raise ConfigError(where, f"{name}: a number of {len(text)} characters (not a vLLM log line?)")
     if name.endswith("_gib") or name == "gpu_memory_utilization":
-        return float(text)
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(where, f"{name}: {printable(text, 40)!r} is not a number") from None
     return int(text.replace(",", ""))
+
+
+def _non_default_args(line: str, where: str) -> Any:
+    """The dict after `non-default args: ` at the end of a line (None: no such line)."""
+    at = line.find(_NON_DEFAULT)
+    if at < 0:
+        return None
+    text = line[at + len(_NON_DEFAULT):].rstrip()
+    if not (text.startswith("{") and text.endswith("}")):
+        return None
+    if len(text) > MAX_NON_DEFAULT_CHARS:
+        raise ConfigError(where, f"the non-default args are {len(text)} characters, more than the limit of "
+                                 f"{MAX_NON_DEFAULT_CHARS}")
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, RecursionError, MemoryError, TypeError):
+        raise ConfigError(where, "the non-default args are not a readable dict") from None
+
+
+def _lines(text: str):
+    """(number, line) without a list of every line (a log of 256M newlines would need 2 GB of pointers);
+    \r, \n and \r\n end a line, as a terminal shows a progress bar's updates."""
+    for number, line in enumerate(io.StringIO(text, newline=None), start=1):
+        yield number, line.rstrip("\n")
 
 
 def parse_server_log(text: str, path: str = "log") -> ServerLog:
     log = ServerLog(path)
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in _lines(text):
+        where = f"{path}:{number}"
         for name, pattern in _PATTERNS.items():
             m = pattern.search(line)
             if m:
-                setattr(log, name, _convert(name, _first_group(m)))
-        m = _NON_DEFAULT.search(line)
-        if m:
-            try:
-                args = ast.literal_eval(m.group(1))
-            except (ValueError, SyntaxError):
-                raise ConfigError(f"{path}:{number}", "the non-default args are not a readable dict") from None
-            if isinstance(args, dict):
-                log.non_default_args = args
+                setattr(log, name, _convert(name, _first_group(m), where))
+        args = _non_default_args(line, where)
+        if isinstance(args, dict):
+            log.non_default_args = args
         for key, raw, quoted in _CONFIG_FIELD.findall(line) if "with config:" in line else ():
-            value = quoted if key == "model" else int(raw)
+            value = printable(quoted, 200) if key == "model" else _convert(key, raw, where)
             setattr(log, {"max_seq_len": "max_model_len"}.get(key, key), value)
         m = _CAPTURE_SIZES.search(line)
         if m:
-            log.cuda_graph_sizes = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+            log.cuda_graph_sizes = [_convert("cudagraph_capture_sizes", x, where)
+                                    for x in m.group(1).replace(" ", "").split(",") if x]
         m = _CAPTURE.search(line)
         if m and m.group(2) == m.group(3):
             log.cuda_graph_captures[m.group(1)] = int(m.group(3))
@@ -137,12 +169,9 @@ def parse_server_log(text: str, path: str = "log") -> ServerLog:
 
 
 def read_server_log(path: str | Path) -> ServerLog:
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        raise ConfigError(str(path), "file not found") from None
-    except IsADirectoryError:
-        raise ConfigError(str(path), "is a folder, not a log file") from None
+    """A server log read through `core.limits.read_bytes` (regular file, size and inflated-size limits;
+    a .gz log is inflated); bytes that are not UTF-8 are replaced (a log may mix encodings)."""
+    text = read_bytes(path, "log").decode("utf-8", errors="replace")
     log = parse_server_log(text, str(path))
     if not any((log.vllm_version, log.kv_cache_tokens, log.num_gpu_blocks, log.non_default_args, log.max_model_len,
                 log.model_loading_gib)):
@@ -229,7 +258,8 @@ def describe(log: ServerLog) -> list[str]:
              ("gpu_memory_utilization", log.gpu_memory_utilization), ("CUDA graph sizes", log.cuda_graph_sizes),
              ("CUDA graphs captured", log.cuda_graph_captures or None),
              ("non-default args", log.non_default_args or None)]
-    lines = [f"{name}: {value}" for name, value in facts if value is not None]
+    # every value came from the file: control characters escaped (a log must not drive the terminal)
+    lines = [f"{name}: {printable(value, 2000)}" for name, value in facts if value is not None]
     if log.reduced_max_model_len:
         lines.append(f"max_model_len was reduced from {log.requested_max_model_len} to {log.max_model_len}")
     return lines
@@ -245,7 +275,7 @@ def _cmd_log(args) -> int:
             raise ConfigError("--model", f"the log's model {model!r} is not a model servetwin knows; give --model")
         check = kv_check(log, model, args.hardware, args.tensor_parallel_size)
         print(f"KV cache: vLLM {check['vllm_kv_tokens']:,} tokens, servetwin {check['servetwin_kv_tokens']:,} tokens "
-              f"({100 * check['difference']:+.1f}%) for {check['setup']}" + "".join(f"; {n}" for n in check["notes"]))
+              f"({100 * check['difference']:+.1f}%) for {printable(check['setup'], 2000)}" + "".join(f"; {n}" for n in check["notes"]))
     return 0
 
 

@@ -141,3 +141,38 @@ def test_files_are_sized_before_they_are_read(tmp_path):
         read_text(tmp_path, "model")
     (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"a": 1}).encode())
     assert load_json_file(tmp_path / "bom.json", "scenario") == {"a": 1}
+
+
+# -- issue 38: the importers' bounded reader, numbers, echoed text -----------------------------------------
+def test_read_bytes_inflates_gzip_up_to_its_limit_only(tmp_path):
+    import gzip
+
+    from servetwin.core.limits import read_bytes, read_head
+
+    f = tmp_path / "a.gz"
+    f.write_bytes(gzip.compress(b"x" * 5000))
+    assert read_bytes(f, "w", limit=5000) == b"x" * 5000 and read_head(f, "w", 10) == b"x" * 10
+    with pytest.raises(ConfigError, match="inflates to more than the limit of 4999 bytes"):
+        read_bytes(f, "w", limit=4999)
+    f.write_bytes(gzip.compress(b"x" * 5000)[:20])
+    with pytest.raises(ConfigError, match="is not a readable gzip file"):
+        read_bytes(f, "w")
+
+
+@given(st.one_of(st.integers(-10 ** 500, 10 ** 500), st.floats(allow_nan=True), st.booleans(), st.text(max_size=3)))
+def test_bounded_number_returns_a_finite_float_in_range_or_names_the_field(v):
+    from servetwin.core.limits import bounded_number
+
+    try:
+        out = bounded_number(v, "f.x", low=0.0, high=1e6)
+    except ConfigError as e:
+        assert e.path == "f.x" and len(str(e)) < 200  # a 500-digit value is described, not printed
+    else:
+        assert not isinstance(v, (bool, str)) and 0.0 <= out <= 1e6 and out == float(v)
+
+
+def test_printable_escapes_every_control_character():
+    from servetwin.core.limits import printable
+
+    assert printable("a\x1b[2Jb\u202e\x07") == "a\\x1b[2Jb\\u202e\\x07"
+    assert printable("x" * 300, 10) == "xxxxxxx..." and printable("plain text") == "plain text"

@@ -148,3 +148,51 @@ def test_probe_drift_confirms_refreshes_and_probes_the_new_calibration(fake, mon
     readings = iter([-30.0, 4.0])  # not confirmed: nothing re-measured, the first engine kept
     engine, probe, refresh = cmp.probe_drift(exp, None, 1, lambda m: None)
     assert engine == "engine3" and refresh is None and probe["drift_pct_confirming"] == 4.0 and len(fake) == 2
+
+
+# -- issue 38 item 6: a poisoned or damaged cache, an uncreatable cache folder ----------------------------
+@pytest.mark.parametrize("change,needle", [
+    ({"c_lm_head": 1e30}, "coefficients.c_lm_head = 1e+30, outside [0, 100000]"),
+    ({"c_step": -1.0}, "coefficients.c_step = -1.0, outside [0, 10]"),
+    ({"c_token": float("nan")}, "coefficients.c_token = nan"),
+    ("zero", "prices a step at 0 s"),
+    ("text", "the cached calibration is unreadable"),
+    ("dev-zero", "is not a regular file"),
+])
+def test_a_poisoned_cache_is_refused_naming_the_file_and_the_fix(fake, capsys, change, needle):
+    from servetwin.experiments.cli import main
+
+    path = auto.cache_path(auto.fingerprint("tiny-llama", "float32", auto.THREADS))
+    path.parent.mkdir(parents=True)
+    doc = yaml.safe_load(CALIBRATION.read_text())
+    if change == "zero":
+        doc["coefficients"] = {k: 0.0 for k in doc["coefficients"]}
+    elif isinstance(change, dict):
+        doc["coefficients"].update(change)
+    if change == "text":
+        path.write_bytes(b"coefficients: [\x00\xff")
+    elif change == "dev-zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError) as err:
+        validate_config(tiny(hardware="auto"))
+    text = str(err.value)
+    assert text.startswith("hardware: auto: ") and str(path) in text and needle in text, text
+    assert f"delete {path}" in text or change == "dev-zero"
+    assert not fake  # nothing re-measured behind the user's back
+    cfg = write_yaml(path.parent.parent / "c.yaml", tiny(hardware="auto"))
+    assert main(["run", str(cfg), "-o", str(path.parent.parent / "out")]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_an_uncreatable_cache_folder_exits_2_naming_the_variable(tmp_path, monkeypatch, capsys):
+    from servetwin.experiments.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("SERVETWIN_CALIBRATIONS", str(blocker / "cache"))
+    cfg = write_yaml(tmp_path / "c.yaml", tiny(hardware="auto"))
+    assert main(["run", str(cfg), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create the calibration cache folder" in err and "SERVETWIN_CALIBRATIONS" in err

@@ -93,13 +93,13 @@ def test_trace_files_fail_before_allocation_naming_the_line(tmp_path, capsys):
         (tmp_path / "moon.jsonl", "mooncake", "moon.jsonl:1.input_length: 10000000000 tokens", "limit"),
         (tmp_path / "deep.jsonl", "auto", "deep.jsonl:1: this line is nested more than 64", ""),
         (tmp_path / "field.csv", "auto", "field.csv:", "field larger than field limit"),
-        (tmp_path / "bin.csv", "auto", "is not UTF-8 text", ""),
+        (tmp_path / "bin.csv", "auto", "is not UTF-8 text (invalid byte on line 2", ""),
     ]
     cases[1][0].write_text(json.dumps({"timestamp": 0, "input_length": 10 ** 10, "output_length": 4,
                                        "hash_ids": [1]}) + "\n")
     cases[2][0].write_text("[" * 100_000 + "]" * 100_000 + "\n")
     cases[3][0].write_text("arrival_s,prompt_tokens,output_tokens\n0,8," + "4" * 200_000 + "\n")
-    cases[4][0].write_bytes(b"arrival_s,prompt_tokens\n\xff\xfe\x00")
+    cases[4][0].write_bytes(b"arrival_s,prompt_tokens,output_tokens\n\xff\xfe\x00")  # read line by line: a full header
     for trace, fmt, *needles in cases:
         fails_naming(capsys, ["run", str(with_trace(tmp_path, trace, fmt)), "-o", str(tmp_path / "out")],
                      *[n for n in needles if n])

@@ -268,3 +268,67 @@ def test_a_marker_cannot_reach_outside_its_folder(tmp_path):
         f.write(f"../victim.txt\n{victim}\n")
     assert _run(cfg, out, "--overwrite") == 0
     assert victim.read_text() == "keep me"
+
+
+# -- issue 38 items 9, 10, 13: files listed before they are written; hostile markers --------------------
+def test_an_interrupted_output_phase_lists_every_file_it_left(tmp_path, monkeypatch, capsys):
+    """Interrupted after the tables and figures (the report raises): each file on disk is already in the
+    marker, so a later --overwrite without figures leaves none of the first run's PNGs."""
+    import servetwin.experiments.run.report as report
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "write_report", interrupted)
+    cfg = write_yaml(tmp_path / "c.yaml", tiny())
+    out = tmp_path / "out"
+    assert _run(cfg, out) == 130
+    left = set(folder_tree(out))
+    assert any(f.endswith(".png") for f in left) and any(f.endswith(".parquet") for f in left)
+    assert left <= _marked(out), left - _marked(out)
+    monkeypatch.undo()
+    assert _run(write_yaml(tmp_path / "n.yaml", tiny(output={"plots": False})), out, "--overwrite") == 0
+    assert not any(f.endswith(".png") for f in folder_tree(out))
+    capsys.readouterr()
+
+
+def test_an_announced_write_is_listed_before_its_file_appears(tmp_path, monkeypatch):
+    seen = []
+    real_replace = os.replace
+
+    def replace(tmp, final):  # what the marker says at the moment of the rename
+        seen.append((tmp_path / "o" / MARKER).read_text().splitlines()[-1])
+        real_replace(tmp, final)
+    with RunFolder(str(tmp_path / "o")) as folder:
+        folder.begin()
+        (tmp_path / "o" / "sub").mkdir()
+        monkeypatch.setattr(os, "replace", replace)
+        atomic_write_with(str(tmp_path / "o" / "sub" / "x.txt"), lambda tmp: pathlib.Path(tmp).write_text("x"))
+        monkeypatch.undo()
+    assert seen == [os.path.join("sub", "x.txt")]
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo"])
+def test_a_marker_that_is_no_regular_file_is_refused(tmp_path, capsys, kind):
+    cfg = write_yaml(tmp_path / "c.yaml", tiny(output={"plots": False}))
+    out = tmp_path / "out"
+    assert _run(cfg, out) == 0
+    (out / MARKER).unlink()
+    if kind == "fifo":
+        os.mkfifo(out / MARKER)
+    else:
+        (out / MARKER).symlink_to("/dev/zero")
+    assert _run(cfg, out, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert f"{MARKER} is not a regular file" in err and "Traceback" not in err
+    assert (out / "summary.json").exists()  # nothing removed
+
+
+def test_a_marker_of_many_entries_shows_progress(tmp_path, capsys):
+    cfg = write_yaml(tmp_path / "c.yaml", tiny(output={"plots": False}))
+    out = tmp_path / "out"
+    assert _run(cfg, out) == 0
+    with open(out / MARKER, "a") as f:
+        f.writelines(f"gone/{i}.parquet\n" for i in range(45_000))
+    assert _run(cfg, out, "--overwrite") == 0
+    assert "--overwrite: removed 40,000/" in capsys.readouterr().err

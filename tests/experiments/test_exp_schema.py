@@ -196,3 +196,13 @@ def test_max_cudagraph_capture_size_is_checked():
     with pytest.raises(ConfigError) as e:
         validate_config({**base, "engine": {"max_cudagraph_capture_size": 0}})
     assert e.value.path == "engine.max_cudagraph_capture_size"
+
+
+def test_speculative_config_is_vllms_mapping_checked_by_path():
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    exp = validate_config(tiny(backends=["torch"], engine__speculative_config=spec))
+    assert exp.engine_args("torch").speculative_config.prompt_lookup_min == 4
+    assert _err(tiny(engine__speculative_config={"method": "medusa", "num_speculative_tokens": 3})).startswith(
+        "engine.speculative_config.method: must be one of ngram, eagle, mtp, draft_model")
+    assert _err(tiny(engine__speculative_config={"num_speculative_tokens": 3, "lookup": 2})).startswith(
+        "engine.speculative_config.lookup: unknown key")

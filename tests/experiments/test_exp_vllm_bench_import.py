@@ -30,7 +30,8 @@ def test_every_public_file_builds_a_case(entry):
         assert n in expected
         assert (case.trace_rows is not None) == entry["detailed"]
         assert case.published["published"], "no figure to compare"
-        assert any("tensor_parallel_size" in note for note in case.notes)  # TP is not in any file: named
+        assert any(a.field == "engine.tensor_parallel_size" for a in case.assumptions)  # from a name, or assumed
+        assert "tensor_parallel_size" in case.assumption_block()
 
 
 def test_detailed_requests_keep_lengths_and_order():

@@ -123,3 +123,10 @@ def test_scheduling_policy_and_policy_are_one_setting(tmp_path):
     from servetwin.experiments.serve.serve_cli import OWN_ARGS  # noqa: PLC0415  (flags serve defines itself)
 
     assert {f.name for f in fields(EngineArgs)} - OWN_ARGS <= set(FIELD_HELP)
+
+
+def test_speculative_config_flag_takes_vllms_json():
+    ns = build_parser().parse_args(["serve", "--backend", "torch", "--speculative-config",
+                                    '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}'])
+    spec = engine_args_from(ns).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 2, 2, 2)

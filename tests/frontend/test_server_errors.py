@@ -210,3 +210,41 @@ def test_the_api_key_guards_v1_only(server):
             assert_error_shape(c.get("/v1/models", headers=headers), 401)
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
         assert c.get("/v1/models", headers=AUTH).status_code == 200
+
+
+# -- issue 38 item 13: fields vLLM answers 400 for, which the sim server ignored ----------------------------
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"prompt_logprobs": 10 ** 9}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": -5}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": 10 ** 9}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"response_format": "junk"}, "response_format"),
+    ("/v1/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"tools": "junk"}, "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
+    ("/v1/chat/completions", {"tools": []}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+])
+def test_fields_vllm_refuses_are_400_naming_them(asgi, path, extra, param):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2} if path == "/v1/completions" else dict(CHAT)
+    err = assert_error_shape(post(asgi, path, {**body, **extra}), 400)
+    assert err["param"] is not None and err["param"].startswith(param.split(".")[0]), err
+    assert param.replace(".0.", ".").split(".")[0] in err["message"] or param in err["message"], err
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    {"tools": [TOOL], "tool_choice": "required"}, {"tools": [TOOL]}, {"tool_choice": "none"},
+    {"response_format": {"type": "json_object"}}, {"response_format": {"type": "text"}},
+])
+def test_valid_tool_and_format_requests_still_run(asgi, extra):
+    r = post(asgi, "/v1/chat/completions", {**CHAT, **extra})
+    assert r.status_code == 200, r.text

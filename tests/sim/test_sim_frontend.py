@@ -92,6 +92,33 @@ def test_burst_is_admitted_together_after_n_times_ingress():
     assert sim.frontend.cpu.busy_s == pytest.approx(n * work)
 
 
+@pytest.mark.parametrize("servers", [1, 2])
+def test_in_order_ingress_admits_a_burst_one_request_after_another(servers):
+    n, work = 40, 0.01
+    fe = _api(c_req_s=work)
+    in_order = FrontendConfig(fe.type, fe.endpoint, fe.coefficients, api_server_count=servers, ingress="in_order")
+    sim, r = _run(_reqs(n), in_order)
+    # each server's requests leave in the order sent, one ingress apart: k x work for its k-th request
+    expected = sorted([k * work for k in range(1, n // servers + 1)] * servers)
+    assert sorted(r.engine_arrival_s.tolist()) == pytest.approx(expected)
+    order = r.loc[[f"r{i}" for i in range(0, n, servers)]].engine_arrival_s.tolist()
+    assert order == sorted(order)
+    # the same CPU work as processor sharing, and the last request leaves at the same time
+    assert sum(c.busy_s for c in sim.frontend.cpus) == pytest.approx(n * work)
+    assert sim.frontend.summary(1.0).get("endpoint") == "completions" and in_order.describe()["ingress"] == "in_order"
+
+
+def test_in_order_ingress_shares_the_cpu_with_the_output_path_and_keeps_its_order():
+    fe = _api(c_req_s=0.01, c_token_out_s=0.002, c_chunk_s=0.003)
+    in_order = FrontendConfig(fe.type, fe.endpoint, fe.coefficients, ingress="in_order")
+    sim, r = _run(_reqs(30, out=6), in_order)
+    arrivals = r.loc[[f"r{i}" for i in range(30)]].engine_arrival_s.to_numpy()
+    assert (arrivals[1:] > arrivals[:-1]).all()  # strictly in the order sent
+    # output work competes: some ingress took longer than its own work
+    assert (arrivals[1:] - arrivals[:-1]).max() > 0.01 + 1e-9
+    assert (r.finish_s.notna()).all()
+
+
 def test_front_end_sets_the_pace_under_a_stream_of_cheap_requests():
     # 200 requests at 400/s, each needing 5 ms of front-end CPU: the front end serves at most 200/s
     reqs = _reqs(200, out=1)
@@ -174,6 +201,7 @@ def test_parse_frontend_and_defaults():
     ({"type": "api_server", "coefficients": {"coefficients": {"c_req_s": -1}}}, "frontend.coefficients.coefficients.c_req_s"),
     ({"type": "api_server", "coefficients": {"coefficients": {"c_reqs": 1}}}, "frontend.coefficients.coefficients.c_reqs"),
     ({"type": "api_server", "coefficients": "no-such-preset"}, "frontend.coefficients"),
+    ({"type": "api_server", "ingress": "lifo"}, "frontend.ingress"),
 ])
 def test_bad_frontend_config_names_the_field(cfg, field):
     with pytest.raises(ValueError) as e:

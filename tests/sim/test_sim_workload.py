@@ -192,3 +192,20 @@ def test_draw_token_lists_in_one_chunk_or_many_is_the_same_draw():
     one = draw_token_lists(np.random.default_rng(2), 32_000, sizes)
     for chunk in (1, 6, 3000, 10**9):
         assert draw_token_lists(np.random.default_rng(2), 32_000, sizes, chunk_tokens=chunk) == one
+
+
+# -- issue 38 item 8: a run that would not fit the memory budget is refused before it is built -----------
+def test_a_run_past_the_memory_budget_is_refused_naming_the_override(monkeypatch):
+    from servetwin.core.config_error import ConfigError
+    from servetwin.sim.workload import WorkloadSpec, generate_requests
+
+    spec = WorkloadSpec.from_dict({"requests": 1000, "prompt_tokens": 100_000, "output_tokens": 10})
+    with pytest.raises(ConfigError, match=r"workload.requests: 1,000 requests of 100,000,000 prompt and 10,000 "
+                                          r"output tokens would need about 2,491 MB, more than the run memory limit "
+                                          r"of 2,048 MB .*SERVETWIN_MAX_RUN_MEMORY_MB"):
+        generate_requests(spec)
+    monkeypatch.setenv("SERVETWIN_MAX_RUN_MEMORY_MB", "1")
+    with pytest.raises(ConfigError, match="more than the run memory limit of 1 MB"):
+        generate_requests(WorkloadSpec.from_dict({"requests": 100_000, "prompt_tokens": 1, "output_tokens": 1}))
+    monkeypatch.setenv("SERVETWIN_MAX_RUN_MEMORY_MB", "300")
+    assert len(generate_requests(WorkloadSpec.from_dict({"requests": 10, "prompt_tokens": 5, "output_tokens": 1}))) == 10

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import os
 import sys
 from typing import Any, AsyncIterator, Coroutine, Optional
 
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_client import EngineDeadError
 from servetwin.core.engine.metrics import render_engine_health
@@ -194,12 +196,20 @@ def build_app(args: EngineArgs, *, served_model_name: Optional[str] = None, pace
     if profiler_dir is not None:  # as vLLM: the routes exist only with a profiler directory
         @app.post("/start_profile")
         async def start_profile() -> Response:
+            try:  # checked again here: the folder may have gone since start-up (nothing starts then)
+                check_profiler_dir(profiler_dir)
+            except ConfigError:  # the reply names the flag, not the server's path (the log has it)
+                logger.error("/start_profile: %s is not a writable folder", profiler_dir)
+                raise APIError("the profiler directory (--profiler-dir) is not a writable folder; profiling not "
+                               "started", None, 500, "InternalServerError") from None
             await state.ready_engine().start_profile(profiler_dir)
             return Response(status_code=200)
 
         @app.post("/stop_profile")
         async def stop_profile() -> JSONResponse:
-            return JSONResponse({"trace": await state.ready_engine().stop_profile()})
+            path = await state.ready_engine().stop_profile()
+            # the file's name in the profiler directory: the server's own paths stay out of replies
+            return JSONResponse({"trace": None if path is None else os.path.basename(path)})
 
     return app
 
@@ -228,6 +238,21 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
         asyncio.run(main)
         return
     uvloop.run(main)
+
+
+def check_profiler_dir(path: str) -> str:
+    """`--profiler-dir`, created and proved writable (a file made and removed), or a `ConfigError`
+    naming the flag: an unwritable folder found only at /stop_profile lost the profile and left it on."""
+    import tempfile  # noqa: PLC0415
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".servetwin-write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError("--profiler-dir", f"{path} is not a writable folder "
+                                            f"({e.strerror or type(e).__name__})") from None
+    return path
 
 
 def run_server(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,

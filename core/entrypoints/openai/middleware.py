@@ -68,15 +68,23 @@ class RequestSizeLimit:
         await self.app(scope, limited_receive, send)
 
 
+# Routes guarded besides `/v1/*`: the profiler's write to the server's disk and slow the engine. vLLM's
+# `--api-key` leaves them open (it guards `/v1` only); servetwin does not (docs/serving.md).
+GUARDED_ROUTES = ("/start_profile", "/stop_profile")
+
+
 class APIKeyAuth:
-    """`Authorization: Bearer <key>` on every `/v1/*` route (vLLM's `--api-key`); else a 401."""
+    """`Authorization: Bearer <key>` on every `/v1/*` route (vLLM's `--api-key`) and `GUARDED_ROUTES`;
+    else a 401."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not scope.get("path", "").startswith("/v1"):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not (
+                path.startswith("/v1") or path in GUARDED_ROUTES):
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization") or b""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
@@ -27,6 +27,28 @@ Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 # -- request schemas ------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: Optional[StrictBool] = False
+
+
+class ResponseFormat(BaseModel):
+    """vLLM's `AnyResponseFormat` (vllm/entrypoints/openai/chat_completion/protocol.py:252): a typed
+    object; anything else is a 400 there too. servetwin generates unconstrained tokens for every type."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: Optional[dict[str, Any]] = None
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class Tool(BaseModel):
+    """vLLM's `ChatCompletionToolsParam` (protocol.py:206)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: ToolFunction
 
 
 class CommonRequest(BaseModel):
@@ -53,6 +75,8 @@ class CommonRequest(BaseModel):
     user: Optional[str] = None
     priority: StrictInt = 0
     return_tokens_as_token_ids: StrictBool = False  # vLLM extension: logprob tokens as "token_id:<id>"
+    prompt_logprobs: Optional[StrictInt] = None  # vLLM extension; bounded by max_logprobs (common_params)
+    response_format: Optional[ResponseFormat] = None
 
 
 class CompletionRequest(CommonRequest):
@@ -78,6 +102,8 @@ class ChatCompletionRequest(CommonRequest):
     top_logprobs: Optional[StrictInt] = None
     add_generation_prompt: StrictBool = True
     echo: StrictBool = False
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
 
 
 # -- errors ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from servetwin.core.engine.request_output import RequestOutput
 from servetwin.core.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, bad_request_from,
                                                         error_body)
 from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, chain, check_seqs_per_request,
-                                                              common_params,
+                                                              common_params, requested_prompt_logprobs,
                                                               engine_error_event, json_encoder, merge_streams,
                                                               prime, sse, token_str, unless_disconnected)
 
@@ -43,6 +43,34 @@ def render_chat(tok: Any, messages: list[Any], add_generation_prompt: bool,
     return text, ids
 
 
+_NAMED_TOOL = '{"type": "function", "function": {"name": "my_function"}}'
+
+
+def check_tool_usage(req: ChatCompletionRequest) -> None:
+    """vLLM's `check_tool_usage` (chat_completion/protocol.py:975-1056): tools given as [] or a
+    tool_choice without tools, of an unknown value, or naming no given tool, are 400s. servetwin
+    generates unconstrained tokens: a valid tool request runs as a plain chat."""
+    if req.tools == []:
+        raise APIError("tools: must not be an empty array; give at least one tool or omit the field", "tools")
+    choice = req.tool_choice
+    if choice is None or choice == "none":
+        return
+    if req.tools is None:
+        raise APIError("tool_choice: when using tool_choice, tools must be set", "tool_choice")
+    if isinstance(choice, str):
+        return  # "auto" / "required" (the schema allows nothing else)
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise APIError(f"tool_choice.function: must be an object; correct usage: {_NAMED_TOOL}", "tool_choice.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise APIError(f"tool_choice.function.name: must be a non-empty string; correct usage: {_NAMED_TOOL}",
+                       "tool_choice.function.name")
+    if all(tool.function.name != name for tool in req.tools):
+        raise APIError("tool_choice: the tool specified in tool_choice does not match any of the specified tools",
+                       "tool_choice")
+
+
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, raw: dict[str, Any], large: bool, request: Request) -> Response:
         engine = self.state.ready_engine()
@@ -60,8 +88,9 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = common_params(req, max_tokens, logprobs, None, self.state.args.max_logprobs,
-                               {"max_tokens": max_tokens_param})
+        check_tool_usage(req)
+        params = common_params(req, max_tokens, logprobs, requested_prompt_logprobs(req, self.state.args.max_logprobs),
+                               self.state.args.max_logprobs, {"max_tokens": max_tokens_param})
         check_seqs_per_request(1, req.n, self.state.limits.max_seqs_per_request)
         # the chat template and its tokens run in the tokenizer thread: both cost CPU time
         text, ids = await self.state.run_cpu(render_chat, tok, req.messages, req.add_generation_prompt)

@@ -15,7 +15,7 @@ from servetwin.core.engine.request_output import RequestOutput
 from servetwin.core.entrypoints.openai.protocol import (APIError, CompletionRequest, bad_request_from,
                                                         error_body)
 from servetwin.core.entrypoints.openai.serving_engine import (OpenAIServing, chain, check_seqs_per_request,
-                                                              common_params,
+                                                              common_params, requested_prompt_logprobs,
                                                               engine_error_event, json_encoder, merge_streams,
                                                               prime, sse, token_str, unless_disconnected)
 
@@ -73,7 +73,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.logprobs is not None and req.logprobs < 0:
             raise APIError(f"logprobs: must be >= 0, got {req.logprobs}", "logprobs")
         prompts = _completion_prompts(req)
-        prompt_lps = req.logprobs if (req.echo and req.logprobs is not None) else None
+        prompt_lps = requested_prompt_logprobs(req, self.state.args.max_logprobs)
+        if prompt_lps is None and req.echo and req.logprobs is not None:
+            prompt_lps = req.logprobs
         params = common_params(req, req.max_tokens, req.logprobs, prompt_lps, self.state.args.max_logprobs)
         check_seqs_per_request(len(prompts), req.n, self.state.limits.max_seqs_per_request)
         prompts = await self._tokenize(engine, prompts, params, "max_tokens")

@@ -119,6 +119,22 @@ def token_str(tokenizer: Any, tid: int) -> str:
     return tokenizer.decode([tid])
 
 
+def requested_prompt_logprobs(req: CommonRequest, max_logprobs: int) -> Optional[int]:
+    """`prompt_logprobs` checked as vLLM checks it (chat_completion/protocol.py:900-911, and the
+    processor's max_logprobs bound): >= 0 or -1 (the whole vocabulary), never with a stream."""
+    value = req.prompt_logprobs
+    if value is None:
+        return None
+    if value < -1:
+        raise APIError(f"prompt_logprobs: must be a positive value or -1, got {value}", "prompt_logprobs")
+    if req.stream and value != 0:
+        raise APIError("prompt_logprobs: not available when stream=true", "prompt_logprobs")
+    if value == -1 and max_logprobs != -1:
+        raise APIError(f"prompt_logprobs: requested all (-1) logprobs, more than max_logprobs={max_logprobs}",
+                       "prompt_logprobs")
+    return value
+
+
 def common_params(req: CommonRequest, max_tokens: Optional[int], logprobs: Optional[int],
                    prompt_logprobs: Optional[int], max_logprobs: int,
                    aliases: Optional[dict[str, str]] = None) -> SamplingParams:
