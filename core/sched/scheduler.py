@@ -111,6 +111,7 @@ class Scheduler(ConnectorSchedulerMixin):
         self.block_size = cache_config.block_size
         self.policy = scheduler_config.scheduling_policy
         self.async_scheduling = scheduler_config.async_scheduling
+        self.use_pp = scheduler_config.pipeline_parallel_size > 1  # vLLM 0.33 v1/core/sched/scheduler.py:386
         self.log_stats = log_stats
         # eagle / mtp: every block hash covers the next token too, or (no lookahead hashes, as with a
         # KV connector) a hit drops its last block (config/vllm.py:677-693, sched:330-345)
@@ -514,6 +515,8 @@ class Scheduler(ConnectorSchedulerMixin):
         cached = CachedRequestData()
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         computed_list, output_list = cached.num_computed_tokens, cached.num_output_tokens
+        new_token_ids = cached.new_token_ids
+        send_tokens = self.use_pp and not async_sched
         for r in scheduled_running_reqs:  # collect and advance in one pass (the hot loop)
             rid = r.request_id
             blocks = req_to_new_blocks[rid]
@@ -524,6 +527,8 @@ class Scheduler(ConnectorSchedulerMixin):
             computed_list.append(computed)
             output_list.append(len(r._output_token_ids) + placeholders)
             n = nst[rid]
+            if send_tokens:  # vLLM 0.33 v1/core/sched/scheduler.py:1945 (spec tokens are not in the list)
+                new_token_ids.append(r._all_token_ids[computed:computed + n])
             before[rid] = computed
             r.num_computed_tokens = computed = computed + n
             r.num_in_flight_tokens += n
@@ -540,6 +545,8 @@ class Scheduler(ConnectorSchedulerMixin):
             output_list.append(len(r._output_token_ids))
             cached.resumed_req_ids.add(rid)
             cached.all_token_ids[rid] = list(r._all_token_ids)
+            if send_tokens:
+                new_token_ids.append(r._all_token_ids[r.num_computed_tokens:r.num_computed_tokens + nst[rid]])
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
