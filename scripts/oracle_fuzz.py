@@ -97,7 +97,7 @@ def _settings(rng: random.Random, async_sched: bool, max_prompt: int, *, small_b
     chunked = rng.random() < 0.8
     mnbt = rng.choice((8, 16, 24, 32, 48, 64, 96, 128, 256))
     if not chunked:
-        mnbt = max(mnbt, max_prompt + rng.choice((0, 0, 1, 8, 64)))
+        mnbt = max(mnbt, max_prompt + rng.choice((1, 1, 2, 8, 64)))  # max_model_len <= mnbt: vLLM's rule
     max_num_seqs = min(mnbt, rng.choice((1, 2, 3, 4, 6, 8, 16, 256)))
     s: dict[str, Any] = {
         "max_num_seqs": max_num_seqs,
@@ -116,7 +116,7 @@ def _settings(rng: random.Random, async_sched: bool, max_prompt: int, *, small_b
         if rng.random() < 0.5:
             s["max_model_len"] = rng.choice((max_prompt + 1, max_prompt + 8, max_prompt + 40, 32768))
     else:
-        s["max_model_len"] = rng.randint(max_prompt + 1, max(max_prompt + 1, mnbt)) if rng.random() < 0.5 else mnbt
+        s["max_model_len"] = rng.randint(max_prompt + 1, mnbt) if rng.random() < 0.5 else mnbt
     mml = s.get("max_model_len", mnbt if not chunked else 32768)
     if chunked and rng.random() < 0.25:
         s["long_prefill_token_threshold"] = rng.randint(1, min(mml, mnbt))
@@ -564,7 +564,7 @@ class Fuzz:
 
     def save(self, folder: str, name: str, scenario: dict, expected: Any, extra: dict) -> Path:
         base = self.out / folder / name
-        base.with_suffix(".json").write_text(json.dumps(scenario, indent=1) + "\n")
+        Path(f"{base}.json").write_text(json.dumps(scenario, indent=1) + "\n")
         if isinstance(expected, list):
             Path(f"{base}.expected.jsonl").write_text("".join(json.dumps(x) + "\n" for x in expected))
         Path(f"{base}.info.json").write_text(json.dumps(extra, indent=1, default=str) + "\n")
@@ -618,6 +618,20 @@ class Fuzz:
         self.write_counts()
         self.print_counts()
         return 0
+
+    def recheck(self, where: Path) -> int:
+        """Run saved scenarios again (after a fix): the outcome of each, and 1 if any still differs."""
+        paths = [where] if where.is_file() else sorted(
+            p for p in where.glob("*.json") if not p.name.endswith(".info.json"))
+        still = 0
+        for p in paths:
+            outcome, _exp, ours = self.check(json.loads(p.read_text()))
+            detail = ours[1] if outcome == "diverge" else ("" if outcome == "agree" else str(ours)[:300])
+            print(f"{outcome:10} {p.name} {detail or ''}", flush=True)
+            still += outcome not in ("agree", "vllm_error")
+        self.oracle.stop()
+        print(f"{len(paths)} rechecked, {still} still differ")
+        return 1 if still else 0
 
     def print_counts(self) -> None:
         parts = [f"{f}: " + " ".join(f"{k}={v}" for k, v in c.items()) for f, c in sorted(self.counts.items())]
@@ -715,22 +729,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--shrink", action="store_true", help="minimise each divergent scenario")
     ap.add_argument("--shrink-tries", type=int, default=120, help="vLLM runs one minimisation may spend")
     ap.add_argument("--report-every", type=int, default=50, help="print the counts every N scenarios")
-    ap.add_argument("--only", default=None, help="re-check one saved scenario JSON and print the difference")
+    ap.add_argument("--recheck", default=None,
+                    help="re-check saved scenarios (a .json file, or every *.json of a folder, e.g. OUT/diverged "
+                         "or tests/core/data) and print each outcome; exit 1 if any still differs")
     args = ap.parse_args(argv)
     for f in args.families.split(","):
         if f not in GENERATORS:
             ap.error(f"--families: unknown family {f!r} (one of {', '.join(GENERATORS)})")
-    if args.count is None and args.minutes is None and args.only is None:
+    if args.count is None and args.minutes is None and args.recheck is None:
         ap.error("give --count or --minutes")
     for flag, path in (("--vllm-python", args.vllm_python), ("--driver", args.driver)):
         if not os.path.exists(path):
             ap.error(f"{flag}: {path} does not exist")
     fuzz = Fuzz(args)
-    if args.only:
-        outcome, _exp, ours = fuzz.check(json.loads(Path(args.only).read_text()))
-        fuzz.oracle.stop()
-        print(outcome, ours[1] if outcome == "diverge" else ("" if outcome == "agree" else ours))
-        return 0 if outcome == "agree" else 1
+    if args.recheck:
+        return fuzz.recheck(Path(args.recheck))
     return fuzz.run()
 
 
