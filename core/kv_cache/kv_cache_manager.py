@@ -78,14 +78,15 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[BlocksPerGroup, int]:
         """The longest prefix cached in every group, block-granular, capped at N-1 tokens.
 
-        When full attention alone would hit further than all groups together, the request keeps
-        that length as its `shared_prefix_boundary` (its sliding-window blocks there get retained)."""
+        When one group's lookup alone would hit further than all groups together, the request keeps
+        that length as its `shared_prefix_boundary` (its sliding-window blocks there get retained;
+        vLLM 0.33 v1/core/kv_cache_manager.py:319-325)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.coordinator.empty_hits, 0
-        blocks, hit, full_hit = self.coordinator.find_longest_cache_hit(
+        blocks, hit, longest_hit = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1)
-        if full_hit > hit:
-            request.shared_prefix_boundary = full_hit
+        if longest_hit > hit:
+            request.shared_prefix_boundary = longest_hit
         return blocks, hit
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
