@@ -80,13 +80,14 @@ class KVCacheManager:
 
         When one group's lookup alone would hit further than all groups together, the request keeps
         that length as its `shared_prefix_boundary` (its sliding-window blocks there get retained;
-        vLLM 0.33 v1/core/kv_cache_manager.py:319-325)."""
+        vLLM 0.33 v1/core/kv_cache_manager.py:319-325); every lookup sets it, to 0 when there is no
+        such junction (v1/core/sched/scheduler.py:1121-1126), so a resumed request drops a stale one."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
+            request.shared_prefix_boundary = 0
             return self.coordinator.empty_hits, 0
         blocks, hit, longest_hit = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1)
-        if longest_hit > hit:
-            request.shared_prefix_boundary = longest_hit
+        request.shared_prefix_boundary = longest_hit if longest_hit > hit else 0
         return blocks, hit
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
