@@ -224,8 +224,11 @@ def _kv_groups(rng: random.Random, block_size: int) -> list[dict]:
     def chunk() -> int:
         return block_size * rng.randint(1, 5) if rng.random() < 0.7 else rng.randint(1, 5 * block_size)
     full = {"type": "full_attention"}
-    kind = rng.choice(("full+sw", "full+sw", "sw+full", "full+3sw", "2sw", "2sw", "3sw", "sw",
-                       "full+chunked", "3chunked+full", "chunked", "full+2sw_mixed"))
+    kind = rng.choice(("full+sw", "full+sw", "sw+full", "full+3sw", "full+3sw", "5sw+full", "2sw", "2sw",
+                       "3sw", "sw", "full+chunked", "3chunked+full", "chunked", "full+2sw_mixed"))
+    if kind == "5sw+full":  # Gemma-3: five sliding groups, then the full one
+        w = window()
+        return [{"type": "sliding_window", "sliding_window": w} for _ in range(5)] + [full]
     if kind in ("full+sw", "sw+full"):
         sw = {"type": "sliding_window", "sliding_window": window()}
         return [full, sw] if kind == "full+sw" else [sw, full]
@@ -274,7 +277,7 @@ def gen_events(rng: random.Random) -> dict:
 
 
 def gen_hybrid(rng: random.Random) -> dict:
-    max_prompt = rng.choice((24, 48, 80, 128))
+    max_prompt = rng.choice((24, 48, 80, 128, 200))
     s = _settings(rng, rng.random() < 0.3, max_prompt)
     s["enable_prefix_caching"] = rng.random() < 0.85
     groups = _kv_groups(rng, s["block_size"])
@@ -287,7 +290,8 @@ def gen_hybrid(rng: random.Random) -> dict:
         s["prefix_cache_retention_interval"] = 0
     elif roll < 0.45 and has_sw:
         s["prefix_cache_retention_interval"] = s["block_size"] * rng.randint(1, 4)
-    reqs = _requests(rng, s, rng.randint(1, 8), max_prompt, allow_n=rng.random() < 0.3)
+    reqs = _requests(rng, s, rng.randint(1, 12 if rng.random() < 0.3 else 8), max_prompt,
+                     allow_n=rng.random() < 0.3)
     _size_pool(rng, s, reqs)
     sc = {"settings": s, "requests": reqs}
     if rng.random() < 0.25:
