@@ -124,6 +124,10 @@ def _settings(rng: random.Random, async_sched: bool, max_prompt: int, *, small_b
         s["scheduler_reserve_full_isl"] = rng.random() < 0.5
     if rng.random() < 0.1:
         s["watermark"] = rng.choice((0.01, 0.05, 0.1))
+    if rng.random() < 0.1:
+        s["max_num_active_seqs"] = rng.randint(1, max_num_seqs)
+    if s["long_prefill_token_threshold"] and rng.random() < 0.3:
+        s["long_prefill_token_threshold_adaptive"] = True
     return s
 
 
@@ -138,6 +142,8 @@ def _requests(rng: random.Random, s: dict, n: int, max_prompt: int, allow_n: boo
                              "max_tokens": rng.choice((1, 2, 3, 5, 8, 12, 20, 32, 48))}
         if s["policy"] == "priority":
             r["priority"] = rng.randint(-2, 2)
+            if rng.random() < 0.2:  # ties on priority are broken by arrival time
+                r["arrival_time"] = round(rng.uniform(0, 20), 3)
         if allow_n and rng.random() < 0.1:
             r["n"] = rng.randint(2, 3)
         if salts and rng.random() < 0.5:
