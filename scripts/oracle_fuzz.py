@@ -16,6 +16,8 @@ Families (`--families`, comma separated; default `sync,async,events,hybrid`):
   hybrid  several KV cache groups: full + sliding window (windows that are and are not block
           multiples), several sliding groups, chunked local, all sliding; sparse / dense / interval
           retention; tight pools; sometimes async and events too
+  big     longer runs (not in the default): 12-32 requests, prompts up to 400 tokens, tight pools,
+          KV cache groups 60 % of the time, events 30 %, async 40 %
   k       KV connectors (NixlConnector P/D, OffloadingConnector): needs the connectors driver
   s       speculative decoding (ngram / eagle / mtp, acceptance patterns): needs the connectors driver
 
@@ -45,7 +47,7 @@ WORKER = Path(__file__).resolve().parent / "oracle_fuzz_worker.py"
 WORKER_PREFIX = "FUZZ-WORKER "
 DEFAULT_FAMILIES = ("sync", "async", "events", "hybrid")
 # hybrid first: it is where the known divergences live
-FAMILY_WEIGHTS = {"sync": 2, "async": 2, "events": 3, "hybrid": 8, "k": 3, "s": 3}
+FAMILY_WEIGHTS = {"sync": 2, "async": 2, "events": 3, "hybrid": 8, "big": 3, "k": 3, "s": 3}
 STOP_IDS = (3, 5, 7, 1500, 2048)  # outside the fake sampler's base range 10..1009
 EOS = 2
 
@@ -282,9 +284,8 @@ def gen_events(rng: random.Random) -> dict:
     return sc
 
 
-def gen_hybrid(rng: random.Random) -> dict:
-    max_prompt = rng.choice((24, 48, 80, 128, 200))
-    s = _settings(rng, rng.random() < 0.3, max_prompt)
+def _hybrid_settings(rng: random.Random, s: dict) -> None:
+    """KV cache groups and a retention setting (absent = sparse, 0, null = dense, or an interval)."""
     s["enable_prefix_caching"] = rng.random() < 0.85
     groups = _kv_groups(rng, s["block_size"])
     s["kv_cache_groups"] = groups
@@ -296,11 +297,33 @@ def gen_hybrid(rng: random.Random) -> dict:
         s["prefix_cache_retention_interval"] = 0
     elif roll < 0.45 and has_sw:
         s["prefix_cache_retention_interval"] = s["block_size"] * rng.randint(1, 4)
+
+
+def gen_hybrid(rng: random.Random) -> dict:
+    max_prompt = rng.choice((24, 48, 80, 128, 200))
+    s = _settings(rng, rng.random() < 0.3, max_prompt)
+    _hybrid_settings(rng, s)
     reqs = _requests(rng, s, rng.randint(1, 12 if rng.random() < 0.3 else 8), max_prompt,
                      allow_n=rng.random() < 0.3)
     _size_pool(rng, s, reqs)
     sc = {"settings": s, "requests": reqs}
     if rng.random() < 0.25:
+        _events(rng, s, reqs, sc)
+    return sc
+
+
+def gen_big(rng: random.Random) -> dict:
+    """Longer runs: 12-32 requests, prompts up to 400 tokens, tight pools; KV cache groups 60 % of
+    the time, events 30 %, async 40 %."""
+    max_prompt = rng.choice((128, 256, 400))
+    s = _settings(rng, rng.random() < 0.4, max_prompt, small_blocks=rng.random() < 0.5)
+    if rng.random() < 0.6:
+        _hybrid_settings(rng, s)
+    reqs = _requests(rng, s, rng.randint(12, 32), max_prompt, allow_n=rng.random() < 0.3)
+    s["max_steps"] = 800
+    _size_pool(rng, s, reqs)
+    sc = {"settings": s, "requests": reqs}
+    if rng.random() < 0.3:
         _events(rng, s, reqs, sc)
     return sc
 
@@ -375,7 +398,7 @@ def gen_spec(rng: random.Random) -> dict:
 
 GENERATORS: dict[str, Callable[[random.Random], dict]] = {
     "sync": gen_sync, "async": gen_async, "events": gen_events, "hybrid": gen_hybrid,
-    "k": gen_connector, "s": gen_spec,
+    "big": gen_big, "k": gen_connector, "s": gen_spec,
 }
 
 

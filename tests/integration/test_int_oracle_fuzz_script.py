@@ -70,7 +70,9 @@ def test_scenarios_are_reproducible_and_accepted_by_the_replay():
     assert any("chunked_local_attention" in kinds for kinds in layouts)
 
 
-def test_connector_and_spec_families_generate_their_keys():
+def test_big_connector_and_spec_families():
+    _, big = fuzz.generate(3, 0, ["big"])
+    assert len(big["requests"]) >= 12 and fuzz.run_ours(big)[0] == "ok"
     _, k = fuzz.generate(3, 0, ["k"])
     _, s = fuzz.generate(3, 0, ["s"])
     assert "kv_connector" in k["settings"] and "speculative" in s["settings"]
