@@ -180,7 +180,9 @@ def _size_pool(rng: random.Random, s: dict, reqs: list[dict]) -> None:
     roll = rng.random()
     if roll < 0.15:
         usable = biggest + rng.randint(0, 2)  # about one request at a time
-    elif roll < 0.75:
+    elif roll < 0.45:
+        usable = rng.randint(biggest, biggest + max(1, (total - biggest) // 4))  # very tight
+    elif roll < 0.8:
         usable = rng.randint(biggest, max(biggest, (biggest + total) // 2))  # tight: preemption
     else:
         usable = rng.randint(biggest, total + 8)  # roomy
