@@ -225,14 +225,17 @@ def _events(rng: random.Random, s: dict, reqs: list[dict], scenario: dict) -> No
             for _ in range(rng.randint(1, 3))]
 
 
-def _kv_groups(rng: random.Random, block_size: int) -> list[dict]:
+def _kv_groups(rng: random.Random, block_size: int, max_blocks: int = 6) -> list[dict]:
+    """A group layout; windows up to `max_blocks` blocks, chunks up to one block fewer."""
     def window() -> int:
         if rng.random() < 0.5:
-            return block_size * rng.randint(1, 6)  # a block multiple
-        return rng.randint(2, 6 * block_size)
+            return block_size * rng.randint(1, max_blocks)  # a block multiple
+        return rng.randint(2, max_blocks * block_size)
 
     def chunk() -> int:
-        return block_size * rng.randint(1, 5) if rng.random() < 0.7 else rng.randint(1, 5 * block_size)
+        if rng.random() < 0.7:
+            return block_size * rng.randint(1, max_blocks - 1)
+        return rng.randint(1, (max_blocks - 1) * block_size)
     full = {"type": "full_attention"}
     kind = rng.choice(("full+sw", "full+sw", "sw+full", "full+3sw", "full+3sw", "5sw+full", "2sw", "2sw",
                        "3sw", "sw", "full+chunked", "3chunked+full", "chunked", "full+2sw_mixed"))
@@ -286,10 +289,10 @@ def gen_events(rng: random.Random) -> dict:
     return sc
 
 
-def _hybrid_settings(rng: random.Random, s: dict) -> None:
+def _hybrid_settings(rng: random.Random, s: dict, max_blocks: int = 6) -> None:
     """KV cache groups and a retention setting (absent = sparse, 0, null = dense, or an interval)."""
     s["enable_prefix_caching"] = rng.random() < 0.85
-    groups = _kv_groups(rng, s["block_size"])
+    groups = _kv_groups(rng, s["block_size"], max_blocks)
     s["kv_cache_groups"] = groups
     roll = rng.random()
     has_sw = any(g["type"] == "sliding_window" for g in groups)
@@ -316,11 +319,15 @@ def gen_hybrid(rng: random.Random) -> dict:
 
 def gen_big(rng: random.Random) -> dict:
     """Longer runs: 12-32 requests, prompts up to 400 tokens, tight pools; KV cache groups 60 % of
-    the time, events 30 %, async 40 %."""
-    max_prompt = rng.choice((128, 256, 400))
-    s = _settings(rng, rng.random() < 0.4, max_prompt, small_blocks=rng.random() < 0.5)
+    the time, events 30 %, async 40 %. A third are model-sized: blocks of 16, prompts up to 1200
+    tokens, windows / chunks up to 1024 tokens, budgets up to 2048."""
+    large = rng.random() < 0.33
+    max_prompt = rng.choice((600, 900, 1200) if large else (128, 256, 400))
+    s = _settings(rng, rng.random() < 0.4, max_prompt, small_blocks=not large and rng.random() < 0.5)
+    if large and s["enable_chunked_prefill"]:
+        s["max_num_batched_tokens"] = max(s["max_num_batched_tokens"], rng.choice((256, 512, 1024, 2048)))
     if rng.random() < 0.6:
-        _hybrid_settings(rng, s)
+        _hybrid_settings(rng, s, 64 if large else 6)
     reqs = _requests(rng, s, rng.randint(12, 32), max_prompt, allow_n=rng.random() < 0.3)
     s["max_steps"] = 800
     _size_pool(rng, s, reqs)
