@@ -17,7 +17,8 @@ Families (`--families`, comma separated; default `sync,async,events,hybrid`):
           multiples), several sliding groups, chunked local, all sliding; sparse / dense / interval
           retention; tight pools; sometimes async and events too
   big     longer runs (not in the default): 12-32 requests, prompts up to 400 tokens, tight pools,
-          KV cache groups 60 % of the time, events 30 %, async 40 %
+          KV cache groups 60 % of the time, events 30 %, async 40 %; a third model-sized (prompts
+          up to 1200 tokens, windows and chunks up to 1024)
   k       KV connectors (NixlConnector P/D, OffloadingConnector): needs the connectors driver
   s       speculative decoding (ngram / eagle / mtp, acceptance patterns): needs the connectors driver
 
