@@ -675,10 +675,12 @@ class Scheduler(ConnectorSchedulerMixin):
                         stopped = check_stop(request, max_model_len)
                     if async_sched:
                         if request.num_stale_output_tokens:
-                            self._update_async_bookkeeping(request, 1, stopped)
+                            self._update_async_bookkeeping(request, 1, status_before)
                         else:
                             request.num_output_placeholders -= 1
-                            if caching and not stopped and status_before == running_status:
+                            # a request that stops here caches its last full block too, before it is
+                            # freed (vLLM 0.33 v1/core/sched/scheduler.py:2406-2414: no stop check)
+                            if caching and status_before == running_status:
                                 known = request.num_computed_tokens - request.num_in_flight_tokens
                                 if known >= (num_cached_block.get(rid, 0) + 1) * block_size:
                                     kv.cache_blocks(request, known)
@@ -765,16 +767,18 @@ class Scheduler(ConnectorSchedulerMixin):
                 continue
             request.spec_token_ids = [] if request.is_prefill_chunk else list(drafts)
 
-    def _update_async_bookkeeping(self, request: Request, num_generated: int, stopped: bool) -> None:
+    def _update_async_bookkeeping(self, request: Request, num_generated: int,
+                                  status_before: RequestStatus) -> None:
         """Returned tokens replace placeholders (or stale ones of a preempted request); only KV known
-        to be written (computed minus in flight) is cached."""
+        to be written (computed minus in flight) is cached, also for a request that stopped on these
+        tokens (vLLM 0.33 v1/core/sched/scheduler.py:2406-2414 checks the status before the stop)."""
         if request.num_stale_output_tokens:
             stale = min(request.num_stale_output_tokens, num_generated)
             request.num_stale_output_tokens -= stale
             num_generated -= stale
         request.num_output_placeholders -= num_generated
         kv = self.kv_cache_manager
-        if not stopped and kv.enable_caching and request.status == RequestStatus.RUNNING:
+        if kv.enable_caching and status_before == RequestStatus.RUNNING:
             known = request.num_computed_tokens - request.num_in_flight_tokens
             if known >= (kv.num_cached_block.get(request.request_id, 0) + 1) * self.block_size:
                 kv.cache_blocks(request, known)
