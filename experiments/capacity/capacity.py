@@ -15,9 +15,16 @@ The method (docs/capacity.md):
   (k = 1 is bisection; with more workers than seeds, k grows so that all workers are busy) until
   `hi - lo <= rel_tol * lo` (for clients: `hi - lo <= 1`). A pass above a failure (noise) never
   widens the answer: the bracket is [highest pass below the lowest failure, lowest failure].
+- A probe must also be *steady* (experiments/run/steady_state.py): over the second half of its arrivals
+  (the first half is its warm-up) neither the requests in the system nor their waits may still grow -
+  the mean over seeds of each relative growth within `steady_limit(seeds)`. A probe whose SLO checks pass but
+  which is not steady is *extended*: run again at twice the requests, up to `max_extend` doublings; one
+  still growing then fails, whatever its percentiles say. A server that cannot keep up grows a queue in
+  proportion to the run's length, so a short probe must not pass it.
 - The capacity is the bracket's lower end (it passed at confidence c); the interval is the bracket.
   Each seed also gets its own crossing (its own highest passing load, interpolated linearly in its
-  worst check's value/limit ratio between neighbouring probes); their mean and 95% t interval say how
+  worst check's value/limit ratio between neighbouring probes, its wait growth counting as a check);
+  their mean and 95% t interval say how
   much one seed's answer would vary; for seeds that meet the SLO at every probe so far, up to
   MAX_TAIL_PROBES probes go 25% higher each after the bracket is narrow. The binding SLO is the worst
   check at the lowest failing probe.
@@ -30,8 +37,11 @@ from typing import Any, Optional
 
 from servetwin.experiments.config.slo import miss_ratio
 from servetwin.experiments.common.stats import mean_bound, mean_ci
+from servetwin.experiments.run.steady_state import STEADY_GROWTH, steady_limit
 
+STEADY_CHECK = "steady_state"  # the probe's steadiness, beside its SLO checks in `Probe.ratios`
 MAX_BRACKET_STEPS = 12  # doublings / halvings before giving up (a factor of 4096 either way)
+MAX_EXTEND = 3  # doublings of a probe's requests while it is not steady (8x at most)
 MAX_TAIL_PROBES = 3  # probes above the bracket for seeds that never missed (their own crossings)
 TAIL_FACTOR = 1.25
 
@@ -47,9 +57,24 @@ def gated_checks(evaluation: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_ratio(evaluation: Optional[dict[str, Any]]) -> float:
-    """A run's worst value/limit ratio (> 1: it misses the SLO); inf for a run that produced nothing."""
+    """A run's worst value/limit ratio (> 1: it misses the SLO, or its waits still grow over its second
+    half); inf for a run that produced nothing. The in-system count's growth is left out here: one
+    run's is too noisy to place a crossing (the probe judges its mean over seeds)."""
     checks = gated_checks(evaluation)
-    return max((_ratio(c) for c in checks), default=math.inf)
+    worst = max((_ratio(c) for c in checks), default=math.inf)
+    state = (evaluation or {}).get("steady_state")
+    return max(worst, state["wait_growth"] / STEADY_GROWTH) if state and checks else worst
+
+
+def steady_growth(evaluations: list[Optional[dict[str, Any]]]) -> Optional[dict[str, float]]:
+    """The mean over seeds of each run's queue and wait growth over its second half, and the limit for
+    that mean (`steady_limit`; None: no verdict). A steady server's growths are noise of either sign;
+    their mean above the limit: still growing."""
+    states = [ev["steady_state"] for ev in evaluations if ev and ev.get("steady_state")]
+    if not states:
+        return None
+    out = {k: sum(st[k] for st in states) / len(states) for k in ("queue_growth", "wait_growth")}
+    return dict(out, limit=steady_limit(len(states)))
 
 
 @dataclass(slots=True)
@@ -61,6 +86,21 @@ class Probe:
     ratios: dict[str, float]  # check -> bound / limit (attainment: slo.miss_ratio of the bound); > 1 fails
     worst: Optional[str]
     errors: list[str] = field(default_factory=list)
+    growth: Optional[dict[str, float]] = None  # steady_growth: mean queue / wait growth over seeds
+    requests: Optional[int] = None  # the probe's length (after any extension)
+    extended: int = 0  # how many times this load was run again at twice the requests
+
+    @property
+    def steady(self) -> Optional[bool]:
+        if self.growth is None:
+            return None
+        return max(self.growth["queue_growth"], self.growth["wait_growth"]) <= self.growth["limit"]
+
+    @property
+    def slo_passed(self) -> bool:
+        """Every SLO check holds (the steady-state check aside)."""
+        return all(r <= 1.0 for name, r in self.ratios.items() if name != STEADY_CHECK) and bool(self.ratios) \
+            and not any(ev is None for ev in self.evaluations)
 
 
 def judge(load: float, evaluations: list[Optional[dict[str, Any]]], confidence: float,
@@ -87,9 +127,12 @@ def judge(load: float, evaluations: list[Optional[dict[str, Any]]], confidence: 
             bound = None if any(v is None for v in values) else mean_bound(values, confidence, upper=True)
             ratio = math.inf if bound is None else bound / proto["limit"]
         bounds[name], ratios[name] = bound, ratio
+    growth = steady_growth(evaluations)
+    if growth is not None and ratios:
+        ratios[STEADY_CHECK] = max(growth["queue_growth"], growth["wait_growth"]) / growth["limit"]
     worst = max(ratios, key=ratios.get) if ratios else None
     passed = not failed_run and bool(ratios) and all(r <= 1.0 for r in ratios.values())
-    return Probe(load, list(evaluations), passed, bounds, ratios, worst, list(errors or []))
+    return Probe(load, list(evaluations), passed, bounds, ratios, worst, list(errors or []), growth)
 
 
 class CapacitySearch:
@@ -97,7 +140,8 @@ class CapacitySearch:
     `next_loads(k)` (the loads to probe now, [] when done) and `record(load, evaluations)`."""
 
     def __init__(self, start: float, confidence: float = 0.9, rel_tol: float = 0.02, integer: bool = False,
-                 lo: Optional[float] = None, hi: Optional[float] = None, max_probes: int = 40) -> None:
+                 lo: Optional[float] = None, hi: Optional[float] = None, max_probes: int = 40,
+                 requests: Optional[int] = None, max_extend: int = MAX_EXTEND) -> None:
         if not start > 0:
             raise ValueError(f"capacity: the starting load must be > 0, got {start}")
         self.start = float(start)
@@ -112,6 +156,16 @@ class CapacitySearch:
         self._seed_hi = hi
         self.note: Optional[str] = None
         self._tail = 0  # probes above a finished bracket (seed crossings)
+        self.requests = requests  # a probe's length before extensions (None: the config's, never extended)
+        self.max_extend = max_extend
+        self.extend: dict[float, int] = {}  # load -> doublings of its requests so far
+        self.pending: list[float] = []  # loads to run again, longer, before anything else
+
+    def length(self, load: float) -> Optional[int]:
+        """The requests of the next probe at `load` (None: the config's own count)."""
+        if self.requests is None:
+            return None
+        return self.requests * 2 ** self.extend.get(float(load), 0)
 
     # -- state ------------------------------------------------------------------------------------
     def _round(self, x: float) -> float:
@@ -142,6 +196,8 @@ class CapacitySearch:
         if len(self.probes) >= self.max_probes:
             self.note = self.note or f"stopped after {self.max_probes} probes"
             return []
+        if self.pending:  # a probe not yet steady runs again, longer, before the search moves on
+            return sorted(self.pending)
         if not self.probes:
             first = [x for x in (self._seed_lo, self._seed_hi) if x is not None] or [self.start]
             return sorted({self._round(x) for x in first})
@@ -177,11 +233,23 @@ class CapacitySearch:
 
     def record(self, load: float, evaluations: list[Optional[dict[str, Any]]],
                errors: Optional[list[str]] = None) -> Probe:
+        """Judge one probe. One whose SLO checks pass but which is not steady is not recorded yet: its
+        load is run again at twice the requests (`pending`, `length`), up to `max_extend` times; after
+        that it fails as it is."""
+        load = float(load)
+        probe = judge(load, evaluations, self.confidence, errors)
+        probe.requests, probe.extended = self.length(load), self.extend.get(load, 0)
+        if load in self.pending:
+            self.pending.remove(load)
+        if probe.steady is False and probe.slo_passed and self.requests is not None \
+                and probe.extended < self.max_extend:
+            self.extend[load] = probe.extended + 1
+            self.pending.append(load)
+            return probe
         lo, hi = self.lo_pass, self.hi_fail
         if lo is not None and hi is not None and self._narrow_enough(lo, hi):
             self._tail += 1
-        probe = judge(load, evaluations, self.confidence, errors)
-        self.probes[float(load)] = probe
+        self.probes[load] = probe
         return probe
 
     # -- the answer ---------------------------------------------------------------------------------
@@ -220,5 +288,6 @@ class CapacitySearch:
             "probes": len(self.probes),
             "per_seed_capacity": crossings,
             "per_seed_capacity_ci95": per_seed,
+            "probe_requests": [None if x is None else self.probes[x].requests for x in (lo, hi)],
             "note": self.note,
         }

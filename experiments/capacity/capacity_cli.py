@@ -7,8 +7,8 @@ import time
 
 
 def _cmd_capacity(args: argparse.Namespace) -> int:
-    from servetwin.experiments.capacity.capacity_report import (answer_line, limited_line, per_seed_line,  # noqa: PLC0415
-                                                       winner_lines)
+    from servetwin.experiments.capacity.capacity_report import (answer_line, length_line,  # noqa: PLC0415
+                                                                limited_line, per_seed_line, winner_lines)
     from servetwin.experiments.capacity.capacity_run import parse_grid, run_capacity  # noqa: PLC0415
     from servetwin.experiments.run.run_cli import _load  # noqa: PLC0415
     from servetwin.experiments.run.run_folder import RunFolder, folder_summary_state  # noqa: PLC0415
@@ -42,7 +42,8 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
         ci = r["per_seed_capacity_ci95"]
         seed_part = f"; per seed {per_seed_line(ci)} (95% CI)" if ci.get("ci_lo") is not None else ""
         name = f"{r['point']} [{r['backend']}]" if r["point"] != "base" else r["backend"]
-        print(f"{name}: capacity {answer_line(r, unit)}, binding SLO {r['binding']}{seed_part}, {r['probes']} probes")
+        print(f"{name}: capacity {answer_line(r, unit)}, binding SLO {r['binding']}{seed_part}, {r['probes']} probes "
+              f"(requests per probe run at the capacity: {length_line(r)})")
         print(f"{name}: {limited_line(r, unit)}")
     for line in winner_lines(answer)[:1]:
         print(line.replace("**", ""))
