@@ -15,17 +15,17 @@ The method (docs/capacity.md):
   (k = 1 is bisection; with more workers than seeds, k grows so that all workers are busy) until
   `hi - lo <= rel_tol * lo` (for clients: `hi - lo <= 1`). A pass above a failure (noise) never
   widens the answer: the bracket is [highest pass below the lowest failure, lowest failure].
-- A probe must also be *steady* (experiments/run/steady_state.py): over the second half of its arrivals
-  (the first half is its warm-up) neither the requests in the system nor their waits may still grow -
-  the mean over seeds of each relative growth within `steady_limit(seeds)`. A probe whose SLO checks pass but
-  which is not steady is *extended*: run again at twice the requests, up to `max_extend` doublings; one
-  still growing then fails, whatever its percentiles say. A server that cannot keep up grows a queue in
-  proportion to the run's length, so a short probe must not pass it.
+- A probe must also be *steady* (experiments/run/steady_state.py): over the second half of its
+  arrivals (the first half is its warm-up) neither the requests in the system nor their waits may
+  still grow - the mean over seeds of each relative growth within `steady_limit(seeds)`. A probe whose
+  SLO checks pass but which is not clearly steady (a mean growth above half that limit) is *extended*:
+  run again at twice the requests, up to `max_extend` doublings; one still growing then fails,
+  whatever its percentiles say. A server that cannot keep up grows a queue in proportion to the run's
+  length, so a short probe must not pass it.
 - The capacity is the bracket's lower end (it passed at confidence c); the interval is the bracket.
   Each seed also gets its own crossing (its own highest passing load, interpolated linearly in its
   worst check's value/limit ratio between neighbouring probes, its wait growth counting as a check);
-  their mean and 95% t interval say how
-  much one seed's answer would vary; for seeds that meet the SLO at every probe so far, up to
+  their mean and 95% t interval say how much one seed's answer would vary; for seeds that meet the SLO at every probe so far, up to
   MAX_TAIL_PROBES probes go 25% higher each after the bracket is narrow. The binding SLO is the worst
   check at the lowest failing probe.
 """
@@ -97,6 +97,13 @@ class Probe:
         return max(self.growth["queue_growth"], self.growth["wait_growth"]) <= self.growth["limit"]
 
     @property
+    def clearly_steady(self) -> Optional[bool]:
+        """The mean growth within half its limit: no longer probe needed to call it steady."""
+        if self.growth is None:
+            return None
+        return max(self.growth["queue_growth"], self.growth["wait_growth"]) <= self.growth["limit"] / 2
+
+    @property
     def slo_passed(self) -> bool:
         """Every SLO check holds (the steady-state check aside)."""
         return all(r <= 1.0 for name, r in self.ratios.items() if name != STEADY_CHECK) and bool(self.ratios) \
@@ -127,10 +134,12 @@ def judge(load: float, evaluations: list[Optional[dict[str, Any]]], confidence: 
             bound = None if any(v is None for v in values) else mean_bound(values, confidence, upper=True)
             ratio = math.inf if bound is None else bound / proto["limit"]
         bounds[name], ratios[name] = bound, ratio
+    worst = max(ratios, key=ratios.get) if ratios else None
     growth = steady_growth(evaluations)
     if growth is not None and ratios:
         ratios[STEADY_CHECK] = max(growth["queue_growth"], growth["wait_growth"]) / growth["limit"]
-    worst = max(ratios, key=ratios.get) if ratios else None
+        if ratios[worst] <= 1.0 < ratios[STEADY_CHECK]:  # an SLO check that fails binds before the growth
+            worst = STEADY_CHECK
     passed = not failed_run and bool(ratios) and all(r <= 1.0 for r in ratios.values())
     return Probe(load, list(evaluations), passed, bounds, ratios, worst, list(errors or []), growth)
 
@@ -233,15 +242,15 @@ class CapacitySearch:
 
     def record(self, load: float, evaluations: list[Optional[dict[str, Any]]],
                errors: Optional[list[str]] = None) -> Probe:
-        """Judge one probe. One whose SLO checks pass but which is not steady is not recorded yet: its
-        load is run again at twice the requests (`pending`, `length`), up to `max_extend` times; after
-        that it fails as it is."""
+        """Judge one probe. One whose SLO checks pass but which is not clearly steady (its mean growth
+        above half the limit) is not recorded yet: its load is run again at twice the requests (`pending`,
+        `length`), up to `max_extend` times; after that it passes or fails as it is."""
         load = float(load)
         probe = judge(load, evaluations, self.confidence, errors)
         probe.requests, probe.extended = self.length(load), self.extend.get(load, 0)
         if load in self.pending:
             self.pending.remove(load)
-        if probe.steady is False and probe.slo_passed and self.requests is not None \
+        if probe.clearly_steady is False and probe.slo_passed and self.requests is not None \
                 and probe.extended < self.max_extend:
             self.extend[load] = probe.extended + 1
             self.pending.append(load)

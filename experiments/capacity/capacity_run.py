@@ -245,7 +245,7 @@ def _probe_line(s: Search, knob: str, probe: Any, confidence: float, errors: lis
               f"{100 * probe.growth['wait_growth']:+.0f}% (mean over seeds; steady within "
               f"{100 * probe.growth['limit']:.0f}%)")
     if probe.load in s.search.pending:
-        verdict = f"SLO met but not steady: again with {s.search.length(probe.load)} requests"
+        verdict = f"SLO met but not clearly steady: again with {s.search.length(probe.load)} requests"
     else:
         verdict = (f"{'pass' if probe.passed else 'FAIL'} (worst {probe.worst}: "
                    f"{_fmt_ratio(probe.ratios.get(probe.worst))} of its limit at {confidence:g} confidence)")
