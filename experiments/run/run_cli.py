@@ -40,7 +40,9 @@ def _load(args: argparse.Namespace):
         overrides.append(f"frontend.api_server_count={args.api_server_count}")
     notes: list[str] = []
     exp = load_config(args.config, overrides=overrides, requests=args.requests, notes=notes)
-    for note in notes:
+    from servetwin.experiments.presets.validation import preset_caveats  # noqa: PLC0415
+
+    for note in notes + preset_caveats(exp):
         print(f"note: {note}", file=sys.stderr)
     return exp
 
