@@ -59,7 +59,7 @@ def register(subparsers) -> None:
         description="Search the highest arrival rate (or closed-loop client count) at which the experiment "
                     "meets the SLOs with the given confidence over several seeds: bracket by doubling, then "
                     "k-section (docs/capacity.md). Writes capacity.md, capacity.json, probes.csv, capacity.png.")
-    _common(c)
+    _common(c, default_output="runs/<name>.capacity")  # the folder _cmd_capacity writes
     c.add_argument("--slo", action="append", default=[], metavar="NAME=SECONDS",
                    help="an SLO, e.g. ttft_p99_s=0.5, tpot_p50_s=0.05, e2e_s=30 (per-request deadline), "
                         "min_attainment=0.9 (repeatable or comma-separated; replaces the config's `slo:`)")

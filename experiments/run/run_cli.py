@@ -8,9 +8,9 @@ import sys
 import time
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, default_output: str = "runs/<name>") -> None:
     p.add_argument("config", help="experiment YAML (see experiments/configs/*.yaml)")
-    p.add_argument("-o", "--output", help="output folder (default: runs/<name>)")
+    p.add_argument("-o", "--output", help=f"output folder (default: {default_output})")
     p.add_argument("--backend", choices=["sim", "torch"], action="append",
                    help="run only this backend (repeatable); overrides the config's `backends`")
     p.add_argument("--requests", type=int, metavar="N",

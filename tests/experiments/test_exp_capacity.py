@@ -149,6 +149,12 @@ def test_capacity_command_errors(tmp_path, capsys):
     assert "--grid engine.max_num_seqs: must be a non-empty YAML list" in capsys.readouterr().err
 
 
+def test_capacity_help_names_its_default_folder(capsys):
+    with pytest.raises(SystemExit):
+        main(["capacity", "--help"])
+    assert "(default: runs/<name>.capacity)" in " ".join(capsys.readouterr().out.split())
+
+
 def test_ray_missing_says_how_to_install(tmp_path, capsys, monkeypatch):
     import sys
 
