@@ -51,7 +51,7 @@ def _growth(p: dict[str, Any]) -> str:
     g = p.get("growth")
     if not g:
         return "-"
-    return (f"{100 * g['queue_growth']:+.0f}% / {100 * g['wait_growth']:+.0f}%"
+    return (f"{100 * g['wait_growth']:+.0f}% / {100 * g['in_system_growth']:+.0f}%"
             + ("" if p.get("steady") else " (growing)"))
 
 
@@ -118,13 +118,14 @@ def capacity_markdown(answer: dict[str, Any]) -> str:
               "required share). The search doubles or halves from the config's load until one probe passes and "
               "a higher one fails, then narrows the bracket by k-section (k loads per round, as many as the "
               "workers allow; k = 1 is bisection). A probe must also be steady: over the second half of its "
-              "arrivals (the first half is its warm-up) the mean over seeds of the growth of the requests in "
-              "the system and of their waits, from the third to the last quarter, must be within "
-              f"{100 * STEADY_GROWTH:.0f}% / sqrt(seeds) ({100 * steady_limit(len(seeds)):.0f}% here). A "
-              "probe meeting the SLO but not clearly steady (a mean growth above half that limit) runs again at "
-              "twice the requests (up to 8x); one still "
-              "growing then fails, whatever its percentiles say - a server that cannot keep up only looks fine "
-              "in a short run. The capacity is the highest passing load below the lowest "
+              "arrivals (the first half is its warm-up) the mean over seeds of the growth of the waits "
+              "before the engine schedules a request, from the third to the last quarter, must be within "
+              f"{100 * STEADY_GROWTH:.0f}% / sqrt(seeds) ({100 * steady_limit(len(seeds)):.0f}% here): one "
+              "whose waits still grow fails, whatever its percentiles say - a server that cannot keep up "
+              "only looks fine in a short run. A probe meeting the SLO but not settled (waits growing by "
+              "more than half that, or the requests in the system still climbing by more than it) runs "
+              "again at twice the requests (up to 8x); the longest run decides. "
+              "The capacity is the highest passing load below the lowest "
               "failing one; the interval is that bracket. The per-seed capacity interpolates where each seed's "
               "own worst value/limit ratio crosses 1, with the 95% t interval of its mean: how much a one-seed "
               "answer would vary (a seed whose waits still grow crosses there too). The binding SLO is the worst "
@@ -132,7 +133,7 @@ def capacity_markdown(answer: dict[str, Any]) -> str:
     for r in answer["searches"]:
         names = list(dict.fromkeys(n for p in r["curve"] for n in p["checks"]))
         head = ["load", "pass", "requests"] + [f"{n} mean ± 95% CI" for n in names] \
-            + [f"{n} bound / limit" for n in names] + ["growth: queue / waits", "goodput (req/s)"]
+            + [f"{n} bound / limit" for n in names] + ["growth: waits / in system", "goodput (req/s)"]
         table = []
         for p in r["curve"]:
             table.append([p["load"], "yes" if p["passed"] else "NO", p.get("requests") or "-"]

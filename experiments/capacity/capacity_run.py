@@ -241,11 +241,11 @@ def _probe_line(s: Search, knob: str, probe: Any, confidence: float, errors: lis
     length = f" ({probe.requests} requests)" if probe.requests is not None else ""
     head = f"  {s.point} [{s.backend}] {knob.rsplit('.', 1)[1]}={_fmt_load(probe.load)}{length}: "
     growth = ("" if probe.growth is None else
-              f"; growth over its second half: queue {100 * probe.growth['queue_growth']:+.0f}%, waits "
-              f"{100 * probe.growth['wait_growth']:+.0f}% (mean over seeds; steady within "
+              f"; growth over its second half: waits {100 * probe.growth['wait_growth']:+.0f}%, in system "
+              f"{100 * probe.growth['in_system_growth']:+.0f}% (mean over seeds; steady: waits within "
               f"{100 * probe.growth['limit']:.0f}%)")
     if probe.load in s.search.pending:
-        verdict = f"SLO met but not clearly steady: again with {s.search.length(probe.load)} requests"
+        verdict = f"SLO met but not settled: again with {s.search.length(probe.load)} requests"
     else:
         verdict = (f"{'pass' if probe.passed else 'FAIL'} (worst {probe.worst}: "
                    f"{_fmt_ratio(probe.ratios.get(probe.worst))} of its limit at {confidence:g} confidence)")
@@ -265,7 +265,7 @@ def _probe_row(s: Search, load: float, seed: int, r: PointResult, summ: Optional
                            "status": r.status if summ is not None or r.status != "ok" else "not run"}
     row.update(metric_row(summ))
     state = (summ or {}).get("steady_state") or {}
-    row.update(queue_growth=state.get("queue_growth"), wait_growth=state.get("wait_growth"),
+    row.update(in_system_growth=state.get("in_system_growth"), wait_growth=state.get("wait_growth"),
                steady=state.get("steady"))
     ev = (summ or {}).get("slo")
     row["worst_ratio"] = run_ratio(ev) if ev else None

@@ -75,11 +75,11 @@ def steady_state(requests: Any, step_p50_s: Optional[float]) -> Optional[dict[st
         waits[name] = _quarter_means(requests[col].to_numpy(dtype=float, na_value=np.nan), arrival, mid, q34)
     w3, w4 = (sum(w[i] for w in waits.values()) for i in (0, 1))
     floor = FLOOR_STEPS * (step_p50_s or 0.0)
-    queue_growth = (n4 - n3) / max(n3, 1.0)
+    in_system_growth = (n4 - n3) / max(n3, 1.0)
     wait_growth = (w4 - w3) / (w3 + floor) if w3 + floor > 0 else 0.0
-    growth = max(queue_growth, wait_growth)
+    growth = max(in_system_growth, wait_growth)
     return {"window": [mid, t1], "in_system": [n3, n4], "waits_s": {k: list(v) for k, v in waits.items()},
-            "queue_growth": queue_growth, "wait_growth": wait_growth, "floor_s": floor, "growth": growth,
+            "in_system_growth": in_system_growth, "wait_growth": wait_growth, "floor_s": floor, "growth": growth,
             "limit": STEADY_GROWTH, "steady": bool(growth <= STEADY_GROWTH)}
 
 
@@ -104,6 +104,6 @@ def steady_line(state: Optional[dict[str, Any]]) -> str:
     n3, n4 = state["in_system"]
     w3 = sum(w[0] for w in state["waits_s"].values())
     w4 = sum(w[1] for w in state["waits_s"].values())
-    return (f"requests in the system {n3:.0f} -> {n4:.0f} ({100 * state['queue_growth']:+.0f}%), waits "
+    return (f"requests in the system {n3:.0f} -> {n4:.0f} ({100 * state['in_system_growth']:+.0f}%), waits "
             f"{format_seconds(w3)} -> {format_seconds(w4)} ({100 * state['wait_growth']:+.0f}% with a "
             f"{format_seconds(state['floor_s'])} floor) from the third to the last quarter of the arrivals")

@@ -25,7 +25,7 @@ def _state(frontend, engine, in_system=(50.0, 50.0), floor=0.1):
     w3, w4 = frontend[0] + engine[0], frontend[1] + engine[1]
     q, w = (in_system[1] - in_system[0]) / in_system[0], (w4 - w3) / (w3 + floor)
     return {"in_system": list(in_system), "waits_s": {"frontend": list(frontend), "engine": list(engine)},
-            "queue_growth": q, "wait_growth": w, "floor_s": floor, "growth": max(q, w), "limit": 0.2,
+            "in_system_growth": q, "wait_growth": w, "floor_s": floor, "growth": max(q, w), "limit": 0.2,
             "steady": max(q, w) <= 0.2}
 
 
@@ -92,7 +92,7 @@ def test_steady_state_sees_waits_and_the_queue_grow():
     assert not waits["steady"] and waits["wait_growth"] > 0.2
     # no queue yet, but each request stays longer: the requests in the system climb (a batch still filling)
     filling = steady_state(_requests(400, lambda i: 0.0, lambda i: 0.05 * i), step_p50_s=0.01)
-    assert not filling["steady"] and filling["queue_growth"] > 0.2 and filling["wait_growth"] == 0.0
+    assert not filling["steady"] and filling["in_system_growth"] > 0.2 and filling["wait_growth"] == 0.0
     unfinished = _requests(400, lambda i: 0.0, lambda i: 5.0)
     unfinished.loc[300:, "finish_s"] = float("nan")  # never finished: they stay in the system
     assert not steady_state(unfinished, step_p50_s=0.01)["steady"]

@@ -14,7 +14,7 @@ def _ev(value: float, limit: float = 1.0, queue: float = None, wait: float = 0.0
     ev = {"met": value <= limit, "checks": [{"name": "ttft_p99_s", "kind": "target", "limit": limit,
                                              "value": value, "met": value <= limit, "ratio": value / limit}]}
     if queue is not None:  # the run's steady_state: its growth from the third to the last quarter
-        ev["steady_state"] = {"queue_growth": queue, "wait_growth": wait}
+        ev["steady_state"] = {"in_system_growth": queue, "wait_growth": wait}
     return ev
 
 
@@ -34,40 +34,46 @@ def test_judge_needs_the_bound_over_seeds_within_the_limit():
 
 
 def test_a_probe_whose_queue_grows_fails_whatever_its_percentiles():
-    growing = judge(1.0, [_ev(0.2, queue=0.3), _ev(0.25, queue=0.25), _ev(0.2, queue=0.35)], 0.9)
+    # a waiting queue that grows: each request waits longer than the last, well within the percentiles
+    growing = judge(1.0, [_ev(0.2, queue=0.0, wait=0.3), _ev(0.25, queue=0.1, wait=0.25), _ev(0.2, queue=0.0, wait=0.35)],
+                    0.9)
     assert growing.slo_passed and growing.steady is False
     assert not growing.passed and growing.worst == "steady_state" and growing.ratios["steady_state"] > 1
-    waits = judge(1.0, [_ev(0.2, queue=0.0, wait=0.5), _ev(0.2, queue=0.0, wait=0.4)], 0.9)
-    assert not waits.passed and waits.steady is False
     # steady: growths are noise of either sign, their mean within 20% / sqrt(seeds)
-    steady = judge(1.0, [_ev(0.2, queue=0.15), _ev(0.2, queue=-0.12), _ev(0.2, queue=0.05), _ev(0.2, queue=-0.1)],
-                   0.9)
-    assert steady.passed and steady.steady and steady.growth["limit"] == pytest.approx(0.1)
+    steady = judge(1.0, [_ev(0.2, queue=0.15, wait=0.12), _ev(0.2, queue=-0.12, wait=-0.1),
+                         _ev(0.2, queue=0.05, wait=0.02), _ev(0.2, queue=-0.1, wait=-0.05)], 0.9)
+    assert steady.passed and steady.steady and steady.settled and steady.growth["limit"] == pytest.approx(0.1)
+    # the requests in the system still climbing (a batch still filling) with flat waits: passes as it is,
+    # but is not settled - the search runs it again, longer
+    filling = judge(1.0, [_ev(0.2, queue=0.3, wait=0.0), _ev(0.2, queue=0.25, wait=0.01)], 0.9)
+    assert filling.passed and filling.settled is False
     assert not judge(1.0, [_ev(2.0, queue=0.0), _ev(2.0, queue=0.0)], 0.9).slo_passed
+    # a failing SLO binds before the growth
+    assert judge(1.0, [_ev(2.0, wait=0.5, queue=0.0)] * 2, 0.9).worst == "ttft_p99_s"
 
 
 def test_a_probe_meeting_its_slo_but_growing_runs_again_longer_then_fails():
     search = CapacitySearch(10.0, requests=1000, max_extend=2)
     assert search.next_loads() == [10.0] and search.length(10.0) == 1000
-    p = search.record(10.0, [_ev(0.5, queue=0.4)] * 2)
+    p = search.record(10.0, [_ev(0.5, queue=0.0, wait=0.4)] * 2)
     assert not p.passed and 10.0 not in search.probes  # not judged yet: it runs again, twice as long
     assert search.next_loads(3) == [10.0] and search.length(10.0) == 2000
-    search.record(10.0, [_ev(0.5, queue=0.4)] * 2)
+    search.record(10.0, [_ev(0.5, queue=0.4, wait=0.0)] * 2)  # a batch still filling: longer again
     assert search.length(10.0) == 4000 and search.next_loads() == [10.0]
-    last = search.record(10.0, [_ev(0.5, queue=0.4)] * 2)  # still growing after 2 extensions: it fails
+    last = search.record(10.0, [_ev(0.5, queue=0.0, wait=0.4)] * 2)  # waits still grow after 2 extensions: fails
     assert search.probes[10.0] is last and not last.passed and last.requests == 4000 and last.extended == 2
     assert search.next_loads() == [5.0] and search.length(5.0) == 1000  # the search moves on, at its length
     # a probe that turns steady when longer passes at that length, which the answer reports
     search.record(5.0, [_ev(0.5, queue=0.4)] * 2)
-    search.record(5.0, [_ev(0.5, queue=0.02)] * 2)
+    search.record(5.0, [_ev(0.5, queue=0.02, wait=0.01)] * 2)
     assert search.probes[5.0].passed and search.probes[5.0].requests == 2000
     assert search.result()["probe_requests"] == [2000, 4000]
     # a failing SLO is not extended (a longer run only queues more), nor a search without a length
     other = CapacitySearch(10.0)
-    other.record(10.0, [_ev(0.5, queue=0.4)] * 2)
+    other.record(10.0, [_ev(0.5, queue=0.0, wait=0.4)] * 2)
     assert 10.0 in other.probes and not other.probes[10.0].passed
     failing = CapacitySearch(10.0, requests=100)
-    failing.record(10.0, [_ev(3.0, queue=0.4)] * 2)
+    failing.record(10.0, [_ev(3.0, queue=0.0, wait=0.4)] * 2)
     assert 10.0 in failing.probes and not failing.pending
 
 
@@ -122,7 +128,7 @@ def test_capacity_command_on_the_simulator(tmp_path, capsys):
     separated = ci4["ci_lo"] > ci1["ci_hi"]  # a winner only when the intervals separate
     assert (answer["best"] or {}).get("point") == ("max_num_seqs=4" if separated else None)
     probes = pd.read_csv(out / "probes.csv")
-    assert {"load", "seed", "requests", "queue_growth", "wait_growth", "steady", "ttft_p90_s", "check_ttft_p90_s",
+    assert {"load", "seed", "requests", "in_system_growth", "wait_growth", "steady", "ttft_p90_s", "check_ttft_p90_s",
             "worst_ratio", "host"} <= set(probes.columns)
     assert set(probes.requests) <= {30, 60, 120, 240}  # 30, or extended while not steady
     assert (probes.status == "ok").all() and set(probes.seed) == {0, 1}
