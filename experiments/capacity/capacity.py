@@ -20,8 +20,8 @@ The method (docs/capacity.md):
   still grow - the mean over seeds of the runs' wait growth within `steady_limit(seeds)`; one whose
   waits grow fails, whatever its percentiles say (a server that cannot keep up grows a queue in
   proportion to the run's length, so a short probe must not pass it). A probe whose SLO checks pass
-  but which has not *settled* (wait growth above half that limit, or the requests in the system still
-  climbing by more than it: a batch still filling) is *extended*: run again at twice the requests,
+  but which has not *settled* (its waits, or the requests in the system - a batch still filling -
+  growing by more than half that limit) is *extended*: run again at twice the requests,
   up to `max_extend` doublings; the longest run decides.
 - The capacity is the bracket's lower end (it passed at confidence c); the interval is the bracket.
   Each seed also gets its own crossing (its own highest passing load, interpolated linearly in its
@@ -100,12 +100,11 @@ class Probe:
 
     @property
     def settled(self) -> Optional[bool]:
-        """No longer probe needed: the waits within half their limit and the in-system count within its
-        limit (a count still climbing is a batch still filling: its queue comes later)."""
+        """No longer probe needed: the waits and the in-system count each within half the limit (a count
+        still climbing is a batch still filling: its queue comes later)."""
         if self.growth is None:
             return None
-        return self.growth["wait_growth"] <= self.growth["limit"] / 2 \
-            and self.growth["in_system_growth"] <= self.growth["limit"]
+        return max(self.growth["wait_growth"], self.growth["in_system_growth"]) <= self.growth["limit"] / 2
 
     @property
     def slo_passed(self) -> bool:

@@ -15,13 +15,14 @@ compared:
   once the batch is full, the excess waits, and its wait grows linearly.
 
 `growth` is the larger of the two relative growths from Q3 to Q4: the in-system count's
-`(N4 - N3) / N3`, and the wait's `(W4 - W3) / (W3 + floor)` with `floor` a few engine steps (a few
-steps of wait is no queue). One run is steady when `growth <= STEADY_GROWTH`; the mean of n runs'
-growths (a capacity probe's seeds) when it is within `steady_limit(n)` = STEADY_GROWTH / sqrt(n), the
-same margin in standard errors. A server in a steady state shows only noise here (either sign: the
-in-system count of ShareGPT-like lengths wanders by +-15% between quarters); one that cannot keep up
-shows a growth proportional to the run's length, so a longer run separates the two better (capacity
-probes are extended for that).
+`(N4 - N3) / N3` (`in_system_growth`), and the wait's `(W4 - W3) / (W3 + floor)` with `floor` a few
+engine steps (a few steps of wait is no queue). One run is steady when `growth <= STEADY_GROWTH` (the
+run report says "keeps up" only then). A capacity probe takes the mean over its n seeds and compares it
+with `steady_limit(n)` = STEADY_GROWTH / sqrt(n), the same margin in standard errors: the mean wait
+growth decides its steadiness, the in-system growth only whether it needs a longer run. A server in a
+steady state shows only noise here (either sign: the in-system count of ShareGPT-like lengths wanders
+by +-15% between quarters); one that cannot keep up shows a growth proportional to the run's length,
+so a longer run separates the two better (capacity probes are extended for that).
 """
 from __future__ import annotations
 
