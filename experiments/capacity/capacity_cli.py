@@ -25,7 +25,7 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
         try:
             answer = run_capacity(exp, out, knob=args.over, slo=slo, seeds=seeds, confidence=args.confidence,
                                   rel_tol=args.tol, grid=grid, jobs=args.jobs, ray=args.ray,
-                                  retries=args.retries, lo=args.lo, hi=args.hi, max_probes=args.max_probes,
+                                  retries=args.retries, lo=args.lo, hi=args.hi, max_probes=args.max_probes, max_extend=args.max_extend,
                                   progress=not args.no_progress, plots=not args.no_plots, folder=folder)
         except KeyboardInterrupt:
             state = folder_summary_state(out, "capacity.json")  # written last: the truth about the folder
@@ -76,5 +76,8 @@ def register(subparsers) -> None:
     c.add_argument("--lo", type=float, help="a load to probe first (expected to pass)")
     c.add_argument("--hi", type=float, help="a load to probe first (expected to fail)")
     c.add_argument("--max-probes", type=int, default=40, help="probes per search at most (default 40)")
+    c.add_argument("--max-extend", type=int, default=3, metavar="N",
+                   help="times a probe meeting the SLO but not yet steady runs again at twice the requests "
+                        "(default 3: up to 8x the probe's requests; 0: never)")
     add_pool_args(c, "probe run")
     c.set_defaults(func=_cmd_capacity)

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from servetwin.experiments.capacity.capacity import STEADY_CHECK, CapacitySearch, run_ratio
+from servetwin.experiments.capacity.capacity import MAX_EXTEND, STEADY_CHECK, CapacitySearch, run_ratio
 from servetwin.experiments.sweep.pool import PointResult, PointTask, host_summary, map_with_retries
 from servetwin.experiments.sweep.pool_factory import make_pool
 from servetwin.experiments.run.run_folder import RunFolder
@@ -95,7 +95,7 @@ def probe_length(raw: dict[str, Any]) -> Optional[int]:
 
 def build_searches(exp: ExperimentConfig, knob: str, grid: dict[str, list[Any]], spec: SloSpec,
                    confidence: float, rel_tol: float, lo: Optional[float], hi: Optional[float],
-                   max_probes: int) -> list[Search]:
+                   max_probes: int, max_extend: int = MAX_EXTEND) -> list[Search]:
     base = exp.to_dict()
     for key in ("sweep", "seeds"):
         base.pop(key, None)
@@ -124,7 +124,7 @@ def build_searches(exp: ExperimentConfig, knob: str, grid: dict[str, list[Any]],
                                    dict(point.assignments) if point is not None else {}, backend, one,
                                    CapacitySearch(start, confidence, rel_tol, integer=knob.endswith("clients"),
                                                   lo=lo, hi=hi, max_probes=max_probes,
-                                                  requests=probe_length(one))))
+                                                  requests=probe_length(one), max_extend=max_extend)))
     return searches
 
 
@@ -145,7 +145,7 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
                  seeds: Optional[list[int]] = None, confidence: float = 0.9, rel_tol: float = 0.02,
                  grid: Optional[dict[str, list[Any]]] = None, jobs: int = 1, ray: Any = None, retries: int = 2,
                  lo: Optional[float] = None, hi: Optional[float] = None, max_probes: int = 40,
-                 progress: bool = True, plots: bool = True,
+                 progress: bool = True, plots: bool = True, max_extend: int = MAX_EXTEND,
                  log: Optional[Callable[[str], None]] = None, overwrite: bool = False,
                  folder: Optional[RunFolder] = None) -> dict[str, Any]:
     """Search the capacity of every grid point x backend; writes DIR/capacity.{json,md,png}, probes.csv.
@@ -156,7 +156,7 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
     if folder is None:
         with RunFolder(out_dir, overwrite=overwrite) as owned:
             return run_capacity(exp, out_dir, knob, slo, seeds, confidence, rel_tol, grid, jobs, ray, retries,
-                                lo, hi, max_probes, progress, plots, log, folder=owned)
+                                lo, hi, max_probes, progress, plots, max_extend, log, folder=owned)
     log = log or (lambda msg: print(msg, file=sys.stderr))
     knob = knob or default_knob(exp)
     if knob not in LOAD_KNOBS:
@@ -169,8 +169,10 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
         raise ConfigError("--confidence", f"must be in [0.5, 1), got {confidence}")
     if not 0 < rel_tol < 1:
         raise ConfigError("--tol", f"must be in (0, 1), got {rel_tol}")
+    if not isinstance(max_extend, int) or max_extend < 0:
+        raise ConfigError("--max-extend", f"must be an integer >= 0, got {max_extend!r}")
     seeds = seeds or list(range(exp.seed, exp.seed + DEFAULT_SEEDS))
-    searches = build_searches(exp, knob, grid or {}, spec, confidence, rel_tol, lo, hi, max_probes)
+    searches = build_searches(exp, knob, grid or {}, spec, confidence, rel_tol, lo, hi, max_probes, max_extend)
     pool = make_pool(jobs if ray is None else 1, ray)
     first = ", ".join(_fmt_load(x) for x in (lo, hi) if x is not None) or _fmt_load(searches[0].search.start)
     log(f"capacity {exp.name}: {len(searches)} search(es) over {knob} from {first}, "
