@@ -153,6 +153,8 @@ def test_capacity_command_errors(tmp_path, capsys):
     assert main(["capacity", str(path), "--slo", "ttft_p99_s=1", "--grid", "engine.max_num_seqs=4",
                  "-o", str(tmp_path / "o")]) == 2
     assert "--grid engine.max_num_seqs: must be a non-empty YAML list" in capsys.readouterr().err
+    assert main(["capacity", str(path), "--slo", "ttft_p99_s=1", "--max-extend", "-1", "-o", str(tmp_path / "o")]) == 2
+    assert "--max-extend: must be an integer >= 0" in capsys.readouterr().err
 
 
 def test_capacity_help_names_its_default_folder(capsys):
