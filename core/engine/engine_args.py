@@ -19,7 +19,7 @@ ENGINE_ARG_ALIASES: dict[str, str] = {"scheduling_policy": "policy", "enable_fi_
 
 
 # vLLM engine arguments servetwin does not implement yet (vllm/engine/arg_utils.py names): refused with
-# "not supported yet" instead of "unknown". Remove an entry when its feature lands (docs/limits.md lists
+# "not supported yet" instead of "unknown". Remove an entry when its feature lands (docs/unsupported.md lists
 # the same table; tests/core/test_core_engine_args_limits.py keeps the two in step).
 NOT_SUPPORTED_YET: dict[str, str] = {
     "data_parallel_size": "data parallelism (engine replicas)",
@@ -37,7 +37,7 @@ def not_supported_yet(key: str) -> Optional[str]:
     """The refusal for a vLLM engine argument servetwin does not implement yet (None: not one of them)."""
     what = NOT_SUPPORTED_YET.get(key)
     return None if what is None else (f"vLLM's {key} ({what}) is not supported yet by servetwin "
-                                      "(docs/limits.md lists what is not)")
+                                      "(docs/unsupported.md lists what is not)")
 
 
 def resolve_aliases(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """vLLM engine arguments servetwin does not implement yet: refused as "not supported yet" (naming them),
-never as an unknown key with a wrong "did you mean"; docs/limits.md lists the same table."""
+never as an unknown key with a wrong "did you mean"; docs/unsupported.md lists the same table."""
 import pathlib
 import re
 
@@ -8,7 +8,7 @@ import pytest
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import NOT_SUPPORTED_YET, EngineArgs
 
-DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "limits.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "unsupported.md"
 
 
 @pytest.mark.parametrize("key", ["data_parallel_size", "pipeline_parallel_size"])
