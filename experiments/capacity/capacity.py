@@ -172,6 +172,7 @@ class CapacitySearch:
         self.max_extend = max_extend
         self.extend: dict[float, int] = {}  # load -> doublings of its requests so far
         self.pending: list[float] = []  # loads to run again, longer, before anything else
+        self.confirmed_from: dict[float, Probe] = {}  # a capacity's shorter passing probe, before confirming
 
     def length(self, load: float) -> Optional[int]:
         """The requests of the next probe at `load` (None: the config's own count)."""
@@ -226,10 +227,23 @@ class CapacitySearch:
             out = [self._round(min(self.max_load, lo * 2 ** (i + 1))) for i in range(k)]
         else:
             if self._narrow_enough(lo, hi):
-                return self._tail_probe()
+                return self._confirm(lo) or self._tail_probe()
             out = [self._round(lo + (hi - lo) * (i + 1) / (k + 1)) for i in range(k)]
             out = [x for x in out if lo < x < hi]
         return sorted({x for x in out if x not in self.probes})
+
+    def _confirm(self, lo: float) -> list[float]:
+        """The answer must hold at the longest probe: a capacity that passed shorter runs again at the
+        full extension (`requests` x 2^max_extend); if it fails there, the bracket narrows below it."""
+        full = None if self.requests is None else self.requests * 2 ** self.max_extend
+        probe = self.probes[lo]
+        if full is None or probe.requests is None or probe.requests >= full:
+            return []
+        del self.probes[lo]  # judged again, longer; the shorter verdict is kept in `confirmed_from`
+        self.confirmed_from[lo] = probe
+        self.extend[lo] = self.max_extend
+        self.pending.append(lo)
+        return [lo]
 
     def _tail_probe(self) -> list[float]:
         """After the bracket: a few probes above it until every seed misses somewhere on its own, so that

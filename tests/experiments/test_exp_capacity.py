@@ -170,3 +170,15 @@ def test_ray_missing_says_how_to_install(tmp_path, capsys, monkeypatch):
     path = write_yaml(tmp_path / "s.yaml", tiny(sweep={"engine.max_num_seqs": [1, 2]}))
     assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--ray", "--no-progress"]) == 2
     assert "--ray: Ray is not installed: pip install 'servetwin[ray]'" in capsys.readouterr().err
+
+
+def test_the_capacity_is_confirmed_at_the_longest_probe():
+    # a server that holds 12 req/s for 100 requests but only 9 for 200: the answer must hold at 200
+    search = CapacitySearch(8.0, rel_tol=0.05, requests=100, max_extend=1)
+    while not search.done:
+        for load in search.next_loads():
+            limit = 12.0 if search.length(load) == 100 else 9.0
+            search.record(load, [_ev(load / limit, queue=0.0) for _ in range(3)])
+    res = search.result()
+    assert res["capacity"] <= 9.0 < res["interval"][1] and res["probe_requests"][0] == 200
+    assert search.confirmed_from  # the short passes it re-ran
