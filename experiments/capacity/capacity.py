@@ -22,7 +22,9 @@ The method (docs/capacity.md):
   proportion to the run's length, so a short probe must not pass it). A probe whose SLO checks pass
   but which has not *settled* (its waits, or the requests in the system - a batch still filling -
   growing by more than half that limit) is *extended*: run again at twice the requests,
-  up to `max_extend` doublings; the longest run decides.
+  up to `max_extend` doublings; the longest run decides. When the bracket is narrow, its lower end is
+  *confirmed*: run again at the full extension if it passed shorter; failing there, it becomes the
+  bracket's upper end and the search goes on below it.
 - The capacity is the bracket's lower end (it passed at confidence c); the interval is the bracket.
   Each seed also gets its own crossing (its own highest passing load, interpolated linearly in its
   worst check's value/limit ratio between neighbouring probes, its wait growth counting as a check);
