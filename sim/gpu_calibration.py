@@ -151,20 +151,37 @@ _H100_SOURCES = {
 }
 
 
-def _record(sources: dict[str, str], note: str) -> dict[str, Any]:
-    return {"source": note, "calibrated": True, "date": "2026-12-01", "device": None,
-            "versions": {"vllm": "0.11.0 (V1) / 2024 dashboard (V0)"}, "samples": 5,
-            "residuals": "see docs/published_vllm.md", "coefficients": dict(sources)}
+def _record(sources: dict[str, str], note: str, validated_on: str, fitted: bool = True) -> dict[str, Any]:
+    """`fitted`: the preset's own values were fitted on published runs of that GPU (`calibrated`); a
+    preset that only carries another GPU's fit is not calibrated. `validated_on`: the runs it was judged
+    on and its error there (docs/published_vllm.md), what `servetwin presets` and a run's report show."""
+    return {"source": note, "calibrated": fitted, "date": "2026-12-01", "device": None,
+            "versions": {"vllm": "0.11.0 (V1) / 2024 dashboard (V0)"}, "samples": 5 if fitted else 0,
+            "residuals": "see docs/published_vllm.md", "validated_on": validated_on, "coefficients": dict(sources)}
+
+
+# what each preset was judged on, median |error| (docs/published_vllm.md; benchmarks/published_moe_heldout)
+VALIDATED_H100 = ("fitted on 5 published H100 vLLM runs (in-sample); held out: 6 GPUStack Qwen3 runs (Qwen3-14B "
+                  "throughput 2.9%, TPOT 7.7%; Qwen3-32B 15-20% fast) and 77 gpt-oss-120b runs (throughput 5.5%, "
+                  "TPOT 6.6%)")
+VALIDATED_H200 = ("not fitted (H100's values); held out: 102 gpt-oss-120b H200 runs, throughput 5.0%, TPOT 5.5% "
+                  "(4.9% optimistic)")
+VALIDATED_B200 = ("not fitted (datasheet peaks, H100's fractions); held out: 112 gpt-oss-120b B200 runs, "
+                  "throughput 16.3%, TPOT 19.6%: predicted ~16-19% slow")
+VALIDATED_A100 = ("fitted on 5 GPUStack A100 Qwen3-14B runs; held out: 5 Qwen3-32B runs, throughput 4.9%, TPOT "
+                  "4.8%, TTFT 5.5%")
+VALIDATED_L40S = "not fitted, no published case: assumed fractions, an estimate never judged on a run"
 
 
 GPU_CALIBRATION: dict[str, dict[str, Any]] = {
     "h100-sxm": {"efficiency": dict(_H100_EFF), "coefficients": dict(_H100_COEF),
                  "provenance": _record(_H100_SOURCES, "per-kernel public measurements + fit on the published "
-                                                      "vLLM H100 runs")},
+                                                      "vLLM H100 runs", VALIDATED_H100)},
     "h200": {"efficiency": {**_H100_EFF, "gemm_fp8_relative": 0.914}, "coefficients": dict(_H100_COEF),
              "provenance": _record({**_H100_SOURCES, "all": "H100's set: same GH100 die and software; only the "
                                     "datasheet bandwidth and memory differ"},
-                                   "H100's calibration transferred (same compute die); no H200 end-to-end case")},
+                                   "H100's calibration transferred (same compute die); no H200 run in the fit",
+                                   VALIDATED_H200, fitted=False)},
     "b200": {"efficiency": {**_H100_EFF, "moe_kernels": {
         # FlashInfer's TRT-LLM MoE for MXFP4 weights with MXFP8 activations (tcgen05 at the fp8 rate)
         "mxfp4": {**_H100_MOE["mxfp4"], "kernel": "flashinfer_trtllm_mxfp4_mxfp8", "peak": "fp8", "compute": 0.35,
@@ -188,7 +205,7 @@ GPU_CALIBRATION: dict[str, dict[str, Any]] = {
                                         "bf16": f"{TRITON_MOE}; {ASSUMED_MOE}", "fp8": ASSUMED_MOE},
                                     "peaks": B200_SPEC},
                                    "B200 datasheet peaks; H100's fractions and engine CPU terms transferred (no "
-                                   "B200 case in the training set)")},
+                                   "B200 case in the training set)", VALIDATED_B200, fitted=False)},
     "a100-80g": {"efficiency": {**_H100_EFF, "gemm_compute": 0.80, "gemm_fp8_relative": 1.0,
                                 "attn_prefill_compute": 0.50, "attn_prefill_half_kv": 300.0,
                                 "attn_mixed_decode_rows": 64.0, "comm_bandwidth": 0.80},
@@ -204,7 +221,7 @@ GPU_CALIBRATION: dict[str, dict[str, Any]] = {
                                         "efficiency.comm_bandwidth": NCCL},
                                        "A100 kernel measurements and structure + fit on the published vLLM "
                                        "A100 Qwen3-14B runs; engine CPU terms and decode bandwidth fractions "
-                                       "from the H100 fit")},
+                                       "from the H100 fit", VALIDATED_A100)},
     "l40s": {"efficiency": {**_H100_EFF, "gemm_compute": 0.45, "attn_prefill_compute": 0.38,
                             "attn_prefill_half_kv": 300.0, "attn_mixed_decode_rows": 64.0, "comm_bandwidth": 0.70},
              "coefficients": dict(_H100_COEF),
@@ -215,5 +232,6 @@ GPU_CALIBRATION: dict[str, dict[str, Any]] = {
                                         f"kernel to the paper's (0.50 / 0.73): 0.38"),
                                     "efficiency.attn_mixed_decode_rows": FA2_PAGED,
                                     "efficiency.comm_bandwidth": NCCL},
-                                   "assumed Ada fractions (see coefficients); engine CPU terms from the H100 fit")},
+                                   "assumed Ada fractions (see coefficients); engine CPU terms from the H100 fit",
+                                   VALIDATED_L40S, fitted=False)},
 }

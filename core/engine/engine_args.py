@@ -19,6 +19,24 @@ from servetwin.core.sched.spec_decode import SpeculativeConfig
 ENGINE_ARG_ALIASES: dict[str, str] = {"scheduling_policy": "policy", "enable_fi_allreduce_fusion": "fuse_allreduce_rms"}
 
 
+# vLLM engine arguments servetwin does not implement yet (vllm/engine/arg_utils.py names): refused with
+# "not supported yet" instead of "unknown". Remove an entry when its feature lands (docs/unsupported.md lists
+# the same table; tests/core/test_core_engine_args_limits.py keeps the two in step).
+NOT_SUPPORTED_YET: dict[str, str] = {
+    "enable_expert_parallel": "expert parallelism for MoE layers",
+    "enable_lora": "LoRA adapters",
+    "structured_outputs_config": "structured output (guided decoding)",
+    "cpu_offload_gb": "CPU weight offloading",
+}
+
+
+def not_supported_yet(key: str) -> Optional[str]:
+    """The refusal for a vLLM engine argument servetwin does not implement yet (None: not one of them)."""
+    what = NOT_SUPPORTED_YET.get(key)
+    return None if what is None else (f"vLLM's {key} ({what}) is not supported yet by servetwin "
+                                      "(docs/unsupported.md lists what is not)")
+
+
 def resolve_aliases(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` with vLLM's alias names replaced by our field names; an alias and its field both
     given is an error naming both."""
@@ -140,6 +158,8 @@ class EngineArgs:
         allowed = {f.name for f in fields(cls)}
         for key in kwargs:
             if key not in allowed:
+                if not_supported_yet(key):
+                    raise ConfigError(f"{key}", not_supported_yet(key))
                 close = difflib.get_close_matches(key, sorted(allowed), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"{key}", f"unknown engine argument{hint}; allowed: {sorted(allowed)}")

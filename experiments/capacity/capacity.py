@@ -15,10 +15,20 @@ The method (docs/capacity.md):
   (k = 1 is bisection; with more workers than seeds, k grows so that all workers are busy) until
   `hi - lo <= rel_tol * lo` (for clients: `hi - lo <= 1`). A pass above a failure (noise) never
   widens the answer: the bracket is [highest pass below the lowest failure, lowest failure].
+- A probe must also be *steady* (experiments/run/steady_state.py): over the second half of its
+  arrivals (the first half is its warm-up) the waits before the engine schedules a request may not
+  still grow - the mean over seeds of the runs' wait growth within `steady_limit(seeds)`; one whose
+  waits grow fails, whatever its percentiles say (a server that cannot keep up grows a queue in
+  proportion to the run's length, so a short probe must not pass it). A probe whose SLO checks pass
+  but which has not *settled* (its waits, or the requests in the system - a batch still filling -
+  growing by more than half that limit) is *extended*: run again at twice the requests,
+  up to `max_extend` doublings; the longest run decides. When the bracket is narrow, its lower end is
+  *confirmed*: run again at the full extension if it passed shorter; failing there, it becomes the
+  bracket's upper end and the search goes on below it.
 - The capacity is the bracket's lower end (it passed at confidence c); the interval is the bracket.
   Each seed also gets its own crossing (its own highest passing load, interpolated linearly in its
-  worst check's value/limit ratio between neighbouring probes); their mean and 95% t interval say how
-  much one seed's answer would vary; for seeds that meet the SLO at every probe so far, up to
+  worst check's value/limit ratio between neighbouring probes, its wait growth counting as a check);
+  their mean and 95% t interval say how much one seed's answer would vary; for seeds that meet the SLO at every probe so far, up to
   MAX_TAIL_PROBES probes go 25% higher each after the bracket is narrow. The binding SLO is the worst
   check at the lowest failing probe.
 """
@@ -30,8 +40,11 @@ from typing import Any, Optional
 
 from servetwin.experiments.config.slo import miss_ratio
 from servetwin.experiments.common.stats import mean_bound, mean_ci
+from servetwin.experiments.run.steady_state import STEADY_GROWTH, steady_limit
 
+STEADY_CHECK = "steady_state"  # the probe's steadiness, beside its SLO checks in `Probe.ratios`
 MAX_BRACKET_STEPS = 12  # doublings / halvings before giving up (a factor of 4096 either way)
+MAX_EXTEND = 3  # doublings of a probe's requests while it is not steady (8x at most)
 MAX_TAIL_PROBES = 3  # probes above the bracket for seeds that never missed (their own crossings)
 TAIL_FACTOR = 1.25
 
@@ -47,9 +60,24 @@ def gated_checks(evaluation: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_ratio(evaluation: Optional[dict[str, Any]]) -> float:
-    """A run's worst value/limit ratio (> 1: it misses the SLO); inf for a run that produced nothing."""
+    """A run's worst value/limit ratio (> 1: it misses the SLO, or its waits still grow over its second
+    half); inf for a run that produced nothing. The in-system count's growth is left out here: one
+    run's is too noisy to place a crossing (the probe judges its mean over seeds)."""
     checks = gated_checks(evaluation)
-    return max((_ratio(c) for c in checks), default=math.inf)
+    worst = max((_ratio(c) for c in checks), default=math.inf)
+    state = (evaluation or {}).get("steady_state")
+    return max(worst, state["wait_growth"] / STEADY_GROWTH) if state and checks else worst
+
+
+def steady_growth(evaluations: list[Optional[dict[str, Any]]]) -> Optional[dict[str, float]]:
+    """The mean over seeds of each run's queue and wait growth over its second half, and the limit for
+    that mean (`steady_limit`; None: no verdict). A steady server's growths are noise of either sign;
+    their mean above the limit: still growing."""
+    states = [ev["steady_state"] for ev in evaluations if ev and ev.get("steady_state")]
+    if not states:
+        return None
+    out = {k: sum(st[k] for st in states) / len(states) for k in ("in_system_growth", "wait_growth")}
+    return dict(out, limit=steady_limit(len(states)))
 
 
 @dataclass(slots=True)
@@ -61,6 +89,30 @@ class Probe:
     ratios: dict[str, float]  # check -> bound / limit (attainment: slo.miss_ratio of the bound); > 1 fails
     worst: Optional[str]
     errors: list[str] = field(default_factory=list)
+    growth: Optional[dict[str, float]] = None  # steady_growth: mean queue / wait growth over seeds
+    requests: Optional[int] = None  # the probe's length (after any extension)
+    extended: int = 0  # how many times this load was run again at twice the requests
+
+    @property
+    def steady(self) -> Optional[bool]:
+        """The waits no longer grow: the mean wait growth over seeds within its limit. (The in-system
+        count wanders for minutes near the capacity - +-15% between quarters at 10,000 ShareGPT-like
+        requests - so its growth asks for a longer probe, `settled`, but does not fail one.)"""
+        return None if self.growth is None else self.growth["wait_growth"] <= self.growth["limit"]
+
+    @property
+    def settled(self) -> Optional[bool]:
+        """No longer probe needed: the waits and the in-system count each within half the limit (a count
+        still climbing is a batch still filling: its queue comes later)."""
+        if self.growth is None:
+            return None
+        return max(self.growth["wait_growth"], self.growth["in_system_growth"]) <= self.growth["limit"] / 2
+
+    @property
+    def slo_passed(self) -> bool:
+        """Every SLO check holds (the steady-state check aside)."""
+        return all(r <= 1.0 for name, r in self.ratios.items() if name != STEADY_CHECK) and bool(self.ratios) \
+            and not any(ev is None for ev in self.evaluations)
 
 
 def judge(load: float, evaluations: list[Optional[dict[str, Any]]], confidence: float,
@@ -88,8 +140,13 @@ def judge(load: float, evaluations: list[Optional[dict[str, Any]]], confidence: 
             ratio = math.inf if bound is None else bound / proto["limit"]
         bounds[name], ratios[name] = bound, ratio
     worst = max(ratios, key=ratios.get) if ratios else None
+    growth = steady_growth(evaluations)
+    if growth is not None and ratios:
+        ratios[STEADY_CHECK] = growth["wait_growth"] / growth["limit"]
+        if ratios[worst] <= 1.0 < ratios[STEADY_CHECK]:  # an SLO check that fails binds before the growth
+            worst = STEADY_CHECK
     passed = not failed_run and bool(ratios) and all(r <= 1.0 for r in ratios.values())
-    return Probe(load, list(evaluations), passed, bounds, ratios, worst, list(errors or []))
+    return Probe(load, list(evaluations), passed, bounds, ratios, worst, list(errors or []), growth)
 
 
 class CapacitySearch:
@@ -97,7 +154,8 @@ class CapacitySearch:
     `next_loads(k)` (the loads to probe now, [] when done) and `record(load, evaluations)`."""
 
     def __init__(self, start: float, confidence: float = 0.9, rel_tol: float = 0.02, integer: bool = False,
-                 lo: Optional[float] = None, hi: Optional[float] = None, max_probes: int = 40) -> None:
+                 lo: Optional[float] = None, hi: Optional[float] = None, max_probes: int = 40,
+                 requests: Optional[int] = None, max_extend: int = MAX_EXTEND) -> None:
         if not start > 0:
             raise ValueError(f"capacity: the starting load must be > 0, got {start}")
         self.start = float(start)
@@ -112,6 +170,17 @@ class CapacitySearch:
         self._seed_hi = hi
         self.note: Optional[str] = None
         self._tail = 0  # probes above a finished bracket (seed crossings)
+        self.requests = requests  # a probe's length before extensions (None: the config's, never extended)
+        self.max_extend = max_extend
+        self.extend: dict[float, int] = {}  # load -> doublings of its requests so far
+        self.pending: list[float] = []  # loads to run again, longer, before anything else
+        self.confirmed_from: dict[float, Probe] = {}  # a capacity's shorter passing probe, before confirming
+
+    def length(self, load: float) -> Optional[int]:
+        """The requests of the next probe at `load` (None: the config's own count)."""
+        if self.requests is None:
+            return None
+        return self.requests * 2 ** self.extend.get(float(load), 0)
 
     # -- state ------------------------------------------------------------------------------------
     def _round(self, x: float) -> float:
@@ -142,6 +211,8 @@ class CapacitySearch:
         if len(self.probes) >= self.max_probes:
             self.note = self.note or f"stopped after {self.max_probes} probes"
             return []
+        if self.pending:  # a probe not yet steady runs again, longer, before the search moves on
+            return sorted(self.pending)
         if not self.probes:
             first = [x for x in (self._seed_lo, self._seed_hi) if x is not None] or [self.start]
             return sorted({self._round(x) for x in first})
@@ -158,10 +229,23 @@ class CapacitySearch:
             out = [self._round(min(self.max_load, lo * 2 ** (i + 1))) for i in range(k)]
         else:
             if self._narrow_enough(lo, hi):
-                return self._tail_probe()
+                return self._confirm(lo) or self._tail_probe()
             out = [self._round(lo + (hi - lo) * (i + 1) / (k + 1)) for i in range(k)]
             out = [x for x in out if lo < x < hi]
         return sorted({x for x in out if x not in self.probes})
+
+    def _confirm(self, lo: float) -> list[float]:
+        """The answer must hold at the longest probe: a capacity that passed shorter runs again at the
+        full extension (`requests` x 2^max_extend); if it fails there, the bracket narrows below it."""
+        full = None if self.requests is None else self.requests * 2 ** self.max_extend
+        probe = self.probes[lo]
+        if full is None or probe.requests is None or probe.requests >= full:
+            return []
+        del self.probes[lo]  # judged again, longer; the shorter verdict is kept in `confirmed_from`
+        self.confirmed_from[lo] = probe
+        self.extend[lo] = self.max_extend
+        self.pending.append(lo)
+        return [lo]
 
     def _tail_probe(self) -> list[float]:
         """After the bracket: a few probes above it until every seed misses somewhere on its own, so that
@@ -177,11 +261,23 @@ class CapacitySearch:
 
     def record(self, load: float, evaluations: list[Optional[dict[str, Any]]],
                errors: Optional[list[str]] = None) -> Probe:
+        """Judge one probe. One whose SLO checks pass but which has not settled (`Probe.settled`) is not
+        recorded yet: its load is run again at twice the requests (`pending`, `length`), up to
+        `max_extend` times; after that it passes or fails as it is."""
+        load = float(load)
+        probe = judge(load, evaluations, self.confidence, errors)
+        probe.requests, probe.extended = self.length(load), self.extend.get(load, 0)
+        if load in self.pending:
+            self.pending.remove(load)
+        if probe.settled is False and probe.slo_passed and self.requests is not None \
+                and probe.extended < self.max_extend:
+            self.extend[load] = probe.extended + 1
+            self.pending.append(load)
+            return probe
         lo, hi = self.lo_pass, self.hi_fail
         if lo is not None and hi is not None and self._narrow_enough(lo, hi):
             self._tail += 1
-        probe = judge(load, evaluations, self.confidence, errors)
-        self.probes[float(load)] = probe
+        self.probes[load] = probe
         return probe
 
     # -- the answer ---------------------------------------------------------------------------------
@@ -220,5 +316,6 @@ class CapacitySearch:
             "probes": len(self.probes),
             "per_seed_capacity": crossings,
             "per_seed_capacity_ci95": per_seed,
+            "probe_requests": [None if x is None else self.probes[x].requests for x in (lo, hi)],
             "note": self.note,
         }

@@ -8,8 +8,8 @@ import time
 
 
 def _cmd_capacity(args: argparse.Namespace) -> int:
-    from servetwin.experiments.capacity.capacity_report import (answer_line, limited_line, per_seed_line,  # noqa: PLC0415
-                                                       winner_lines)
+    from servetwin.experiments.capacity.capacity_report import (answer_line, length_line,  # noqa: PLC0415
+                                                                limited_line, per_seed_line, winner_lines)
     from servetwin.experiments.capacity.capacity_run import parse_grid, run_capacity  # noqa: PLC0415
     from servetwin.experiments.run.run_cli import _load  # noqa: PLC0415
     from servetwin.experiments.run.run_folder import RunFolder, folder_summary_state  # noqa: PLC0415
@@ -31,6 +31,7 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
             answer = run_capacity(exp, out, knob=args.over, slo=slo, seeds=seeds, confidence=args.confidence,
                                   rel_tol=args.tol, grid=grid, jobs=args.jobs, ray=args.ray,
                                   retries=args.retries, lo=args.lo, hi=args.hi, max_probes=args.max_probes,
+                                  max_extend=args.max_extend,
                                   progress=not args.no_progress, plots=not args.no_plots, folder=folder,
                                   max_runs=args.max_runs)
         except KeyboardInterrupt:
@@ -48,7 +49,8 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
         ci = r["per_seed_capacity_ci95"]
         seed_part = f"; per seed {per_seed_line(ci)} (95% CI)" if ci.get("ci_lo") is not None else ""
         name = f"{r['point']} [{r['backend']}]" if r["point"] != "base" else r["backend"]
-        print(f"{name}: capacity {answer_line(r, unit)}, binding SLO {r['binding']}{seed_part}, {r['probes']} probes")
+        print(f"{name}: capacity {answer_line(r, unit)}, binding SLO {r['binding']}{seed_part}, {r['probes']} probes "
+              f"(requests per probe run at the capacity: {length_line(r)})")
         print(f"{name}: {limited_line(r, unit)}")
     for line in winner_lines(answer)[:1]:
         print(line.replace("**", ""))
@@ -64,7 +66,7 @@ def register(subparsers) -> None:
         description="Search the highest arrival rate (or closed-loop client count) at which the experiment "
                     "meets the SLOs with the given confidence over several seeds: bracket by doubling, then "
                     "k-section (docs/capacity.md). Writes capacity.md, capacity.json, probes.csv, capacity.png.")
-    _common(c)
+    _common(c, default_output="runs/<name>.capacity")  # the folder _cmd_capacity writes
     c.add_argument("--slo", action="append", default=[], metavar="NAME=SECONDS",
                    help="an SLO, e.g. ttft_p99_s=0.5, tpot_p50_s=0.05, e2e_s=30 (per-request deadline), "
                         "min_attainment=0.9 (repeatable or comma-separated; replaces the config's `slo:`)")
@@ -81,6 +83,9 @@ def register(subparsers) -> None:
     c.add_argument("--lo", type=float, help="a load to probe first (expected to pass)")
     c.add_argument("--hi", type=float, help="a load to probe first (expected to fail)")
     c.add_argument("--max-probes", type=int, default=40, help="probes per search at most (default 40)")
+    c.add_argument("--max-extend", type=int, default=3, metavar="N",
+                   help="times a probe meeting the SLO but not yet steady runs again at twice the requests "
+                        "(default 3: up to 8x the probe's requests; 0: never)")
     add_pool_args(c, "probe run")
     d = c.add_argument_group("a cluster config: the cheapest deployment at its load (docs/cluster.md)")
     d.add_argument("--tp", help="tensor-parallel sizes per replica to try, e.g. 1,2,4 (default: the config's)")

@@ -7,6 +7,7 @@ from typing import Any, Optional
 from servetwin.core.testbed.atomic import atomic_write_text
 
 from servetwin.experiments.common.md_tables import fmt_pm, fmt_to
+from servetwin.experiments.run.steady_state import STEADY_GROWTH, steady_limit
 from servetwin.experiments.run.report import fmt, md_table
 
 
@@ -34,6 +35,24 @@ def answer_line(r: dict[str, Any], unit: str) -> str:
         return f"above {_load(lo)} {unit} (every probe up to it meets the SLO)"
     w = hi - lo
     return f"{fmt_to(lo, w)} {unit} (interval [{fmt_to(lo, w)}, {fmt_to(hi, w)}))"
+
+
+def length_line(r: dict[str, Any]) -> str:
+    """`probes of 1000 requests (4000 at the failing end)`: how long the probes at the bracket ran."""
+    at_lo, at_hi = r.get("probe_requests") or (None, None)
+    if at_lo is None and at_hi is None:
+        return "-"
+    if at_lo == at_hi or at_hi is None or at_lo is None:
+        return f"{at_lo or at_hi}"
+    return f"{at_lo} (failing end: {at_hi})"
+
+
+def _growth(p: dict[str, Any]) -> str:
+    g = p.get("growth")
+    if not g:
+        return "-"
+    return (f"{100 * g['wait_growth']:+.0f}% / {100 * g['in_system_growth']:+.0f}%"
+            + ("" if p.get("steady") else " (growing)"))
 
 
 def per_seed_line(ci: dict[str, Any]) -> str:
@@ -84,9 +103,10 @@ def capacity_markdown(answer: dict[str, Any]) -> str:
     rows = []
     for r in answer["searches"]:
         rows.append([r["point"], r["backend"], answer_line(r, unit), r["binding"] or "-",
-                     per_seed_line(r["per_seed_capacity_ci95"]), r["probes"], r.get("note") or ""])
+                     per_seed_line(r["per_seed_capacity_ci95"]), r["probes"], length_line(r), r.get("note") or ""])
     lines += ["## Answer", "", md_table(["configuration", "backend", f"capacity ({unit})", "binding SLO",
-                                         "per-seed capacity: mean [95% CI]", "probes", "note"], rows), ""]
+                                         "per-seed capacity: mean [95% CI]", "probes", "requests per probe run",
+                                         "note"], rows), ""]
     lines += ["## What limits the answer", ""]
     lines += [f"- `{r['point']}` [{r['backend']}]: {limited_line(r, unit)}." for r in answer["searches"]] + [""]
     lines += winner_lines(answer)
@@ -97,18 +117,30 @@ def capacity_markdown(answer: dict[str, Any]) -> str:
               "the limit (for per-request deadlines: the lower bound of the mean attainment is at least the "
               "required share). The search doubles or halves from the config's load until one probe passes and "
               "a higher one fails, then narrows the bracket by k-section (k loads per round, as many as the "
-              "workers allow; k = 1 is bisection). The capacity is the highest passing load below the lowest "
+              "workers allow; k = 1 is bisection). A probe must also be steady: over the second half of its "
+              "arrivals (the first half is its warm-up) the mean over seeds of the growth of the waits "
+              "before the engine schedules a request, from the third to the last quarter, must be within "
+              f"{100 * STEADY_GROWTH:.0f}% / sqrt(seeds) ({100 * steady_limit(len(seeds)):.0f}% here): one "
+              "whose waits still grow fails, whatever its percentiles say - a server that cannot keep up "
+              "only looks fine in a short run. A probe meeting the SLO but not settled (its waits, or the "
+              "requests in the system, growing by more than half that) runs "
+              "again at twice the requests (up to 8x); the longest run decides. The answer is confirmed at the "
+              "full extension before the search ends (failing there, the search goes on below it): it holds "
+              "at the run lengths its probes reached. "
+              "The capacity is the highest passing load below the lowest "
               "failing one; the interval is that bracket. The per-seed capacity interpolates where each seed's "
               "own worst value/limit ratio crosses 1, with the 95% t interval of its mean: how much a one-seed "
-              "answer would vary. The binding SLO is the worst check at the lowest failing probe.", ""]
+              "answer would vary (a seed whose waits still grow crosses there too). The binding SLO is the worst "
+              "check at the lowest failing probe (`steady_state`: the probe met its SLO but kept growing).", ""]
     for r in answer["searches"]:
         names = list(dict.fromkeys(n for p in r["curve"] for n in p["checks"]))
-        head = ["load", "pass"] + [f"{n} mean ± 95% CI" for n in names] + [f"{n} bound / limit" for n in names] \
-            + ["goodput (req/s)"]
+        head = ["load", "pass", "requests"] + [f"{n} mean ± 95% CI" for n in names] \
+            + [f"{n} bound / limit" for n in names] + ["growth: waits / in system", "goodput (req/s)"]
         table = []
         for p in r["curve"]:
-            table.append([p["load"], "yes" if p["passed"] else "NO"] + [_pm(p["checks"][n]) for n in names]
-                         + [_ratio(p["checks"][n]["ratio"]) for n in names] + [_pm(p["goodput_req_s"])])
+            table.append([p["load"], "yes" if p["passed"] else "NO", p.get("requests") or "-"]
+                         + [_pm(p["checks"][n]) for n in names]
+                         + [_ratio(p["checks"][n]["ratio"]) for n in names] + [_growth(p), _pm(p["goodput_req_s"])])
         title = r["point"] if r["point"] != "base" else answer["name"]
         lines += [f"## Latency vs load: {title} [{r['backend']}]", "", md_table(head, table), ""]
         errs = [e for p in r["curve"] for e in p["errors"]]

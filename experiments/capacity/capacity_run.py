@@ -22,13 +22,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from servetwin.experiments.capacity.capacity import CapacitySearch, run_ratio
+from servetwin.experiments.capacity.capacity import MAX_EXTEND, STEADY_CHECK, CapacitySearch, run_ratio
 from servetwin.experiments.sweep.pool import PointResult, PointTask, host_summary, map_with_retries
 from servetwin.experiments.sweep.pool_factory import make_pool
 from servetwin.experiments.run.run_folder import RunFolder
-from servetwin.experiments.config.schema import (ConfigError, ExperimentConfig, check_run_count, expand_sweep,
-                                                 parse_override, sweep_run_count,
-                                          set_dotted, validate_config, with_seed)
+from servetwin.experiments.config.schema import (ConfigError, ExperimentConfig, apply_requests_override,
+                                                 check_run_count, expand_sweep, parse_override,
+                                                 set_dotted, sweep_run_count, validate_config, with_seed)
 from servetwin.experiments.config.slo import SloSpec, parse_slo
 from servetwin.experiments.common.stats import mean_ci
 
@@ -78,10 +78,25 @@ def _start_load(exp: ExperimentConfig, knob: str) -> float:
     return float(arrival[field])
 
 
+def probe_length(raw: dict[str, Any]) -> Optional[int]:
+    """A probe's requests as the config gives them (conversations: their count; a shared-prefix workload:
+    groups x per group), what extensions double; None for a file or scenario of fixed length."""
+    w = raw.get("workload") or {}
+    conv, sp = w.get("conversations"), w.get("shared_prefix")
+    if isinstance(conv, dict):
+        return conv.get("count") if isinstance(conv.get("count"), int) else None
+    if isinstance(sp, dict):
+        n = sp.get("groups", 1) * sp.get("per_group", 0) if isinstance(sp.get("per_group"), int) else None
+        return n or None
+    if w.get("file") or w.get("scenario"):
+        return None
+    return w.get("requests") if isinstance(w.get("requests"), int) else None
+
+
 def build_searches(exp: ExperimentConfig, knob: str, grid: dict[str, list[Any]], spec: SloSpec,
                    confidence: float, rel_tol: float, lo: Optional[float], hi: Optional[float],
                    max_probes: int, max_runs: Optional[int] = None,
-                   log: Optional[Callable[[str], None]] = None) -> list[Search]:
+                   log: Optional[Callable[[str], None]] = None, max_extend: int = MAX_EXTEND) -> list[Search]:
     base = exp.to_dict()
     for key in ("sweep", "seeds"):
         base.pop(key, None)
@@ -110,13 +125,17 @@ def build_searches(exp: ExperimentConfig, knob: str, grid: dict[str, list[Any]],
             searches.append(Search(point.name if point is not None else "base",
                                    dict(point.assignments) if point is not None else {}, backend, one,
                                    CapacitySearch(start, confidence, rel_tol, integer=knob.endswith("clients"),
-                                                  lo=lo, hi=hi, max_probes=max_probes)))
+                                                  lo=lo, hi=hi, max_probes=max_probes,
+                                                  requests=probe_length(one), max_extend=max_extend)))
     return searches
 
 
 def _probe_raw(s: Search, knob: str, load: float, seed: int) -> dict[str, Any]:
     raw = with_seed(s.raw, seed)
     set_dotted(raw, knob, int(load) if knob.endswith("clients") else float(load))
+    n = s.search.length(load)
+    if n is not None and n != s.search.requests:  # an extended probe: twice the requests per extension
+        apply_requests_override(raw, n)
     return raw
 
 
@@ -128,7 +147,7 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
                  seeds: Optional[list[int]] = None, confidence: float = 0.9, rel_tol: float = 0.02,
                  grid: Optional[dict[str, list[Any]]] = None, jobs: int = 1, ray: Any = None, retries: int = 2,
                  lo: Optional[float] = None, hi: Optional[float] = None, max_probes: int = 40,
-                 progress: bool = True, plots: bool = True,
+                 progress: bool = True, plots: bool = True, max_extend: int = MAX_EXTEND,
                  log: Optional[Callable[[str], None]] = None, overwrite: bool = False,
                  folder: Optional[RunFolder] = None, max_runs: Optional[int] = None) -> dict[str, Any]:
     """Search the capacity of every grid point x backend; writes DIR/capacity.{json,md,png}, probes.csv.
@@ -139,7 +158,7 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
     if folder is None:
         with RunFolder(out_dir, overwrite=overwrite) as owned:
             return run_capacity(exp, out_dir, knob, slo, seeds, confidence, rel_tol, grid, jobs, ray, retries,
-                                lo, hi, max_probes, progress, plots, log, folder=owned, max_runs=max_runs)
+                                lo, hi, max_probes, progress, plots, max_extend, log, folder=owned, max_runs=max_runs)
     log = log or (lambda msg: print(msg, file=sys.stderr))
     knob = knob or default_knob(exp)
     if knob not in LOAD_KNOBS:
@@ -152,9 +171,11 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
         raise ConfigError("--confidence", f"must be in [0.5, 1), got {confidence}")
     if not 0 < rel_tol < 1:
         raise ConfigError("--tol", f"must be in (0, 1), got {rel_tol}")
+    if not isinstance(max_extend, int) or max_extend < 0:
+        raise ConfigError("--max-extend", f"must be an integer >= 0, got {max_extend!r}")
     seeds = seeds or list(range(exp.seed, exp.seed + DEFAULT_SEEDS))
     searches = build_searches(exp, knob, grid or {}, spec, confidence, rel_tol, lo, hi, max_probes, max_runs,
-                              log if progress else None)
+                              log if progress else None, max_extend)
     pool = make_pool(jobs if ray is None else 1, ray)
     first = ", ".join(_fmt_load(x) for x in (lo, hi) if x is not None) or _fmt_load(searches[0].search.start)
     log(f"capacity {exp.name}: {len(searches)} search(es) over {knob} from {first}, "
@@ -199,16 +220,13 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
                 for seed in seeds:
                     r = by_seed.get(seed, PointResult("not run"))
                     summ = ((r.summary or {}).get("backends") or {}).get(s.backend) if r.status == "ok" else None
-                    evals.append(dict(summ["slo"], resource=summ.get("binding")) if summ and summ.get("slo")
-                                 else None)
+                    evals.append(dict(summ["slo"], resource=summ.get("binding"),
+                                      steady_state=summ.get("steady_state")) if summ and summ.get("slo") else None)
                     if r.status != "ok":
                         errors.append(f"seed {seed}: {r.status}" + (f" ({r.error})" if r.error else ""))
-                    rows.append(_probe_row(s, load, seed, r, summ))
+                    rows.append(_probe_row(s, load, seed, r, summ, s.search.length(load)))
                 probe = s.search.record(load, evals, errors)
-                log(f"  {s.point} [{s.backend}] {knob.rsplit('.', 1)[1]}={_fmt_load(load)}: "
-                    f"{'pass' if probe.passed else 'FAIL'} (worst {probe.worst}: "
-                    f"{_fmt_ratio(probe.ratios.get(probe.worst))} of its limit at {confidence:g} confidence)"
-                    + (f"; {'; '.join(errors)}" if errors else ""))
+                log(_probe_line(s, knob, probe, confidence, errors))
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -223,16 +241,37 @@ def run_capacity(exp: ExperimentConfig, out_dir: str, knob: Optional[str] = None
     return answer
 
 
+def _probe_line(s: Search, knob: str, probe: Any, confidence: float, errors: list[str]) -> str:
+    """`  base [sim] rate=30 (1000 requests): pass (worst ...)`, or that the probe runs again, longer."""
+    length = f" ({probe.requests} requests)" if probe.requests is not None else ""
+    head = f"  {s.point} [{s.backend}] {knob.rsplit('.', 1)[1]}={_fmt_load(probe.load)}{length}: "
+    growth = ("" if probe.growth is None else
+              f"; growth over its second half: waits {100 * probe.growth['wait_growth']:+.0f}%, in system "
+              f"{100 * probe.growth['in_system_growth']:+.0f}% (mean over seeds; steady: waits within "
+              f"{100 * probe.growth['limit']:.0f}%)")
+    if probe.load in s.search.pending:
+        verdict = f"SLO met but not settled: again with {s.search.length(probe.load)} requests"
+    else:
+        verdict = (f"{'pass' if probe.passed else 'FAIL'} (worst {probe.worst}: "
+                   f"{_fmt_ratio(probe.ratios.get(probe.worst))} of its limit at {confidence:g} confidence)")
+    return head + verdict + growth + (f"; {'; '.join(errors)}" if errors else "")
+
+
 def _fmt_ratio(r: Optional[float]) -> str:
     return "-" if r is None else ("inf" if not math.isfinite(r) else f"{100 * r:.0f}%")
 
 
-def _probe_row(s: Search, load: float, seed: int, r: PointResult, summ: Optional[dict]) -> dict[str, Any]:
+def _probe_row(s: Search, load: float, seed: int, r: PointResult, summ: Optional[dict],
+               requests: Optional[int]) -> dict[str, Any]:
     from servetwin.experiments.sweep.sweep import metric_row  # noqa: PLC0415
 
     row: dict[str, Any] = {"point": s.point, **s.assignments, "backend": s.backend, "load": load, "seed": seed,
+                           "requests": requests,
                            "status": r.status if summ is not None or r.status != "ok" else "not run"}
     row.update(metric_row(summ))
+    state = (summ or {}).get("steady_state") or {}
+    row.update(in_system_growth=state.get("in_system_growth"), wait_growth=state.get("wait_growth"),
+               steady=state.get("steady"))
     ev = (summ or {}).get("slo")
     row["worst_ratio"] = run_ratio(ev) if ev else None
     for c in (ev or {}).get("checks", []):
@@ -248,6 +287,8 @@ def _curve(s: Search) -> list[dict[str, Any]]:
         p = s.search.probes[load]
         checks: dict[str, Any] = {}
         for name in p.ratios:
+            if name == STEADY_CHECK:  # not an SLO check of the runs: `growth` below
+                continue
             vals = []
             for ev in p.evaluations:
                 c = next((x for x in (ev or {}).get("checks", []) if x["name"] == name), None)
@@ -262,7 +303,8 @@ def _curve(s: Search) -> list[dict[str, Any]]:
         share = sum(1 for ev in p.evaluations if ev and ev.get("met")) / max(1, len(p.evaluations))
         out.append({"load": load, "passed": p.passed, "worst": p.worst, "checks": checks, "seed_pass_share": share,
                     "attainment": {k: mean_ci(v, within=(0.0, 1.0)) for k, v in att.items()}, "goodput_req_s": goodput,
-                    "errors": p.errors})
+                    "errors": p.errors, "requests": p.requests, "extended": p.extended, "growth": p.growth,
+                    "steady": p.steady})
     return out
 
 

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from servetwin.core.config_error import ConfigError
-from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, resolve_aliases
+from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, not_supported_yet, resolve_aliases
 from servetwin.core.kv_cache.hashing import HASH_ALGOS
 from servetwin.core.sched.spec_decode import SpeculativeConfig
 
@@ -185,11 +185,16 @@ def _mapping(v: Any, path: str) -> Mapping:
 
 
 def _check_keys(cfg: Mapping, allowed: Mapping | set | tuple, path: str,
-                hints: Optional[dict[str, str]] = None) -> None:
+                hints: Optional[dict[str, str]] = None,
+                unsupported: Optional[Callable[[str], Optional[str]]] = None) -> None:
+    """Refuse a key not in `allowed`, naming the closest allowed one; `unsupported(key)`: a known key not
+    implemented yet gets that message instead (vLLM engine arguments: `not_supported_yet`)."""
     names = sorted(allowed)
     for key in cfg:
         if key in allowed:
             continue
+        if unsupported is not None and isinstance(key, str) and unsupported(key):
+            raise ConfigError(f"{path}.{key}" if path else key, unsupported(key))
         hint = (hints or {}).get(key) if isinstance(key, str) else None
         if hint is None and isinstance(key, str):
             close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
@@ -370,7 +375,7 @@ class EngineConfig:
 
 def parse_engine(value: Any, ctx: ParseContext) -> EngineConfig:
     engine = dict(_mapping(value or {}, "engine"))
-    _check_keys(engine, ENGINE_FIELDS, "engine", {"num_gpu_blocks_override": "num_gpu_blocks"})
+    _check_keys(engine, ENGINE_FIELDS, "engine", {"num_gpu_blocks_override": "num_gpu_blocks"}, not_supported_yet)
     for key, check in ENGINE_FIELDS.items():
         if key in engine:
             engine[key] = check(engine[key], f"engine.{key}")
@@ -804,7 +809,7 @@ def _validate_sweep_shape(sweep: Any) -> dict[str, list[Any]]:
         if head == "engine":
             if len(parts) != 2:
                 raise ConfigError(path, "engine keys have one level (engine.<arg>)")
-            _check_keys({parts[1]: None}, ENGINE_FIELDS, "sweep.engine")
+            _check_keys({parts[1]: None}, ENGINE_FIELDS, "sweep.engine", unsupported=not_supported_yet)
         if head == "output":
             if len(parts) != 2:
                 raise ConfigError(path, "output keys have one level (output.<field>)")

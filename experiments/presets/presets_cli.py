@@ -27,22 +27,24 @@ def model_rows() -> list[dict[str, Any]]:
 
 
 def hardware_rows() -> list[dict[str, Any]]:
+    from servetwin.experiments.presets.validation import preset_validation  # noqa: PLC0415
     from servetwin.sim.hardware_presets import HARDWARE_PRESETS  # noqa: PLC0415
 
     rows = []
     for name, h in HARDWARE_PRESETS.items():
-        prov = h.get("provenance") or {}
+        fitted, validated = preset_validation(name)
         rows.append({"name": name, "device": h["device_type"], "bf16_tflops": h["peak_flops_bf16"] / 1e12,
                      "fp32_tflops": h["peak_flops_fp32"] / 1e12, "mem_bw_tb_s": h["memory_bandwidth"] / 1e12,
                      "memory_gib": h["memory_bytes"] / 2**30,
                      "fp8_tflops": h.get("peak_flops_fp8", 0.0) / 1e12, "fp4_tflops": h.get("peak_flops_fp4", 0.0) / 1e12,
                      "interconnect_gb_s": h["interconnect_bandwidth"] / 1e9,
-                     "calibrated": bool(prov.get("calibrated"))})
+                     "calibrated": fitted, "validated_on": validated})
     return rows
 
 
 def _table(rows: list[dict[str, Any]], cols: list[tuple[str, str, str]]) -> str:
-    cells = [[format(r[k], f) if f else str(r[k]) for k, _, f in cols] for r in rows]
+    cells = [[format(r[k], f) if f else ({True: "yes", False: "no"}.get(r[k], str(r[k])) if isinstance(r[k], bool)
+                                          else str(r[k])) for k, _, f in cols] for r in rows]
     heads = [h for _, h, _ in cols]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
     line = lambda vals: "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))  # noqa: E731
@@ -58,7 +60,7 @@ MODEL_COLS = [("name", "model", ""), ("params_b", "params (B)", ".2f"), ("active
 HW_COLS = [("name", "hardware", ""), ("device", "device", ""), ("bf16_tflops", "bf16 TFLOP/s", ".1f"),
            ("fp8_tflops", "fp8", ".0f"), ("fp4_tflops", "fp4", ".0f"),
            ("mem_bw_tb_s", "HBM TB/s", ".2f"), ("memory_gib", "memory (GiB)", ".1f"),
-           ("interconnect_gb_s", "link GB/s", ".0f"), ("calibrated", "calibrated", "")]
+           ("interconnect_gb_s", "link GB/s", ".0f"), ("calibrated", "fitted on its runs", "")]
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -74,9 +76,12 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.kind is None:
         print()
     if args.kind in (None, "hardware"):
-        print("Hardware presets (`hardware:`; vendor datasheet peaks, cost-model coefficients uncalibrated unless "
-              "marked):\n")
+        print("Hardware presets (`hardware:`; vendor datasheet peaks; cost-model fractions fitted on published "
+              "runs of that GPU only where marked, else carried over from another GPU's fit):\n")
         print(_table(hardware, HW_COLS))
+        print("\nValidated on (median |error| against published vLLM runs, docs/published_vllm.md):")
+        for h in hardware:
+            print(f"  {h['name']}: {h['validated_on']}")
         print("\nA model too big for one device: engine.tensor_parallel_size (e.g. llama-3.1-405b: 756 GiB of "
               "weights, TP 8 on h200).")
     return 0

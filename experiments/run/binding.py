@@ -2,10 +2,11 @@
 
 Named from quantities every run already measures, so `run`, `sweep` and `capacity` can say it:
 
-- open-loop arrivals the server keeps up with (the wait before the engine schedules a request - the
-  front end's queue plus the engine's - does not grow from the first fifth of the arrivals to the
-  last, and every request completed) with no resource near saturation: **the arrival rate**. The
-  throughput then *is* the offered rate: it cannot differ between configurations that keep up.
+- open-loop arrivals the server keeps up with (a steady state over the second half of the arrivals:
+  neither the requests in the system nor their waits before the engine schedules them still grow,
+  `experiments/run/steady_state.py`, and every request completed) with no resource near saturation:
+  **the arrival rate**. The throughput then *is* the offered rate: it cannot differ between
+  configurations that keep up.
 - else the busiest API-server process's CPU share of the run (`frontend.cpu_utilization`) at or
   above `BUSY` with requests waiting longer in the front end than in the engine queue: **the
   API-server CPU** (the modelled front end, docs/frontend_model.md; its coefficients are a first
@@ -24,9 +25,10 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from servetwin.experiments.run.steady_state import grew_waits, steady_line
+
 BUSY = 0.7  # front-end CPU share of the run from which its queue sets latency (M/G/1: waits grow ~1/(1-u))
 KV_FULL = 0.9  # peak KV usage from which admissions wait for blocks
-GROWTH = 2.0  # late waits above GROWTH x early waits (plus a few steps): the queue grows, not keeping up
 
 LABELS = {"gpu_compute": "engine compute (the model's steps on its GPU, or CPU)", "kv_capacity": "KV-cache capacity",
           "api_server_cpu": "the API-server CPU (modelled front end)", "arrival_rate": "the arrival rate"}
@@ -44,25 +46,9 @@ def offered_rate(exp: Any, requests: Any) -> Optional[float]:
     return (len(requests) - 1) / span if span > 0 else None  # a trace's own timing; 0: a burst
 
 
-def wait_growth(requests: Any) -> Optional[dict[str, tuple[float, float]]]:
-    """Mean wait in the front end (`frontend`) and in the engine queue (`engine`) of the first and the
-    last fifth of the requests by arrival (None: too few requests)."""
-    if len(requests) < 10:
-        return None
-    r = requests.sort_values("arrival_s")
-    k = max(1, len(r) // 5)
-    out = {}
-    for name, col in (("frontend", "frontend_in_s"), ("engine", "queue_s")):
-        wait = r[col].to_numpy(dtype=float)
-        early, late = wait[:k], wait[-k:]
-        early, late = early[early == early], late[late == late]  # NaN: not modelled / never scheduled
-        out[name] = (float(early.mean()) if early.size else 0.0, float(late.mean()) if late.size else 0.0)
-    return out
-
-
-def binding_resource(s: dict[str, Any], offered: Optional[float],
-                     growth: Optional[dict[str, tuple[float, float]]]) -> dict[str, Any]:
-    """`{"resource": one of LABELS, "line": the reason with its figures}` for one backend's summary."""
+def binding_resource(s: dict[str, Any], offered: Optional[float], state: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """`{"resource": one of LABELS, "line": the reason with its figures}` for one backend's summary;
+    `state`: the run's `steady_state` (None: no verdict)."""
     fe = s.get("frontend") or {}
     fe_util = fe.get("cpu_utilization") if fe.get("type") == "api_server" and fe.get("modelled", True) else None
     kv = s.get("kv_peak_usage") or 0.0
@@ -73,11 +59,10 @@ def binding_resource(s: dict[str, Any], offered: Optional[float],
     busy = (step["mean"] * step["count"] / s["engine_duration_s"]
             if step.get("mean") is not None and s.get("engine_duration_s") else None)
     unfinished = s.get("requests", 0) - s.get("completed", 0) - s.get("rejected", 0)
-    floor = 5 * (step.get("p50") or 0.0)  # a few steps of wait is no queue
     # a batch sent at once always waits longer at its end: growth says something of open-loop traffic only
-    grew = {k: late - early for k, (early, late) in (growth or {}).items()
-            if offered is not None and late > GROWTH * early + floor}
-    stable = growth is not None and not unfinished and not grew
+    growing = offered is not None and state is not None and not state["steady"]
+    grew = grew_waits(state) if offered is not None else {}
+    stable = state is not None and state["steady"] and not unfinished
     facts = [f"KV peak {_pct(kv)}" + (f", {preempt} preemptions" if preempt else ", no preemption")]
     if fe_util is not None:
         servers = fe.get("api_server_count") or 1
@@ -89,15 +74,14 @@ def binding_resource(s: dict[str, Any], offered: Optional[float],
     if offered is not None and s.get("request_throughput_s") is not None:
         facts.append(f"offered {offered:.3g} req/s, completed {s['request_throughput_s']:.3g} req/s over the "
                      "whole run, drain included")
-    if grew:
-        facts.append("waits grew over the run: " + ", ".join(
-            f"{'front end' if k == 'frontend' else 'engine queue'} {_s(growth[k][0])} -> {_s(growth[k][1])}"
-            for k in grew) + " (first -> last fifth of the arrivals)")
+    if growing:
+        facts.append("not steady: " + steady_line(state))
     saturated_fe = fe_util is not None and (
         grew.get("frontend", 0.0) > grew.get("engine", 0.0) if grew else fe_util >= BUSY and fe_wait >= q_wait)
     if offered is not None and stable and not saturated_fe and kv < KV_FULL and not preempt:
         resource = "arrival_rate"
-        why = ("the server keeps up (waits do not grow over the run), so throughput equals the offered rate "
+        why = ("the server keeps up (neither its queue nor its waits grow over the second half of the arrivals), "
+               "so throughput equals the offered rate "
                "and cannot differ between configurations that keep up")
     elif saturated_fe:
         resource = "api_server_cpu"
@@ -108,7 +92,7 @@ def binding_resource(s: dict[str, Any], offered: Optional[float],
         why = f"the KV pool reached {_pct(KV_FULL)} or preempted"
     else:
         resource = "gpu_compute"
-        why = ("requests queue for the engine's batch slots and its steps set the pace" if grew else
+        why = ("requests queue for the engine's batch slots and its steps set the pace" if growing else
                "no other limit is near saturation: the engine's steps set the pace")
     return {"resource": resource, "line": f"bound by {LABELS[resource]}: {why} ({'; '.join(facts)})",
             "facts": "; ".join(facts), "latency": ttft_parts(s, kv >= KV_FULL or bool(preempt))}

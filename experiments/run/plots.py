@@ -27,6 +27,8 @@ from servetwin.experiments.common.units import axis_unit, format_seconds
 from servetwin.core.testbed.atomic import atomic_write_with
 
 COLORS = {"sim": "tab:blue", "torch": "tab:orange"}
+SERIES_HATCHES = ("", "..", "xx", "\\\\", "oo", "--")  # bars' counterpart of the markers
+SERIES_MARKERS = "osD^v<>Pp*hX"  # one per series of a sweep figure, beside its colour (readable in grey too)
 PHASE_COLORS = {"prefill only": "tab:red", "decode only": "tab:green", "mixed": "tab:purple"}
 GANTT_COLORS = {"front end": "goldenrod", "queue": "0.65", "prefill": "tab:red", "decode": "tab:green"}
 MAX_POINTS = 4000  # a CDF or a step series is thinned to about this many points (the shape is kept)
@@ -88,6 +90,9 @@ def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None, varied: 
     summaries = summaries or {}
     hw = exp.hardware if isinstance(exp.hardware, str) else "inline hardware"
     hw = os.path.splitext(os.path.basename(hw))[0] if hw.endswith((".yaml", ".yml")) else hw
+    swept_hw = (getattr(exp, "sweep", None) or {}).get("hardware")
+    if swept_hw:  # a sweep over hardware: the figure is about every one of them, not the config's own
+        hw = ", ".join(_hardware_name(h) for h in swept_hw)
     where = []
     for b in exp.backends:
         where.append(f"sim on {hw}" if b == "sim" else f"torch on {exp.engine.given.get('device') or 'auto device'}")
@@ -98,6 +103,12 @@ def context_for(exp, summaries: Optional[Mapping[str, Mapping]] = None, varied: 
     return PlotContext(title=f"{exp.name}: {exp.model} ({', '.join(where)}){workload_label(exp, varied)}",
                        settings=engine_settings(given, blocks.pop() if len(blocks) == 1 else None),
                        slo=dict(slo) if isinstance(slo, Mapping) else {})
+
+
+def _hardware_name(hw: Any) -> str:
+    if not isinstance(hw, str):
+        return "inline hardware"
+    return os.path.splitext(os.path.basename(hw))[0] if hw.endswith((".yaml", ".yml")) else hw
 
 
 def folder_title(folder: str) -> str:
@@ -733,6 +744,10 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
     groups = list(ok.groupby(series_cols, sort=False, dropna=False)) if series_cols else [((), ok)]
     points = list(dict.fromkeys(ok.point))
     width = 0.8 / max(1, len(groups))
+    # the backends' own colours only when each series is one backend; else a colour and a marker per series
+    # (two hardware on the simulator are two series of one backend)
+    by_backend = len(groups) <= len(COLORS) and len({g[-1] if isinstance(g, tuple) else g for g, _ in groups}) \
+        == len(groups)
     for ax, (metric, stats, title, kind) in zip(axes.flat, SWEEP_PANELS):
         cols = ([f"{metric}_{s}_s" for s in stats if f"{metric}_{s}_s" in ok][:2] if stats else [metric])
         for j, (gkey, sub) in enumerate(groups):
@@ -740,7 +755,8 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
             label = ", ".join(f"{k.split('.')[-1]}={v}" if k != "backend" else str(v)
                               for k, v in zip(series_cols, gkey))
             backend = gkey[-1] if gkey else None
-            color = COLORS.get(backend) if len(groups) <= len(COLORS) else f"C{j % 10}"
+            color = COLORS.get(backend) if by_backend else f"C{j % 10}"
+            marker = SERIES_MARKERS[j % len(SERIES_MARKERS)]
             for i, col in enumerate(cols):
                 if col not in sub or sub[col].isna().all():
                     continue
@@ -752,8 +768,8 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
                     err = spread(s, col)
                     x, y = s[x_key].to_numpy(dtype=float), s[col].to_numpy(dtype=float)
                     ax.errorbar(x, y, yerr=None if err is None else np.vstack(err), color=color,
-                                ls="-" if i == 0 else "--", marker="o" if i == 0 else "s", ms=4, capsize=3,
-                                label=lab)
+                                ls="-" if i == 0 else "--", marker=marker, ms=5 if i == 0 else 4,
+                                mfc=color if i == 0 else "white", capsize=3, label=lab)
                     cut = s.point.isin(partial).to_numpy()
                     if cut.any():  # an interrupted point's figures cover part of its workload
                         ax.scatter(x[cut], y[cut], s=90, facecolors="white", edgecolors=color, hatch="////",
@@ -764,7 +780,8 @@ def sweep_comparison(df, path: str, ctx: Optional[PlotContext] = None,
                     pos = np.array([points.index(p) for p in sub.point]) - 0.4 + width * (j + 0.5)
                     bars = ax.bar(pos, sub[col].to_numpy(dtype=float), width, color=color,
                                   alpha=1.0 if i == 0 else 0.4, yerr=None if err is None else np.vstack(err),
-                                  capsize=3, label=lab, zorder=2 if i == 0 else 1)
+                                  capsize=3, label=lab, zorder=2 if i == 0 else 1,
+                                  hatch=None if by_backend else SERIES_HATCHES[j % len(SERIES_HATCHES)])
                     for bar, p in zip(bars, sub.point):
                         if p in partial:
                             bar.set_hatch("////")

@@ -169,6 +169,8 @@ def _cost_model_source(exp) -> str:
 
     label, prov = calibration_info(exp)
     name = os.path.basename(label) if isinstance(exp.hardware, str) and os.path.isabs(label) else label
+    if prov.get("validated_on"):  # a GPU preset: what it was fitted and judged on
+        return f"the `{name}` hardware preset ({prov['validated_on']})"
     if not prov.get("calibrated"):
         return f"the `{name}` hardware cost model (uncalibrated coefficients)"
     return (f"the calibration `{name}`, fitted on {prov.get('device', 'an unrecorded device')} with "

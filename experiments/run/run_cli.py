@@ -8,9 +8,9 @@ import sys
 import time
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, default_output: str = "runs/<name>") -> None:
     p.add_argument("config", help="experiment YAML (see experiments/configs/*.yaml)")
-    p.add_argument("-o", "--output", help="output folder (default: runs/<name>)")
+    p.add_argument("-o", "--output", help=f"output folder (default: {default_output})")
     p.add_argument("--backend", choices=["sim", "torch"], action="append",
                    help="run only this backend (repeatable); overrides the config's `backends`")
     p.add_argument("--requests", type=int, metavar="N",
@@ -40,7 +40,9 @@ def _load(args: argparse.Namespace):
         overrides.append(f"frontend.api_server_count={args.api_server_count}")
     notes: list[str] = []
     exp = load_config(args.config, overrides=overrides, requests=args.requests, notes=notes)
-    for note in notes:
+    from servetwin.experiments.presets.validation import preset_caveats  # noqa: PLC0415
+
+    for note in notes + preset_caveats(exp):
         print(f"note: {note}", file=sys.stderr)
     return exp
 

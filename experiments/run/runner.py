@@ -292,9 +292,11 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
 
         out["slo"] = evaluate_slo(exp.slo, reqs, itls, duration, engine_itls)
         out["goodput_req_s"] = out["slo"]["goodput_req_s"]
-    from servetwin.experiments.run.binding import binding_resource, offered_rate, wait_growth  # noqa: PLC0415
+    from servetwin.experiments.run.binding import binding_resource, offered_rate  # noqa: PLC0415
+    from servetwin.experiments.run.steady_state import steady_state  # noqa: PLC0415
 
-    out["binding"] = binding_resource(out, offered_rate(exp, reqs), wait_growth(reqs))
+    out["steady_state"] = steady_state(reqs, out["step_duration_s"].get("p50"))
+    out["binding"] = binding_resource(out, offered_rate(exp, reqs), out["steady_state"])
     conversations = conversation_summary(reqs)
     if conversations is not None:  # multi-turn workloads: the history's share found in the prefix cache
         out["conversations"] = conversations

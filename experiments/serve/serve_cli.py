@@ -63,13 +63,16 @@ def register(subparsers: Any) -> None:
                    help="seconds an idle keep-alive connection is kept (default 5, uvicorn's and vLLM's)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer <key>` on /v1/* (default: $SERVETWIN_API_KEY; none: open)")
-    p.add_argument("--profiler-dir", default=None, metavar="DIR",
+    # vLLM's spelling (VLLM_TORCH_PROFILER_DIR, --profiler-config's torch_profiler_dir); --profile-dir, the
+    # engine argument's name, is the same flag here: serve profiles between the endpoints only, as vLLM does
+    p.add_argument("--profiler-dir", "--profile-dir", dest="profiler_dir", default=None, metavar="DIR",
                    help="enable vLLM's POST /start_profile and /stop_profile, writing the steps in between here as a "
-                        "Chrome trace (torch: torch.profiler; sim: the predicted steps); default $VLLM_TORCH_PROFILER_DIR")
+                        "Chrome trace (torch: torch.profiler; sim: the predicted steps); default "
+                        "$VLLM_TORCH_PROFILER_DIR (--profile-dir: the same flag)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     eng = p.add_argument_group("engine arguments (vLLM names)")
     for f in fields(EngineArgs):
-        if f.name in OWN_ARGS or f.name == "num_gpu_blocks":  # one flag for both names, vLLM's first
+        if f.name in OWN_ARGS or f.name in ("num_gpu_blocks", "profile_dir"):  # one flag for both names, vLLM's first
             continue
         flags = ["--" + f.name.replace("_", "-")]
         if f.name == "num_gpu_blocks_override":

@@ -110,3 +110,23 @@ def test_notebooks_run_as_shipped_with_nbconvert_after_make_run(made_run, kernel
     res = subprocess.run(cmd, cwd=made_run / cwd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _images(nbformat.read(tmp_path / name, as_version=4)) >= 4
+
+
+def test_the_documented_notebook_command_writes_outside_the_tracked_files(tmp_path):
+    # the README's command left notebooks/*.nbconvert.ipynb in the repo; its copies now go to runs/notebooks
+    import re
+    import shlex
+    import subprocess
+
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"`(jupyter nbconvert [^`]*)`", readme).group(1)
+    assert "--output-dir runs/notebooks" in command
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "runs/" in ignored and "*.nbconvert.ipynb" in ignored
+    (tmp_path / "notebooks").mkdir()
+    nbformat.write(nbformat.v4.new_notebook(), tmp_path / "notebooks" / "a.ipynb")
+    args = [a for a in shlex.split(command) if a != "--execute"]  # the paths and names, without a kernel
+    jupyter = [sys.executable, "-m", "jupyter"] + args[1:]
+    subprocess.run(jupyter, cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    assert [p.name for p in (tmp_path / "notebooks").iterdir()] == ["a.ipynb"]
+    assert (tmp_path / "runs" / "notebooks" / "a.ipynb").is_file()

@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 from exptest_helpers import tiny, write_yaml
 
-from servetwin.experiments.run.binding import binding_resource, wait_growth
+from servetwin.experiments.run.binding import binding_resource
+from servetwin.experiments.run.steady_state import steady_state
 from servetwin.experiments.cli import main
 from servetwin.experiments.config.slo import parse_slo
 
@@ -19,7 +20,16 @@ def _summary(fe_util=0.3, kv=0.2, preemptions=0, fe_wait=0.02, q_wait=0.005, com
             "requests": 100, "completed": completed, "rejected": 0, "request_throughput_s": 5.0}
 
 
-STEADY = {"frontend": (0.02, 0.021), "engine": (0.005, 0.006)}
+def _state(frontend, engine, in_system=(50.0, 50.0), floor=0.1):
+    """A steady_state verdict with these (third quarter, last quarter) waits and in-system counts."""
+    w3, w4 = frontend[0] + engine[0], frontend[1] + engine[1]
+    q, w = (in_system[1] - in_system[0]) / in_system[0], (w4 - w3) / (w3 + floor)
+    return {"in_system": list(in_system), "waits_s": {"frontend": list(frontend), "engine": list(engine)},
+            "in_system_growth": q, "wait_growth": w, "floor_s": floor, "growth": max(q, w), "limit": 0.2,
+            "steady": max(q, w) <= 0.2}
+
+
+STEADY = _state((0.02, 0.021), (0.005, 0.006))
 
 
 def test_a_server_that_keeps_up_is_bound_by_the_arrival_rate():
@@ -34,13 +44,22 @@ def test_a_busy_front_end_binds_before_the_gpu():
 
 
 def test_growing_queues_name_where_they_grow():
-    engine_grows = {"frontend": (0.02, 0.02), "engine": (0.1, 3.0)}
-    fe_grows = {"frontend": (0.02, 0.9), "engine": (0.005, 0.005)}
+    engine_grows = _state((0.02, 0.02), (0.1, 3.0))
+    fe_grows = _state((0.02, 0.9), (0.005, 0.005))
     assert binding_resource(_summary(q_wait=1.5), 29.0, engine_grows)["resource"] == "gpu_compute"
     assert binding_resource(_summary(kv=0.97, q_wait=1.5), 29.0, engine_grows)["resource"] == "kv_capacity"
     assert binding_resource(_summary(preemptions=3), 29.0, engine_grows)["resource"] == "kv_capacity"
     assert binding_resource(_summary(fe_util=0.5, fe_wait=0.4), 29.0, fe_grows)["resource"] == "api_server_cpu"
-    assert "front end 20 ms -> 900 ms" in binding_resource(_summary(fe_wait=0.4), 29.0, fe_grows)["line"]
+    assert "waits 25 ms -> 905 ms" in binding_resource(_summary(fe_wait=0.4), 29.0, fe_grows)["line"]
+
+
+def test_a_queue_still_filling_is_not_keeping_up():
+    # the issue's 1,000-request probe: waits flat, but the requests in the system still climb over the
+    # second half (the batch has not reached its level): no "keeps up", whatever the waits say
+    filling = _state((0.02, 0.02), (0.012, 0.013), in_system=(155.0, 189.0))
+    b = binding_resource(_summary(), 30.0, filling)
+    assert b["resource"] == "gpu_compute" and "keeps up" not in b["line"]
+    assert "requests in the system 155 -> 189 (+22%)" in b["line"]
 
 
 def test_an_offline_batch_is_never_bound_by_the_arrival_rate():
@@ -50,13 +69,36 @@ def test_an_offline_batch_is_never_bound_by_the_arrival_rate():
     assert binding_resource(dict(s, kv_peak_usage=0.95), None, STEADY)["resource"] == "kv_capacity"
 
 
-def test_wait_growth_compares_the_first_and_last_fifth_by_arrival():
-    r = pd.DataFrame({"arrival_s": range(10, 0, -1), "frontend_in_s": [float(i) for i in range(10)],
-                      "queue_s": [0.0] * 9 + [float("nan")]})
-    g = wait_growth(r)
-    assert g["frontend"] == (pytest.approx(8.5), pytest.approx(0.5))  # arrival order reverses the rows
-    assert g["engine"] == (0.0, 0.0)
-    assert wait_growth(r.head(5)) is None
+def _requests(n, wait, finish_after):
+    """`n` requests one per second; request i waits wait(i) and finishes finish_after(i) s after arriving."""
+    arrival = [float(i) for i in range(n)]
+    return pd.DataFrame({"arrival_s": arrival, "frontend_in_s": [0.0] * n,
+                         "queue_s": [wait(i) for i in range(n)],
+                         "finish_s": [a + finish_after(i) for i, a in enumerate(arrival)],
+                         "client_finish_s": [float("nan")] * n})
+
+
+def test_steady_state_judges_the_second_half_only():
+    # a warm-up whose waits fall (the first half) is not judged; a flat second half is steady
+    r = _requests(400, lambda i: 2.0 if i < 200 else 0.01, lambda i: 5.0)
+    st = steady_state(r, step_p50_s=0.01)
+    assert st["steady"] and abs(st["wait_growth"]) < 1e-9 and st["in_system"][0] == pytest.approx(st["in_system"][1], rel=0.02)
+    assert st["window"] == [pytest.approx(199.5), 399.0]
+
+
+def test_steady_state_sees_waits_and_the_queue_grow():
+    # a server serving 0.9 of the arrivals: each request waits 0.1 s longer than the one before
+    waits = steady_state(_requests(400, lambda i: 0.1 * i, lambda i: 0.1 * i + 5.0), step_p50_s=0.01)
+    assert not waits["steady"] and waits["wait_growth"] > 0.2
+    # no queue yet, but each request stays longer: the requests in the system climb (a batch still filling)
+    filling = steady_state(_requests(400, lambda i: 0.0, lambda i: 0.05 * i), step_p50_s=0.01)
+    assert not filling["steady"] and filling["in_system_growth"] > 0.2 and filling["wait_growth"] == 0.0
+    unfinished = _requests(400, lambda i: 0.0, lambda i: 5.0)
+    unfinished.loc[300:, "finish_s"] = float("nan")  # never finished: they stay in the system
+    assert not steady_state(unfinished, step_p50_s=0.01)["steady"]
+    assert steady_state(_requests(10, lambda i: 0.0, lambda i: 1.0), 0.01) is None  # too few to judge
+    burst = _requests(50, lambda i: 0.0, lambda i: 1.0).assign(arrival_s=0.0)
+    assert steady_state(burst, 0.01) is None  # an offline batch has no arrival window
 
 
 def test_run_reports_what_binds_and_accepts_engine_slos(tmp_path, capsys):

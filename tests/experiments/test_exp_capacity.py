@@ -10,9 +10,12 @@ from servetwin.experiments.capacity.capacity import CapacitySearch, judge
 from servetwin.experiments.cli import main
 
 
-def _ev(value: float, limit: float = 1.0) -> dict:
-    return {"met": value <= limit, "checks": [{"name": "ttft_p99_s", "kind": "target", "limit": limit,
-                                               "value": value, "met": value <= limit, "ratio": value / limit}]}
+def _ev(value: float, limit: float = 1.0, queue: float = None, wait: float = 0.0) -> dict:
+    ev = {"met": value <= limit, "checks": [{"name": "ttft_p99_s", "kind": "target", "limit": limit,
+                                             "value": value, "met": value <= limit, "ratio": value / limit}]}
+    if queue is not None:  # the run's steady_state: its growth from the third to the last quarter
+        ev["steady_state"] = {"in_system_growth": queue, "wait_growth": wait}
+    return ev
 
 
 def _drive(search: CapacitySearch, f, seeds: int, k: int = 1) -> dict:
@@ -28,6 +31,50 @@ def test_judge_needs_the_bound_over_seeds_within_the_limit():
     p = judge(1.0, [_ev(0.3), _ev(0.99), _ev(0.6)], 0.9)
     assert not p.passed and p.ratios["ttft_p99_s"] > 1 and p.worst == "ttft_p99_s"
     assert not judge(1.0, [_ev(0.5), None], 0.9).passed  # a failed run fails its probe
+
+
+def test_a_probe_whose_queue_grows_fails_whatever_its_percentiles():
+    # a waiting queue that grows: each request waits longer than the last, well within the percentiles
+    growing = judge(1.0, [_ev(0.2, queue=0.0, wait=0.3), _ev(0.25, queue=0.1, wait=0.25), _ev(0.2, queue=0.0, wait=0.35)],
+                    0.9)
+    assert growing.slo_passed and growing.steady is False
+    assert not growing.passed and growing.worst == "steady_state" and growing.ratios["steady_state"] > 1
+    # steady: growths are noise of either sign, their mean within 20% / sqrt(seeds)
+    steady = judge(1.0, [_ev(0.2, queue=0.15, wait=0.12), _ev(0.2, queue=-0.12, wait=-0.1),
+                         _ev(0.2, queue=0.05, wait=0.02), _ev(0.2, queue=-0.1, wait=-0.05)], 0.9)
+    assert steady.passed and steady.steady and steady.settled and steady.growth["limit"] == pytest.approx(0.1)
+    # the requests in the system still climbing (a batch still filling) with flat waits: passes as it is,
+    # but is not settled - the search runs it again, longer
+    filling = judge(1.0, [_ev(0.2, queue=0.3, wait=0.0), _ev(0.2, queue=0.25, wait=0.01)], 0.9)
+    assert filling.passed and filling.settled is False
+    assert not judge(1.0, [_ev(2.0, queue=0.0), _ev(2.0, queue=0.0)], 0.9).slo_passed
+    # a failing SLO binds before the growth
+    assert judge(1.0, [_ev(2.0, wait=0.5, queue=0.0)] * 2, 0.9).worst == "ttft_p99_s"
+
+
+def test_a_probe_meeting_its_slo_but_growing_runs_again_longer_then_fails():
+    search = CapacitySearch(10.0, requests=1000, max_extend=2)
+    assert search.next_loads() == [10.0] and search.length(10.0) == 1000
+    p = search.record(10.0, [_ev(0.5, queue=0.0, wait=0.4)] * 2)
+    assert not p.passed and 10.0 not in search.probes  # not judged yet: it runs again, twice as long
+    assert search.next_loads(3) == [10.0] and search.length(10.0) == 2000
+    search.record(10.0, [_ev(0.5, queue=0.4, wait=0.0)] * 2)  # a batch still filling: longer again
+    assert search.length(10.0) == 4000 and search.next_loads() == [10.0]
+    last = search.record(10.0, [_ev(0.5, queue=0.0, wait=0.4)] * 2)  # waits still grow after 2 extensions: fails
+    assert search.probes[10.0] is last and not last.passed and last.requests == 4000 and last.extended == 2
+    assert search.next_loads() == [5.0] and search.length(5.0) == 1000  # the search moves on, at its length
+    # a probe that turns steady when longer passes at that length, which the answer reports
+    search.record(5.0, [_ev(0.5, queue=0.4)] * 2)
+    search.record(5.0, [_ev(0.5, queue=0.02, wait=0.01)] * 2)
+    assert search.probes[5.0].passed and search.probes[5.0].requests == 2000
+    assert search.result()["probe_requests"] == [2000, 4000]
+    # a failing SLO is not extended (a longer run only queues more), nor a search without a length
+    other = CapacitySearch(10.0)
+    other.record(10.0, [_ev(0.5, queue=0.0, wait=0.4)] * 2)
+    assert 10.0 in other.probes and not other.probes[10.0].passed
+    failing = CapacitySearch(10.0, requests=100)
+    failing.record(10.0, [_ev(3.0, queue=0.0, wait=0.4)] * 2)
+    assert 10.0 in failing.probes and not failing.pending
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -81,7 +128,9 @@ def test_capacity_command_on_the_simulator(tmp_path, capsys):
     separated = ci4["ci_lo"] > ci1["ci_hi"]  # a winner only when the intervals separate
     assert (answer["best"] or {}).get("point") == ("max_num_seqs=4" if separated else None)
     probes = pd.read_csv(out / "probes.csv")
-    assert {"load", "seed", "ttft_p90_s", "check_ttft_p90_s", "worst_ratio", "host"} <= set(probes.columns)
+    assert {"load", "seed", "requests", "in_system_growth", "wait_growth", "steady", "ttft_p90_s", "check_ttft_p90_s",
+            "worst_ratio", "host"} <= set(probes.columns)
+    assert set(probes.requests) <= {30, 60, 120, 240}  # 30, or extended while not steady
     assert (probes.status == "ok").all() and set(probes.seed) == {0, 1}
     md = (out / "capacity.md").read_text()
     assert "## Latency vs load: max_num_seqs=4 [sim]" in md
@@ -104,6 +153,14 @@ def test_capacity_command_errors(tmp_path, capsys):
     assert main(["capacity", str(path), "--slo", "ttft_p99_s=1", "--grid", "engine.max_num_seqs=4",
                  "-o", str(tmp_path / "o")]) == 2
     assert "--grid engine.max_num_seqs: must be a non-empty YAML list" in capsys.readouterr().err
+    assert main(["capacity", str(path), "--slo", "ttft_p99_s=1", "--max-extend", "-1", "-o", str(tmp_path / "o")]) == 2
+    assert "--max-extend: must be an integer >= 0" in capsys.readouterr().err
+
+
+def test_capacity_help_names_its_default_folder(capsys):
+    with pytest.raises(SystemExit):
+        main(["capacity", "--help"])
+    assert "(default: runs/<name>.capacity)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_ray_missing_says_how_to_install(tmp_path, capsys, monkeypatch):
@@ -113,3 +170,15 @@ def test_ray_missing_says_how_to_install(tmp_path, capsys, monkeypatch):
     path = write_yaml(tmp_path / "s.yaml", tiny(sweep={"engine.max_num_seqs": [1, 2]}))
     assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--ray", "--no-progress"]) == 2
     assert "--ray: Ray is not installed: pip install 'servetwin[ray]'" in capsys.readouterr().err
+
+
+def test_the_capacity_is_confirmed_at_the_longest_probe():
+    # a server that holds 12 req/s for 100 requests but only 9 for 200: the answer must hold at 200
+    search = CapacitySearch(8.0, rel_tol=0.05, requests=100, max_extend=1)
+    while not search.done:
+        for load in search.next_loads():
+            limit = 12.0 if search.length(load) == 100 else 9.0
+            search.record(load, [_ev(load / limit, queue=0.0) for _ in range(3)])
+    res = search.result()
+    assert res["capacity"] <= 9.0 < res["interval"][1] and res["probe_requests"][0] == 200
+    assert search.confirmed_from  # the short passes it re-ran

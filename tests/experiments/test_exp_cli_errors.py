@@ -193,3 +193,16 @@ def test_workload_options_a_backend_cannot_honour_are_errors(tmp_path, capsys):
     path = write_yaml(tmp_path / "s.yaml", cfg)
     assert main(["run", str(path), "-o", str(tmp_path / "out2"), "--no-progress"]) == 2
     assert "uses scenario events" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["engine", "sweep"])
+def test_a_vllm_argument_not_supported_yet_says_so(tmp_path, capsys, where):
+    # the case read "unknown key (did you mean tensor_parallel_size?)"
+    cfg = tiny(engine__enable_lora=True) if where == "engine" else \
+        tiny(sweep={"engine.cpu_offload_gb": [1, 2]})
+    path = write_yaml(tmp_path / "c.yaml", cfg)
+    assert main(["sweep" if where == "sweep" else "run", str(path), "-o", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    key = "engine.enable_lora" if where == "engine" else "sweep.engine.cpu_offload_gb"
+    assert f"{key}: vLLM's {key.rsplit('.', 1)[1]}" in err and "not supported yet" in err
+    assert "did you mean" not in err and "Traceback" not in err

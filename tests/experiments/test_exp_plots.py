@@ -135,3 +135,23 @@ def test_seeded_sweep_error_bars_are_the_clipped_interval_not_the_std():
     df["ttft_p99_s_std"] = [1.0, 1.0]  # symmetric std bars would reach below zero
     below, above = plots.spread(df, "ttft_p99_s")
     assert below == pytest.approx([0.05, 0.02]) and above == pytest.approx([0.15, 0.02])
+
+
+def test_a_sweep_over_hardware_draws_each_in_its_own_colour_and_marker(monkeypatch, tmp_path):
+    # the figure: h200 and b200 on the simulator were one colour and one marker, titled "(sim on b200)"
+    df = pd.concat([_sweep_df([8, 16, 32]).assign(hardware=hw, point=lambda d, hw=hw: d.point + hw)
+                    for hw in ("h200", "b200")], ignore_index=True)
+    kept = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (kept.setdefault("fig", fig), path)[1])
+    plots.sweep_comparison(df, str(tmp_path / "s.png"), plots.PlotContext(title="t"),
+                           keys=["hardware", "engine.max_num_seqs"])
+    ttft = next(ax for ax in kept["fig"].axes if ax.get_title().startswith("TTFT"))
+    lines = {c.get_label(): c.lines[0] for c in ttft.containers if "hardware=" in str(c.get_label())}
+    h200, b200 = lines["hardware=h200, sim p50"], lines["hardware=b200, sim p50"]
+    assert h200.get_color() != b200.get_color() and h200.get_marker() != b200.get_marker()
+    matplotlib.pyplot.close(kept["fig"])
+    cfg = tiny(hardware="h100-sxm", sweep={"hardware": ["h200", "b200"]})
+    from servetwin.experiments.config.schema import load_config
+
+    title = plots.context_for(load_config(str(write_yaml(tmp_path / "c.yaml", cfg)))).title
+    assert "(sim on h200, b200)" in title and "h100" not in title

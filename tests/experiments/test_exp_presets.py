@@ -29,3 +29,23 @@ def test_presets_state_each_models_kv_cache_groups(capsys):
     assert models["gpt-oss-120b"]["kv_cache_groups"] == (
         "sliding_window 128 + full_attention (2 KV cache groups x 18 layers)")
     assert models["llama-3.1-8b"]["kv_cache_groups"] == "full_attention (1 KV cache group x 32 layers)"
+
+
+def test_presets_say_what_each_hardware_was_validated_on(capsys, tmp_path):
+    assert main(["presets", "--json"]) == 0
+    hw = {h["name"]: h for h in json.loads(capsys.readouterr().out)["hardware"]}
+    assert hw["b200"]["calibrated"] is False and "16-19% slow" in hw["b200"]["validated_on"]
+    assert hw["h100-sxm"]["calibrated"] is True and hw["h200"]["calibrated"] is False
+    assert main(["presets", "hardware"]) == 0
+    text = capsys.readouterr().out
+    assert "fitted on its runs" in text and "b200: not fitted" in text and "True" not in text
+    # a run on a preset not fitted on its own GPU's runs says so
+    from exptest_helpers import tiny, write_yaml
+
+    cfg = write_yaml(tmp_path / "c.yaml", tiny(hardware="b200", workload__requests=3))
+    assert main(["run", str(cfg), "-o", str(tmp_path / "out"), "--no-progress", "--no-plots"]) == 0
+    err = capsys.readouterr().err
+    assert "note: hardware 'b200' is not fitted on a run of its own GPU" in err and "16-19% slow" in err
+    assert main(["run", str(write_yaml(tmp_path / "h.yaml", tiny(hardware="h100-sxm", workload__requests=3))),
+                 "-o", str(tmp_path / "h"), "--no-progress", "--no-plots"]) == 0
+    assert "not fitted" not in capsys.readouterr().err

@@ -20,6 +20,16 @@ def test_serve_help_lists_server_and_engine_options(capsys):
         assert opt in out, opt
 
 
+def test_one_profiler_flag_with_vllm_spelling_and_its_alias(capsys):
+    for flag in ("--profiler-dir", "--profile-dir"):
+        ns = build_parser().parse_args(["serve", "--backend", "sim", flag, "/tmp/p"])
+        assert ns.profiler_dir == "/tmp/p" and engine_args_from(ns).profile_dir is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--profiler-dir DIR, --profile-dir DIR" in out and "PROFILE_DIR" not in out  # one flag, not two
+
+
 def test_engine_arguments_are_mapped_with_vllm_names(capsys):
     ns = build_parser().parse_args(["serve", "--backend", "sim", "--model", "qwen3-8b", "--max-num-seqs", "7",
                                     "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
