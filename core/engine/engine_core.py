@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.engine.executor import Executor
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -41,13 +42,15 @@ class EngineCore:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor,
-                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None) -> None:
+                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None,
+                 kv_transfer_config: Optional[KVTransferConfig] = None) -> None:
         scheduler_cls = getattr(executor, "scheduler_cls", Scheduler)
         if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
             raise TypeError(f"scheduler_cls: {scheduler_cls!r} of {type(executor).__name__} "
                             "is not a Scheduler subclass")
         self.scheduler = scheduler_cls(scheduler_config, cache_config, log_stats=log_stats,
-                                       speculative_config=speculative_config)
+                                       speculative_config=speculative_config,
+                                       kv_transfer_config=kv_transfer_config)
         # vLLM's check_for_draft_tokens: sync scheduling takes the drafts after each step (post_step)
         self.check_for_draft_tokens = speculative_config is not None and not scheduler_config.async_scheduling
         # vLLM's spec-decode counters since start (v1/spec_decode/metrics.py), for get_stats / /metrics
