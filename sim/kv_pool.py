@@ -40,6 +40,7 @@ from servetwin.sim.cost_model import CostModel, default_cuda_graph_sizes
 from servetwin.sim.executor import SimExecutor
 from servetwin.sim.spec_acceptance import AcceptanceModel
 from servetwin.sim.spec_drafter import SimDrafter
+from servetwin.sim.kv_transfer import build_kv_worker
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
 
@@ -173,5 +174,11 @@ def build_sim_executor(args: Any):
         rates = getattr(args, "spec_acceptance_rates", None)
         executor.enable_spec_decode(SimDrafter(args.speculative_config,
                                                AcceptanceModel(tuple(rates), args.seed) if rates else None))
+    kv_config = getattr(args, "kv_transfer_config", None)
+    if kv_config is not None:  # each TP rank moves its shard over its own link
+        kv_bytes_per_token = model.kv_bytes_per_token(cost_model.kv_bytes_per_element) / args.tensor_parallel_size
+        # the CPU tier's chunk is one block of this model's KV (as vLLM's worker sizes it), unless given
+        kv_config.kv_connector_extra_config.setdefault("kv_bytes_per_block", int(kv_bytes_per_token * args.block_size))
+        executor.enable_kv_transfer(build_kv_worker(kv_config, kv_bytes_per_token, args.block_size))
     return ExecutorInfo(executor, pool.num_gpu_blocks, max_len, model.vocab_size, [], None,
                         kv_cache_groups=pool.kv_cache_groups)
