@@ -153,6 +153,16 @@ class SimExecutor:
         (Simulation switches them off when the scheduler has a connector)."""
         self.kv_worker = worker
 
+    def kv_transfer_totals(self) -> dict[str, int]:
+        """The offloading connector's transfer counters under vLLM's names without `vllm:`
+        (offloading/metrics.py:42-47: kv_offload_load_bytes, kv_offload_store_bytes: bytes of the
+        jobs started); {} without an offloading connector."""
+        worker = self.kv_worker
+        if worker is None or not worker.offloading:
+            return {}
+        return {"kv_offload_load_bytes": worker.totals.bytes["load"],
+                "kv_offload_store_bytes": worker.totals.bytes["store"]}
+
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_token_counts(so)
         counts = self.num_tokens

@@ -178,7 +178,9 @@ def build_sim_executor(args: Any):
     if kv_config is not None:  # each TP rank moves its shard over its own link
         kv_bytes_per_token = model.kv_bytes_per_token(cost_model.kv_bytes_per_element) / args.tensor_parallel_size
         # the CPU tier's chunk is one block of this model's KV (as vLLM's worker sizes it), unless given
-        kv_config.kv_connector_extra_config.setdefault("kv_bytes_per_block", int(kv_bytes_per_token * args.block_size))
+        if kv_config.kv_connector == "OffloadingConnector":
+            kv_config.kv_connector_extra_config.setdefault("kv_bytes_per_block",
+                                                           int(kv_bytes_per_token * args.block_size))
         executor.enable_kv_transfer(build_kv_worker(kv_config, kv_bytes_per_token, args.block_size))
     return ExecutorInfo(executor, pool.num_gpu_blocks, max_len, model.vocab_size, [], None,
                         kv_cache_groups=pool.kv_cache_groups)

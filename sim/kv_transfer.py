@@ -74,7 +74,9 @@ class SimKVWorker:
     """One engine's connector worker in simulated time. `clock_s` is the start of the next step (the
     sum of the durations it was given); only differences of it matter."""
 
-    def __init__(self, kv_bytes_per_token: float, block_size: int, link: Link, pcie: Link) -> None:
+    def __init__(self, kv_bytes_per_token: float, block_size: int, link: Link, pcie: Link,
+                 offloading: bool = False) -> None:
+        self.offloading = offloading  # an offloading connector's worker (its counters are reported)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.block_size = block_size
         self.link = link
@@ -172,7 +174,8 @@ class SimKVWorker:
 
 def build_kv_worker(config: KVTransferConfig, kv_bytes_per_token: float, block_size: int) -> SimKVWorker:
     link, pcie = transfer_links(config)
-    return SimKVWorker(kv_bytes_per_token, block_size, link, pcie)
+    return SimKVWorker(kv_bytes_per_token, block_size, link, pcie,
+                       offloading=config.kv_connector == "OffloadingConnector")
 
 
 __all__ = ["DEFAULT_KV_LINK", "DEFAULT_PCIE_LINK", "KV_LINK_KEY", "PCIE_LINK_KEY", "LINK_PRESETS",

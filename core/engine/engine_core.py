@@ -56,6 +56,9 @@ class EngineCore:
         # vLLM's spec-decode counters since start (v1/spec_decode/metrics.py), for get_stats / /metrics
         self.spec_decoding_totals = (SpecDecodingStats.new(speculative_config.num_speculative_tokens)
                                      if speculative_config is not None else None)
+        # vLLM's external (KV connector) prefix-cache counters since start (v1/metrics/loggers.py:685-706)
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
         self.executor = executor
         self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         self.batch_queue_size = 2 if scheduler_config.async_scheduling else 1
@@ -80,6 +83,10 @@ class EngineCore:
             so.step = self.step_counter if step_index is None else step_index
             result.scheduled = so
             result.stats = scheduler.make_stats()
+            connector_hits = result.stats.connector_prefix_cache_stats
+            if connector_hits is not None:
+                self.external_prefix_cache_queries += connector_hits.queries
+                self.external_prefix_cache_hits += connector_hits.hits
             mro = self.executor.execute_model(so)
             result.model_output = mro
             self.batch_queue.appendleft((so, mro))

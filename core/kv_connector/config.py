@@ -57,6 +57,9 @@ class KVTransferConfig:
         if module_path is not None and (not isinstance(module_path, str) or not module_path):
             raise ConfigError("kv_transfer_config.kv_connector_module_path",
                               f"must be a module name, got {module_path!r}")
+        raw = dict(raw)
+        if isinstance(raw.get("kv_connector_extra_config"), dict):  # ours: a backend may add its defaults
+            raw["kv_connector_extra_config"] = dict(raw["kv_connector_extra_config"])
         try:
             return cls(**raw)
         except ConfigError as e:

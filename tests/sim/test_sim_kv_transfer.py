@@ -181,3 +181,32 @@ def test_offload_gets_cpu_hits_and_prefills_fewer_tokens():
     assert runs["gpu"][1] == 0
     assert runs["cpu_tier"][1] == 8 * 512  # each group's second request hits its whole prefix
     assert runs["cpu_tier"][0] < runs["gpu"][0]
+
+
+def test_kv_connector_metrics_under_vllms_names():
+    from servetwin.core.engine.llm import LLM
+    from servetwin.core.engine.metrics import ServingMetrics
+    from servetwin.core.engine.messages import EngineStats
+
+    offload = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
+    prefix = list(range(100, 100 + 40 * BLOCK))
+    with LLM(model="qwen3-8b", backend="sim", tokenizer="toy", hardware="h100-sxm", num_gpu_blocks=48,
+             max_model_len=700, kv_transfer_config=offload) as llm:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": prefix + [7]}], params)
+        llm.generate([{"prompt_token_ids": list(range(2000, 2000 + 40 * BLOCK))}], params)  # evicts the prefix
+        llm.generate([{"prompt_token_ids": prefix + [8]}], params)  # a CPU-tier hit
+        metrics = {m.name: m.value for m in llm.get_metrics()}
+        stats = llm.get_stats()
+    hits = metrics["vllm:external_prefix_cache_hits"]
+    assert hits > 0 and hits + metrics["vllm:prefix_cache_hits"] == 40 * BLOCK  # the whole prefix, GPU + CPU
+    assert metrics["vllm:external_prefix_cache_queries"] >= hits
+    block_bytes = BLOCK * _kv_bytes_per_token()
+    assert metrics["vllm:kv_offload_store_bytes"] == 80 * block_bytes  # both prompts' full blocks
+    assert metrics["vllm:kv_offload_load_bytes"] == hits // BLOCK * block_bytes  # what the hit loaded
+    serving = ServingMetrics("m")
+    serving.update_engine(EngineStats(**{k: v for k, v in stats.items() if k in EngineStats.__struct_fields__}), 1)
+    text = serving.render()
+    assert f'vllm:external_prefix_cache_hits_total{{model_name="m",engine="1"}} ' \
+           f'{metrics["vllm:external_prefix_cache_hits"]}' in text
+    assert "vllm:kv_offload_load_bytes_total" in text
