@@ -34,7 +34,7 @@ from servetwin.gpu.kv_cache import allocate_kv_caches, cpu_num_blocks, cuda_num_
 from servetwin.gpu.loader import load_model
 from servetwin.gpu.models.registry import ModelInfo, load_tokenizer, resolve_model
 from servetwin.gpu.models.tp_shard import check_tensor_parallel
-from servetwin.gpu.parallel_state import TPGroup
+from servetwin.gpu.parallel_state import PPGroup, TPGroup, pp_layer_range
 from servetwin.gpu.step_profiling import StepProfiler, StepTimer, step_annotation
 from servetwin.gpu.step_sampler import StepSampler
 from servetwin.core.sched.spec_decode import DraftTokenIds, SpeculativeConfig
@@ -113,6 +113,12 @@ def tensor_parallel_widths(cfg: Any) -> tuple[int, ...]:
     return (cfg.intermediate_size,) + (() if cfg.moe is None else (cfg.moe.intermediate_size,))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StageLayers:
+    """The layers of one pipeline stage, as `model_kv_plan` reads a model (all full attention)."""
+    num_layers: int
+
+
 class TorchExecutor:
     def __init__(self, model: str = "tiny-llama", dtype: Optional[str] = None, device: str = "auto",
                  block_size: int = 16, num_gpu_blocks: Optional[int] = None,
@@ -122,13 +128,14 @@ class TorchExecutor:
                  attention_backend: str = "auto", seed: int = 0, profile_dir: Optional[str] = None,
                  torch_paged_mode: str = "auto", cuda_graph_sizes: Optional[list[int]] = None,
                  keep_logits: bool = False, disable_hybrid_kv_cache_manager: bool = False,
-                 async_scheduling: bool = False, tp: Optional[TPGroup] = None,
+                 async_scheduling: bool = False, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None,
                  model_info: Optional[ModelInfo] = None,
                  speculative_config: Optional[SpeculativeConfig] = None) -> None:
         torch.manual_seed(seed)
         self.device = resolve_device(device)
         self.model_info: ModelInfo = model_info or resolve_model(model)
         self.tp = tp or TPGroup()
+        self.pp = pp or PPGroup()
         self.dtype = resolve_dtype(dtype, self.device, self.model_info.hf_config)
         if (warning := slow_cpu_dtype_warning(self.device, self.dtype)) is not None:
             logger.warning(warning)
@@ -143,14 +150,15 @@ class TorchExecutor:
                                 tp=self.tp if self.tp.world_size > 1 else None)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(self.model_info.eos_token_ids)
-        # this rank's KV heads (core's rule, so the simulator's pool and this one agree)
-        local_kv_heads = kv_heads_per_rank(cfg.num_kv_heads, self.tp.world_size)
-        self.kv_spec = KVCacheSpec(num_layers=cfg.num_layers, num_kv_heads=local_kv_heads,
-                                   head_size=cfg.head_dim, dtype=str(self.dtype).replace("torch.", ""),
-                                   block_size=block_size)
         # KV cache groups from the layers' attention types; a pool block = one page of `group_size` layers
         self.kv_plan = model_kv_plan(cfg, disable_hybrid_kv_cache_manager)
         self.kv_cache_groups = self.kv_plan.scheduler_groups
+        num_layers = self._keep_pipeline_stage(cfg.num_layers)
+        # this rank's KV heads (core's rule, so the simulator's pool and this one agree)
+        local_kv_heads = kv_heads_per_rank(cfg.num_kv_heads, self.tp.world_size)
+        self.kv_spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=local_kv_heads,
+                                   head_size=cfg.head_dim, dtype=str(self.dtype).replace("torch.", ""),
+                                   block_size=block_size)
         pool_spec = dataclasses.replace(self.kv_spec, num_layers=self.kv_plan.group_size)
         self.attn_backend = select_attention_backend(attention_backend, self.device, self.dtype, block_size,
                                                      cfg.head_dim, cfg.num_heads // self.tp.world_size,
@@ -164,7 +172,8 @@ class TorchExecutor:
                                 lambda: self._dummy_forward(min(max_num_batched_tokens, want_len)))
         else:
             n = cpu_num_blocks(pool_spec, num_gpu_blocks, kv_cache_memory_bytes)
-        n = self.tp.min_int(n)  # every rank's pool as large as the smallest (vLLM takes the minimum too)
+        # every rank's pool as large as the smallest (vLLM takes the minimum too)
+        n = self.pp.min_int(self.tp.min_int(n))
         self.max_model_len = self.kv_plan.fit_max_model_len(
             n, self.kv_spec, -1 if max_model_len == -1 else want_len, derived_max_len,
             max_num_batched_tokens * (2 if async_scheduling else 1))
@@ -179,7 +188,8 @@ class TorchExecutor:
         reason = cuda_graph_unsupported_reason(cfg) or (
             None if self.kv_cache_groups is None else "a CUDA graph captures one block table, not one per KV cache group"
         ) or ("tensor parallelism: the graphs would capture the NCCL collectives (not done here)"
-              if self.tp.world_size > 1 else None)
+              if self.tp.world_size > 1 else None) or (
+            "pipeline parallelism: a stage's graph would capture its sends" if self.pp.world_size > 1 else None)
         if self.device.type == "cuda" and not enforce_eager and reason:
             logger.info("CUDA graphs off: %s", reason)
         elif self.device.type == "cuda" and not enforce_eager:
@@ -197,6 +207,20 @@ class TorchExecutor:
         # called after every step with (scheduler_output, model_output); e.g. `servetwin compare` reads
         # each step's `timing.cpu_s` to tell a contended core from a slow step
         self.step_observers: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]] = []
+
+    def _keep_pipeline_stage(self, num_layers: int) -> int:
+        """At PP > 1 keep this stage's layers (vLLM's `get_pp_indices`); the layers this rank runs."""
+        if self.pp.world_size == 1:
+            return num_layers
+        if self.kv_cache_groups is not None:
+            raise ConfigError("pipeline_parallel_size", "pipeline parallelism of a model with several KV cache "
+                                                        "groups (sliding-window / chunked layers) is not supported")
+        if num_layers < self.pp.world_size:
+            raise ConfigError("pipeline_parallel_size", f"{self.pp.world_size} stages for {num_layers} layers")
+        start, end = pp_layer_range(num_layers, self.pp.rank, self.pp.world_size)
+        self.model.keep_pipeline_stage(start, end, self.pp.is_first_rank, self.pp.is_last_rank)
+        self.kv_plan = model_kv_plan(_StageLayers(end - start))
+        return end - start
 
     def _init_drafter(self, config: Optional[SpeculativeConfig], async_scheduling: bool, seed: int) -> None:
         """Speculative decoding: the drafter, and the generator of the rejection sampler's draws."""
@@ -331,7 +355,12 @@ class TorchExecutor:
             hidden, padded = self.graph_runner.run(batch, input_ids, positions)
             last_hidden = hidden if len(logit_rows) == len(rows) else hidden[torch.tensor(logit_rows, device=self.device)]
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, attn_meta)
+            hidden = self._stage_forward(batch, input_ids, positions, attn_meta)
+            if not self.pp.is_last_rank:  # the last stage samples; this one's output went on
+                timer.mark()
+                timer.mark()
+                return ModelRunnerOutput(req_ids=batch.req_ids, req_id_to_index={}, sampled_token_ids=[],
+                                         timing=timer.timing(batch.num_tokens))
             padded = batch.num_tokens
             if len(logit_rows) == len(rows) == batch.num_tokens:  # one token per row: every token's hidden
                 last_hidden = hidden
@@ -376,6 +405,19 @@ class TorchExecutor:
                                  sampled_token_ids=sampled, logprobs=logprobs,
                                  prompt_logprobs_dict=prompt_logprobs, timing=timing)
 
+    def _stage_forward(self, batch: InputBatch, input_ids: torch.Tensor, positions: torch.Tensor,
+                       attn_meta: Any) -> torch.Tensor:
+        """This rank's layers: a later pipeline stage starts from the previous stage's hidden states
+        (received, [tokens, hidden]); a stage before the last sends its output on."""
+        intermediate = None
+        if not self.pp.is_first_rank:
+            shape = (batch.num_tokens, self.model_info.decoder_config.hidden_size)
+            intermediate = self.pp.recv_prev(shape, self.dtype, self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, attn_meta, intermediate)
+        if not self.pp.is_last_rank:
+            self.pp.send_next(hidden)
+        return hidden
+
     def _prompt_logprobs(self, rows: list[ScheduledRow], batch: InputBatch, hidden: torch.Tensor,
                          so: SchedulerOutput) -> dict[str, list[Optional[Logprobs]]]:
         out: dict[str, list[Optional[Logprobs]]] = {}
@@ -408,7 +450,12 @@ class TorchExecutor:
             query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
         meta = build_layer_metadata(self.attn_backend, [common], self.model.layer_windows)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        hidden = self.model(ids, to_device(positions, dev), caches, meta)
+        intermediate = None if self.pp.is_first_rank else torch.zeros(
+            num_tokens, self.model_info.decoder_config.hidden_size, dtype=self.dtype, device=dev)
+        hidden = self.model(ids, to_device(positions, dev), caches, meta, intermediate)
+        if not self.pp.is_last_rank:
+            del caches, hidden
+            return
         idx = torch.arange(min(self.max_num_seqs, num_tokens), device=dev)
         logits = self.model.compute_logits(hidden[idx])
         torch.softmax(logits, dim=-1)

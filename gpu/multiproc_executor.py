@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -57,6 +58,7 @@ POLL_S = 0.05  # exit polling where pidfds are missing
 class WorkerArgs:
     rank: int
     world_size: int
+    pipeline_parallel_size: int  # 1: the world is the TP group; else it is the PP group (TP 1)
     init_method: str
     broadcast: QueueHandle
     response: QueueHandle
@@ -111,27 +113,39 @@ class MultiprocExecutor:
     `cuda:r`. `threads`: torch's intra-op threads per worker (None: torch's default)."""
 
     def __init__(self, tensor_parallel_size: int, executor_kwargs: dict[str, Any],
-                 threads: Optional[int] = None) -> None:
-        if tensor_parallel_size < 2:
+                 threads: Optional[int] = None, pipeline_parallel_size: int = 1) -> None:
+        if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
+            raise ConfigError("pipeline_parallel_size", f"tensor parallelism ({tensor_parallel_size}) and pipeline "
+                                                        "parallelism together are not supported yet")
+        world_size = tensor_parallel_size * pipeline_parallel_size
+        if world_size < 2:
             raise ConfigError("tensor_parallel_size", f"MultiprocExecutor is for 2 or more ranks, got "
-                                                      f"{tensor_parallel_size} (one rank: TorchExecutor)")
-        self.world_size = tensor_parallel_size
+                                                      f"{world_size} (one rank: TorchExecutor)")
+        self.world_size = world_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        # the rank that answers: the last pipeline stage samples (vLLM's output rank), else rank 0
+        self.output_rank = world_size - 1 if pipeline_parallel_size > 1 else 0
+        # with PP the engine keeps PP batches in flight: `execute_model(so, non_block=True)` returns a future
+        self.supports_non_block = pipeline_parallel_size > 1
+        self._sent = 0  # calls broadcast so far; the output rank answers each, in order
+        self._received: dict[int, tuple[str, Any]] = {}
+        self._next_reply = 0
         self.step_observers: list[Callable[[SchedulerOutput, ModelRunnerOutput], None]] = []
         self._dead_reason: Optional[str] = None
         self._dead_rank: Optional[int] = None
         self._dead_seen = threading.Event()
         self._closing = False
         self._lock = threading.Lock()
-        self.broadcast = MessageQueue.create(n_reader=tensor_parallel_size)
-        self.response = MessageQueue.create(n_reader=1, reader_rank=0)  # rank 0 writes, this process reads
+        self.broadcast = MessageQueue.create(n_reader=world_size)
+        self.response = MessageQueue.create(n_reader=1, reader_rank=0)  # the output rank writes, we read
         self._rendezvous = tempfile.mkdtemp(prefix="servetwin-tp-")
         death_r, self._death_w = os.pipe()
         self.workers: list[EngineProcess] = []
         ready_fds: list[int] = []
         try:
-            for rank in range(tensor_parallel_size):
+            for rank in range(world_size):
                 ready_r, ready_w = os.pipe()
-                args = WorkerArgs(rank, tensor_parallel_size, f"file://{self._rendezvous}/store",
+                args = WorkerArgs(rank, world_size, pipeline_parallel_size, f"file://{self._rendezvous}/store",
                                   self.broadcast.handle, self.response.handle,
                                   _rank_kwargs(executor_kwargs, rank), threads, ready_w, death_r)
                 ready_fds.append(ready_r)
@@ -210,30 +224,57 @@ class MultiprocExecutor:
         return EngineDeadError(self._dead_reason or "the tensor-parallel workers were shut down")
 
     # -- calls ------------------------------------------------------------------------------------
-    def _call(self, method: str, *args: Any) -> Any:
-        """Run `method(*args)` on every rank's `TorchExecutor`; rank 0's result."""
+    def _send(self, method: str, *args: Any) -> int:
+        """Broadcast `method(*args)` to every rank's `TorchExecutor`; the call's sequence number."""
         with self._lock:
             if self._closing or self._is_dead():
                 raise self._dead_error()
             try:
                 self.broadcast.enqueue((method, args), should_stop=self._is_dead)
-                status, result = self.response.dequeue(should_stop=self._is_dead)
             except QueueClosed:
                 raise self._dead_error() from None
+            self._sent += 1
+            return self._sent - 1
+
+    def _reply(self, seq: int, method: str) -> Any:
+        """The output rank's answer to call `seq` (answers come in call order; earlier ones are kept
+        for their own waiters)."""
+        with self._lock:
+            while seq not in self._received:
+                if self._is_dead():
+                    raise self._dead_error()
+                try:
+                    self._received[self._next_reply] = self.response.dequeue(should_stop=self._is_dead)
+                except QueueClosed:
+                    raise self._dead_error() from None
+                self._next_reply += 1
+            status, result = self._received.pop(seq)
         if status == "error":
-            if self._peer_died():  # rank 0's collective failed because another rank is gone
+            if self._peer_died():  # the output rank's collective failed because another rank is gone
                 raise self._dead_error() from result.error
-            result.reraise(f"tensor-parallel worker rank 0: {method} failed")
+            result.reraise(f"tensor-parallel worker rank {self.output_rank}: {method} failed")
         return result
 
-    def _peer_died(self, wait_s: float = 1.0) -> bool:
-        """Whether the first rank to exit was not rank 0 (which exits after reporting its own error);
-        waits up to `wait_s` for the monitor to see an exit."""
-        self._dead_seen.wait(wait_s)
-        return self._dead_rank not in (None, 0)
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run `method(*args)` on every rank's `TorchExecutor`; the output rank's result."""
+        return self._reply(self._send(method, *args), method)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        out = self._call("execute_model", scheduler_output)
+    def _peer_died(self, wait_s: float = 1.0) -> bool:
+        """Whether the first rank to exit was not the output rank (which exits after reporting its own
+        error); waits up to `wait_s` for the monitor to see an exit."""
+        self._dead_seen.wait(wait_s)
+        return self._dead_rank not in (None, self.output_rank)
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future:
+        """One step on every rank. `non_block`: broadcast it and return a future of the output rank's
+        `ModelRunnerOutput` (vLLM's `execute_model(..., non_block=True)`), resolved when waited for."""
+        seq = self._send("execute_model", scheduler_output)
+        if not non_block:
+            return self._observed(scheduler_output, self._reply(seq, "execute_model"))
+        return _PendingOutput(lambda: self._observed(scheduler_output, self._reply(seq, "execute_model")))
+
+    def _observed(self, scheduler_output: SchedulerOutput, out: ModelRunnerOutput) -> ModelRunnerOutput:
         for observe in self.step_observers:
             observe(scheduler_output, out)
         return out
@@ -304,6 +345,23 @@ class MultiprocExecutor:
                 self.close()
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+
+class _PendingOutput(Future):
+    """A step in flight: `result()` waits for the output rank's answer (in the caller's thread; the
+    engine waits for its batches oldest first)."""
+
+    def __init__(self, wait: Callable[[], ModelRunnerOutput]) -> None:
+        super().__init__()
+        self._wait = wait
+
+    def result(self, timeout: Optional[float] = None) -> ModelRunnerOutput:
+        if not self.done():
+            try:
+                self.set_result(self._wait())
+            except BaseException as e:  # noqa: BLE001 - kept, then raised to every waiter
+                self.set_exception(e)
+        return super().result(timeout)
 
 
 def _wait_any_exit(workers: list[EngineProcess]) -> list[int]:

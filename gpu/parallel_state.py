@@ -50,12 +50,55 @@ class TPGroup:
         return int(t.item())
 
 
+@dataclass(frozen=True, slots=True)
+class PPGroup:
+    """This worker's pipeline stage: `rank` of `world_size` stages (vLLM's PP `GroupCoordinator`). The
+    intermediate tensors go point to point, stage r to stage r + 1 (`send_tensor_dict` /
+    `recv_tensor_dict`); the sizes need not travel: every stage builds the same batch from the same
+    scheduler output, so the receiver knows the shape."""
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    def send_next(self, t: torch.Tensor) -> None:
+        dist.send(t.contiguous(), dst=self.rank + 1)
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src=self.rank - 1)
+        return t
+
+    def min_int(self, value: int) -> int:
+        """The smallest of the stages' `value`s (each stage's KV pool holds its own layers; the
+        scheduler's pool is the smallest)."""
+        return TPGroup(self.rank, self.world_size).min_int(value)
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The layers [start, end) of stage `pp_rank` (vLLM 0.33 distributed/utils.py:198 `get_pp_indices`
+    without its VLLM_PP_LAYER_PARTITION override): equal parts, the remainder one layer each to the
+    stages before the last, counted back from it (the last also holds the norm and the LM head)."""
+    partitions = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        partitions[-i] += 1
+    start = sum(partitions[:pp_rank])
+    return start, start + partitions[pp_rank]
+
+
 def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.device) -> TPGroup:
-    """Join the process group: NCCL when the model runs on CUDA (each rank on `cuda:<rank>`), else gloo."""
+    """Join the process group: NCCL when the model runs on CUDA (each rank on `cuda:<rank>`), else gloo.
+    (With pipeline parallelism the same world is the PP group; TP x PP is not combined here.)"""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import importlib.util
 
 from servetwin.core.engine.dp_lockstep import DPGroup, DPRankInfo
-from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.config_error import ConfigError
+from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.executor import ExecutorBackend, ExecutorInfo
 from servetwin.gpu.models.model_files import (attention_heads, check_max_model_len, config_on_disk,
                                               max_position_embeddings)
@@ -35,13 +35,17 @@ def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
     """Load the model and size the KV cache on the device (as vLLM's GPU worker does): in this process
     (`UniprocExecutor`'s place) at TP=1, in one worker process per rank (`MultiprocExecutor`) above."""
     kwargs = torch_executor_kwargs(args)
-    if args.tensor_parallel_size > 1:
-        if args.speculative_config is not None:  # the ranks would draft, but nothing takes their drafts
-            raise ConfigError("speculative_config", "the torch backend drafts at tensor_parallel_size 1 only")
+    if args.tensor_parallel_size > 1 and args.speculative_config is not None:
+        # the ranks would draft, but nothing takes their drafts
+        raise ConfigError("speculative_config", "the torch backend drafts at tensor_parallel_size 1 only")
+    if args.pipeline_parallel_size > 1 and args.speculative_config is not None:
+        raise ConfigError("speculative_config", "the torch backend drafts at pipeline_parallel_size 1 only")
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         from servetwin.gpu.multiproc_executor import MultiprocExecutor, default_worker_threads  # noqa: PLC0415
 
-        tp = args.tensor_parallel_size
-        mp = MultiprocExecutor(tp, kwargs, threads=default_worker_threads(args.device, tp))
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        mp = MultiprocExecutor(tp, kwargs, threads=default_worker_threads(args.device, tp * pp),
+                               pipeline_parallel_size=pp)
         return ExecutorInfo(mp, mp.num_gpu_blocks, mp.max_model_len, mp.vocab_size, list(mp.eos_token_ids or []),
                             mp.model_path, kv_cache_groups=mp.kv_cache_groups, is_moe=mp.is_moe)
     from servetwin.gpu.executor import TorchExecutor  # noqa: PLC0415
@@ -56,6 +60,13 @@ def check_torch_args(args: EngineArgs) -> None:
     """`max_model_len` against the model's `max_position_embeddings`, and `tensor_parallel_size` against
     its heads, read from its config.json when it is on disk (no torch, no weights); a model not built or
     converted yet is checked when it loads."""
+    if args.pipeline_parallel_size > 1 and args.async_scheduling:
+        # vLLM's V1 runner feeds PP + async scheduling through a device broadcast of the sampled tokens
+        raise ConfigError("pipeline_parallel_size", "pipeline parallelism with async_scheduling is not supported by "
+                                                    "the torch backend yet")
+    if args.pipeline_parallel_size > 1 and args.tensor_parallel_size > 1:
+        raise ConfigError("pipeline_parallel_size", f"tensor parallelism ({args.tensor_parallel_size}) and pipeline "
+                                                    "parallelism together are not supported yet")
     path = config_on_disk(args.model)
     limit = max_position_embeddings(path) if path is not None else None
     if limit is not None and args.max_model_len not in (None, -1):

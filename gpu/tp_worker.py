@@ -5,7 +5,8 @@ Started as a fresh interpreter, `python -m servetwin.gpu.tp_worker`, with its `W
 standard input (not multiprocessing's spawn, which re-imports the caller's `__main__`: scripts without
 a main guard, notebooks and `python -c` start it the same way). It joins the TP group, builds its
 `TorchExecutor` shard, writes `WorkerReady` (or the start-up error) on its ready pipe and closes it, then
-runs every call broadcast on the shared-memory queue; rank 0 writes each result to the response queue.
+runs every call broadcast on the shared-memory queue; the output rank (rank 0, or the last pipeline stage)
+writes each result to the response queue.
 EOF of the death pipe (the executor's process is gone) ends it at once.
 """
 from __future__ import annotations
@@ -49,16 +50,20 @@ def run_worker(args: WorkerArgs) -> None:
     import torch  # noqa: PLC0415
 
     from servetwin.gpu.executor import TorchExecutor, resolve_device  # noqa: PLC0415
-    from servetwin.gpu.parallel_state import destroy_tp_group, init_tp_group  # noqa: PLC0415
+    from servetwin.gpu.parallel_state import PPGroup, TPGroup, destroy_tp_group, init_tp_group  # noqa: PLC0415
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
         device = resolve_device(args.executor_kwargs.get("device", "auto"))
-        tp = init_tp_group(args.rank, args.world_size, args.init_method, device)
-        ex = TorchExecutor(**args.executor_kwargs, tp=tp)
+        world = init_tp_group(args.rank, args.world_size, args.init_method, device)
+        if args.pipeline_parallel_size > 1:  # the world is the pipeline (TP 1)
+            ex = TorchExecutor(**args.executor_kwargs, tp=TPGroup(), pp=PPGroup(args.rank, args.world_size))
+        else:
+            ex = TorchExecutor(**args.executor_kwargs, tp=world)
         broadcast = MessageQueue.attach(args.broadcast, reader_rank=args.rank)
-        response = MessageQueue.attach(args.response, reader_rank=None) if args.rank == 0 else None
+        output_rank = args.world_size - 1 if args.pipeline_parallel_size > 1 else 0
+        response = MessageQueue.attach(args.response, reader_rank=None) if args.rank == output_rank else None
         path = ex.model_info.path
         ready = WorkerReady(args.rank, os.getpid(), ex.num_gpu_blocks, ex.max_model_len, ex.vocab_size,
                             list(ex.eos_token_ids), ex.kv_cache_groups, str(path) if path else None,

@@ -3,7 +3,8 @@
 Open-loop processes (`Offline`, `Poisson`, `Gamma`, `TraceArrivals`) fix every arrival time in
 advance (`times(n, rng)`; the workload builder writes them into `WorkloadRequest.arrival_s`) and
 replay them in the simulation. `ClosedLoop` needs completion feedback: each of N clients submits a
-request, waits for it to finish, thinks, and submits the next; arrival times are set at run time.
+request, waits for it to finish, thinks, and submits the next; arrival times are set at run time. So
+does `StageLadder` (inference-perf's multi-stage load): a stage starts when the previous one drained.
 
 Every process exposes `process(env, requests, submit, rng)`, a SimPy generator the simulation loop
 starts; `submit(request)` hands a request to the engine and returns an event that fires when the
@@ -11,6 +12,8 @@ request finishes. Open-loop processes submit requests with equal arrival times i
 without yielding in between.
 """
 from __future__ import annotations
+
+import math
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -122,7 +125,73 @@ class ClosedLoop:
                 yield env.timeout(think)
 
 
-ARRIVAL_TYPES = ("offline", "poisson", "gamma", "closed_loop", "trace")
+@dataclass(slots=True, frozen=True)
+class Stage:
+    rate: float
+    duration_s: float
+
+    @property
+    def count(self) -> int:
+        return int(self.rate * self.duration_s)  # inference-perf: num_requests = int(rate * duration)
+
+
+@dataclass(slots=True, frozen=True)
+class StageLadder:
+    """inference-perf's multi-stage Poisson load (kubernetes-sigs/inference-perf, `loadgen/load_generator.py`
+    `run_stage`, `loadgen/load_timer.py`): stage k enqueues int(rate x duration) requests, timed from
+    `start_offset_s` after the enqueue (`start_time = perf_counter() + 1`) by exponential gaps rescaled to
+    sum to the stage's duration; the next stage starts only when every request of this one has finished,
+    which the load generator sees on its `poll_s` tick (`while finished < n: sleep(1)`). Stages therefore
+    do not overlap; the engines' caches carry over from one stage to the next. Arrival times are set at
+    run time (like a closed loop)."""
+    stages: tuple[Stage, ...]
+    start_offset_s: float = 1.0
+    poll_s: float = 1.0
+    closed_loop = True
+
+    def stage_counts(self) -> list[int]:
+        return [s.count for s in self.stages]
+
+    def process(self, env: simpy.Environment, requests: Sequence["WorkloadRequest"], submit: Submit,
+                rng: np.random.Generator) -> Generator[simpy.Event, Any, None]:
+        queue = iter(requests)
+        for stage in self.stages:
+            enqueued = env.now
+            n = stage.count
+            gaps = rng.exponential(1.0 / stage.rate, size=n)
+            times = enqueued + self.start_offset_s + np.cumsum(gaps * (stage.duration_s / gaps.sum()))
+            done = []
+            for t, req in zip(times, queue):
+                if t > env.now:
+                    yield env.timeout(float(t) - env.now)
+                req.arrival_s = env.now
+                done.append(submit(req))
+            yield env.all_of(done)
+            ticks = math.ceil((env.now - enqueued) / self.poll_s - 1e-9)
+            wait = enqueued + ticks * self.poll_s - env.now
+            if wait > 0:
+                yield env.timeout(wait)
+
+
+ARRIVAL_TYPES = ("offline", "poisson", "gamma", "closed_loop", "trace", "stages")
+
+
+def _parse_ladder(cfg: Any, path: str) -> StageLadder:
+    check_keys(cfg, {"type", "stages", "start_offset_s", "poll_s"}, path, required=["stages"])
+    raw = cfg["stages"]
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{path}.stages", "must be a non-empty list of {rate, duration_s}")
+    stages = []
+    for i, st in enumerate(raw):
+        st = check_mapping(st, f"{path}.stages[{i}]")
+        check_keys(st, {"rate", "duration_s"}, f"{path}.stages[{i}]", required=["rate", "duration_s"])
+        stage = Stage(positive(st["rate"], f"{path}.stages[{i}].rate"),
+                      positive(st["duration_s"], f"{path}.stages[{i}].duration_s"))
+        if stage.count < 1:
+            raise ConfigError(f"{path}.stages[{i}]", "rate x duration_s must be at least 1 request")
+        stages.append(stage)
+    return StageLadder(tuple(stages), non_negative(cfg.get("start_offset_s", 1.0), f"{path}.start_offset_s"),
+                       positive(cfg.get("poll_s", 1.0), f"{path}.poll_s"))
 
 
 RATE_NEEDS_A_PROCESS = ("{what}, so there is no rate to change: give a process instead, e.g. --set "
@@ -150,6 +219,8 @@ def parse_arrival(cfg: Any, path: str = "workload.arrival", trace_limit: Optiona
     if kind == "gamma":
         check_keys(cfg, {"type", "rate", "cv"}, path, required=["rate", "cv"])
         return Gamma(positive(cfg["rate"], f"{path}.rate"), positive(cfg["cv"], f"{path}.cv"))
+    if kind == "stages":
+        return _parse_ladder(cfg, path)
     if kind == "closed_loop":
         check_keys(cfg, {"type", "clients", "think_time_s", "think"}, path, required=["clients"])
         return ClosedLoop(int_at_least(cfg["clients"], 1, f"{path}.clients"),

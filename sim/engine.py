@@ -117,6 +117,11 @@ class Simulation:
         # Implicit steady decodes (sim/scheduler.py): exact, and they make the per-request step rows
         # implicit, so only without `step_requests`; they replace the (sync-only) decode fast-forward.
         ex = engine.executor
+        # pipeline parallelism: each batch booked on the stages (sim/pipeline.py); the shortcuts assume
+        # one batch at a time, so they are off
+        self.pipeline = getattr(ex, "pipeline", None)
+        if self.pipeline is not None:
+            lazy_decode = fast_forward = False
         # (both shortcuts assume one full-attention KV cache group: window groups free blocks every step)
         # speculative decoding: both off (their steady decode rows sample one token each, no drafts)
         drafting = bool(getattr(engine.scheduler, "num_spec_tokens", 0))
@@ -140,6 +145,7 @@ class Simulation:
         self._wake: Optional[simpy.Event] = None
         self._arrivals_done = False
         self._t_end: dict[int, float] = {}
+        self._pipeline_end: dict[int, float] = {}  # step -> when its batch leaves the last stage
         # called with this simulation at each step boundary, before and after the step (vLLM's engine
         # publishes its request counts there for the DP coordinator, core.py:1621-1645); None: nobody listens
         self.on_step_boundary: Optional[Callable[["Simulation"], None]] = None
@@ -358,23 +364,43 @@ class Simulation:
             late = self.engine.scheduler.take_late_tokens()
             if late:
                 self.recorder.on_late_tokens(late)
+        if self.pipeline is not None:
+            return result, self._pipeline_wait(result)
         if result.scheduled is None or result.model_output is None:
             return result, 0.0
         timing = result.model_output.timing
         return result, timing.duration_s if timing is not None else 0.0
+
+    def _pipeline_wait(self, result: StepResult) -> float:
+        """Pipeline parallelism: the scheduled batch is booked on the stages (it ends when its last stage
+        is done); the engine waits only when it processed a batch, until that batch ended (vLLM's
+        `step_with_batch_queue` returns at once after launching one while the queue has room)."""
+        now = self.env.now
+        so = result.scheduled
+        if so is not None and so.total_num_scheduled_tokens > 0 and result.model_output is not None:
+            self._pipeline_end[so.step] = self.pipeline.launch(now, result.model_output.timing,
+                                                               so.total_num_scheduled_tokens)
+        elif so is not None:
+            self._pipeline_end[so.step] = now
+        if result.processed is None:
+            return 0.0
+        return max(0.0, self._pipeline_end.pop(result.processed.step) - now)
 
     def record_step(self, result: StepResult, t0: float, duration: float) -> tuple[bool, float]:
         """Book the step as running [t0, t0 + duration): (whether it progressed, when the batch whose outputs
         it processed ended). Those outputs complete now when that batch ended by t0 (async scheduling: the
         previous batch), else the caller completes them at that time (`complete_step`)."""
         so = result.scheduled
+        t_end = t0 + duration  # the scheduled batch's end (pipeline: when it leaves the last stage)
         if so is not None:
-            self._t_end[so.step] = t0 + duration
+            if self.pipeline is not None:
+                t_end = self._pipeline_end.get(so.step, t0)
+            self._t_end[so.step] = t_end
             if self.frontend is not None:
                 self._num_samples[so.step] = _num_samples(result)
             if so.total_num_scheduled_tokens > 0:
                 self.result.num_steps += 1
-        self.recorder.on_step(result, t0, t0 + duration)
+        self.recorder.on_step(result, t0, t_end)
         mro = result.model_output
         progressed = ((so is not None and so.total_num_scheduled_tokens > 0) or bool(result.outputs)
                       or (mro is not None and mro.kv_connector_output is not None))  # a transfer finished

@@ -32,6 +32,7 @@ from servetwin.sim.cost_model import CostModel, StepSummary
 from servetwin.sim.hardware import HardwareSpec
 from servetwin.sim.kv_transfer import SimKVWorker
 from servetwin.sim.model_spec import ModelSpec
+from servetwin.sim.pipeline import PipelineStages
 from servetwin.sim.predicted_profile import PredictedProfile
 from servetwin.sim.scheduler import SimScheduler
 from servetwin.sim.spec_drafter import SimDrafter
@@ -101,6 +102,8 @@ class SimExecutor:
         self.profiles_written = 0
         self.profile_writer: Optional[threading.Thread] = None  # the last trace being written
         self.kv_pool: Any = None  # the KV pool it was sized with (sim/kv_pool.py:build_sim_executor)
+        # pipeline parallelism: the stages whose times the simulation books per batch (sim/pipeline.py)
+        self.pipeline: Optional[PipelineStages] = None
         self.drafter: Optional[SimDrafter] = None  # speculative decoding (enable_spec_decode)
         self.draft_token_ids: Optional[DraftTokenIds] = None  # the latest proposals, until taken
         self.kv_worker: Optional[SimKVWorker] = None  # a KV connector's worker side (enable_kv_transfer)
@@ -109,6 +112,8 @@ class SimExecutor:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
         for table in (self.num_tokens, self.num_prompt_tokens, self.salts, self.output_lengths):
             table.clear()
+        if self.pipeline is not None:
+            self.pipeline.reset()
 
     def set_output_length(self, request_id: str, n: int) -> None:
         """Force EOS as the `n`-th output token of `request_id`."""

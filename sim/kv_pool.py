@@ -28,6 +28,7 @@ accuracy than anything else in the pool, so the summary reports every term.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -43,6 +44,7 @@ from servetwin.sim.spec_drafter import SimDrafter
 from servetwin.sim.kv_transfer import build_kv_worker
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
+from servetwin.sim.pipeline import PipelineStages, stage_layers
 
 DEFAULT_HARDWARE = "h100-sxm"  # the simulated device when the engine arguments name none
 NON_TORCH_BYTES_CUDA = 300 * 2**20  # cuBLAS workspace, allocator overheads (vLLM logs 0.1-0.35 GiB at tp 1)
@@ -143,6 +145,19 @@ def max_capture_size(args: Any, max_num_batched_tokens: int) -> int:
     return min(size, max_num_batched_tokens)
 
 
+def pipeline_stage_model(model: ModelSpec, weight_bytes: int, pp: int) -> tuple[ModelSpec, int]:
+    """What one device of the widest pipeline stage holds (its pool is every stage's, as vLLM takes the
+    smallest): that stage's layers and their share of the rank's weights (the embedding and LM head are
+    spread with the layers here, not placed on the first and last stage)."""
+    if pp == 1:
+        return model, weight_bytes
+    if pp > model.num_layers:
+        raise ConfigError("pipeline_parallel_size", f"{pp} stages for {model.num_layers} layers")
+    n = max(stage_layers(model.num_layers, pp))
+    types = None if model.layer_types is None else model.layer_types[:n]
+    return dataclasses.replace(model, num_layers=n, layer_types=types), weight_bytes * n // model.num_layers
+
+
 def build_sim_executor(args: Any):
     """The `sim` backend's `ExecutorBackend.from_engine_args` (args: `EngineArgs`): size the pool, build the
     `SimExecutor`."""
@@ -159,10 +174,16 @@ def build_sim_executor(args: Any):
                            ipc=bool(getattr(args, "multiprocess", False)), quantization=quantization,
                            kv_cache_dtype=kv_cache_dtype, async_scheduling=bool(args.async_scheduling),
                            fuse_allreduce_rms=bool(getattr(args, "fuse_allreduce_rms", False)))
-    pool = size_kv_pool(model, hw, args.block_size, args.gpu_memory_utilization, mnbt, args.max_num_seqs,
+    pp = getattr(args, "pipeline_parallel_size", 1)
+    if pp > 1 and hw.interconnect_bandwidth <= 0:
+        raise ConfigError("pipeline_parallel_size", f"hardware {hw.name!r} has no interconnect to send activations "
+                                                    "between stages (interconnect_bandwidth 0; a CPU calibration "
+                                                    "measures one)")
+    stage_model, weight_bytes = pipeline_stage_model(model, cost_model.weight_bytes_per_rank, pp)
+    pool = size_kv_pool(stage_model, hw, args.block_size, args.gpu_memory_utilization, mnbt, args.max_num_seqs,
                         args.tensor_parallel_size, args.num_gpu_blocks, args.kv_cache_memory_bytes,
                         kv_dtype=kv_cache_dtype, quantization=quantization,
-                        weight_bytes=cost_model.weight_bytes_per_rank,
+                        weight_bytes=weight_bytes,
                         disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False))
     requested_len = args.max_model_len if args.max_model_len is not None else model.max_position_embeddings
     in_flight = mnbt * (2 if getattr(args, "async_scheduling", False) else 1)
@@ -174,7 +195,13 @@ def build_sim_executor(args: Any):
         rates = getattr(args, "spec_acceptance_rates", None)
         executor.enable_spec_decode(SimDrafter(args.speculative_config,
                                                AcceptanceModel(tuple(rates), args.seed) if rates else None))
+    if pp > 1:
+        executor.pipeline = PipelineStages(stage_layers(model.num_layers, pp), model.hidden_size * model.dtype_bytes,
+                                           hw.interconnect_bandwidth, hw.interconnect_latency_s)
     kv_config = getattr(args, "kv_transfer_config", None)
+    if kv_config is not None and pp > 1:  # a waiting step's time would not be booked on the stages
+        raise ConfigError("kv_transfer_config", "the simulator does not model KV transfers with "
+                                                "pipeline_parallel_size > 1 yet")
     if kv_config is not None:  # each TP rank moves its shard over its own link
         kv_bytes_per_token = model.kv_bytes_per_token(cost_model.kv_bytes_per_element) / args.tensor_parallel_size
         # the CPU tier's chunk is one block of this model's KV (as vLLM's worker sizes it), unless given

@@ -21,7 +21,8 @@ A workload config (all fields optional except where noted):
         per_group: 4
         prefix_tokens: 8192
         suffix_tokens: 200             # length distribution, 0 allowed
-        order: grouped              # grouped | interleaved | shuffled
+        order: grouped              # grouped | interleaved | shuffled | inference_perf (shuffled once,
+                                    #   every `stages` arrival stage resends the list from its start)
       lengths:                      # joint (prompt, output) pairs under vLLM's ShareGPT limits;
         type: sharegpt_like         #   replaces prompt_tokens / output_tokens (servetwin.sim.length_pairs)
         prompt: {type: lognormal, mean: 300, cv: 1.2}
@@ -47,7 +48,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from servetwin.core.config_error import ConfigError
-from servetwin.sim.arrivals import ArrivalProcess, Offline, TraceArrivals, parse_arrival
+from servetwin.sim.arrivals import ArrivalProcess, Offline, StageLadder, TraceArrivals, parse_arrival
 from servetwin.sim.conversation import (ANSWER_PLACEHOLDER, ConversationArrivals, ConversationsSpec, ConversationTurn,
                                         check_start_process, parse_conversations, think_times)
 from servetwin.sim.length_pairs import JointLengths, parse_joint_lengths
@@ -246,10 +247,12 @@ class WorkloadSpec:
                 raise ConfigError(f"{path}.prompt_tokens", f"not allowed with {path}.shared_prefix "
                                                            f"(use {path}.shared_prefix.suffix_tokens)")
             spec.shared_prefix = _parse_prefix(cfg["shared_prefix"], f"{path}.shared_prefix", spec.vocab_size)
-            total = spec.shared_prefix.groups * spec.shared_prefix.per_group
+            total = _prefix_request_count(spec)
             if spec.requests is not None and spec.requests != total:
                 raise ConfigError(f"{path}.requests", f"{spec.requests} disagrees with "
-                                 f"shared_prefix.groups * shared_prefix.per_group = {total}")
+                                 + ("the stages' requests (int(rate x duration_s) summed)"
+                                    if isinstance(spec.arrival, StageLadder) and spec.shared_prefix.order == "inference_perf"
+                                    else "shared_prefix.groups * shared_prefix.per_group") + f" = {total}")
             spec.requests = total
             if total > MAX_REQUESTS:
                 raise ConfigError(f"{path}.shared_prefix", f"groups * per_group = {total:,} requests, at most "
@@ -278,6 +281,15 @@ def _with_conversations(spec: WorkloadSpec, cfg: Any, path: str) -> WorkloadSpec
     return spec
 
 
+def _prefix_request_count(spec: WorkloadSpec) -> int:
+    """Requests of a shared-prefix workload: one per prompt; with order inference_perf under a stage ladder,
+    the stages' counts (each stage sends the prompt list from its start again)."""
+    pg = spec.shared_prefix
+    if pg.order == "inference_perf" and isinstance(spec.arrival, StageLadder):
+        return sum(spec.arrival.stage_counts())
+    return pg.groups * pg.per_group
+
+
 def _parse_prefix(cfg: Any, path: str, vocab_size: Optional[int]) -> PrefixGroups:
     cfg = check_mapping(cfg, path)
     check_keys(cfg, {"groups", "per_group", "prefix_tokens", "suffix_tokens", "order"}, path,
@@ -291,7 +303,7 @@ def _parse_prefix(cfg: Any, path: str, vocab_size: Optional[int]) -> PrefixGroup
         per_group=int_at_least(cfg["per_group"], 1, f"{path}.per_group"),
         prefix_tokens=int_at_least(cfg["prefix_tokens"], 1, f"{path}.prefix_tokens"),
         suffix_tokens=parse_length_dist(cfg.get("suffix_tokens", 0), f"{path}.suffix_tokens", min_value=0),
-        order=one_of(cfg.get("order", "grouped"), ("grouped", "interleaved", "shuffled"),
+        order=one_of(cfg.get("order", "grouped"), ("grouped", "interleaved", "shuffled", "inference_perf"),
                      f"{path}.order"),
     )
 
@@ -434,6 +446,8 @@ def _group_prompts(spec: WorkloadSpec, tok: np.random.Generator, lens: np.random
     suffixes = _cap(pg.suffix_tokens.sample(lens, pg.groups * pg.per_group), suffix_cap)
     if pg.order == "grouped":
         pairs = [(g, m) for g in range(pg.groups) for m in range(pg.per_group)]
+    elif pg.order == "inference_perf":
+        return _inference_perf_prompts(spec, prefixes, suffixes, tok, order_rng)
     else:
         pairs = [(g, m) for m in range(pg.per_group) for g in range(pg.groups)]
         if pg.order == "shuffled":
@@ -444,6 +458,24 @@ def _group_prompts(spec: WorkloadSpec, tok: np.random.Generator, lens: np.random
         prompts.append(prefixes[g] + suffix)
         groups.append(g)
     return prompts, groups
+
+
+def _inference_perf_prompts(spec: WorkloadSpec, prefixes: list[list[int]], suffixes: np.ndarray,
+                            tok: np.random.Generator, order_rng: np.random.Generator
+                            ) -> tuple[list[list[int]], list[Optional[int]]]:
+    """inference-perf's shared_prefix data (`datagen/shared_prefix_datagen.py`, `synthetic/` in newer versions):
+    the prompts are made group by group (one system prompt per group, one question per prompt), shuffled once,
+    and every load stage sends them from the first again (`get_data()` restarts at index 0 in each
+    `run_stage`), wrapping around the list; a prompt sent twice is the same text."""
+    pg = spec.shared_prefix
+    pairs = [(g, m) for g in range(pg.groups) for m in range(pg.per_group)]
+    base = [prefixes[g] + draw_tokens(tok, spec.vocab_size, int(suffixes[i])) for i, (g, _m) in enumerate(pairs)]
+    base_groups = [g for g, _m in pairs]
+    order = order_rng.permutation(len(base))
+    base, base_groups = [base[i] for i in order], [base_groups[i] for i in order]
+    counts = spec.arrival.stage_counts() if isinstance(spec.arrival, StageLadder) else [len(base)]
+    idx = [j % len(base) for n in counts for j in range(n)]
+    return [base[i] for i in idx], [base_groups[i] for i in idx]  # a resent prompt: the same list (read only)
 
 
 def _hash_block_prompt(ids: tuple[int, ...], length: int, blocks: dict[int, list[int]], size: int,

@@ -131,6 +131,7 @@ class EngineArgs:
     # min(2 * max_num_seqs, 512, max_num_batched_tokens)
     max_cudagraph_capture_size: Optional[int] = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     data_parallel_size: int = 1  # engine-core processes behind the front end's load balancer
     max_logprobs: int = 20
     attention_backend: str = "auto"
@@ -169,6 +170,9 @@ class EngineArgs:
                                          f"({', '.join(map(repr, registered)) or NO_BACKENDS}), got {args.backend!r}")
         if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size", f"must be an integer >= 1, got {args.tensor_parallel_size!r}")
+        if (not isinstance(args.pipeline_parallel_size, int) or isinstance(args.pipeline_parallel_size, bool)
+                or args.pipeline_parallel_size < 1):
+            raise ConfigError("pipeline_parallel_size", f"must be an integer >= 1, got {args.pipeline_parallel_size!r}")
         if (not isinstance(args.data_parallel_size, int) or isinstance(args.data_parallel_size, bool)
                 or args.data_parallel_size < 1):
             raise ConfigError("data_parallel_size", f"must be an integer >= 1, got {args.data_parallel_size!r}")
@@ -219,7 +223,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
-            async_scheduling=self.async_scheduling,
+            async_scheduling=self.async_scheduling, pipeline_parallel_size=self.pipeline_parallel_size,
             scheduler_reserve_full_isl=self.scheduler_reserve_full_isl, watermark=self.watermark)
 
 
@@ -263,6 +267,8 @@ FIELD_HELP: dict[str, str] = {
                                   "512, max_num_batched_tokens))",
     "tensor_parallel_size": "devices one model is split over (the simulator models the communication; the torch "
                             "backend runs one worker process per rank: gloo on the CPU, NCCL on CUDA)",
+    "pipeline_parallel_size": "pipeline stages the model's layers are split over (vLLM's layer partition); the "
+                              "engine keeps that many batches in flight (torch backend: one worker per stage)",
     "data_parallel_size": "engine-core processes (DP ranks, each with its own tensor_parallel_size workers); the "
                           "front end routes each request with vLLM's internal load balancer",
     "max_logprobs": "most logprobs a request may ask for (-1: no limit)",

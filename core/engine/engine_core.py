@@ -1,11 +1,16 @@
 """`EngineCore`: schedule -> executor.execute_model -> update_from_output, with vLLM's batch queue.
 
-With `async_scheduling` the queue is two deep: step t+1 is scheduled (and launched) before the output
-of step t is processed, exactly like vLLM's `step_with_batch_queue`.
+The queue holds `SchedulerConfig.max_concurrent_batches` batches: two with `async_scheduling`, PP with
+pipeline parallelism. Step t+1 is scheduled (and launched) before the output of step t is processed,
+exactly like vLLM's `step_with_batch_queue` (vLLM 0.33 v1/engine/core.py:708). An executor with
+`supports_non_block` (the pipeline-parallel `MultiprocExecutor`) returns a future from
+`execute_model(so, non_block=True)`; it is waited for when its batch leaves the queue, so the stages
+run earlier batches while the scheduler builds the next.
 """
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -60,8 +65,9 @@ class EngineCore:
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
         self.executor = executor
-        self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
-        self.batch_queue_size = 2 if scheduler_config.async_scheduling else 1
+        self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput | Future]] = deque()
+        self.batch_queue_size = scheduler_config.max_concurrent_batches
+        self._non_block = self.batch_queue_size > 1 and getattr(executor, "supports_non_block", False)
         self.step_counter = 0
         self._aborts_during_step: list[str] = []
 
@@ -87,8 +93,9 @@ class EngineCore:
             if connector_hits is not None:
                 self.external_prefix_cache_queries += connector_hits.queries
                 self.external_prefix_cache_hits += connector_hits.hits
-            mro = self.executor.execute_model(so)
-            result.model_output = mro
+            execute = self.executor.execute_model
+            mro = execute(so, non_block=True) if self._non_block else execute(so)
+            result.model_output = None if isinstance(mro, Future) else mro
             self.batch_queue.appendleft((so, mro))
             executed = so.total_num_scheduled_tokens > 0
             if len(self.batch_queue) < self.batch_queue_size and (executed or scheduler.has_requests()):
@@ -97,7 +104,7 @@ class EngineCore:
         if self.batch_queue:
             pso, pmro = self.batch_queue.pop()
             result.processed = pso
-            result.outputs = self._update_from_output(pso, pmro)
+            result.outputs = self._update_from_output(pso, _resolved(pmro))
             self.post_step(pso.total_num_scheduled_tokens > 0)
         if result.scheduled is not None or result.processed is not None:
             self.step_counter += 1  # a call with nothing to do is not a step
@@ -125,5 +132,10 @@ class EngineCore:
         results = []
         while self.batch_queue:
             pso, pmro = self.batch_queue.pop()
-            results.append(StepResult(processed=pso, outputs=self._update_from_output(pso, pmro)))
+            results.append(StepResult(processed=pso, outputs=self._update_from_output(pso, _resolved(pmro))))
         return results
+
+
+def _resolved(output: ModelRunnerOutput | Future) -> ModelRunnerOutput:
+    """A batch's output, waiting for it when it is still in flight."""
+    return output.result() if isinstance(output, Future) else output

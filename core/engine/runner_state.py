@@ -74,6 +74,8 @@ class RunnerState:
                 state.block_ids = tuple(list(ids) for ids in new_blocks)
             else:
                 state = self.requests[req_id]
+                if cached.new_token_ids:
+                    _learn_new_tokens(state, cached.num_computed_tokens[i], cached.new_token_ids[i])
                 if new_blocks:  # per group: the blocks appended to each group's table
                     for ids, new_ids in zip(state.block_ids, new_blocks):
                         ids.extend(new_ids)
@@ -90,3 +92,11 @@ class RunnerState:
         state = self.requests.get(req_id)
         if state is not None:
             state.token_ids.extend(token_ids)
+
+
+def _learn_new_tokens(state: CachedRequestState, num_computed: int, token_ids: list[int]) -> None:
+    """A pipeline stage that did not sample learns the tokens from the scheduler (vLLM 0.33
+    v1/worker/gpu_model_runner.py `_update_states`, not the last PP rank): those past what it knows."""
+    num_new = num_computed + len(token_ids) - len(state.token_ids)
+    if num_new > 0:
+        state.token_ids.extend(token_ids[-num_new:])

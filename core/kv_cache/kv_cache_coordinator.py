@@ -87,7 +87,7 @@ class KVCacheCoordinator:
     # -- cache hits --------------------------------------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: list[bytes],
                                max_length: int) -> tuple[BlocksPerGroup, int, int]:
-        """(hit blocks per group, hit length, full-attention hit length before reconciliation)."""
+        """(hit blocks per group, hit length, the longest hit of any single group's lookup)."""
         raise NotImplementedError
 
 
@@ -127,7 +127,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         bs = self.block_size
         hits: list[Optional[list[KVCacheBlock]]] = [None] * len(self.kv_cache_groups)
         hit_length = max_length
-        full_hit = 0
+        longest_hit = 0
         # EAGLE: each spec peeks one block past the candidate and drops it, once per candidate
         # length (kv_cache_coordinator.py:840-915)
         eagle_verified: set[int] = set()
@@ -150,8 +150,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 elif new < curr:
                     eagle_verified.clear()
                 curr = new
-                if spec.type == FULL_ATTENTION:
-                    full_hit = curr
+                # the longest hit of any one lookup, not only full attention's: the junction a
+                # lagging sliding-window group pins (vLLM 0.33 v1/core/kv_cache_coordinator.py:913,937)
+                longest_hit = max(longest_hit, curr)
                 for g, blocks in zip(gids, found):
                     hits[g] = blocks
             if curr >= hit_length:
@@ -162,7 +163,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         for g, spec in enumerate(self.kv_cache_groups):
             if spec.type == FULL_ATTENTION:
                 del hits[g][hit_length // bs:]
-        return tuple(h if h is not None else [] for h in hits), hit_length, full_hit
+        return tuple(h if h is not None else [] for h in hits), hit_length, longest_hit
 
 
 def make_coordinator(groups: tuple[KVCacheGroupSpec, ...], block_pool: BlockPool, block_size: int,

@@ -79,16 +79,16 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[BlocksPerGroup, int]:
         """The longest prefix cached in every group, block-granular, capped at N-1 tokens.
 
-        When full attention alone would hit further than all groups together, the request keeps
-        that length as its `shared_prefix_boundary` (its sliding-window blocks there get retained);
-        every lookup sets it afresh, none when there is no such gap (vLLM 0.33 kv_cache_manager.py:
-        319-325, assigned by the scheduler on each lookup)."""
+        When one group's lookup alone would hit further than all groups together, the request keeps
+        that length as its `shared_prefix_boundary` (its sliding-window blocks there get retained;
+        vLLM 0.33 v1/core/kv_cache_manager.py:319-325); every lookup sets it, to 0 when there is no
+        such junction (v1/core/sched/scheduler.py:1121-1126), so a resumed request drops a stale one."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            request.shared_prefix_boundary = None
+            request.shared_prefix_boundary = 0
             return self.coordinator.empty_hits, 0
-        blocks, hit, full_hit = self.coordinator.find_longest_cache_hit(
+        blocks, hit, longest_hit = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1)
-        request.shared_prefix_boundary = full_hit if full_hit > hit else None
+        request.shared_prefix_boundary = longest_hit if longest_hit > hit else 0
         return blocks, hit
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:

@@ -240,10 +240,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         shared = request.shared_prefix_boundary
         if shared:
             boundaries.add(shared // bs)
-        if self.retention_interval:
-            step = self.retention_interval // bs
-            boundaries.update(range(step, end + 1, step))
         k = self.contiguous_blocks
+        if self.retention_interval:
+            # every segment's tail, also of the segment `end` is still inside (vLLM 0.33
+            # v1/core/single_type_kv_cache_manager.py:1115-1122 masks block i by i % per_segment alone)
+            step = self.retention_interval // bs
+            boundaries.update(range(step, end + k + 1, step))
         return sorted((max(0, b - k), b) for b in boundaries if b > 0)
 
     def _eagle_reachable_ranges(self, request: Request, end: int) -> list[tuple[int, int]]:

@@ -29,9 +29,20 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
     async_scheduling: bool = False
+    # vLLM's parallel_config.pipeline_parallel_size: the batch queue's depth and whether the scheduler
+    # sends each running request's new tokens back to the first stage (vLLM's `use_pp`)
+    pipeline_parallel_size: int = 1
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches in flight at once (vLLM 0.33 config/vllm.py:588 `max_concurrent_batches`, V1 model
+        runner): PP fills the pipeline with PP batches; async scheduling alone overlaps 2."""
+        pp = self.pipeline_parallel_size
+        return 2 if self.async_scheduling and pp <= 1 else pp
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         if self.max_model_len is None:
             self.max_model_len = 32768 if self.enable_chunked_prefill else self.max_num_batched_tokens

@@ -30,6 +30,9 @@ class CachedRequestData:
     num_output_tokens: list[int] = field(default_factory=list)
     resumed_req_ids: set[str] = field(default_factory=set)
     all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # pipeline parallelism without async scheduling: per request, the tokens it is scheduled for this
+    # step (vLLM's `new_token_ids`): the first stage never sees what the last one sampled
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

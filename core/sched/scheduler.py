@@ -111,6 +111,7 @@ class Scheduler(ConnectorSchedulerMixin):
         self.block_size = cache_config.block_size
         self.policy = scheduler_config.scheduling_policy
         self.async_scheduling = scheduler_config.async_scheduling
+        self.use_pp = scheduler_config.pipeline_parallel_size > 1  # vLLM 0.33 v1/core/sched/scheduler.py:386
         self.log_stats = log_stats
         # eagle / mtp: every block hash covers the next token too, or (no lookahead hashes, as with a
         # KV connector) a hit drops its last block (config/vllm.py:677-693, sched:330-345)
@@ -514,6 +515,8 @@ class Scheduler(ConnectorSchedulerMixin):
         cached = CachedRequestData()
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         computed_list, output_list = cached.num_computed_tokens, cached.num_output_tokens
+        new_token_ids = cached.new_token_ids
+        send_tokens = self.use_pp and not async_sched
         for r in scheduled_running_reqs:  # collect and advance in one pass (the hot loop)
             rid = r.request_id
             blocks = req_to_new_blocks[rid]
@@ -524,6 +527,8 @@ class Scheduler(ConnectorSchedulerMixin):
             computed_list.append(computed)
             output_list.append(len(r._output_token_ids) + placeholders)
             n = nst[rid]
+            if send_tokens:  # vLLM 0.33 v1/core/sched/scheduler.py:1945 (spec tokens are not in the list)
+                new_token_ids.append(r._all_token_ids[computed:computed + n])
             before[rid] = computed
             r.num_computed_tokens = computed = computed + n
             r.num_in_flight_tokens += n
@@ -540,6 +545,8 @@ class Scheduler(ConnectorSchedulerMixin):
             output_list.append(len(r._output_token_ids))
             cached.resumed_req_ids.add(rid)
             cached.all_token_ids[rid] = list(r._all_token_ids)
+            if send_tokens:
+                new_token_ids.append(r._all_token_ids[r.num_computed_tokens:r.num_computed_tokens + nst[rid]])
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
@@ -668,10 +675,12 @@ class Scheduler(ConnectorSchedulerMixin):
                         stopped = check_stop(request, max_model_len)
                     if async_sched:
                         if request.num_stale_output_tokens:
-                            self._update_async_bookkeeping(request, 1, stopped)
+                            self._update_async_bookkeeping(request, 1, status_before)
                         else:
                             request.num_output_placeholders -= 1
-                            if caching and not stopped and status_before == running_status:
+                            # a request that stops here caches its last full block too, before it is
+                            # freed (vLLM 0.33 v1/core/sched/scheduler.py:2406-2414: no stop check)
+                            if caching and status_before == running_status:
                                 known = request.num_computed_tokens - request.num_in_flight_tokens
                                 if known >= (num_cached_block.get(rid, 0) + 1) * block_size:
                                     kv.cache_blocks(request, known)
@@ -758,16 +767,18 @@ class Scheduler(ConnectorSchedulerMixin):
                 continue
             request.spec_token_ids = [] if request.is_prefill_chunk else list(drafts)
 
-    def _update_async_bookkeeping(self, request: Request, num_generated: int, stopped: bool) -> None:
+    def _update_async_bookkeeping(self, request: Request, num_generated: int,
+                                  status_before: RequestStatus) -> None:
         """Returned tokens replace placeholders (or stale ones of a preempted request); only KV known
-        to be written (computed minus in flight) is cached."""
+        to be written (computed minus in flight) is cached, also for a request that stopped on these
+        tokens (vLLM 0.33 v1/core/sched/scheduler.py:2406-2414 checks the status before the stop)."""
         if request.num_stale_output_tokens:
             stale = min(request.num_stale_output_tokens, num_generated)
             request.num_stale_output_tokens -= stale
             num_generated -= stale
         request.num_output_placeholders -= num_generated
         kv = self.kv_cache_manager
-        if not stopped and kv.enable_caching and request.status == RequestStatus.RUNNING:
+        if kv.enable_caching and status_before == RequestStatus.RUNNING:
             known = request.num_computed_tokens - request.num_in_flight_tokens
             if known >= (kv.num_cached_block.get(request.request_id, 0) + 1) * self.block_size:
                 kv.cache_blocks(request, known)

@@ -65,25 +65,25 @@ def _meta(pid: int, name: str, tid: Optional[int] = None) -> dict[str, Any]:
     return {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
 
 
-def _engine_events(steps: StepTable) -> Iterator[dict[str, Any]]:
+def _engine_events(steps: StepTable, pid: int = ENGINE_PID) -> Iterator[dict[str, Any]]:
     col = steps.column
     names = ("annotation", "t_start_s", "duration_s", "step", "total_tokens", "num_running", "num_waiting",
              "num_preempted", "kv_usage", "num_context_tokens", "num_generation_tokens")
     for annotation, t0, dur, step, tokens, running, waiting, preempted, kv, prefill, decode in zip(
             *map(col, names)):
         ts = _us(t0)
-        yield {"name": annotation, "ph": "X", "pid": ENGINE_PID, "tid": STEP_TID, "ts": ts,
+        yield {"name": annotation, "ph": "X", "pid": pid, "tid": STEP_TID, "ts": ts,
                "dur": _us(max(dur, 0.0)),
                "args": {"step": step, "tokens": tokens, "running": running, "waiting": waiting,
                         "preempted": preempted}}
-        yield {"name": "engine", "ph": "C", "pid": ENGINE_PID, "ts": ts,  # one event, one counter track per arg
+        yield {"name": "engine", "ph": "C", "pid": pid, "ts": ts,  # one event, one counter track per arg
                "args": {"running": running, "waiting": waiting, "KV usage %": round(100.0 * kv, 2),
                         "prefill tokens": prefill, "decode tokens": decode}}
         if preempted:
-            yield {"name": f"preempted {preempted}", "ph": "i", "s": "t", "pid": ENGINE_PID,
+            yield {"name": f"preempted {preempted}", "ph": "i", "s": "t", "pid": pid,
                    "tid": PREEMPT_TID, "ts": ts, "args": {"step": step, "preempted": preempted}}
     if len(steps):  # counters hold their last value; end them with the run
-        yield {"name": "engine", "ph": "C", "pid": ENGINE_PID, "ts": _us(col("t_end_s")[-1]),
+        yield {"name": "engine", "ph": "C", "pid": pid, "ts": _us(col("t_end_s")[-1]),
                "args": {"running": 0, "waiting": 0, "KV usage %": round(100.0 * col("kv_usage")[-1], 2),
                         "prefill tokens": 0, "decode tokens": 0}}
 
@@ -93,20 +93,22 @@ def _end_of(t: Any) -> float:
     return max(ends) if ends else t.arrival_s
 
 
-def _request_events(requests: list[Any], max_tracks: int) -> tuple[Iterator[dict[str, Any]], int, int]:
+def _request_events(requests: list[Any], max_tracks: int, pid: int = REQUESTS_PID,
+                    first_tid: int = 1) -> tuple[Iterator[dict[str, Any]], int, int]:
     """(the requests' events, made as they are read; tracks used; requests left out)."""
     tracks = pack_tracks(((t.arrival_s, _end_of(t)) for t in requests), max_tracks)
-    return (_request_slices(requests, tracks), len({x for x in tracks if x is not None}),
+    return (_request_slices(requests, tracks, pid, first_tid), len({x for x in tracks if x is not None}),
             sum(1 for x in tracks if x is None))
 
 
-def _request_slices(requests: list[Any], tracks: list[Optional[int]]) -> Iterator[dict[str, Any]]:
+def _request_slices(requests: list[Any], tracks: list[Optional[int]], pid: int = REQUESTS_PID,
+                    first_tid: int = 1) -> Iterator[dict[str, Any]]:
     for t, track in zip(requests, tracks):
         if track is None:
             continue
-        tid = track + 1
+        tid = track + first_tid
         end = _end_of(t)
-        yield {"name": t.request_id, "ph": "X", "pid": REQUESTS_PID, "tid": tid, "ts": _us(t.arrival_s),
+        yield {"name": t.request_id, "ph": "X", "pid": pid, "tid": tid, "ts": _us(t.arrival_s),
                "dur": _us(end - t.arrival_s),
                "args": {"prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
                         "output_tokens": t.output_tokens, "preemptions": t.num_preemptions,
@@ -116,7 +118,7 @@ def _request_slices(requests: list[Any], tracks: list[Optional[int]]) -> Iterato
                   ("decode", t.first_token_s, t.finish_s)]
         for name, a, b in bounds:
             if a is not None and b is not None and b > a:
-                yield {"name": name, "ph": "X", "pid": REQUESTS_PID, "tid": tid, "ts": _us(a), "dur": _us(b - a)}
+                yield {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": _us(a), "dur": _us(b - a)}
 
 
 def _document(run: str, backend: str, steps: StepTable, requests: list[Any],
@@ -144,6 +146,42 @@ def chrome_trace(run: str, backend: str, steps: StepTable, requests: list[Any],
 
 
 EVENTS_PER_WRITE = 20_000
+CLUSTER_REQUEST_TRACKS = 16  # request tracks per instance in a cluster's trace
+
+
+def _write_streamed(path: str, head: list[dict[str, Any]], events: Iterator[dict[str, Any]],
+                    tail: dict[str, Any]) -> None:
+    encode = json.JSONEncoder(separators=(",", ":")).encode
+    with atomic_open(path) as f:
+        # a list's encoding is "[" + its items' encodings joined by "," + "]": one encoder call a chunk
+        f.write('{"traceEvents":' + encode(head)[:-1])
+        while chunk := list(itertools.islice(events, EVENTS_PER_WRITE)):  # (`head` is never empty)
+            f.write("," + encode(chunk)[1:-1])
+        f.write("]," + encode(tail)[1:])
+
+
+def write_cluster_trace(path: str, run: str, engines: list[tuple[str, StepTable, list[Any]]],
+                        decisions: Iterable[tuple[float, str, str]] = (),
+                        max_tracks: int = CLUSTER_REQUEST_TRACKS) -> None:
+    """A cluster's trace.json: one process per engine (`engines`: (label, its step table, its
+    RequestTrace objects)) holding the engine's tracks (steps, preemptions, counters) and its requests on
+    up to `max_tracks` tracks; then a "router" process with an instant per decision ((t, request id, pick))."""
+    head: list[dict[str, Any]] = []
+    streams = []
+    for i, (label, steps, requests) in enumerate(engines):
+        pid = i + 1
+        req_events, num_tracks, left_out = _request_events(requests, max_tracks, pid, first_tid=PREEMPT_TID + 1)
+        shown = f"{len(requests) - left_out:,} of {len(requests):,} requests shown" if left_out else \
+            f"{len(requests):,} requests"
+        head += [_meta(pid, f"{label} ({shown})"), _meta(pid, "steps", STEP_TID), _meta(pid, "preemptions", PREEMPT_TID)]
+        head += [_meta(pid, f"requests {k + 1}", PREEMPT_TID + 1 + k) for k in range(num_tracks)]
+        streams += [_engine_events(steps, pid), req_events]
+    router_pid = len(engines) + 1
+    head += [_meta(router_pid, "router"), _meta(router_pid, "decisions", 1)]
+    routed = ({"name": f"{rid} -> {pick}", "ph": "i", "s": "t", "pid": router_pid, "tid": 1, "ts": _us(t)}
+              for t, rid, pick in decisions)
+    tail = {"displayTimeUnit": "ms", "otherData": {"run": run, "backend": "sim", "engines": len(engines)}}
+    _write_streamed(path, head, itertools.chain(*streams, routed), tail)
 
 
 def write_chrome_trace(path: str, run: str, backend: str, steps: StepTable, requests: list[Any],
@@ -152,10 +190,4 @@ def write_chrome_trace(path: str, run: str, backend: str, steps: StepTable, requ
     streamed: the events are encoded `EVENTS_PER_WRITE` at a time, never all held at once (a 100,000-
     request run has ~1M of them: ~1 GB as dicts, ~150 MB as one string). Renamed into place complete."""
     head, events, tail = _document(run, backend, steps, requests, max_tracks)
-    encode = json.JSONEncoder(separators=(",", ":")).encode
-    with atomic_open(path) as f:
-        # a list's encoding is "[" + its items' encodings joined by "," + "]": one encoder call a chunk
-        f.write('{"traceEvents":' + encode(head)[:-1])
-        while chunk := list(itertools.islice(events, EVENTS_PER_WRITE)):  # (`head` is never empty)
-            f.write("," + encode(chunk)[1:-1])
-        f.write("]," + encode(tail)[1:])
+    _write_streamed(path, head, events, tail)

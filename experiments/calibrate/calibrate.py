@@ -62,6 +62,9 @@ MEASURED_QUANTITY = ("wall time of one EngineCore.step() (schedule + execute_mod
                      "for the torch backend")
 
 
+MAX_LINK_BANDWIDTH = 1e15  # bytes/s: a measured all-reduce with no size dependence (a finite stand-in)
+
+
 def fit_terms(cost_model) -> list[str]:
     """Basis terms worth fitting on this backend (see the module docstring)."""
     terms = [t for t in BASIS_TERMS if t not in ("comm", "ipc_step", "ipc_req") + GPU_ONLY_TERMS]
@@ -299,6 +302,22 @@ def measure_gemm_curve(executor: Any, model: str, base: str, max_tokens: int,
     return efficiency, provenance
 
 
+def calibrate_allreduce(doc: dict[str, Any], hw: Any, spec: Any, tp: int, log: Callable[[str], None]) -> None:
+    """The CPU's link for tensor parallelism: gloo all-reduces of [T, hidden] between `tp` processes,
+    fitted as the cost model prices them (`interconnect_latency_s`, `interconnect_bandwidth` over the comm
+    efficiency), written into `doc` with the samples in its provenance."""
+    from servetwin.experiments.calibrate.allreduce import measure_allreduce  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    fit = measure_allreduce(spec.hidden_size, spec.dtype, tp)
+    bandwidth = min(fit.bandwidth, MAX_LINK_BANDWIDTH) / hw.efficiency.comm_bandwidth
+    doc["interconnect_bandwidth"], doc["interconnect_latency_s"] = float(bandwidth), float(fit.latency_s)
+    doc["provenance"]["gloo_allreduce"] = {"tp": tp, "hidden_size": spec.hidden_size, "dtype": spec.dtype,
+                                           **fit.to_dict()}
+    log(f"calibrate: gloo all-reduce at TP={tp} in {time.perf_counter() - t0:.1f}s: {fit.latency_s * 1e6:.0f} us + "
+        f"bytes / {fit.bandwidth / 1e9:.2f} GB/s")
+
+
 def write_calibration(path: str, doc: dict[str, Any], header: str = "") -> str:
     import yaml  # noqa: PLC0415
 
@@ -333,11 +352,13 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
               design: str | CalibrationDesign = "default", repeats: Optional[int] = None,
               base: Optional[str] = None, weighting: str = "relative", trim: Optional[float] = 4.0,
               from_run: Optional[str] = None, trace_dir: Optional[str] = None, enforce_eager: bool = False,
-              attention_backend: str = "auto", seed: int = 0, gemm_curve: bool = True,
+              attention_backend: str = "auto", seed: int = 0, gemm_curve: bool = True, allreduce_tp: int = 2,
               log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
     """Run (or read) measured steps, fit, write the calibration YAML; returns the document. `gemm_curve`:
     on a CPU, time the layer GEMMs at every token count first and fit on that curve
-    (`measure_gemm_curve`)."""
+    (`measure_gemm_curve`). `allreduce_tp`: on a CPU, time gloo all-reduces of the model's hidden states
+    between that many processes and fit the link to them (`calibrate_allreduce`; below 2: not measured,
+    the CPU keeps no interconnect and TP is refused by the cost model)."""
     import pandas as pd  # noqa: PLC0415
 
     from servetwin.core.testbed.trace import TraceRecorder  # noqa: PLC0415
@@ -455,6 +476,8 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
     }
     provenance.update(extra)
     doc = calibration_document(base, cal, provenance, efficiency=efficiency)
+    if from_run is None and provenance["device_type"] == "cpu" and allreduce_tp >= 2:
+        calibrate_allreduce(doc, hw, spec, allreduce_tp, log)
     if probe_frames is not None:
         from servetwin.sim.hardware import hardware_from_dict  # noqa: PLC0415
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 
@@ -16,10 +17,10 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
     from servetwin.experiments.config.slo import parse_slo_args  # noqa: PLC0415
 
     exp = _load(args)
-    if exp.cluster is not None:  # (its probes would each fail; say why once)
-        from servetwin.core.config_error import ConfigError  # noqa: PLC0415
+    if exp.cluster is not None:  # the cheapest deployment at the config's load (experiments/capacity/deployments.py)
+        from servetwin.experiments.capacity.deployments import run_deployment_capacity  # noqa: PLC0415
 
-        raise ConfigError("cluster", "`servetwin capacity` simulates one engine; a cluster runs with `servetwin run`")
+        return run_deployment_capacity(args, log=lambda msg: print(msg, file=sys.stderr))
     slo = parse_slo_args(args.slo) if args.slo else None  # SloError: a ConfigError naming the flag
     grid = parse_grid(args.grid)
     seeds = seeds_for(exp, args.seeds, args.max_runs) or None
@@ -81,4 +82,9 @@ def register(subparsers) -> None:
     c.add_argument("--hi", type=float, help="a load to probe first (expected to fail)")
     c.add_argument("--max-probes", type=int, default=40, help="probes per search at most (default 40)")
     add_pool_args(c, "probe run")
+    d = c.add_argument_group("a cluster config: the cheapest deployment at its load (docs/cluster.md)")
+    d.add_argument("--tp", help="tensor-parallel sizes per replica to try, e.g. 1,2,4 (default: the config's)")
+    d.add_argument("--router", action="append", default=[], metavar="TYPE",
+                   help="routers to try (repeatable; default: the config's); the config's settings where its type matches")
+    d.add_argument("--max-replicas", type=int, default=16, help="replicas per deployment at most (default 16)")
     c.set_defaults(func=_cmd_capacity)

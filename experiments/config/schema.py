@@ -245,6 +245,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "scheduling_policy": _choice("fcfs", "priority"),  # vLLM's name of `policy` (ENGINE_ARG_ALIASES)
     "async_scheduling": _bool,
     "tensor_parallel_size": _int(1),
+    "pipeline_parallel_size": _int(1),
     "dtype": _choice(*DTYPES),
     "enforce_eager": _bool,
     "max_cudagraph_capture_size": _int(1, nullable=True),

@@ -130,6 +130,25 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
     return out
 
 
+def write_cluster_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, runs: dict[str, BackendRun],
+                          summaries: dict[str, dict], frames: dict[str, dict], whole: dict[str, Any], sim: Any) -> None:
+    """sim/trace.json (one Perfetto process per engine, then the router's decisions), report.md (the
+    cluster's and every engine's table) and, with `output.plots`, the cluster's figures."""
+    from servetwin.core.testbed.perfetto import write_cluster_trace  # noqa: PLC0415
+    from servetwin.experiments.run.cluster_report import cluster_figures, cluster_report  # noqa: PLC0415
+
+    trace = os.path.join(out_dir, "sim", "trace.json")
+    write_cluster_trace(trace, exp.name, [(label, run.recorder.steps, list(run.recorder.requests.values()))
+                                          for label, run in runs.items()],
+                        ((d.t, d.request_id, d.pick if d.rank is None or d.rank == 0 else f"{d.pick}-r{d.rank}")
+                         for d in sim.result.decisions))
+    folder.record(os.path.relpath(trace, out_dir))
+    figures = cluster_figures(out_dir, frames) if exp.output.plots else []
+    for path in figures:
+        folder.record(os.path.relpath(path, out_dir))
+    folder.write_text("report.md", cluster_report(exp, whole, summaries, [os.path.relpath(p, out_dir) for p in figures]))
+
+
 def decisions_frame(sim: Any):
     import pandas as pd  # noqa: PLC0415
 
@@ -171,6 +190,7 @@ def run_cluster_experiment(exp: ExperimentConfig, out_dir: str, folder: Any, pro
     path = os.path.join(out_dir, "sim", "router_decisions.parquet")
     decisions.to_parquet(path, index=False)
     folder.record(os.path.relpath(path, out_dir))
+    write_cluster_outputs(exp, out_dir, folder, runs, summaries, frames, whole, sim)
     wsum = workload_summary(requests)
     combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
                 "workload": wsum, "backends": {"sim": whole}, "cluster": {"engines": summaries}}

@@ -96,6 +96,7 @@ class CaseResult:
     rows: list[tuple[str, float, Optional[float]]]  # (metric, published, predicted)
     notes: list[str] = field(default_factory=list)
     error: Optional[str] = None
+    pending: Optional[str] = None  # recorded but not runnable yet (what it needs)
 
     def errors(self) -> dict[str, float]:
         """Signed relative error per metric (predicted - published) / published."""
@@ -131,14 +132,35 @@ def load_published(case_dir: str | Path) -> tuple[dict[str, Path], dict[str, Any
             raise ValueError(f"published.json.{name}.published: must be a mapping of metric -> value")
         for metric in entry["published"]:
             predicted_value(metric, {})  # unknown metric names fail before any run
+        _check_stages(name, entry.get("stages"))
+        if entry.get("pending") and name not in cases:  # a recorded case that cannot run yet has no YAML
+            cases[name] = d / "cases" / f"{name}.yaml"
     return cases, published
 
 
+def _check_stages(name: str, staged: Any) -> None:
+    from servetwin.experiments.validate.cluster_stages import STAGE_METRICS  # noqa: PLC0415
+    if staged is None:
+        return
+    where = f"published.json.{name}.stages"
+    if not isinstance(staged, Mapping) or not isinstance(staged.get("per_stage"), list):
+        raise ValueError(f"{where}: must be {{first, per_stage: [{{rate, metric: value}}]}}")
+    for i, st in enumerate(staged["per_stage"]):
+        if not isinstance(st, Mapping) or "rate" not in st:
+            raise ValueError(f"{where}.per_stage[{i}]: must be a mapping with `rate`")
+        unknown = sorted(set(st) - {"rate", *STAGE_METRICS})
+        if unknown:
+            raise ValueError(f"{where}.per_stage[{i}]: unknown metric {unknown[0]!r} "
+                             f"(known: {', '.join(STAGE_METRICS)})")
+
+
 def run_case(path: Path, hardware: Any = None, overrides: Optional[list[str]] = None,
-             engine_version: Any = None) -> tuple[dict[str, Any], list[str]]:
+             engine_version: Any = None, stage_counts: Optional[list[int]] = None
+             ) -> tuple[dict[str, Any], list[str]]:
     """Run one case's sim backend (hardware: a preset name, YAML path or mapping replacing the
     case's; engine_version: published.json's, for `VERSION_ENGINE_SETTINGS`); returns (the sim
-    summary, notes)."""
+    summary, notes). `stage_counts`: the requests of each stage of a `stages` arrival; the summary then
+    gets `stages`, the per-stage figures (experiments/validate/cluster_stages.py)."""
     from servetwin.experiments.run.experiment import run_experiment  # noqa: PLC0415
     from servetwin.experiments.config.schema import ExperimentConfig, load_config, load_yaml, parse_override  # noqa: PLC0415
 
@@ -156,12 +178,30 @@ def run_case(path: Path, hardware: Any = None, overrides: Optional[list[str]] = 
     exp: ExperimentConfig = load_config(path, overrides=list(overrides or []), values=values)
     with tempfile.TemporaryDirectory(prefix="servetwin-validate-") as out:
         summary = run_experiment(exp, out, progress=False, log=lambda msg: None)
-    return summary["backends"]["sim"], notes
+        sim = summary["backends"]["sim"]
+        if stage_counts is not None:
+            from servetwin.experiments.validate.cluster_stages import run_stage_figures  # noqa: PLC0415
+            sim = {**sim, "stages": run_stage_figures(out, stage_counts)}
+    return sim, notes
+
+
+def read_run(run_dir: Path, stage_counts: Optional[list[int]] = None) -> dict[str, Any]:
+    """The sim summary of an earlier `servetwin run` of a case (its output folder), with `stages` as
+    `run_case` gives them."""
+    with open(run_dir / "summary.json", encoding="utf-8") as f:
+        sim = json.load(f)["backends"]["sim"]
+    if stage_counts is not None:
+        from servetwin.experiments.validate.cluster_stages import run_stage_figures  # noqa: PLC0415
+        sim = {**sim, "stages": run_stage_figures(str(run_dir), stage_counts)}
+    return sim
 
 
 def validate_cases(case_dir: str | Path, hardware: Any = None, only: Optional[list[str]] = None,
                    overrides: Optional[list[str]] = None,
-                   log: Callable[[str], None] = lambda msg: None) -> list[CaseResult]:
+                   log: Callable[[str], None] = lambda msg: None,
+                   runs_dir: Optional[str | Path] = None) -> list[CaseResult]:
+    """`runs_dir`: read each case's prediction from `runs_dir/NAME` (an earlier `servetwin run` of
+    cases/NAME.yaml as it is) instead of running it."""
     cases, published = load_published(case_dir)
     if only:
         unknown = sorted(set(only) - set(cases))
@@ -173,17 +213,58 @@ def validate_cases(case_dir: str | Path, hardware: Any = None, only: Optional[li
             continue
         entry = published[name]
         pub = {m: float(v) for m, v in entry["published"].items()}
+        if entry.get("pending"):  # recorded, not runnable yet: reported as such, never silently dropped
+            results.append(CaseResult(name, str(entry.get("source", "")), [], pending=str(entry["pending"])))
+            log(f"{name}: not runnable yet ({entry['pending']})")
+            continue
+        staged = entry.get("stages")
         try:
-            sim, notes = run_case(path, hardware, overrides, entry.get("engine_version"))
+            counts = _stage_counts(path, overrides) if staged else None
+            if runs_dir is not None:
+                sim, notes = read_run(Path(runs_dir) / name, counts), [f"read from {Path(runs_dir) / name}"]
+            else:
+                sim, notes = run_case(path, hardware, overrides, entry.get("engine_version"), stage_counts=counts)
         except (ValueError, FileNotFoundError) as e:  # the case cannot run: reported, the others still run
             results.append(CaseResult(name, str(entry.get("source", "")), [(m, v, None) for m, v in pub.items()],
                                       error=str(e)))
             log(f"{name}: ERROR {e}")
             continue
         rows = [(m, v, predicted_value(m, sim)) for m, v in pub.items()]
+        if staged:
+            rows += stage_rows(staged, sim["stages"])
         results.append(CaseResult(name, str(entry.get("source", "")), rows, notes))
         log(f"{name}: ran ({sim.get('num_steps')} steps, {sim.get('simulated_s', 0):.2f} s simulated)")
     return results
+
+
+def _stage_counts(path: Path, overrides: Optional[list[str]]) -> list[int]:
+    from servetwin.experiments.config.schema import load_config  # noqa: PLC0415
+    from servetwin.sim.arrivals import StageLadder  # noqa: PLC0415
+    arrival = load_config(path, overrides=list(overrides or [])).workload.arrival
+    if not isinstance(arrival, StageLadder):
+        raise ValueError(f"validate: {path.name} has per-stage results in published.json but its "
+                         f"workload.arrival is not `stages`")
+    return arrival.stage_counts()
+
+
+# TTFT is compared only where the published figure is below this (a saturated stage's TTFT is queueing
+# that depends on how long the ladder has been overloaded, not on the engines' speed).
+STAGE_TTFT_LIMIT_MS = 10_000.0
+
+
+def stage_rows(staged: Mapping[str, Any], predicted: list[dict[str, Any]]
+               ) -> list[tuple[str, float, Optional[float]]]:
+    """(metric@rate, published, predicted) for each published per-stage figure; published.json's
+    `stages`: {"first": index of the first published stage in the ladder, "per_stage": [{rate, metric: value}]}."""
+    first = int(staged.get("first", 0))
+    rows = []
+    for i, st in enumerate(staged["per_stage"]):
+        pred = predicted[first + i] if first + i < len(predicted) else {}
+        for m, v in st.items():
+            if m == "rate" or (m.startswith("ttft") and float(v) >= STAGE_TTFT_LIMIT_MS):
+                continue
+            rows.append((f"{m}@{st['rate']:g}", float(v), pred.get(m)))
+    return rows
 
 
 def group_medians(results: list[CaseResult]) -> dict[str, Optional[float]]:
@@ -210,6 +291,9 @@ def _num(x: Optional[float]) -> str:
 def render_table(results: list[CaseResult], title: str = "Published vLLM vs servetwin") -> str:
     lines = [f"| case | metric | published | predicted | error |", "|---|---|---:|---:|---:|"]
     for r in results:
+        if r.pending:
+            lines.append(f"| {r.name} | (not runnable yet) | | | {r.pending} |")
+            continue
         if r.error:
             lines.append(f"| {r.name} | (not run) | | | {r.error} |")
             continue
@@ -219,8 +303,9 @@ def render_table(results: list[CaseResult], title: str = "Published vLLM vs serv
     med = group_medians(results)
     lines += ["", "| group | median abs error |", "|---|---:|"]
     lines += [f"| {g} | {_pct(v, signed=False)} |" for g, v in med.items()]
-    ran = sum(1 for r in results if not r.error)
-    lines += ["", f"cases run: {ran}/{len(results)}"]
+    ran = sum(1 for r in results if not r.error and not r.pending)
+    pending = sum(1 for r in results if r.pending)
+    lines += ["", f"cases run: {ran}/{len(results)}" + (f" ({pending} not runnable yet)" if pending else "")]
     by_note: dict[str, list[str]] = {}
     for r in results:
         for note in r.notes:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from servetwin.experiments.validate.published import group_medians, load_published, render_table, validate_cases
 from servetwin.experiments.config.schema import load_yaml
+from servetwin.experiments.validate.cluster_stages import ranking_checks
 
 
 def _loo_preset(args: argparse.Namespace) -> str:
@@ -24,8 +25,8 @@ def _print_loo(args: argparse.Namespace, grid: dict, preset: str, log) -> None:
     """Leave-one-case-out over the --loo grid (experiments/validate/preset_fit.py): each case at the grid point
     best on the others."""
     from servetwin.experiments.validate import preset_fit  # noqa: PLC0415
-    cases, _ = load_published(args.dir)
-    selected = [c for c in cases if not args.case or c in args.case]
+    cases, published = load_published(args.dir)
+    selected = [c for c in cases if (not args.case or c in args.case) and not published[c].get("pending")]
     best, _, held = preset_fit.grid_loo(args.dir, grid, selected, preset, log)
     print("\nleave-one-case-out (each case predicted at the --loo grid's best point without it):\n")
     print(render_table(held))
@@ -39,9 +40,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             raise ValueError("--loo: not with --set (the grid's runs take the cases as they are)")
         from servetwin.experiments.validate.preset_fit import parse_grid  # noqa: PLC0415
         grid, preset = parse_grid(args.loo, "--loo"), _loo_preset(args)
+    if args.runs and (args.hardware or args.set or args.loo):
+        raise ValueError("--runs: not with --hardware, --set or --loo (the runs were made from the cases as they are)")
     results = validate_cases(args.dir, hardware=args.hardware, only=args.case or None,
-                             overrides=args.set or None, log=log)
+                             overrides=args.set or None, log=log, runs_dir=args.runs)
     table = render_table(results)
+    _, published = load_published(args.dir)
+    ranks = ranking_checks(results, published)
+    if ranks:
+        table += "\n\nRankings the sources show:\n" + "\n".join(ranks)
     print(table)
     if args.loo:
         _print_loo(args, grid, preset, log)
@@ -67,6 +74,8 @@ def register(subparsers) -> None:
     p.add_argument("--loo", action="append", metavar="NAME=V1,V2,...",
                    help="also leave each case out: run this grid of a fitted parameter (repeatable; names as "
                         "benchmarks/fit_gpu_presets.py) and predict each case at the point best on the others")
+    p.add_argument("--runs", metavar="RUNS_DIR", help="read each case's prediction from RUNS_DIR/NAME, an earlier "
+                                                       "`servetwin run cases/NAME.yaml -o RUNS_DIR/NAME`, instead of running it")
     p.add_argument("-o", "--output", help="also write the table as Markdown to this file")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-case progress lines")
     p.set_defaults(func=_cmd_validate)

@@ -119,6 +119,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i, self.shard, self.tp)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layer_offset, self.is_first_stage, self.is_last_stage = 0, True, True  # the whole model
         # the LM head's rows: this rank's vocabulary slice (tied: the embedding's own)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.shard.vocab_per_rank,
                                                                       bias=False)
@@ -126,21 +127,37 @@ class DecoderLM(nn.Module):
     @property
     def layer_windows(self) -> list[AttentionWindow]:
         """Each layer's attention window: layers with different windows need different backend plans."""
-        return [self.config.window(i) for i in range(self.config.num_layers)]
+        first = self.layer_offset
+        return [self.config.window(first + i) for i in range(len(self.layers))]
+
+    def keep_pipeline_stage(self, start: int, end: int, is_first: bool, is_last: bool) -> None:
+        """Drop what pipeline stage [start, end) does not run (vLLM builds `PPMissingLayer`s in their
+        place): the other layers, the embedding unless it is the first stage (or the last with tied
+        weights), the final norm and the LM head unless it is the last. `layer_windows` and the KV
+        caches follow the kept layers."""
+        self.layer_offset = start
+        self.layers = nn.ModuleList(list(self.layers)[start:end])
+        self.is_first_stage, self.is_last_stage = is_first, is_last
+        if not is_first and not (is_last and self.lm_head is None):
+            self.embed_tokens = None
+        if not is_last:
+            self.norm, self.lm_head = None, None
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.layers:
             layer.self_attn.backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                attn_metadata: Any) -> torch.Tensor:
+                attn_metadata: Any, intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The final hidden states; a pipeline stage before the last returns its layers' output (the
+        residual stream, vLLM's `IntermediateTensors`) and a later stage starts from `intermediate`."""
         self.rotary.new_forward()
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if intermediate is None else intermediate
         # one plan for every layer, or one per layer (its KV group's table and its window)
         per_layer = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
         for layer, kv, meta in zip(self.layers, kv_caches, per_layer):
             x = layer(positions, x, kv, meta)
-        return self.norm(x)
+        return self.norm(x) if self.is_last_stage else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

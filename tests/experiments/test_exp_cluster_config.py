@@ -126,3 +126,34 @@ def test_servetwin_run_writes_the_cluster_outputs(tmp_path):
     assert whole["links"]["kv_transfer"]["name"] == "nvlink4"
     for label in summary["cluster"]["engines"]:
         assert (out / "sim" / "instances" / label / "requests.parquet").exists()
+    # the trace: one Perfetto process per engine (its steps and requests), then the router's decisions
+    trace = json.loads((out / "sim" / "trace.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert [names[p].split(" ")[0] for p in sorted(names)] == ["a-0", "a-1", "b-r0", "b-r1", "router"]
+    steps = [e for e in trace["traceEvents"] if e.get("tid") == 1 and e["ph"] == "X"]
+    assert {e["pid"] for e in steps} == {1, 2, 3, 4}  # every engine stepped
+    for pid, label in zip((1, 2, 3, 4), ("a-0", "a-1", "b-r0", "b-r1")):
+        served = {e["name"] for e in trace["traceEvents"]
+                  if e["pid"] == pid and e["ph"] == "X" and e["name"].startswith("req-")}
+        assert len(served) == summary["cluster"]["engines"][label]["requests"]
+    routed = [e for e in trace["traceEvents"] if e["pid"] == 5 and e["ph"] == "i"]
+    assert len(routed) == 12
+    report = (out / "report.md").read_text()
+    assert "## Whole cluster" in report and all(f"| {label} |" in report for label in summary["cluster"]["engines"])
+
+
+def test_cluster_figures_are_drawn(tmp_path):
+    import yaml
+
+    from servetwin.experiments.cli import main
+
+    raw = copy.deepcopy(BASE)
+    raw["workload"] = {"requests": 6, "prompt_tokens": 64, "output_tokens": 4, "arrival": {"type": "poisson", "rate": 50}}
+    raw["output"] = {"step_requests": False, "plots": True}
+    raw["cluster"] = {"instances": [{"name": "a", "count": 2}], "router": {"type": "round_robin"}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(path), "-o", str(tmp_path / "out"), "--no-progress"]) == 0
+    png = tmp_path / "out" / "sim" / "cluster_engines.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "sim/cluster_engines.png" in (tmp_path / "out" / "report.md").read_text()

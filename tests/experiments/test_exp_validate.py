@@ -165,3 +165,83 @@ def test_the_held_out_moe_cases_are_the_artifacts_rows_minus_the_training_set(tm
     for name in ("M_b200_tp8_1024x1024_c4_v013", "M_h200_tp1_8192x1024_c64_v013"):
         exp = load_config(src / "cases" / f"{name}.yaml")
         assert exp.model and exp.backends == ["sim"]
+
+
+STAGED = """\
+name: {name}
+model: llama-3.1-8b
+hardware: h100-sxm
+engine: {{max_num_seqs: 16, max_num_batched_tokens: 2048, max_model_len: 2048}}
+workload:
+  requests: 9
+  shared_prefix: {{groups: 2, per_group: 2, prefix_tokens: 64, suffix_tokens: 8, order: inference_perf}}
+  output_tokens: 6
+  arrival: {{type: stages, stages: [{{rate: 2, duration_s: 1}}, {{rate: 3, duration_s: 1}}, {{rate: 4, duration_s: 1}}]}}
+output: {{step_requests: false, plots: false}}
+cluster:
+  instances: [{{name: r, count: 2}}]
+  router: {router}
+"""
+
+
+def _staged_dir(tmp_path):
+    (tmp_path / "cases").mkdir(parents=True)
+    per_stage = [{"rate": 3, "out_tok_s": 20.0, "ttft_mean": 30.0, "ttft_p90": 20_000.0, "itl_mean": 5.0},
+                 {"rate": 4, "out_tok_s": 25.0, "ttft_mean": 30.0, "e2e_mean": 60.0}]
+    pub = {}
+    for name, router in (("a_rr", "{type: round_robin}"),
+                         ("b_llmd", "{type: llm_d, filters: [{type: prefix-cache-affinity}], scorers: [{type: token-load}]}")):
+        (tmp_path / "cases" / f"{name}.yaml").write_text(STAGED.format(name=name, router=router))
+        pub[name] = {"source": "made up", "published": {}, "stages": {"first": 1, "per_stage": per_stage}}
+    pub["b_llmd"]["stages"] = {"first": 1, "per_stage": [{**s, "ttft_mean": 10.0} for s in per_stage]}
+    pub["b_llmd"]["ranking"] = {"above": "a_rr"}
+    pub["c_pd"] = {"source": "made up", "published": {"ttft_mean": 1.0}, "pending": "needs the KV connector (pending)"}
+    (tmp_path / "published.json").write_text(json.dumps(pub))
+    return tmp_path
+
+
+def test_staged_cluster_cases_compare_per_stage_and_pending_cases_are_listed(tmp_path, capsys):
+    d = _staged_dir(tmp_path)
+    results = {r.name: r for r in validate_cases(d)}
+    assert results["c_pd"].pending and not results["c_pd"].rows
+    rows = {m: (pub, pred) for m, pub, pred in results["a_rr"].rows}
+    # the stage after the first (published `first: 1`); a TTFT of 10 s or more is not compared
+    assert set(rows) == {"out_tok_s@3", "ttft_mean@3", "itl_mean@3", "out_tok_s@4", "ttft_mean@4", "e2e_mean@4"}
+    assert all(pred is not None and pred > 0 for _, pred in rows.values())
+    assert main(["validate", str(d), "-q"]) == 0  # a pending case is reported, not an error
+    text = capsys.readouterr().out
+    assert "| c_pd | (not runnable yet) |" in text and "cases run: 2/3 (1 not runnable yet)" in text
+    assert "- b_llmd vs a_rr" in text and "the predicted order holds at" in text
+
+
+def test_stage_figures_follow_inference_perfs_report():
+    import pandas as pd
+    from servetwin.experiments.validate.cluster_stages import stage_figures
+    reqs = pd.DataFrame({"request_id": ["req-0", "req-1", "req-2"], "finish_reason": ["length"] * 3,
+                         "arrival_s": [0.0, 1.0, 10.0], "client_finish_s": [2.0, 4.0, 11.0],
+                         "output_tokens": [10, 20, 5], "ttft_s": [0.5, 1.0, 0.2], "tpot_s": [0.1, 0.1, 0.2],
+                         "e2e_s": [1.4, 2.9, 1.0]})
+    s0, s1 = stage_figures(reqs, [2, 1])
+    assert s0["out_tok_s"] == pytest.approx(30 / 4.0)  # output tokens / (last finish - first arrival)
+    assert s0["itl_mean"] == pytest.approx(1000 * (0.9 + 1.9) / (9 + 19))  # every token gap pooled
+    assert s0["ttft_mean"] == pytest.approx(750.0) and s1["e2e_mean"] == pytest.approx(1000.0)
+
+
+def test_bad_stage_metrics_are_named(tmp_path, capsys):
+    d = _staged_dir(tmp_path)
+    pub = json.loads((d / "published.json").read_text())
+    pub["a_rr"]["stages"]["per_stage"][0]["ttft_bogus"] = 1.0
+    (d / "published.json").write_text(json.dumps(pub))
+    assert main(["validate", str(d)]) == 2
+    assert "unknown metric 'ttft_bogus'" in capsys.readouterr().err
+
+
+def test_validate_reads_earlier_runs_with_the_same_figures(tmp_path, capsys):
+    d = _staged_dir(tmp_path / "cases_dir")
+    runs = tmp_path / "runs"
+    assert main(["run", str(d / "cases" / "a_rr.yaml"), "-o", str(runs / "a_rr")]) == 0
+    direct = validate_cases(d, only=["a_rr"])[0]
+    read = validate_cases(d, only=["a_rr"], runs_dir=runs)[0]
+    assert read.rows == direct.rows  # the simulation is deterministic: reading the run changes nothing
+    assert main(["validate", str(d), "--case", "b_llmd", "--runs", str(runs), "-q"]) == 1  # no run of it: reported
+    assert "| b_llmd | (not run) |" in capsys.readouterr().out

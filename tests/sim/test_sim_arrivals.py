@@ -1,9 +1,14 @@
 """Arrival processes: rates, burstiness, open-loop replay order, closed-loop feedback."""
+import math
+
 import numpy as np
 import pytest
 import simpy
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from servetwin.sim.arrivals import ClosedLoop, Gamma, Offline, Poisson, parse_arrival
+from servetwin.core.config_error import ConfigError
+from servetwin.sim.arrivals import ClosedLoop, Gamma, Offline, Poisson, Stage, StageLadder, parse_arrival
 from servetwin.sim.workload import WorkloadRequest
 
 
@@ -100,3 +105,52 @@ def test_parse_arrival_defaults_and_types():
         parse_arrival({"type": "closed_loop", "clients": 4, "think": "long"}, "x")
     with pytest.raises(ValueError, match="x.burst: unknown field"):
         parse_arrival({"type": "poisson", "rate": 1, "burst": 2}, "x")
+
+
+@settings(max_examples=40, deadline=None)
+@given(stages=st.lists(st.tuples(st.floats(0.5, 20.0), st.floats(0.5, 10.0)), min_size=1, max_size=4),
+       service=st.floats(0.0, 5.0), seed=st.integers(0, 2**16))
+def test_stage_ladder_stages_never_overlap(stages, service, seed):
+    """inference-perf's ladder: stage k sends int(rate x duration) requests within [enqueue + 1 s,
+    enqueue + 1 s + duration], and the next stage is enqueued on the first 1 s poll tick after the last of
+    them finished."""
+    ladder = StageLadder(tuple(Stage(r, d) for r, d in stages if int(r * d) >= 1))
+    assume(ladder.stages)
+    counts = ladder.stage_counts()
+    env = simpy.Environment()
+    reqs = [_req(i) for i in range(sum(counts))]
+    finish: dict[str, float] = {}
+
+    def submit(r):
+        ev = env.timeout(service)
+        ev.callbacks.append(lambda _e, rid=r.request_id: finish.__setitem__(rid, env.now))
+        return ev
+    env.process(ladder.process(env, reqs, submit, np.random.default_rng(seed)))
+    env.run()
+    assert len(finish) == len(reqs)  # every request sent once
+    enqueued, first = 0.0, 0
+    for stage, n in zip(ladder.stages, counts):
+        part = reqs[first:first + n]
+        times = [r.arrival_s for r in part]
+        assert times == sorted(times)
+        assert times[0] >= enqueued + 1.0 - 1e-9
+        assert times[-1] == pytest.approx(enqueued + 1.0 + stage.duration_s)  # gaps rescaled to the duration
+        last_done = max(finish[r.request_id] for r in part)
+        nxt = enqueued + math.ceil((last_done - enqueued) - 1e-9)  # the 1 s poll tick that sees it
+        if first + n < len(reqs):
+            assert reqs[first + n].arrival_s >= nxt + 1.0 - 1e-9 >= last_done
+        enqueued, first = nxt, first + n
+
+
+def test_stage_ladder_parse_names_the_field():
+    ladder = parse_arrival({"type": "stages", "stages": [{"rate": 3, "duration_s": 20}, {"rate": 2.5, "duration_s": 3}]})
+    assert ladder.stage_counts() == [60, 7]
+    with pytest.raises(ConfigError) as e:
+        parse_arrival({"type": "stages", "stages": [{"rate": 3}]})
+    assert "stages[0]" in str(e.value) and "duration_s" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        parse_arrival({"type": "stages", "stages": [{"rate": 0.1, "duration_s": 2}]})
+    assert "stages[0]" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        parse_arrival({"type": "stages", "stages": []})
+    assert "workload.arrival.stages" in str(e.value)

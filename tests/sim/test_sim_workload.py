@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from servetwin.core.config_error import ConfigError
 from servetwin.sim.arrivals import ClosedLoop, Poisson
 from servetwin.sim.workload import WorkloadSpec, build_workload, generate_requests
 
@@ -209,3 +210,25 @@ def test_a_run_past_the_memory_budget_is_refused_naming_the_override(monkeypatch
         generate_requests(WorkloadSpec.from_dict({"requests": 100_000, "prompt_tokens": 1, "output_tokens": 1}))
     monkeypatch.setenv("SERVETWIN_MAX_RUN_MEMORY_MB", "300")
     assert len(generate_requests(WorkloadSpec.from_dict({"requests": 10, "prompt_tokens": 5, "output_tokens": 1}))) == 10
+
+
+def test_inference_perf_order_resends_the_shuffled_prompts_from_the_start_each_stage():
+    """inference-perf: prompts made group by group, shuffled once; each stage sends them from index 0 again,
+    wrapping around; a resent prompt is the same text."""
+    cfg = {"seed": 3, "vocab_size": 1000, "output_tokens": 4,
+           "shared_prefix": {"groups": 3, "per_group": 2, "prefix_tokens": 8, "suffix_tokens": 4,
+                             "order": "inference_perf"},
+           "arrival": {"type": "stages", "stages": [{"rate": 4, "duration_s": 1}, {"rate": 8, "duration_s": 1}]}}
+    reqs = generate_requests(WorkloadSpec.from_dict(cfg))
+    assert len(reqs) == 4 + 8
+    base = [tuple(r.prompt_token_ids) for r in reqs[4:10]]
+    assert len(set(base)) == 6  # stage 2 wraps: all six prompts once, then the first two again
+    assert [tuple(r.prompt_token_ids) for r in reqs[:4]] == base[:4] == [tuple(r.prompt_token_ids) for r in reqs[4:8]]
+    assert [tuple(r.prompt_token_ids) for r in reqs[10:]] == base[:2]
+    groups = {}
+    for r, p in zip(reqs[4:10], base):
+        groups.setdefault(r.group, set()).add(p[:8])
+    assert sorted(len(g) for g in groups.values()) == [1, 1, 1] and len(groups) == 3  # one prefix per group
+    with pytest.raises(ConfigError) as e:
+        WorkloadSpec.from_dict({**cfg, "requests": 6})
+    assert "workload.requests" in str(e.value) and "12" in str(e.value)

@@ -1,0 +1,72 @@
+"""`servetwin capacity` of a cluster config: the cheapest deployment meeting the SLOs at the config's load."""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servetwin.experiments.capacity.deployments import search_deployments, slo_seconds
+from servetwin.experiments.cli import main
+
+RAW = {"instances": [{"name": "r", "count": 2}], "router": {"type": "round_robin"}}
+
+
+def _fake(need: dict[tuple[int, str], int]):
+    """A deployment meets the SLO from need[(tp, router)] replicas on (monotone in replicas)."""
+    calls = []
+
+    def load(values):
+        inst = values["cluster.instances"][0]
+        return (inst["engine"]["tensor_parallel_size"], values["cluster.router"]["type"], inst["count"])
+
+    def evaluate(exp):
+        tp, router, n = exp
+        calls.append(exp)
+        ratio = need[(tp, router)] / n
+        return [{"name": "ttft_p99_s", "limit": 2.0, "value": 2.0 * ratio, "met": ratio <= 1.0, "ratio": ratio}]
+    return load, evaluate, calls
+
+
+@settings(max_examples=60, deadline=None)
+@given(need=st.dictionaries(st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from(["round_robin", "llm_d"])),
+                            st.integers(1, 20), min_size=6, max_size=6), max_replicas=st.integers(1, 16))
+def test_the_fewest_replicas_and_the_cheapest_first(need, max_replicas):
+    load, evaluate, calls = _fake(need)
+    routers = [{"type": "round_robin"}, {"type": "llm_d"}]
+    res = search_deployments(load, RAW, [1, 2, 4], routers, max_replicas, evaluate=evaluate)
+    assert len(res) == 6
+    for r in res:
+        n = need[(r.tp, r.router)]
+        assert r.replicas == (n if n <= max_replicas else None)  # bisection finds the exact threshold
+        assert r.gpus == (None if r.replicas is None else r.replicas * r.tp)
+        assert len(r.probes) <= max_replicas.bit_length() + 1  # bisection, not a scan
+    gpus = [r.gpus for r in res if r.gpus is not None]
+    assert gpus == sorted(gpus)  # cheapest first, the ones that never meet the SLOs last
+    assert all(r.gpus is None for r in res[len(gpus):])
+    assert len(calls) == len(set(calls))  # no deployment simulated twice
+
+
+def test_slo_milliseconds_become_seconds():
+    assert slo_seconds({"tpot_p99_ms": "50", "ttft_p99_s": "2"}) == {"tpot_p99_s": 0.05, "ttft_p99_s": "2"}
+
+
+CLUSTER = """\
+name: tiny_cluster
+model: llama-3.1-8b
+hardware: h100-sxm
+engine: {max_num_seqs: 16, max_num_batched_tokens: 2048, max_model_len: 2048}
+workload: {requests: 24, prompt_tokens: 256, output_tokens: 16, arrival: {type: poisson, rate: 40}}
+output: {step_requests: false, plots: false}
+cluster:
+  instances: [{name: r, count: 1}]
+  router: {type: round_robin}
+"""
+
+
+def test_capacity_of_a_cluster_config_prints_the_cheapest_deployment(tmp_path, capsys):
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(CLUSTER)
+    assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--slo", "tpot_p99_ms=500", "--tp", "1,2",
+                 "--max-replicas", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| rank | TP | router | replicas | GPUs | what binds |" in out
+    assert "cheapest: 1 x TP1 behind round_robin = 1 GPUs" in out and "runner-up: 1 x TP2" in out
+    assert main(["capacity", str(cfg), "--slo", "tpot_p99_ms=fast"]) == 2
+    assert "--slo tpot_p99_ms" in capsys.readouterr().err
