@@ -125,13 +125,15 @@ class Simulation:
         # (both shortcuts assume one full-attention KV cache group: window groups free blocks every step)
         # speculative decoding: both off (their steady decode rows sample one token each, no drafts)
         drafting = bool(getattr(engine.scheduler, "num_spec_tokens", 0))
-        self.lazy_decode = bool(lazy_decode and not drafting and not record_step_requests
+        # a KV connector: both off too (its worker side prices every step's transfers, sim/kv_transfer.py)
+        plain = not drafting and getattr(engine.scheduler, "connector", None) is None
+        self.lazy_decode = bool(lazy_decode and plain and not record_step_requests
                                 and isinstance(engine.scheduler, SimScheduler)
                                 and hasattr(ex, "lazy_tokens") and getattr(ex, "token_rule", None) == "request"
                                 and engine.scheduler.kv_cache_manager.single_full_attention)
         if self.lazy_decode:
             engine.scheduler.enable_lazy_decode(ex)
-        self.fast_forward = fast_forward and not self.lazy_decode and not drafting
+        self.fast_forward = fast_forward and not self.lazy_decode and plain
         self.eos_token_id = eos_token_id
         self.on_complete = on_complete
         self.on_reject = on_reject
@@ -219,6 +221,8 @@ class Simulation:
                     raise ValueError(f"workload: {wreq.request_id}: keep_output_tokens needs n = 1, got n = {wreq.n}")
                 pending.child = reqs[0]
             for req in reqs:
+                if wreq.kv_transfer_params is not None:  # the connector marks its copy done
+                    req.kv_transfer_params = dict(wreq.kv_transfer_params)
                 if wreq.eos_at is not None:
                     self.engine.executor.set_output_length(req.request_id, wreq.eos_at)
                 self.engine.add_request(req)
@@ -339,6 +343,9 @@ class Simulation:
                             self.frontend.on_step_output(env.now, num_running, 0, [])
                     continue
             t0 = env.now
+            worker = getattr(engine.executor, "kv_worker", None)
+            if worker is not None:  # a step waiting for KV transfers ends by the next other event
+                worker.horizon_s = env.peek() - env.now
             result, duration = self.step_engine()
             progressed, t_done = self.record_step(result, t0, duration)
             idle = 0 if progressed else idle + 1
@@ -394,7 +401,9 @@ class Simulation:
             if so.total_num_scheduled_tokens > 0:
                 self.result.num_steps += 1
         self.recorder.on_step(result, t0, t_end)
-        progressed = (so is not None and so.total_num_scheduled_tokens > 0) or bool(result.outputs)
+        mro = result.model_output
+        progressed = ((so is not None and so.total_num_scheduled_tokens > 0) or bool(result.outputs)
+                      or (mro is not None and mro.kv_connector_output is not None))  # a transfer finished
         t_done = self._t_end.pop(result.processed.step) if result.processed is not None else t0
         if t_done <= t0:
             self._complete(result, t_done)  # async: the previous batch, finished at t0

@@ -17,6 +17,7 @@ once); the host clock is never read.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 import threading
@@ -29,6 +30,7 @@ from servetwin.core.sched.output import SchedulerOutput
 from servetwin.core.testbed.iteration import compute_iteration_details
 from servetwin.sim.cost_model import CostModel, StepSummary
 from servetwin.sim.hardware import HardwareSpec
+from servetwin.sim.kv_transfer import SimKVWorker
 from servetwin.sim.model_spec import ModelSpec
 from servetwin.sim.pipeline import PipelineStages
 from servetwin.sim.predicted_profile import PredictedProfile
@@ -104,6 +106,7 @@ class SimExecutor:
         self.pipeline: Optional[PipelineStages] = None
         self.drafter: Optional[SimDrafter] = None  # speculative decoding (enable_spec_decode)
         self.draft_token_ids: Optional[DraftTokenIds] = None  # the latest proposals, until taken
+        self.kv_worker: Optional[SimKVWorker] = None  # a KV connector's worker side (enable_kv_transfer)
 
     def reset(self) -> None:
         """Forget every request (a new engine over this executor starts from an empty runner state)."""
@@ -137,8 +140,35 @@ class SimExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = scheduler_output
-        if self.drafter is not None:
-            return self._execute_spec(so)
+        worker = self.kv_worker
+        if worker is None:
+            return self._execute_spec(so) if self.drafter is not None else self._execute(so)
+        # vLLM's runner: start_load_kv before the forward pass, get_finished after it (sim/kv_transfer.py)
+        worker.start(so.kv_connector_metadata, self.num_prompt_tokens)
+        out = self._execute_spec(so) if self.drafter is not None else self._execute(so)
+        timing = out.timing if out.timing is not None else StepTiming(duration_s=0.0)
+        out.kv_connector_output, duration = worker.finish(so.kv_connector_metadata, timing.duration_s,
+                                                          so.total_num_scheduled_tokens > 0)
+        if duration != timing.duration_s:  # it waited for transfers
+            out.timing = dataclasses.replace(timing, duration_s=duration)
+        return out
+
+    def enable_kv_transfer(self, worker: SimKVWorker) -> None:
+        """Model a KV connector's transfers with `worker`; the simulator's decode shortcuts must be off
+        (Simulation switches them off when the scheduler has a connector)."""
+        self.kv_worker = worker
+
+    def kv_transfer_totals(self) -> dict[str, int]:
+        """The offloading connector's transfer counters under vLLM's names without `vllm:`
+        (offloading/metrics.py:42-47: kv_offload_load_bytes, kv_offload_store_bytes: bytes of the
+        jobs started); {} without an offloading connector."""
+        worker = self.kv_worker
+        if worker is None or not worker.offloading:
+            return {}
+        return {"kv_offload_load_bytes": worker.totals.bytes["load"],
+                "kv_offload_store_bytes": worker.totals.bytes["store"]}
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_token_counts(so)
         counts = self.num_tokens
         before = so.num_computed_before

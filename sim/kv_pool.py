@@ -41,6 +41,7 @@ from servetwin.sim.cost_model import CostModel, default_cuda_graph_sizes
 from servetwin.sim.executor import SimExecutor
 from servetwin.sim.spec_acceptance import AcceptanceModel
 from servetwin.sim.spec_drafter import SimDrafter
+from servetwin.sim.kv_transfer import build_kv_worker
 from servetwin.sim.hardware import HardwareSpec, load_hardware
 from servetwin.sim.model_spec import ModelSpec, load_model_spec
 from servetwin.sim.pipeline import PipelineStages, stage_layers
@@ -197,5 +198,16 @@ def build_sim_executor(args: Any):
     if pp > 1:
         executor.pipeline = PipelineStages(stage_layers(model.num_layers, pp), model.hidden_size * model.dtype_bytes,
                                            hw.interconnect_bandwidth, hw.interconnect_latency_s)
+    kv_config = getattr(args, "kv_transfer_config", None)
+    if kv_config is not None and pp > 1:  # a waiting step's time would not be booked on the stages
+        raise ConfigError("kv_transfer_config", "the simulator does not model KV transfers with "
+                                                "pipeline_parallel_size > 1 yet")
+    if kv_config is not None:  # each TP rank moves its shard over its own link
+        kv_bytes_per_token = model.kv_bytes_per_token(cost_model.kv_bytes_per_element) / args.tensor_parallel_size
+        # the CPU tier's chunk is one block of this model's KV (as vLLM's worker sizes it), unless given
+        if kv_config.kv_connector == "OffloadingConnector":
+            kv_config.kv_connector_extra_config.setdefault("kv_bytes_per_block",
+                                                           int(kv_bytes_per_token * args.block_size))
+        executor.enable_kv_transfer(build_kv_worker(kv_config, kv_bytes_per_token, args.block_size))
     return ExecutorInfo(executor, pool.num_gpu_blocks, max_len, model.vocab_size, [], None,
                         kv_cache_groups=pool.kv_cache_groups)

@@ -25,6 +25,7 @@ import dataclasses
 from typing import Iterable, Optional, Sequence
 
 from servetwin.core.kv_cache.kv_sizing import cdiv
+from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from servetwin.core.request import Request, RequestStatus
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
@@ -47,8 +48,9 @@ def _with_rows(so: SchedulerOutput, num_scheduled_tokens: dict[str, int]) -> Sch
 
 class SimScheduler(Scheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None) -> None:
-        super().__init__(scheduler_config, cache_config, log_stats, speculative_config)
+                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None,
+                 kv_transfer_config: Optional[KVTransferConfig] = None) -> None:
+        super().__init__(scheduler_config, cache_config, log_stats, speculative_config, kv_transfer_config)
         self.lazy: Optional[LazyDecodes] = None  # implicit steady decodes, off until enabled
         self.last_updated_step = -1  # scheduler step of the last output processed
         self.running_order: dict[str, int] = {}  # request id -> stamp of its (re)admission (lazy only)

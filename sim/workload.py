@@ -141,6 +141,9 @@ class WorkloadRequest:
     # a conversation's next turn holds them in its prompt)
     keep_output_tokens: bool = False
     output_token_ids: Optional[list[int]] = None
+    # vLLM's per-request KV connector parameters (extra_args["kv_transfer_params"]), e.g. a decode
+    # engine's {"do_remote_prefill": True, "remote_block_ids": ..., ...}; each child gets a copy
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -9,6 +9,8 @@ from typing import Any, Optional
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.executor import NO_BACKENDS, executor_backend, registered_backends
 from servetwin.core.kv_cache.hashing import HASH_ALGOS
+from servetwin.core.kv_connector.config import KVTransferConfig
+from servetwin.core.kv_connector.factory import create_connector
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.sched.spec_decode import SpeculativeConfig
 
@@ -104,6 +106,19 @@ def parse_acceptance_rates(raw: Any) -> list[float]:
     return [float(r) for r in raw]
 
 
+def check_kv_transfer_config(raw: Any, block_size: int) -> KVTransferConfig:
+    """`kv_transfer_config` parsed, its connector class found and built once, so a bad name, module or
+    `kv_connector_extra_config` value fails here naming `kv_transfer_config.<field>`."""
+    config = KVTransferConfig.from_dict(raw)
+    try:
+        create_connector(config, block_size if isinstance(block_size, int) and block_size > 0 else 16)
+    except ConfigError as e:
+        raise e.within("kv_transfer_config") from None
+    except (TypeError, ValueError) as e:  # a connector's own check of its extra config
+        raise ConfigError("kv_transfer_config.kv_connector_extra_config", str(e)) from None
+    return config
+
+
 @dataclass(slots=True)
 class EngineArgs:
     model: str = "tiny-llama"
@@ -151,6 +166,9 @@ class EngineArgs:
     speculative_config: Optional[SpeculativeConfig] = None
     # simulator: per-position acceptance rates of the drafts (sim/spec_acceptance.py; None: the method's default)
     spec_acceptance_rates: Optional[list[float]] = None
+    # vLLM's kv_transfer_config dict ({"kv_connector": "NixlConnector", "kv_role": "kv_consumer", ...});
+    # parsed by from_kwargs into a KVTransferConfig (core/kv_connector/config.py)
+    kv_transfer_config: Optional[KVTransferConfig] = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -193,6 +211,8 @@ class EngineArgs:
                                           args.async_scheduling)
         if args.spec_acceptance_rates is not None:
             args.spec_acceptance_rates = parse_acceptance_rates(args.spec_acceptance_rates)
+        if args.kv_transfer_config is not None:
+            args.kv_transfer_config = check_kv_transfer_config(args.kv_transfer_config, args.block_size)
         if args.num_gpu_blocks_override is not None:
             CacheConfig(num_gpu_blocks=args.num_gpu_blocks_override)  # raises naming num_gpu_blocks
         # the KV-cache settings fail here, before any executor divides by a zero block size or
@@ -284,5 +304,9 @@ FIELD_HELP: dict[str, str] = {
                           "\"model\" (draft_model)}",
     "spec_acceptance_rates": "simulator: acceptance rate of draft position 0, 1, ... given the ones before "
                              "accepted, the last repeating (e.g. 0.8,0.6; default: the method's, sim/spec_acceptance.py)",
+    "kv_transfer_config": "KV connector, vLLM's JSON: {\"kv_connector\": \"NixlConnector\"|\"OffloadingConnector\"|"
+                          "a plugin's class, \"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", "
+                          "\"kv_load_failure_policy\": \"fail\"|\"recompute\", \"kv_connector_extra_config\": {...}, "
+                          "\"kv_connector_module_path\": module} (docs/kv_connectors.md)",
     "profile_dir": "torch backend: write a torch.profiler chrome trace and per-step timings here",
 }

@@ -103,6 +103,21 @@ def spec_decode_totals(engine_core: EngineCore) -> dict[str, Any]:
             "spec_decode_num_accepted_tokens_per_pos": list(totals.num_accepted_tokens_per_pos)}
 
 
+def kv_connector_totals(engine_core: EngineCore) -> dict[str, Any]:
+    """vLLM's KV-connector counters since start, under its metric names without `vllm:` ({} without a
+    connector): the external prefix cache (v1/metrics/loggers.py:685-706) and, where the executor
+    models a CPU tier's transfers, the offloading connector's bytes
+    (distributed/kv_transfer/kv_connector/v1/offloading/metrics.py:42-47)."""
+    if engine_core.scheduler.connector is None:
+        return {}
+    out: dict[str, Any] = {"external_prefix_cache_queries": engine_core.external_prefix_cache_queries,
+                           "external_prefix_cache_hits": engine_core.external_prefix_cache_hits}
+    transfer_totals = getattr(engine_core.executor, "kv_transfer_totals", None)
+    if transfer_totals is not None:
+        out.update(transfer_totals())
+    return out
+
+
 def call_utility(engine_core: EngineCore, name: str, *args: Any) -> Any:
     """Utility calls the clients forward to the engine core."""
     sched = engine_core.scheduler
@@ -113,7 +128,7 @@ def call_utility(engine_core: EngineCore, name: str, *args: Any) -> Any:
         return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_cache_usage": kv.usage, "num_free_blocks": kv.num_free_blocks,
                 "num_gpu_blocks": kv.block_pool.num_gpu_blocks, "num_preemptions": sched.num_preemptions_total,
-                **spec_decode_totals(engine_core)}
+                **spec_decode_totals(engine_core), **kv_connector_totals(engine_core)}
     if name in ("start_profile", "stop_profile"):  # vLLM's profiler endpoints: the executor's, where it has one
         method = getattr(engine_core.executor, name, None)
         if method is None:

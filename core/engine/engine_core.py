@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.engine.executor import Executor
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -46,18 +47,23 @@ class EngineCore:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor,
-                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None) -> None:
+                 log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None,
+                 kv_transfer_config: Optional[KVTransferConfig] = None) -> None:
         scheduler_cls = getattr(executor, "scheduler_cls", Scheduler)
         if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
             raise TypeError(f"scheduler_cls: {scheduler_cls!r} of {type(executor).__name__} "
                             "is not a Scheduler subclass")
         self.scheduler = scheduler_cls(scheduler_config, cache_config, log_stats=log_stats,
-                                       speculative_config=speculative_config)
+                                       speculative_config=speculative_config,
+                                       kv_transfer_config=kv_transfer_config)
         # vLLM's check_for_draft_tokens: sync scheduling takes the drafts after each step (post_step)
         self.check_for_draft_tokens = speculative_config is not None and not scheduler_config.async_scheduling
         # vLLM's spec-decode counters since start (v1/spec_decode/metrics.py), for get_stats / /metrics
         self.spec_decoding_totals = (SpecDecodingStats.new(speculative_config.num_speculative_tokens)
                                      if speculative_config is not None else None)
+        # vLLM's external (KV connector) prefix-cache counters since start (v1/metrics/loggers.py:685-706)
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
         self.executor = executor
         self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput | Future]] = deque()
         self.batch_queue_size = scheduler_config.max_concurrent_batches
@@ -83,6 +89,10 @@ class EngineCore:
             so.step = self.step_counter if step_index is None else step_index
             result.scheduled = so
             result.stats = scheduler.make_stats()
+            connector_hits = result.stats.connector_prefix_cache_stats
+            if connector_hits is not None:
+                self.external_prefix_cache_queries += connector_hits.queries
+                self.external_prefix_cache_hits += connector_hits.hits
             execute = self.executor.execute_model
             mro = execute(so, non_block=True) if self._non_block else execute(so)
             result.model_output = None if isinstance(mro, Future) else mro

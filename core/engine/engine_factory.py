@@ -26,5 +26,6 @@ def create_executor(args: EngineArgs) -> ExecutorInfo:
 def create_engine_core(args: EngineArgs, info: Optional[ExecutorInfo] = None) -> tuple[EngineCore, ExecutorInfo]:
     info = info or create_executor(args)
     engine = EngineCore(args.scheduler_config(info.max_model_len), args.cache_config(info.num_gpu_blocks, info.kv_cache_groups),
-                        info.executor, speculative_config=args.speculative_config)
+                        info.executor, speculative_config=args.speculative_config,
+                        kv_transfer_config=args.kv_transfer_config)
     return engine, info

@@ -200,14 +200,14 @@ class EngineCoreProc:
             self.send(m.UtilityResultMsg(msg.call_id, None, f"{type(e).__name__}: {e}", error_kind(e)))
 
     def stats(self) -> Any:
-        from servetwin.core.engine.engine_client import spec_decode_totals  # noqa: PLC0415
+        from servetwin.core.engine.engine_client import kv_connector_totals, spec_decode_totals  # noqa: PLC0415
 
         sched = self.engine.scheduler
         kv = sched.kv_cache_manager
         return self.m.EngineStats(len(sched.running), len(sched.waiting), kv.usage, kv.num_free_blocks,
                                   self.prefix_queries, self.prefix_hits, sched.num_preemptions_total,
                                   self.num_steps, self.clock.busy_s if self.clock else 0.0,
-                                  **spec_decode_totals(self.engine))
+                                  **spec_decode_totals(self.engine), **kv_connector_totals(self.engine))
 
     def outputs_msg(self, outputs: list, idle_seq: int = -1, errors: Optional[list] = None,
                     release_at: float = 0.0, sim_t: float = 0.0) -> Any:

@@ -206,6 +206,11 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    # KV connector since start (engine_client.kv_connector_totals; None: no connector / no CPU tier)
+    external_prefix_cache_queries: Optional[int] = None
+    external_prefix_cache_hits: Optional[int] = None
+    kv_offload_load_bytes: Optional[int] = None
+    kv_offload_store_bytes: Optional[int] = None
 
 
 class RequestErrorMsg(msgspec.Struct, array_like=True):

@@ -206,6 +206,30 @@ class ServingMetrics:
                 out.append(f"{name}_total{_labels(labels)} {_fmt(float(n))}")
 
     # -- exposition ---------------------------------------------------------------------------------
+    def _render_kv_connector(self, out: list[str]) -> None:
+        """vLLM's KV-connector counters, once a connector is on, one sample per engine: the external
+        prefix cache (v1/metrics/loggers.py:685-706) and the offloading connector's transfer bytes
+        (distributed/kv_transfer/kv_connector/v1/offloading/metrics.py:42-47, 82-97; the sim backend counts
+        the bytes of the jobs it started)."""
+        for name, help_, attr in (
+                ("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector "
+                 "cross-instance cache sharing, in terms of number of queried tokens.", "external_prefix_cache_queries"),
+                ("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector "
+                 "cross-instance cache sharing, in terms of number of cached tokens.", "external_prefix_cache_hits"),
+                ("vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU.",
+                 "kv_offload_load_bytes"),
+                ("vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage.",
+                 "kv_offload_store_bytes")):
+            ranks = [r for r in sorted(self.engines) if self.engines[r].spec_decode is not None
+                     and getattr(self.engines[r].spec_decode, attr, None) is not None]
+            if not ranks:
+                continue
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} counter")
+            for rank in ranks:
+                value = getattr(self.engines[rank].spec_decode, attr)
+                out.append(f"{name}_total{_labels(dict(self.labels, engine=str(rank)))} {_fmt(float(value))}")
+
     def render(self) -> str:
         lb = self.labels
         out: list[str] = []
@@ -246,6 +270,7 @@ class ServingMetrics:
         engine_metric("servetwin:simulated_busy_seconds", "counter",
                       "Sim backend: total predicted duration of the engine's steps.", "sim_busy_s")
         self._render_spec_decode(out)
+        self._render_kv_connector(out)
         out.append("# HELP vllm:request_success Count of successfully processed requests.")
         out.append("# TYPE vllm:request_success counter")
         for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):

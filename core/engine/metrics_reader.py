@@ -34,7 +34,13 @@ GAUGES = (("vllm:num_requests_running", "num_running"), ("vllm:num_requests_wait
 COUNTERS = (("vllm:prefix_cache_queries", "prefix_cache_queries"), ("vllm:prefix_cache_hits", "prefix_cache_hits"),
             ("vllm:num_preemptions", "num_preemptions"), ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts"),
             ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens"),
-            ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens"))
+            ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens"),
+            # KV connector (engine_client.kv_connector_totals): vLLM's v1/metrics/loggers.py:685-706 and
+            # distributed/kv_transfer/kv_connector/v1/offloading/metrics.py:42-47
+            ("vllm:external_prefix_cache_queries", "external_prefix_cache_queries"),
+            ("vllm:external_prefix_cache_hits", "external_prefix_cache_hits"),
+            ("vllm:kv_offload_load_bytes", "kv_offload_load_bytes"),
+            ("vllm:kv_offload_store_bytes", "kv_offload_store_bytes"))
 PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 
 

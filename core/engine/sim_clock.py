@@ -44,12 +44,13 @@ class SimClock:
         whose outputs `result` processed (None when it processed none). `sim_now` only after an idle
         period of a paced engine."""
         so = result.scheduled
-        if so is not None and so.total_num_scheduled_tokens > 0:
-            timing = result.model_output.timing if result.model_output is not None else None
-            duration = max(0.0, float(timing.duration_s)) if timing is not None else 0.0
+        timing = result.model_output.timing if so is not None and result.model_output is not None else None
+        duration = max(0.0, float(timing.duration_s)) if timing is not None else 0.0
+        # a step with no tokens takes time only when it waited (for a KV connector's transfers)
+        if so is not None and (so.total_num_scheduled_tokens > 0 or duration > 0):
             start = self.now if sim_now is None else max(self.now, sim_now)
             self.now = start + duration
-            self.busy_s += duration
+            self.busy_s += duration if so.total_num_scheduled_tokens > 0 else 0.0
             self._step_end[so.step] = self.now
         if result.processed is None:
             return None

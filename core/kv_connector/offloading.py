@@ -34,6 +34,7 @@ PAGE_BYTES = 4096  # a CPU chunk is aligned to the page
 class TransferJob:
     req_id: str
     sync: bool = False
+    num_blocks: int = 0  # chunks (one block each) it moves: what a simulated worker prices
 
 
 @dataclass(slots=True)
@@ -169,7 +170,7 @@ class OffloadingConnector(KVConnectorBase):
         req.next_stored_chunk_idx = cdiv(num_cached, bs)  # CHUNK_LEVEL: loaded chunks are stored
         self.manager.prepare_load(keys, req.ctx)
         job_id = self._new_job(req, list(keys), is_store=False)
-        self._batch_load_jobs[job_id] = TransferJob(request.request_id, sync=False)
+        self._batch_load_jobs[job_id] = TransferJob(request.request_id, sync=False, num_blocks=len(keys))
         self._chunks_being_loaded.update(keys)
         self.stats.num_loads_started += 1
         self.stats.num_loaded_tokens += num_external_tokens
@@ -246,7 +247,7 @@ class OffloadingConnector(KVConnectorBase):
             req.next_stored_chunk_idx = max(start, num_chunks)
             job_id = self._new_job(req, list(to_store), is_store=True)
             self._jobs[job_id].deferred_fence_block_ids = src
-            jobs[job_id] = TransferJob(rid)
+            jobs[job_id] = TransferJob(rid, num_blocks=len(src))
             self.stats.num_stores_started += 1
             if r.is_finished():
                 for b in src:

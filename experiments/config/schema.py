@@ -64,6 +64,7 @@ from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, not_supported_yet, resolve_aliases
 from servetwin.core.kv_cache.hashing import HASH_ALGOS
 from servetwin.core.sched.spec_decode import SpeculativeConfig
+from servetwin.core.kv_connector.config import KVTransferConfig
 
 __all__ = ["ConfigError", "ExperimentConfig", "EngineConfig", "WorkloadConfig", "OutputConfig", "ParseContext",
            "Section", "SECTIONS", "load_config", "validate_config", "expand_sweep", "SweepPoint"]
@@ -264,6 +265,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "device": _device,
     "speculative_config": lambda v, path: _speculative_config(v),
     "spec_acceptance_rates": lambda v, path: v,  # EngineArgs checks it (errors name engine.spec_acceptance_rates)
+    "kv_transfer_config": lambda v, path: _kv_transfer_config(v),
 }
 OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "plots": _bool}
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests)
@@ -284,6 +286,16 @@ def _speculative_config(value: Any) -> Any:
     and kept as given (config.yaml writes it back as a mapping)."""
     try:
         SpeculativeConfig.from_dict(value)
+    except ConfigError as e:
+        raise e.within("engine") from None
+    return value
+
+
+def _kv_transfer_config(value: Any) -> Any:
+    """vLLM's `kv_transfer_config` mapping, checked here (errors name `engine.kv_transfer_config.<key>`;
+    the connector's extra config once the block size is known, in EngineArgs) and kept as given."""
+    try:
+        KVTransferConfig.from_dict(value)
     except ConfigError as e:
         raise e.within("engine") from None
     return value

@@ -206,3 +206,14 @@ def test_speculative_config_is_vllms_mapping_checked_by_path():
         "engine.speculative_config.method: must be one of ngram, eagle, mtp, draft_model")
     assert _err(tiny(engine__speculative_config={"num_speculative_tokens": 3, "lookup": 2})).startswith(
         "engine.speculative_config.lookup: unknown key")
+
+
+def test_kv_transfer_config_is_vllms_mapping_checked_by_path():
+    kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24}}
+    exp = validate_config(tiny(backends=["sim"], engine__kv_transfer_config=kv))
+    assert exp.engine_args("sim").kv_transfer_config.kv_connector == "OffloadingConnector"
+    assert _err(tiny(engine__kv_transfer_config={"kv_connector": "NixlConnector", "role": "x"})).startswith(
+        "engine.kv_transfer_config.role: unknown key")
+    assert _err(tiny(engine__kv_transfer_config={"kv_role": "kv_both"})).startswith(
+        "engine.kv_transfer_config.kv_connector: required")

@@ -140,3 +140,13 @@ def test_speculative_config_flag_takes_vllms_json():
                                     '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}'])
     spec = engine_args_from(ns).speculative_config
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 2, 2, 2)
+
+
+def test_kv_transfer_config_flag_takes_vllms_json():
+    ns = build_parser().parse_args(["serve", "--backend", "sim", "--kv-transfer-config",
+                                    '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}'])
+    kv = engine_args_from(ns).kv_transfer_config
+    assert (kv.kv_connector, kv.kv_role, kv.kv_load_failure_policy) == ("NixlConnector", "kv_consumer", "fail")
+    with pytest.raises(ValueError, match="^kv_transfer_config.kv_role: must be one of"):
+        engine_args_from(build_parser().parse_args(["serve", "--backend", "sim", "--kv-transfer-config",
+                                                    '{"kv_connector": "NixlConnector", "kv_role": "x"}']))
