@@ -205,6 +205,15 @@ def _check_keys(cfg: Mapping, allowed: Mapping | set | tuple, path: str,
         raise ConfigError(where, f"unknown key{dym}; allowed: {', '.join(names)}")
 
 
+def _engine_key_unsupported(key: str) -> Optional[str]:
+    """An engine key a single-engine YAML does not take: vLLM's DP sizes belong to a cluster instance (the
+    simulator runs DP ranks as engines behind vLLM's balancer there); else `not_supported_yet`."""
+    if key in ("data_parallel_size", "data_parallel_size_local"):
+        return (f"vLLM's {key} is set per instance in a cluster section: cluster: {{instances: [{{{key}: 2}}]}} "
+                "(docs/cluster.md); the engine section describes one engine")
+    return not_supported_yet(key)
+
+
 # -- paths --------------------------------------------------------------------------------------
 def resolve_path(value: Any, path: str, base_dir: Path, what: str = "file") -> str:
     """A path from the YAML, relative to the YAML's folder; must exist. Returns it absolute."""
@@ -387,7 +396,8 @@ class EngineConfig:
 
 def parse_engine(value: Any, ctx: ParseContext) -> EngineConfig:
     engine = dict(_mapping(value or {}, "engine"))
-    _check_keys(engine, ENGINE_FIELDS, "engine", {"num_gpu_blocks_override": "num_gpu_blocks"}, not_supported_yet)
+    _check_keys(engine, ENGINE_FIELDS, "engine", {"num_gpu_blocks_override": "num_gpu_blocks"},
+                _engine_key_unsupported)
     for key, check in ENGINE_FIELDS.items():
         if key in engine:
             engine[key] = check(engine[key], f"engine.{key}")
@@ -821,7 +831,7 @@ def _validate_sweep_shape(sweep: Any) -> dict[str, list[Any]]:
         if head == "engine":
             if len(parts) != 2:
                 raise ConfigError(path, "engine keys have one level (engine.<arg>)")
-            _check_keys({parts[1]: None}, ENGINE_FIELDS, "sweep.engine", unsupported=not_supported_yet)
+            _check_keys({parts[1]: None}, ENGINE_FIELDS, "sweep.engine", unsupported=_engine_key_unsupported)
         if head == "output":
             if len(parts) != 2:
                 raise ConfigError(path, "output keys have one level (output.<field>)")

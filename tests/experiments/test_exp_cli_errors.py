@@ -206,3 +206,11 @@ def test_a_vllm_argument_not_supported_yet_says_so(tmp_path, capsys, where):
     key = "engine.enable_lora" if where == "engine" else "sweep.engine.cpu_offload_gb"
     assert f"{key}: vLLM's {key.rsplit('.', 1)[1]}" in err and "not supported yet" in err
     assert "did you mean" not in err and "Traceback" not in err
+
+
+def test_data_parallel_size_in_a_single_engine_yaml_points_at_the_cluster_section(tmp_path, capsys):
+    path = write_yaml(tmp_path / "c.yaml", tiny(engine__data_parallel_size=2))
+    assert main(["run", str(path), "-o", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "engine.data_parallel_size: vLLM's data_parallel_size is set per instance in a cluster section" in err
+    assert "did you mean" not in err and "Traceback" not in err
