@@ -192,8 +192,10 @@ class TorchExecutor:
         return self._tokenizer
 
     def close(self) -> None:
-        """Write the chrome trace (when `profile_dir` is set)."""
+        """Write the chrome trace (when `profile_dir` is set); stop a KV connector's worker side."""
         self.profiler.close()
+        if self.kv_connector_worker is not None:
+            self.kv_connector_worker.close()
 
     # -- vLLM's /start_profile and /stop_profile --------------------------------------------------
     def start_profile(self, profile_dir: str) -> None:

@@ -18,5 +18,11 @@ def create_connector_worker(config: Optional[KVTransferConfig], kv_caches: list[
     if config.kv_connector == "OffloadingConnector":
         config = with_kv_bytes_per_block(config, kv_bytes_per_block)
         return config, OffloadingWorker(config, kv_caches, kv_bytes_per_block)
+    if config.kv_connector == "NixlConnector" and config.kv_role in ("kv_producer", "kv_consumer"):
+        from servetwin.gpu.kv_connector.pd_worker import PDConsumerWorker, PDProducerWorker
+        worker_cls = PDProducerWorker if config.kv_role == "kv_producer" else PDConsumerWorker
+        return config, worker_cls(config, kv_caches)
+    if config.kv_connector == "NixlConnector":
+        raise ConfigError("kv_role", "the torch backend's NixlConnector worker is kv_producer or kv_consumer")
     raise ConfigError("kv_connector", f"the torch backend has no worker side for {config.kv_connector!r} "
-                      "(OffloadingConnector)")
+                      "(OffloadingConnector, NixlConnector)")

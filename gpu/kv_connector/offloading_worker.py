@@ -112,6 +112,9 @@ class OffloadingWorker:
         self._completed, self._recved = {}, set()
         return out
 
+    def close(self) -> None:
+        """Nothing to stop (the tier is plain memory)."""
+
 
 def with_kv_bytes_per_block(config: KVTransferConfig, kv_bytes_per_block: int) -> KVTransferConfig:
     """`config` with `kv_bytes_per_block` set to the pool's (for the scheduler side's tier size)."""
