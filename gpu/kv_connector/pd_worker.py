@@ -160,6 +160,8 @@ class PDConsumerWorker:
         remote = params["remote_block_ids"][0]
         bs = self.layers[0].shape[1]
         skip = len(remote) - len(local)  # the local prefix cache supplied the head
+        if skip < 0:
+            raise RuntimeError(f"KV transfer: {len(local)} local blocks for {len(remote)} remote ones")
         num_tokens = params["remote_num_tokens"] - skip * bs
         reply = self._call(params, ("read", params["remote_request_id"], remote[skip:], num_tokens))
         if reply[0] != "kv":
