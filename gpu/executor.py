@@ -22,6 +22,7 @@ import torch
 
 from servetwin.core.kv_cache.kv_cache_planning import model_kv_plan
 from servetwin.core.kv_cache.kv_sizing import KVCacheSpec, kv_heads_per_rank
+from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.gpu.models.model_files import check_max_model_len
 from servetwin.core.outputs import Logprobs, ModelRunnerOutput, StepTiming
 from servetwin.core.sched.output import SchedulerOutput
@@ -30,6 +31,7 @@ from servetwin.gpu.attention import CommonAttentionMetadata, select_attention_ba
 from servetwin.gpu.attention.layer_plans import build_layer_metadata
 from servetwin.gpu.cuda_graphs import CudaGraphRunner, default_capture_sizes
 from servetwin.gpu.input_batch import InputBatch, build_block_table, prepare_inputs, to_device
+from servetwin.gpu.kv_connector.factory import create_connector_worker
 from servetwin.gpu.kv_cache import allocate_kv_caches, cpu_num_blocks, cuda_num_blocks
 from servetwin.gpu.loader import load_model
 from servetwin.gpu.models.registry import ModelInfo, load_tokenizer, resolve_model
@@ -130,7 +132,8 @@ class TorchExecutor:
                  keep_logits: bool = False, disable_hybrid_kv_cache_manager: bool = False,
                  async_scheduling: bool = False, tp: Optional[TPGroup] = None, pp: Optional[PPGroup] = None,
                  model_info: Optional[ModelInfo] = None,
-                 speculative_config: Optional[SpeculativeConfig] = None) -> None:
+                 speculative_config: Optional[SpeculativeConfig] = None,
+                 kv_transfer_config: Optional[KVTransferConfig] = None) -> None:
         torch.manual_seed(seed)
         self.device = resolve_device(device)
         self.model_info: ModelInfo = model_info or resolve_model(model)
@@ -184,6 +187,11 @@ class TorchExecutor:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s), max_model_len %d, %d KV cache group(s)",
                     n, block_size, n * pool_spec.bytes_per_block / 2**20, self.kv_spec.dtype, self.max_model_len,
                     len(self.kv_plan.kv_cache_groups))
+        # a KV connector's worker side; `kv_transfer_config` (pool's kv_bytes_per_block filled in) is
+        # what EngineCore builds the scheduler's connector from
+        self.kv_bytes_per_block = pool_spec.bytes_per_block
+        self.kv_transfer_config, self.kv_connector_worker = create_connector_worker(
+            kv_transfer_config, self.kv_caches, self.kv_bytes_per_block)
         self.graph_runner: Optional[CudaGraphRunner] = None
         reason = cuda_graph_unsupported_reason(cfg) or (
             None if self.kv_cache_groups is None else "a CUDA graph captures one block table, not one per KV cache group"
@@ -280,8 +288,10 @@ class TorchExecutor:
         return self._tokenizer
 
     def close(self) -> None:
-        """Write the chrome trace (when `profile_dir` is set)."""
+        """Write the chrome trace (when `profile_dir` is set); stop a KV connector's worker side."""
         self.profiler.close()
+        if self.kv_connector_worker is not None:
+            self.kv_connector_worker.close()
 
     # -- vLLM's /start_profile and /stop_profile --------------------------------------------------
     def start_profile(self, profile_dir: str) -> None:
@@ -309,6 +319,9 @@ class TorchExecutor:
         cpu0 = time.process_time()
         self.sampler.forget(list(so.finished_req_ids))
         rows = self.state.update(so)
+        connector_meta = so.kv_connector_metadata if self.kv_connector_worker is not None else None
+        if connector_meta is not None:
+            self.kv_connector_worker.before_forward(connector_meta)
         if not rows:
             out = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
                                     timing=StepTiming(duration_s=0.0))
@@ -316,6 +329,8 @@ class TorchExecutor:
             new_ids = {r.req_id for r in so.scheduled_new_reqs}
             with self.profiler.step(step_annotation(rows, new_ids)), torch.inference_mode():
                 out = self._execute(rows, so)
+        if connector_meta is not None:
+            out.kv_connector_output = self.kv_connector_worker.after_forward()
         out.timing.cpu_s = time.process_time() - cpu0
         for observe in self.step_observers:
             observe(so, out)

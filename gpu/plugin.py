@@ -28,7 +28,8 @@ def torch_executor_kwargs(args: EngineArgs) -> dict:
                 enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                 seed=args.seed, profile_dir=args.profile_dir,
                 disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-                async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
+                async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
+                kv_transfer_config=args.kv_transfer_config)
 
 
 def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
@@ -40,6 +41,10 @@ def build_torch_executor(args: EngineArgs) -> ExecutorInfo:
         raise ConfigError("speculative_config", "the torch backend drafts at tensor_parallel_size 1 only")
     if args.pipeline_parallel_size > 1 and args.speculative_config is not None:
         raise ConfigError("speculative_config", "the torch backend drafts at pipeline_parallel_size 1 only")
+    if (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1) and args.kv_transfer_config is not None:
+        # the connector's worker side lives in the one-process executor only (gpu/kv_connector)
+        raise ConfigError("kv_transfer_config", "the torch backend runs a KV connector at tensor_parallel_size 1 "
+                                                "and pipeline_parallel_size 1 only")
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         from servetwin.gpu.multiproc_executor import MultiprocExecutor, default_worker_threads  # noqa: PLC0415
 

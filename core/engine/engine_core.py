@@ -43,7 +43,8 @@ class EngineCore:
 
     The scheduler is vLLM's (`Scheduler`) unless the executor names a subclass it needs in a
     `scheduler_cls` attribute (vLLM's `SchedulerConfig.scheduler_cls` plays that part there): the
-    simulator's executor runs the implicit decode rows only its `SimScheduler` produces.
+    simulator's executor runs the implicit decode rows only its `SimScheduler` produces. An executor
+    with a KV connector's worker side names the scheduler side's config in `kv_transfer_config`.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor,
@@ -53,6 +54,9 @@ class EngineCore:
         if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
             raise TypeError(f"scheduler_cls: {scheduler_cls!r} of {type(executor).__name__} "
                             "is not a Scheduler subclass")
+        # the torch executor's copy has its pool's kv_bytes_per_block filled in: the scheduler's connector
+        # is built from it when there is one
+        kv_transfer_config = getattr(executor, "kv_transfer_config", None) or kv_transfer_config
         self.scheduler = scheduler_cls(scheduler_config, cache_config, log_stats=log_stats,
                                        speculative_config=speculative_config,
                                        kv_transfer_config=kv_transfer_config)

@@ -348,6 +348,10 @@ class CPUOffloadingManager:
             return LookupResult.MISS
         return LookupResult.HIT if chunk.is_ready else LookupResult.HIT_PENDING
 
+    def chunk_ids(self, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
+        """The CPU slots holding `keys` (the worker side's copy addresses)."""
+        return tuple(self._policy.get(k).chunk_id for k in keys)
+
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: RequestContext) -> None:
         """Pin the chunks a load reads."""
         for key in keys:

@@ -58,6 +58,9 @@ class NixlConnector(KVConnectorBase):
         self.engine_id = config.get_from_extra_config("engine_id", "engine-local")
         self.kv_lease_duration = config.get_from_extra_config("kv_lease_duration", 30)
         self.kv_recompute_threshold = int(config.get_from_extra_config("kv_recompute_threshold", 64))
+        # where this engine's worker serves reads (vLLM's NIXL side channel, VLLM_NIXL_SIDE_CHANNEL_*)
+        self.side_channel = (config.get_from_extra_config("side_channel_host", "localhost"),
+                             int(config.get_from_extra_config("side_channel_port", 5600)))
         self._reqs_need_recv: dict[str, RecvMeta] = {}
         self._reqs_need_send: dict[str, float] = {}
         self._reqs_in_batch: set[str] = set()
@@ -140,6 +143,6 @@ class NixlConnector(KVConnectorBase):
         return delay, dict(
             do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[list(g) for g in block_ids],
             remote_engine_id=self.engine_id, remote_request_id=request.request_id,
-            remote_host="localhost", remote_port=5600, tp_size=1, dcp_size=1, pp_size=1,
+            remote_host=self.side_channel[0], remote_port=self.side_channel[1], tp_size=1, dcp_size=1, pp_size=1,
             remote_num_tokens=remote_num_tokens, remote_blocks_expiry_time=None,
             remote_registration_generation=0, transfer_mode="pull")

@@ -32,9 +32,13 @@ PAGE_BYTES = 4096  # a CPU chunk is aligned to the page
 
 @dataclass(slots=True)
 class TransferJob:
+    """One load (CPU chunks -> GPU blocks) or store (GPU blocks -> CPU chunks) for the worker side;
+    `gpu_block_ids[i]` and `cpu_chunk_ids[i]` are one block's two places (vLLM's transfer specs)."""
     req_id: str
     sync: bool = False
     num_blocks: int = 0  # chunks (one block each) it moves: what a simulated worker prices
+    gpu_block_ids: tuple[int, ...] = ()
+    cpu_chunk_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -167,10 +171,13 @@ class OffloadingConnector(KVConnectorBase):
                 load_start = i
                 break
         keys = req.keys[load_start:cdiv(num_cached, bs)] if num_gpu_blocks > load_start else []
+        gpu_block_ids = tuple(b.block_id for b in group[load_start:load_start + len(keys)])
         req.next_stored_chunk_idx = cdiv(num_cached, bs)  # CHUNK_LEVEL: loaded chunks are stored
         self.manager.prepare_load(keys, req.ctx)
         job_id = self._new_job(req, list(keys), is_store=False)
-        self._batch_load_jobs[job_id] = TransferJob(request.request_id, sync=False, num_blocks=len(keys))
+        self._batch_load_jobs[job_id] = TransferJob(request.request_id, sync=False, num_blocks=len(keys),
+                                                    gpu_block_ids=gpu_block_ids,
+                                                    cpu_chunk_ids=self.manager.chunk_ids(keys))
         self._chunks_being_loaded.update(keys)
         self.stats.num_loads_started += 1
         self.stats.num_loaded_tokens += num_external_tokens
@@ -247,7 +254,8 @@ class OffloadingConnector(KVConnectorBase):
             req.next_stored_chunk_idx = max(start, num_chunks)
             job_id = self._new_job(req, list(to_store), is_store=True)
             self._jobs[job_id].deferred_fence_block_ids = src
-            jobs[job_id] = TransferJob(rid, num_blocks=len(src))
+            jobs[job_id] = TransferJob(rid, num_blocks=len(src), gpu_block_ids=tuple(src),
+                                       cpu_chunk_ids=self.manager.chunk_ids(to_store))
             self.stats.num_stores_started += 1
             if r.is_finished():
                 for b in src:
