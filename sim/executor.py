@@ -236,7 +236,10 @@ class SimExecutor:
         the KV before it like a decode, not like a prefill chunk)."""
         self._update_token_counts(so)
         self.drafter.forget(so.finished_req_ids)
-        qs, ss, sampled, num_sampling = [], [], [], 0
+        qs: list[int] = []
+        ss: list[int] = []
+        sampled: list[list[int]] = []
+        num_sampling = 0
         for r, (rid, q) in enumerate(so.num_scheduled_tokens.items()):
             s = so.num_computed_before[rid]
             drafts = so.scheduled_spec_decode_tokens.get(rid)
@@ -264,12 +267,13 @@ class SimExecutor:
     def _next_tokens(self, rid: str, n: int, step: int, row: int) -> list[int]:
         """The next `n` tokens of a row (the token rule, forced EOS and EOS avoidance as in
         `execute_model`), ending at a forced EOS."""
-        out = []
+        out: list[int] = []
+        eos = self.eos_token_id
         for _ in range(n):
             n_out = self.num_tokens[rid] - self.num_prompt_tokens[rid]
             forced = self.output_lengths.get(rid)
-            if forced is not None and n_out + 1 >= forced:
-                tok = self.eos_token_id
+            if forced is not None and eos is not None and n_out + 1 >= forced:  # (forcing needs an EOS id)
+                tok = eos
             else:
                 tok = (request_token(self.salts[rid], n_out, self.token_modulus) if self.token_rule == "request"
                        else fake_token(step, row))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
@@ -97,7 +97,8 @@ class EngineCore:
             if connector_hits is not None:
                 self.external_prefix_cache_queries += connector_hits.queries
                 self.external_prefix_cache_hits += connector_hits.hits
-            execute = self.executor.execute_model
+            # (`non_block` only for an executor that says `supports_non_block`, e.g. the PP MultiprocExecutor)
+            execute: Any = self.executor.execute_model
             mro = execute(so, non_block=True) if self._non_block else execute(so)
             result.model_output = None if isinstance(mro, Future) else mro
             self.batch_queue.appendleft((so, mro))

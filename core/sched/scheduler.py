@@ -141,6 +141,9 @@ class Scheduler(ConnectorSchedulerMixin):
         self.current_step = 0
         self.num_preemptions_total = 0
         self._num_preempted_since_stats = 0
+        # speculative decoding's stats: of the last update, and merged since the last make_stats()
+        self.last_spec_decoding_stats: Optional[SpecDecodingStats] = None
+        self._spec_stats_since_read: Optional[SpecDecodingStats] = None
         self._init_spec_decode(speculative_config)
         # KV connector (None without kv_transfer_config) and the held-blocks queue
         self._init_connector(kv_transfer_config, self.async_scheduling, log_stats)
@@ -157,8 +160,6 @@ class Scheduler(ConnectorSchedulerMixin):
             k, self.num_lookahead_tokens,
             [m.block_size for m in self.kv_cache_manager.coordinator.single_type_managers])
         self._spec_token_placeholders = [-1] * k  # what AsyncScheduler gives each decoding request
-        self.last_spec_decoding_stats: Optional[SpecDecodingStats] = None  # of the last update
-        self._spec_stats_since_read: Optional[SpecDecodingStats] = None
         self._step_spec_tokens: dict[str, list[int]] = {}  # scheduled_spec_decode_tokens being built
 
     # -- requests in and out -----------------------------------------------------------------
@@ -632,7 +633,9 @@ class Scheduler(ConnectorSchedulerMixin):
         # spec decode: every row takes the general path (rejections, vLLM's post-update caching)
         spec_on = self.num_spec_tokens > 0
         spec_rows = scheduler_output.scheduled_spec_decode_tokens
-        self.last_spec_decoding_stats = None
+        # (reset through a method: an assignment of None here would narrow the attribute to None for the
+        # rest of this function in the compiled build, though _update_with_drafts sets it)
+        self._reset_step_spec_stats()
         kv_output = model_runner_output.kv_connector_output
         connector_active = self.connector is not None
         failed_kv_loads = self._begin_connector_update(scheduler_output, kv_output) if connector_active else ()
@@ -757,6 +760,9 @@ class Scheduler(ConnectorSchedulerMixin):
                 and (had_placeholders or self.num_spec_tokens)):  # even when it stopped (sched:2404-2414)
             kv.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
         return new_token_ids, stopped
+
+    def _reset_step_spec_stats(self) -> None:
+        self.last_spec_decoding_stats = None
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         """The drafter's proposals for the next step (vLLM 0.33 sched:2862-2881): dropped for a
