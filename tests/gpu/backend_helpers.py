@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 from typing import Optional, Sequence
 
 import torch
@@ -90,3 +91,31 @@ def check_step_logits(ex: TorchExecutor, orc: HFOracle, so, out, atol: float = A
         if sampled:
             assert sampled == [int(ref.argmax())], f"step {so.step} {rid}: greedy token differs"
     return len(so.num_scheduled_tokens)
+
+
+class TeeExecutor:
+    """Each scheduler output on the reference and on a parallel executor (TP or PP workers); the engine
+    goes on with the reference's output, and every step's tokens and logits are compared."""
+
+    def __init__(self, ref: TorchExecutor, parallel, atol: float) -> None:
+        self.ref, self.parallel, self.atol = ref, parallel, atol
+        self.rows_compared = 0
+        self.sampled = 0
+
+    def execute_model(self, so: SchedulerOutput):
+        want, got = self.ref.execute_model(so), self.parallel.execute_model(so)
+        assert got.req_ids == want.req_ids
+        assert got.sampled_token_ids == want.sampled_token_ids, f"step {so.step}"
+        ref_logits, par_logits = self.ref.kept_logits(), self.parallel.collective_rpc("kept_logits")
+        assert ref_logits.keys() == par_logits.keys()
+        for rid, logits in ref_logits.items():
+            torch.testing.assert_close(par_logits[rid], logits, rtol=1e-4, atol=self.atol,
+                                       msg=lambda m: f"step {so.step}, {rid}: {m}")
+        self.rows_compared += len(ref_logits)
+        self.sampled += sum(len(t) for t in want.sampled_token_ids)
+        return want
+
+
+def random_prompts(n: int, vocab: int, max_len: int, seed: int) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(3, vocab) for _ in range(rnd.randint(1, max_len))] for _ in range(n)]

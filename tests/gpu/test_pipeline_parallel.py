@@ -5,51 +5,24 @@ batches in flight on the stages while its decisions stay those of the one-proces
 torch thread each (this is a 2-core machine)."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
+from backend_helpers import TeeExecutor, random_prompts
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_core import EngineCore
 from servetwin.core.engine.engine_factory import create_executor
-from servetwin.core.outputs import ModelRunnerOutput
 from servetwin.core.request import Request
 from servetwin.core.sampling_params import SamplingParams
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
-from servetwin.core.sched.output import SchedulerOutput
 from servetwin.gpu.executor import TorchExecutor
 from servetwin.gpu.models.registry import SMOLLM2_INSTALL, SMOLLM2_NAME, find_smollm2_gguf, models_dir
 from servetwin.gpu.multiproc_executor import MultiprocExecutor
 from servetwin.gpu.parallel_state import pp_layer_range
 
 
-class TeeExecutor:
-    """Each scheduler output on the reference and on the pipeline; the engine goes on with the
-    reference's output, and every step's tokens and logits are compared."""
-
-    def __init__(self, ref: TorchExecutor, pp: MultiprocExecutor, atol: float) -> None:
-        self.ref, self.pp, self.atol = ref, pp, atol
-        self.rows_compared = self.sampled = 0
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        want, got = self.ref.execute_model(so), self.pp.execute_model(so)
-        assert got.req_ids == want.req_ids
-        assert got.sampled_token_ids == want.sampled_token_ids, f"step {so.step}"
-        ref_logits, pp_logits = self.ref.kept_logits(), self.pp.collective_rpc("kept_logits")
-        assert ref_logits.keys() == pp_logits.keys()
-        for rid, logits in ref_logits.items():
-            torch.testing.assert_close(pp_logits[rid], logits, rtol=1e-4, atol=self.atol,
-                                       msg=lambda m: f"step {so.step}, {rid}: {m}")
-        self.rows_compared += len(ref_logits)
-        self.sampled += sum(len(t) for t in want.sampled_token_ids)
-        return want
-
-
-def _prompts(n: int, vocab: int, max_len: int, seed: int) -> list[list[int]]:
-    rnd = random.Random(seed)
-    return [[rnd.randrange(3, vocab) for _ in range(rnd.randint(1, max_len))] for _ in range(n)]
 
 
 def _engine(executor, budget: int, num_blocks: int, pp: int) -> EngineCore:
@@ -99,7 +72,7 @@ def test_smollm2_pp2_matches_pp1_tokens_and_logits():
         tee = TeeExecutor(ref, pp, atol=2e-3)
         # the scheduler at PP=2: a queue of two batches, and stage 0 learns the sampled tokens from it
         eng = _engine(tee, budget=96, num_blocks=128, pp=2)
-        _add(eng, _prompts(64, ref.vocab_size, 40, seed=4), max_tokens=4)
+        _add(eng, random_prompts(64, ref.vocab_size, 40, seed=4), max_tokens=4)
         while eng.has_work():
             eng.step()
         assert tee.sampled == 64 * 4 and tee.rows_compared > 64 * 4
@@ -124,7 +97,7 @@ def _run(eng: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[li
 
 def test_tiny_llama_pp2_engine_keeps_two_batches_in_flight_with_the_same_decisions():
     kwargs = dict(model="tiny-llama", device="cpu", num_gpu_blocks=256, max_model_len=512)
-    prompts = _prompts(24, 320, 50, seed=5)
+    prompts = random_prompts(24, 320, 50, seed=5)
     want = _run(_engine(TorchExecutor(**kwargs), budget=64, num_blocks=256, pp=2), prompts, 6)
     pp = MultiprocExecutor(1, kwargs, threads=1, pipeline_parallel_size=2)
     try:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import random
 import signal
 import time
 
 import pytest
 import torch
 
+from backend_helpers import TeeExecutor, random_prompts
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.async_llm import AsyncLLM
 from servetwin.core.engine.engine_client import EngineDeadError
@@ -22,11 +22,9 @@ from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_core import EngineCore
 from servetwin.core.engine.engine_factory import create_executor
 from servetwin.core.kv_cache.kv_sizing import kv_heads_per_rank, num_blocks_for_memory
-from servetwin.core.outputs import ModelRunnerOutput
 from servetwin.core.request import Request
 from servetwin.core.sampling_params import SamplingParams
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
-from servetwin.core.sched.output import SchedulerOutput
 from servetwin.gpu.executor import TorchExecutor
 from servetwin.gpu.models.registry import (SMOLLM2_INSTALL, SMOLLM2_NAME, find_smollm2_gguf, models_dir,
                                            resolve_model)
@@ -36,32 +34,6 @@ from servetwin.gpu.multiproc_executor import MultiprocExecutor
 KV_BUDGET = 4 * 2**20  # bytes per rank
 
 
-class TeeExecutor:
-    """Runs each scheduler output on the reference and on the tensor-parallel executor; the engine goes
-    on with the reference's output, and every step's tokens and logits are compared."""
-
-    def __init__(self, ref: TorchExecutor, tp: MultiprocExecutor, atol: float) -> None:
-        self.ref, self.tp, self.atol = ref, tp, atol
-        self.rows_compared = 0
-        self.sampled = 0
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        want, got = self.ref.execute_model(so), self.tp.execute_model(so)
-        assert got.req_ids == want.req_ids
-        assert got.sampled_token_ids == want.sampled_token_ids, f"step {so.step}"
-        ref_logits, tp_logits = self.ref.kept_logits(), self.tp.collective_rpc("kept_logits")
-        assert ref_logits.keys() == tp_logits.keys()
-        for rid, logits in ref_logits.items():
-            torch.testing.assert_close(tp_logits[rid], logits, rtol=1e-4, atol=self.atol,
-                                       msg=lambda m: f"step {so.step}, {rid}: {m}")
-        self.rows_compared += len(ref_logits)
-        self.sampled += sum(len(t) for t in want.sampled_token_ids)
-        return want
-
-
-def _prompts(n: int, vocab: int, max_len: int, seed: int) -> list[list[int]]:
-    rnd = random.Random(seed)
-    return [[rnd.randrange(3, vocab) for _ in range(rnd.randint(1, max_len))] for _ in range(n)]
 
 
 def _run_tee(tee: TeeExecutor, prompts: list[list[int]], max_tokens: int, budget: int, num_blocks: int) -> None:
@@ -88,7 +60,7 @@ def test_tiny_models_tp2_match_tp1_tokens_and_logits(tiny_pair):
     ref, tp = tiny_pair
     tee = TeeExecutor(ref, tp, atol=1e-4)
     # a 96-token budget splits prompts into chunks: rows that sample and rows that do not
-    _run_tee(tee, _prompts(64, ref.vocab_size, 60, seed=1), max_tokens=8, budget=96,
+    _run_tee(tee, random_prompts(64, ref.vocab_size, 60, seed=1), max_tokens=8, budget=96,
              num_blocks=min(ref.num_gpu_blocks, tp.num_gpu_blocks))
     assert tee.sampled == 64 * 8 and tee.rows_compared > 64 * 8
 
@@ -137,7 +109,7 @@ def test_smollm2_tp3_matches_tp1_tokens_and_logits():
     try:
         assert [r.num_kv_heads for r in tp.ready] == [1, 1, 1]
         tee = TeeExecutor(ref, tp, atol=2e-3)
-        _run_tee(tee, _prompts(64, ref.vocab_size, 12, seed=2), max_tokens=4, budget=256, num_blocks=128)
+        _run_tee(tee, random_prompts(64, ref.vocab_size, 12, seed=2), max_tokens=4, budget=256, num_blocks=128)
         assert tee.sampled == 64 * 4
     finally:
         tp.close()
@@ -174,7 +146,7 @@ def _is_tp_worker(pid: int) -> bool:
 
 
 def test_async_llm_at_tp2_streams_tp1_tokens_and_a_killed_worker_fails_every_stream_within_5s():
-    prompts = _prompts(36, 320, 20, seed=3)
+    prompts = random_prompts(36, 320, 20, seed=3)
     ref = TorchExecutor(model="tiny-llama", device="cpu", num_gpu_blocks=512, max_model_len=512)
     eng = EngineCore(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, max_model_len=512),
                      CacheConfig(block_size=16, num_gpu_blocks=512), ref)
