@@ -52,6 +52,7 @@ def run_realtime(engine: EngineCore, requests: Sequence[Any], recorder: TraceRec
                  progress: Any = None, *, seed: Optional[int] = 0,
                  rejected: Optional[dict[str, str]] = None,
                  on_complete: Optional[Callable[[str, float], None]] = None,
+                 outputs: Optional[dict[str, list[int]]] = None,
                  clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> float:
     """Run `requests` through `engine` in wall-clock time; returns the wall time of the run (s).
@@ -59,6 +60,7 @@ def run_realtime(engine: EngineCore, requests: Sequence[Any], recorder: TraceRec
     `progress`: an object with `update(n)` (e.g. tqdm), told about every completed workload request.
     `rejected`: filled with request_id -> reason for requests that can never be served.
     `on_complete(request_id, t)`: called when all of a workload request's sequences finished.
+    `outputs`: filled with request_id -> the output token ids (the report shows real models' answers).
     KeyboardInterrupt propagates; the recorder then holds everything up to the interrupted step.
     """
     order = sorted(range(len(requests)), key=lambda i: (0.0 if offline else float(requests[i].arrival_s), i))
@@ -119,6 +121,8 @@ def run_realtime(engine: EngineCore, requests: Sequence[Any], recorder: TraceRec
         # a token's time is the end of the step that computed it (servetwin.core.testbed.trace); in async mode the
         # processed batch ran in the previous step, whose end the recorder already knows
         for out in result.outputs:
+            if outputs is not None:
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finish_reason is None:
                 continue
             parent = parent_of.pop(out.request_id, None)

@@ -148,16 +148,33 @@ def is_auto_calibration(path: str) -> bool:
         return False
 
 
+def candidate_path(path: str) -> str:
+    """Where a re-measured calibration waits until it is judged better than the one at `path`."""
+    p = Path(path)
+    return str(p.with_name(p.stem + ".candidate" + p.suffix))
+
+
 def recalibrate(path: str, model: str, dtype: str = "float32", threads: int = THREADS,
                 log: Optional[Callable[[str], None]] = None, run: Optional[Callable[..., None]] = None) -> float:
-    """Measure this machine's calibration at `path` again, now (the cached one no longer describes the
-    machine: see `servetwin.experiments.compare.compare`'s drift probe); returns the wall seconds. The
-    file is replaced atomically under the same lock as `ensure_calibration`."""
+    """Measure this machine's calibration for the cached file `path` again, now (the cached one may no
+    longer describe the machine: see `servetwin.experiments.compare.compare`'s drift probe), into
+    `candidate_path(path)`; the cached file is untouched until `adopt_candidate`. Returns the wall seconds.
+    Runs under the same lock as `ensure_calibration`."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     with _calibration_lock(Path(path)):
         t0 = time.perf_counter()
-        (run or _run_calibration)(model, str(path), dtype, threads, log)
+        (run or _run_calibration)(model, candidate_path(path), dtype, threads, log)
     return time.perf_counter() - t0
+
+
+def adopt_candidate(path: str, keep: bool) -> None:
+    """The re-measured calibration replaces the cached one (`keep`), or is deleted."""
+    with _calibration_lock(Path(path)):
+        if keep:
+            os.replace(candidate_path(path), path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(candidate_path(path))
 
 
 @contextlib.contextmanager

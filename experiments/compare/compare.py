@@ -116,14 +116,16 @@ def build_sim_engine(exp: ExperimentConfig, torch_info):
         raise ConfigError(e.path, f"{e.message} [sim backend]") from None
 
 
-def calibration_probe(exp: ExperimentConfig, info, cost_model) -> Optional[dict[str, Any]]:
+def calibration_probe(exp: ExperimentConfig, info, cost_model, frames: Optional[dict] = None) -> Optional[dict[str, Any]]:
     """The drift probe (`servetwin.experiments.calibrate.drift_probe`) on the torch executor just before
-    the scored runs, scored with the simulator's cost model; with the calibration's own probe, the
-    machine's drift since it was calibrated. None: the engine cannot run the probe."""
+    the scored runs (or its `frames`, measured already), scored with the simulator's cost model; with the
+    calibration's own probe, the machine's drift since it was calibrated. None: the engine cannot run
+    the probe."""
     from servetwin.experiments.calibrate.drift_probe import (drift_pct, measure_probe,  # noqa: PLC0415
                                                               probe_at_calibration, score_probe)
 
-    frames = measure_probe(exp.engine_args("torch"), info)
+    if frames is None:
+        frames = measure_probe(exp.engine_args("torch"), info)
     if frames is None:
         return None
     res = score_probe(frames, cost_model)
@@ -140,11 +142,11 @@ def calibration_probe(exp: ExperimentConfig, info, cost_model) -> Optional[dict[
 def refresh_drifted_calibration(exp: ExperimentConfig, probe: Optional[dict[str, Any]], threads: int,
                                 log: Callable[[str], None]) -> Optional[dict[str, Any]]:
     """`hardware: auto` only: when two drift probes in a row find the machine more than
-    `DRIFT_REFRESH_PCT` off the speed it had when calibrated, in the same direction, measure the
-    calibration again now (the cache keeps the new one) and say so; the reason is in
-    `servetwin.experiments.calibrate.drift_probe`. One probe alone was not enough on the 2-vCPU VM: its
-    0.3 s of steps swung +-30% with the host, and a refresh on one reading made the prediction worse as
-    often as better. Returns None (no refresh) or the record written to comparison.json."""
+    `DRIFT_REFRESH_PCT` off the speed it had when calibrated, in the same direction, measure a candidate
+    calibration now (`auto_calibration.recalibrate`; the cached file is untouched until `judge_candidate`)
+    and say so; the reason is in `servetwin.experiments.calibrate.drift_probe`. One probe alone was not
+    enough on the 2-vCPU VM: its 0.3 s of steps swung +-30% with the host. Returns None (nothing
+    measured) or the record written to comparison.json."""
     from servetwin.experiments.calibrate.auto_calibration import is_auto_calibration, recalibrate  # noqa: PLC0415
 
     probe = probe or {}
@@ -164,26 +166,55 @@ def refresh_drifted_calibration(exp: ExperimentConfig, probe: Optional[dict[str,
             "calibrated_before": prov.get("date"), "calibration_wall_s": round(wall, 1), "file": path}
 
 
+def judge_candidate(exp: ExperimentConfig, tinfo, old_model, refresh: dict[str, Any], log: Callable[[str], None]):
+    """A re-measured calibration replaces the cached one only if it predicts the machine as it runs now
+    better: one fresh probe measurement, scored by both models (|signed median error|, lower wins). A
+    re-calibration can therefore never make the prediction worse than the probe shows. Returns
+    (the sim engine, its cost model) of the calibration in force; `exp.hardware_spec` follows it."""
+    from servetwin.experiments.calibrate.auto_calibration import adopt_candidate, candidate_path  # noqa: PLC0415
+    from servetwin.experiments.calibrate.drift_probe import measure_probe, score_probe  # noqa: PLC0415
+    from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
+
+    old_spec = exp.hardware_spec
+    exp.hardware_spec = load_hardware(candidate_path(refresh["file"]))
+    new_engine, new_info = build_sim_engine(exp, tinfo)
+    frames = measure_probe(exp.engine_args("torch"), tinfo)
+    err_old = score_probe(frames, old_model)["signed_pct_error_median"] if frames else None
+    err_new = score_probe(frames, new_info.executor.cost_model)["signed_pct_error_median"] if frames else None
+    keep = err_old is not None and err_new is not None and abs(err_new) < abs(err_old)
+    adopt_candidate(refresh["file"], keep)
+    refresh.update(adopted=keep, probe_error_old_pct=err_old, probe_error_new_pct=err_new, probe_frames=frames)
+    log(f"compare: one probe scored by both calibrations: signed median error {_pct_text(err_old)} (cached) vs "
+        f"{_pct_text(err_new)} (re-measured): " + ("the re-measured one replaces the cache" if keep else
+                                                   "the cached one is kept (the re-measured one is no better)"))
+    if keep:
+        exp.hardware_spec = load_hardware(refresh["file"])
+        return new_engine, new_info.executor.cost_model
+    exp.hardware_spec = old_spec
+    return build_sim_engine(exp, tinfo)[0], old_model
+
+
 def probe_drift(exp: ExperimentConfig, tinfo, threads: int, log: Callable[[str], None]):
     """The drift probe before the scored runs; a second one when the first reads beyond the limit (one
-    probe is ~0.3 s of steps); with `hardware: auto` and both agreeing, the calibration re-measured and
-    probed again. Returns (the sim engine over the calibration in force, the last probe or None, the
-    refresh record or None)."""
+    probe is ~0.3 s of steps); with `hardware: auto` and both agreeing, a calibration re-measured and
+    adopted only if it predicts a fresh probe better (`judge_candidate`). Returns (the sim engine over
+    the calibration in force, the last probe or None, the refresh record or None)."""
     sim_engine, sinfo = build_sim_engine(exp, tinfo)
-    probe = calibration_probe(exp, tinfo, sinfo.executor.cost_model)
+    model = sinfo.executor.cost_model
+    probe = calibration_probe(exp, tinfo, model)
     if not probe:
         return sim_engine, None, None
     log(f"compare: drift probe: {probe['steps']} steps, signed median error "
         f"{probe['signed_pct_error_median']:+.2f}%, drift since calibrated {_pct_text(probe['drift_pct'])}")
     if _beyond(probe["drift_pct"]):
-        probe["drift_pct_confirming"] = calibration_probe(exp, tinfo, sinfo.executor.cost_model)["drift_pct"]
+        probe["drift_pct_confirming"] = calibration_probe(exp, tinfo, model)["drift_pct"]
         log(f"compare: drift probe again: {_pct_text(probe['drift_pct_confirming'])}")
     refresh = refresh_drifted_calibration(exp, probe, threads, log)
-    if refresh is not None:  # the simulator reads the new file; the probe checks it
-        sim_engine, sinfo = build_sim_engine(exp, tinfo)
-        probe = calibration_probe(exp, tinfo, sinfo.executor.cost_model)
+    if refresh is not None:
+        sim_engine, model = judge_candidate(exp, tinfo, model, refresh, log)
+        probe = calibration_probe(exp, tinfo, model, frames=refresh.pop("probe_frames")) or probe
         refresh["drift_after"] = probe["drift_pct"]
-        log(f"compare: drift probe after the refresh: {_pct_text(probe['drift_pct'])}")
+        log(f"compare: drift since the calibration in force: {_pct_text(probe['drift_pct'])}")
     return sim_engine, probe, refresh
 
 
@@ -280,11 +311,14 @@ def makespan(frames: dict) -> float:
     return float(st.t_end_s.max()) if len(st) else 0.0
 
 
-def throughput(frames: dict) -> Optional[float]:
+def throughput(frames: dict, output_only: bool = False) -> Optional[float]:
+    """Tokens of completed sequences per second of makespan: prompt + output (vLLM's "total token
+    throughput"), or output only (its headline "output token throughput")."""
     reqs = frames["requests"]
     done = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")]
     span = makespan(frames)
-    return float(done.prompt_tokens.sum() + done.output_tokens.sum()) / span if span > 0 else None
+    tokens = done.output_tokens.sum() if output_only else done.prompt_tokens.sum() + done.output_tokens.sum()
+    return float(tokens) / span if span > 0 else None
 
 
 def latency_percentiles(frames: dict) -> dict[str, dict[str, Optional[float]]]:
@@ -534,6 +568,9 @@ def _score(base: dict, exp, sim_frames: dict, torch_frames: list[dict], cost_mod
     res["throughput_tok_s"] = {"predicted": pred_tp, "measured": _median(tps), "measured_per_repeat": tps}
     res["throughput_signed_pct_error"] = signed_pct(pred_tp, _median(tps))
     res["throughput_pct_error"] = _abs(res["throughput_signed_pct_error"])
+    out_tps = [throughput(fr, output_only=True) for fr in torch_frames]
+    res["output_throughput_tok_s"] = {"predicted": throughput(sim_frames, output_only=True),
+                                      "measured": _median(out_tps), "measured_per_repeat": out_tps}
     pred_lat = latency_percentiles(sim_frames)
     meas_lat_reps = [latency_percentiles(fr) for fr in torch_frames]
     res["latency_s"] = {}

@@ -35,6 +35,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             f"makespan {res['makespan_signed_pct_error']:+.2f}%")
     if res["e2e_pct_error"]["p50"] is not None:
         line += f", E2E p50 {res['e2e_signed_pct_error']['p50']:+.2f}%"
+    otp = res.get("output_throughput_tok_s") or {}
+    if otp.get("predicted") is not None and otp.get("measured") is not None:
+        line += f", output throughput {otp['predicted']:,.0f} predicted vs {otp['measured']:,.0f} measured tok/s"
     if res["mode"] == "online":
         line += f", identical steps {res['identical_step_share'] * 100:.1f}%"
     noise = res.get("noise") or {}

@@ -54,11 +54,14 @@ def write_comparison_md(res: dict[str, Any], exp, out_dir: str) -> str:
                   f"slower now)" if drift is not None else "the calibration has no probe of its own (drift unknown)")]
     refresh = res.get("calibration_refresh")
     if refresh:
+        verdict = ("adopted: it predicts a fresh probe better" if refresh.get("adopted") else
+                   "not adopted: it predicts a fresh probe no better than the cached one, which is kept")
         L += [f"- calibration re-measured before the runs ({refresh['calibration_wall_s']} s): the probe found the "
               f"machine {refresh['drift_before']:+.1f}% off its speed at the calibration of "
               f"{refresh.get('calibrated_before')} (`hardware: auto` re-measures beyond +-{refresh['limit_pct']:.0f}% "
-              f"on two probes); "
-              f"the line above is the probe after it"]
+              f"on two probes); {verdict} (probe signed median error {_signed(refresh.get('probe_error_old_pct'))} "
+              f"cached vs {_signed(refresh.get('probe_error_new_pct'))} re-measured); the line above is that probe "
+              "against the calibration in force"]
     if res.get("discarded_repeats"):
         L += [f"- {len(res['discarded_repeats'])} contended repeat(s) discarded and run again: "
               + "; ".join(f"attempt {d['attempt']}: {d['contended_step_share'] * 100:.0f}% contended steps"
@@ -87,7 +90,7 @@ def write_comparison_md(res: dict[str, Any], exp, out_dir: str) -> str:
         ["per-step abs. error mean", _p(s["mean"]), "", "", _p(ns.get("mean"))],
         ["makespan error", _signed(res["makespan_signed_pct_error"]), f"<= {res['targets']['makespan']}%",
          _ok(res["meets_targets"]["makespan"]), _p((noise.get("makespan_pct_error") or {}).get("mean"))],
-        ["throughput error", _signed(res["throughput_signed_pct_error"]), "", "",
+        ["throughput error (output and total: same makespan)", _signed(res["throughput_signed_pct_error"]), "", "",
          _p((noise.get("throughput_pct_error") or {}).get("mean"))],
     ]
     for name in ("ttft", "tpot", "e2e"):
@@ -115,7 +118,10 @@ def write_comparison_md(res: dict[str, Any], exp, out_dir: str) -> str:
                     "noise p50", "noise p90"], rows), ""]
     L += ["## Values", ""]
     rows = [["makespan (s)", res["makespan_s"]["predicted"], res["makespan_s"]["measured"]],
-            ["throughput (tok/s)", res["throughput_tok_s"]["predicted"], res["throughput_tok_s"]["measured"]]]
+            ["output throughput (tok/s)", (res.get("output_throughput_tok_s") or {}).get("predicted"),
+             (res.get("output_throughput_tok_s") or {}).get("measured")],
+            ["total token throughput, prompt + output (tok/s)", res["throughput_tok_s"]["predicted"],
+             res["throughput_tok_s"]["measured"]]]
     for name in ("ttft", "tpot", "e2e"):
         for q in ("p50", "p90", "p99"):
             lat = res["latency_s"][name]

@@ -280,7 +280,7 @@ OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests)
 WORKLOAD_KEYS = ("requests", "arrival", "prompt_tokens", "output_tokens", "shared_prefix", "n", "file", "seed",
                  "vocab_size", "max_prompt_tokens", "max_output_tokens", "priority", "finish", "timeout_s",
-                 "scenario", "lengths", "conversations")
+                 "scenario", "lengths", "conversations", "prompts")
 WORKLOAD_HINTS = {"num_requests": "requests", "prompt_len": "prompt_tokens", "output_len": "output_tokens",
                   "prefix": "shared_prefix", "trace": "file", "prefix_len": "shared_prefix",
                   "sharegpt": "lengths", "multi_turn": "conversations", "multiturn": "conversations",
@@ -431,8 +431,9 @@ class WorkloadConfig:
     scenario: Any = None  # servetwin.core.testbed.scenario.Scenario
     scenario_path: Optional[str] = None
     scenario_arrival: Any = None  # the arrival process that re-times a scenario's requests (None: its times)
-    requests: Optional[int] = None  # a scenario's first N requests
+    requests: Optional[int] = None  # a scenario's (or a prompt file's) first N requests
     given: dict[str, Any] = field(default_factory=dict)  # the section as written (paths resolved)
+    prompts: Optional[list] = None  # servetwin.experiments.config.prompt_file.PromptRecord (text prompts)
 
     @property
     def arrival(self) -> Any:
@@ -445,6 +446,8 @@ class WorkloadConfig:
 
     @property
     def source(self) -> str:
+        if self.prompts is not None:
+            return "prompts"
         return "scenario" if self.scenario is not None else "file" if "file" in self.given else "synthetic"
 
 
@@ -453,14 +456,14 @@ def parse_workload(value: Any, ctx: ParseContext) -> WorkloadConfig:
         raise ConfigError("workload", "required field is missing")
     w = dict(_mapping(value, "workload"))
     _check_keys(w, WORKLOAD_KEYS, "workload", WORKLOAD_HINTS)
-    if "file" in w and "scenario" in w:
-        raise ConfigError("workload.scenario", "not allowed together with workload.file (give one source)")
-    for src in ("file", "scenario"):
-        if src in w:
-            w[src] = resolve_path(w[src], f"workload.{src}", ctx.base_dir)
-            for key in ("prompt_tokens", "output_tokens", "shared_prefix", "lengths", "conversations"):
-                if key in w:
-                    raise ConfigError(f"workload.{key}", f"not allowed with workload.{src} (the file gives the lengths)")
+    sources = [src for src in ("file", "scenario", "prompts") if src in w]
+    if len(sources) > 1:
+        raise ConfigError(f"workload.{sources[1]}", f"not allowed together with workload.{sources[0]} (give one source)")
+    for src in sources:
+        w[src] = resolve_path(w[src], f"workload.{src}", ctx.base_dir)
+        for key in ("prompt_tokens", "output_tokens", "shared_prefix", "lengths", "conversations"):
+            if key in w and not (src == "prompts" and key == "output_tokens"):
+                raise ConfigError(f"workload.{key}", f"not allowed with workload.{src} (the file gives the lengths)")
     if "shared_prefix" in w:
         sp = _mapping(w["shared_prefix"], "workload.shared_prefix")
         _check_keys(sp, SHARED_PREFIX_KEYS, "workload.shared_prefix",
@@ -485,6 +488,8 @@ def parse_workload(value: Any, ctx: ParseContext) -> WorkloadConfig:
     seed = _int(0)(w.get("seed", ctx.parsed["seed"]), "workload.seed")
     if "scenario" in w:
         return _parse_scenario_workload(w, seed, ctx)
+    if "prompts" in w:
+        return _parse_prompt_workload(w, seed, ctx)
     from servetwin.sim.workload import WorkloadSpec  # noqa: PLC0415  (no torch: cheap)
 
     if w.get("timeout_s") is not None and "torch" in ctx.parsed["backends"]:
@@ -509,19 +514,44 @@ def _resolve_dist_paths(section: Any, name: str, keys: tuple[str, ...], ctx: Par
     return out
 
 
-def _parse_scenario_workload(w: dict[str, Any], seed: int, ctx: ParseContext) -> WorkloadConfig:
-    from servetwin.core.testbed.scenario import load_scenario  # noqa: PLC0415
+def _file_workload_common(w: dict[str, Any], src: str, ctx: ParseContext) -> tuple[Optional[int], Any]:
+    """(first N requests, the arrival process or None) of a workload whose file gives every request."""
     from servetwin.sim.arrivals import parse_arrival  # noqa: PLC0415
 
     for key in ("n", "priority", "finish", "max_prompt_tokens", "max_output_tokens", "vocab_size", "timeout_s"):
         if key in w:
-            raise ConfigError(f"workload.{key}", "not allowed with workload.scenario "
-                                                 "(the scenario gives every request's fields)")
+            raise ConfigError(f"workload.{key}", f"not allowed with workload.{src} "
+                                                 f"(the {src} file gives every request's fields)")
     requests = _int(1)(w["requests"], "workload.requests") if "requests" in w else None
     arrival = parse_arrival(w["arrival"], "workload.arrival") if w.get("arrival") is not None else None
     if arrival is not None and arrival.closed_loop and "torch" in ctx.parsed["backends"]:
         raise ConfigError("workload.arrival.type", "'closed_loop' is only supported by the sim backend "
                                                    "(the torch backend replays open-loop arrival times)")
+    return requests, arrival
+
+
+def _parse_prompt_workload(w: dict[str, Any], seed: int, ctx: ParseContext) -> WorkloadConfig:
+    from servetwin.experiments.config.prompt_file import load_prompt_file  # noqa: PLC0415
+
+    requests, arrival = _file_workload_common(w, "prompts", ctx)
+    default_max = w.get("output_tokens")
+    if default_max is not None and (isinstance(default_max, bool) or not isinstance(default_max, int)
+                                    or default_max < 1):
+        raise ConfigError("workload.output_tokens", "with workload.prompts: a constant integer >= 1 (the output "
+                                                    "length of lines without max_tokens)")
+    records = load_prompt_file(w["prompts"], default_max)
+    if requests is not None:
+        records = records[:requests]
+    from servetwin.sim.arrivals import Offline  # noqa: PLC0415
+
+    return WorkloadConfig(seed=seed, scenario_arrival=arrival or Offline(), requests=requests, given=w,
+                          prompts=records)
+
+
+def _parse_scenario_workload(w: dict[str, Any], seed: int, ctx: ParseContext) -> WorkloadConfig:
+    from servetwin.core.testbed.scenario import load_scenario  # noqa: PLC0415
+
+    requests, arrival = _file_workload_common(w, "scenario", ctx)
     try:
         sc = load_scenario(w["scenario"])
     except ConfigError as e:

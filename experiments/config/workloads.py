@@ -18,6 +18,8 @@ def build_requests(exp: ExperimentConfig, vocab_size: Optional[int] = None):
     streams = rng_streams(w.seed)
     if w.scenario is not None:
         return _scenario_requests(w, vocab_size, streams), w.arrival, streams["runtime"]
+    if w.prompts is not None:
+        return _prompt_requests(exp, vocab_size, streams), w.arrival, streams["runtime"]
     return generate_requests(w.spec, vocab_size=vocab_size), w.arrival, streams["runtime"]
 
 
@@ -37,6 +39,26 @@ def _scenario_requests(w: Any, vocab_size: Optional[int], streams: dict) -> list
         for r in requests:
             r.arrival_s = 0.0
     elif arrival is not None:
+        for r, t in zip(requests, arrival.times(len(requests), streams["arrivals"])):
+            r.arrival_s = float(t)
+    requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
+    return requests
+
+
+def _prompt_requests(exp: ExperimentConfig, vocab_size: Optional[int], streams: dict) -> list:
+    """`workload.prompts`: the file's prompts tokenized with the model's tokenizer, timed by the arrival
+    process (offline: all at t = 0), in file order."""
+    from servetwin.experiments.config.prompt_file import model_tokenizer, tokenize_prompts  # noqa: PLC0415
+    from servetwin.sim.workload import WorkloadRequest  # noqa: PLC0415
+
+    w = exp.workload
+    ids = tokenize_prompts(w.prompts, model_tokenizer(exp.model))
+    top = max(max(p) for p in ids)
+    if vocab_size is not None and top >= vocab_size:
+        raise ConfigError("workload.prompts", f"token id {top} is outside the model's vocabulary ({vocab_size})")
+    requests = [WorkloadRequest(rec.id, 0.0, p, rec.max_tokens) for rec, p in zip(w.prompts, ids)]
+    arrival = w.arrival
+    if not arrival.closed_loop:
         for r, t in zip(requests, arrival.times(len(requests), streams["arrivals"])):
             r.arrival_s = float(t)
     requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order

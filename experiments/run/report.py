@@ -216,6 +216,27 @@ def annotation_histogram(frames: dict[str, dict], top_n: int = TOP_N) -> str:
     return "\n\n".join(parts)
 
 
+ANSWERS_SHOWN = 6
+
+
+def answers_markdown(answers: Optional[list[dict[str, Any]]]) -> list[str]:
+    """A few of the real model's answers (text prompts on the torch backend); all are in torch/answers.jsonl."""
+    if not answers:
+        return []
+    out = ["## Answers (torch backend, greedy)", "",
+           f"The first {min(ANSWERS_SHOWN, len(answers))} of {len(answers)} (all in `torch/answers.jsonl`). Every "
+           "request runs to its max_tokens (ignore_eos, so both backends schedule the same steps); an answer is "
+           "shown up to its first end-of-sequence token.", ""]
+    for a in answers[:ANSWERS_SHOWN]:
+        prompt = " ".join(str(a["prompt"]).split())
+        prompt = prompt if len(prompt) <= 240 else prompt[:240] + " ..."
+        answer = str(a["answer"]).strip() or "(empty)"
+        end = "" if a.get("ended_by_eos") else f" (no EOS within {a.get('output_tokens')} tokens)"
+        out += [f"**{a['id']}**: {prompt}", "", *("> " + line for line in answer.splitlines() if line.strip()),
+                "", f"<sub>{a.get('output_tokens')} output tokens{end}</sub>", ""]
+    return out
+
+
 def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, dict],
                  itls: dict[str, list], plots: bool = True, jobs=None, worker=None,
                  plot_paths: Optional[dict[str, Optional[str]]] = None) -> list[str]:
@@ -266,6 +287,7 @@ def write_report(exp, out_dir: str, combined: dict[str, Any], frames: dict[str, 
               "it). The sim's times are simulated, torch's are measured.", "",
               *slo_markdown(summaries), "## Key observations", ""]
     lines += [f"- {o}" for o in _observations(exp, summaries, frames)] + [""]
+    lines += answers_markdown(combined.get("answers"))
     lines += [f"## Most frequent step annotations (top {TOP_N})", "", annotation_histogram(frames), ""]
     if plot_paths:
         lines += ["## Plots", ""]

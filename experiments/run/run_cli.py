@@ -80,7 +80,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     for backend, s in combined["backends"].items():
         print(f"{backend}: {s['completed']}/{s['requests']} requests in {format_seconds(s['duration_s'])} "
-              f"({'simulated' if backend == 'sim' else 'measured'}), throughput {s['throughput_tok_s'] or 0:,.0f} tok/s, "
+              f"({'simulated' if backend == 'sim' else 'measured'}), output {s.get('output_tok_s') or 0:,.0f} tok/s "
+              f"(total tokens {s['throughput_tok_s'] or 0:,.0f} tok/s), "
               f"TTFT p50 {format_seconds(s['ttft_s']['p50'])} p99 {format_seconds(s['ttft_s']['p99'])}, "
               f"TPOT p50 {format_seconds(s['tpot_s']['p50'])}, {s['preemptions']} preemptions"
               + (f", {s['aborted_sequences']} sequences aborted by the client timeout" if s.get("aborted_sequences") else ""))

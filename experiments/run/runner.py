@@ -33,7 +33,7 @@ import numpy as np
 
 from servetwin import compiled_modules
 from servetwin.core.config_error import ConfigError, ModelNotFoundError
-from servetwin.core.testbed.atomic import atomic_open
+from servetwin.core.testbed.atomic import atomic_open, atomic_write_text
 from servetwin.experiments.run.run_folder import RunFolder
 from servetwin.experiments.config.schema import ExperimentConfig, engine_field_path
 from servetwin.experiments.calibrate.torch_measure import MeasureOptions, contention_warning
@@ -60,6 +60,7 @@ class BackendRun:
     itls: Optional[np.ndarray] = None  # the recorder's itl_array(), computed once
     measurement: Optional[dict[str, Any]] = None  # torch: threads, warm-up, contention check
     kv_pool: Optional[dict[str, Any]] = None  # the executor's KV pool sizing (`kv_pool_dict`)
+    answers: Optional[list[dict[str, Any]]] = None  # torch with text prompts: each request's decoded answer
 
     def portable(self) -> "BackendRun":
         """This run without its executor (the engine, torch weights): what the output process needs,
@@ -152,6 +153,7 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
         recorder = TraceRecorder(exp.name, "torch", record_step_requests=exp.output.step_requests)
         rejected: dict[str, str] = {}
         done: list[str] = []
+        outputs: dict[str, list[int]] = {}
         if bar is not None:
             bar.reset()
         t0 = time.perf_counter()
@@ -159,18 +161,19 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
         try:
             run_realtime(engine, [dataclasses.replace(r) for r in requests], recorder,
                          offline=isinstance(arrival, Offline), progress=bar, seed=exp.seed, rejected=rejected,
-                         on_complete=lambda rid, t: done.append(rid))
+                         on_complete=lambda rid, t: done.append(rid), outputs=outputs)
         except KeyboardInterrupt:
             interrupted = True
         wall = time.perf_counter() - t0
         steps = recorder.steps.to_frame()  # the full frames are built once, later
-        return (recorder, rejected, done, interrupted), steps, wall
+        return (recorder, rejected, done, interrupted, outputs), steps, wall
 
     measured = measure(once, info.executor, nthreads, retry_contended=opts.retry_contended,
                        max_contended_share=opts.max_contended_share, log=log, label="[torch] measured run",
                        stop=lambda result: result[3])
     run = measured.kept[-1]
-    recorder, rejected, done, interrupted = run.result
+    recorder, rejected, done, interrupted, outputs = run.result
+    answers = _answers(exp, info.executor, outputs) if exp.workload.prompts is not None else None
     close = getattr(info.executor, "close", None)
     if callable(close):
         close()
@@ -182,7 +185,23 @@ def _run_torch(exp: ExperimentConfig, info, requests, arrival, bar, opts: Measur
                                        "max_contended_share": opts.max_contended_share},
                    "discarded_runs": measured.discarded, "calibration_mismatches": mismatches}
     return BackendRun("torch", recorder, info, run.wall_s, None, len(requests), len(done), rejected, interrupted,
-                      frontend=fe, measurement=measurement)
+                      frontend=fe, measurement=measurement, answers=answers)
+
+
+def _answers(exp: ExperimentConfig, executor: Any, outputs: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """Each text prompt with the real model's answer (greedy, up to its first EOS: requests run to
+    max_tokens with ignore_eos so both backends schedule the same steps)."""
+    from servetwin.experiments.config.prompt_file import answer_text  # noqa: PLC0415
+
+    tok = executor.tokenizer
+    eos = list(getattr(executor, "eos_token_ids", None) or [tok.eos_token_id])
+    rows = []
+    for rec in exp.workload.prompts:
+        ids = outputs.get(rec.id, [])
+        text, ended = answer_text(tok, ids, eos)
+        rows.append({"id": rec.id, "prompt": rec.text_for_report(), "answer": text, "ended_by_eos": ended,
+                     "output_tokens": len(ids)})
+    return rows
 
 
 # -- summaries ----------------------------------------------------------------------------------
@@ -562,8 +581,13 @@ def write_outputs(exp: ExperimentConfig, out_dir: str, runs: dict[str, BackendRu
             # log-scaled"): its tables, report and summary still come, without figures, and the interrupt
             # still ends the command (exit 130), not this error (exit 2)
             plots, plot_paths = False, None
+    answers = next((r.answers for r in runs.values() if r.answers), None)
+    if answers:  # the real model's answers to the text prompts, all of them (report.md shows a few)
+        atomic_write_text(os.path.join(out_dir, "torch", "answers.jsonl"),
+                          "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in answers))
+        written.append(os.path.join("torch", "answers.jsonl"))
     say("writing the report (and waiting for trace.json" + (", the figures)" if plots else ")"))
-    paths = write_report(exp, out_dir, dict(combined, backends=summaries), frames, itls, plots=plots,
+    paths = write_report(exp, out_dir, dict(combined, backends=summaries, answers=answers), frames, itls, plots=plots,
                          jobs=jobs, plot_paths=plot_paths)
     written += [os.path.relpath(p, out_dir) for p in paths]
     written += [os.path.join(b, "trace.json") for b in runs if os.path.exists(os.path.join(out_dir, b, "trace.json"))]

@@ -129,8 +129,8 @@ def test_drift_is_the_ratio_of_the_two_probes_so_the_models_own_error_cancels():
 
 
 def test_probe_drift_confirms_refreshes_and_probes_the_new_calibration(fake, monkeypatch):
-    """compare's probe flow: a reading beyond the limit is probed again; confirmed, the calibration is
-    re-measured, the simulator rebuilt over the new file and probed once more."""
+    """compare's probe flow: a reading beyond the limit is probed again; confirmed, a candidate
+    calibration is measured and judged (`judge_candidate`), and the probe is read against the one in force."""
     from types import SimpleNamespace
 
     from servetwin.experiments.compare import compare as cmp
@@ -138,16 +138,50 @@ def test_probe_drift_confirms_refreshes_and_probes_the_new_calibration(fake, mon
     exp = validate_config(tiny(hardware="auto"))
     readings = iter([-30.0, -25.0, -2.0])
     probes, builds = [], []
-    monkeypatch.setattr(cmp, "calibration_probe", lambda e, info, cm: probes.append(cm) or {
+    monkeypatch.setattr(cmp, "calibration_probe", lambda e, info, cm, frames=None: probes.append(cm) or {
         "steps": 10, "signed_pct_error_median": 0.0, "drift_pct": next(readings)})
     monkeypatch.setattr(cmp, "build_sim_engine", lambda e, info: builds.append(1) or (
         f"engine{len(builds)}", SimpleNamespace(executor=SimpleNamespace(cost_model=f"model{len(builds)}"))))
+    monkeypatch.setattr(cmp, "judge_candidate", lambda e, info, model, refresh, log: (
+        refresh.update(adopted=True, probe_frames="frames") or ("engine-new", "model-new")))
     engine, probe, refresh = cmp.probe_drift(exp, None, 1, lambda m: None)
-    assert engine == "engine2" and probes == ["model1", "model1", "model2"] and len(fake) == 2
+    assert engine == "engine-new" and probes == ["model1", "model1", "model-new"] and len(fake) == 2
     assert refresh["drift_before"] == -27.5 and refresh["drift_after"] == -2.0 and probe["drift_pct"] == -2.0
     readings = iter([-30.0, 4.0])  # not confirmed: nothing re-measured, the first engine kept
     engine, probe, refresh = cmp.probe_drift(exp, None, 1, lambda m: None)
-    assert engine == "engine3" and refresh is None and probe["drift_pct_confirming"] == 4.0 and len(fake) == 2
+    assert engine == "engine2" and refresh is None and probe["drift_pct_confirming"] == 4.0 and len(fake) == 2
+
+
+@pytest.mark.parametrize("old_err,new_err,adopted", [(-30.0, 2.0, True), (-3.0, 8.0, False), (5.0, -5.0, False)])
+def test_a_re_measured_calibration_is_adopted_only_if_it_predicts_a_fresh_probe_better(
+        fake, monkeypatch, old_err, new_err, adopted):
+    """The drift probe never makes things worse: the candidate replaces the cache only when one fresh
+    probe, scored by both calibrations, finds it closer; otherwise the cached file and spec stay."""
+    from types import SimpleNamespace
+
+    from servetwin.experiments.calibrate import drift_probe
+    from servetwin.experiments.compare import compare as cmp
+
+    exp = validate_config(tiny(hardware="auto"))
+    cached_text = open(exp.hardware).read()
+    old_spec = exp.hardware_spec
+    rec = cmp.refresh_drifted_calibration(exp, {"drift_pct": -24.0, "drift_pct_confirming": -20.0}, 1, lambda m: None)
+    candidate = auto.candidate_path(exp.hardware)
+    with open(candidate, "a") as f:
+        f.write("# re-measured\n")
+    monkeypatch.setattr(cmp, "build_sim_engine", lambda e, info: (
+        "engine", SimpleNamespace(executor=SimpleNamespace(cost_model="new" if e.hardware_spec is not old_spec
+                                                          else "old"))))
+    monkeypatch.setattr(drift_probe, "measure_probe", lambda args, info: {"steps": "probe"})
+    monkeypatch.setattr(drift_probe, "score_probe", lambda frames, model: {
+        "signed_pct_error_median": {"old": old_err, "new": new_err}[model]})
+    logs = []
+    engine, model = cmp.judge_candidate(exp, None, "old", rec, logs.append)
+    assert rec["adopted"] is adopted and model == ("new" if adopted else "old")
+    assert not __import__("os").path.exists(candidate)
+    assert (open(exp.hardware).read() == cached_text) is not adopted
+    assert (exp.hardware_spec is old_spec) is not adopted
+    assert ("replaces the cache" if adopted else "the cached one is kept") in logs[-1]
 
 
 # -- issue 38 item 6: a poisoned or damaged cache, an uncreatable cache folder ----------------------------

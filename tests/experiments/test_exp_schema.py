@@ -126,7 +126,8 @@ def test_shipped_configs_validate():
         if exp.sweep:
             assert len(expand_sweep(exp)) >= 2
     default = load_config(CONFIGS / "default.yaml")
-    assert default.backends == ["sim", "torch"] and default.model == "tiny-llama"
+    assert default.backends == ["sim", "torch"] and default.model == "smollm2-135m"
+    assert default.workload.source == "prompts" and len(default.workload.prompts) >= 40
     bench = load_config(CONFIGS / "bench_h100_llama8b.yaml")
     assert bench.workload.spec.requests == 10000 and type(bench.workload.arrival).__name__ == "Poisson"
 
@@ -137,7 +138,7 @@ def test_requests_override_keeps_shared_prefix_groups_whole():
     assert exp.workload.spec.shared_prefix.groups == 8 and exp.workload.spec.shared_prefix.per_group == 4
     assert notes and "8 groups x 4" in notes[0]
     exp = load_config(CONFIGS / "default.yaml", requests=3)
-    assert exp.workload.spec.requests == 3
+    assert [r.id for r in exp.workload.prompts] == ["chat-00", "chat-01", "chat-02"]
 
 
 def test_scheduling_policy_is_vllms_name_of_policy(tmp_path):

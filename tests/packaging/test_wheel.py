@@ -40,7 +40,8 @@ def test_the_wheel_has_one_top_level_name(wheel):
         assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["servetwin"]
     for must in ("servetwin/__init__.py", "servetwin/core/sched/scheduler.py", "servetwin/sim/engine.py",
                  "servetwin/sim/plugin.py", "servetwin/gpu/plugin.py", "servetwin/gpu/executor.py",
-                 "servetwin/experiments/configs/default.yaml"):
+                 "servetwin/experiments/configs/default.yaml",
+                 "servetwin/experiments/configs/prompts/default_chat.jsonl"):  # default.yaml's workload
         assert must in names
     assert not any(n.startswith("servetwin/tests/") for n in names)
     # every subpackage ships (pyproject's `packages` lists each by name: a new folder left out of it is
