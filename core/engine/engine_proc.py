@@ -71,6 +71,7 @@ class EngineCoreProc:
         self.info = info
         self.args = args
         self.parent_pid = parent_pid
+        self.last_parent_check = time.monotonic()  # parent_gone's clock
         self.pace = pace
         self.time_scale = float(time_scale)
         self.ctx = zmq.Context(io_threads=1)
@@ -249,6 +250,14 @@ class EngineCoreProc:
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
 
+    def parent_gone(self, now: float) -> bool:
+        """At most every PARENT_CHECK_INTERVAL_S (the check is a syscall; the loops call this each pass):
+        whether the parent process died (the engine must not outlive it)."""
+        if now - self.last_parent_check <= PARENT_CHECK_INTERVAL_S:
+            return False
+        self.last_parent_check = now
+        return not self.parent_alive()
+
     def run(self) -> None:
         if self.lockstep is not None:
             self.run_lockstep()
@@ -256,7 +265,7 @@ class EngineCoreProc:
         m = self.m
         engine = self.engine
         busy = False
-        last_parent_check = time.monotonic()
+        self.last_parent_check = time.monotonic()
         last_stats = 0.0
         perf = time.perf_counter
         while self.running:
@@ -275,11 +284,9 @@ class EngineCoreProc:
                     errors = []
             if not self.running:
                 break
-            now = time.monotonic()
-            if now - last_parent_check > PARENT_CHECK_INTERVAL_S:
-                last_parent_check = now
-                if not self.parent_alive():
-                    break
+            now = time.monotonic()  # (also the stats interval's clock below)
+            if self.parent_gone(now):
+                break
             if not self.has_work():
                 if errors:
                     self.send(self.outputs_msg([], idle_seq=self.input_seq, errors=errors))
@@ -325,17 +332,14 @@ class EngineCoreProc:
         iteration - the engine's, or a dummy batch when it executed nothing - then the step barrier and the
         every-16-steps check whether any rank still has unfinished requests."""
         ls = self.lockstep
-        last_parent_check = time.monotonic()
+        self.last_parent_check = time.monotonic()
         while self.running:
             waiting = not self.has_work() and not ls.engines_running
             errors = self.handle_inputs(int(PARENT_CHECK_INTERVAL_S * 1000) if waiting else 0)
             if not self.running:
                 break
-            now = time.monotonic()
-            if now - last_parent_check > PARENT_CHECK_INTERVAL_S:
-                last_parent_check = now
-                if not self.parent_alive():
-                    break
+            if self.parent_gone(time.monotonic()):
+                break
             if errors:
                 self.send(self.outputs_msg([], idle_seq=-1 if self.has_work() else self.input_seq, errors=errors))
             if not self.has_work() and not ls.engines_running:  # every rank is idle
