@@ -229,7 +229,7 @@ def answers_markdown(answers: Optional[list[dict[str, Any]]]) -> list[str]:
            "shown up to its first end-of-sequence token.", ""]
     for a in answers[:ANSWERS_SHOWN]:
         prompt = " ".join(str(a["prompt"]).split())
-        prompt = prompt if len(prompt) <= 240 else prompt[:240] + " ..."
+        prompt = prompt if len(prompt) <= 240 else prompt[:80] + " ... " + prompt[-150:]  # the question ends it
         answer = str(a["answer"]).strip() or "(empty)"
         end = "" if a.get("ended_by_eos") else f" (no EOS within {a.get('output_tokens')} tokens)"
         out += [f"**{a['id']}**: {prompt}", "", *("> " + line for line in answer.splitlines() if line.strip()),
