@@ -560,7 +560,7 @@ def _step_difference(exp: dict, got: dict, keys) -> Optional[str]:
             continue
         if k == "finished":
             mine = [[rid, got["finish_reasons"][rid]] for rid in got.get("finished", [])]
-            if mine != exp[k]:
+            if keys.errors_unordered(mine) != keys.errors_unordered(exp[k]):  # (vLLM: set order, hash-seeded)
                 return f"{where}.finished: vLLM {exp[k]!r} ours {mine!r}"
         elif k == "num_scheduled_tokens":
             if list(got.get(k, {}).items()) != list(exp[k].items()):

@@ -64,6 +64,27 @@ def _finished_pairs(rec: dict) -> list[list[str]]:
     return [[rid, rec["finish_reasons"][rid]] for rid in rec["finished"]]
 
 
+def errors_unordered(pairs: list[list[str]]) -> list[list[str]]:
+    """`finished` with each run of consecutive `error` finishes sorted: vLLM 0.33 finishes a step's failed
+    requests in one `finish_requests` call over a `set` of ids (v1/core/sched/scheduler.py:2554-2566, 2983,
+    2992), so their order is the set's iteration order, which depends on the process's string-hash seed
+    (PYTHONHASHSEED): not a behaviour to match. Everything else keeps its order."""
+    out, run = [], []
+    for pair in pairs:
+        if pair[1] == "error":
+            run.append(pair)
+            continue
+        out += sorted(run) + [pair]
+        run = []
+    return out + sorted(run)
+
+
+def test_failed_requests_of_one_step_compare_as_a_set_and_nothing_else_does():
+    assert errors_unordered([["r2", "error"], ["r0", "error"], ["r1", "stop"], ["r5", "error"], ["r3", "error"]]) == \
+        [["r0", "error"], ["r2", "error"], ["r1", "stop"], ["r3", "error"], ["r5", "error"]]
+    assert errors_unordered([["b", "stop"], ["a", "length"]]) == [["b", "stop"], ["a", "length"]]
+
+
 def test_every_scenario_has_an_expected_trace():
     assert len(SCENARIOS) >= 13
     assert sum(name.startswith("d_") for name in SCENARIOS) == 6  # the recorded event scenarios
@@ -120,7 +141,7 @@ def test_replay_matches_vllm_oracle(name):
                         or (idle and got[k] in ({}, []))), (where, k)
                 continue
             if k == "finished":
-                assert _finished_pairs(got) == exp[k], (where, k)
+                assert errors_unordered(_finished_pairs(got)) == errors_unordered(exp[k]), (where, k)
             elif k in SET_VALUED_KEYS:
                 assert _as_sets(got[k]) == _as_sets(exp[k]), (where, k, got[k], exp[k])
             elif k == "num_scheduled_tokens":
