@@ -103,6 +103,9 @@ class Scheduler(ConnectorSchedulerMixin):
         assert max_model_len is not None and max_scheduled is not None
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
+        # check_servable refuses a request the pool can never hold (servetwin's DEVIATION); `servetwin replay`
+        # turns it off to match vLLM's recorded decisions, where such a request waits forever
+        self.refuse_unservable = True
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_active_reqs = scheduler_config.max_num_active_seqs or scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens: int = max_scheduled
@@ -167,7 +170,8 @@ class Scheduler(ConnectorSchedulerMixin):
         """Reject a request that can never be served, instead of blocking the queue (docs/scheduler_behaviour.md §8.4).
 
         DEVIATION from vLLM: vLLM 0.33 admits such a request and its waiting queue then blocks
-        forever (its input processor rejects only the empty and the too-long prompt)."""
+        forever (its input processor rejects only the empty and the too-long prompt); with
+        `refuse_unservable` off (the replay of vLLM's recordings) the pool check is skipped, as in vLLM."""
         usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
         if request.num_prompt_tokens == 0:
             raise UnservableRequestError("prompt", f"request {request.request_id} has an empty prompt")
@@ -175,6 +179,8 @@ class Scheduler(ConnectorSchedulerMixin):
             raise UnservableRequestError(
                 "prompt", f"request {request.request_id} has {request.num_prompt_tokens} prompt tokens, "
                 f"max_model_len is {self.max_model_len} (the prompt plus at least one output token must fit)")
+        if not self.refuse_unservable:
+            return
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         blocks = cdiv(longest, self.block_size)  # per group; a window group needs at most its cap
         need = sum(min(blocks, m.max_admission_blocks_per_request or blocks)

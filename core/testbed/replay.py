@@ -162,6 +162,7 @@ class _Replay:
         self.scheduler = Scheduler(scenario.scheduler_config, scenario.cache_config,
                                    speculative_config=spec.config if spec else None,
                                    kv_transfer_config=conn.kv_transfer_config() if conn else None)
+        self.scheduler.refuse_unservable = False  # vLLM admits a request its pool can never hold; it waits
         parents = {cid: r for r in scenario.requests for cid in r.child_ids}
         self.spec_worker = FakeSpecWorker(spec, parents, self.sampler) if spec else None
         self.spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
