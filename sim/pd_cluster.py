@@ -113,7 +113,7 @@ class PDFlow:
         insts = cluster.instances
         self.prefill = [i for i, inst in enumerate(insts) if inst.role == "prefill"]
         self.decode = [i for i, inst in enumerate(insts) if inst.role == "decode"]
-        self._prefilling = 0  # prefill copies not yet handed to a decode instance
+        self._unplaced = 0  # requests routed, not yet handed to their decode instance
         self._arrivals_done = False
         self._params: dict[str, dict] = {}  # prefill copy -> its producer's kv_transfer_params
         for i in self.prefill:
@@ -128,6 +128,7 @@ class PDFlow:
     # -- routing ---------------------------------------------------------------------------------
     def route(self, request: WorkloadRequest) -> simpy.Event:
         done = self.env.event()
+        self._unplaced += 1  # (now: the arrivals may end before the process below starts)
         self.env.process(self._serve(request, done))
         return done
 
@@ -138,28 +139,33 @@ class PDFlow:
         cands = [endpoints[i].name for i in decision.candidates] if decision.candidates is not None else \
             [e.name for e in endpoints]
         self.cluster.record_decision(request.request_id, chosen.index, 0, cands, decision.scores)  # (DP 1)
+        return chosen.index
+
+    @staticmethod
+    def _routed(router: Any, request: WorkloadRequest, endpoint: Endpoint) -> None:
         on_routed = getattr(router, "on_routed", None)
         if on_routed is not None:
-            on_routed(request, chosen)
-        return chosen.index
+            on_routed(request, endpoint)
 
     def _serve(self, request: WorkloadRequest, done: simpy.Event):
         cluster, rid = self.cluster, request.request_id
         d = self._pick(cluster.router, request, self.decode)
         phases = self.record.phases[rid] = PDPhases(decode=cluster.instances[d].name)
+        # the decider reads the prefix index as it was before this request (llm-d updates it afterwards)
         cached = cached_prompt_tokens(cluster.router, request, cluster.endpoints[d])
+        self._routed(cluster.router, request, cluster.endpoints[d])
         if self.decider.disaggregate(len(request.prompt_token_ids), cached):
             p = self._pick(self.prefill_router, request, self.prefill)
+            self._routed(self.prefill_router, request, cluster.endpoints[p])
             phases.prefill = cluster.instances[p].name
             copy = dataclasses.replace(request, request_id=prefill_id(rid), max_tokens=1, n=1, eos_at=None,
                                        kv_transfer_params={"do_remote_decode": True}, keep_output_tokens=False,
                                        output_token_ids=None)
-            self._prefilling += 1
             yield cluster.dispatch(p, copy)[1]
-            self._prefilling -= 1
             params = self._params.pop(copy.request_id, None)
             phases.prefill_done_s = float(self.env.now)
             if params is None:  # aborted or rejected on the prefill instance: the client got its answer
+                self._unplaced -= 1
                 self._maybe_close_decode()
                 done.succeed()
                 return
@@ -168,6 +174,7 @@ class PDFlow:
             decode_sim.engine.executor.kv_worker.scale_read(rid, read_scale(self.tp[p], self.tp[d]))
         phases.decode_submit_s = float(self.env.now)
         _, finished = cluster.dispatch(d, request)
+        self._unplaced -= 1
         self._maybe_close_decode()
         yield finished
         done.succeed()
@@ -197,12 +204,12 @@ class PDFlow:
 
     # -- end of the run --------------------------------------------------------------------------
     def idle(self) -> bool:
-        """No prefill copy is between its prefill instance and its decode instance."""
-        return self._prefilling == 0
+        """Every request routed so far is at its decode instance."""
+        return self._unplaced == 0
 
     def on_arrivals_done(self) -> None:
         """No more client requests: the prefill instances take none; the decode instances once the last
-        prefill copy has been handed over."""
+        request has been handed over."""
         self._arrivals_done = True
         for i in self.prefill:
             for sim in self.cluster.instances[i].ranks:
@@ -210,7 +217,7 @@ class PDFlow:
         self._maybe_close_decode()
 
     def _maybe_close_decode(self) -> None:
-        if self._arrivals_done and self._prefilling == 0:
+        if self._arrivals_done and self._unplaced == 0:
             for i in self.decode:
                 for sim in self.cluster.instances[i].ranks:
                     sim.close_arrivals()
