@@ -6,7 +6,8 @@ finished in the step's `ModelRunnerOutput.kv_connector_output` (docs/kv_connecto
 
 - NIXL read (`reqs_to_recv`, consumer): starts when the step starts and takes
   `link.transfer_s(bytes)`, bytes = the read's blocks x block_size x the model's KV bytes per token
-  (per TP rank: each rank reads its shard over its own link, at the same time).
+  (per TP rank: each rank reads its shard over its own link, at the same time); with several KV cache
+  groups (hybrid attention) the blocks of every group, each a page of the group's layers.
 - NIXL send (`reqs_to_send`, producer): the modelled decode engine pulls the finished request's
   prompt blocks over the same link from the step that lists it; `finished_sending` when it is done.
 - Offloading jobs (`load_jobs`, `store_jobs`): `pcie.transfer_s(bytes)`, bytes = the job's blocks x
@@ -81,8 +82,11 @@ class SimKVWorker:
     (sim/engine.py does, so transfers run on while the engine is idle)."""
 
     def __init__(self, kv_bytes_per_token: float, block_size: int, link: Link, pcie: Link,
-                 offloading: bool = False) -> None:
+                 offloading: bool = False, group_block_bytes: Optional[int] = None) -> None:
         self.offloading = offloading  # an offloading connector's worker (its counters are reported)
+        # a block of one KV cache group where the model has several (a page of each of the group's layers);
+        # a NIXL read moves the blocks of every group (None: one group holding every layer)
+        self.group_block_bytes = group_block_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
         self.block_size = block_size
         self.link = link
@@ -151,8 +155,11 @@ class SimKVWorker:
         for rid, recv in meta.reqs_to_recv.items():
             if not recv.awaiting_kvs:  # a notice to the remote engine: nothing to read
                 continue
-            num_blocks = len(recv.local_block_ids[0]) if recv.local_block_ids else 0
-            num_bytes = int(self.block_bytes(num_blocks) * self._read_scale.pop(rid, 1.0))
+            if self.group_block_bytes is None:  # one KV cache group holding every layer
+                num_bytes = self.block_bytes(len(recv.local_block_ids[0]) if recv.local_block_ids else 0)
+            else:  # hybrid groups (e.g. sliding window + full): each group's blocks, a page of its layers each
+                num_bytes = sum(len(ids) for ids in recv.local_block_ids) * self.group_block_bytes
+            num_bytes = int(num_bytes * self._read_scale.pop(rid, 1.0))
             done = self._add("recv", rid, num_bytes, now, self.link)
             self.recv_s[rid] = done - now
         for rid in meta.reqs_to_send:
@@ -221,10 +228,11 @@ class SimKVWorker:
                                  completed_jobs=jobs)
 
 
-def build_kv_worker(config: KVTransferConfig, kv_bytes_per_token: float, block_size: int) -> SimKVWorker:
+def build_kv_worker(config: KVTransferConfig, kv_bytes_per_token: float, block_size: int,
+                    group_block_bytes: Optional[int] = None) -> SimKVWorker:
     link, pcie = transfer_links(config)
     return SimKVWorker(kv_bytes_per_token, block_size, link, pcie,
-                       offloading=config.kv_connector == "OffloadingConnector")
+                       offloading=config.kv_connector == "OffloadingConnector", group_block_bytes=group_block_bytes)
 
 
 __all__ = ["DEFAULT_KV_LINK", "DEFAULT_PCIE_LINK", "KV_LINK_KEY", "PCIE_LINK_KEY", "LINK_PRESETS",

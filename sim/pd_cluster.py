@@ -202,6 +202,17 @@ class PDFlow:
         else:
             self.record.expired_leases.append(transfer.request_id)
 
+    def summary(self) -> dict[str, Any]:
+        """Whole-run P/D figures: requests per path, the reads' durations, expired leases."""
+        reads = [t.end_s - t.start_s for t in self.record.transfers.values()]
+        waits = [t.start_s - self.record.phases[t.request_id].prefill_done_s for t in self.record.transfers.values()]
+        return {"disaggregated": sum(p.prefill is not None for p in self.record.phases.values()),
+                "decode_only": sum(p.prefill is None for p in self.record.phases.values()),
+                "kv_read_s_mean": sum(reads) / len(reads) if reads else None,
+                "kv_read_s_max": max(reads, default=None),
+                "prefill_done_to_read_s_mean": sum(waits) / len(waits) if waits else None,
+                "expired_leases": len(self.record.expired_leases)}
+
     # -- end of the run --------------------------------------------------------------------------
     def idle(self) -> bool:
         """Every request routed so far is at its decode instance."""
@@ -223,5 +234,17 @@ class PDFlow:
                     sim.close_arrivals()
 
 
-__all__ = ["PDFlow", "PDRecord", "PDPhases", "Transfer", "prefill_id", "is_prefill_id", "read_scale",
+def transfers_frame(record: PDRecord):
+    """The transfer timeline: one row per KV read (request, prefill, decode, prefill_done_s, start_s, end_s,
+    released_s)."""
+    import pandas as pd  # noqa: PLC0415
+
+    rows = [{"request_id": t.request_id, "prefill": t.prefill, "decode": t.decode,
+             "prefill_done_s": record.phases[t.request_id].prefill_done_s, "start_s": t.start_s, "end_s": t.end_s,
+             "released_s": t.released_s} for t in record.transfers.values()]
+    return pd.DataFrame(rows, columns=["request_id", "prefill", "decode", "prefill_done_s", "start_s", "end_s",
+                                       "released_s"])
+
+
+__all__ = ["PDFlow", "transfers_frame", "PDRecord", "PDPhases", "Transfer", "prefill_id", "is_prefill_id", "read_scale",
            "cached_prompt_tokens", "PREFILL_SUFFIX", "DEFAULT_KV_LEASE_S"]

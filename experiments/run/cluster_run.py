@@ -211,6 +211,14 @@ def run_cluster_experiment(exp: ExperimentConfig, out_dir: str, folder: Any, pro
     path = os.path.join(out_dir, "sim", "router_decisions.parquet")
     decisions.to_parquet(path, index=False)
     folder.record(os.path.relpath(path, out_dir))
+    if sim.pd is not None:  # P/D: the KV transfer timeline
+        from servetwin.sim.pd_cluster import transfers_frame  # noqa: PLC0415
+
+        path = os.path.join(out_dir, "sim", "kv_transfers.parquet")
+        transfers_frame(sim.pd.record).to_parquet(path, index=False)
+        folder.record(os.path.relpath(path, out_dir))
+        whole["pd"] = sim.pd.summary()
+        write_json(os.path.join(out_dir, "sim", "summary.json"), whole)
     write_cluster_outputs(exp, out_dir, folder, runs, summaries, frames, whole, sim)
     wsum = workload_summary(requests)
     combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,

@@ -37,7 +37,7 @@ def test_a_cluster_parses_into_typed_instances_router_and_links():
     ({"instances": []}, "cluster.instances"),
     ({"instances": [{"count": 0}]}, "cluster.instances[0].count"),
     ({"instances": [{"role": "prefil"}]}, "cluster.instances[0].role"),
-    ({"instances": [{"role": "prefill"}]}, "cluster.instances[0].role"),
+    ({"instances": [{"role": "prefill"}]}, "cluster.instances"),  # a P/D cluster needs a decode instance
     ({"instances": [{"replicas": 2}]}, "cluster.instances[0].replicas"),
     ({"instances": [{"engine": {"max_num_seqs": 0}}]}, "cluster.instances[0].engine.max_num_seqs"),
     ({"instances": [{"engine": {"max_num_seq": 4}}]}, "cluster.instances[0].engine.max_num_seq"),
