@@ -74,7 +74,8 @@ class RouterConfig:
     scorers: list[PluginConfig] = field(default_factory=list)
     filters: list[PluginConfig] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)  # an entry-point router's parameters
-    pd_threshold_tokens: int = DEFAULT_PD_THRESHOLD_TOKENS  # the P/D decider's hook (P/D: later)
+    pd_threshold_tokens: int = DEFAULT_PD_THRESHOLD_TOKENS  # the P/D decider's threshold (sim/pd_cluster.py)
+    path: str = "cluster.router"  # where it is in the YAML (errors name it): cluster.router | cluster.prefill_router
 
 
 @dataclass(slots=True)
@@ -198,7 +199,7 @@ def _plugins(raw: Any, path: str) -> list[PluginConfig]:
 def _router(raw: Any, path: str = "cluster.router") -> RouterConfig:
     cfg = _mapping(raw or {}, path)
     _keys(cfg, ROUTER_KEYS, path)
-    r = RouterConfig(_str(cfg.get("type", "round_robin"), f"{path}.type"))
+    r = RouterConfig(_str(cfg.get("type", "round_robin"), f"{path}.type"), path=path)
     if "scrape_interval_s" in cfg:
         r.scrape_interval_s = _number(cfg["scrape_interval_s"], f"{path}.scrape_interval_s")
     r.scorers = _plugins(cfg.get("scorers"), f"{path}.scorers")

@@ -43,7 +43,7 @@ def check_pd(instances: Sequence[Any], raw_prefill_router: Any, router: Any,
             raise ConfigError("cluster.instances", f"a prefill/decode cluster needs a {role} instance (role: {role})")
     if raw_prefill_router is None:
         return dataclasses.replace(router, scorers=list(router.scorers), filters=list(router.filters),
-                                   params=dict(router.params))
+                                   params=dict(router.params), path="cluster.router")  # (its settings are router's)
     return parse_router(raw_prefill_router, "cluster.prefill_router")
 
 

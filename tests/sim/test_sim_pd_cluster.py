@@ -140,6 +140,10 @@ def test_a_held_send_is_reported_when_the_read_ends_or_the_lease_expires():
     ({"instances": [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode", "data_parallel_size": 2}]},
      "cluster.instances[1].data_parallel_size"),
     ({"instances": [{"name": "r"}], "prefill_router": {"type": "round_robin"}}, "cluster.prefill_router"),
+    ({"instances": [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}],
+      "prefill_router": {"type": "llm_d", "scorers": ["token-lod"]}}, "cluster.prefill_router.scorers[0].type"),
+    ({"instances": [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}],
+      "prefill_router": {"type": "fastest"}}, "cluster.prefill_router.type"),
     ({"instances": [{"name": "p", "role": "prefill", "engine": {"kv_transfer_config": {
         "kv_connector": "NixlConnector", "kv_role": "kv_consumer"}}}, {"name": "d", "role": "decode"}]},
      "cluster.instances[0].engine.kv_transfer_config.kv_role"),
