@@ -162,7 +162,9 @@ def write_cluster_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, runs
     write_cluster_trace(trace, exp.name, [(label, run.recorder.steps, list(run.recorder.requests.values()))
                                           for label, run in runs.items()],
                         ((d.t, d.request_id, d.pick if d.rank is None or d.rank == 0 else f"{d.pick}-r{d.rank}")
-                         for d in sim.result.decisions))
+                         for d in sim.result.decisions),
+                        transfers=[] if sim.pd is None else  # P/D: the KV reads, with flow arrows
+                        [(t.request_id, t.prefill, t.decode, t.start_s, t.end_s) for t in sim.pd.record.transfers.values()])
     folder.record(os.path.relpath(trace, out_dir))
     figures = cluster_figures(out_dir, frames) if exp.output.plots else []
     for path in figures:

@@ -154,3 +154,29 @@ def test_a_misshapen_pd_cluster_is_refused_naming_the_field(cluster, path):
     with pytest.raises(ConfigError) as err:
         _exp(cluster)
     assert err.value.path == path
+
+
+def test_servetwin_run_writes_the_transfer_timeline_and_trace_flows(tmp_path):
+    import json
+
+    import pandas as pd
+    import yaml
+
+    from servetwin.experiments.cli import main
+
+    raw = copy.deepcopy(BASE)
+    raw["workload"].update(requests=12, prompt_tokens=100)
+    raw["cluster"] = _cluster(2, 1)
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    assert main(["run", str(path), "-o", str(out)]) == 0
+    timeline = pd.read_parquet(out / "sim" / "kv_transfers.parquet")
+    assert len(timeline) == 12 and (timeline.end_s >= timeline.start_s).all()
+    assert (timeline.start_s >= timeline.prefill_done_s).all() and (timeline.released_s >= timeline.end_s).all()
+    whole = json.loads((out / "sim" / "summary.json").read_text())
+    assert whole["pd"]["disaggregated"] == 12 and whole["pd"]["expired_leases"] == 0
+    assert whole["completed"] == 12 and whole["ttft_s"]["count"] == 12  # the client's requests, not the copies
+    events = json.loads((out / "sim" / "trace.json").read_text())["traceEvents"]
+    assert sum(e.get("ph") == "s" and e.get("cat") == "kv" for e in events) == 12
+    assert sum(e.get("ph") == "f" and e.get("cat") == "kv" for e in events) == 12
