@@ -41,7 +41,7 @@ from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
 from servetwin.sim.arrivals import ArrivalProcess
 from servetwin.sim.engine import Settler, Simulation, SimResult, rare_young_collections
 from servetwin.sim.lockstep import LockstepGroup
-from servetwin.sim.pd_cluster import is_prefill_id
+from servetwin.sim.pd_cluster import client_id, is_prefill_id
 from servetwin.sim.routers import DEFAULT_SCRAPE_INTERVAL_S, Endpoint, RouteDecision
 from servetwin.sim.workload import WorkloadRequest
 
@@ -290,10 +290,12 @@ class ClusterSimulation:
 
     def _aborted(self, request_id: str, t: float) -> None:
         self._release(request_id)  # vLLM reports an aborted request finished: its in-flight slot is free
-        self.result.aborted_s[request_id] = t
+        self.result.aborted_s[client_id(request_id) if self.pd is not None else request_id] = t
 
     def _rejected(self, request_id: str, reason: str) -> None:
         self._release(request_id)
+        if self.pd is not None:  # a P/D prefill copy's rejection is the client's request's
+            request_id = client_id(request_id)
         self.result.rejected[request_id] = reason
         if self.on_reject is not None:
             self.on_reject(request_id, reason)

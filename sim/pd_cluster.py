@@ -82,6 +82,11 @@ def is_prefill_id(request_id: str) -> bool:
     return request_id.endswith(PREFILL_SUFFIX)
 
 
+def client_id(request_id: str) -> str:
+    """The client's request id of a prefill copy's id (any other id as it is)."""
+    return request_id[:-len(PREFILL_SUFFIX)] if is_prefill_id(request_id) else request_id
+
+
 def cached_prompt_tokens(router: Any, request: WorkloadRequest, endpoint: Endpoint) -> int:
     """Prompt tokens the router's approximate prefix index holds for `endpoint` (0 without one): what
     llm-d's P/D decider reads from the prefix plugin's state."""
@@ -246,5 +251,5 @@ def transfers_frame(record: PDRecord):
                                        "released_s"])
 
 
-__all__ = ["PDFlow", "transfers_frame", "PDRecord", "PDPhases", "Transfer", "prefill_id", "is_prefill_id", "read_scale",
+__all__ = ["PDFlow", "transfers_frame", "PDRecord", "PDPhases", "Transfer", "prefill_id", "is_prefill_id", "client_id", "read_scale",
            "cached_prompt_tokens", "PREFILL_SUFFIX", "DEFAULT_KV_LEASE_S"]

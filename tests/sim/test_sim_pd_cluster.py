@@ -180,3 +180,15 @@ def test_servetwin_run_writes_the_transfer_timeline_and_trace_flows(tmp_path):
     events = json.loads((out / "sim" / "trace.json").read_text())["traceEvents"]
     assert sum(e.get("ph") == "s" and e.get("cat") == "kv" for e in events) == 12
     assert sum(e.get("ph") == "f" and e.get("cat") == "kv" for e in events) == 12
+
+
+def test_a_request_the_prefill_instance_refuses_is_the_clients_rejection_and_never_reaches_decode():
+    cluster = _cluster(1, 1)
+    cluster["instances"][0]["engine"] = {"max_model_len": 128}  # the prefill instance takes shorter prompts
+    exp = _exp(cluster, requests=20, prompt_tokens={"type": "uniform", "low": 60, "high": 250})
+    sim, runs, requests, _ = simulate_cluster(exp)
+    long_ids = {r.request_id for r in requests if len(r.prompt_token_ids) >= 128}  # (+ its one output token)
+    assert long_ids and set(sim.result.rejected) == long_ids
+    assert set(sim.result.completion_s) == {r.request_id for r in requests} - long_ids
+    decode_frame = runs["d"].recorder.frames()["requests"]
+    assert not set(decode_frame.request_id) & long_ids
