@@ -19,7 +19,8 @@ completes. Every routing decision is recorded (`decisions`: request, time, candi
 
 MoE DP (an instance whose model has routed experts, `InstanceEngines.lockstep`) runs its ranks in lockstep
 (`servetwin.sim.lockstep`: global step barrier, padding, dummy batches, the 16-step all-reduce, wave starts).
-Prefill/decode roles are not simulated yet: the config refuses them with the field named.
+Prefill/decode roles (`role: prefill` / `decode`): every request takes llm-d's P/D path through a prefill and
+a decode instance, the KV read over the link in between (`servetwin.sim.pd_cluster`).
 
 Event order at one simulated time is each engine's own (`servetwin.sim.engine`); between engines, the order
 of SimPy's event queue (creation order), so a run is deterministic for a seed.
@@ -40,6 +41,7 @@ from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
 from servetwin.sim.arrivals import ArrivalProcess
 from servetwin.sim.engine import Settler, Simulation, SimResult, rare_young_collections
 from servetwin.sim.lockstep import LockstepGroup
+from servetwin.sim.pd_cluster import client_id, is_prefill_id
 from servetwin.sim.routers import DEFAULT_SCRAPE_INTERVAL_S, Endpoint, RouteDecision
 from servetwin.sim.workload import WorkloadRequest
 
@@ -55,6 +57,7 @@ class InstanceEngines:
     # the DP deployment the ranks belong to: instances with the same key and `lockstep` form one lockstep group
     # (external / hybrid DP load balancing split one deployment into several endpoints); None: this instance
     dp_group: Optional[str] = None
+    tensor_parallel_size: int = 1  # (P/D: a KV read crosses min(TP prefill, TP decode) NICs at once)
 
 
 @dataclass(slots=True)
@@ -192,7 +195,8 @@ class ClusterSimulation:
                  scrape_interval_s: float = DEFAULT_SCRAPE_INTERVAL_S, max_time_s: Optional[float] = None,
                  record_step_requests: bool = True, frontend: Any = None,
                  on_complete: Optional[Callable[[str, float], None]] = None,
-                 on_reject: Optional[Callable[[str, str], None]] = None, **sim_kwargs: Any) -> None:
+                 on_reject: Optional[Callable[[str, str], None]] = None,
+                 pd_flow: Optional[Callable[["ClusterSimulation"], Any]] = None, **sim_kwargs: Any) -> None:
         if not instances:
             raise ValueError("cluster.instances: at least one instance")
         self.env = simpy.Environment()
@@ -205,9 +209,8 @@ class ClusterSimulation:
         self.on_complete = on_complete
         self.on_reject = on_reject
         self.result = ClusterResult(0.0, {})
-        self._where: dict[str, _Instance] = {}  # request -> its instance, while in flight
+        self._where: dict[str, tuple[_Instance, int]] = {}  # request -> its instance and prompt tokens, in flight
         self._arrivals_done = False
-        self._by_id = {r.request_id: r for r in self.requests}
         settler = self.settler = Settler(self.env)
 
         def make_sim(engine: EngineCore, inst: _Instance, rank: int) -> Simulation:
@@ -220,6 +223,9 @@ class ClusterSimulation:
         self.instances = [_Instance(i, spec, self.env, make_sim) for i, spec in enumerate(instances)]
         self.endpoints = [Endpoint(i, inst.name, inst.role, block_keys=inst.block_keys, key_scheme=inst.key_scheme())
                           for i, inst in enumerate(self.instances)]
+        self._by_name = {inst.name: inst for inst in self.instances}
+        # prefill/decode roles: `pd_flow(self)` builds the P/D path (sim/pd_cluster.py), None: every instance serves
+        self.pd = pd_flow(self) if pd_flow is not None else None
         on_kv_events = getattr(router, "on_kv_events", None)
         if on_kv_events is not None and getattr(router, "wants_kv_events", False):
             delay = float(getattr(router, "kv_event_delay_s", 0.0))
@@ -235,44 +241,61 @@ class ClusterSimulation:
 
     # -- routing ---------------------------------------------------------------------------------
     def _route(self, request: WorkloadRequest) -> simpy.Event:
+        if self.pd is not None:  # prefill/decode instances: llm-d's P/D path (sim/pd_cluster.py)
+            return self.pd.route(request)
         decision: RouteDecision = self.router.route(request, self.endpoints)
-        inst = self.instances[decision.pick]
-        endpoint = self.endpoints[decision.pick]
-        endpoint.active += 1
-        endpoint.active_tokens += len(request.prompt_token_ids)
         on_routed = getattr(self.router, "on_routed", None)
         if on_routed is not None:
-            on_routed(request, endpoint)
-        self._where[request.request_id] = inst
-        rank, done = inst.accept(request)
+            on_routed(request, self.endpoints[decision.pick])
         cands = decision.candidates if decision.candidates is not None else range(len(self.endpoints))
-        self.result.decisions.append(Decision(request.request_id, float(self.env.now), inst.name, rank,
-                                              [self.endpoints[i].name for i in cands], decision.scores))
+        rank, done = self.dispatch(decision.pick, request)
+        self.record_decision(request.request_id, decision.pick, rank, [self.endpoints[i].name for i in cands],
+                             decision.scores)
         return done
 
+    def dispatch(self, index: int, request: WorkloadRequest) -> tuple[int, simpy.Event]:
+        """Hand `request` to instance `index` (the router's in-flight counts follow it): (the DP rank its
+        balancer chose, an event that fires when it is done)."""
+        inst = self.instances[index]
+        endpoint = self.endpoints[index]
+        endpoint.active += 1
+        endpoint.active_tokens += len(request.prompt_token_ids)
+        self._where[request.request_id] = (inst, len(request.prompt_token_ids))
+        return inst.accept(request)
+
+    def record_decision(self, request_id: str, index: int, rank: int, candidates: list[str],
+                        scores: Optional[list[float]]) -> None:
+        inst = self.instances[index]
+        self.result.decisions.append(Decision(request_id, float(self.env.now), inst.name, rank, candidates, scores))
+
+    def instance(self, name: str) -> _Instance:
+        return self._by_name[name]
+
     def _release(self, request_id: str) -> Optional[_Instance]:
-        inst = self._where.pop(request_id, None)
+        inst, tokens = self._where.pop(request_id, (None, 0))
         if inst is not None:
             endpoint = self.endpoints[inst.index]
             endpoint.active -= 1
-            req = self._by_id.get(request_id)
-            if req is not None:
-                endpoint.active_tokens -= len(req.prompt_token_ids)
+            endpoint.active_tokens -= tokens
             inst.on_finished(request_id)
         return inst
 
     def _completed(self, request_id: str, t: float) -> None:
         self._release(request_id)
+        if self.pd is not None and is_prefill_id(request_id):
+            return  # a P/D prefill copy: the client's request goes on at a decode instance
         self.result.completion_s[request_id] = t
         if self.on_complete is not None:
             self.on_complete(request_id, t)
 
     def _aborted(self, request_id: str, t: float) -> None:
         self._release(request_id)  # vLLM reports an aborted request finished: its in-flight slot is free
-        self.result.aborted_s[request_id] = t
+        self.result.aborted_s[client_id(request_id) if self.pd is not None else request_id] = t
 
     def _rejected(self, request_id: str, reason: str) -> None:
         self._release(request_id)
+        if self.pd is not None:  # a P/D prefill copy's rejection is the client's request's
+            request_id = client_id(request_id)
         self.result.rejected[request_id] = reason
         if self.on_reject is not None:
             self.on_reject(request_id, reason)
@@ -281,12 +304,15 @@ class ClusterSimulation:
     def _arrivals(self):
         yield from self.arrival.process(self.env, self.requests, self._route, self.rng)
         self._arrivals_done = True
+        if self.pd is not None:  # decode instances still get the requests whose prefill is running
+            self.pd.on_arrivals_done()
+            return
         for inst in self.instances:
             for sim in inst.ranks:
                 sim.close_arrivals()
 
     def _done(self) -> bool:
-        return self._arrivals_done and not self._where
+        return self._arrivals_done and not self._where and (self.pd is None or self.pd.idle())
 
     def _scraper(self):
         """The router's metrics refresh: every endpoint's counts as they are at each tick."""

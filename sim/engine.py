@@ -138,6 +138,9 @@ class Simulation:
         self.on_complete = on_complete
         self.on_reject = on_reject
         self.on_abort: Optional[Callable[[str, float], None]] = None
+        # called with (request, kv_transfer_params) when a finished request's output carries a KV connector's
+        # hand-off (a P/D producer's; sim/pd_cluster.py passes it to the decode instance); None: nobody listens
+        self.on_kv_transfer_params: Optional[Callable[[str, dict], None]] = None
         self._inbox: list[_Pending] = []
         self._aborts: list[_Pending] = []  # client timeouts, applied at the next step start
         self._seq = -1
@@ -173,6 +176,11 @@ class Simulation:
         """A request from the client side: through the front end when one is modelled, else straight to
         the engine (what the arrival process does; a cluster's router calls it per instance)."""
         return self.submit(request) if self.frontend is None else self._to_frontend(request)
+
+    def wake(self) -> None:
+        """Something outside the engine changed what it can do (a remote read of its KV ended): an idle engine
+        loop runs again."""
+        self._poke()
 
     def close_arrivals(self) -> None:
         """No more requests will be accepted: the engine process ends once its work is done."""
@@ -284,6 +292,8 @@ class Simulation:
             if out.finish_reason is None:
                 continue
             num_finished += 1
+            if out.kv_transfer_params is not None and self.on_kv_transfer_params is not None:
+                self.on_kv_transfer_params(out.request_id, out.kv_transfer_params)
             pending = self._by_child.pop(out.request_id, None)
             if pending is None:
                 continue
@@ -316,14 +326,19 @@ class Simulation:
         idle = 0
         while True:
             if not self._inbox and not self._aborts and (not engine.has_work() or idle >= MAX_IDLE_ITERATIONS):
-                if self._all_submitted():
+                # a KV transfer still running: the engine waits for it (or a new request), it is not stalled
+                transfer_due = self._transfer_due() if engine.has_work() else None
+                if self._all_submitted() and transfer_due is None:
                     if engine.has_work():
                         raise RuntimeError(
                             f"simulation stalled at t={env.now:.6f}s: the engine holds requests but "
                             "schedules nothing and no more requests will arrive")
                     return
                 self._wake = env.event()
-                yield self._wake
+                if transfer_due is None:
+                    yield self._wake
+                else:
+                    yield env.any_of([self._wake, env.timeout(max(0.0, transfer_due - env.now))])
                 idle = 0
             yield from self._settle()
             self._apply_aborts()
@@ -345,6 +360,7 @@ class Simulation:
             t0 = env.now
             worker = getattr(engine.executor, "kv_worker", None)
             if worker is not None:  # a step waiting for KV transfers ends by the next other event
+                worker.clock_s = env.now  # (transfers run on while the engine is idle)
                 worker.horizon_s = env.peek() - env.now
             result, duration = self.step_engine()
             progressed, t_done = self.record_step(result, t0, duration)
@@ -355,6 +371,11 @@ class Simulation:
                 self._complete(result, t_done)
             if self.on_step_boundary is not None:
                 self.on_step_boundary(self)
+
+    def _transfer_due(self) -> Optional[float]:
+        """When the engine's next KV transfer in flight ends (None: none is)."""
+        worker = getattr(self.engine.executor, "kv_worker", None)
+        return worker.next_done_s() if worker is not None and worker.has_in_flight() else None
 
     # -- one step, in parts (the engine process above; a lockstep DP group drives several engines) --
     def step_engine(self) -> tuple[StepResult, float]:

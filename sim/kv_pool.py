@@ -208,6 +208,7 @@ def build_sim_executor(args: Any):
         if kv_config.kv_connector == "OffloadingConnector":
             kv_config.kv_connector_extra_config.setdefault("kv_bytes_per_block",
                                                            int(kv_bytes_per_token * args.block_size))
-        executor.enable_kv_transfer(build_kv_worker(kv_config, kv_bytes_per_token, args.block_size))
+        executor.enable_kv_transfer(build_kv_worker(kv_config, kv_bytes_per_token, args.block_size,
+                                                    None if pool.kv_plan is None else pool.bytes_per_block))
     return ExecutorInfo(executor, pool.num_gpu_blocks, max_len, model.vocab_size, [], None,
                         kv_cache_groups=pool.kv_cache_groups)

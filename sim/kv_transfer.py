@@ -6,7 +6,8 @@ finished in the step's `ModelRunnerOutput.kv_connector_output` (docs/kv_connecto
 
 - NIXL read (`reqs_to_recv`, consumer): starts when the step starts and takes
   `link.transfer_s(bytes)`, bytes = the read's blocks x block_size x the model's KV bytes per token
-  (per TP rank: each rank reads its shard over its own link, at the same time).
+  (per TP rank: each rank reads its shard over its own link, at the same time); with several KV cache
+  groups (hybrid attention) the blocks of every group, each a page of the group's layers.
 - NIXL send (`reqs_to_send`, producer): the modelled decode engine pulls the finished request's
   prompt blocks over the same link from the step that lists it; `finished_sending` when it is done.
 - Offloading jobs (`load_jobs`, `store_jobs`): `pcie.transfer_s(bytes)`, bytes = the job's blocks x
@@ -20,13 +21,18 @@ finished in the step's `ModelRunnerOutput.kv_connector_output` (docs/kv_connecto
 
 No contention: transfers in flight at once each get the link's full bandwidth (as sim/links.py).
 A transfer is reported in the first step that ends at or after its completion.
+
+In a cluster with prefill/decode instances (sim/pd_cluster.py) the two sides are two engines: the
+producer's worker holds each send (`hold_sends`) until the consumer's read of it ends
+(`release_send`) or the lease expires, and the consumer's worker reports each finished read with its
+end time (`on_recv_done`) and reads at the pace the two sides' TP allows (`scale_read`).
 """
 from __future__ import annotations
 
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_connector.base import KVConnectorOutput
@@ -71,12 +77,16 @@ class _InFlight:
 
 
 class SimKVWorker:
-    """One engine's connector worker in simulated time. `clock_s` is the start of the next step (the
-    sum of the durations it was given); only differences of it matter."""
+    """One engine's connector worker in simulated time. `clock_s` is the start of the next step: the
+    sum of the durations it was given, or the simulated time where a driver sets it before each step
+    (sim/engine.py does, so transfers run on while the engine is idle)."""
 
     def __init__(self, kv_bytes_per_token: float, block_size: int, link: Link, pcie: Link,
-                 offloading: bool = False) -> None:
+                 offloading: bool = False, group_block_bytes: Optional[int] = None) -> None:
         self.offloading = offloading  # an offloading connector's worker (its counters are reported)
+        # a block of one KV cache group where the model has several (a page of each of the group's layers);
+        # a NIXL read moves the blocks of every group (None: one group holding every layer)
+        self.group_block_bytes = group_block_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
         self.block_size = block_size
         self.link = link
@@ -87,12 +97,43 @@ class SimKVWorker:
         self.totals = KVTransferTotals()
         self.recv_s: dict[str, float] = {}  # request -> modelled duration of its NIXL read
         self._seq = 0
+        # cluster P/D (sim/pd_cluster.py): sends wait for the remote read (None: modelled here, see above)
+        self.held_sends: Optional[dict[str, _InFlight]] = None
+        self.lease_s = 30.0  # NIXL kv_lease_duration: a held send is given up this long after it started
+        # called with (request, the read's end in seconds after the start of the step that reports it)
+        self.on_recv_done: Optional[Callable[[str, float], None]] = None
+        self._read_scale: dict[str, float] = {}
 
     def block_bytes(self, num_blocks: int) -> int:
         return int(num_blocks * self.block_size * self.kv_bytes_per_token)
 
+    def hold_sends(self, lease_s: float) -> None:
+        """Producer in a cluster: a send ends when `release_send` says the consumer's read ended, or
+        `lease_s` after it started (vLLM's NIXL lease, `kv_lease_duration`)."""
+        self.held_sends = {}
+        self.lease_s = lease_s
+
+    def release_send(self, req_id: str) -> bool:
+        """The consumer's read of `req_id` ended: the send is reported by the next step (False: no such
+        held send, e.g. its lease expired first)."""
+        held = self.held_sends.pop(req_id, None) if self.held_sends is not None else None
+        if held is None:
+            return False
+        held.done_s = min(held.done_s, self.clock_s)
+        heapq.heapify(self.in_flight)
+        return True
+
+    def scale_read(self, req_id: str, scale: float) -> None:
+        """The read of `req_id` moves `scale` times this rank's shard over this rank's link (a remote side
+        with fewer TP ranks than this one serves several shards through each of its NICs)."""
+        self._read_scale[req_id] = scale
+
     def has_in_flight(self) -> bool:
         return bool(self.in_flight)
+
+    def next_done_s(self) -> float:
+        """When the first transfer in flight ends (on `clock_s`'s scale)."""
+        return self.in_flight[0].done_s
 
     def _add(self, kind: str, req_id: str, num_bytes: int, start_s: float, link: Link, job_id: int = -1) -> float:
         done = start_s + link.transfer_s(num_bytes)
@@ -114,12 +155,23 @@ class SimKVWorker:
         for rid, recv in meta.reqs_to_recv.items():
             if not recv.awaiting_kvs:  # a notice to the remote engine: nothing to read
                 continue
-            num_blocks = len(recv.local_block_ids[0]) if recv.local_block_ids else 0
-            done = self._add("recv", rid, self.block_bytes(num_blocks), now, self.link)
+            if self.group_block_bytes is None:  # one KV cache group holding every layer
+                num_bytes = self.block_bytes(len(recv.local_block_ids[0]) if recv.local_block_ids else 0)
+            else:  # hybrid groups (e.g. sliding window + full): each group's blocks, a page of its layers each
+                num_bytes = sum(len(ids) for ids in recv.local_block_ids) * self.group_block_bytes
+            num_bytes = int(num_bytes * self._read_scale.pop(rid, 1.0))
+            done = self._add("recv", rid, num_bytes, now, self.link)
             self.recv_s[rid] = done - now
         for rid in meta.reqs_to_send:
             num_blocks = -(-prompt_tokens.get(rid, 0) // self.block_size)
-            self._add("send", rid, self.block_bytes(num_blocks), now, self.link)
+            if self.held_sends is None:
+                self._add("send", rid, self.block_bytes(num_blocks), now, self.link)
+                continue
+            self.totals.bytes["send"] += self.block_bytes(num_blocks)  # what the remote read moves
+            self._seq += 1
+            held = _InFlight(now + self.lease_s, self._seq, "send", rid)
+            heapq.heappush(self.in_flight, held)
+            self.held_sends[rid] = held
 
     def finish(self, meta: Any, duration_s: float, ran_tokens: bool) -> tuple[Optional[KVConnectorOutput], float]:
         """After the forward pass of `duration_s`: (what the step reports, the step's duration, longer
@@ -132,7 +184,7 @@ class SimKVWorker:
         if not ran_tokens and self.in_flight and self.in_flight[0].done_s > end:
             end = max(end, min(self.in_flight[0].done_s, start + self.horizon_s))
         self.clock_s = end
-        return self._report(end), end - start
+        return self._report(end, start), end - start
 
     def _offload_jobs(self, meta: Any, start: float, end: float) -> float:
         flush = set(meta.jobs_to_flush)
@@ -151,7 +203,7 @@ class SimKVWorker:
                 must_end = max(must_end, t.done_s)
         return must_end
 
-    def _report(self, end: float) -> Optional[KVConnectorOutput]:
+    def _report(self, end: float, start: float) -> Optional[KVConnectorOutput]:
         recving: set[str] = set()
         sending: set[str] = set()
         jobs: dict[int, int] = {}
@@ -160,8 +212,12 @@ class SimKVWorker:
             self.totals.finished[t.kind] += 1
             if t.kind == "send":
                 sending.add(t.req_id)
+                if self.held_sends is not None:
+                    self.held_sends.pop(t.req_id, None)  # its lease expired
             elif t.kind == "recv":
                 recving.add(t.req_id)
+                if self.on_recv_done is not None:
+                    self.on_recv_done(t.req_id, t.done_s - start)
             else:
                 jobs[t.job_id] = 1
                 if t.kind == "load":
@@ -172,10 +228,11 @@ class SimKVWorker:
                                  completed_jobs=jobs)
 
 
-def build_kv_worker(config: KVTransferConfig, kv_bytes_per_token: float, block_size: int) -> SimKVWorker:
+def build_kv_worker(config: KVTransferConfig, kv_bytes_per_token: float, block_size: int,
+                    group_block_bytes: Optional[int] = None) -> SimKVWorker:
     link, pcie = transfer_links(config)
     return SimKVWorker(kv_bytes_per_token, block_size, link, pcie,
-                       offloading=config.kv_connector == "OffloadingConnector")
+                       offloading=config.kv_connector == "OffloadingConnector", group_block_bytes=group_block_bytes)
 
 
 __all__ = ["DEFAULT_KV_LINK", "DEFAULT_PCIE_LINK", "KV_LINK_KEY", "PCIE_LINK_KEY", "LINK_PRESETS",

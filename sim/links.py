@@ -5,8 +5,9 @@ reaches less (protocol overhead, NIXL/UCX efficiency), so calibrate `efficiency`
 before trusting absolute transfer times. The latencies are the order of magnitude of a small message on
 that fabric, not measured here.
 
-Used by prefill/decode disaggregation and CPU offload (not simulated yet); the cluster YAML parses and
-records them (`cluster.links`).
+The cluster YAML parses and records them (`cluster.links`); `kv_transfer` carries the P/D reads between
+instances (sim/pd_cluster.py), and a single engine's connector worker takes its links from
+`kv_connector_extra_config` (sim/kv_transfer.py).
 """
 from __future__ import annotations
 

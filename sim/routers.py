@@ -369,18 +369,19 @@ def make_least_loaded(spec: Any, rng: np.random.Generator) -> LeastLoaded:
 
 
 def make_llm_d(spec: Any, rng: np.random.Generator) -> LlmdRouter:
-    scorers = [(build_scorer(s.type, s.params, f"cluster.router.scorers[{i}]"), s.weight)
+    path = getattr(spec, "path", "cluster.router")  # (P/D: cluster.prefill_router too)
+    scorers = [(build_scorer(s.type, s.params, f"{path}.scorers[{i}]"), s.weight)
                for i, s in enumerate(spec.scorers)]
     filters = []
     for i, f in enumerate(spec.filters):
         if f.type != "prefix-cache-affinity":
-            raise ConfigError(f"cluster.router.filters[{i}].type",
+            raise ConfigError(f"{path}.filters[{i}].type",
                               f"unknown filter {f.type!r}; built in: prefix-cache-affinity")
         shared = next((s for s, _ in scorers if isinstance(s, PrefixCacheScorer)), None)
         try:
             filters.append(PrefixAffinityFilter(shared or PrefixCacheScorer(), **f.params))
         except TypeError as e:
-            raise ConfigError(f"cluster.router.filters[{i}]", f"bad parameters: {e}") from None
+            raise ConfigError(f"{path}.filters[{i}]", f"bad parameters: {e}") from None
     return LlmdRouter(scorers, rng, filters)
 
 
@@ -393,8 +394,9 @@ def build_router(spec: Any, rng: np.random.Generator) -> Any:
     """The router of a `RouterConfig`: a built-in one, else the entry point of that name."""
     factory = ROUTERS.get(spec.type) or _plugin(ROUTER_ENTRY_POINTS, spec.type)
     if factory is None:
-        raise ConfigError("cluster.router.type", f"unknown router {spec.type!r}; built in: {', '.join(ROUTERS)} "
-                                                 f"(others through the entry point group {ROUTER_ENTRY_POINTS!r})")
+        raise ConfigError(f"{getattr(spec, 'path', 'cluster.router')}.type",
+                          f"unknown router {spec.type!r}; built in: {', '.join(ROUTERS)} "
+                          f"(others through the entry point group {ROUTER_ENTRY_POINTS!r})")
     return factory(spec, rng)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 from servetwin.core.testbed.atomic import atomic_open
@@ -162,10 +162,13 @@ def _write_streamed(path: str, head: list[dict[str, Any]], events: Iterator[dict
 
 def write_cluster_trace(path: str, run: str, engines: list[tuple[str, StepTable, list[Any]]],
                         decisions: Iterable[tuple[float, str, str]] = (),
-                        max_tracks: int = CLUSTER_REQUEST_TRACKS) -> None:
+                        max_tracks: int = CLUSTER_REQUEST_TRACKS,
+                        transfers: Sequence[tuple[str, str, str, float, float]] = ()) -> None:
     """A cluster's trace.json: one process per engine (`engines`: (label, its step table, its
     RequestTrace objects)) holding the engine's tracks (steps, preemptions, counters) and its requests on
-    up to `max_tracks` tracks; then a "router" process with an instant per decision ((t, request id, pick))."""
+    up to `max_tracks` tracks; then a "router" process with an instant per decision ((t, request id, pick));
+    then, for P/D, a "kv transfers" process with a slice per KV read ((request id, from engine, to engine,
+    start, end)) and a flow arrow from the source engine's steps track to the destination's."""
     head: list[dict[str, Any]] = []
     streams = []
     for i, (label, steps, requests) in enumerate(engines):
@@ -180,8 +183,23 @@ def write_cluster_trace(path: str, run: str, engines: list[tuple[str, StepTable,
     head += [_meta(router_pid, "router"), _meta(router_pid, "decisions", 1)]
     routed = ({"name": f"{rid} -> {pick}", "ph": "i", "s": "t", "pid": router_pid, "tid": 1, "ts": _us(t)}
               for t, rid, pick in decisions)
+    kv_pid = router_pid + 1
+    if transfers:
+        head += [_meta(kv_pid, "kv transfers"), _meta(kv_pid, "reads", 1)]
     tail = {"displayTimeUnit": "ms", "otherData": {"run": run, "backend": "sim", "engines": len(engines)}}
-    _write_streamed(path, head, itertools.chain(*streams, routed), tail)
+    pids = {label: i + 1 for i, (label, _, _) in enumerate(engines)}
+    _write_streamed(path, head, itertools.chain(*streams, routed, _transfer_events(transfers, pids, kv_pid)), tail)
+
+
+def _transfer_events(transfers: Iterable[tuple[str, str, str, float, float]], pids: dict[str, int],
+                     kv_pid: int) -> Iterator[dict[str, Any]]:
+    for n, (rid, source, dest, start, end) in enumerate(transfers):
+        yield {"name": f"{rid}: {source} -> {dest}", "ph": "X", "pid": kv_pid, "tid": 1, "ts": _us(start),
+               "dur": _us(end) - _us(start), "args": {"request_id": rid}}
+        if source in pids and dest in pids:  # the arrow: bound to the steps running at either end
+            yield {"name": "kv", "cat": "kv", "ph": "s", "id": n, "pid": pids[source], "tid": STEP_TID, "ts": _us(start)}
+            yield {"name": "kv", "cat": "kv", "ph": "f", "bp": "e", "id": n, "pid": pids[dest], "tid": STEP_TID,
+                   "ts": _us(end)}
 
 
 def write_chrome_trace(path: str, run: str, backend: str, steps: StepTable, requests: list[Any],

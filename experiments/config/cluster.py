@@ -6,7 +6,7 @@ Absent, the experiment is one engine (as before). Present:
       instances:
         - name: replica            # default i0, i1, ...
           count: 16                # copies of this instance (named replica-0 ... replica-15)
-          role: both               # prefill | decode | both (P/D: not simulated yet)
+          role: both               # prefill | decode | both (P/D: all instances prefill or decode)
           data_parallel_size: 1    # vLLM --data-parallel-size (internal LB across the ranks)
           hardware: h100-sxm       # default: the top-level hardware
           engine: {tensor_parallel_size: 1}   # over the top-level engine settings
@@ -15,9 +15,13 @@ Absent, the experiment is one engine (as before). Present:
         scrape_interval_s: 0.05
         filters: [{type: prefix-cache-affinity, threshold: 0.5}]
         scorers: [{type: prefix-cache, weight: 3}, {type: queue, weight: 2}]
+      prefill_router: {type: llm_d, scorers: [{type: token-load}]}   # P/D: the prefill profile
       links:
         kv_transfer: roce-400g     # a preset of servetwin.sim.links, or {bandwidth_gbps, latency_us}
         cpu_tier: pcie5-x16
+
+With prefill and decode instances, `router` is llm-d's decode profile and `prefill_router` its prefill
+profile (default: the same settings as `router`); see servetwin.sim.pd_cluster.
 """
 from __future__ import annotations
 
@@ -70,7 +74,8 @@ class RouterConfig:
     scorers: list[PluginConfig] = field(default_factory=list)
     filters: list[PluginConfig] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)  # an entry-point router's parameters
-    pd_threshold_tokens: int = DEFAULT_PD_THRESHOLD_TOKENS  # the P/D decider's hook (P/D: later)
+    pd_threshold_tokens: int = DEFAULT_PD_THRESHOLD_TOKENS  # the P/D decider's threshold (sim/pd_cluster.py)
+    path: str = "cluster.router"  # where it is in the YAML (errors name it): cluster.router | cluster.prefill_router
 
 
 @dataclass(slots=True)
@@ -78,6 +83,11 @@ class ClusterConfig:
     instances: list[InstanceConfig]
     router: RouterConfig
     links: dict[str, Any]  # path -> servetwin.sim.links.Link
+    prefill_router: Optional[RouterConfig] = None  # P/D: the prefill profile (None: no P/D)
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(i.role != "both" for i in self.instances)
 
     def expanded(self) -> list[tuple[str, InstanceConfig]]:
         """Every instance copy with its name (`name-k` when count > 1), in order."""
@@ -161,9 +171,6 @@ def _instance(raw: Any, i: int, engine_check: Any) -> InstanceConfig:
     role = cfg.get("role", "both")
     if role not in ROLES:
         raise ConfigError(f"{path}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-    if role != "both":  # the connector work (KV transfer over the links) comes with P/D
-        raise ConfigError(f"{path}.role", f"{role!r}: prefill/decode disaggregation is not simulated yet "
-                                          "(use role: both)")
     inst.role = role
     inst.hardware = cfg.get("hardware")
     inst.engine = engine_check(cfg.get("engine") or {}, f"{path}.engine")
@@ -189,21 +196,21 @@ def _plugins(raw: Any, path: str) -> list[PluginConfig]:
     return out
 
 
-def _router(raw: Any) -> RouterConfig:
-    cfg = _mapping(raw or {}, "cluster.router")
-    _keys(cfg, ROUTER_KEYS, "cluster.router")
-    r = RouterConfig(_str(cfg.get("type", "round_robin"), "cluster.router.type"))
+def _router(raw: Any, path: str = "cluster.router") -> RouterConfig:
+    cfg = _mapping(raw or {}, path)
+    _keys(cfg, ROUTER_KEYS, path)
+    r = RouterConfig(_str(cfg.get("type", "round_robin"), f"{path}.type"), path=path)
     if "scrape_interval_s" in cfg:
-        r.scrape_interval_s = _number(cfg["scrape_interval_s"], "cluster.router.scrape_interval_s")
-    r.scorers = _plugins(cfg.get("scorers"), "cluster.router.scorers")
-    r.filters = _plugins(cfg.get("filters"), "cluster.router.filters")
-    r.params = dict(_mapping(cfg.get("params") or {}, "cluster.router.params"))
+        r.scrape_interval_s = _number(cfg["scrape_interval_s"], f"{path}.scrape_interval_s")
+    r.scorers = _plugins(cfg.get("scorers"), f"{path}.scorers")
+    r.filters = _plugins(cfg.get("filters"), f"{path}.filters")
+    r.params = dict(_mapping(cfg.get("params") or {}, f"{path}.params"))
     if "pd_threshold_tokens" in cfg:
-        r.pd_threshold_tokens = _pos_int(cfg["pd_threshold_tokens"], "cluster.router.pd_threshold_tokens")
+        r.pd_threshold_tokens = _pos_int(cfg["pd_threshold_tokens"], f"{path}.pd_threshold_tokens")
     if r.type == "llm_d" and not r.scorers:
-        raise ConfigError("cluster.router.scorers", "llm_d needs at least one scorer (e.g. [{type: queue}])")
+        raise ConfigError(f"{path}.scorers", "llm_d needs at least one scorer (e.g. [{type: queue}])")
     if r.type != "llm_d" and (r.scorers or r.filters):
-        raise ConfigError("cluster.router.scorers", f"scorers and filters belong to the llm_d router, not {r.type!r}")
+        raise ConfigError(f"{path}.scorers", f"scorers and filters belong to the llm_d router, not {r.type!r}")
     return r
 
 
@@ -215,7 +222,7 @@ def parse_cluster(raw: Any, engine_check: Any) -> Optional[ClusterConfig]:
     from servetwin.sim.links import parse_link  # noqa: PLC0415  (no torch: cheap)
 
     cfg = _mapping(raw, "cluster")
-    _keys(cfg, ("instances", "router", "links"), "cluster")
+    _keys(cfg, ("instances", "router", "links", "prefill_router"), "cluster")
     insts = cfg.get("instances")
     if not isinstance(insts, list) or not insts:
         raise ConfigError("cluster.instances", "must be a non-empty list of instances")
@@ -227,12 +234,22 @@ def parse_cluster(raw: Any, engine_check: Any) -> Optional[ClusterConfig]:
     links_raw = _mapping(cfg.get("links") or {}, "cluster.links")
     _keys(links_raw, LINK_KEYS, "cluster.links")
     links = {k: parse_link(v, f"cluster.links.{k}") for k, v in links_raw.items()}
-    return ClusterConfig(instances, _router(cfg.get("router")), links)
+    router = _router(cfg.get("router"))
+    from servetwin.experiments.config.pd import check_pd  # noqa: PLC0415
+
+    prefill_router = check_pd(instances, cfg.get("prefill_router"), router, _router, links.get("kv_transfer"))
+    return ClusterConfig(instances, router, links, prefill_router)
 
 
 def instance_engine_args(base: Any, inst: InstanceConfig, hardware_spec: Any) -> Any:
     """An instance's `EngineArgs`: the experiment's with the instance's overrides and hardware."""
-    return dataclasses.replace(base, **inst.engine, hardware=hardware_spec)
+    overrides = dict(inst.engine)
+    if "kv_transfer_config" in overrides:  # (kept as given in the YAML; EngineArgs takes the parsed one)
+        from servetwin.core.engine.engine_args import check_kv_transfer_config  # noqa: PLC0415
+
+        overrides["kv_transfer_config"] = check_kv_transfer_config(overrides["kv_transfer_config"],
+                                                                   overrides.get("block_size", base.block_size))
+    return dataclasses.replace(base, **overrides, hardware=hardware_spec)
 
 
 __all__ = ["DP_LB_MODES", "ClusterConfig", "InstanceConfig", "RouterConfig", "PluginConfig", "parse_cluster",

@@ -784,6 +784,8 @@ def _check_cluster(exp: ExperimentConfig) -> None:
     from servetwin.sim.routers import build_router  # noqa: PLC0415
 
     build_router(exp.cluster.router, np.random.default_rng(0))  # unknown routers, scorers, bad parameters
+    if exp.cluster.prefill_router is not None:  # P/D: the prefill profile too
+        build_router(exp.cluster.prefill_router, np.random.default_rng(0))
 
     for i, inst in enumerate(exp.cluster.instances):
         path = f"cluster.instances[{i}]"

@@ -43,8 +43,24 @@ def build_cluster(exp: ExperimentConfig) -> list[Any]:
             engines = [create_engine_core(args) for _ in range(num_ranks)]
             moe = engines[0][1].executor.cost_model.model.num_experts > 0  # vLLM: MoE DP runs in lockstep
             out.append(InstanceEngines(endpoint, [e for e, _ in engines], inst.role, [info for _, info in engines],
-                                       lockstep=moe and inst.data_parallel_size > 1, dp_group=name))
+                                       lockstep=moe and inst.data_parallel_size > 1, dp_group=name,
+                                       tensor_parallel_size=args.tensor_parallel_size))
     return out
+
+
+def pd_flow_factory(exp: ExperimentConfig, instances: list[Any]) -> Any:
+    """The P/D path's builder for a cluster with prefill/decode instances (sim/pd_cluster.py), else None."""
+    if not exp.cluster.disaggregated:
+        return None
+    import functools  # noqa: PLC0415
+
+    from servetwin.sim.pd_cluster import PDFlow  # noqa: PLC0415
+    from servetwin.sim.routers import build_router  # noqa: PLC0415
+
+    prefill_router = build_router(exp.cluster.prefill_router, np.random.default_rng([exp.seed, 0x5EED, 1]))
+    return functools.partial(PDFlow, prefill_router=prefill_router,
+                             threshold_tokens=exp.cluster.router.pd_threshold_tokens,
+                             tensor_parallel=[inst.tensor_parallel_size for inst in instances])
 
 
 def engine_label(name: str, rank: int, dp: int) -> str:
@@ -67,7 +83,8 @@ def simulate_cluster(exp: ExperimentConfig, progress: bool = False):
     sim = ClusterSimulation(instances, router, requests, arrival, rng=rng, run=exp.name,
                             scrape_interval_s=exp.cluster.router.scrape_interval_s,
                             record_step_requests=exp.output.step_requests, frontend=frontend,
-                            on_complete=counter.on_complete, on_reject=counter.on_reject)
+                            on_complete=counter.on_complete, on_reject=counter.on_reject,
+                            pd_flow=pd_flow_factory(exp, instances))
     t0 = time.perf_counter()
     interrupted = False
     try:
@@ -99,6 +116,10 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
     import pandas as pd  # noqa: PLC0415
 
     reqs = pd.concat([f["requests"] for f in frames.values()], ignore_index=True) if frames else pd.DataFrame()
+    if len(reqs) and exp.cluster.disaggregated:  # P/D: the client's requests are the decode side's records
+        from servetwin.sim.pd_cluster import PREFILL_SUFFIX  # noqa: PLC0415
+
+        reqs = reqs[~reqs.request_id.astype(str).str.endswith(PREFILL_SUFFIX)]
     duration = max((s["duration_s"] for s in summaries.values()), default=0.0)
     finished = reqs[reqs.finish_reason.notna() & (reqs.finish_reason != "abort")] if len(reqs) else reqs
     output_done = int(finished.output_tokens.sum()) if len(finished) else 0
@@ -141,7 +162,9 @@ def write_cluster_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, runs
     write_cluster_trace(trace, exp.name, [(label, run.recorder.steps, list(run.recorder.requests.values()))
                                           for label, run in runs.items()],
                         ((d.t, d.request_id, d.pick if d.rank is None or d.rank == 0 else f"{d.pick}-r{d.rank}")
-                         for d in sim.result.decisions))
+                         for d in sim.result.decisions),
+                        transfers=[] if sim.pd is None else  # P/D: the KV reads, with flow arrows
+                        [(t.request_id, t.prefill, t.decode, t.start_s, t.end_s) for t in sim.pd.record.transfers.values()])
     folder.record(os.path.relpath(trace, out_dir))
     figures = cluster_figures(out_dir, frames) if exp.output.plots else []
     for path in figures:
@@ -190,6 +213,14 @@ def run_cluster_experiment(exp: ExperimentConfig, out_dir: str, folder: Any, pro
     path = os.path.join(out_dir, "sim", "router_decisions.parquet")
     decisions.to_parquet(path, index=False)
     folder.record(os.path.relpath(path, out_dir))
+    if sim.pd is not None:  # P/D: the KV transfer timeline
+        from servetwin.sim.pd_cluster import transfers_frame  # noqa: PLC0415
+
+        path = os.path.join(out_dir, "sim", "kv_transfers.parquet")
+        transfers_frame(sim.pd.record).to_parquet(path, index=False)
+        folder.record(os.path.relpath(path, out_dir))
+        whole["pd"] = sim.pd.summary()
+        write_json(os.path.join(out_dir, "sim", "summary.json"), whole)
     write_cluster_outputs(exp, out_dir, folder, runs, summaries, frames, whole, sim)
     wsum = workload_summary(requests)
     combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,

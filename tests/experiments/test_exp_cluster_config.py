@@ -37,7 +37,7 @@ def test_a_cluster_parses_into_typed_instances_router_and_links():
     ({"instances": []}, "cluster.instances"),
     ({"instances": [{"count": 0}]}, "cluster.instances[0].count"),
     ({"instances": [{"role": "prefil"}]}, "cluster.instances[0].role"),
-    ({"instances": [{"role": "prefill"}]}, "cluster.instances[0].role"),
+    ({"instances": [{"role": "prefill"}]}, "cluster.instances"),  # a P/D cluster needs a decode instance
     ({"instances": [{"replicas": 2}]}, "cluster.instances[0].replicas"),
     ({"instances": [{"engine": {"max_num_seqs": 0}}]}, "cluster.instances[0].engine.max_num_seqs"),
     ({"instances": [{"engine": {"max_num_seq": 4}}]}, "cluster.instances[0].engine.max_num_seq"),
@@ -95,7 +95,7 @@ def test_one_engine_commands_refuse_a_cluster_and_the_cli_names_the_field(tmp_pa
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))
     assert main(["run", str(path), "-o", str(tmp_path / "out")]) == 2
-    assert "cluster.instances[0].role" in capsys.readouterr().err
+    assert "cluster.instances: a prefill/decode cluster needs a prefill instance" in capsys.readouterr().err
 
 
 def test_servetwin_run_writes_the_cluster_outputs(tmp_path):

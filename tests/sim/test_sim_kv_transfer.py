@@ -210,3 +210,23 @@ def test_kv_connector_metrics_under_vllms_names():
     assert f'vllm:external_prefix_cache_hits_total{{model_name="m",engine="1"}} ' \
            f'{metrics["vllm:external_prefix_cache_hits"]}' in text
     assert "vllm:kv_offload_load_bytes_total" in text
+
+
+def test_a_hybrid_models_read_moves_every_groups_blocks():
+    """gpt-oss: a sliding-window group and a full-attention group of 12 layers each; a pool block is a page of
+    its group's 12 layers, and the read moves the blocks of both groups (the window group only its window)."""
+    link = {"bandwidth_gbps": 8.0, "latency_us": 0.0}
+    core = _engine({**NIXL_CONSUMER, "kv_connector_extra_config": {"kv_link": link}}, model="gpt-oss-20b",
+                   hardware="h200", num_gpu_blocks=None, max_model_len=4096)
+    prompt = 64 * BLOCK
+    params = remote_prefill(64)
+    params["remote_block_ids"] = [list(range(9)), list(range(64))]
+    core.add_request(Request("r", list(range(10, 10 + prompt)), SamplingParams(
+        max_tokens=2, ignore_eos=True, extra_args={"kv_transfer_params": params})))
+    step = core.step()
+    ids = step.scheduled.kv_connector_metadata.reqs_to_recv["r"].local_block_ids
+    assert len(ids) == 2 and len(ids[0]) < len(ids[1])  # the window group holds fewer blocks
+    block_bytes = core.executor.kv_pool.bytes_per_block  # a page of each of a group's 12 layers
+    assert block_bytes * 2 == BLOCK * _kv_bytes_per_token("gpt-oss-20b")
+    expected = (len(ids[0]) + len(ids[1])) * block_bytes * 8 / 8e9
+    assert step.model_output.timing.duration_s == pytest.approx(expected, rel=1e-12)
