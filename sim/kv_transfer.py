@@ -20,6 +20,11 @@ finished in the step's `ModelRunnerOutput.kv_connector_output` (docs/kv_connecto
 
 No contention: transfers in flight at once each get the link's full bandwidth (as sim/links.py).
 A transfer is reported in the first step that ends at or after its completion.
+
+With `replay` (a `TransferReplay`, sim/kv_transfer_replay.py) completion is not modelled: each
+transfer is reported the recorded number of steps after the step that starts it, and no step waits
+for a transfer (durations stay the forward pass's), so a simulated run reports transfers in exactly
+the steps a recorded run (e.g. the torch backend's) did.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from typing import Any, Mapping, Optional
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_connector.base import KVConnectorOutput
 from servetwin.core.kv_connector.config import KVTransferConfig
+from servetwin.sim.kv_transfer_replay import TransferReplay
 from servetwin.sim.links import LINK_PRESETS, Link, parse_link
 
 # P/D between nodes over one 400 Gb/s NIC per GPU (vLLM's NIXL over UCX/RDMA); a CPU tier behind PCIe 5
@@ -75,7 +81,7 @@ class SimKVWorker:
     sum of the durations it was given); only differences of it matter."""
 
     def __init__(self, kv_bytes_per_token: float, block_size: int, link: Link, pcie: Link,
-                 offloading: bool = False) -> None:
+                 offloading: bool = False, replay: Optional[TransferReplay] = None) -> None:
         self.offloading = offloading  # an offloading connector's worker (its counters are reported)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.block_size = block_size
@@ -87,6 +93,10 @@ class SimKVWorker:
         self.totals = KVTransferTotals()
         self.recv_s: dict[str, float] = {}  # request -> modelled duration of its NIXL read
         self._seq = 0
+        # replay: completions in steps (the heap's times are then step indexes), not modelled times
+        self.replay = replay
+        self.num_steps = 0  # steps finished
+        self._num_started: dict[tuple[str, str], int] = {}  # (kind, request) -> transfers started
 
     def block_bytes(self, num_blocks: int) -> int:
         return int(num_blocks * self.block_size * self.kv_bytes_per_token)
@@ -95,7 +105,13 @@ class SimKVWorker:
         return bool(self.in_flight)
 
     def _add(self, kind: str, req_id: str, num_bytes: int, start_s: float, link: Link, job_id: int = -1) -> float:
-        done = start_s + link.transfer_s(num_bytes)
+        if self.replay is None:
+            done = start_s + link.transfer_s(num_bytes)
+        else:
+            nth = self._num_started.get((kind, req_id), 0)
+            self._num_started[(kind, req_id)] = nth + 1
+            delay = self.replay.delay(kind, req_id, job_id, nth)
+            done = math.inf if delay is None else float(self.num_steps + delay)
         self._seq += 1
         heapq.heappush(self.in_flight, _InFlight(done, self._seq, kind, req_id, job_id))
         self.totals.bytes[kind] += num_bytes
@@ -128,11 +144,13 @@ class SimKVWorker:
         end = start + duration_s
         jobs = getattr(meta, "load_jobs", None)
         if jobs is not None:
-            end = self._offload_jobs(meta, start, end)
-        if not ran_tokens and self.in_flight and self.in_flight[0].done_s > end:
+            must_end = self._offload_jobs(meta, start, end)
+            end = end if self.replay is not None else must_end
+        if self.replay is None and not ran_tokens and self.in_flight and self.in_flight[0].done_s > end:
             end = max(end, min(self.in_flight[0].done_s, start + self.horizon_s))
         self.clock_s = end
-        return self._report(end), end - start
+        step, self.num_steps = self.num_steps, self.num_steps + 1
+        return self._report(end if self.replay is None else step), end - start
 
     def _offload_jobs(self, meta: Any, start: float, end: float) -> float:
         flush = set(meta.jobs_to_flush)
@@ -172,10 +190,12 @@ class SimKVWorker:
                                  completed_jobs=jobs)
 
 
-def build_kv_worker(config: KVTransferConfig, kv_bytes_per_token: float, block_size: int) -> SimKVWorker:
+def build_kv_worker(config: KVTransferConfig, kv_bytes_per_token: float, block_size: int,
+                    replay: Optional[TransferReplay] = None) -> SimKVWorker:
+    """The worker for `config`; with `replay`, completions come from a recorded run (module docstring)."""
     link, pcie = transfer_links(config)
     return SimKVWorker(kv_bytes_per_token, block_size, link, pcie,
-                       offloading=config.kv_connector == "OffloadingConnector")
+                       offloading=config.kv_connector == "OffloadingConnector", replay=replay)
 
 
 __all__ = ["DEFAULT_KV_LINK", "DEFAULT_PCIE_LINK", "KV_LINK_KEY", "PCIE_LINK_KEY", "LINK_PRESETS",
