@@ -1,7 +1,8 @@
 """n-gram speculative decoding against no speculation on a repetitive workload, torch backend, one run.
 
-    python benchmarks/spec_decode_ngram.py [--model smollm2-135m] [--requests 64] [--max-tokens 48]
-                                           [-k 3] [--max-num-seqs 4] [--rounds 3] [--device cpu] [--json F]
+    python benchmarks/spec_decode_ngram.py [--model smollm2-135m] [--requests 64] [--max-tokens 32]
+                                           [-k 3] [--max-num-seqs 4] [--rounds 3] [--budget-s 170]
+                                           [--device cpu] [--json F]
 
 The workload: each prompt repeats a short random phrase (the text an input-grounded task copies
 from), so prompt lookup finds long matches and the model (greedy) continues the repetition. Both
@@ -11,7 +12,8 @@ the script prints wall time, output tokens per second and the acceptance from vL
 
 Rounds alternate the two engines, and the order within a round (A B, B A, A B, ...), so a change of
 machine load hits both; each engine's first generate (a warm-up) is not timed. Progress is printed
-after every timed generate.
+after every timed generate. A round that would end past `--budget-s` (seconds since the start,
+projected from the last round) is not started: the table then says how many rounds ran.
 
 Why a few concurrent requests (`--max-num-seqs 4`): speculation trades compute for steps. A verify
 step runs 1 + k tokens per row; with few rows a CPU (or GPU) step costs about the same for 1 or
@@ -19,7 +21,8 @@ step runs 1 + k tokens per row; with few rows a CPU (or GPU) step costs about th
 rows the step is compute-bound and costs about (1 + k)x, and speculation can only break even - vLLM
 recommends it for latency at low load for the same reason. Raise `--max-num-seqs` to see that.
 
-The defaults are sized to finish in about 3 minutes on two quiet CPU cores (smollm2-135m, fp32).
+The defaults are sized for about 3 minutes on two quiet CPU cores (smollm2-135m, fp32); the budget
+keeps a slower machine inside it with fewer rounds.
 Timing belongs on a quiet machine; on a loaded one the table says only that it runs.
 """
 from __future__ import annotations
@@ -67,13 +70,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("-k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=4, help="requests decoding at once")
-    ap.add_argument("--min-prompt", type=int, default=24)
-    ap.add_argument("--max-prompt", type=int, default=56)
+    ap.add_argument("--min-prompt", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=40)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=3, help="timed generates per engine, alternating")
+    ap.add_argument("--budget-s", type=float, default=170.0,
+                    help="start no round that would end later than this many seconds after the start")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     a = ap.parse_args(argv)
     if a.rounds < 1 or a.requests < 1 or a.max_tokens < 1 or a.k < 1 or not 1 <= a.min_prompt <= a.max_prompt:
@@ -103,6 +108,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     walls: dict[str, list[float]] = {name: [] for name in engines}
     tokens = a.requests * a.max_tokens
     for r in range(a.rounds):
+        last_round = sum(w[-1] for w in walls.values()) if r else 0.0
+        if r and time.perf_counter() - start + last_round > a.budget_s:
+            print(f"  stopping after {r} of {a.rounds} rounds: another would pass --budget-s {a.budget_s:g}", flush=True)
+            break
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         outputs = {}
         for name in order:
@@ -119,9 +128,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     after = spec_counters(engines[spec_name])
     acc = acceptance({key: after[key] - before.get(key, 0.0) for key in after})
     results = {"model": a.model, "device": a.device, "requests": a.requests, "max_tokens": a.max_tokens, "k": a.k,
-               "max_num_seqs": a.max_num_seqs, "rounds": a.rounds, "output_tokens_per_round": tokens,
+               "max_num_seqs": a.max_num_seqs, "rounds": len(walls[base]), "output_tokens_per_round": tokens,
                "outputs_identical": True, "engines": {}}
-    print(f"outputs identical in every round; {tokens} output tokens per round")
+    print(f"outputs identical in every round ({len(walls[base])}); {tokens} output tokens per round")
     print(f"{'engine':<18}{'best wall s':>12}{'median s':>10}{'tok/s':>10}{'acceptance':>12}{'mean len':>10}")
     for name in engines:
         best = min(walls[name])

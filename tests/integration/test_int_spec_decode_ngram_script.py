@@ -16,7 +16,7 @@ def test_spec_decode_ngram_script_small(tmp_path, capsys):
         "--min-prompt", "8", "--max-prompt", "20", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "outputs identical in every round" in text and "round 2/2" in text and "speed-up" in text
+    assert "outputs identical in every round (2)" in text and "round 2/2" in text and "speed-up" in text
     data = json.loads(out.read_text())
     assert data["outputs_identical"] and data["output_tokens_per_round"] == 6 * 8
     base, spec = data["engines"]["no speculation"], data["engines"]["ngram k=3"]
@@ -30,3 +30,13 @@ def test_spec_decode_ngram_script_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit) as e:
         load_benchmark("spec_decode_ngram").main(["--rounds", "0"])
     assert e.value.code == 2 and "--rounds" in capsys.readouterr().err
+
+
+def test_spec_decode_ngram_script_starts_no_round_past_its_budget(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = load_benchmark("spec_decode_ngram").main([
+        "--model", "tiny-llama", "--requests", "2", "--max-tokens", "4", "--rounds", "3", "--budget-s", "0",
+        "--min-prompt", "8", "--max-prompt", "12", "--json", str(out)])
+    assert rc == 0
+    assert "stopping after 1 of 3 rounds" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rounds"] == 1
