@@ -51,6 +51,8 @@ class Recorder:
 
 
 def _step_record(engine: EngineCore, result) -> tuple:
+    """(scheduled tokens, requests in WAITING_FOR_REMOTE_KVS after the step, reads started with their
+    blocks, offload load / store jobs and flushes, (finished_recving, completed jobs))."""
     so, mro = result.scheduled, result.model_output
     meta = so.kv_connector_metadata if so is not None else None
     kv_out = mro.kv_connector_output if mro is not None else None
