@@ -132,7 +132,8 @@ class SimKVWorker:
                 continue
             num_blocks = len(recv.local_block_ids[0]) if recv.local_block_ids else 0
             done = self._add("recv", rid, self.block_bytes(num_blocks), now, self.link)
-            self.recv_s[rid] = done - now
+            if self.replay is None:  # (replayed: a step index, not a time)
+                self.recv_s[rid] = done - now
         for rid in meta.reqs_to_send:
             num_blocks = -(-prompt_tokens.get(rid, 0) // self.block_size)
             self._add("send", rid, self.block_bytes(num_blocks), now, self.link)
