@@ -26,6 +26,11 @@ In a cluster with prefill/decode instances (sim/pd_cluster.py) the two sides are
 producer's worker holds each send (`hold_sends`) until the consumer's read of it ends
 (`release_send`) or the lease expires, and the consumer's worker reports each finished read with its
 end time (`on_recv_done`) and reads at the pace the two sides' TP allows (`scale_read`).
+
+With `replay` (a `TransferReplay`, sim/kv_transfer_replay.py) completion is not modelled: each
+transfer is reported the recorded number of steps after the step that starts it, and no step waits
+for a transfer (durations stay the forward pass's), so a simulated run reports transfers in exactly
+the steps a recorded run (e.g. the torch backend's) did.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from typing import Any, Callable, Mapping, Optional
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_connector.base import KVConnectorOutput
 from servetwin.core.kv_connector.config import KVTransferConfig
+from servetwin.sim.kv_transfer_replay import TransferReplay
 from servetwin.sim.links import LINK_PRESETS, Link, parse_link
 
 # P/D between nodes over one 400 Gb/s NIC per GPU (vLLM's NIXL over UCX/RDMA); a CPU tier behind PCIe 5
@@ -82,7 +88,8 @@ class SimKVWorker:
     (sim/engine.py does, so transfers run on while the engine is idle)."""
 
     def __init__(self, kv_bytes_per_token: float, block_size: int, link: Link, pcie: Link,
-                 offloading: bool = False, group_block_bytes: Optional[int] = None) -> None:
+                 offloading: bool = False, group_block_bytes: Optional[int] = None,
+                 replay: Optional[TransferReplay] = None) -> None:
         self.offloading = offloading  # an offloading connector's worker (its counters are reported)
         # a block of one KV cache group where the model has several (a page of each of the group's layers);
         # a NIXL read moves the blocks of every group (None: one group holding every layer)
@@ -103,6 +110,10 @@ class SimKVWorker:
         # called with (request, the read's end in seconds after the start of the step that reports it)
         self.on_recv_done: Optional[Callable[[str, float], None]] = None
         self._read_scale: dict[str, float] = {}
+        # replay: completions in steps (the heap's times are then step indexes), not modelled times
+        self.replay = replay
+        self.num_steps = 0  # steps finished
+        self._num_started: dict[tuple[str, str], int] = {}  # (kind, request) -> transfers started
 
     def block_bytes(self, num_blocks: int) -> int:
         return int(num_blocks * self.block_size * self.kv_bytes_per_token)
@@ -136,7 +147,13 @@ class SimKVWorker:
         return self.in_flight[0].done_s
 
     def _add(self, kind: str, req_id: str, num_bytes: int, start_s: float, link: Link, job_id: int = -1) -> float:
-        done = start_s + link.transfer_s(num_bytes)
+        if self.replay is None:
+            done = start_s + link.transfer_s(num_bytes)
+        else:
+            nth = self._num_started.get((kind, req_id), 0)
+            self._num_started[(kind, req_id)] = nth + 1
+            delay = self.replay.delay(kind, req_id, job_id, nth)
+            done = math.inf if delay is None else float(self.num_steps + delay)
         self._seq += 1
         heapq.heappush(self.in_flight, _InFlight(done, self._seq, kind, req_id, job_id))
         self.totals.bytes[kind] += num_bytes
@@ -161,7 +178,8 @@ class SimKVWorker:
                 num_bytes = sum(len(ids) for ids in recv.local_block_ids) * self.group_block_bytes
             num_bytes = int(num_bytes * self._read_scale.pop(rid, 1.0))
             done = self._add("recv", rid, num_bytes, now, self.link)
-            self.recv_s[rid] = done - now
+            if self.replay is None:  # (replayed: a step index, not a time)
+                self.recv_s[rid] = done - now
         for rid in meta.reqs_to_send:
             num_blocks = -(-prompt_tokens.get(rid, 0) // self.block_size)
             if self.held_sends is None:
@@ -180,11 +198,13 @@ class SimKVWorker:
         end = start + duration_s
         jobs = getattr(meta, "load_jobs", None)
         if jobs is not None:
-            end = self._offload_jobs(meta, start, end)
-        if not ran_tokens and self.in_flight and self.in_flight[0].done_s > end:
+            must_end = self._offload_jobs(meta, start, end)
+            end = end if self.replay is not None else must_end
+        if self.replay is None and not ran_tokens and self.in_flight and self.in_flight[0].done_s > end:
             end = max(end, min(self.in_flight[0].done_s, start + self.horizon_s))
         self.clock_s = end
-        return self._report(end, start), end - start
+        step, self.num_steps = self.num_steps, self.num_steps + 1
+        return self._report(end if self.replay is None else step, start), end - start
 
     def _offload_jobs(self, meta: Any, start: float, end: float) -> float:
         flush = set(meta.jobs_to_flush)
@@ -229,10 +249,13 @@ class SimKVWorker:
 
 
 def build_kv_worker(config: KVTransferConfig, kv_bytes_per_token: float, block_size: int,
-                    group_block_bytes: Optional[int] = None) -> SimKVWorker:
+                    group_block_bytes: Optional[int] = None,
+                    replay: Optional[TransferReplay] = None) -> SimKVWorker:
+    """The worker for `config`; with `replay`, completions come from a recorded run (module docstring)."""
     link, pcie = transfer_links(config)
     return SimKVWorker(kv_bytes_per_token, block_size, link, pcie,
-                       offloading=config.kv_connector == "OffloadingConnector", group_block_bytes=group_block_bytes)
+                       offloading=config.kv_connector == "OffloadingConnector", group_block_bytes=group_block_bytes,
+                       replay=replay)
 
 
 __all__ = ["DEFAULT_KV_LINK", "DEFAULT_PCIE_LINK", "KV_LINK_KEY", "PCIE_LINK_KEY", "LINK_PRESETS",
