@@ -313,6 +313,8 @@ class Simulation:
 
     def _engine(self) -> Generator[simpy.Event, Any, None]:
         env, engine = self.env, self.engine
+        # (speed: looked up once, not per step; the executor's worker side is set when it is built)
+        worker = getattr(engine.executor, "kv_worker", None)
         idle = 0
         while True:
             if not self._inbox and not self._aborts and (not engine.has_work() or idle >= MAX_IDLE_ITERATIONS):
@@ -343,7 +345,6 @@ class Simulation:
                             self.frontend.on_step_output(env.now, num_running, 0, [])
                     continue
             t0 = env.now
-            worker = getattr(engine.executor, "kv_worker", None)
             if worker is not None:  # a step waiting for KV transfers ends by the next other event
                 worker.horizon_s = env.peek() - env.now
             result, duration = self.step_engine()
