@@ -327,9 +327,14 @@ class Simulation:
                 self._wake = env.event()
                 yield self._wake
                 idle = 0
-            yield from self._settle()
-            self._apply_aborts()
-            self._admit()
+            # (speed, per step: the settling generator only when another event is due now, and the
+            # abort and admission passes only with something to apply; each would do nothing otherwise)
+            if self.settler is not None or env.peek() <= env.now:
+                yield from self._settle()
+            if self._aborts:
+                self._apply_aborts()
+            if self._inbox:
+                self._admit()
             if self.on_step_boundary is not None:
                 self.on_step_boundary(self)
             if not engine.has_work():
