@@ -323,6 +323,8 @@ class Simulation:
 
     def _engine(self) -> Generator[simpy.Event, Any, None]:
         env, engine = self.env, self.engine
+        # (speed: looked up once, not per step; the executor's worker side is set when it is built)
+        worker = getattr(engine.executor, "kv_worker", None)
         idle = 0
         while True:
             if not self._inbox and not self._aborts and (not engine.has_work() or idle >= MAX_IDLE_ITERATIONS):
@@ -340,9 +342,14 @@ class Simulation:
                 else:
                     yield env.any_of([self._wake, env.timeout(max(0.0, transfer_due - env.now))])
                 idle = 0
-            yield from self._settle()
-            self._apply_aborts()
-            self._admit()
+            # (speed, per step: the settling generator only when another event is due now, and the
+            # abort and admission passes only with something to apply; each would do nothing otherwise)
+            if self.settler is not None or env.peek() <= env.now:
+                yield from self._settle()
+            if self._aborts:
+                self._apply_aborts()
+            if self._inbox:
+                self._admit()
             if self.on_step_boundary is not None:
                 self.on_step_boundary(self)
             if not engine.has_work():
@@ -358,7 +365,6 @@ class Simulation:
                             self.frontend.on_step_output(env.now, num_running, 0, [])
                     continue
             t0 = env.now
-            worker = getattr(engine.executor, "kv_worker", None)
             if worker is not None:  # a step waiting for KV transfers ends by the next other event
                 worker.clock_s = env.now  # (transfers run on while the engine is idle)
                 worker.horizon_s = env.peek() - env.now

@@ -69,7 +69,9 @@ class EngineCore:
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
         self.executor = executor
-        self.batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput | Future]] = deque()
+        # (a ModelRunnerOutput, or a Future of one from a `non_block` call; typed Any so that `step` passes
+        # the others on without the isinstance test: speed)
+        self.batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
         self.batch_queue_size = scheduler_config.max_concurrent_batches
         self._non_block = self.batch_queue_size > 1 and getattr(executor, "supports_non_block", False)
         self.step_counter = 0
@@ -97,10 +99,14 @@ class EngineCore:
             if connector_hits is not None:
                 self.external_prefix_cache_queries += connector_hits.queries
                 self.external_prefix_cache_hits += connector_hits.hits
-            # (`non_block` only for an executor that says `supports_non_block`, e.g. the PP MultiprocExecutor)
+            # (`non_block` only for an executor that says `supports_non_block`, e.g. the PP MultiprocExecutor;
+            # only such a call can return a Future, so the others skip the isinstance test: speed)
             execute: Any = self.executor.execute_model
-            mro = execute(so, non_block=True) if self._non_block else execute(so)
-            result.model_output = None if isinstance(mro, Future) else mro
+            if self._non_block:
+                mro = execute(so, non_block=True)
+                result.model_output = None if isinstance(mro, Future) else mro
+            else:
+                mro = result.model_output = execute(so)
             self.batch_queue.appendleft((so, mro))
             executed = so.total_num_scheduled_tokens > 0
             if len(self.batch_queue) < self.batch_queue_size and (executed or scheduler.has_requests()):
@@ -109,17 +115,19 @@ class EngineCore:
         if self.batch_queue:
             pso, pmro = self.batch_queue.pop()
             result.processed = pso
-            result.outputs = self._update_from_output(pso, _resolved(pmro))
-            self.post_step(pso.total_num_scheduled_tokens > 0)
+            result.outputs = self._update_from_output(pso, _resolved(pmro) if self._non_block else pmro)
+            if self.check_for_draft_tokens:  # (speed: the call only when drafts can be taken)
+                self.post_step(pso.total_num_scheduled_tokens > 0)
         if result.scheduled is not None or result.processed is not None:
             self.step_counter += 1  # a call with nothing to do is not a step
         return result
 
     def _update_from_output(self, so: SchedulerOutput, mro: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(so, mro)
-        step_stats = self.scheduler.last_spec_decoding_stats
-        if self.spec_decoding_totals is not None and step_stats is not None:
-            self.spec_decoding_totals.merge(step_stats)
+        if self.spec_decoding_totals is not None:  # (speed: the scheduler's stats read only when drafting)
+            step_stats = self.scheduler.last_spec_decoding_stats
+            if step_stats is not None:
+                self.spec_decoding_totals.merge(step_stats)
         return outputs
 
     def post_step(self, model_executed: bool) -> None:

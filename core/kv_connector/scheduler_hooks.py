@@ -62,6 +62,14 @@ class ConnectorSchedulerMixin:
         # two batches in flight and a consumer: a load must not land in blocks a step still writes
         self.defer_block_free = async_scheduling and kv_transfer_config.is_kv_consumer
 
+    def _add_connector_stats(self, stats: Any) -> None:
+        """`make_stats` with a connector: its hits for this schedule (reset per schedule, like the local
+        hits) and its counters (a `SchedulerStats`' connector_prefix_cache_stats, kv_connector_stats)."""
+        if self.connector_prefix_cache_stats is not None:
+            stats.connector_prefix_cache_stats = self.connector_prefix_cache_stats
+            self.connector_prefix_cache_stats = PrefixCacheStats()
+        stats.kv_connector_stats = self.connector.take_stats()
+
     # -- admission (the waiting pass) ----------------------------------------------------------
     @staticmethod
     def _holds_kv_blocks(request: Request) -> bool:
