@@ -107,7 +107,7 @@ class Scheduler(ConnectorSchedulerMixin):
         "finished_req_ids", "reset_preempted_req_ids", "current_step", "num_preemptions_total",
         "_num_preempted_since_stats", "last_spec_decoding_stats", "_spec_stats_since_read",
         "speculative_config", "num_spec_tokens", "num_lookahead_tokens", "spec_decode_step_blocks",
-        "_spec_token_placeholders", "_step_spec_tokens",
+        "_spec_token_placeholders", "_step_spec_tokens", "refuse_unservable",
     )
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
