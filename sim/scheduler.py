@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional, Sequence
 
+from servetwin.core.kv_cache.kv_cache_interface import FULL_ATTENTION, SLIDING_WINDOW
 from servetwin.core.kv_cache.kv_sizing import cdiv
 from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -55,15 +56,27 @@ class SimScheduler(Scheduler):
         self.last_updated_step = -1  # scheduler step of the last output processed
         self.running_order: dict[str, int] = {}  # request id -> stamp of its (re)admission (lazy only)
         self._admissions = 0
+        self._group_managers: list = []  # every KV cache group's manager when there are several (lazy only)
 
     # -- implicit steady decodes: public entry points -------------------------------------------------
+    def lazy_decode_supported(self) -> bool:
+        """Whether implicit decodes handle this model's KV cache groups: full-attention and
+        sliding-window groups (a window's out-of-window frees are member events); not chunked local
+        attention."""
+        return all(g.type in (FULL_ATTENTION, SLIDING_WINDOW) for g in self.kv_cache_manager.kv_cache_groups)
+
     def enable_lazy_decode(self, source: LazyTokenSource) -> None:
-        """Schedule steady decodes implicitly (exact; `source` gives the tokens they sample). One
-        full-attention KV cache group only (window groups free blocks as they decode)."""
-        if not self.kv_cache_manager.single_full_attention:
-            raise ValueError("kv_cache_groups: implicit decodes need one full-attention KV cache group")
+        """Schedule steady decodes implicitly (exact; `source` gives the tokens they sample)."""
+        if not self.lazy_decode_supported():
+            raise ValueError("kv_cache_groups: implicit decodes need full-attention or sliding-window "
+                             "KV cache groups")
+        kv = self.kv_cache_manager
+        windows = tuple(g.sliding_window for g in kv.kv_cache_groups if g.type == SLIDING_WINDOW)
         self.lazy = LazyDecodes(source, self.block_size, self.max_model_len, self.async_scheduling,
-                                self.kv_cache_manager.enable_caching)
+                                kv.enable_caching, windows)
+        # several groups: every row goes through allocate_slots as in the core's running pass (the
+        # windows free blocks every few steps), and KV demand is summed over the groups
+        self._group_managers = [] if kv.single_full_attention else kv.coordinator.single_type_managers
         self.running_order = {}
         for r in self.running:
             self._stamp(r)
@@ -195,14 +208,18 @@ class SimScheduler(Scheduler):
         order = self.running_order
         eager = sorted(lazy.nonmembers.values(), key=lambda r: order[r.request_id])
         rows, demand, blocks_needed = self._running_demand(eager, threshold)
+        groups = self._group_managers
         if in_place:  # one token each, counted in k; a new block when C fills the blocks held
             for rid, m in in_place.items():
                 if m.offset + step >= len(req_to_blocks[rid]) * block_size:
                     blocks_needed += 1
             rows += [(m.request, 1) for m in in_place.values()]
             rows.sort(key=lambda row: order[row[0].request_id])
-        if (k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)
-                or blocks_needed > kv.block_pool.free_block_queue.num_free_blocks):
+        if groups:  # (then blocks_needed counts group 0 only: the check below is the whole one)
+            fits = self._group_rows_fit(rows, in_place, step)
+        else:
+            fits = blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
+        if k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens) or not fits:
             self._materialise_all()  # their late tokens stay queued for the trace
             return None
 
@@ -228,8 +245,15 @@ class SimScheduler(Scheduler):
                 lazy.apply_outputs(m, last_updated)
                 computed = m.offset + step
             blocks = req_to_blocks.get(rid)
-            if blocks is not None and computed + n <= len(blocks) * block_size:
-                new_blocks: Optional[Sequence[list]] = []
+            if groups:  # the core's call for every row (vLLM 0.33 sched: allocate_slots per running request)
+                if m is None:
+                    new_blocks = kv.allocate_slots(request, n)
+                    if new_blocks is None:
+                        raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
+                else:
+                    new_blocks = kv.allocate_running_slots(request, n, computed, lazy.num_in_flight)
+            elif blocks is not None and computed + n <= len(blocks) * block_size:
+                new_blocks = []
                 if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
                     kv.cache_blocks(request, min(computed + n, request.num_tokens))
             elif blocks is not None:  # the KV check above guarantees these blocks are free
@@ -239,15 +263,14 @@ class SimScheduler(Scheduler):
                 if new_blocks is None:
                     raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
             if m is not None:  # its token is in k already
-                if lazy.advance(m, step, len(req_to_blocks[rid]), num_cached_block.get(rid, 0)):
+                if lazy.advance(m, step, *self._held_blocks(rid)):
                     continue
                 lazy.materialise(m, step, last_updated)  # listed after all
                 lazy.nonmembers[rid] = request
             else:
                 token_budget -= n
                 input_budget -= n
-                if n == 1 and lazy.try_join(request, step, len(req_to_blocks[rid]),
-                                            num_cached_block.get(rid, 0)):
+                if n == 1 and lazy.try_join(request, step, *self._held_blocks(rid)):
                     del lazy.nonmembers[rid]
                     continue
             scheduled_running_reqs.append(request)
@@ -262,6 +285,16 @@ class SimScheduler(Scheduler):
             so.total_num_scheduled_tokens += implicit.num_reqs
             so.implicit_decodes = implicit
         return so
+
+    def _held_blocks(self, rid: str) -> tuple[int, int]:
+        """(block table length, blocks through `cache_blocks`) of a running request: the smallest
+        over the KV cache groups (they move together; the smallest gives the earliest event)."""
+        groups = self._group_managers
+        if not groups:
+            kv = self.kv_cache_manager
+            return len(kv.req_to_blocks[rid]), kv.num_cached_block.get(rid, 0)
+        return (min(len(g.req_to_blocks[rid]) for g in groups),
+                min(g.num_cached_block.get(rid, 0) for g in groups))
 
     def _running_demand(self, requests: list[Request],
                         threshold: int) -> tuple[list[tuple[Request, int]], int, int]:
@@ -279,6 +312,36 @@ class SimScheduler(Scheduler):
                 held = req_to_blocks.get(r.request_id)
                 blocks += max(0, cdiv(r.num_computed_tokens + n, bs) - (len(held) if held else 0))
         return rows, tokens, blocks
+
+    def _group_rows_fit(self, rows: list[tuple[Request, int]], in_place: dict, step: int) -> bool:
+        """Several KV cache groups: whether every row's allocation succeeds in the running pass, row by
+        row in running order as the core checks it - each row's window frees first (what
+        `remove_skipped_blocks` will drop), then its new blocks in every group against the free count."""
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        max_model_len = self.max_model_len
+        null = kv.block_pool.null_block
+        lazy = self.lazy
+        free = kv.block_pool.free_block_queue.num_free_blocks
+        for request, n in rows:
+            rid = request.request_id
+            m = in_place.get(rid) if in_place else None
+            if m is None:
+                computed, in_flight = request.num_computed_tokens, request.num_in_flight_tokens
+            else:
+                computed, in_flight = m.offset + step, lazy.num_in_flight
+            need_blocks = cdiv(min(computed + n, max_model_len), bs)
+            for g in self._group_managers:
+                blocks = g.req_to_blocks.get(rid) or ()
+                skipped = g.get_num_skipped_tokens(computed - in_flight) // bs
+                i = min(skipped, len(blocks)) - 1
+                while i >= 0 and blocks[i] is not null:  # (SingleTypeKVCacheManager.remove_skipped_blocks)
+                    free += 1
+                    i -= 1
+                free -= max(0, need_blocks - len(blocks))
+            if free < 0:
+                return False
+        return True
 
     # -- decode fast-forward (servetwin.sim.fast_forward) -----------------------------------------
     def steady_decode_steps(self, limit: int) -> int:
