@@ -351,12 +351,17 @@ class SimScheduler(Scheduler):
         while implicit decodes are on).
 
         EOS and stop tokens depend on the sampled tokens: ruling them out is the caller's job.
+        Sliding-window KV cache groups: their frees are replayed in step order too, and the window
+        stops before a step that would free a block another request shares (the step cost reads the
+        pool's shared references, which the caller takes as constant over the window).
         """
         running = self.running
         if (limit <= 0 or self.async_scheduling or self.waiting or not running or self.finished_req_ids
                 or self.reset_preempted_req_ids or self.lazy is not None
-                or not self.kv_cache_manager.single_full_attention):
+                or not self.lazy_decode_supported()):
             return 0
+        if not self.kv_cache_manager.single_full_attention:
+            return self._steady_group_steps(limit)
         num = len(running)
         if num > self.max_num_scheduled_tokens or num > self.max_num_batched_tokens:
             return 0
@@ -394,11 +399,62 @@ class SimScheduler(Scheduler):
             k = lo
         return k
 
+    def _steady_group_steps(self, limit: int) -> int:
+        """`steady_decode_steps` with several KV cache groups (full attention and sliding windows)."""
+        running = self.running
+        num = len(running)
+        if num > self.max_num_scheduled_tokens or num > self.max_num_batched_tokens:
+            return 0
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        caching = kv.enable_caching
+        groups = kv.coordinator.single_type_managers
+        null = kv.block_pool.null_block
+        k = limit
+        for r in running:
+            rid = r.request_id
+            n_tok = r.num_tokens
+            computed = r.num_computed_tokens
+            if n_tok - computed != 1 or r.num_output_placeholders or not r.num_output_tokens:
+                return 0  # not a decode (a 1-token last prefill chunk is a context request)
+            registered = min(computed, len(r.block_hashes) * bs) // bs
+            if caching and any(g.num_cached_block.get(rid, 0) < registered for g in groups):
+                return 0  # registration lags: let a normal step catch it up
+            remaining = min(r.max_tokens - r.num_output_tokens, self.max_model_len - n_tok)
+            k = min(k, remaining - 1)
+            for g in groups:  # the first step at which a window frees a shared block
+                if g.kv_cache_spec.type != SLIDING_WINDOW:
+                    continue
+                w = g.kv_cache_spec.sliding_window
+                for i, b in enumerate(g.req_to_blocks[rid]):
+                    if b is not null and b.ref_cnt > 1:  # freed once C - W + 1 passes block i
+                        k = min(k, max(0, (i + 1) * bs + w - 1 - computed))
+            if k <= 0:
+                return 0
+        free = kv.num_free_blocks
+
+        def blocks_needed(steps: int) -> int:  # (the windows' frees not counted: enough blocks anyway)
+            return sum(max(0, cdiv(r.num_computed_tokens + steps, bs) - len(g.req_to_blocks[r.request_id]))
+                       for r in running for g in groups)
+
+        if blocks_needed(k) > free:
+            lo, hi = 0, k  # largest steps with blocks_needed(steps) <= free
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if blocks_needed(mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        return k
+
     def fast_forward_decode(self, k: int, tokens: list[list[int]]) -> list[int]:
         """Apply `k` steady decode steps at once (see `steady_decode_steps`); `tokens[i]` are the k
         tokens sampled for `running[i]`. Block allocation and prefix-cache registration happen in the
         exact step-by-step order (step, then running order), so the state equals k normal steps.
         Returns the number of free blocks after each step's scheduling."""
+        if not self.kv_cache_manager.single_full_attention:
+            return self._fast_forward_groups(k, tokens)
         kv = self.kv_cache_manager
         bs = self.block_size
         caching = kv.enable_caching
@@ -438,6 +494,63 @@ class SimScheduler(Scheduler):
         for a in allocs:
             free -= a
             out.append(free)
+        return out
+
+    def _fast_forward_groups(self, k: int, tokens: list[list[int]]) -> list[int]:
+        """`fast_forward_decode` with several KV cache groups: each row's step does what the core's
+        `allocate_slots` does, in its order - the windows drop the blocks out of their window, every
+        group allocates, every group caches - at the steps where any of it can do something (a call
+        that has nothing to do changes nothing)."""
+        kv = self.kv_cache_manager
+        coord = kv.coordinator
+        bs = self.block_size
+        caching = kv.enable_caching
+        running = self.running
+        windows = [g.kv_cache_spec.sliding_window for g in coord.single_type_managers
+                   if g.kv_cache_spec.type == SLIDING_WINDOW]
+        events: set[tuple[int, int, int]] = set()  # (window step, row, 0 = drop / 1 = allocate / 2 = cache)
+        starts = []
+        for row, r in enumerate(running):
+            c0 = r.num_computed_tokens
+            starts.append(c0)
+            rid = r.request_id
+            for g in coord.single_type_managers:
+                j = len(g.req_to_blocks[rid]) * bs - c0
+                while j < k:
+                    events.add((j, row, 1))
+                    j += bs
+            if windows:
+                events.add((0, row, 0))  # (whatever an earlier step left to drop)
+            for w in windows:  # C - W + 1 reaches a block boundary
+                j = (w - 1 - c0) % bs
+                while j < k:
+                    events.add((j, row, 0))
+                    j += bs
+            if caching:
+                j = (bs - (c0 + 1) % bs) % bs
+                while j < k:
+                    events.add((j, row, 2))
+                    j += bs
+        for r, toks in zip(running, tokens):
+            r.append_output_token_ids(toks)
+        pool = kv.block_pool
+        out: list[int] = []
+        for j, row, kind in sorted(events):
+            while len(out) < j:  # steps before j are complete
+                out.append(pool.get_num_free_blocks())
+            r = running[row]
+            c = starts[row] + j
+            if kind == 0:
+                coord.remove_skipped_blocks(r.request_id, c)  # (sync: nothing in flight)
+            elif kind == 1:
+                coord.allocate_new_blocks(r.request_id, min(c + 1, self.max_model_len))
+            else:
+                coord.cache_blocks(r, c + 1)
+        while len(out) < k:
+            out.append(pool.get_num_free_blocks())
+        for r, c0 in zip(running, starts):
+            r.num_computed_tokens = c0 + k
+        self.current_step += k
         return out
 
 

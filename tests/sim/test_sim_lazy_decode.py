@@ -10,7 +10,8 @@ from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_factory import create_engine_core
 from servetwin.sim.engine import Simulation
 from servetwin.sim.workload import build_workload, rng_streams
-from sim_helpers import assert_same_block_pool, small_workload
+from sim_helpers import (LAYER_PATTERNS, NUM_KV_CACHE_GROUPS, assert_same_block_pool, hybrid_spec, sim_model,
+                         small_workload)
 
 # more examples for a thorough local check: SERVETWIN_LAZY_EXAMPLES=1500
 EXAMPLES = int(os.environ.get("SERVETWIN_LAZY_EXAMPLES", "60"))
@@ -134,37 +135,9 @@ def test_block_boundaries_are_handled_in_place(async_scheduling, monkeypatch):
 
 
 # -- hybrid models: sliding-window KV cache groups free blocks as a member decodes --------------------
-LAYER_PATTERNS = {  # tiny-llama's sizes with these attention layers
-    "gpt-oss-like": ("sliding_attention", "full_attention"),  # [sliding W, full]
-    "all-sliding": ("sliding_attention", "sliding_attention"),  # [sliding W]
-    "gemma-like": ("sliding_attention",) * 5 + ("full_attention",),  # five sliding groups, then full
-}
-
-
-def _hybrid_spec(pattern: str, window: int):
-    import dataclasses  # noqa: PLC0415
-
-    from servetwin.sim.model_spec import PRESETS  # noqa: PLC0415
-    layers = LAYER_PATTERNS[pattern]
-    return dataclasses.replace(PRESETS["tiny-llama"], name=f"tiny-{pattern}", num_layers=len(layers),
-                               layer_types=layers, sliding_window=window)
-
-
 def _assert_same_hybrid_run(spec, engine_kw: dict, workload: dict, retention=0, max_time_s=None) -> None:
     """`_assert_same_run` on a model with these layers (and this sparse-retention interval)."""
-    import dataclasses  # noqa: PLC0415
-    from unittest import mock  # noqa: PLC0415
-
-    import servetwin.sim.kv_pool as kv_pool  # noqa: PLC0415
-    orig = EngineArgs.cache_config
-
-    def cache_config(self, *a, **kw):
-        config = orig(self, *a, **kw)
-        if config.kv_cache_groups is None:  # (asked before the model's groups are known)
-            return config
-        return dataclasses.replace(config, prefix_cache_retention_interval=retention)
-    with mock.patch.object(kv_pool, "load_model_spec", lambda name, dtype=None: spec), \
-            mock.patch.object(EngineArgs, "cache_config", cache_config):
+    with sim_model(spec, retention):
         _assert_same_run(engine_kw, workload, max_time_s=max_time_s)
 
 
@@ -197,10 +170,10 @@ def test_implicit_decodes_with_sliding_window_groups_trace_equals_step_by_step(
     """Hybrid models (gpt-oss's sliding / full layers, all sliding, Gemma's five sliding groups per full
     one): the windows' out-of-window frees, their sparse prefix-cache retention, prefix sharing,
     preemption (small pools), sync and async - the same trace and block pool as step by step."""
-    spec = _hybrid_spec(pattern, window)
+    spec = hybrid_spec(pattern, window)
     max_model_len = 96 if block_size < 16 else 96 + 16 * (extra_blocks % 3)
-    num_groups = len(set(LAYER_PATTERNS[pattern])) if pattern != "gemma-like" else 6
-    num_blocks = num_groups * -(-max_model_len // block_size) + 1 + extra_blocks  # one max-length request fits
+    # one max-length request fits
+    num_blocks = NUM_KV_CACHE_GROUPS[pattern] * -(-max_model_len // block_size) + 1 + extra_blocks
     engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
                      max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max(budget, max_num_seqs) if chunked else 128,
@@ -232,7 +205,7 @@ def test_window_frees_are_handled_in_place(async_scheduling, caching, monkeypatc
             counts[_name] += 1
             return _orig(self, *a)
         monkeypatch.setattr(LazyDecodes, name, wrapped)
-    _assert_same_hybrid_run(_hybrid_spec("gpt-oss-like", 18), engine_kw, workload)
+    _assert_same_hybrid_run(hybrid_spec("gpt-oss-like", 18), engine_kw, workload)
     # per request: ~300/4 new blocks and ~300/4 frees in place, at different steps (the window's
     # boundary is 2 tokens off the blocks'), materialised about once
     assert counts["advance"] >= 8 * 2 * 300 // 4 - 8 * 8
