@@ -315,8 +315,9 @@ class SimScheduler(Scheduler):
 
     def _group_rows_fit(self, rows: list[tuple[Request, int]], in_place: dict, step: int) -> bool:
         """Several KV cache groups: whether every row's allocation succeeds in the running pass, row by
-        row in running order as the core checks it - each row's window frees first (what
-        `remove_skipped_blocks` will drop), then its new blocks in every group against the free count."""
+        row in running order as the core checks it - each row's window frees first (the blocks
+        `remove_skipped_blocks` will return to the pool: those no other request holds), then its new
+        blocks in every group against the free count."""
         kv = self.kv_cache_manager
         bs = self.block_size
         max_model_len = self.max_model_len
@@ -336,7 +337,8 @@ class SimScheduler(Scheduler):
                 skipped = g.get_num_skipped_tokens(computed - in_flight) // bs
                 i = min(skipped, len(blocks)) - 1
                 while i >= 0 and blocks[i] is not null:  # (SingleTypeKVCacheManager.remove_skipped_blocks)
-                    free += 1
+                    if blocks[i].ref_cnt == 1:  # (a shared block stays taken: not counted, to be sure)
+                        free += 1
                     i -= 1
                 free -= max(0, need_blocks - len(blocks))
             if free < 0:

@@ -4,7 +4,7 @@ import os
 
 import pandas as pd
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_factory import create_engine_core
@@ -164,6 +164,9 @@ def _assert_same_hybrid_run(spec, engine_kw: dict, workload: dict, retention=0, 
     seed=st.integers(0, 1000),
     policy=st.sampled_from(["fcfs", "priority"]),
 )
+@example(pattern="gpt-oss-like", window=13, retention=0, async_scheduling=True, caching=True, chunked=True,
+         block_size=4, extra_blocks=6, max_num_seqs=6, budget=8, threshold=0, rate=None, requests=4, prompt_hi=41,
+         out_hi=29, shared=False, n=2, finish="max_tokens", seed=8, policy="priority")  # a shared block's free
 def test_implicit_decodes_with_sliding_window_groups_trace_equals_step_by_step(
         pattern, window, retention, async_scheduling, caching, chunked, block_size, extra_blocks, max_num_seqs,
         budget, threshold, rate, requests, prompt_hi, out_hi, shared, n, finish, seed, policy):
