@@ -8,8 +8,10 @@ different cost.
 - Implicit steady decodes (`enable_lazy_decode`, bookkeeping in `servetwin.sim.lazy_decode`) remove
   the per-row cost: a request in steady decode is scheduled in aggregate (`SchedulerOutput.
   implicit_decodes`) instead of listed, until its next event. Works in sync and async scheduling,
-  under any load; needs an executor whose tokens depend on the request alone and a trace without
-  per-request step rows. On bench_h100_llama8b (async) it makes the simulator about 7x faster.
+  under any load, with full-attention and sliding-window KV cache groups (a window's free is an
+  event; with several groups every listed row goes through `allocate_slots` as in the core);
+  needs an executor whose tokens depend on the request alone and a trace without per-request step
+  rows. On bench_h100_llama8b (async) it makes the simulator about 7x faster.
 - Decode fast-forward (`steady_decode_steps` + `fast_forward_decode`, driven by
   `servetwin.sim.fast_forward`) removes the per-step cost: k steps of an all-decode batch in one go.
   Sync scheduling only, when nothing waits and nothing arrives in the window (small offline batches,
