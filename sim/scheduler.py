@@ -247,6 +247,7 @@ class SimScheduler(Scheduler):
                 lazy.apply_outputs(m, last_updated)
                 computed = m.offset + step
             blocks = req_to_blocks.get(rid)
+            new_blocks: Optional[Sequence[list]]
             if groups:  # the core's call for every row (vLLM 0.33 sched: allocate_slots per running request)
                 if m is None:
                     new_blocks = kv.allocate_slots(request, n)

@@ -155,11 +155,11 @@ class KVCacheManager:
             computed = request.num_computed_tokens
         if not self.has_windows and len(self.kv_cache_groups) == 1:  # (one group: no extra layer)
             manager = self.coordinator.single_type_managers[0]
-            new_blocks = manager.allocate_new_blocks(request.request_id, min(computed + num_new_tokens,
-                                                                             self.max_model_len))
+            group_blocks = manager.allocate_new_blocks(request.request_id, min(computed + num_new_tokens,
+                                                                               self.max_model_len))
             if self.enable_caching:
                 manager.cache_blocks(request, min(computed + num_new_tokens, len(request._all_token_ids)))
-            return (new_blocks,)
+            return (group_blocks,)
         coord = self.coordinator
         rid = request.request_id
         if self.has_windows:  # on what is processed, as allocate_slots
