@@ -122,8 +122,8 @@ class Simulation:
         self.pipeline = getattr(ex, "pipeline", None)
         if self.pipeline is not None:
             lazy_decode = fast_forward = False
-        # (lazy decode handles sliding-window KV cache groups, whose frees are member events; the
-        # fast-forward assumes one full-attention group, `SimScheduler.steady_decode_steps`)
+        # (both handle full-attention and sliding-window KV cache groups, a window's frees replayed at
+        # their step; not chunked local attention: `SimScheduler.lazy_decode_supported`)
         # speculative decoding: both off (their steady decode rows sample one token each, no drafts)
         drafting = bool(getattr(engine.scheduler, "num_spec_tokens", 0))
         # a KV connector: both off too (its worker side prices every step's transfers, sim/kv_transfer.py)

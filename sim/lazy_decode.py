@@ -11,8 +11,9 @@ step's aggregates (`SchedulerOutput.implicit_decodes`: rows, sum and max of comp
 A member's next event is the first step at which the normal code could do anything but "+1 token":
 it needs a new block, a block of it becomes full (prefix-cache registration), a sliding-window KV
 cache group drops a block that fell out of its window (hybrid models such as gpt-oss: the freed block
-goes back to the pool at that row's place in the step), or it reaches its length cap. Events are computed when the request joins (conservatively: an event too early only
-costs speed). At a KV event (a new block, a block registered) the member stays implicit: its
+goes back to the pool at that row's place in the step), or it reaches its length cap. Events are
+computed when the request joins (conservatively: an event too early only costs speed). At a KV
+event (a new block, a block registered, a block dropped) the member stays implicit: its
 outputs so far are applied (the tokens from the executor's per-request token rule, so the block
 hashes exist) and its row of the running pass does the KV work in running order with its implicit C,
 then its next event is set (`advance`). At its terminal event (the last token, the length cap) - or

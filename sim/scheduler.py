@@ -24,7 +24,7 @@ with `SimExecutor` (`SimExecutor.scheduler_cls`), the only executor that execute
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from servetwin.core.kv_cache.kv_cache_interface import FULL_ATTENTION, SLIDING_WINDOW
 from servetwin.core.kv_cache.kv_sizing import cdiv
@@ -47,6 +47,21 @@ def _with_rows(so: SchedulerOutput, num_scheduled_tokens: dict[str, int]) -> Sch
     kwargs = {name: getattr(so, name) for name in _OUTPUT_FIELDS}
     kwargs["num_scheduled_tokens"] = num_scheduled_tokens
     return SchedulerOutput(**kwargs)
+
+
+def _most_steps_within(k: int, blocks_needed: Callable[[int], int], free: int) -> int:
+    """The largest number of steps up to k whose new blocks (`blocks_needed(steps)`, non-decreasing)
+    fit in `free`."""
+    if blocks_needed(k) <= free:
+        return k
+    lo, hi = 0, k
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks_needed(mid) <= free:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class SimScheduler(Scheduler):
@@ -393,16 +408,7 @@ class SimScheduler(Scheduler):
             return sum(max(0, cdiv(r.num_computed_tokens + steps, bs) - len(req_to_blocks[r.request_id]))
                        for r in running)
 
-        if blocks_needed(k) > free:
-            lo, hi = 0, k  # largest steps with blocks_needed(steps) <= free
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if blocks_needed(mid) <= free:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            k = lo
-        return k
+        return _most_steps_within(k, blocks_needed, free)
 
     def _steady_group_steps(self, limit: int) -> int:
         """`steady_decode_steps` with several KV cache groups (full attention and sliding windows)."""
@@ -442,16 +448,7 @@ class SimScheduler(Scheduler):
             return sum(max(0, cdiv(r.num_computed_tokens + steps, bs) - len(g.req_to_blocks[r.request_id]))
                        for r in running for g in groups)
 
-        if blocks_needed(k) > free:
-            lo, hi = 0, k  # largest steps with blocks_needed(steps) <= free
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if blocks_needed(mid) <= free:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            k = lo
-        return k
+        return _most_steps_within(k, blocks_needed, free)
 
     def fast_forward_decode(self, k: int, tokens: list[list[int]]) -> list[int]:
         """Apply `k` steady decode steps at once (see `steady_decode_steps`); `tokens[i]` are the k
