@@ -26,18 +26,19 @@ Measured 2026-12-06 on the shared 2-core machine, under load (eight sessions; no
   require a single full-attention group, so every decode step of every engine is simulated one by one;
   the Llama-3.1-8B bench uses them. Making those shortcuts handle a sliding-window group (blocks freed
   each step) is the lever, not the cluster machinery; not done here.
-- after the shortcuts learnt sliding-window groups (a window's free is a member event; same machine,
-  under load - load average ~10 on 2 cores; CPU seconds of `simulate_cluster` on the ladder's first
-  stages, the old checkout and the new one run one after the other): 810 requests (warm-up + first
-  stage) 16.8 -> 11.7 s, 2,070 requests (the first four stages) 49.8 -> 26.8 s (1.9x). Every engine
-  runs lazy decode now (403,380 implicit decode rows against 1,621 listed for the 810 requests), and the
-  traces, completions and router decisions equal the step-by-step run's (compared frame by frame at
-  2,070 requests). What remains is the per-step cost (102,095 steps for 810 requests: 16 engines
-  at a few requests each): `--profile 810` gives the scheduler's `schedule` 29 s cumulative of 88 s,
-  trace recording 13 s, the executor 11 s, the front end 10 s. This script (`--repeats 1`, same load):
-  single 55.0 s wall (5.50 ms / request), cluster llm-d 575.2 s wall for the 17,084 requests (33.67 ms
-  / request, 1,985 MB peak RSS): 6.1x the single engine's wall time per request (8.95x in the loop),
-  against ~100x before; the 1.5x target is not met.
+- after the shortcuts learnt sliding-window groups (a window's free is a member event), same machine,
+  under load (load average 4-10 on 2 cores; not results). CPU seconds of `simulate_cluster` on the
+  ladder's first stages, the old checkout and the new one one after the other: 810 requests 16.8 ->
+  11.7 s, 2,070 requests 49.8 -> 26.8 s, 5,053 requests 72.3 -> 47.1 s (1.4-1.9x). Every engine runs
+  lazy decode now (at 5,053 requests: 2,516,394 implicit decode rows against 10,107 listed, 16
+  fall-backs to the normal step), and the traces, completions and router decisions equal the
+  step-by-step run's (compared frame by frame at 2,070 requests). This script (`--repeats 1`), the new
+  checkout then the old: single 55.0 / 40.6 s wall, cluster llm-d 575.2 / 566.8 s wall for the 17,084
+  requests (33.7 / 33.2 ms per request; 1,985 / 1,963 MB peak RSS): 6.1x / 8.2x the single engine's
+  wall time per request - the load moved between the runs, so only the same-run ratios compare
+  (about 1.3x better); the 1.5x target is not met. What remains is the per-step cost (102,095 steps
+  for 810 requests: 16 engines at a few requests each): `--profile 810` gives the scheduler's
+  `schedule` 29 s cumulative of 88 s, trace recording 13 s, the executor 11 s, the front end 10 s.
 
 Usage: python benchmarks/cluster_speed.py [--repeats 1] [--both-arms] [--profile 1060]
 """
