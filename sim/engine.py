@@ -122,7 +122,8 @@ class Simulation:
         self.pipeline = getattr(ex, "pipeline", None)
         if self.pipeline is not None:
             lazy_decode = fast_forward = False
-        # (both shortcuts assume one full-attention KV cache group: window groups free blocks every step)
+        # (both handle full-attention and sliding-window KV cache groups, a window's frees replayed at
+        # their step; not chunked local attention: `SimScheduler.lazy_decode_supported`)
         # speculative decoding: both off (their steady decode rows sample one token each, no drafts)
         drafting = bool(getattr(engine.scheduler, "num_spec_tokens", 0))
         # a KV connector: both off too (its worker side prices every step's transfers, sim/kv_transfer.py)
@@ -130,7 +131,7 @@ class Simulation:
         self.lazy_decode = bool(lazy_decode and plain and not record_step_requests
                                 and isinstance(engine.scheduler, SimScheduler)
                                 and hasattr(ex, "lazy_tokens") and getattr(ex, "token_rule", None) == "request"
-                                and engine.scheduler.kv_cache_manager.single_full_attention)
+                                and engine.scheduler.lazy_decode_supported())
         if self.lazy_decode:
             engine.scheduler.enable_lazy_decode(ex)
         self.fast_forward = fast_forward and not self.lazy_decode and plain

@@ -37,7 +37,8 @@ def fast_forward(engine: EngineCore, recorder: TraceRecorder, t0: float, t_limit
         return []
     starts = [r.num_computed_tokens for r in running]
     pool = scheduler.kv_cache_manager.block_pool
-    shared_kv = pool.num_shared_refs * scheduler.block_size  # no block is shared or freed in the window
+    # no block is shared or unshared in the window (a window group stops before freeing a shared one)
+    shared_kv = pool.num_shared_refs * scheduler.block_size
     durations = executor.decode_step_durations(len(ids), sum(starts), k, shared_kv)
     t_starts, t_ends, t = [], [], t0
     for d in durations:

@@ -9,9 +9,11 @@ step's aggregates (`SchedulerOutput.implicit_decodes`: rows, sum and max of comp
 `num_scheduled_tokens`, not touched by `update_from_output`, and produces no `EngineCoreOutput`.
 
 A member's next event is the first step at which the normal code could do anything but "+1 token":
-it needs a new block, a block of it becomes full (prefix-cache registration), or it reaches its
-length cap. Events are computed when the request joins (conservatively: an event too early only
-costs speed). At a KV event (a new block, a block registered) the member stays implicit: its
+it needs a new block, a block of it becomes full (prefix-cache registration), a sliding-window KV
+cache group drops a block that fell out of its window (hybrid models such as gpt-oss: the freed block
+goes back to the pool at that row's place in the step), or it reaches its length cap. Events are
+computed when the request joins (conservatively: an event too early only costs speed). At a KV
+event (a new block, a block registered, a block dropped) the member stays implicit: its
 outputs so far are applied (the tokens from the executor's per-request token rule, so the block
 hashes exist) and its row of the running pass does the KV work in running order with its implicit C,
 then its next event is set (`advance`). At its terminal event (the last token, the length cap) - or
@@ -68,12 +70,18 @@ class _Member:
 
 class LazyDecodes:
     def __init__(self, source: LazyTokenSource, block_size: int, max_model_len: int,
-                 async_scheduling: bool, caching: bool) -> None:
+                 async_scheduling: bool, caching: bool, sliding_windows: tuple[int, ...] = ()) -> None:
+        """`sliding_windows`: the window W of each sliding-window KV cache group (their out-of-window
+        blocks are freed as a member decodes: events too)."""
         self.source = source
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
         self.caching = caching
+        self.sliding_windows = tuple(sorted(set(sliding_windows)))
+        # tokens in flight when a steady decode row is scheduled (its last step's, in async): a window
+        # drops blocks on the tokens processed, C minus these (KVCacheManager.allocate_slots)
+        self.num_in_flight = 1 if async_scheduling else 0
         self.members: dict[str, _Member] = {}
         self.nonmembers: dict[str, Request] = {}  # running requests that are not members (valid with members)
         self.sum_offset = 0
@@ -137,6 +145,15 @@ class LazyDecodes:
                 full = (num_cached_blocks + 1) * bs - 1 - c
                 if full < offset:
                     offset = full
+        # A window group frees a block: the row's KV work at C = c (on the c - num_in_flight tokens
+        # processed) dropped the blocks wholly before c - num_in_flight - W + 1; the next one goes
+        # when that point crosses the next block boundary (SlidingWindowManager.remove_skipped_blocks).
+        known = c - self.num_in_flight
+        for w in self.sliding_windows:
+            dropped = max(0, known - w + 1) // bs
+            free = (dropped + 1) * bs + w - 1 - known
+            if free < offset:
+                offset = free
         return offset
 
     def advance(self, m: _Member, step: int, kv_blocks: int, num_cached_blocks: int) -> bool:

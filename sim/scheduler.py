@@ -8,8 +8,10 @@ different cost.
 - Implicit steady decodes (`enable_lazy_decode`, bookkeeping in `servetwin.sim.lazy_decode`) remove
   the per-row cost: a request in steady decode is scheduled in aggregate (`SchedulerOutput.
   implicit_decodes`) instead of listed, until its next event. Works in sync and async scheduling,
-  under any load; needs an executor whose tokens depend on the request alone and a trace without
-  per-request step rows. On bench_h100_llama8b (async) it makes the simulator about 7x faster.
+  under any load, with full-attention and sliding-window KV cache groups (a window's free is an
+  event; with several groups every listed row goes through `allocate_slots` as in the core);
+  needs an executor whose tokens depend on the request alone and a trace without per-request step
+  rows. On bench_h100_llama8b (async) it makes the simulator about 7x faster.
 - Decode fast-forward (`steady_decode_steps` + `fast_forward_decode`, driven by
   `servetwin.sim.fast_forward`) removes the per-step cost: k steps of an all-decode batch in one go.
   Sync scheduling only, when nothing waits and nothing arrives in the window (small offline batches,
@@ -22,8 +24,9 @@ with `SimExecutor` (`SimExecutor.scheduler_cls`), the only executor that execute
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
+from servetwin.core.kv_cache.kv_cache_interface import FULL_ATTENTION, SLIDING_WINDOW
 from servetwin.core.kv_cache.kv_sizing import cdiv
 from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -46,6 +49,21 @@ def _with_rows(so: SchedulerOutput, num_scheduled_tokens: dict[str, int]) -> Sch
     return SchedulerOutput(**kwargs)
 
 
+def _most_steps_within(k: int, blocks_needed: Callable[[int], int], free: int) -> int:
+    """The largest number of steps up to k whose new blocks (`blocks_needed(steps)`, non-decreasing)
+    fit in `free`."""
+    if blocks_needed(k) <= free:
+        return k
+    lo, hi = 0, k
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks_needed(mid) <= free:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class SimScheduler(Scheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  log_stats: bool = True, speculative_config: Optional[SpeculativeConfig] = None,
@@ -55,15 +73,27 @@ class SimScheduler(Scheduler):
         self.last_updated_step = -1  # scheduler step of the last output processed
         self.running_order: dict[str, int] = {}  # request id -> stamp of its (re)admission (lazy only)
         self._admissions = 0
+        self._group_managers: list = []  # every KV cache group's manager when there are several (lazy only)
 
     # -- implicit steady decodes: public entry points -------------------------------------------------
+    def lazy_decode_supported(self) -> bool:
+        """Whether implicit decodes handle this model's KV cache groups: full-attention and
+        sliding-window groups (a window's out-of-window frees are member events); not chunked local
+        attention."""
+        return all(g.type in (FULL_ATTENTION, SLIDING_WINDOW) for g in self.kv_cache_manager.kv_cache_groups)
+
     def enable_lazy_decode(self, source: LazyTokenSource) -> None:
-        """Schedule steady decodes implicitly (exact; `source` gives the tokens they sample). One
-        full-attention KV cache group only (window groups free blocks as they decode)."""
-        if not self.kv_cache_manager.single_full_attention:
-            raise ValueError("kv_cache_groups: implicit decodes need one full-attention KV cache group")
+        """Schedule steady decodes implicitly (exact; `source` gives the tokens they sample)."""
+        if not self.lazy_decode_supported():
+            raise ValueError("kv_cache_groups: implicit decodes need full-attention or sliding-window "
+                             "KV cache groups")
+        kv = self.kv_cache_manager
+        windows = tuple(g.sliding_window for g in kv.kv_cache_groups if g.type == SLIDING_WINDOW)
         self.lazy = LazyDecodes(source, self.block_size, self.max_model_len, self.async_scheduling,
-                                self.kv_cache_manager.enable_caching)
+                                kv.enable_caching, windows)
+        # several groups: every row goes through allocate_slots as in the core's running pass (the
+        # windows free blocks every few steps), and KV demand is summed over the groups
+        self._group_managers = [] if kv.single_full_attention else kv.coordinator.single_type_managers
         self.running_order = {}
         for r in self.running:
             self._stamp(r)
@@ -195,14 +225,18 @@ class SimScheduler(Scheduler):
         order = self.running_order
         eager = sorted(lazy.nonmembers.values(), key=lambda r: order[r.request_id])
         rows, demand, blocks_needed = self._running_demand(eager, threshold)
+        groups = self._group_managers
         if in_place:  # one token each, counted in k; a new block when C fills the blocks held
             for rid, m in in_place.items():
                 if m.offset + step >= len(req_to_blocks[rid]) * block_size:
                     blocks_needed += 1
             rows += [(m.request, 1) for m in in_place.values()]
             rows.sort(key=lambda row: order[row[0].request_id])
-        if (k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)
-                or blocks_needed > kv.block_pool.free_block_queue.num_free_blocks):
+        if groups:  # (then blocks_needed counts group 0 only: the check below is the whole one)
+            fits = self._group_rows_fit(rows, in_place, step)
+        else:
+            fits = blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
+        if k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens) or not fits:
             self._materialise_all()  # their late tokens stay queued for the trace
             return None
 
@@ -228,8 +262,16 @@ class SimScheduler(Scheduler):
                 lazy.apply_outputs(m, last_updated)
                 computed = m.offset + step
             blocks = req_to_blocks.get(rid)
-            if blocks is not None and computed + n <= len(blocks) * block_size:
-                new_blocks: Optional[Sequence[list]] = []
+            new_blocks: Optional[Sequence[list]]
+            if groups:  # the core's call for every row (vLLM 0.33 sched: allocate_slots per running request)
+                if m is None:
+                    new_blocks = kv.allocate_slots(request, n)
+                    if new_blocks is None:
+                        raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
+                else:
+                    new_blocks = kv.allocate_running_slots(request, n, computed, lazy.num_in_flight)
+            elif blocks is not None and computed + n <= len(blocks) * block_size:
+                new_blocks = []
                 if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
                     kv.cache_blocks(request, min(computed + n, request.num_tokens))
             elif blocks is not None:  # the KV check above guarantees these blocks are free
@@ -239,15 +281,14 @@ class SimScheduler(Scheduler):
                 if new_blocks is None:
                     raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
             if m is not None:  # its token is in k already
-                if lazy.advance(m, step, len(req_to_blocks[rid]), num_cached_block.get(rid, 0)):
+                if lazy.advance(m, step, *self._held_blocks(rid)):
                     continue
                 lazy.materialise(m, step, last_updated)  # listed after all
                 lazy.nonmembers[rid] = request
             else:
                 token_budget -= n
                 input_budget -= n
-                if n == 1 and lazy.try_join(request, step, len(req_to_blocks[rid]),
-                                            num_cached_block.get(rid, 0)):
+                if n == 1 and lazy.try_join(request, step, *self._held_blocks(rid)):
                     del lazy.nonmembers[rid]
                     continue
             scheduled_running_reqs.append(request)
@@ -262,6 +303,16 @@ class SimScheduler(Scheduler):
             so.total_num_scheduled_tokens += implicit.num_reqs
             so.implicit_decodes = implicit
         return so
+
+    def _held_blocks(self, rid: str) -> tuple[int, int]:
+        """(block table length, blocks through `cache_blocks`) of a running request: the smallest
+        over the KV cache groups (they move together; the smallest gives the earliest event)."""
+        groups = self._group_managers
+        if not groups:
+            kv = self.kv_cache_manager
+            return len(kv.req_to_blocks[rid]), kv.num_cached_block.get(rid, 0)
+        return (min(len(g.req_to_blocks[rid]) for g in groups),
+                min(g.num_cached_block.get(rid, 0) for g in groups))
 
     def _running_demand(self, requests: list[Request],
                         threshold: int) -> tuple[list[tuple[Request, int]], int, int]:
@@ -280,6 +331,38 @@ class SimScheduler(Scheduler):
                 blocks += max(0, cdiv(r.num_computed_tokens + n, bs) - (len(held) if held else 0))
         return rows, tokens, blocks
 
+    def _group_rows_fit(self, rows: list[tuple[Request, int]], in_place: dict, step: int) -> bool:
+        """Several KV cache groups: whether every row's allocation succeeds in the running pass, row by
+        row in running order as the core checks it - each row's window frees first (the blocks
+        `remove_skipped_blocks` will return to the pool: those no other request holds), then its new
+        blocks in every group against the free count."""
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        max_model_len = self.max_model_len
+        null = kv.block_pool.null_block
+        lazy = self.lazy
+        free = kv.block_pool.free_block_queue.num_free_blocks
+        for request, n in rows:
+            rid = request.request_id
+            m = in_place.get(rid) if in_place else None
+            if m is None:
+                computed, in_flight = request.num_computed_tokens, request.num_in_flight_tokens
+            else:
+                computed, in_flight = m.offset + step, lazy.num_in_flight
+            need_blocks = cdiv(min(computed + n, max_model_len), bs)
+            for g in self._group_managers:
+                blocks = g.req_to_blocks.get(rid) or ()
+                skipped = g.get_num_skipped_tokens(computed - in_flight) // bs
+                i = min(skipped, len(blocks)) - 1
+                while i >= 0 and blocks[i] is not null:  # (SingleTypeKVCacheManager.remove_skipped_blocks)
+                    if blocks[i].ref_cnt == 1:  # (a shared block stays taken: not counted, to be sure)
+                        free += 1
+                    i -= 1
+                free -= max(0, need_blocks - len(blocks))
+            if free < 0:
+                return False
+        return True
+
     # -- decode fast-forward (servetwin.sim.fast_forward) -----------------------------------------
     def steady_decode_steps(self, limit: int) -> int:
         """How many of the next steps (at most `limit`) are certain to schedule exactly one token for
@@ -288,12 +371,17 @@ class SimScheduler(Scheduler):
         while implicit decodes are on).
 
         EOS and stop tokens depend on the sampled tokens: ruling them out is the caller's job.
+        Sliding-window KV cache groups: their frees are replayed in step order too, and the window
+        stops before a step that would free a block another request shares (the step cost reads the
+        pool's shared references, which the caller takes as constant over the window).
         """
         running = self.running
         if (limit <= 0 or self.async_scheduling or self.waiting or not running or self.finished_req_ids
                 or self.reset_preempted_req_ids or self.lazy is not None
-                or not self.kv_cache_manager.single_full_attention):
+                or not self.lazy_decode_supported()):
             return 0
+        if not self.kv_cache_manager.single_full_attention:
+            return self._steady_group_steps(limit)
         num = len(running)
         if num > self.max_num_scheduled_tokens or num > self.max_num_batched_tokens:
             return 0
@@ -320,22 +408,55 @@ class SimScheduler(Scheduler):
             return sum(max(0, cdiv(r.num_computed_tokens + steps, bs) - len(req_to_blocks[r.request_id]))
                        for r in running)
 
-        if blocks_needed(k) > free:
-            lo, hi = 0, k  # largest steps with blocks_needed(steps) <= free
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if blocks_needed(mid) <= free:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            k = lo
-        return k
+        return _most_steps_within(k, blocks_needed, free)
+
+    def _steady_group_steps(self, limit: int) -> int:
+        """`steady_decode_steps` with several KV cache groups (full attention and sliding windows)."""
+        running = self.running
+        num = len(running)
+        if num > self.max_num_scheduled_tokens or num > self.max_num_batched_tokens:
+            return 0
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        caching = kv.enable_caching
+        groups = kv.coordinator.single_type_managers
+        null = kv.block_pool.null_block
+        k = limit
+        for r in running:
+            rid = r.request_id
+            n_tok = r.num_tokens
+            computed = r.num_computed_tokens
+            if n_tok - computed != 1 or r.num_output_placeholders or not r.num_output_tokens:
+                return 0  # not a decode (a 1-token last prefill chunk is a context request)
+            registered = min(computed, len(r.block_hashes) * bs) // bs
+            if caching and any(g.num_cached_block.get(rid, 0) < registered for g in groups):
+                return 0  # registration lags: let a normal step catch it up
+            remaining = min(r.max_tokens - r.num_output_tokens, self.max_model_len - n_tok)
+            k = min(k, remaining - 1)
+            for g in groups:  # the first step at which a window frees a shared block
+                if g.kv_cache_spec.type != SLIDING_WINDOW:
+                    continue
+                w = g.kv_cache_spec.sliding_window
+                for i, b in enumerate(g.req_to_blocks[rid]):
+                    if b is not null and b.ref_cnt > 1:  # freed once C - W + 1 passes block i
+                        k = min(k, max(0, (i + 1) * bs + w - 1 - computed))
+            if k <= 0:
+                return 0
+        free = kv.num_free_blocks
+
+        def blocks_needed(steps: int) -> int:  # (the windows' frees not counted: enough blocks anyway)
+            return sum(max(0, cdiv(r.num_computed_tokens + steps, bs) - len(g.req_to_blocks[r.request_id]))
+                       for r in running for g in groups)
+
+        return _most_steps_within(k, blocks_needed, free)
 
     def fast_forward_decode(self, k: int, tokens: list[list[int]]) -> list[int]:
         """Apply `k` steady decode steps at once (see `steady_decode_steps`); `tokens[i]` are the k
         tokens sampled for `running[i]`. Block allocation and prefix-cache registration happen in the
         exact step-by-step order (step, then running order), so the state equals k normal steps.
         Returns the number of free blocks after each step's scheduling."""
+        if not self.kv_cache_manager.single_full_attention:
+            return self._fast_forward_groups(k, tokens)
         kv = self.kv_cache_manager
         bs = self.block_size
         caching = kv.enable_caching
@@ -375,6 +496,63 @@ class SimScheduler(Scheduler):
         for a in allocs:
             free -= a
             out.append(free)
+        return out
+
+    def _fast_forward_groups(self, k: int, tokens: list[list[int]]) -> list[int]:
+        """`fast_forward_decode` with several KV cache groups: each row's step does what the core's
+        `allocate_slots` does, in its order - the windows drop the blocks out of their window, every
+        group allocates, every group caches - at the steps where any of it can do something (a call
+        that has nothing to do changes nothing)."""
+        kv = self.kv_cache_manager
+        coord = kv.coordinator
+        bs = self.block_size
+        caching = kv.enable_caching
+        running = self.running
+        windows = [g.kv_cache_spec.sliding_window for g in coord.single_type_managers
+                   if g.kv_cache_spec.type == SLIDING_WINDOW]
+        events: set[tuple[int, int, int]] = set()  # (window step, row, 0 = drop / 1 = allocate / 2 = cache)
+        starts = []
+        for row, r in enumerate(running):
+            c0 = r.num_computed_tokens
+            starts.append(c0)
+            rid = r.request_id
+            for g in coord.single_type_managers:
+                j = len(g.req_to_blocks[rid]) * bs - c0
+                while j < k:
+                    events.add((j, row, 1))
+                    j += bs
+            if windows:
+                events.add((0, row, 0))  # (whatever an earlier step left to drop)
+            for w in windows:  # C - W + 1 reaches a block boundary
+                j = (w - 1 - c0) % bs
+                while j < k:
+                    events.add((j, row, 0))
+                    j += bs
+            if caching:
+                j = (bs - (c0 + 1) % bs) % bs
+                while j < k:
+                    events.add((j, row, 2))
+                    j += bs
+        for r, toks in zip(running, tokens):
+            r.append_output_token_ids(toks)
+        pool = kv.block_pool
+        out: list[int] = []
+        for j, row, kind in sorted(events):
+            while len(out) < j:  # steps before j are complete
+                out.append(pool.get_num_free_blocks())
+            r = running[row]
+            c = starts[row] + j
+            if kind == 0:
+                coord.remove_skipped_blocks(r.request_id, c)  # (sync: nothing in flight)
+            elif kind == 1:
+                coord.allocate_new_blocks(r.request_id, min(c + 1, self.max_model_len))
+            else:
+                coord.cache_blocks(r, c + 1)
+        while len(out) < k:
+            out.append(pool.get_num_free_blocks())
+        for r, c0 in zip(running, starts):
+            r.num_computed_tokens = c0 + k
+        self.current_step += k
         return out
 
 

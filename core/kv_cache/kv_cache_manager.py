@@ -143,19 +143,34 @@ class KVCacheManager:
         return new_blocks
 
     def allocate_running_slots(self, request: Request, num_new_tokens: int,
-                               computed: Optional[int] = None) -> BlocksPerGroup:
-        """`allocate_slots(request, num_new_tokens)` for a running request of a one-full-attention-
-        group model whose new blocks the caller already knows to be free: the same effects, no checks.
-        `computed` overrides `request.num_computed_tokens` (the C a scheduler subclass keeps implicitly:
-        the simulator's implicit decodes, servetwin.sim.lazy_decode)."""
+                               computed: Optional[int] = None,
+                               num_in_flight: Optional[int] = None) -> BlocksPerGroup:
+        """`allocate_slots(request, num_new_tokens)` for a running request whose new blocks the caller
+        already knows to be free: the same effects in the same order (window groups first drop the
+        blocks out of their window, then every group allocates, then caches), no checks.
+        `computed` / `num_in_flight` override `request.num_computed_tokens` / `num_in_flight_tokens`
+        (the state a scheduler subclass keeps implicitly: the simulator's implicit decodes,
+        servetwin.sim.lazy_decode)."""
         if computed is None:
             computed = request.num_computed_tokens
-        manager = self.coordinator.single_type_managers[0]
-        new_blocks = manager.allocate_new_blocks(request.request_id, min(computed + num_new_tokens,
-                                                                         self.max_model_len))
+        if not self.has_windows and len(self.kv_cache_groups) == 1:  # (one group: no extra layer)
+            manager = self.coordinator.single_type_managers[0]
+            group_blocks = manager.allocate_new_blocks(request.request_id, min(computed + num_new_tokens,
+                                                                               self.max_model_len))
+            if self.enable_caching:
+                manager.cache_blocks(request, min(computed + num_new_tokens, len(request._all_token_ids)))
+            return (group_blocks,)
+        coord = self.coordinator
+        rid = request.request_id
+        if self.has_windows:  # on what is processed, as allocate_slots
+            if num_in_flight is None:
+                num_in_flight = request.num_in_flight_tokens
+            coord.remove_skipped_blocks(rid, computed - num_in_flight)
+        total_computed = min(computed, self.max_model_len)
+        new_blocks = coord.allocate_new_blocks(rid, min(total_computed + num_new_tokens, self.max_model_len))
         if self.enable_caching:
-            manager.cache_blocks(request, min(computed + num_new_tokens, len(request._all_token_ids)))
-        return (new_blocks,)
+            coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that are full of known tokens in the prefix cache."""

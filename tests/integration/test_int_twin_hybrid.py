@@ -10,8 +10,8 @@ What is compared, on top of the trace's decision columns (`assert_same_decisions
 step's SchedulerOutput - tokens per request, the block ids per KV cache group handed to each new,
 resumed or running request (a window group's dropped blocks show as the null block 0), preemptions
 and finished requests. Offline runs never read the step time, so the sim's clock (its roofline on the
-`cpu` preset) and torch's measured one cannot change a decision; the sim steps one by one (its
-decode shortcuts are single-full-attention-group only).
+`cpu` preset) and torch's measured one cannot change a decision; the sim steps one by one (no decode
+fast-forward: every step's SchedulerOutput is compared).
 """
 from __future__ import annotations
 

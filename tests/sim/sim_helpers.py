@@ -1,4 +1,5 @@
 """Shared checks for the simulator's exact shortcuts (fast-forward, implicit decodes)."""
+import contextlib
 
 
 def assert_same_block_pool(a_engine, b_engine) -> None:
@@ -23,12 +24,14 @@ def small_workload(requests: int, seed: int, out_hi: int, prompt_hi: int, rate, 
 
 
 def create_schedulers(**kw):
-    """A `SimScheduler` and a core `Scheduler` with the same configuration (sync, one KV group)."""
+    """A `SimScheduler` and a core `Scheduler` with the same configuration (sync; one KV group unless
+    `kv_cache_groups` says otherwise)."""
     from servetwin.core.sched.config import CacheConfig, SchedulerConfig  # noqa: PLC0415
     from servetwin.core.sched.scheduler import Scheduler  # noqa: PLC0415
     from servetwin.sim.scheduler import SimScheduler  # noqa: PLC0415
 
-    cache_kw = {k: kw.pop(k) for k in ("block_size", "num_gpu_blocks", "enable_prefix_caching") if k in kw}
+    cache_kw = {k: kw.pop(k) for k in ("block_size", "num_gpu_blocks", "enable_prefix_caching", "kv_cache_groups",
+                                       "prefix_cache_retention_interval") if k in kw}
     return tuple(cls(SchedulerConfig(**kw), CacheConfig(**cache_kw)) for cls in (SimScheduler, Scheduler))
 
 
@@ -50,3 +53,42 @@ def sync_step(scheduler, token: int = 1000):
     ids = list(so.num_scheduled_tokens)
     sampled = [[] if scheduler.requests[rid].is_prefill_chunk else [token] for rid in ids]
     return so, scheduler.update_from_output(so, ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled))
+
+
+# hybrid models: tiny-llama's sizes with these attention layers (tests of the decode shortcuts)
+LAYER_PATTERNS = {
+    "gpt-oss-like": ("sliding_attention", "full_attention"),  # groups [sliding W, full]
+    "all-sliding": ("sliding_attention", "sliding_attention"),  # [sliding W]
+    "gemma-like": ("sliding_attention",) * 5 + ("full_attention",),  # five sliding groups, then full
+}
+NUM_KV_CACHE_GROUPS = {"gpt-oss-like": 2, "all-sliding": 1, "gemma-like": 6}
+
+
+def hybrid_spec(pattern: str, window: int):
+    """tiny-llama with the layers of `LAYER_PATTERNS[pattern]` and sliding window `window`."""
+    import dataclasses  # noqa: PLC0415
+
+    from servetwin.sim.model_spec import PRESETS  # noqa: PLC0415
+    layers = LAYER_PATTERNS[pattern]
+    return dataclasses.replace(PRESETS["tiny-llama"], name=f"tiny-{pattern}", num_layers=len(layers),
+                               layer_types=layers, sliding_window=window)
+
+
+@contextlib.contextmanager
+def sim_model(spec, retention_interval=0):
+    """Sim engines built inside load `spec` as their model, with this sparse-retention interval."""
+    import dataclasses  # noqa: PLC0415
+    from unittest import mock  # noqa: PLC0415
+
+    import servetwin.sim.kv_pool as kv_pool  # noqa: PLC0415
+    from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
+    orig = EngineArgs.cache_config
+
+    def cache_config(self, *a, **kw):
+        config = orig(self, *a, **kw)
+        if config.kv_cache_groups is None:  # (asked before the model's groups are known)
+            return config
+        return dataclasses.replace(config, prefix_cache_retention_interval=retention_interval)
+    with mock.patch.object(kv_pool, "load_model_spec", lambda name, dtype=None: spec), \
+            mock.patch.object(EngineArgs, "cache_config", cache_config):
+        yield

@@ -1,5 +1,6 @@
 """Fast-forwarded steady decode windows (sim/fast_forward.py, SimScheduler) give exactly the trace of
 step-by-step simulation."""
+import contextlib
 import os
 
 import pandas as pd
@@ -10,7 +11,8 @@ from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_factory import create_engine_core
 from servetwin.sim.engine import Simulation
 from servetwin.sim.workload import build_workload, rng_streams
-from sim_helpers import assert_same_block_pool, small_workload
+from sim_helpers import (LAYER_PATTERNS, NUM_KV_CACHE_GROUPS, assert_same_block_pool, hybrid_spec, sim_model,
+                         small_workload)
 
 # more examples for a thorough local check: SERVETWIN_FF_EXAMPLES=300
 EXAMPLES = int(os.environ.get("SERVETWIN_FF_EXAMPLES", "25"))
@@ -46,6 +48,10 @@ def test_fast_forward_trace_equals_step_by_step(caching, block_size, num_blocks,
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max(64, max_num_seqs), max_model_len=-1,
                      policy=policy)
     workload = small_workload(requests, seed, out_hi, prompt_hi, rate, shared)
+    _assert_same_trace(engine_kw, workload)
+
+
+def _assert_same_trace(engine_kw: dict, workload: dict) -> None:
     slow, slow_engine = _run(engine_kw, workload, fast=False)
     fast, fast_engine = _run(engine_kw, workload, fast=True)
     a, b = slow.recorder.frames(), fast.recorder.frames()
@@ -57,13 +63,51 @@ def test_fast_forward_trace_equals_step_by_step(caching, block_size, num_blocks,
     assert_same_block_pool(slow_engine, fast_engine)
 
 
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    pattern=st.sampled_from(sorted(LAYER_PATTERNS)),
+    window=st.sampled_from([2, 3, 5, 8, 13, 40]),
+    retention=st.sampled_from([0, 0, None, 1, 4]),  # x block_size (1, 4); None: dense
+    caching=st.booleans(),
+    block_size=st.sampled_from([1, 4, 16]),
+    extra_blocks=st.integers(0, 300),
+    max_num_seqs=st.integers(1, 12),
+    rate=st.sampled_from([None, 5.0, 50.0, 400.0]),
+    requests=st.integers(1, 14),
+    prompt_hi=st.integers(2, 60),
+    out_hi=st.integers(1, 60),
+    shared=st.booleans(),
+    seed=st.integers(0, 1000),
+    policy=st.sampled_from(["fcfs", "priority"]),
+)
+def test_fast_forward_with_sliding_window_groups_trace_equals_step_by_step(
+        pattern, window, retention, caching, block_size, extra_blocks, max_num_seqs, rate, requests, prompt_hi,
+        out_hi, shared, seed, policy):
+    """Hybrid models (gpt-oss-like, all sliding, Gemma-like): the windows' frees replayed in step order,
+    prefix sharing (a shared block's free ends a window), small pools (preemption)."""
+    max_model_len = 128
+    num_blocks = NUM_KV_CACHE_GROUPS[pattern] * -(-max_model_len // block_size) + 1 + extra_blocks
+    engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
+                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max(64, max_num_seqs),
+                     max_model_len=max_model_len, policy=policy)
+    workload = small_workload(requests, seed, out_hi, prompt_hi, rate, shared)
+    with sim_model(hybrid_spec(pattern, window), None if retention is None or not caching else retention * block_size):
+        _assert_same_trace(engine_kw, workload)
+
+
 @pytest.mark.pure_python("counts steps by replacing the engine's step method")
-def test_fast_forward_actually_skips_steps():
+@pytest.mark.parametrize("pattern", [None, "gpt-oss-like"])
+def test_fast_forward_actually_skips_steps(pattern):
+    """Also on a model with a sliding-window group (window 8: it drops a block every 16 steps)."""
     engine_kw = dict(enable_prefix_caching=True, num_gpu_blocks=500, max_num_seqs=8, max_model_len=512)
     workload = {"requests": 8, "seed": 1, "prompt_tokens": 20, "output_tokens": 100, "arrival": {"type": "offline"}}
-    args = EngineArgs.from_kwargs(model="tiny-llama", backend="sim", hardware="h100-sxm",
-                                  skip_tokenizer_init=True, **engine_kw)
-    engine, info = create_engine_core(args)
+    with contextlib.ExitStack() as stack:
+        if pattern is not None:
+            stack.enter_context(sim_model(hybrid_spec(pattern, 8)))
+        args = EngineArgs.from_kwargs(model="tiny-llama", backend="sim", hardware="h100-sxm",
+                                      skip_tokenizer_init=True, **engine_kw)
+        engine, info = create_engine_core(args)
+    assert len(engine.scheduler.kv_cache_manager.kv_cache_groups) == (1 if pattern is None else 2)
     spec, requests = build_workload(workload, vocab_size=info.vocab_size)
     calls = []
     orig = engine.step

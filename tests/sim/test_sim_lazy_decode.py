@@ -4,13 +4,14 @@ import os
 
 import pandas as pd
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_factory import create_engine_core
 from servetwin.sim.engine import Simulation
 from servetwin.sim.workload import build_workload, rng_streams
-from sim_helpers import assert_same_block_pool, small_workload
+from sim_helpers import (LAYER_PATTERNS, NUM_KV_CACHE_GROUPS, assert_same_block_pool, hybrid_spec, sim_model,
+                         small_workload)
 
 # more examples for a thorough local check: SERVETWIN_LAZY_EXAMPLES=1500
 EXAMPLES = int(os.environ.get("SERVETWIN_LAZY_EXAMPLES", "60"))
@@ -130,4 +131,85 @@ def test_block_boundaries_are_handled_in_place(async_scheduling, monkeypatch):
     _assert_same_run(engine_kw, workload)
     # each lazy run crosses ~300/16 boundaries per request in place; materialised ~once per request
     assert counts["advance"] >= 8 * 300 // 16 - 8 * 2
+    assert counts["materialise"] <= 8 * 2
+
+
+# -- hybrid models: sliding-window KV cache groups free blocks as a member decodes --------------------
+def _assert_same_hybrid_run(spec, engine_kw: dict, workload: dict, retention=0, max_time_s=None) -> None:
+    """`_assert_same_run` on a model with these layers (and this sparse-retention interval)."""
+    with sim_model(spec, retention):
+        _assert_same_run(engine_kw, workload, max_time_s=max_time_s)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    pattern=st.sampled_from(sorted(LAYER_PATTERNS)),
+    window=st.sampled_from([2, 3, 5, 8, 13, 40]),
+    retention=st.sampled_from([0, 0, None, 1, 4]),  # x block_size (1, 4); None: dense
+    async_scheduling=st.booleans(),
+    caching=st.booleans(),
+    chunked=st.booleans(),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    extra_blocks=st.integers(0, 300),
+    max_num_seqs=st.integers(1, 12),
+    budget=st.sampled_from([8, 16, 64, 256]),
+    threshold=st.sampled_from([0, 4, 24]),
+    rate=st.sampled_from([None, 5.0, 50.0, 400.0]),
+    requests=st.integers(1, 14),
+    prompt_hi=st.integers(2, 60),
+    out_hi=st.integers(1, 60),
+    shared=st.booleans(),
+    n=st.sampled_from([1, 1, 2]),
+    finish=st.sampled_from(["max_tokens", "max_tokens", "eos"]),
+    seed=st.integers(0, 1000),
+    policy=st.sampled_from(["fcfs", "priority"]),
+)
+@example(pattern="gpt-oss-like", window=13, retention=0, async_scheduling=True, caching=True, chunked=True,
+         block_size=4, extra_blocks=6, max_num_seqs=6, budget=8, threshold=0, rate=None, requests=4, prompt_hi=41,
+         out_hi=29, shared=False, n=2, finish="max_tokens", seed=8, policy="priority")  # a shared block's free
+def test_implicit_decodes_with_sliding_window_groups_trace_equals_step_by_step(
+        pattern, window, retention, async_scheduling, caching, chunked, block_size, extra_blocks, max_num_seqs,
+        budget, threshold, rate, requests, prompt_hi, out_hi, shared, n, finish, seed, policy):
+    """Hybrid models (gpt-oss's sliding / full layers, all sliding, Gemma's five sliding groups per full
+    one): the windows' out-of-window frees, their sparse prefix-cache retention, prefix sharing,
+    preemption (small pools), sync and async - the same trace and block pool as step by step."""
+    spec = hybrid_spec(pattern, window)
+    max_model_len = 96 if block_size < 16 else 96 + 16 * (extra_blocks % 3)
+    # one max-length request fits
+    num_blocks = NUM_KV_CACHE_GROUPS[pattern] * -(-max_model_len // block_size) + 1 + extra_blocks
+    engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
+                     max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max(budget, max_num_seqs) if chunked else 128,
+                     enable_chunked_prefill=chunked, long_prefill_token_threshold=min(threshold, max_model_len),
+                     max_model_len=max_model_len, policy=policy, async_scheduling=async_scheduling)
+    workload = small_workload(requests, seed, out_hi, prompt_hi, rate, shared, n=n, finish=finish,
+                              max_output_tokens=out_hi, priority=[0, 1, 2])
+    _assert_same_hybrid_run(spec, engine_kw, workload, None if retention is None or not caching
+                            else retention * block_size)
+
+
+@pytest.mark.pure_python("counts calls by patching LazyDecodes methods")
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("caching", [True, False])
+def test_window_frees_are_handled_in_place(async_scheduling, caching, monkeypatch):
+    """gpt-oss-like layers (window 18, blocks of 4): a member whose window drops a block every 4 steps
+    stays implicit through its frees as through its new blocks - materialised about once per request,
+    its KV events done in place - with a trace equal to the step-by-step run."""
+    from servetwin.sim.lazy_decode import LazyDecodes  # noqa: PLC0415
+
+    engine_kw = dict(enable_prefix_caching=caching, num_gpu_blocks=800, max_num_seqs=8, max_model_len=512,
+                     async_scheduling=async_scheduling, block_size=4)
+    workload = {"requests": 8, "seed": 2, "prompt_tokens": 40, "output_tokens": 300, "arrival": {"type": "offline"}}
+    counts = {"materialise": 0, "advance": 0}
+    for name in counts:
+        orig = getattr(LazyDecodes, name)
+
+        def wrapped(self, *a, _orig=orig, _name=name):
+            counts[_name] += 1
+            return _orig(self, *a)
+        monkeypatch.setattr(LazyDecodes, name, wrapped)
+    _assert_same_hybrid_run(hybrid_spec("gpt-oss-like", 18), engine_kw, workload)
+    # per request: ~300/4 new blocks and ~300/4 frees in place, at different steps (the window's
+    # boundary is 2 tokens off the blocks'), materialised about once
+    assert counts["advance"] >= 8 * 2 * 300 // 4 - 8 * 8
     assert counts["materialise"] <= 8 * 2
