@@ -756,6 +756,10 @@ def _shrink_tokens(r: dict, keep_fraction_denominator: int) -> bool:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    if os.environ.get("PYTHONHASHSEED") != "0" and argv is None:
+        # vLLM iterates sets of request ids in places (finished_req_ids, failed loads), and so does the
+        # scheduler here: both sides need the oracle worker's string-hash seed to order them alike
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, PYTHONHASHSEED="0"))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--vllm-python", required=True, help="Python of the venv where vLLM 0.33.0 is installed")
