@@ -191,8 +191,14 @@ class ApproxPrefixIndex:
 class PrefixCacheScorer:
     block_tokens: int = PREFIX_BLOCK_TOKENS
     max_blocks: int = PREFIX_MAX_BLOCKS
-    index: ApproxPrefixIndex = field(default_factory=ApproxPrefixIndex)
+    # GIE `lruCapacityPerServer` (llm-d's CPU-tier guide gives a second prefix scorer the tier's block count)
+    lru_capacity_per_server: int = PREFIX_LRU_BLOCKS
+    index: Optional[ApproxPrefixIndex] = None
     _last: Optional[tuple[Any, list[int]]] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.index is None:
+            self.index = ApproxPrefixIndex(self.lru_capacity_per_server)
 
     def keys(self, request: Any) -> list[int]:
         """(Kept for the request last asked about: the filter, the score and the routed hook ask in turn.)"""
@@ -231,7 +237,8 @@ class PrecisePrefixCacheScorer:
             else:
                 keys.clear()
 
-    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+    def endpoint_keys(self, request: Any, endpoints: Sequence[Endpoint]) -> list[list[bytes]]:
+        """Each endpoint's keys of the prompt's leading blocks (computed once per key scheme)."""
         tokens = request.prompt_token_ids
         out = []
         by_scheme: dict[Any, list] = {}
@@ -241,6 +248,12 @@ class PrecisePrefixCacheScorer:
                 keys = e.block_keys(tokens)[:self.max_blocks] if e.block_keys is not None else []
                 if e.key_scheme is not None:
                     by_scheme[e.key_scheme] = keys
+            out.append(keys)
+        return out
+
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        out = []
+        for e, keys in zip(endpoints, self.endpoint_keys(request, endpoints)):
             held = self.index.get(e.index, ())
             hit = 0
             for k in keys:
@@ -251,10 +264,16 @@ class PrecisePrefixCacheScorer:
         return out
 
 
+def _tiered_prefix_cache(**params: Any) -> Any:
+    from servetwin.sim.tiered_prefix_scorer import TieredPrefixCacheScorer  # noqa: PLC0415  (it builds on this module)
+
+    return TieredPrefixCacheScorer(**params)
+
+
 SCORERS: dict[str, Callable[..., Any]] = {
     "queue": QueueScorer, "kv-cache-utilization": KVCacheUtilizationScorer, "load-aware": LoadAwareScorer,
     "active-request": ActiveRequestScorer, "token-load": TokenLoadScorer, "prefix-cache": PrefixCacheScorer,
-    "precise-prefix-cache": PrecisePrefixCacheScorer,
+    "precise-prefix-cache": PrecisePrefixCacheScorer, "tiered-prefix-cache": _tiered_prefix_cache,
 }
 
 
@@ -312,6 +331,16 @@ class LlmdRouter:
         for scorer, _ in self.scorers:
             if getattr(scorer, "wants_kv_events", False):
                 scorer.on_kv_events(endpoint, events)
+
+    @property
+    def wants_cpu_kv_events(self) -> bool:
+        return any(getattr(s, "wants_cpu_kv_events", False) for s, _ in self.scorers)
+
+    def on_cpu_kv_events(self, endpoint: int, events: Sequence[tuple[str, Any]]) -> None:
+        """A CPU tier's events (medium CPU: the offloading connector's, sim/cluster_offload.py)."""
+        for scorer, _ in self.scorers:
+            if getattr(scorer, "wants_cpu_kv_events", False):
+                scorer.on_cpu_kv_events(endpoint, events)
 
     def on_routed(self, request: Any, endpoint: Endpoint) -> None:
         seen = set()

@@ -230,9 +230,17 @@ def parse_cluster(raw: Any, engine_check: Any) -> Optional[ClusterConfig]:
     return ClusterConfig(instances, _router(cfg.get("router")), links)
 
 
-def instance_engine_args(base: Any, inst: InstanceConfig, hardware_spec: Any) -> Any:
-    """An instance's `EngineArgs`: the experiment's with the instance's overrides and hardware."""
-    return dataclasses.replace(base, **inst.engine, hardware=hardware_spec)
+def instance_engine_args(base: Any, inst: InstanceConfig, hardware_spec: Any, links: Optional[dict] = None) -> Any:
+    """An instance's `EngineArgs`: the experiment's with the instance's overrides and hardware; an instance's
+    own `kv_transfer_config` (e.g. a CPU tier, docs/cluster.md) parsed as EngineArgs parses the top-level one,
+    its PCIe link defaulting to the cluster's `links.cpu_tier`."""
+    args = dataclasses.replace(base, **inst.engine, hardware=hardware_spec)
+    if args.kv_transfer_config is not None:  # each engine its own copy (the simulator fills in its chunk size)
+        from servetwin.sim.cluster_offload import instance_kv_transfer_config  # noqa: PLC0415
+
+        args.kv_transfer_config = instance_kv_transfer_config(args.kv_transfer_config, args.block_size,
+                                                              (links or {}).get("cpu_tier"))
+    return args
 
 
 __all__ = ["DP_LB_MODES", "ClusterConfig", "InstanceConfig", "RouterConfig", "PluginConfig", "parse_cluster",
