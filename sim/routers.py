@@ -20,7 +20,8 @@ random tie-break (llm-d-inference-scheduler `docs/architecture.md`, "Routing Flo
   evictions; score = leading blocks matched / prompt blocks (GIE `plugins/multi/prefix/plugin.go`);
 - `precise-prefix-cache`: leading prompt blocks in an index of the blocks the endpoint's engines reported
   cached through vLLM's KV events (BlockStored / BlockRemoved / AllBlocksCleared), which reach the router
-  `event_delay_s` after the step that made them (default 5 ms, assumed: llm-d does not publish it).
+  `event_delay_s` after the step that made them (default 5 ms, assumed: llm-d does not publish it);
+- `tiered-prefix-cache`: the same over the GPU cache and the endpoint's CPU offload tier (its events, medium CPU).
 The filter `prefix-cache-affinity` keeps the endpoints whose approximate prefix score is the best one when
 that score is at least `threshold` (default 0.5; all endpoints otherwise).
 
@@ -39,6 +40,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
 
 ROUTER_ENTRY_POINTS = "servetwin.routers"
 SCORER_ENTRY_POINTS = "servetwin.router_scorers"
@@ -264,16 +266,49 @@ class PrecisePrefixCacheScorer:
         return out
 
 
-def _tiered_prefix_cache(**params: Any) -> Any:
-    from servetwin.sim.tiered_prefix_scorer import TieredPrefixCacheScorer  # noqa: PLC0415  (it builds on this module)
+@dataclass(slots=True)
+class TieredPrefixCacheScorer(PrecisePrefixCacheScorer):
+    """The precise scorer over both tiers of an instance: the GPU prefix cache and the CPU offload tier (llm-d's
+    precise indexer keeps each block's pods and device tier; vLLM 0.33's OffloadingConnector publishes its CPU
+    tier's BlockStored / BlockRemoved with medium "CPU" in the same stream, offloading_connector.py:231-233).
+    Walk the prompt's leading blocks while the endpoint holds each in either tier: a GPU block counts
+    `gpu_weight`, a block only in the CPU tier `cpu_weight`; score = the sum / prompt blocks."""
+    gpu_weight: float = 1.0
+    cpu_weight: float = 1.0
+    cpu_index: dict[int, set] = field(default_factory=dict)
+    wants_cpu_kv_events: bool = True
 
-    return TieredPrefixCacheScorer(**params)
+    def on_cpu_kv_events(self, endpoint: int, events: Sequence[tuple[str, Any]]) -> None:
+        """("stored" | "removed", block hash) of the endpoint's CPU tier. The tier keys a chunk by its block's
+        hash, the GPU index by (hash, KV cache group): a CPU tier holds full-attention group 0."""
+        keys = self.cpu_index.setdefault(endpoint, set())
+        for kind, block_hash in events:
+            key = make_block_hash_with_group_id(block_hash, 0)
+            if kind == "stored":
+                keys.add(key)
+            else:
+                keys.discard(key)
+
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        out = []
+        for e, keys in zip(endpoints, self.endpoint_keys(request, endpoints)):
+            gpu, cpu = self.index.get(e.index, ()), self.cpu_index.get(e.index, ())
+            total = 0.0
+            for k in keys:
+                if k in gpu:
+                    total += self.gpu_weight
+                elif k in cpu:
+                    total += self.cpu_weight
+                else:
+                    break
+            out.append(total / len(keys) if keys else 0.0)
+        return out
 
 
 SCORERS: dict[str, Callable[..., Any]] = {
     "queue": QueueScorer, "kv-cache-utilization": KVCacheUtilizationScorer, "load-aware": LoadAwareScorer,
     "active-request": ActiveRequestScorer, "token-load": TokenLoadScorer, "prefix-cache": PrefixCacheScorer,
-    "precise-prefix-cache": PrecisePrefixCacheScorer, "tiered-prefix-cache": _tiered_prefix_cache,
+    "precise-prefix-cache": PrecisePrefixCacheScorer, "tiered-prefix-cache": TieredPrefixCacheScorer,
 }
 
 
@@ -430,4 +465,5 @@ def build_router(spec: Any, rng: np.random.Generator) -> Any:
 __all__ = ["ROUTERS", "Endpoint", "RouteDecision", "Router", "RoundRobin", "RandomRouter", "LeastLoaded", "LlmdRouter",
            "SCORERS", "build_router", "build_scorer", "queue_scores", "prompt_block_keys", "ApproxPrefixIndex",
            "PrefixCacheScorer", "PrecisePrefixCacheScorer", "PrefixAffinityFilter", "PrefixBasedPDDecider",
+           "TieredPrefixCacheScorer",
            "DEFAULT_SCRAPE_INTERVAL_S"]

@@ -19,8 +19,7 @@ from servetwin.experiments.config.schema import validate_config
 from servetwin.experiments.run.cluster_run import simulate_cluster
 from servetwin.experiments.run.runner import run_backends, summarize
 from servetwin.sim.cluster_offload import cpu_tier_totals
-from servetwin.sim.routers import Endpoint
-from servetwin.sim.tiered_prefix_scorer import TieredPrefixCacheScorer
+from servetwin.sim.routers import Endpoint, TieredPrefixCacheScorer
 
 # 40 blocks of 16 tokens hold three 200-token prefixes; 30 groups share them: the prefix set exceeds HBM
 BASE = {
