@@ -39,6 +39,7 @@ from servetwin.core.engine.dp_lb import DPLoadBalancer, DPStatsCoordinator, Requ
 from servetwin.core.engine.engine_core import EngineCore
 from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
 from servetwin.sim.arrivals import ArrivalProcess
+from servetwin.sim.cluster_offload import enable_cpu_tier_events, take_cpu_tier_events
 from servetwin.sim.engine import Settler, Simulation, SimResult, rare_young_collections
 from servetwin.sim.lockstep import LockstepGroup
 from servetwin.sim.pd_cluster import client_id, is_prefill_id
@@ -105,21 +106,25 @@ class _Instance:
         self.publish_times: list[float] = []
         self.group: Optional[LockstepGroup] = None
         self._kv_events: Optional[Callable[[int, list], None]] = None
+        self._cpu_kv_events: Optional[Callable[[int, list], None]] = None  # the CPU tier's (sim/cluster_offload.py)
         if self.lb is not None:
             for rank, sim in enumerate(self.ranks):
                 sim.on_step_boundary = self._boundary_hook(rank)
 
-    def publish_kv_events(self, sink: Callable[[int, list], None]) -> None:
+    def publish_kv_events(self, sink: Callable[[int, list], None],
+                          cpu_sink: Optional[Callable[[int, list], None]] = None) -> None:
         """Turn the ranks' KV cache events on; after each step they go to `sink(instance index, events)`
-        (vLLM publishes them per step over ZMQ, `--kv-events-config`)."""
+        (vLLM publishes them per step over ZMQ, `--kv-events-config`), a CPU tier's to `cpu_sink`."""
         self._kv_events = sink
         for rank, sim in enumerate(self.ranks):
             sim.engine.scheduler.kv_cache_manager.block_pool.enable_kv_cache_events()
+            if cpu_sink is not None and enable_cpu_tier_events(sim.engine.scheduler):
+                self._cpu_kv_events = cpu_sink
             sim.on_step_boundary = self._boundary_hook(rank)
 
     def _boundary_hook(self, rank: int) -> Callable[[Simulation], None]:
         publisher = self._publishers[rank]
-        coordinator, kv_sink = self.coordinator, self._kv_events
+        coordinator, kv_sink, cpu_sink = self.coordinator, self._kv_events, self._cpu_kv_events
 
         def on_boundary(sim: Simulation) -> None:
             sched = sim.engine.scheduler
@@ -127,6 +132,10 @@ class _Instance:
                 events = sched.kv_cache_manager.block_pool.take_events()
                 if events:
                     kv_sink(self.index, events)
+            if cpu_sink is not None:
+                events = take_cpu_tier_events(sched)
+                if events:
+                    cpu_sink(self.index, events)
             if coordinator is None:
                 return
             running, waiting = sched.get_request_counts()
@@ -231,13 +240,16 @@ class ClusterSimulation:
             delay = float(getattr(router, "kv_event_delay_s", 0.0))
             env = self.env
 
-            def sink(index: int, events: list) -> None:
-                if delay <= 0:
-                    on_kv_events(index, events)
-                else:  # the events' way to the router (ZMQ publisher -> indexer)
-                    env.timeout(delay).callbacks.append(lambda _e: on_kv_events(index, events))
+            def delayed(handler: Callable[[int, list], None]) -> Callable[[int, list], None]:
+                def sink(index: int, events: list) -> None:
+                    if delay <= 0:
+                        handler(index, events)
+                    else:  # the events' way to the router (ZMQ publisher -> indexer)
+                        env.timeout(delay).callbacks.append(lambda _e: handler(index, events))
+                return sink
+            on_cpu = getattr(router, "on_cpu_kv_events", None) if getattr(router, "wants_cpu_kv_events", False) else None
             for inst in self.instances:
-                inst.publish_kv_events(sink)
+                inst.publish_kv_events(delayed(on_kv_events), delayed(on_cpu) if on_cpu is not None else None)
 
     # -- routing ---------------------------------------------------------------------------------
     def _route(self, request: WorkloadRequest) -> simpy.Event:

@@ -496,26 +496,34 @@ class Settler:
     def __init__(self, env: simpy.Environment) -> None:
         self.env = env
         self._waiting: deque[simpy.Event] = deque()
-        self._running = False
+        self._releaser: Optional[simpy.Process] = None
+        self._wakeup: Optional[simpy.Event] = None
 
     def wait(self) -> simpy.Event:
         env = self.env
-        if not self._running and env.peek() > env.now:  # nothing else at this time: settled already
+        if not self._waiting and env.peek() > env.now:  # nothing else at this time: settled already
             return env.timeout(0)
         event = env.event()
         self._waiting.append(event)
-        if not self._running:
-            self._running = True
-            self.env.process(self._release())
+        if self._releaser is None:
+            self._releaser = env.process(self._release())
+        elif self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
         return event
 
     def _release(self) -> Generator[simpy.Event, Any, None]:
+        """One process for the whole run, parked between releases: a process that ended would leave its own
+        termination event at the current time, which a released engine would take for another event there
+        (its KV transfer wait and fast-forward horizons, `env.peek()`, would shrink to 0)."""
         env = self.env
-        while self._waiting:
-            while env.peek() <= env.now:
-                yield env.timeout(0)
-            self._waiting.popleft().succeed()
-        self._running = False
+        while True:
+            while self._waiting:
+                while env.peek() <= env.now:
+                    yield env.timeout(0)
+                self._waiting.popleft().succeed()
+            self._wakeup = env.event()
+            yield self._wakeup
+            self._wakeup = None
 
 
 @contextlib.contextmanager

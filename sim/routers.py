@@ -20,7 +20,8 @@ random tie-break (llm-d-inference-scheduler `docs/architecture.md`, "Routing Flo
   evictions; score = leading blocks matched / prompt blocks (GIE `plugins/multi/prefix/plugin.go`);
 - `precise-prefix-cache`: leading prompt blocks in an index of the blocks the endpoint's engines reported
   cached through vLLM's KV events (BlockStored / BlockRemoved / AllBlocksCleared), which reach the router
-  `event_delay_s` after the step that made them (default 5 ms, assumed: llm-d does not publish it).
+  `event_delay_s` after the step that made them (default 5 ms, assumed: llm-d does not publish it);
+- `tiered-prefix-cache`: the same over the GPU cache and the endpoint's CPU offload tier (its events, medium CPU).
 The filter `prefix-cache-affinity` keeps the endpoints whose approximate prefix score is the best one when
 that score is at least `threshold` (default 0.5; all endpoints otherwise).
 
@@ -39,6 +40,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from servetwin.core.config_error import ConfigError
+from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
 
 ROUTER_ENTRY_POINTS = "servetwin.routers"
 SCORER_ENTRY_POINTS = "servetwin.router_scorers"
@@ -191,8 +193,14 @@ class ApproxPrefixIndex:
 class PrefixCacheScorer:
     block_tokens: int = PREFIX_BLOCK_TOKENS
     max_blocks: int = PREFIX_MAX_BLOCKS
-    index: ApproxPrefixIndex = field(default_factory=ApproxPrefixIndex)
+    # GIE `lruCapacityPerServer` (llm-d's CPU-tier guide gives a second prefix scorer the tier's block count)
+    lru_capacity_per_server: int = PREFIX_LRU_BLOCKS
+    index: Optional[ApproxPrefixIndex] = None
     _last: Optional[tuple[Any, list[int]]] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.index is None:
+            self.index = ApproxPrefixIndex(self.lru_capacity_per_server)
 
     def keys(self, request: Any) -> list[int]:
         """(Kept for the request last asked about: the filter, the score and the routed hook ask in turn.)"""
@@ -231,7 +239,8 @@ class PrecisePrefixCacheScorer:
             else:
                 keys.clear()
 
-    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+    def endpoint_keys(self, request: Any, endpoints: Sequence[Endpoint]) -> list[list[bytes]]:
+        """Each endpoint's keys of the prompt's leading blocks (computed once per key scheme)."""
         tokens = request.prompt_token_ids
         out = []
         by_scheme: dict[Any, list] = {}
@@ -241,6 +250,12 @@ class PrecisePrefixCacheScorer:
                 keys = e.block_keys(tokens)[:self.max_blocks] if e.block_keys is not None else []
                 if e.key_scheme is not None:
                     by_scheme[e.key_scheme] = keys
+            out.append(keys)
+        return out
+
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        out = []
+        for e, keys in zip(endpoints, self.endpoint_keys(request, endpoints)):
             held = self.index.get(e.index, ())
             hit = 0
             for k in keys:
@@ -251,10 +266,49 @@ class PrecisePrefixCacheScorer:
         return out
 
 
+@dataclass(slots=True)
+class TieredPrefixCacheScorer(PrecisePrefixCacheScorer):
+    """The precise scorer over both tiers of an instance: the GPU prefix cache and the CPU offload tier (llm-d's
+    precise indexer keeps each block's pods and device tier; vLLM 0.33's OffloadingConnector publishes its CPU
+    tier's BlockStored / BlockRemoved with medium "CPU" in the same stream, offloading_connector.py:231-233).
+    Walk the prompt's leading blocks while the endpoint holds each in either tier: a GPU block counts
+    `gpu_weight`, a block only in the CPU tier `cpu_weight`; score = the sum / prompt blocks."""
+    gpu_weight: float = 1.0
+    cpu_weight: float = 1.0
+    cpu_index: dict[int, set] = field(default_factory=dict)
+    wants_cpu_kv_events: bool = True
+
+    def on_cpu_kv_events(self, endpoint: int, events: Sequence[tuple[str, Any]]) -> None:
+        """("stored" | "removed", block hash) of the endpoint's CPU tier. The tier keys a chunk by its block's
+        hash, the GPU index by (hash, KV cache group): a CPU tier holds full-attention group 0."""
+        keys = self.cpu_index.setdefault(endpoint, set())
+        for kind, block_hash in events:
+            key = make_block_hash_with_group_id(block_hash, 0)
+            if kind == "stored":
+                keys.add(key)
+            else:
+                keys.discard(key)
+
+    def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
+        out = []
+        for e, keys in zip(endpoints, self.endpoint_keys(request, endpoints)):
+            gpu, cpu = self.index.get(e.index, ()), self.cpu_index.get(e.index, ())
+            total = 0.0
+            for k in keys:
+                if k in gpu:
+                    total += self.gpu_weight
+                elif k in cpu:
+                    total += self.cpu_weight
+                else:
+                    break
+            out.append(total / len(keys) if keys else 0.0)
+        return out
+
+
 SCORERS: dict[str, Callable[..., Any]] = {
     "queue": QueueScorer, "kv-cache-utilization": KVCacheUtilizationScorer, "load-aware": LoadAwareScorer,
     "active-request": ActiveRequestScorer, "token-load": TokenLoadScorer, "prefix-cache": PrefixCacheScorer,
-    "precise-prefix-cache": PrecisePrefixCacheScorer,
+    "precise-prefix-cache": PrecisePrefixCacheScorer, "tiered-prefix-cache": TieredPrefixCacheScorer,
 }
 
 
@@ -312,6 +366,16 @@ class LlmdRouter:
         for scorer, _ in self.scorers:
             if getattr(scorer, "wants_kv_events", False):
                 scorer.on_kv_events(endpoint, events)
+
+    @property
+    def wants_cpu_kv_events(self) -> bool:
+        return any(getattr(s, "wants_cpu_kv_events", False) for s, _ in self.scorers)
+
+    def on_cpu_kv_events(self, endpoint: int, events: Sequence[tuple[str, Any]]) -> None:
+        """A CPU tier's events (medium CPU: the offloading connector's, sim/cluster_offload.py)."""
+        for scorer, _ in self.scorers:
+            if getattr(scorer, "wants_cpu_kv_events", False):
+                scorer.on_cpu_kv_events(endpoint, events)
 
     def on_routed(self, request: Any, endpoint: Endpoint) -> None:
         seen = set()
@@ -403,4 +467,5 @@ def build_router(spec: Any, rng: np.random.Generator) -> Any:
 __all__ = ["ROUTERS", "Endpoint", "RouteDecision", "Router", "RoundRobin", "RandomRouter", "LeastLoaded", "LlmdRouter",
            "SCORERS", "build_router", "build_scorer", "queue_scores", "prompt_block_keys", "ApproxPrefixIndex",
            "PrefixCacheScorer", "PrecisePrefixCacheScorer", "PrefixAffinityFilter", "PrefixBasedPDDecider",
+           "TieredPrefixCacheScorer",
            "DEFAULT_SCRAPE_INTERVAL_S"]

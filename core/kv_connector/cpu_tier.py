@@ -296,6 +296,9 @@ class CPUOffloadingManager:
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self.counts: Optional[OrderedDict[OffloadKey, int]] = OrderedDict() if store_threshold >= 2 else None
+        # vLLM's OffloadingEvents (medium CPU): a chunk stored once its store completes, removed when evicted
+        # (v1/kv_offload/cpu/manager.py:346-353, :392-420); None: off (vLLM: without --kv-events-config)
+        self.events: Optional[list[tuple[str, OffloadKey]]] = None
 
     def _num_free(self) -> int:
         return len(self._free_list) + self.num_chunks - self._num_allocated
@@ -401,8 +404,10 @@ class CPUOffloadingManager:
             if evicted is None:
                 return None
             self._num_evictable -= len(evicted)
-            for _, chunk in evicted:
+            for key, chunk in evicted:
                 self._free_list.append(chunk.chunk_id)
+                if self.events is not None:
+                    self.events.append(("removed", key))
         for key, chunk in zip(to_store, self._allocate(len(to_store))):
             self._policy.insert(key, chunk, ctx)
         self._num_write_pending += len(to_store)
@@ -417,6 +422,8 @@ class CPUOffloadingManager:
                 self._num_write_pending -= 1
                 self._num_evictable += 1
                 self._policy.mark_evictable(key)
+                if self.events is not None:
+                    self.events.append(("stored", key))
 
     def on_request_finished(self, ctx: RequestContext) -> None:
         if ctx.finished:

@@ -302,3 +302,17 @@ class OffloadingConnector(KVConnectorBase):
 
     def has_pending_push_work(self) -> bool:
         return bool(self._jobs)
+
+    # -- KV events (vLLM: `OffloadingConnector.take_events`, offloading_connector.py:231-233) --------------
+    def enable_kv_cache_events(self) -> None:
+        """Publish the CPU tier's stores and evictions (medium CPU), as with vLLM's `--kv-events-config`."""
+        if self.manager.events is None:
+            self.manager.events = []
+
+    def take_events(self) -> list[tuple[str, Any]]:
+        """The CPU tier's ("stored" | "removed", block hash) events since the last call; [] when off."""
+        events = self.manager.events
+        if not events:
+            return []
+        self.manager.events = []
+        return events

@@ -241,15 +241,17 @@ def parse_cluster(raw: Any, engine_check: Any) -> Optional[ClusterConfig]:
     return ClusterConfig(instances, router, links, prefill_router)
 
 
-def instance_engine_args(base: Any, inst: InstanceConfig, hardware_spec: Any) -> Any:
-    """An instance's `EngineArgs`: the experiment's with the instance's overrides and hardware."""
-    overrides = dict(inst.engine)
-    if "kv_transfer_config" in overrides:  # (kept as given in the YAML; EngineArgs takes the parsed one)
-        from servetwin.core.engine.engine_args import check_kv_transfer_config  # noqa: PLC0415
+def instance_engine_args(base: Any, inst: InstanceConfig, hardware_spec: Any, links: Optional[dict] = None) -> Any:
+    """An instance's `EngineArgs`: the experiment's with the instance's overrides and hardware; an instance's
+    own `kv_transfer_config` (e.g. a CPU tier, docs/cluster.md) parsed as EngineArgs parses the top-level one,
+    its PCIe link defaulting to the cluster's `links.cpu_tier`."""
+    args = dataclasses.replace(base, **inst.engine, hardware=hardware_spec)
+    if args.kv_transfer_config is not None:  # each engine its own copy (the simulator fills in its chunk size)
+        from servetwin.sim.cluster_offload import instance_kv_transfer_config  # noqa: PLC0415
 
-        overrides["kv_transfer_config"] = check_kv_transfer_config(overrides["kv_transfer_config"],
-                                                                   overrides.get("block_size", base.block_size))
-    return dataclasses.replace(base, **overrides, hardware=hardware_spec)
+        args.kv_transfer_config = instance_kv_transfer_config(args.kv_transfer_config, args.block_size,
+                                                              (links or {}).get("cpu_tier"))
+    return args
 
 
 __all__ = ["DP_LB_MODES", "ClusterConfig", "InstanceConfig", "RouterConfig", "PluginConfig", "parse_cluster",

@@ -274,7 +274,8 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "device": _device,
     "speculative_config": lambda v, path: _speculative_config(v),
     "spec_acceptance_rates": lambda v, path: v,  # EngineArgs checks it (errors name engine.spec_acceptance_rates)
-    "kv_transfer_config": lambda v, path: _kv_transfer_config(v),
+    "kv_transfer_config": lambda v, path: _kv_transfer_config(v, path),
+    "disable_hybrid_kv_cache_manager": _bool,  # vLLM --disable-hybrid-kv-cache-manager: one full-attention group
 }
 OUTPUT_FIELDS: dict[str, Callable[[Any, str], Any]] = {"step_requests": _bool, "plots": _bool}
 # servetwin.sim.workload's fields (same names), plus `scenario` (a replay scenario's requests)
@@ -300,13 +301,13 @@ def _speculative_config(value: Any) -> Any:
     return value
 
 
-def _kv_transfer_config(value: Any) -> Any:
-    """vLLM's `kv_transfer_config` mapping, checked here (errors name `engine.kv_transfer_config.<key>`;
+def _kv_transfer_config(value: Any, path: str = "engine.kv_transfer_config") -> Any:
+    """vLLM's `kv_transfer_config` mapping, checked here (errors name `<engine section>.kv_transfer_config.<key>`;
     the connector's extra config once the block size is known, in EngineArgs) and kept as given."""
     try:
         KVTransferConfig.from_dict(value)
     except ConfigError as e:
-        raise e.within("engine") from None
+        raise e.within(path.rsplit(".", 1)[0]) from None
     return value
 
 
@@ -797,8 +798,8 @@ def _check_cluster(exp: ExperimentConfig) -> None:
                 inst.hardware_spec = hardware_from_dict(hw, "hardware") if isinstance(hw, Mapping) else load_hardware(hw)
             except ConfigError as e:
                 raise ConfigError(f"{path}.hardware", e.message) from None
-        args = instance_engine_args(exp.engine_args("sim"), inst, inst.hardware_spec)
         try:
+            args = instance_engine_args(exp.engine_args("sim"), inst, inst.hardware_spec, exp.cluster.links)
             info = build_sim_executor(args)
             args.scheduler_config(info.max_model_len)
             args.cache_config(info.num_gpu_blocks, info.kv_cache_groups)

@@ -38,7 +38,7 @@ def build_cluster(exp: ExperimentConfig) -> list[Any]:
 
     out = []
     for name, inst in exp.cluster.expanded():
-        args = instance_engine_args(exp.engine_args("sim"), inst, inst.hardware_spec)
+        args = instance_engine_args(exp.engine_args("sim"), inst, inst.hardware_spec, exp.cluster.links)
         for endpoint, num_ranks in exp.cluster.endpoint_ranks(name, inst):
             engines = [create_engine_core(args) for _ in range(num_ranks)]
             moe = engines[0][1].executor.cost_model.model.num_experts > 0  # vLLM: MoE DP runs in lockstep
@@ -115,6 +115,8 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
     """The whole cluster's figures: every engine's requests pooled, over the cluster's duration."""
     import pandas as pd  # noqa: PLC0415
 
+    from servetwin.sim.cluster_offload import cpu_tier_totals  # noqa: PLC0415
+
     reqs = pd.concat([f["requests"] for f in frames.values()], ignore_index=True) if frames else pd.DataFrame()
     if len(reqs) and exp.cluster.disaggregated:  # P/D: the client's requests are the decode side's records
         from servetwin.sim.pd_cluster import PREFILL_SUFFIX  # noqa: PLC0415
@@ -146,6 +148,9 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
         "requests_per_engine": {k: s["requests"] for k, s in summaries.items()},
         "links": {k: v.to_dict() for k, v in exp.cluster.links.items()},
     }
+    tiers = cpu_tier_totals([s.engine for _, _, s in sim.simulations()])
+    if tiers is not None:  # instances with a CPU KV tier (sim/cluster_offload.py)
+        out["cpu_tier"] = tiers
     for key in CLUSTER_LATENCY_KEYS:
         out[key] = dist_stats(reqs[key]) if len(reqs) else dist_stats([])
     return out
