@@ -69,8 +69,8 @@ def one_round(k: int, repo: str, out: str, keep_models: bool) -> str:
     if probe.get("drift_pct_confirming") is not None:
         drift += f", {probe['drift_pct_confirming']:+.1f}"
     if refresh:
-        drift = (f"{refresh['drift_before']:+.1f} -> re-measured ({'adopted' if refresh.get('adopted') else 'kept the '
-                 'cached one'}), then {probe.get('drift_pct', 0):+.1f}")
+        verdict = "adopted" if refresh.get("adopted") else "kept the cached one"
+        drift = f"{refresh['drift_before']:+.1f} -> re-measured ({verdict}), then {probe.get('drift_pct') or 0:+.1f}"
     noise = ((r.get("noise") or {}).get("step_abs_pct_error") or {}).get("p50")
     span_noise = ((r.get("noise") or {}).get("makespan_pct_error") or {}).get("mean")
     ok = s["p50"] <= TARGET_STEP_P50 and abs(span) <= TARGET_MAKESPAN and run_s <= TARGET_MAKE_RUN_S
