@@ -97,7 +97,7 @@ def ensure_calibration(model: str, dtype: str = "float32", threads: int = THREAD
         flags = ", ".join(fp["isa_flags"]) or "none known"
         log(f"hardware: auto: no calibration of the CPU cost model for {model} on this machine yet "
             f"({fp['cpu_model']}, {fp['logical_cpus']} CPUs, ISA {flags}, torch {fp['torch']}, {dtype}, "
-            f"{threads} thread(s)); measuring one now (once, usually 10-30 s), cached as {path}")
+            f"{threads} thread(s)); measuring one now (once: seconds for a tiny model, about two minutes for SmolLM2-135M on 2 cores), cached as {path}")
         t0 = time.perf_counter()
         (run or _run_calibration)(model, str(path), dtype, threads, log)
         log(f"hardware: auto: calibrated in {time.perf_counter() - t0:.0f} s; later runs read {path}")
