@@ -318,6 +318,51 @@ def calibrate_allreduce(doc: dict[str, Any], hw: Any, spec: Any, tp: int, log: C
         f"bytes / {fit.bandwidth / 1e9:.2f} GB/s")
 
 
+def calibrate_tp_step(doc: dict[str, Any], model: str, dtype: str, tp: int, cuda_graphs: bool,
+                      log: Callable[[str], None]) -> None:
+    """The per-step cost of running the model split over `tp` worker processes that the single-process
+    design cannot see (the SchedulerOutput broadcast through shared memory, the workers' wake-up, the
+    output's return: `c_tp_step`, docs/parallelism.md): the drift probe's steps on a real TP engine, priced
+    by `doc`'s fitted model (the all-reduces included), `c_tp_step` = the median shortfall. A model whose
+    heads `tp` does not divide is skipped (recorded)."""
+    from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
+    from servetwin.experiments.calibrate.drift_probe import measure_probe  # noqa: PLC0415
+    from servetwin.experiments.calibrate.design import predicted_durations  # noqa: PLC0415
+    from servetwin.sim.cost_model import CostModel  # noqa: PLC0415
+    from servetwin.sim.hardware import hardware_from_dict  # noqa: PLC0415
+    from servetwin.sim.model_spec import load_model_spec  # noqa: PLC0415
+
+    spec = load_model_spec(model, dtype=dtype)
+    if spec.num_heads % tp:  # (KV heads fewer than tp are replicated, as vLLM does)
+        doc["provenance"]["tp_step"] = {"tp": tp, "skipped": f"{spec.num_heads} heads are not split over {tp}"}
+        return
+    from servetwin.core.engine.engine_factory import create_executor  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    args = EngineArgs.from_kwargs(model=model, backend="torch", device="cpu", dtype=dtype, tensor_parallel_size=tp,
+                                  block_size=16, num_gpu_blocks=256, max_num_batched_tokens=256, max_num_seqs=8,
+                                  enable_prefix_caching=True, enable_chunked_prefill=True, max_model_len=1024)
+    info = create_executor(args)
+    try:
+        frames = measure_probe(args, info)
+    finally:
+        close = getattr(info.executor, "close", None)
+        if callable(close):
+            close()
+    if frames is None:
+        return
+    cm = CostModel(spec, hardware_from_dict(doc, "calibration"), tp=tp, cuda_graphs=cuda_graphs)
+    pred = predicted_durations(frames, cm)
+    meas = frames["steps"].duration_s.to_numpy(dtype=float)
+    ok = np.isfinite(pred)
+    shortfall = float(np.median(meas[ok] - pred[ok])) if ok.any() else 0.0
+    doc["coefficients"]["c_tp_step"] = max(0.0, shortfall)
+    doc["provenance"]["tp_step"] = {"tp": tp, "steps": int(ok.sum()), "median_shortfall_s": shortfall,
+                                    "measured": "the drift probe's steps on a TP engine (worker processes, gloo)"}
+    log(f"calibrate: TP={tp} step overhead in {time.perf_counter() - t0:.1f}s: {max(0.0, shortfall) * 1e3:.2f} ms "
+        f"per step beyond the fitted model ({int(ok.sum())} steps)")
+
+
 def write_calibration(path: str, doc: dict[str, Any], header: str = "") -> str:
     import yaml  # noqa: PLC0415
 
@@ -478,6 +523,7 @@ def calibrate(model: str, out_path: str, *, device: str = "cpu", dtype: str = "a
     doc = calibration_document(base, cal, provenance, efficiency=efficiency)
     if from_run is None and provenance["device_type"] == "cpu" and allreduce_tp >= 2:
         calibrate_allreduce(doc, hw, spec, allreduce_tp, log)
+        calibrate_tp_step(doc, model, spec_dtype, allreduce_tp, bool(cuda_graphs), log)
     if probe_frames is not None:
         from servetwin.sim.hardware import hardware_from_dict  # noqa: PLC0415
 

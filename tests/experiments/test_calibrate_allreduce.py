@@ -53,3 +53,27 @@ def test_measured_gloo_allreduce_prices_tp2_steps_on_the_cpu():
 def test_measure_allreduce_runs_two_fresh_processes():
     fit = measure_allreduce(64, "float32", 2, token_counts=(1, 64), repeats=3)
     assert len(fit.samples) == 2 and fit.samples[0][0] == 64 * 4
+
+
+def test_the_tp_step_overhead_is_measured_on_a_real_tp_engine_and_skipped_where_tp_cannot_split():
+    """`calibrate_tp_step`: the drift probe on a TP=2 tiny-llama (two gloo worker processes), priced by the
+    calibration; c_tp_step is the median shortfall (>= 0), recorded with its step count. SmolLM2's 9 heads
+    do not split over 2: skipped, said so, c_tp_step untouched."""
+    import yaml
+
+    from servetwin.experiments.calibrate.calibrate import calibrate_tp_step
+
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "experiments" / "calibrations" / "cpu_tiny-llama.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["interconnect_bandwidth"], doc["interconnect_latency_s"] = 2.33e9, 404e-6  # a gloo link (tests/conftest.py)
+    logs = []
+    calibrate_tp_step(doc, "tiny-llama", "float32", 2, False, logs.append)
+    rec = doc["provenance"]["tp_step"]
+    assert rec["tp"] == 2 and rec["steps"] >= 10 and doc["coefficients"]["c_tp_step"] == max(0.0, rec["median_shortfall_s"])
+    assert "TP=2 step overhead" in logs[-1]
+    doc2 = {"coefficients": {"c_tp_step": 0.0}, "provenance": {}}
+    calibrate_tp_step(doc2, "smollm2-135m", "bfloat16", 2, False, logs.append)
+    assert doc2["provenance"]["tp_step"]["skipped"] == "9 heads are not split over 2"
+    assert doc2["coefficients"]["c_tp_step"] == 0.0
