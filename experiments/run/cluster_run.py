@@ -11,7 +11,8 @@ Layout under the output folder DIR:
     DIR/sim/instances/<name>[-r<rank>]/          each engine's steps.parquet, requests.parquet, summary.json
 
 The whole-cluster figures pool every engine's requests (latency distributions over all of them) over the
-cluster's duration (the last engine's end). No report.md, figures or trace.json for a cluster yet.
+cluster's duration (the last engine's end). `write_cluster_outputs` adds report.md, the figures and
+sim/trace.json.
 """
 from __future__ import annotations
 
