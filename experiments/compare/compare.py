@@ -166,11 +166,13 @@ def refresh_drifted_calibration(exp: ExperimentConfig, probe: Optional[dict[str,
             "calibrated_before": prov.get("date"), "calibration_wall_s": round(wall, 1), "file": path}
 
 
-def judge_candidate(exp: ExperimentConfig, tinfo, old_model, refresh: dict[str, Any], log: Callable[[str], None]):
+def judge_candidate(exp: ExperimentConfig, tinfo, old_engine, old_model, refresh: dict[str, Any],
+                    log: Callable[[str], None]):
     """A re-measured calibration replaces the cached one only if it predicts the machine as it runs now
     better: one fresh probe measurement, scored by both models (|signed median error|, lower wins). A
     re-calibration can therefore never make the prediction worse than the probe shows. Returns
-    (the sim engine, its cost model) of the calibration in force; `exp.hardware_spec` follows it."""
+    (the sim engine, its cost model) of the calibration in force (`old_engine` when the cached one stays: it
+    has run nothing yet); `exp.hardware_spec` follows it."""
     from servetwin.experiments.calibrate.auto_calibration import adopt_candidate, candidate_path  # noqa: PLC0415
     from servetwin.experiments.calibrate.drift_probe import measure_probe, score_probe  # noqa: PLC0415
     from servetwin.sim.hardware import load_hardware  # noqa: PLC0415
@@ -191,7 +193,7 @@ def judge_candidate(exp: ExperimentConfig, tinfo, old_model, refresh: dict[str, 
         exp.hardware_spec = load_hardware(refresh["file"])
         return new_engine, new_info.executor.cost_model
     exp.hardware_spec = old_spec
-    return build_sim_engine(exp, tinfo)[0], old_model
+    return old_engine, old_model
 
 
 def probe_drift(exp: ExperimentConfig, tinfo, threads: int, log: Callable[[str], None]):
@@ -211,7 +213,7 @@ def probe_drift(exp: ExperimentConfig, tinfo, threads: int, log: Callable[[str],
         log(f"compare: drift probe again: {_pct_text(probe['drift_pct_confirming'])}")
     refresh = refresh_drifted_calibration(exp, probe, threads, log)
     if refresh is not None:
-        sim_engine, model = judge_candidate(exp, tinfo, model, refresh, log)
+        sim_engine, model = judge_candidate(exp, tinfo, sim_engine, model, refresh, log)
         probe = calibration_probe(exp, tinfo, model, frames=refresh.pop("probe_frames")) or probe
         refresh["drift_after"] = probe["drift_pct"]
         log(f"compare: drift since the calibration in force: {_pct_text(probe['drift_pct'])}")

@@ -142,7 +142,7 @@ def test_probe_drift_confirms_refreshes_and_probes_the_new_calibration(fake, mon
         "steps": 10, "signed_pct_error_median": 0.0, "drift_pct": next(readings)})
     monkeypatch.setattr(cmp, "build_sim_engine", lambda e, info: builds.append(1) or (
         f"engine{len(builds)}", SimpleNamespace(executor=SimpleNamespace(cost_model=f"model{len(builds)}"))))
-    monkeypatch.setattr(cmp, "judge_candidate", lambda e, info, model, refresh, log: (
+    monkeypatch.setattr(cmp, "judge_candidate", lambda e, info, engine, model, refresh, log: (
         refresh.update(adopted=True, probe_frames="frames") or ("engine-new", "model-new")))
     engine, probe, refresh = cmp.probe_drift(exp, None, 1, lambda m: None)
     assert engine == "engine-new" and probes == ["model1", "model1", "model-new"] and len(fake) == 2
@@ -176,8 +176,9 @@ def test_a_re_measured_calibration_is_adopted_only_if_it_predicts_a_fresh_probe_
     monkeypatch.setattr(drift_probe, "score_probe", lambda frames, model: {
         "signed_pct_error_median": {"old": old_err, "new": new_err}[model]})
     logs = []
-    engine, model = cmp.judge_candidate(exp, None, "old", rec, logs.append)
+    engine, model = cmp.judge_candidate(exp, None, "engine-old", "old", rec, logs.append)
     assert rec["adopted"] is adopted and model == ("new" if adopted else "old")
+    assert engine == ("engine" if adopted else "engine-old")  # the cached one's engine is reused, not rebuilt
     assert not __import__("os").path.exists(candidate)
     assert (open(exp.hardware).read() == cached_text) is not adopted
     assert (exp.hardware_spec is old_spec) is not adopted
