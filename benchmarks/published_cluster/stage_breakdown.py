@@ -6,7 +6,7 @@ RUNS/NAME is a `servetwin run cases/NAME.yaml -o RUNS/NAME` folder of a case wit
 stage (the requests `experiments/validate/cluster_stages.py` assigns to it): the share of prompt tokens that
 were cached (GPU pool and CPU tier together: the requests' `cached_tokens`), the GPU pool's share (the
 engines' local prefix hits in the steps that started inside the stage's window), the requests served whole
-from a cache (all but the 256-token question), the mean time waiting in the engine's queue, from first
+from a cache (every full block of the shared prefix), the mean time waiting in the engine's queue, from first
 scheduled to first token (a CPU-tier load and the prefill of what was not cached), the front-end's share of
 TTFT, TTFT, the busy steps' mean KV use and preemptions. Then how many replicas each prompt group's requests
 were routed to. Measured parts of the simulation that explain the errors in RESULTS.md; nothing is fitted.
@@ -38,7 +38,8 @@ def stage_rows(run: str) -> list[str]:
     reqs, steps = _frame(run, "requests"), _frame(run, "steps")
     reqs["stage"] = stage_of_requests(counts, reqs.request_id.tolist())
     starts = [reqs[reqs.stage == k].arrival_s.min() for k in range(len(counts))] + [np.inf]
-    prefix = exp.workload.spec.shared_prefix.prefix_tokens
+    block = exp.engine.args.block_size  # a cache holds whole blocks: the prefix's full blocks are all it can give
+    prefix = exp.workload.spec.shared_prefix.prefix_tokens // block * block
     rows = ["| rate | cached % of prompt | GPU-pool hits % of prompt | served from cache % | queue ms | "
             "scheduled -> 1st token ms | front-end ms | TTFT ms | KV use | preemptions |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
