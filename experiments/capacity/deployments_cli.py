@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from servetwin.core.config_error import ConfigError
-from servetwin.experiments.capacity.deployments import (aggregated_template, int_list, rank_key, render,
-                                                        router_choices, search_deployments, slo_seconds)
-from servetwin.experiments.capacity.pd_deployments import pd_templates, run_pd_search
+from servetwin.experiments.capacity.deployments import (aggregated_template, deployment_values, int_list, rank_key,
+                                                        render, router_choices, search_deployments, slo_seconds)
+from servetwin.experiments.capacity.pd_deployments import pd_templates, pd_values, run_pd_search
 
 PD_FLAGS = (("prefill_tp", "--prefill-tp"), ("decode_tp", "--decode-tp"), ("max_prefill", "--max-prefill"),
             ("max_decode", "--max-decode"))
@@ -81,6 +81,16 @@ def search_space(load: Callable[[dict[str, Any]], Any], raw_cluster: dict[str, A
     return sorted(results, key=rank_key)
 
 
+def check_configs(load: Callable[[dict[str, Any]], Any], raw_cluster: dict[str, Any], space: DeploymentSpace) -> None:
+    """Parse the first deployment of each kind before any simulation: a config that cannot take that shape
+    (a P/D instance's connector, a missing SLO) fails at once, naming the field, not after other searches ran."""
+    router = space.routers[0]
+    if space.tps:
+        load(deployment_values(aggregated_template(raw_cluster), 1, space.tps[0], router))
+    if space.prefill_tps:
+        load(pd_values(pd_templates(raw_cluster), (1, 1), (space.prefill_tps[0], space.decode_tps[0]), router))
+
+
 def run_deployment_capacity(args: Any, log: Callable[[str], None]) -> int:
     """Search, print the ranked table with the cheapest and the runner-up; 0 when a deployment meets the SLOs."""
     from servetwin.experiments.config.schema import load_config, load_yaml, parse_override, set_dotted  # noqa: PLC0415
@@ -102,6 +112,7 @@ def run_deployment_capacity(args: Any, log: Callable[[str], None]) -> int:
         if exp.slo is None or exp.slo.empty:
             raise ConfigError("--slo", "capacity needs SLOs: give --slo (e.g. --slo ttft_p99_s=2) or an slo: section")
         return exp
+    check_configs(load, raw_cluster, space)
     results = search_space(load, raw_cluster, space, log)
     for line in render(results):
         print(line)

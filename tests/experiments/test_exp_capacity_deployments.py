@@ -1,4 +1,5 @@
 """`servetwin capacity` of a cluster config: the cheapest deployment meeting the SLOs at the config's load."""
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -103,3 +104,16 @@ def test_bad_deployment_flags_name_the_flag(tmp_path, capsys):
         assert main(["capacity", *argv, *slo]) == 2, argv
         err = capsys.readouterr().err
         assert flag in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_config_that_cannot_take_a_pd_shape_fails_before_any_simulation(tmp_path, capsys, monkeypatch):
+    import servetwin.experiments.run.cluster_run as cluster_run
+
+    cfg = tmp_path / "offload.yaml"
+    cfg.write_text(CLUSTER.replace("instances: [{name: r, count: 1}]", "instances: [{name: r, count: 1, engine: {kv_transfer_config: "
+                                   "{kv_connector: OffloadingConnector, kv_role: kv_both, "
+                                   "kv_connector_extra_config: {cpu_bytes_to_use: 1000000000}}}}]"))
+    monkeypatch.setattr(cluster_run, "simulate_cluster", lambda *a, **k: pytest.fail("simulated before the check"))
+    assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--pd"]) == 2
+    err = capsys.readouterr().err
+    assert "cluster.instances[0].engine.kv_transfer_config.kv_connector" in err and "NixlConnector" in err
