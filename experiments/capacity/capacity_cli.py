@@ -6,6 +6,12 @@ import os
 import sys
 import time
 
+from servetwin.core.config_error import ConfigError
+
+DEPLOYMENT_FLAGS = (("tp", "--tp"), ("router", "--router"), ("pd", "--pd"), ("pd_only", "--pd-only"),
+                    ("prefill_tp", "--prefill-tp"), ("decode_tp", "--decode-tp"), ("max_prefill", "--max-prefill"),
+                    ("max_decode", "--max-decode"))
+
 
 def _cmd_capacity(args: argparse.Namespace) -> int:
     from servetwin.experiments.capacity.capacity_report import (answer_line, length_line,  # noqa: PLC0415
@@ -18,9 +24,12 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
 
     exp = _load(args)
     if exp.cluster is not None:  # the cheapest deployment at the config's load (experiments/capacity/deployments.py)
-        from servetwin.experiments.capacity.deployments import run_deployment_capacity  # noqa: PLC0415
+        from servetwin.experiments.capacity.deployments_cli import run_deployment_capacity  # noqa: PLC0415
 
         return run_deployment_capacity(args, log=lambda msg: print(msg, file=sys.stderr))
+    for attr, flag in DEPLOYMENT_FLAGS:  # they vary a cluster's deployment: without one they would do nothing
+        if getattr(args, attr):
+            raise ConfigError(flag, "searches cluster deployments: only with a config that has a cluster: section")
     slo = parse_slo_args(args.slo) if args.slo else None  # SloError: a ConfigError naming the flag
     grid = parse_grid(args.grid)
     seeds = seeds_for(exp, args.seeds, args.max_runs) or None
@@ -91,5 +100,14 @@ def register(subparsers) -> None:
     d.add_argument("--tp", help="tensor-parallel sizes per replica to try, e.g. 1,2,4 (default: the config's)")
     d.add_argument("--router", action="append", default=[], metavar="TYPE",
                    help="routers to try (repeatable; default: the config's); the config's settings where its type matches")
-    d.add_argument("--max-replicas", type=int, default=16, help="replicas per deployment at most (default 16)")
+    d.add_argument("--max-replicas", type=int, default=16,
+                   help="instances per deployment at most (default 16; also each role's limit with P/D)")
+    d.add_argument("--pd", action="store_true",
+                   help="search prefill/decode deployments too (P:D ratio, TP per role) from the config's instance "
+                        "(the default when the config has prefill and decode instances)")
+    d.add_argument("--pd-only", action="store_true", help="search prefill/decode deployments only")
+    d.add_argument("--prefill-tp", help="P/D: TP sizes of a prefill instance to try, e.g. 1,2 (default: the config's)")
+    d.add_argument("--decode-tp", help="P/D: TP sizes of a decode instance to try, e.g. 2,4 (default: the config's)")
+    d.add_argument("--max-prefill", type=int, help="P/D: prefill instances at most (default --max-replicas)")
+    d.add_argument("--max-decode", type=int, help="P/D: decode instances at most (default --max-replicas)")
     c.set_defaults(func=_cmd_capacity)

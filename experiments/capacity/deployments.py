@@ -1,13 +1,14 @@
 """`servetwin capacity` of a cluster config: the cheapest deployment (GPU count) that meets the SLOs at the
 config's own load.
 
-The config's arrivals stay as they are; what varies is the deployment: the replica count of its (single)
-instance kind, the tensor-parallel size of each replica (`--tp`) and the router (`--router`). For each
-(TP, router) the fewest replicas meeting every SLO is found by bisection over 1..`--max-replicas` (more
-replicas of the same engine do not serve worse); the deployments are ranked by GPUs (replicas x TP x DP),
-then by their worst SLO ratio. One simulation per probe, one seed: a cluster run is the workload's whole
-arrival stream. Each deployment reports what binds it: the SLO closest to its limit where it passes, and
-the one missed with one replica fewer. P:D ratios come with prefill/decode instances.
+The config's arrivals stay as they are; what varies is the deployment. Aggregated deployments: the replica
+count of one instance kind (role both), the tensor-parallel size of each replica (`--tp`) and the router
+(`--router`); for each (TP, router) the fewest replicas meeting every SLO is found by bisection over
+1..`--max-replicas` (more replicas of the same engine do not serve worse). Prefill/decode deployments (the P:D
+ratio and the TP of each role) are searched in pd_deployments.py. All are ranked by GPUs (instances x TP x
+DP), then by their worst SLO ratio. One simulation per probe, one seed: a cluster run is the workload's whole
+arrival stream. Each deployment reports what binds it: the SLO closest to its limit where it passes, and the
+one missed with one instance fewer (per role for P/D).
 """
 from __future__ import annotations
 
@@ -22,43 +23,101 @@ from servetwin.core.config_error import ConfigError
 
 @dataclass(slots=True)
 class Probe:
-    replicas: int
+    at: tuple[int, ...]  # the instance counts simulated: (replicas,) or (prefill, decode)
     passed: bool
     checks: list[dict[str, Any]]  # evaluate_slo's checks of the run
 
 
+class ProbeCache:
+    """Each deployment simulated once: `probe(*counts)` evaluates `make(*counts)` the first time it is asked."""
+
+    def __init__(self, make: Callable[..., Any], evaluate: Callable[[Any], list[dict[str, Any]]],
+                 name: Callable[..., str], log: Callable[[str], None]):
+        self.make, self.evaluate, self.name, self.log = make, evaluate, name, log
+        self.probes: dict[tuple[int, ...], Probe] = {}
+
+    def __call__(self, *counts: int) -> Probe:
+        if counts not in self.probes:
+            checks = self.evaluate(self.make(*counts))
+            passed = bool(checks) and all(c["met"] for c in checks if c.get("met") is not None)
+            self.probes[counts] = Probe(counts, passed, checks)
+            self.log(f"{self.name(*counts)}: {'meets' if passed else 'misses'} the SLOs ({worst_text(checks)})")
+        return self.probes[counts]
+
+    def sorted(self) -> list[Probe]:
+        return sorted(self.probes.values(), key=lambda p: p.at)
+
+
+def fewest(passes: Callable[[int], bool], hi: int) -> int:
+    """The least n in 1..hi with passes(n), for a `passes` monotone in n and true at hi (bisection)."""
+    lo = 0  # invariant: lo fails (or is 0), hi passes
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if passes(mid) else (mid, hi)
+    return hi
+
+
 @dataclass(slots=True)
 class DeploymentResult:
+    """An aggregated deployment: `replicas` copies of the instance at TP `tp` behind `router`."""
     tp: int
     router: str
     gpus_per_replica: int
     replicas: Optional[int]  # the fewest meeting the SLOs (None: not met up to max_replicas)
     probes: list[Probe]
+    max_replicas: int = 0
+
+    kind = "aggregated"
 
     @property
     def gpus(self) -> Optional[int]:
         return None if self.replicas is None else self.replicas * self.gpus_per_replica
 
+    @property
+    def tp_text(self) -> str:
+        return str(self.tp)
+
+    @property
+    def instances_text(self) -> str:
+        return str(self.replicas) if self.replicas else f"> {self.max_replicas}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.replicas} x TP{self.tp}"
+
     def probe(self, replicas: int) -> Optional[Probe]:
-        return next((p for p in self.probes if p.replicas == replicas), None)
+        return next((p for p in self.probes if p.at == (replicas,)), None)
+
+    def worst_ratio(self) -> float:
+        at = self.probe(self.replicas) if self.replicas else None
+        return worst_ratio(at.checks) if at else np.inf
 
     def binds(self) -> str:
         """The SLO closest to its limit at the answer, and the one missed with one replica fewer."""
         parts = []
         at = self.probe(self.replicas) if self.replicas else None
         if at is not None:
-            parts.append(f"at {self.replicas}: {_worst(at.checks)}")
-        below = self.probe((self.replicas or 0) - 1) if self.replicas else max(self.probes, key=lambda p: p.replicas)
+            parts.append(f"at {self.replicas}: {worst_text(at.checks)}")
+        below = self.probe(self.replicas - 1) if self.replicas else max(self.probes, key=lambda p: p.at)
         if below is not None:
-            parts.append(f"at {below.replicas}: {_worst(below.checks)}")
+            parts.append(f"at {below.at[0]}: {worst_text(below.checks)}")
         return "; ".join(parts)
 
 
-def _worst(checks: list[dict[str, Any]]) -> str:
+def worst_check(checks: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     gated = [c for c in checks if c.get("ratio") is not None]
-    if not gated:
+    return max(gated, key=lambda c: c["ratio"]) if gated else None
+
+
+def worst_ratio(checks: list[dict[str, Any]]) -> float:
+    c = worst_check(checks)
+    return np.inf if c is None else float(c["ratio"])
+
+
+def worst_text(checks: list[dict[str, Any]]) -> str:
+    c = worst_check(checks)
+    if c is None:
         return "nothing measured"
-    c = max(gated, key=lambda c: c["ratio"])
     unit, scale = ("ms", 1000.0) if c["limit"] < 1.0 else ("s", 1.0)
     verdict = "met" if c["met"] else "missed"
     return f"{c['name']} {c['value'] * scale:.3g} {unit} of {c['limit'] * scale:.3g} {unit} ({verdict})"
@@ -78,29 +137,48 @@ def slo_seconds(items: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def deployment_values(raw_cluster: dict[str, Any], replicas: int, tp: int, router: dict[str, Any]) -> dict[str, Any]:
-    """`load_config` values giving the cluster `replicas` copies of its instance at TP `tp` behind `router`."""
+def aggregated_template(raw_cluster: dict[str, Any]) -> dict[str, Any]:
+    """The instance aggregated deployments copy: the config's one instance kind (role both), or, in a P/D
+    config, its decode instance serving alone (role both, without the NixlConnector that made it a consumer)."""
     instances = raw_cluster.get("instances") or []
-    if len(instances) != 1 or instances[0].get("role", "both") != "both":
-        raise ConfigError("cluster.instances", "capacity across deployments varies one instance kind (role both); "
-                          f"this config has {len(instances)}")
-    inst = copy.deepcopy(dict(instances[0]))
+    roles = [dict(i).get("role", "both") for i in instances]
+    if len(instances) == 1 and roles[0] == "both":
+        return copy.deepcopy(dict(instances[0]))
+    if "decode" in roles and "both" not in roles:
+        inst = copy.deepcopy(dict(instances[roles.index("decode")]))
+        inst.update(role="both", name="r")
+        engine = dict(inst.get("engine") or {})
+        if dict(engine.get("kv_transfer_config") or {}).get("kv_connector") == "NixlConnector":
+            engine.pop("kv_transfer_config")
+        inst["engine"] = engine
+        return inst
+    raise ConfigError("cluster.instances", "capacity across deployments varies one instance kind (role both) or "
+                      f"one prefill and one decode kind; this config has {len(instances)} ({', '.join(roles)})")
+
+
+def deployment_values(template: dict[str, Any], replicas: int, tp: int, router: dict[str, Any]) -> dict[str, Any]:
+    """`load_config` values giving the cluster `replicas` copies of `template` at TP `tp` behind `router`."""
+    inst = copy.deepcopy(template)
     inst["count"] = replicas
     inst["engine"] = {**dict(inst.get("engine") or {}), "tensor_parallel_size": tp}
-    return {"cluster.instances": [inst], "cluster.router": router}
+    return {"cluster.instances": [inst], "cluster.router": router, "cluster.prefill_router": None}
 
 
 def evaluate_deployment(exp: Any) -> list[dict[str, Any]]:
-    """Simulate the cluster once and evaluate `exp.slo` on every engine's requests pooled."""
+    """Simulate the cluster once and evaluate `exp.slo` on the client's requests, every engine's pooled (with
+    P/D: the decode side's records, whose TTFT runs from the arrival; the prefill copies are left out)."""
     import pandas as pd  # noqa: PLC0415
 
     from servetwin.experiments.config.slo import evaluate_slo  # noqa: PLC0415
     from servetwin.experiments.run.cluster_run import simulate_cluster  # noqa: PLC0415
+    from servetwin.sim.pd_cluster import PREFILL_SUFFIX  # noqa: PLC0415
 
     _, runs, _, _ = simulate_cluster(exp)
     frames = [run.recorder.frames()["requests"] for run in runs.values()]
     itls = np.concatenate([np.asarray(run.recorder.itl_array(), dtype=float) for run in runs.values()])
     reqs = pd.concat(frames, ignore_index=True)
+    if len(reqs):
+        reqs = reqs[~reqs.request_id.astype(str).str.endswith(PREFILL_SUFFIX)]
     duration = max((run.simulated_s or 0.0 for run in runs.values()), default=0.0)
     return evaluate_slo(exp.slo, reqs, itls, duration)["checks"]
 
@@ -111,59 +189,40 @@ def search_deployments(load: Callable[[dict[str, Any]], Any], raw_cluster: dict[
                        log: Callable[[str], None] = lambda msg: None) -> list[DeploymentResult]:
     """For each (TP, router): the fewest replicas meeting the SLOs (bisection); ranked cheapest first.
     `load(values)` -> the ExperimentConfig with those overrides."""
+    template = aggregated_template(raw_cluster)
+    dp = int(template.get("data_parallel_size", 1))
     out = []
     for tp in tps:
         for router in routers:
-            probes: dict[int, Probe] = {}
-
-            def probe(n: int) -> Probe:
-                if n not in probes:
-                    exp = load(deployment_values(raw_cluster, n, tp, router))
-                    checks = evaluate(exp)
-                    passed = bool(checks) and all(c["met"] for c in checks if c.get("met") is not None)
-                    probes[n] = Probe(n, passed, checks)
-                    log(f"TP{tp} {router['type']} x{n}: {'meets' if passed else 'misses'} the SLOs ({_worst(checks)})")
-                return probes[n]
-            lo, hi = 0, max_replicas  # invariant: lo fails (or 0), hi passes (once probed)
-            if not probe(hi).passed:
-                out.append(DeploymentResult(tp, router["type"], tp * _dp(raw_cluster), None, sorted(probes.values(), key=lambda p: p.replicas)))
-                continue
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if probe(mid).passed else (mid, hi)
-            out.append(DeploymentResult(tp, router["type"], tp * _dp(raw_cluster), hi,
-                                        sorted(probes.values(), key=lambda p: p.replicas)))
-    return sorted(out, key=_rank)
+            probe = ProbeCache(lambda n, tp=tp, router=router: load(deployment_values(template, n, tp, router)),
+                               evaluate, lambda n, tp=tp, router=router: f"TP{tp} {router['type']} x{n}", log)
+            replicas = fewest(lambda n: probe(n).passed, max_replicas) if probe(max_replicas).passed else None
+            out.append(DeploymentResult(tp, router["type"], tp * dp, replicas, probe.sorted(), max_replicas))
+    return sorted(out, key=rank_key)
 
 
-def _dp(raw_cluster: dict[str, Any]) -> int:
-    return int((raw_cluster.get("instances") or [{}])[0].get("data_parallel_size", 1))
+def rank_key(r: Any) -> tuple:
+    """Met first; then fewer GPUs; then the smaller worst SLO ratio (more headroom)."""
+    if r.gpus is None:
+        return (1, 0, 0.0)
+    return (0, r.gpus, r.worst_ratio())
 
 
-def _rank(r: DeploymentResult) -> tuple:
-    if r.replicas is None:
-        return (1, 0.0, r.tp)
-    at = r.probe(r.replicas)
-    worst = max((c["ratio"] for c in at.checks if c.get("ratio") is not None), default=np.inf)
-    return (0, r.gpus, worst)
-
-
-def render(results: list[DeploymentResult], max_replicas: int) -> list[str]:
-    lines = ["| rank | TP | router | replicas | GPUs | what binds |", "|---:|---:|---|---:|---:|---|"]
+def render(results: list[Any]) -> list[str]:
+    lines = ["| rank | deployment | TP | router | instances | GPUs | what binds |",
+             "|---:|---|---|---|---|---:|---|"]
     for i, r in enumerate(results, 1):
-        reps = str(r.replicas) if r.replicas else f"> {max_replicas}"
-        lines.append(f"| {i} | {r.tp} | {r.router} | {reps} | {r.gpus if r.gpus else '-'} | {r.binds()} |")
-    ok = [r for r in results if r.replicas]
-    if ok:
-        best = ok[0]
-        lines.append("")
-        lines.append(f"cheapest: {best.replicas} x TP{best.tp} behind {best.router} = {best.gpus} GPUs")
-        if len(ok) > 1:
-            nxt = ok[1]
-            lines.append(f"runner-up: {nxt.replicas} x TP{nxt.tp} behind {nxt.router} = {nxt.gpus} GPUs")
-    else:
-        lines.append("")
-        lines.append(f"no deployment up to {max_replicas} replicas meets the SLOs")
+        lines.append(f"| {i} | {r.kind} | {r.tp_text} | {r.router} | {r.instances_text} | {r.gpus if r.gpus else '-'} "
+                     f"| {r.binds()} |")
+    ok = [r for r in results if r.gpus]
+    lines.append("")
+    if not ok:
+        lines.append("no deployment within the instance limits meets the SLOs (--max-replicas, --max-prefill, "
+                     "--max-decode)")
+        return lines
+    lines.append(f"cheapest: {ok[0].label} behind {ok[0].router} = {ok[0].gpus} GPUs")
+    if len(ok) > 1:
+        lines.append(f"runner-up: {ok[1].label} behind {ok[1].router} = {ok[1].gpus} GPUs")
     return lines
 
 
@@ -176,38 +235,7 @@ def router_choices(raw_cluster: dict[str, Any], names: list[str]) -> list[dict[s
     return [own if own.get("type", "round_robin") == n else {"type": n} for n in dict.fromkeys(names)]
 
 
-def run_deployment_capacity(args: Any, log: Callable[[str], None]) -> int:
-    """The CLI path of `servetwin capacity` for a config with a `cluster:` section."""
-    from servetwin.experiments.config.schema import load_config, load_yaml, parse_override, set_dotted  # noqa: PLC0415
-    from servetwin.experiments.config.slo import parse_slo_args  # noqa: PLC0415
-
-    raw = load_yaml(args.config) or {}
-    for text in args.overrides:
-        set_dotted(raw, *parse_override(text))
-    raw_cluster = dict(raw.get("cluster") or {})
-    slo = slo_seconds(parse_slo_args(args.slo)) if args.slo else None
-    tps = _int_list(args.tp, "--tp") if args.tp else [int((raw.get("engine") or {}).get("tensor_parallel_size", 1))]
-    routers = router_choices(raw_cluster, args.router)
-    max_replicas = int(args.max_replicas)
-    if max_replicas < 1:
-        raise ConfigError("--max-replicas", "must be at least 1")
-
-    def load(values: dict[str, Any]) -> Any:
-        vals = dict(values)
-        if slo is not None:
-            vals["slo"] = slo
-        exp = load_config(args.config, overrides=list(args.overrides), values={**vals, "output.plots": False,
-                                                                              "output.step_requests": False})
-        if exp.slo is None or exp.slo.empty:
-            raise ConfigError("--slo", "capacity needs SLOs: give --slo (e.g. --slo ttft_p99_s=2) or an slo: section")
-        return exp
-    results = search_deployments(load, raw_cluster, tps, routers, max_replicas, log=log)
-    for line in render(results, max_replicas):
-        print(line)
-    return 0 if any(r.replicas for r in results) else 1
-
-
-def _int_list(text: str, flag: str) -> list[int]:
+def int_list(text: str, flag: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:

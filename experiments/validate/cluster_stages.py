@@ -3,7 +3,7 @@
 A `stages` arrival (`servetwin.sim.arrivals.StageLadder`) hands stage k the next int(rate x duration_s)
 requests of the workload, in order, so request `req-N`'s stage follows from N. Per stage, over its requests
 that finished (inference-perf `reportgen/base.py`): output tok/s = their output tokens / (last client finish -
-first arrival); TTFT / E2E mean and p90; TPOT mean; ITL mean = all their token gaps pooled (decode time
+first arrival); TTFT mean, p50 and p90; E2E mean and p90; TPOT mean; ITL mean = all their token gaps pooled (decode time
 summed over tokens after the first). Times in ms, as `servetwin validate`'s other metrics.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-STAGE_METRICS = ("out_tok_s", "ttft_mean", "ttft_p90", "tpot_mean", "itl_mean", "e2e_mean", "e2e_p90")
+STAGE_METRICS = ("out_tok_s", "ttft_mean", "ttft_p50", "ttft_p90", "tpot_mean", "itl_mean", "e2e_mean", "e2e_p90")
 
 
 def stage_of_requests(counts: list[int], request_ids: Any) -> np.ndarray:
@@ -44,7 +44,8 @@ def stage_figures(reqs: Any, counts: list[int]) -> list[dict[str, Optional[float
         decode_s = float((r.e2e_s - r.ttft_s)[r.output_tokens > 1].sum())
         out.append({
             "out_tok_s": float(r.output_tokens.sum()) / span if span > 0 else None,
-            "ttft_mean": 1000.0 * float(r.ttft_s.mean()), "ttft_p90": 1000.0 * float(np.percentile(r.ttft_s, 90)),
+            "ttft_mean": 1000.0 * float(r.ttft_s.mean()), "ttft_p50": 1000.0 * float(np.percentile(r.ttft_s, 50)),
+            "ttft_p90": 1000.0 * float(np.percentile(r.ttft_s, 90)),
             "tpot_mean": 1000.0 * float(r.tpot_s.mean()) if r.tpot_s.notna().any() else None,
             "itl_mean": 1000.0 * decode_s / decode_tokens if decode_tokens else None,
             "e2e_mean": 1000.0 * float(r.e2e_s.mean()), "e2e_p90": 1000.0 * float(np.percentile(r.e2e_s, 90)),

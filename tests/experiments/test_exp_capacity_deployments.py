@@ -1,4 +1,5 @@
 """`servetwin capacity` of a cluster config: the cheapest deployment meeting the SLOs at the config's load."""
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -66,7 +67,53 @@ def test_capacity_of_a_cluster_config_prints_the_cheapest_deployment(tmp_path, c
     assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--slo", "tpot_p99_ms=500", "--tp", "1,2",
                  "--max-replicas", "2"]) == 0
     out = capsys.readouterr().out
-    assert "| rank | TP | router | replicas | GPUs | what binds |" in out
+    assert "| rank | deployment | TP | router | instances | GPUs | what binds |" in out
     assert "cheapest: 1 x TP1 behind round_robin = 1 GPUs" in out and "runner-up: 1 x TP2" in out
     assert main(["capacity", str(cfg), "--slo", "tpot_p99_ms=fast"]) == 2
     assert "--slo tpot_p99_ms" in capsys.readouterr().err
+
+
+PD_CLUSTER = CLUSTER.replace("instances: [{name: r, count: 1}]",
+                             "instances: [{name: prefill, count: 2, role: prefill}, {name: decode, count: 1, role: decode}]")
+
+
+def test_capacity_of_a_pd_config_searches_pd_and_aggregated(tmp_path, capsys):
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(PD_CLUSTER)
+    assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--slo", "tpot_p99_ms=500", "--max-replicas", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    # loose SLOs: one aggregated replica (1 GPU) first, the smallest P/D deployment (1P:1D, 2 GPUs) next
+    assert rows[0].startswith("| 1 | aggregated | 1 | round_robin | 1 | 1 |")
+    assert rows[1].startswith("| 2 | P/D | P1:D1 | round_robin | 1P:1D | 2 |")
+    assert "prefill: at its minimum (1); decode: at its minimum (1)" in rows[1]
+    assert "runner-up: 1 prefill x TP1 + 1 decode x TP1 behind round_robin = 2 GPUs" in out
+
+
+def test_bad_deployment_flags_name_the_flag(tmp_path, capsys):
+    agg = tmp_path / "agg.yaml"
+    agg.write_text(CLUSTER)
+    single = tmp_path / "single.yaml"
+    single.write_text(PD_CLUSTER.split("cluster:")[0])
+    slo = ["--slo", "ttft_p99_s=5"]
+    for argv, flag in ([str(agg), "--prefill-tp", "1"], "--prefill-tp"), ([str(agg), "--max-decode", "2"], "--max-decode"), \
+                      ([str(agg), "--pd", "--max-decode", "0"], "--max-decode"), \
+                      ([str(agg), "--pd", "--decode-tp", "2,x"], "--decode-tp"), \
+                      ([str(agg), "--pd-only", "--tp", "1"], "--tp"), ([str(single), "--pd"], "--pd"), \
+                      ([str(single), "--tp", "2"], "--tp"):
+        assert main(["capacity", *argv, *slo]) == 2, argv
+        err = capsys.readouterr().err
+        assert flag in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_config_that_cannot_take_a_pd_shape_fails_before_any_simulation(tmp_path, capsys, monkeypatch):
+    import servetwin.experiments.run.cluster_run as cluster_run
+
+    cfg = tmp_path / "offload.yaml"
+    cfg.write_text(CLUSTER.replace("instances: [{name: r, count: 1}]", "instances: [{name: r, count: 1, engine: {kv_transfer_config: "
+                                   "{kv_connector: OffloadingConnector, kv_role: kv_both, "
+                                   "kv_connector_extra_config: {cpu_bytes_to_use: 1000000000}}}}]"))
+    monkeypatch.setattr(cluster_run, "simulate_cluster", lambda *a, **k: pytest.fail("simulated before the check"))
+    assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--pd"]) == 2
+    err = capsys.readouterr().err
+    assert "cluster.instances[0].engine.kv_transfer_config.kv_connector" in err and "NixlConnector" in err

@@ -225,6 +225,7 @@ def test_stage_figures_follow_inference_perfs_report():
     assert s0["out_tok_s"] == pytest.approx(30 / 4.0)  # output tokens / (last finish - first arrival)
     assert s0["itl_mean"] == pytest.approx(1000 * (0.9 + 1.9) / (9 + 19))  # every token gap pooled
     assert s0["ttft_mean"] == pytest.approx(750.0) and s1["e2e_mean"] == pytest.approx(1000.0)
+    assert s0["ttft_p50"] == pytest.approx(750.0) and s1["ttft_p50"] == pytest.approx(200.0)  # held-out reports give p50
 
 
 def test_bad_stage_metrics_are_named(tmp_path, capsys):
