@@ -71,7 +71,8 @@ LOWER_IS_BETTER = ("ttft", "tpot", "itl", "e2e")
 
 def ranking_checks(results: list[Any], published: dict[str, Any]) -> list[str]:
     """For every published.json entry with `ranking: {above: OTHER}`, per stage metric where the published
-    figures of the two arms separate: does the prediction order them as the sources do? (Markdown lines.)"""
+    figures of the two arms separate: does the prediction order them as the sources do? A metric where the
+    two predictions are equal holds in neither direction. (Markdown lines.)"""
     by_name = {r.name: r for r in results if not r.error and not r.pending}
     lines = []
     for name, entry in published.items():
@@ -83,19 +84,23 @@ def ranking_checks(results: list[Any], published: dict[str, Any]) -> list[str]:
             continue
         mine = {m: (pub, pred) for m, pub, pred in by_name[name].rows}
         theirs = {m: (pub, pred) for m, pub, pred in by_name[other].rows}
-        held, checked, failed = 0, 0, []
+        held, checked, reversed_, tied = 0, 0, [], []
         for m in sorted(set(mine) & set(theirs), key=_stage_key):
             (pa, qa), (pb, qb) = mine[m], theirs[m]
             if qa is None or qb is None or abs(pa - pb) <= SEPARATION * max(abs(pa), abs(pb)):
                 continue
             checked += 1
-            if (pa < pb) == (qa < qb):
+            if qa == qb:  # the prediction orders neither way (e.g. an arrival-bound stage): never a hold
+                tied.append(m)
+            elif (pa < pb) == (qa < qb):
                 held += 1
             else:
-                failed.append(m)
+                reversed_.append(m)
         better = ", ".join(sorted({m.split("@")[0] for m in mine}))
         lines.append(f"- {name} vs {other} ({better}; where the published arms differ by > {SEPARATION:.0%}): "
-                     f"the predicted order holds at {held}/{checked}" + (f"; not at {', '.join(failed)}" if failed else ""))
+                     f"the predicted order holds at {held}/{checked}"
+                     + (f"; reversed at {', '.join(reversed_)}" if reversed_ else "")
+                     + (f"; predicted equal at {', '.join(tied)}" if tied else ""))
     return lines
 
 

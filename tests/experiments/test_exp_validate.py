@@ -245,3 +245,60 @@ def test_validate_reads_earlier_runs_with_the_same_figures(tmp_path, capsys):
     assert read.rows == direct.rows  # the simulation is deterministic: reading the run changes nothing
     assert main(["validate", str(d), "--case", "b_llmd", "--runs", str(runs), "-q"]) == 1  # no run of it: reported
     assert "| b_llmd | (not run) |" in capsys.readouterr().out
+
+
+def _arm(name, rows):
+    from servetwin.experiments.validate.published import CaseResult
+    return CaseResult(name, "made up", rows)
+
+
+def test_ranking_checks_count_the_stages_where_the_published_arms_separate():
+    from servetwin.experiments.validate.cluster_stages import ranking_checks
+    a = _arm("a", [("ttft_mean@5", 100.0, 50.0), ("ttft_mean@10", 100.0, 120.0), ("ttft_mean@15", 100.0, 80.0),
+                   ("out_tok_s@5", 1000.0, 700.0), ("e2e_mean@5", 100.0, None)])
+    b = _arm("b", [("ttft_mean@5", 200.0, 90.0), ("ttft_mean@10", 200.0, 110.0), ("ttft_mean@15", 105.0, 300.0),
+                   ("out_tok_s@5", 1200.0, 700.0), ("e2e_mean@5", 300.0, 10.0)])
+    published = {"a": {"ranking": {"above": "b"}}, "b": {}, "c": {"ranking": {"above": "b"}}}
+    line, missing = ranking_checks([a, b], published)
+    # @5 held; @10 reversed; @15 published within 10% (not checked); out_tok_s@5 equal predictions; e2e not run
+    assert line.endswith("holds at 1/3; reversed at ttft_mean@10; predicted equal at out_tok_s@5")
+    assert missing == "- c above b: not checked (both arms must run)"
+
+
+def test_the_shipped_rankings_pair_runnable_cases_the_offload_pair_among_them():
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "published_cluster"
+    published = json.loads((root / "published.json").read_text())
+    pairs = {name: e["ranking"]["above"] for name, e in published.items() if e.get("ranking")}
+    assert pairs["offload_gptoss120b_h100_16xtp1_cpu_offload"] == "offload_gptoss120b_h100_16xtp1_baseline"
+    for name, other in pairs.items():  # both arms are cases with per-stage or whole-run figures
+        for arm in (name, other):
+            assert (root / "cases" / f"{arm}.yaml").is_file() and not published[arm].get("pending")
+            assert published[arm].get("published") or published[arm].get("stages")
+
+
+def test_ranking_checks_do_not_depend_on_which_arm_names_the_other():
+    import re
+
+    from hypothesis import given, settings, strategies as st
+
+    from servetwin.experiments.validate.cluster_stages import ranking_checks
+
+    value = st.sampled_from([1.0, 1.05, 2.0, 3.0])  # ties and near-ties in both columns
+    stage = st.tuples(value, value, value, value)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(stage, min_size=1, max_size=6))
+    def check(stages):
+        a = _arm("a", [(f"ttft_mean@{i}", pa, qa) for i, (pa, qa, _, _) in enumerate(stages)])
+        b = _arm("b", [(f"ttft_mean@{i}", pb, qb) for i, (_, _, pb, qb) in enumerate(stages)])
+        counts = []
+        for first, second in (("a", "b"), ("b", "a")):
+            (line,) = ranking_checks([a, b], {first: {"ranking": {"above": second}}, second: {}})
+            held, checked = map(int, re.search(r"holds at (\d+)/(\d+)", line).groups())
+            named = sum(len(part.split(", ")) for part in re.findall(r"(?:reversed|predicted equal) at ([^;]+)", line))
+            assert held + named == checked
+            counts.append((held, checked))
+        assert counts[0] == counts[1]
+
+    check()
