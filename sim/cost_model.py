@@ -236,7 +236,8 @@ class CostModel:
                  ipc: bool = False, coefficients: Optional[CostCoefficients] = None,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
                  async_scheduling: bool = False, routing_skew: float = 0.0,
-                 fuse_allreduce_rms: bool = False, piecewise_graphs: bool = True) -> None:
+                 fuse_allreduce_rms: bool = False, piecewise_graphs: bool = True,
+                 moe_backend: str = "auto") -> None:
         self.model = load_model_spec(model)
         self.hw = load_hardware(hw)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -270,6 +271,7 @@ class CostModel:
         self.async_scheduling = bool(async_scheduling)
         self.routing_skew = routing_skew
         self.fuse_allreduce_rms = bool(fuse_allreduce_rms)
+        self.moe_backend = moe_backend
         self.coefficients = coefficients if coefficients is not None else self.hw.coefficients
         self._precompute()
 
@@ -293,7 +295,8 @@ class CostModel:
                         + n_moe * m.shared_expert_matmul_params)
         mlp_width = n_dense * m.intermediate_size + n_moe * (
             m.num_experts_per_tok * m.moe_intermediate_size + m.shared_expert_intermediate_size)
-        self.moe = MoECost.build(m, hw, tp, self.quantization, self.routing_skew) if n_moe else None
+        self.moe = (MoECost.build(m, hw, tp, self.quantization, self.routing_skew, self.moe_backend)
+                    if n_moe else None)
         w8a8 = self.quantization == "fp8" and hw.has_fp8  # else W8A16: bf16 GEMMs on 1-byte weights
         peak_gemm = hw.peak_flops("fp8" if w8a8 else m.dtype) * (e.gemm_fp8_relative if w8a8 else 1.0)
         quant = FP8_QUANT_BYTES * (L * (2 * d + hq * dh) + mlp_width / tp) if w8a8 else 0.0

@@ -68,6 +68,18 @@ TRITON_MOE = ("bandwidth: vllm-project/vllm PR #39902/#39904 ('Add tuned triton 
               "at batch 1 / 8 / 256 / 512 / 1024: 85 / 502 / 2130 / 2200 / 2314 us, i.e. 0.70 / 0.85 / 0.90 / "
               "0.87 / 0.84 of the H100's 3.35 TB/s for the touched experts' bytes (n(T) as in moe_cost): median "
               "0.85")
+TRITON_MXFP4_DEFAULT = ("vllm model_executor/layers/fused_moe/oracle/mxfp4.py _get_priority_backends_for_gpt_oss: "
+                        "FLASHINFER_TRTLLM (Blackwell only) ... TRITON before MARLIN; experts/gpt_oss_triton_kernels_"
+                        "moe.py admits SM 9.0-12.x. vllm-project/vllm PR #25488: Marlin 'worse TTFT and TPOT' than "
+                        "OAITritonExperts")
+# The one rate fitted for this kernel (docs/cost_model.md, "gpt-oss-120b in the llm-d runs"): its large-M compute
+# fraction, from the only public prefill rate of a default-backend gpt-oss deployment found
+TRITON_MXFP4_COMPUTE = 0.405
+TRITON_MXFP4_FIT = ("compute: fitted so that a 5,000-token gpt-oss-120b prefill on one H200 (TP1, async "
+                    "scheduling) takes 5,000 / 33,821 s = 147.8 ms: llm-d guides/pd-disaggregation (commit "
+                    "027a05326f), whose EPP token-load scorer sets peakPrefillThroughput 33821 for these prefill "
+                    "pods (the published P/D arm of benchmarks/published_cluster, a training case); bisection gives 0.405 "
+                    "(Marlin: 0.35, on experts padded to 3072 x 2944 instead of 3072 x 2880)")
 B200_SPEC = ("NVIDIA HGX B200 (1000 W) dense peaks, 8 TB/s HBM3e, NVLink 5 (1.8 TB/s bidirectional): "
              "glennklockwood.com/garden/processors/B200 and NVIDIA's HGX B200 figures")
 FI_TRTLLM_MOE = ("flashinfer-ai/flashinfer PR #1475 ('Trtllm-gen Fp4 MoE Autotunner', 2025-08-12), B200 with the clock "
@@ -109,6 +121,10 @@ _H100_MOE = {
             "bandwidth": 0.75},
 }
 _H100_EFF["moe_kernels"] = _H100_MOE
+# Hopper only (vLLM's device gate for the OpenAI Triton MoE kernels is SM 9.0-12.x): `moe_backend: triton`
+_HOPPER_MOE = {**_H100_MOE, "mxfp4_triton": {
+    "kernel": "oai_triton_matmul_ogs", "peak": "bf16", "compute": TRITON_MXFP4_COMPUTE, "half_rows": 16.0,
+    "bandwidth": 0.90, "align_hidden": 256, "align_intermediate": 64}}
 _H100_COEF = {
     "c_step": 1.5e-3, "c_req": 1.0e-6, "c_token": 0.0, "c_layer": 4.0e-5, "c_layer_piecewise": 1.0e-5,
     "c_linear": 1.0, "c_elementwise": 1.0, "c_attn_prefill": 1.0, "c_attn_decode": 1.0, "c_attn_shared": 1.0,
@@ -151,6 +167,18 @@ _H100_SOURCES = {
 }
 
 
+_HOPPER_SOURCES = {**_H100_SOURCES, "efficiency.moe_kernels": {
+    **_H100_SOURCES["efficiency.moe_kernels"],
+    "mxfp4_triton": (f"the OpenAI Triton kernels (OAITritonExperts, triton_kernels.matmul_ogs), vLLM's default MXFP4 "
+                     f"MoE on Hopper (--moe-backend auto: {TRITON_MXFP4_DEFAULT}); {TRITON_MXFP4_FIT}; half_rows and "
+                     f"bandwidth: Marlin's (no public small-batch timing of matmul_ogs on Hopper found); alignments: "
+                     f"each rank's expert width to 64 (vLLM 0.33 mxfp4_round_up_hidden_size_and_intermediate_size, "
+                     f"CUDA TRITON branch), the hidden size to 256 as the weights' footprint says: vllm-project/"
+                     f"vllm issue #33155 (vLLM 0.14.1, 'Using Triton backend', one H100) logs 'Model loading took "
+                     f"64.38 GiB', this layout gives 64.50 (unpadded hidden: 60.71; Marlin's layout 65.84 against "
+                     f"65.97 logged with Marlin in issue #23278)")}}
+
+
 def _record(sources: dict[str, str], note: str, validated_on: str, fitted: bool = True) -> dict[str, Any]:
     """`fitted`: the preset's own values were fitted on published runs of that GPU (`calibrated`); a
     preset that only carries another GPU's fit is not calibrated. `validated_on`: the runs it was judged
@@ -174,11 +202,12 @@ VALIDATED_L40S = "not fitted, no published case: assumed fractions, an estimate 
 
 
 GPU_CALIBRATION: dict[str, dict[str, Any]] = {
-    "h100-sxm": {"efficiency": dict(_H100_EFF), "coefficients": dict(_H100_COEF),
-                 "provenance": _record(_H100_SOURCES, "per-kernel public measurements + fit on the published "
+    "h100-sxm": {"efficiency": {**_H100_EFF, "moe_kernels": _HOPPER_MOE}, "coefficients": dict(_H100_COEF),
+                 "provenance": _record(_HOPPER_SOURCES, "per-kernel public measurements + fit on the published "
                                                       "vLLM H100 runs", VALIDATED_H100)},
-    "h200": {"efficiency": {**_H100_EFF, "gemm_fp8_relative": 0.914}, "coefficients": dict(_H100_COEF),
-             "provenance": _record({**_H100_SOURCES, "all": "H100's set: same GH100 die and software; only the "
+    "h200": {"efficiency": {**_H100_EFF, "gemm_fp8_relative": 0.914, "moe_kernels": _HOPPER_MOE},
+             "coefficients": dict(_H100_COEF),
+             "provenance": _record({**_HOPPER_SOURCES, "all": "H100's set: same GH100 die and software; only the "
                                     "datasheet bandwidth and memory differ"},
                                    "H100's calibration transferred (same compute die); no H200 run in the fit",
                                    VALIDATED_H200, fitted=False)},

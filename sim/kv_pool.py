@@ -173,7 +173,8 @@ def build_sim_executor(args: Any):
                            piecewise_graphs=hw.provenance.get("backend") != "torch",
                            ipc=bool(getattr(args, "multiprocess", False)), quantization=quantization,
                            kv_cache_dtype=kv_cache_dtype, async_scheduling=bool(args.async_scheduling),
-                           fuse_allreduce_rms=bool(getattr(args, "fuse_allreduce_rms", False)))
+                           fuse_allreduce_rms=bool(getattr(args, "fuse_allreduce_rms", False)),
+                           moe_backend=getattr(args, "moe_backend", "auto"))
     pp = getattr(args, "pipeline_parallel_size", 1)
     if pp > 1 and hw.interconnect_bandwidth <= 0:
         raise ConfigError("pipeline_parallel_size", f"hardware {hw.name!r} has no interconnect to send activations "

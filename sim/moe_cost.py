@@ -56,14 +56,26 @@ def expert_format(model: ModelSpec, quantization: str | None) -> str:
     return fmt
 
 
-def moe_kernel(model: ModelSpec, hw: HardwareSpec, quantization: str | None) -> tuple[MoEKernel, float]:
-    """(the kernel vLLM runs for these experts on `hw`, the dense peak it computes at)."""
+def moe_kernel(model: ModelSpec, hw: HardwareSpec, quantization: str | None,
+               backend: str = "auto") -> tuple[MoEKernel, float]:
+    """(the kernel vLLM runs for these experts on `hw`, the dense peak it computes at).
+
+    `backend` is vLLM's `--moe-backend`: "auto" takes the GPU's entry for the format (`moe_kernels[fmt]`, the
+    kernel of the runs the preset was fitted on); a named backend takes the entry `<fmt>_<backend>` or the
+    format's own entry when its kernel is that family (`kernel` starts with the name), else it is refused."""
     fmt = expert_format(model, quantization)
-    kernel = hw.efficiency.moe_kernels.get(fmt)
+    kernels = hw.efficiency.moe_kernels
+    kernel = kernels.get(fmt)
     if kernel is None:
         raise ConfigError(f"hardware.efficiency.moe_kernels.{fmt}", f"{hw.name} has no MoE kernel rate for "
                           f"{fmt} experts ({model.name}); known here: "
-                          f"{', '.join(hw.efficiency.moe_kernels) or 'none'}")
+                          f"{', '.join(kernels) or 'none'}")
+    if backend != "auto":
+        named = kernels.get(f"{fmt}_{backend}")
+        if named is None and not kernel.kernel.startswith(backend):
+            raise ConfigError("engine.moe_backend", f"{hw.name} has no {backend} kernel for {fmt} experts "
+                              f"({model.name}); its moe_kernels: {', '.join(kernels)}")
+        kernel = named or kernel
     peak = {"bf16": hw.peak_flops_bf16, "fp8": hw.peak_flops_fp8, "fp4": hw.peak_flops_fp4}[kernel.peak]
     if peak <= 0:
         raise ConfigError(f"hardware.efficiency.moe_kernels.{fmt}.peak", f"{kernel.kernel} computes at the "
@@ -89,10 +101,10 @@ class MoECost:
 
     @classmethod
     def build(cls, model: ModelSpec, hw: HardwareSpec, tp: int, quantization: str | None,
-              routing_skew: float = 0.0) -> "MoECost":
+              routing_skew: float = 0.0, backend: str = "auto") -> "MoECost":
         if not 0.0 <= routing_skew < 1.0:
             raise ConfigError("routing_skew", f"must be in [0, 1), got {routing_skew!r}")
-        kernel, peak = moe_kernel(model, hw, quantization)
+        kernel, peak = moe_kernel(model, hw, quantization, backend)
         e, W, L = hw.efficiency, hw.memory_bandwidth, model.num_moe_layers
         d, f, E, ba = model.hidden_size, model.moe_intermediate_size, model.num_experts, model.dtype_bytes
         bits = weight_bits(model.expert_dtype or ("fp8" if quantization == "fp8" else model.dtype))

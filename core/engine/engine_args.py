@@ -19,6 +19,9 @@ from servetwin.core.sched.spec_decode import SpeculativeConfig
 # sets `SchedulerConfig.policy`): accepted as input, one field either way
 # vLLM 0.11's pass_config name of the fused all-reduce + RMSNorm (renamed fuse_allreduce_rms in 0.12)
 ENGINE_ARG_ALIASES: dict[str, str] = {"scheduling_policy": "policy", "enable_fi_allreduce_fusion": "fuse_allreduce_rms"}
+# vLLM's --moe-backend values the simulator prices (vllm/config/kernel.py MoEBackend; the kernels per GPU are
+# the hardware preset's `efficiency.moe_kernels`)
+MOE_BACKENDS = ("auto", "marlin", "triton")
 
 
 # vLLM engine arguments servetwin does not implement yet (vllm/engine/arg_utils.py names): refused with
@@ -159,6 +162,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # simulator: "auto" (the model dtype) or "fp8"
     # simulator: vLLM's compilation_config.pass_config.fuse_allreduce_rms (off by default, as vLLM)
     fuse_allreduce_rms: bool = False
+    # simulator: vLLM's --moe-backend for the routed experts ("auto": the hardware preset's kernel per format)
+    moe_backend: str = "auto"
     multiprocess: bool = False
     profile_dir: Optional[str] = None
     # vLLM's speculative_config dict ({"method": "ngram", "num_speculative_tokens": 3, ...}); parsed
@@ -202,6 +207,8 @@ class EngineArgs:
             raise ConfigError("quantization", f"must be 'fp8' or null, got {args.quantization!r}")
         if args.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError("kv_cache_dtype", f"must be 'auto' or 'fp8', got {args.kv_cache_dtype!r}")
+        if args.moe_backend not in MOE_BACKENDS:
+            raise ConfigError("moe_backend", f"must be one of {', '.join(MOE_BACKENDS)}, got {args.moe_backend!r}")
         if (not isinstance(args.max_logprobs, int) or isinstance(args.max_logprobs, bool)
                 or args.max_logprobs < -1):
             raise ConfigError("max_logprobs", f"must be an integer >= -1 (-1: no limit), got {args.max_logprobs!r}")
@@ -251,7 +258,8 @@ class EngineArgs:
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {"policy": ("fcfs", "priority"), "kv_cache_dtype": ("auto", "fp8"),
                                              "prefix_caching_hash_algo": HASH_ALGOS,
                                              "quantization": ("fp8",),
-                                             "attention_backend": ("auto", "torch-paged", "flash-attn")}
+                                             "attention_backend": ("auto", "torch-paged", "flash-attn"),
+                                             "moe_backend": MOE_BACKENDS}
 
 # One line per engine argument for `servetwin serve --help` (vLLM's meaning; servetwin's additions say so).
 FIELD_HELP: dict[str, str] = {
@@ -299,6 +307,8 @@ FIELD_HELP: dict[str, str] = {
     "kv_cache_dtype": "simulator: KV-cache dtype, auto (the model dtype) or fp8",
     "fuse_allreduce_rms": "simulator: vLLM's fused all-reduce + residual add + RMSNorm (compilation_config."
                           "pass_config.fuse_allreduce_rms; 0.11: enable_fi_allreduce_fusion), TP > 1 on Hopper/Blackwell",
+    "moe_backend": "simulator: the routed experts' kernel, vLLM's --moe-backend: auto (the hardware preset's kernel "
+                   "for the experts' format), marlin, triton (vLLM's default for MXFP4 on Hopper)",
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\"|\"draft_model\"|\"eagle\"|"
                           "\"mtp\", \"num_speculative_tokens\": k, \"prompt_lookup_min\"/\"prompt_lookup_max\" (ngram), "
                           "\"model\" (draft_model)}",

@@ -61,7 +61,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from servetwin.core.config_error import ConfigError
-from servetwin.core.engine.engine_args import EngineArgs, apply_batch_defaults, not_supported_yet, resolve_aliases
+from servetwin.core.engine.engine_args import (MOE_BACKENDS, EngineArgs, apply_batch_defaults, not_supported_yet,
+                                               resolve_aliases)
 from servetwin.core.kv_cache.hashing import HASH_ALGOS
 from servetwin.core.sched.spec_decode import SpeculativeConfig
 from servetwin.core.kv_connector.config import KVTransferConfig
@@ -269,6 +270,7 @@ ENGINE_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "quantization": _optional_choice("fp8"),
     "kv_cache_dtype": _choice("auto", "fp8"),
     "fuse_allreduce_rms": _bool,
+    "moe_backend": _choice(*MOE_BACKENDS),
     "enable_fi_allreduce_fusion": _bool,  # vLLM 0.11's name of `fuse_allreduce_rms` (ENGINE_ARG_ALIASES)
     "attention_backend": _choice(*ATTENTION_BACKENDS),
     "device": _device,
@@ -742,7 +744,8 @@ def _apply_vllm_batch_defaults(exp: ExperimentConfig) -> None:
         exp.raw["engine"] = dict(exp.engine.given)
 
 
-SIM_ONLY_ENGINE_ARGS = {"quantization": None, "kv_cache_dtype": "auto", "fuse_allreduce_rms": False}  # name -> the value every backend runs
+SIM_ONLY_ENGINE_ARGS = {"quantization": None, "kv_cache_dtype": "auto", "fuse_allreduce_rms": False,
+                        "moe_backend": "auto"}  # name -> the value every backend runs
 
 
 def _check_sim_only_engine_args(exp: ExperimentConfig) -> None:

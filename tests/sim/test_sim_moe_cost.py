@@ -182,3 +182,38 @@ def test_the_engine_setting_reaches_the_cost_model_under_both_vllm_names():
         args = EngineArgs.from_kwargs(model="gpt-oss-120b", backend="sim", hardware="h100-sxm",
                                       tensor_parallel_size=2, **{name: True})
         assert build_sim_executor(args).executor.cost_model.fuse_allreduce_rms
+
+
+def test_moe_backend_picks_the_named_kernel_and_its_weight_layout():
+    h100 = load_hardware("h100-sxm")
+    auto = MoECost.build(GPT_OSS, h100, 1, None)
+    marlin = MoECost.build(GPT_OSS, h100, 1, None, backend="marlin")
+    triton = MoECost.build(GPT_OSS, h100, 1, None, backend="triton")
+    assert auto == marlin and marlin.kernel.kernel.startswith("marlin")  # the format's own entry is Marlin's
+    assert triton.kernel == h100.efficiency.moe_kernels["mxfp4_triton"]
+    # Marlin pads 2880 x 2880 to 3072 x 2944 (hidden to 256, width to 128); the Triton layout pads the width to
+    # 64 only (2880 already is): weights and FLOPs per expert shrink by that ratio
+    assert marlin.expert_bytes / triton.expert_bytes == pytest.approx(2944 / 2880)
+    assert triton.expert_flop == pytest.approx(36 * 6 * 3072 * 2880 / (h100.peak_flops_bf16 * triton.kernel.compute))
+    for tokens in (1, 64, 8192):  # the Triton entry is no slower at any step size (smaller layout, >= compute)
+        assert triton.seconds(tokens) < marlin.seconds(tokens)
+    assert CostModel("gpt-oss-120b", "h200", moe_backend="triton").moe.kernel.kernel == "oai_triton_matmul_ogs"
+
+
+def test_a_moe_backend_the_gpu_has_no_kernel_for_is_refused_naming_the_setting():
+    with pytest.raises(ConfigError) as err:  # vLLM's OpenAI Triton MoE kernels need SM 9.0+: no A100 entry
+        CostModel("gpt-oss-120b", "a100-80g", moe_backend="triton")
+    assert err.value.path == "engine.moe_backend" and "a100" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # bf16 experts run Triton fused_moe: no Marlin kernel
+        CostModel("qwen3-30b-a3b", "h100-sxm", moe_backend="marlin")
+    assert err.value.path == "engine.moe_backend"
+
+
+def test_the_moe_backend_setting_is_checked_and_reaches_the_cost_model():
+    from servetwin.core.engine.engine_args import EngineArgs
+    from servetwin.sim.kv_pool import build_sim_executor
+    args = EngineArgs.from_kwargs(model="gpt-oss-120b", backend="sim", hardware="h200", moe_backend="triton")
+    assert build_sim_executor(args).executor.cost_model.moe.kernel.kernel == "oai_triton_matmul_ogs"
+    with pytest.raises(ConfigError) as err:
+        EngineArgs.from_kwargs(model="gpt-oss-120b", backend="sim", moe_backend="cutlass")
+    assert err.value.path == "moe_backend"
