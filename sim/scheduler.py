@@ -223,8 +223,11 @@ class SimScheduler(Scheduler):
         k = len(lazy.members)
         threshold = self._long_prefill_threshold()
         order = self.running_order
-        eager = sorted(lazy.nonmembers.values(), key=lambda r: order[r.request_id])
-        rows, demand, blocks_needed = self._running_demand(eager, threshold)
+        if lazy.nonmembers:
+            eager = sorted(lazy.nonmembers.values(), key=lambda r: order[r.request_id])
+            rows, demand, blocks_needed = self._running_demand(eager, threshold)
+        else:  # (speed: most cluster steps list no row - every running request is a member)
+            rows, demand, blocks_needed = [], 0, 0
         groups = self._group_managers
         if in_place:  # one token each, counted in k; a new block when C fills the blocks held
             for rid, m in in_place.items():
@@ -233,7 +236,7 @@ class SimScheduler(Scheduler):
             rows += [(m.request, 1) for m in in_place.values()]
             rows.sort(key=lambda row: order[row[0].request_id])
         if groups:  # (then blocks_needed counts group 0 only: the check below is the whole one)
-            fits = self._group_rows_fit(rows, in_place, step)
+            fits = not rows or self._group_rows_fit(rows, in_place, step)  # (no row: nothing to allocate)
         else:
             fits = blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
         if k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens) or not fits:
