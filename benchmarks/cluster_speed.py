@@ -68,6 +68,16 @@ or another engine waits (SimPy events 213,259 -> 111,164 at 810 requests), a laz
 row skips the running-demand and group-fit passes. Measured back to back under load (load 10, not
 results): 7.74 / 7.79 s -> 7.35 / 7.65 s CPU at 810 requests, within the machine's noise.
 
+The whole ladder, `python benchmarks/cluster_speed.py --repeats 1` (09:31-09:34 UTC, load 3-5 on the 2
+cores, not results): single 0.83 ms CPU / 0.67 ms wall per request (277 MB); cluster llm-d 5.88 ms CPU /
+6.38 ms wall per request (100.5 s CPU, 109 s wall, 651,621 steps, 706 simulated seconds), peak RSS
+1,169 MB. Cluster / single: 7.1x the CPU per request, 9.6x the wall time (12.3x in the loop); the
+target of 1.5x is not met, the RSS target is. The old checkout (4d1c4d2) and this one right after, each
+a whole `servetwin run` of the ladder (09:35-09:39): 111.2 -> 101.5 s CPU (-9%), 129.4 -> 110.3 s in the
+loop, peak RSS 1,166 -> 1,159 MB, the same 651,621 steps. (Until this session the script passed
+`--requests 17084`, which redraws a shared-prefix workload as 3,416 groups of 5 instead of the ladder's
+150 groups cycled: a different run, with 2 GB peak RSS; it now runs the config's own workload.)
+
 What remains, and a way there (not built): most steps must not be simulated one by one. The ladder's
 engines run sync scheduling, where the decode fast-forward (sim/fast_forward.py) already replays k
 steps' block allocations, registrations and window drops exactly; in a cluster it never fires: it is
@@ -113,7 +123,9 @@ def measure(repeats: int, both_arms: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="servetwin-cluster-speed-") as tmp:
         for i in range(repeats):
             for name, path, n in (configs if i % 2 == 0 else configs[::-1]):  # interleaved: drift hits all
-                r = run_process(ROOT, path, n, [], tmp)
+                # the config's own workload (`--requests` would redraw the cluster's shared prefixes:
+                # 3,416 groups of 5 instead of the ladder's 150 groups of 5 cycled)
+                r = run_process(ROOT, path, None, [], tmp)
                 r["requests"] = n
                 runs[name].append(r)
                 print(f"{name}: {r['wall_s']:.1f} s wall, {r['loop_s']:.1f} s in the loop, {r['cpu_s']:.1f} s CPU, "
