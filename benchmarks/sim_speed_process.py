@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -94,15 +95,18 @@ def config_for(checkout: Path, config: Path, tmp: str) -> tuple[Path, list[str]]
     return path, dropped
 
 
-def run_process(checkout: Path, config: Path, n: int, sets: list[str], tmp: str) -> dict:
-    """One whole `servetwin run` process of `checkout`: its figures (see the module docstring)."""
+def run_process(checkout: Path, config: Path, n: Optional[int], sets: list[str], tmp: str) -> dict:
+    """One whole `servetwin run` process of `checkout`: its figures (see the module docstring). `n`: the
+    requests (`--requests`); None: the config's own workload, unchanged."""
     link_dir = Path(tmp, f"link-{checkout.name}")
     if not link_dir.exists():  # the repository root is the package: a folder holding a `servetwin` link
         link_dir.mkdir()
         os.symlink(checkout, link_dir / "servetwin")
     out_dir = Path(tmp, "out")
-    cmd = [sys.executable, "-m", "servetwin.experiments.cli", "run", str(config), "--requests", str(n),
-           "-o", str(out_dir), "--overwrite", "--no-progress"]
+    cmd = [sys.executable, "-m", "servetwin.experiments.cli", "run", str(config), "-o", str(out_dir),
+           "--overwrite", "--no-progress"]
+    if n is not None:
+        cmd += ["--requests", str(n)]
     for s in sets:
         cmd += ["--set", s]
     env = dict(os.environ, PYTHONPATH=str(link_dir))

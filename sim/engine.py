@@ -345,7 +345,9 @@ class Simulation:
                 idle = 0
             # (speed, per step: the settling generator only when another event is due now, and the
             # abort and admission passes only with something to apply; each would do nothing otherwise)
-            if self.settler is not None or env.peek() <= env.now:
+            # (a cluster's settler: only when another event is due now or another engine waits to
+            # settle; else its wait would be a zero-delay event processed next, changing nothing)
+            if env.peek() <= env.now or (self.settler is not None and self.settler.has_waiting()):
                 yield from self._settle()
             if self._aborts:
                 self._apply_aborts()
@@ -498,6 +500,10 @@ class Settler:
         self._waiting: deque[simpy.Event] = deque()
         self._releaser: Optional[simpy.Process] = None
         self._wakeup: Optional[simpy.Event] = None
+
+    def has_waiting(self) -> bool:
+        """Whether an engine waits to be released."""
+        return bool(self._waiting)
 
     def wait(self) -> simpy.Event:
         env = self.env

@@ -40,6 +40,7 @@ from servetwin.sim.lazy_decode import LazyDecodes, LazyTokenSource
 
 
 _OUTPUT_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerOutput))
+_DROP, _ALLOCATE, _CACHE = 0, 1, 2  # a decode window's KV work per row and step, in the core's order
 
 
 def _with_rows(so: SchedulerOutput, num_scheduled_tokens: dict[str, int]) -> SchedulerOutput:
@@ -223,8 +224,11 @@ class SimScheduler(Scheduler):
         k = len(lazy.members)
         threshold = self._long_prefill_threshold()
         order = self.running_order
-        eager = sorted(lazy.nonmembers.values(), key=lambda r: order[r.request_id])
-        rows, demand, blocks_needed = self._running_demand(eager, threshold)
+        if lazy.nonmembers:
+            eager = sorted(lazy.nonmembers.values(), key=lambda r: order[r.request_id])
+            rows, demand, blocks_needed = self._running_demand(eager, threshold)
+        else:  # (speed: most cluster steps list no row - every running request is a member)
+            rows, demand, blocks_needed = [], 0, 0
         groups = self._group_managers
         if in_place:  # one token each, counted in k; a new block when C fills the blocks held
             for rid, m in in_place.items():
@@ -233,7 +237,7 @@ class SimScheduler(Scheduler):
             rows += [(m.request, 1) for m in in_place.values()]
             rows.sort(key=lambda row: order[row[0].request_id])
         if groups:  # (then blocks_needed counts group 0 only: the check below is the whole one)
-            fits = self._group_rows_fit(rows, in_place, step)
+            fits = not rows or self._group_rows_fit(rows, in_place, step)  # (no row: nothing to allocate)
         else:
             fits = blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
         if k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens) or not fits:
@@ -450,6 +454,33 @@ class SimScheduler(Scheduler):
 
         return _most_steps_within(k, blocks_needed, free)
 
+    def _window_events(self, k: int, block_tables: list[dict], windows: tuple[int, ...]
+                       ) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """The KV work of k steady decode steps of the running requests: `(window step, row, kind)`
+        sorted (step, then running order, then drop / allocate / cache: the order of the core's
+        `allocate_slots` per row), each at most once, and each row's C before the window.
+        `block_tables`: each KV cache group's request -> blocks; `windows`: the sliding-window
+        groups' W. A row allocates in a group when C fills its blocks, drops when C - W + 1 reaches
+        a block boundary (and at step 0: whatever an earlier step left), registers when a block
+        fills (prefix caching)."""
+        bs = self.block_size
+        caching = self.kv_cache_manager.enable_caching
+        events: set[tuple[int, int, int]] = set()
+        starts = []
+        for row, r in enumerate(self.running):
+            c0 = r.num_computed_tokens
+            starts.append(c0)
+            rid = r.request_id
+            for table in block_tables:
+                events.update((j, row, _ALLOCATE) for j in range(len(table[rid]) * bs - c0, k, bs))
+            if windows:
+                events.add((0, row, _DROP))
+            for w in windows:
+                events.update((j, row, _DROP) for j in range((w - 1 - c0) % bs, k, bs))
+            if caching:
+                events.update((j, row, _CACHE) for j in range((bs - (c0 + 1) % bs) % bs, k, bs))
+        return sorted(events), starts
+
     def fast_forward_decode(self, k: int, tokens: list[list[int]]) -> list[int]:
         """Apply `k` steady decode steps at once (see `steady_decode_steps`); `tokens[i]` are the k
         tokens sampled for `running[i]`. Block allocation and prefix-cache registration happen in the
@@ -458,32 +489,16 @@ class SimScheduler(Scheduler):
         if not self.kv_cache_manager.single_full_attention:
             return self._fast_forward_groups(k, tokens)
         kv = self.kv_cache_manager
-        bs = self.block_size
-        caching = kv.enable_caching
         running = self.running
         req_to_blocks = kv.req_to_blocks
-        events: list[tuple[int, int, int]] = []  # (window step, row, 0 = allocate / 1 = cache)
-        starts = []
-        for row, r in enumerate(running):
-            c0 = r.num_computed_tokens
-            starts.append(c0)
-            j = len(req_to_blocks[r.request_id]) * bs - c0
-            while j < k:
-                events.append((j, row, 0))
-                j += bs
-            if caching:
-                j = (bs - (c0 + 1) % bs) % bs
-                while j < k:
-                    events.append((j, row, 1))
-                    j += bs
+        events, starts = self._window_events(k, [req_to_blocks], ())
         for r, toks in zip(running, tokens):
             r.append_output_token_ids(toks)
-        events.sort()
         allocs = [0] * k
         pool = kv.block_pool
         for j, row, kind in events:
             r = running[row]
-            if kind == 0:
+            if kind == _ALLOCATE:
                 req_to_blocks[r.request_id].extend(pool.get_new_blocks(1))
                 allocs[j] += 1
             else:
@@ -505,46 +520,22 @@ class SimScheduler(Scheduler):
         that has nothing to do changes nothing)."""
         kv = self.kv_cache_manager
         coord = kv.coordinator
-        bs = self.block_size
-        caching = kv.enable_caching
         running = self.running
-        windows = [g.kv_cache_spec.sliding_window for g in coord.single_type_managers
-                   if g.kv_cache_spec.type == SLIDING_WINDOW]
-        events: set[tuple[int, int, int]] = set()  # (window step, row, 0 = drop / 1 = allocate / 2 = cache)
-        starts = []
-        for row, r in enumerate(running):
-            c0 = r.num_computed_tokens
-            starts.append(c0)
-            rid = r.request_id
-            for g in coord.single_type_managers:
-                j = len(g.req_to_blocks[rid]) * bs - c0
-                while j < k:
-                    events.add((j, row, 1))
-                    j += bs
-            if windows:
-                events.add((0, row, 0))  # (whatever an earlier step left to drop)
-            for w in windows:  # C - W + 1 reaches a block boundary
-                j = (w - 1 - c0) % bs
-                while j < k:
-                    events.add((j, row, 0))
-                    j += bs
-            if caching:
-                j = (bs - (c0 + 1) % bs) % bs
-                while j < k:
-                    events.add((j, row, 2))
-                    j += bs
+        windows = tuple(g.kv_cache_spec.sliding_window for g in coord.single_type_managers
+                        if g.kv_cache_spec.type == SLIDING_WINDOW)
+        events, starts = self._window_events(k, [g.req_to_blocks for g in coord.single_type_managers], windows)
         for r, toks in zip(running, tokens):
             r.append_output_token_ids(toks)
         pool = kv.block_pool
         out: list[int] = []
-        for j, row, kind in sorted(events):
+        for j, row, kind in events:
             while len(out) < j:  # steps before j are complete
                 out.append(pool.get_num_free_blocks())
             r = running[row]
             c = starts[row] + j
-            if kind == 0:
+            if kind == _DROP:
                 coord.remove_skipped_blocks(r.request_id, c)  # (sync: nothing in flight)
-            elif kind == 1:
+            elif kind == _ALLOCATE:
                 coord.allocate_new_blocks(r.request_id, min(c + 1, self.max_model_len))
             else:
                 coord.cache_blocks(r, c + 1)

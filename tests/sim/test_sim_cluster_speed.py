@@ -1,0 +1,88 @@
+"""The simulator's exact shortcuts inside a cluster (sim/cluster.py): with implicit steady decodes on
+(what every engine of a cluster run uses, sim/scheduler.py) the cluster gives exactly the run of its
+engines stepped one by one - every engine's step and request rows, the router's decisions (times,
+candidates, scores, picks), completion times - for plain and hybrid (sliding-window) models, sync and
+async scheduling, with and without the API-server front end, under routers that read scraped metrics."""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pandas as pd
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import servetwin.sim.cluster as cluster_module
+from servetwin.experiments.config.schema import validate_config
+from servetwin.experiments.run.cluster_run import simulate_cluster
+from servetwin.sim.engine import Simulation
+from sim_helpers import hybrid_spec, sim_model
+
+BASE = {
+    "name": "speed", "model": "tiny-llama", "hardware": "h100-sxm",
+    "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "max_model_len": 384,
+               "enable_prefix_caching": True},
+    "workload": {"requests": 30, "shared_prefix": {"groups": 6, "per_group": 5, "prefix_tokens": 64,
+                                                   "suffix_tokens": 20},
+                 "output_tokens": {"type": "lognormal", "mean": 60, "cv": 0.6}, "max_output_tokens": 150},
+    "output": {"step_requests": False, "plots": False},
+}
+ROUTERS = [{"type": "round_robin"}, {"type": "least_loaded"},
+           {"type": "llm_d", "filters": [{"type": "prefix-cache-affinity"}], "scorers": [{"type": "token-load"}]},
+           {"type": "llm_d", "scorers": [{"type": "queue"}, {"type": "kv-cache-utilization", "weight": 2},
+                                         {"type": "prefix-cache"}]}]
+
+
+class _StepByStep(Simulation):
+    """An engine simulation with the decode shortcuts off: every step and row simulated."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{**kwargs, "lazy_decode": False, "fast_forward": False})
+
+
+def _run(exp, step_by_step: bool, monkeypatch):
+    with monkeypatch.context() as patch:
+        if step_by_step:
+            patch.setattr(cluster_module, "Simulation", _StepByStep)
+        sim, runs, _, _ = simulate_cluster(exp)
+    lazy = [s.lazy_decode for _, _, s in sim.simulations()]
+    assert lazy == [not step_by_step] * len(lazy)
+    return sim, runs
+
+
+def _decisions(sim) -> list[str]:
+    """The decision table, exactly (repr: a filtered-out candidate's NaN score equals itself)."""
+    return [repr((d.request_id, d.t, d.pick, d.rank, d.candidates, d.scores)) for d in sim.result.decisions]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(router=st.sampled_from(ROUTERS), instances=st.integers(2, 4), rate=st.sampled_from([20.0, 80.0, 400.0]),
+       async_scheduling=st.booleans(), frontend=st.sampled_from(["offline", "api_server"]),
+       window=st.sampled_from([None, 24, 40]), scrape_s=st.sampled_from([0.005, 0.05]), seed=st.integers(0, 50))
+def test_a_cluster_with_implicit_decodes_equals_its_step_by_step_run(router, instances, rate, async_scheduling,
+                                                                    frontend, window, scrape_s, seed, monkeypatch):
+    raw = copy.deepcopy(BASE)
+    raw["seed"] = seed
+    raw["engine"]["async_scheduling"] = async_scheduling
+    raw["workload"]["arrival"] = {"type": "poisson", "rate": rate}
+    raw["frontend"] = {"type": frontend}
+    raw["cluster"] = {"instances": [{"name": "r", "count": instances}],
+                      "router": {**router, "scrape_interval_s": scrape_s}}
+    exp = validate_config(raw)
+    model = sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext()
+    with model:
+        eager, eager_runs = _run(exp, True, monkeypatch)
+        lazy, lazy_runs = _run(exp, False, monkeypatch)
+    assert _decisions(eager) == _decisions(lazy)
+    assert eager.result.completion_s == lazy.result.completion_s
+    assert eager.result.rejected == lazy.result.rejected
+    assert eager.result.end_time_s == lazy.result.end_time_s
+    assert len(eager.result.completion_s) == 30
+    assert sorted(eager_runs) == sorted(lazy_runs)
+    for label, run in eager_runs.items():
+        a, b = run.recorder.frames(), lazy_runs[label].recorder.frames()
+        for name in ("steps", "requests"):
+            pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
+                                          check_exact=True, obj=f"{label} {name}")
+        assert run.recorder.itls() == lazy_runs[label].recorder.itls()
