@@ -116,12 +116,16 @@ class MessageQueue:
             raise ValueError(f"MessageQueue: n_reader {n_reader}, max_chunk_bytes {max_chunk_bytes}, "
                              f"max_chunks {max_chunks}")
         size = (max_chunk_bytes + 1 + n_reader) * max_chunks
-        shm = shared_memory.SharedMemory(create=True, size=size)
+        notify_dir = tempfile.mkdtemp(prefix="servetwin-mq-")
+        try:
+            for r in range(n_reader):
+                os.mkfifo(os.path.join(notify_dir, f"r{r}"), 0o600)
+            shm = shared_memory.SharedMemory(create=True, size=size)
+        except BaseException:
+            shutil.rmtree(notify_dir, ignore_errors=True)
+            raise
         _CREATED_HERE.add(shm.name)
         shm.buf[max_chunk_bytes * max_chunks:size] = bytes((1 + n_reader) * max_chunks)  # every flag 0
-        notify_dir = tempfile.mkdtemp(prefix="servetwin-mq-")
-        for r in range(n_reader):
-            os.mkfifo(os.path.join(notify_dir, f"r{r}"), 0o600)
         handle = QueueHandle(shm.name, n_reader, max_chunk_bytes, max_chunks, notify_dir)
         return cls(handle, shm, reader_rank, True)
 
