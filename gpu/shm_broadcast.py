@@ -14,18 +14,18 @@ read flag. Where vLLM sends a message larger than one chunk over a ZMQ socket, h
 the next chunks: each chunk starts with the message's total length (4 bytes), so a reader knows how
 many chunks to take (the writer fills them in ring order and readers free them as they go).
 
-Waiting (vLLM's `SpinCondition`): a reader polls the flags for a short spin (`SPIN_S`), then blocks
-until the writer notifies it. vLLM keeps readers spinning with `sched_yield` for a second after each read
-and notifies idle ones over a ZMQ PUB socket; here every reader has its own named pipe (a FIFO in a
-temporary directory named by the handle) and the writer writes one byte into each after every chunk, so
-a reader blocks in `select` from the start of its wait: on a 2-core CPU machine the engine process and
-two TP workers share the cores, and a spinning or sleep-polling waiter took CPU from the ranks and woke
-up to a millisecond late (docs/parallelism.md, "Where a TP step's time goes"). A notification is never
-lost: the reader drains its pipe before it checks the flags, so a byte written after the check is still
-there when it blocks. The writer, waiting for readers to free a chunk of a full ring (rare: 8 chunks),
-keeps the spin-then-sleep back-off. `should_stop()`, called while waiting (at least every
-`STOP_POLL_S`), lets a caller end a wait whose peer died (`QueueClosed`); `wake_reader()` makes this
-process's blocked reader check it at once.
+Waiting (vLLM's `SpinCondition`: busy readers spin, idle ones block until the writer pings them over
+a ZMQ socket): while steps flow a reader polls the flags with `sched_yield` spins, then sleeps that grow
+to `MAX_SLEEP_S`; once it has waited `IDLE_AFTER_S` it blocks in `select` on its own named pipe (a FIFO
+in a temporary directory the handle names), into which the writer writes one byte after every chunk.
+So an idle worker or engine wakes at once when work comes (it slept 10 ms between polls before) and
+costs no CPU. Blocking from the start of every wait was measured slower on the 2-core machine (tiny-llama
+TP=2 runs ~20% longer, under load; likely as a woken reader preempts the writer before it has
+notified the next rank: docs/parallelism.md), as was vLLM's 1 s of `sched_yield` spinning (the engine's spin took CPU from the
+ranks). A notification is never lost: the reader drains its pipe before it checks the flags, so a
+byte written after the check is still there when it blocks. `should_stop()`, called while waiting
+(while blocked, every `STOP_POLL_S`), lets a caller end a wait whose peer died (`QueueClosed`);
+`wake_reader()` makes this process's blocked reader check it at once.
 """
 from __future__ import annotations
 
@@ -40,12 +40,11 @@ from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Callable, Optional
 
 _LEN = 4  # bytes of the total-length prefix of every chunk
-SPIN_S = 50e-6  # a reader polls the flags this long before it blocks on its pipe
 STOP_POLL_S = 0.05  # a blocked wait checks `should_stop()` (and its timeout) at least this often
-SPIN_ITERATIONS = 200  # the writer's back-off: sched_yield this often, then growing sleeps
+SPIN_ITERATIONS = 200  # the back-off: sched_yield this often, then growing sleeps
 MAX_SLEEP_S = 0.001
 IDLE_SLEEP_S = 0.01
-IDLE_AFTER_S = 1.0
+IDLE_AFTER_S = 1.0  # a reader waiting this long blocks on its pipe; the writer sleeps IDLE_SLEEP_S
 
 
 _CREATED_HERE: set[str] = set()  # segments this process created (and its resource tracker owns)
@@ -73,7 +72,7 @@ def _open_pipe(handle: QueueHandle, reader_rank: int) -> int:
 
 
 class _Backoff:
-    """The writer's wait: sched_yield for the first `SPIN_ITERATIONS` polls, then sleeps that grow to `MAX_SLEEP_S`
+    """sched_yield for the first `SPIN_ITERATIONS` polls, then sleeps that grow to `MAX_SLEEP_S`
     (`IDLE_SLEEP_S` after `IDLE_AFTER_S` of waiting)."""
 
     def __init__(self) -> None:
@@ -203,7 +202,7 @@ class MessageQueue:
 
     def _wait(self, ready: Callable[[], bool], should_stop: Optional[Callable[[], bool]],
               timeout: Optional[float]) -> None:
-        """The writer's wait: spin, then sleep (`_Backoff`)."""
+        """The writer's wait for a chunk the readers have freed: spin, then sleep (`_Backoff`)."""
         backoff = _Backoff()
         while not ready():
             if should_stop is not None and backoff.n % 16 == 0 and should_stop():
@@ -214,12 +213,21 @@ class MessageQueue:
 
     def _wait_readable(self, idx: int, should_stop: Optional[Callable[[], bool]],
                        timeout: Optional[float]) -> None:
-        """A reader's wait for chunk `idx`: poll for `SPIN_S`, then block on the pipe until notified."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < SPIN_S:
+        """A reader's wait for chunk `idx`: the writer's back-off while steps flow (sched_yield spins, then
+        sleeps growing to `MAX_SLEEP_S`), and once idle for `IDLE_AFTER_S` it blocks on its pipe until the
+        writer notifies it (vLLM's `SpinCondition.wait`: busy readers spin, idle ones wait for a ping)."""
+        backoff = _Backoff()
+        while True:
             if self._readable(idx):
                 return
-        while True:
+            if should_stop is not None and backoff.n % 16 == 0 and should_stop():
+                raise QueueClosed("message queue: the other side stopped")
+            waited = time.monotonic() - backoff.t0
+            if timeout is not None and waited >= timeout:
+                raise TimeoutError(f"message queue: nothing after {timeout} s")
+            if waited < IDLE_AFTER_S:
+                backoff.wait()
+                continue
             self._drain()  # before the check: a notification after it stays in the pipe
             if self._readable(idx):
                 return
@@ -227,10 +235,7 @@ class MessageQueue:
                 raise QueueClosed("message queue: the other side stopped")
             left = STOP_POLL_S if should_stop is not None else None
             if timeout is not None:
-                remaining = timeout - (time.monotonic() - t0)
-                if remaining <= 0:
-                    raise TimeoutError(f"message queue: nothing after {timeout} s")
-                left = remaining if left is None else min(left, remaining)
+                left = min(left if left is not None else timeout, max(0.0, timeout - waited))
             self._block(left)
 
     # -- messages ---------------------------------------------------------------------------------

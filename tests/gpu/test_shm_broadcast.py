@@ -78,9 +78,10 @@ def _blocked_reader(q: MessageQueue, out: dict, **kw) -> threading.Thread:
     return t
 
 
-def test_a_blocked_reader_wakes_on_the_writers_notification():
-    # no should_stop and no timeout: the reader blocks on its pipe with no poll at all, so only the
-    # writer's notification can wake it (a lost one would hang the join below)
+def test_a_blocked_reader_wakes_on_the_writers_notification(monkeypatch):
+    # idle at once, no should_stop and no timeout: the reader blocks on its pipe with no poll at all, so
+    # only the writer's notification can wake it (a lost one would hang the join below)
+    monkeypatch.setattr(shm_broadcast, "IDLE_AFTER_S", 0.0)
     q = MessageQueue.create(n_reader=2, max_chunk_bytes=64, max_chunks=2)
     readers = [MessageQueue.attach(q.handle, reader_rank=r) for r in range(2)]
     out: list[dict] = [{}, {}]
@@ -99,7 +100,8 @@ def test_a_blocked_reader_wakes_on_the_writers_notification():
 
 
 def test_wake_reader_ends_a_blocked_wait_at_once(monkeypatch):
-    # should_stop is polled every STOP_POLL_S: made an hour, only the wake can end the wait in time
+    # idle at once, should_stop polled every STOP_POLL_S: made an hour, only the wake ends the wait in time
+    monkeypatch.setattr(shm_broadcast, "IDLE_AFTER_S", 0.0)
     monkeypatch.setattr(shm_broadcast, "STOP_POLL_S", 3600.0)
     q = MessageQueue.create(n_reader=1, max_chunk_bytes=64, max_chunks=2, reader_rank=0)
     stop = threading.Event()
