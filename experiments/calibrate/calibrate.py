@@ -346,8 +346,7 @@ def calibrate_tp_step(doc: dict[str, Any], model: str, dtype: str, tp: int, cuda
     try:
         # twice, the first a warm-up: fresh worker processes pay one-off costs in their first steps (the
         # weights' first touch, each kernel's first use at a shape, gloo's first collectives), which the
-        # run they are to predict does not (its engine is warmed up), and which made c_tp_step 46-49 ms
-        # for tiny-llama-wide where warm steps take ~12 ms (docs/parallelism.md)
+        # run they are to predict does not (its engine is warmed up)
         measure_probe(args, info)
         frames = measure_probe(args, info)
     finally:
