@@ -19,7 +19,8 @@ Process layout (docs/parallelism.md draws it):
 
 Faults: a monitor thread waits on the workers' pidfds (vLLM's `start_worker_monitor` waits on process
 sentinels); the first worker that exits kills the others and marks the executor dead, and a call
-waiting on a queue (or any later call) raises `EngineDeadError` within a poll interval. A worker whose
+waiting on a queue (or any later call) raises `EngineDeadError`: the monitor wakes the executor's blocked
+wait on the response queue (`MessageQueue.wake_reader`, vLLM's `SpinCondition.cancel`). A worker whose
 step raises exits (rank 0 first returns the exception, which the executor re-raises), so no rank is
 left waiting in a collective for a peer that will not come.
 """
@@ -214,6 +215,7 @@ class MultiprocExecutor:
         self._dead_reason = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with exit code "
                              f"{proc.exitcode}")
         self._dead_seen.set()
+        self.response.wake_reader()  # a step waiting for rank 0's answer sees it now, not at its next poll
         logger.error("%s; stopping the other workers", self._dead_reason)
         self._stop_workers()
 

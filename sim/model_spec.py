@@ -90,6 +90,10 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny-llama": ModelSpec("tiny-llama", num_layers=2, hidden_size=64, num_heads=4,
                             num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=320,
                             tie_word_embeddings=False, dtype="float32", max_position_embeddings=4096),
+    # the torch backend's built-in tiny-llama at hidden size 1024 (gpu/models/tiny.py; the CPU's TP compare)
+    "tiny-llama-wide": ModelSpec("tiny-llama-wide", num_layers=2, hidden_size=1024, num_heads=16,
+                                 num_kv_heads=4, head_dim=64, intermediate_size=4096, vocab_size=320,
+                                 tie_word_embeddings=False, dtype="float32", max_position_embeddings=4096),
 }
 
 ALIASES: dict[str, str] = {

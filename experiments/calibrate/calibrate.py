@@ -322,9 +322,9 @@ def calibrate_tp_step(doc: dict[str, Any], model: str, dtype: str, tp: int, cuda
                       log: Callable[[str], None]) -> None:
     """The per-step cost of running the model split over `tp` worker processes that the single-process
     design cannot see (the SchedulerOutput broadcast through shared memory, the workers' wake-up, the
-    output's return: `c_tp_step`, docs/parallelism.md): the drift probe's steps on a real TP engine, priced
-    by `doc`'s fitted model (the all-reduces included), `c_tp_step` = the median shortfall. A model whose
-    heads `tp` does not divide is skipped (recorded)."""
+    output's return: `c_tp_step`, docs/parallelism.md): the drift probe's steps on a real, warmed-up TP
+    engine, priced by `doc`'s fitted model (the all-reduces included), `c_tp_step` = the median shortfall.
+    A model whose heads `tp` does not divide is skipped (recorded)."""
     from servetwin.core.engine.engine_args import EngineArgs  # noqa: PLC0415
     from servetwin.experiments.calibrate.drift_probe import measure_probe  # noqa: PLC0415
     from servetwin.experiments.calibrate.design import predicted_durations  # noqa: PLC0415
@@ -344,6 +344,10 @@ def calibrate_tp_step(doc: dict[str, Any], model: str, dtype: str, tp: int, cuda
                                   enable_prefix_caching=True, enable_chunked_prefill=True, max_model_len=1024)
     info = create_executor(args)
     try:
+        # twice, the first a warm-up: fresh worker processes pay one-off costs in their first steps (the
+        # weights' first touch, each kernel's first use at a shape, gloo's first collectives), which the
+        # run they are to predict does not (its engine is warmed up)
+        measure_probe(args, info)
         frames = measure_probe(args, info)
     finally:
         close = getattr(info.executor, "close", None)

@@ -17,7 +17,7 @@ from servetwin.core.config_error import ConfigError
 from servetwin.core.limits import load_json_file
 
 TINY_MODEL_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral-sw", "tiny-mixtral", "tiny-qwen3-moe",
-                    "tiny-gpt-oss")  # the builders: gpu.models.tiny.TINY_MODELS
+                    "tiny-gpt-oss", "tiny-llama-wide")  # the builders: gpu.models.tiny.TINY_MODELS
 SMOLLM2_NAME = "smollm2-135m"
 BUILTIN_MODELS = (*TINY_MODEL_NAMES, SMOLLM2_NAME)
 

@@ -1,4 +1,5 @@
-"""Built-in tiny models with seeded random weights: dense `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`,
+"""Built-in tiny models with seeded random weights: dense `tiny-llama` (and `tiny-llama-wide`, its
+architecture at hidden size 1024 for the CPU's TP compare), `tiny-qwen2`, `tiny-qwen3`,
 `tiny-mistral-sw` (every layer a 12-token sliding window), and MoE `tiny-mixtral` (8 experts, top-2),
 `tiny-qwen3-moe` (16 experts, top-4, a dense first layer; sized for the CPU throughput benchmark) and
 `tiny-gpt-oss` (alternating 10-token sliding / full layers, attention sinks, biases, a clamped SwiGLU
@@ -45,12 +46,23 @@ _COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128
                rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID)
 
 
+# llama3 rope scaling with a short original context so every frequency band is exercised
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
 def _llama() -> Any:
     from transformers import LlamaConfig  # noqa: PLC0415
-    # llama3 rope scaling with a short original context so every frequency band is exercised
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    return LlamaConfig(**_COMMON, rope_parameters=rope, tie_word_embeddings=False)
+    return LlamaConfig(**_COMMON, rope_parameters=dict(_LLAMA3_ROPE), tie_word_embeddings=False)
+
+
+def _llama_wide() -> Any:
+    """tiny-llama 16x wider (hidden 1024, 16 heads, 4 KV heads, MLP 4096): at TP=2 on a CPU a step's
+    matmuls, not the wake-ups of its 6 collectives, set its time (compare_tiny_llama_wide_tp2.yaml)."""
+    from transformers import LlamaConfig  # noqa: PLC0415
+    wide = {**_COMMON, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
+            "num_key_value_heads": 4, "head_dim": 64}
+    return LlamaConfig(**wide, rope_parameters=dict(_LLAMA3_ROPE), tie_word_embeddings=False)
 
 
 def _qwen2() -> Any:
@@ -103,9 +115,9 @@ def _gpt_oss() -> Any:
 TINY_MODELS: dict[str, Callable[[], Any]] = {"tiny-llama": _llama, "tiny-qwen2": _qwen2,
                                              "tiny-qwen3": _qwen3, "tiny-mistral-sw": _mistral_sw,
                                              "tiny-mixtral": _mixtral, "tiny-qwen3-moe": _qwen3_moe,
-                                             "tiny-gpt-oss": _gpt_oss}
+                                             "tiny-gpt-oss": _gpt_oss, "tiny-llama-wide": _llama_wide}
 TINY_SEEDS = {"tiny-llama": 0, "tiny-qwen2": 1, "tiny-qwen3": 2, "tiny-mistral-sw": 3, "tiny-mixtral": 4,
-              "tiny-qwen3-moe": 5, "tiny-gpt-oss": 6}
+              "tiny-qwen3-moe": 5, "tiny-gpt-oss": 6, "tiny-llama-wide": 7}
 
 
 def train_tiny_tokenizer() -> Any:

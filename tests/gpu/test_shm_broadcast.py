@@ -4,10 +4,13 @@ chunks and more messages than the ring holds; a wait whose peer is gone ends wit
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from servetwin.gpu import shm_broadcast
 from servetwin.gpu.shm_broadcast import MessageQueue, QueueClosed
 
 
@@ -62,3 +65,64 @@ def test_a_full_ring_blocks_the_writer_until_readers_free_it():
     finally:
         r0.close()
         q.close()
+
+
+def _blocked_reader(q: MessageQueue, out: dict, **kw) -> threading.Thread:
+    def read() -> None:
+        try:
+            out["msg"] = q.dequeue(**kw)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            out["error"] = e
+    t = threading.Thread(target=read)
+    t.start()
+    return t
+
+
+def test_a_blocked_reader_wakes_on_the_writers_notification(monkeypatch):
+    # idle at once, no should_stop and no timeout: the reader blocks on its pipe with no poll at all, so
+    # only the writer's notification can wake it (a lost one would hang the join below)
+    monkeypatch.setattr(shm_broadcast, "IDLE_AFTER_S", 0.0)
+    q = MessageQueue.create(n_reader=2, max_chunk_bytes=64, max_chunks=2)
+    readers = [MessageQueue.attach(q.handle, reader_rank=r) for r in range(2)]
+    out: list[dict] = [{}, {}]
+    try:
+        for i in range(20):  # the ring wraps; each message finds the readers blocked or about to block
+            threads = [_blocked_reader(r, o) for r, o in zip(readers, out)]
+            q.enqueue(("step", i))
+            for t in threads:
+                t.join(10)
+                assert not t.is_alive()
+            assert [o["msg"] for o in out] == [("step", i)] * 2
+    finally:
+        for r in readers:
+            r.close()
+        q.close()
+
+
+def test_wake_reader_ends_a_blocked_wait_at_once(monkeypatch):
+    # idle at once, should_stop polled every STOP_POLL_S: made an hour, only the wake ends the wait in time
+    monkeypatch.setattr(shm_broadcast, "IDLE_AFTER_S", 0.0)
+    monkeypatch.setattr(shm_broadcast, "STOP_POLL_S", 3600.0)
+    q = MessageQueue.create(n_reader=1, max_chunk_bytes=64, max_chunks=2, reader_rank=0)
+    stop = threading.Event()
+    out: dict = {}
+    try:
+        t = _blocked_reader(q, out, should_stop=stop.is_set)
+        time.sleep(0.05)  # let it block (if it has not yet, it sees the stop at its first check)
+        stop.set()
+        q.wake_reader()
+        t.join(10)
+        assert isinstance(out.get("error"), QueueClosed)
+    finally:
+        q.close()
+
+
+def test_the_creator_removes_the_notification_pipes():
+    q = MessageQueue.create(n_reader=2, max_chunk_bytes=64, max_chunks=2)
+    r = MessageQueue.attach(q.handle, reader_rank=1)
+    notify_dir = Path(q.handle.notify_dir)
+    assert sorted(p.name for p in notify_dir.iterdir()) == ["r0", "r1"]
+    r.close()
+    assert notify_dir.exists()  # a reader's close leaves them to the creator
+    q.close()
+    assert not notify_dir.exists()
