@@ -8,6 +8,7 @@ directory holding one `.gguf`. The hub is never contacted.
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -46,28 +47,44 @@ class ModelInfo:
     has_tokenizer: bool
 
 
-def _build_atomically(dest: Path, build: Callable[[Path], None]) -> None:
-    """Build into a temp dir beside `dest`, then rename (a half-written cache is never visible)."""
+def _build_atomically(dest: Path, build: Callable[[Path], None], ready: Callable[[], bool]) -> None:
+    """Build into a temp dir beside `dest`, then rename: a half-written model is never visible.
+
+    Processes that start at once (a TP engine and its workers) take turns on a lock file beside `dest`,
+    and one that finds the model `ready()` once it holds the lock uses it: without the lock a second
+    builder deleted the first one's finished folder while a third read it (a folder without
+    config.json). An outdated folder is renamed away first (a directory cannot be renamed onto a
+    non-empty one), so a reader sees the old model, the new one or none, never part of one."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
-        build(tmp)
-        tmp.chmod(0o755)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if ready():
+            return
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        try:
+            build(tmp)
+            tmp.chmod(0o755)
+            if dest.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
+                os.replace(dest, old / dest.name)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, dest)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tiny_ready(dest: Path) -> bool:
+    marker = dest / "servetwin_builtin.json"
+    return marker.exists() and json.loads(marker.read_text()).get("version") == TINY_BUILD_VERSION
 
 
 def _ensure_tiny(name: str) -> Path:
     dest = models_dir() / name
-    marker = dest / "servetwin_builtin.json"
-    if marker.exists() and json.loads(marker.read_text()).get("version") == TINY_BUILD_VERSION:
+    if _tiny_ready(dest):
         return dest
     logger.info("building built-in model %s in %s", name, dest)
-    _build_atomically(dest, lambda tmp: build_tiny_model(name, tmp))
+    _build_atomically(dest, lambda tmp: build_tiny_model(name, tmp), lambda: _tiny_ready(dest))
     return dest
 
 
@@ -98,7 +115,7 @@ def _ensure_gguf(gguf_path: Path, dest: Path) -> Path:
     if _converted_ok(dest):
         return dest
     from servetwin.gpu.models.gguf_convert import convert_gguf  # noqa: PLC0415
-    _build_atomically(dest, lambda tmp: convert_gguf(gguf_path, tmp))
+    _build_atomically(dest, lambda tmp: convert_gguf(gguf_path, tmp), lambda: _converted_ok(dest))
     return dest
 
 
