@@ -13,6 +13,21 @@ DEPLOYMENT_FLAGS = (("tp", "--tp"), ("router", "--router"), ("pd", "--pd"), ("pd
                     ("max_decode", "--max-decode"))
 
 
+def _check_deployment_flags(args: argparse.Namespace) -> None:
+    """The deployment flags vary a cluster's deployment: on a config without a `cluster:` section they would
+    do nothing, so they are refused, from the YAML as written (with its --set overrides)."""
+    from servetwin.experiments.config.schema import load_yaml, parse_override, set_dotted  # noqa: PLC0415
+
+    given = [flag for attr, flag in DEPLOYMENT_FLAGS if getattr(args, attr)]
+    if not given:
+        return
+    raw = load_yaml(args.config) or {}
+    for text in args.overrides:
+        set_dotted(raw, *parse_override(text))
+    if not raw.get("cluster"):
+        raise ConfigError(given[0], "searches cluster deployments: only with a config that has a cluster: section")
+
+
 def _cmd_capacity(args: argparse.Namespace) -> int:
     from servetwin.experiments.capacity.capacity_report import (answer_line, length_line,  # noqa: PLC0415
                                                                 limited_line, per_seed_line, winner_lines)
@@ -22,14 +37,12 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
     from servetwin.experiments.config.schema import seeds_for  # noqa: PLC0415
     from servetwin.experiments.config.slo import parse_slo_args  # noqa: PLC0415
 
+    _check_deployment_flags(args)  # before _load: `hardware: auto` may calibrate for minutes first
     exp = _load(args)
     if exp.cluster is not None:  # the cheapest deployment at the config's load (experiments/capacity/deployments.py)
         from servetwin.experiments.capacity.deployments_cli import run_deployment_capacity  # noqa: PLC0415
 
         return run_deployment_capacity(args, log=lambda msg: print(msg, file=sys.stderr))
-    for attr, flag in DEPLOYMENT_FLAGS:  # they vary a cluster's deployment: without one they would do nothing
-        if getattr(args, attr):
-            raise ConfigError(flag, "searches cluster deployments: only with a config that has a cluster: section")
     slo = parse_slo_args(args.slo) if args.slo else None  # SloError: a ConfigError naming the flag
     grid = parse_grid(args.grid)
     seeds = seeds_for(exp, args.seeds, args.max_runs) or None

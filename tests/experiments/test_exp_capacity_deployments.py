@@ -117,3 +117,14 @@ def test_a_config_that_cannot_take_a_pd_shape_fails_before_any_simulation(tmp_pa
     assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--pd"]) == 2
     err = capsys.readouterr().err
     assert "cluster.instances[0].engine.kv_transfer_config.kv_connector" in err and "NixlConnector" in err
+
+
+def test_deployment_flags_on_a_single_engine_config_fail_before_loading_it(tmp_path, capsys, monkeypatch):
+    """`hardware: auto` can calibrate for minutes while a config loads: a flag that cannot apply is refused first."""
+    import servetwin.experiments.run.run_cli as run_cli
+
+    single = tmp_path / "single.yaml"
+    single.write_text(PD_CLUSTER.split("cluster:")[0])
+    monkeypatch.setattr(run_cli, "_load", lambda *a, **k: pytest.fail("loaded the config before checking the flags"))
+    assert main(["capacity", str(single), "--slo", "ttft_p99_s=5", "--pd"]) == 2
+    assert "--pd" in capsys.readouterr().err
