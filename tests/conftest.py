@@ -1,8 +1,8 @@
 """Suite-wide: `hardware: auto` (the `make run` config) must not measure this machine in a test.
 
-Calibrations go to a temporary cache, pre-seeded with the shipped examples (tiny-llama float32, smollm2-135m
-bfloat16) under this machine's fingerprint, so configs with `hardware: auto` (`make run`'s, the
-compare_smollm2_* ones) run with the coefficients the tests always used;
+Calibrations go to a temporary cache, pre-seeded with the shipped examples (tiny-llama and tiny-llama-wide float32,
+smollm2-135m bfloat16) under this machine's fingerprint, so configs with `hardware: auto` (`make run`'s, the
+compare_smollm2_* and TP ones) run with the coefficients the tests always used;
 tests of the automatic calibration inject their own (tests/experiments/test_exp_auto_calibration.py)."""
 import os
 import shutil
@@ -19,6 +19,7 @@ def pytest_configure(config):
 
     examples = Path(__file__).resolve().parents[1] / "experiments" / "calibrations"
     for name, model, dtype in (("cpu_tiny-llama.yaml", "tiny-llama", "float32"),
+                               ("cpu_tiny-llama-wide.yaml", "tiny-llama-wide", "float32"),
                                ("cpu_smollm2-135m.yaml", "smollm2-135m", "bfloat16")):
         shutil.copyfile(examples / name, cache_path(fingerprint(model, dtype, THREADS)))
     _add_gloo_link(cache_path(fingerprint("tiny-llama", "float32", THREADS)))
