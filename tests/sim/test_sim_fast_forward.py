@@ -28,11 +28,10 @@ def _run(engine_kw: dict, workload: dict, fast: bool):
     return res, engine
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
-@given(
+# The settings and workloads both Hypothesis tests draw (with their own KV pool and model)
+SCHEDULES = dict(
     caching=st.booleans(),
     block_size=st.sampled_from([1, 4, 16]),
-    num_blocks=st.integers(40, 400),
     max_num_seqs=st.integers(1, 12),
     rate=st.sampled_from([None, 5.0, 50.0, 400.0]),
     requests=st.integers(1, 14),
@@ -42,13 +41,21 @@ def _run(engine_kw: dict, workload: dict, fast: bool):
     seed=st.integers(0, 1000),
     policy=st.sampled_from(["fcfs", "priority"]),
 )
-def test_fast_forward_trace_equals_step_by_step(caching, block_size, num_blocks, max_num_seqs, rate, requests,
-                                                prompt_hi, out_hi, shared, seed, policy):
+
+
+def _engine_and_workload(num_blocks: int, max_model_len: int, *, caching, block_size, max_num_seqs, rate, requests,
+                         prompt_hi, out_hi, shared, seed, policy) -> tuple[dict, dict]:
+    """The engine settings and workload of one `SCHEDULES` draw."""
     engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
-                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max(64, max_num_seqs), max_model_len=-1,
-                     policy=policy)
-    workload = small_workload(requests, seed, out_hi, prompt_hi, rate, shared)
-    _assert_same_trace(engine_kw, workload)
+                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max(64, max_num_seqs),
+                     max_model_len=max_model_len, policy=policy)
+    return engine_kw, small_workload(requests, seed, out_hi, prompt_hi, rate, shared)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(num_blocks=st.integers(40, 400), **SCHEDULES)
+def test_fast_forward_trace_equals_step_by_step(num_blocks, **draw):
+    _assert_same_trace(*_engine_and_workload(num_blocks, -1, **draw))
 
 
 def _assert_same_trace(engine_kw: dict, workload: dict) -> None:
@@ -68,30 +75,19 @@ def _assert_same_trace(engine_kw: dict, workload: dict) -> None:
     pattern=st.sampled_from(sorted(LAYER_PATTERNS)),
     window=st.sampled_from([2, 3, 5, 8, 13, 40]),
     retention=st.sampled_from([0, 0, None, 1, 4]),  # x block_size (1, 4); None: dense
-    caching=st.booleans(),
-    block_size=st.sampled_from([1, 4, 16]),
     extra_blocks=st.integers(0, 300),
-    max_num_seqs=st.integers(1, 12),
-    rate=st.sampled_from([None, 5.0, 50.0, 400.0]),
-    requests=st.integers(1, 14),
-    prompt_hi=st.integers(2, 60),
-    out_hi=st.integers(1, 60),
-    shared=st.booleans(),
-    seed=st.integers(0, 1000),
-    policy=st.sampled_from(["fcfs", "priority"]),
+    **SCHEDULES,
 )
-def test_fast_forward_with_sliding_window_groups_trace_equals_step_by_step(
-        pattern, window, retention, caching, block_size, extra_blocks, max_num_seqs, rate, requests, prompt_hi,
-        out_hi, shared, seed, policy):
+def test_fast_forward_with_sliding_window_groups_trace_equals_step_by_step(pattern, window, retention,
+                                                                           extra_blocks, **draw):
     """Hybrid models (gpt-oss-like, all sliding, Gemma-like): the windows' frees replayed in step order,
     prefix sharing (a shared block's free ends a window), small pools (preemption)."""
     max_model_len = 128
+    block_size = draw["block_size"]
     num_blocks = NUM_KV_CACHE_GROUPS[pattern] * -(-max_model_len // block_size) + 1 + extra_blocks
-    engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
-                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max(64, max_num_seqs),
-                     max_model_len=max_model_len, policy=policy)
-    workload = small_workload(requests, seed, out_hi, prompt_hi, rate, shared)
-    with sim_model(hybrid_spec(pattern, window), None if retention is None or not caching else retention * block_size):
+    engine_kw, workload = _engine_and_workload(num_blocks, max_model_len, **draw)
+    with sim_model(hybrid_spec(pattern, window),
+                   None if retention is None or not draw["caching"] else retention * block_size):
         _assert_same_trace(engine_kw, workload)
 
 

@@ -42,13 +42,12 @@ def _assert_same_run(engine_kw: dict, workload: dict, max_time_s=None) -> None:
     assert eager_engine.scheduler.num_preemptions_total == lazy_engine.scheduler.num_preemptions_total
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
-@given(
+# The scheduling settings and workloads both Hypothesis tests draw (with their own KV pool and model)
+SCHEDULES = dict(
     async_scheduling=st.booleans(),
     caching=st.booleans(),
     chunked=st.booleans(),
     block_size=st.sampled_from([1, 2, 4, 16]),
-    num_blocks=st.integers(12, 400),
     max_num_seqs=st.integers(1, 12),
     budget=st.sampled_from([8, 16, 64, 256]),
     threshold=st.sampled_from([0, 4, 24]),
@@ -62,10 +61,12 @@ def _assert_same_run(engine_kw: dict, workload: dict, max_time_s=None) -> None:
     seed=st.integers(0, 1000),
     policy=st.sampled_from(["fcfs", "priority"]),
 )
-def test_implicit_decodes_trace_equals_step_by_step(async_scheduling, caching, chunked, block_size, num_blocks,
-                                                    max_num_seqs, budget, threshold, rate, requests, prompt_hi,
-                                                    out_hi, shared, n, finish, seed, policy):
-    max_model_len = min(96, (num_blocks - 1) * block_size)
+
+
+def _engine_and_workload(num_blocks: int, max_model_len: int, *, async_scheduling, caching, chunked, block_size,
+                         max_num_seqs, budget, threshold, rate, requests, prompt_hi, out_hi, shared, n, finish, seed,
+                         policy) -> tuple[dict, dict]:
+    """The engine settings and workload of one `SCHEDULES` draw."""
     engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
                      max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max(budget, max_num_seqs) if chunked else 128,
@@ -73,7 +74,14 @@ def test_implicit_decodes_trace_equals_step_by_step(async_scheduling, caching, c
                      max_model_len=max_model_len, policy=policy, async_scheduling=async_scheduling)
     workload = small_workload(requests, seed, out_hi, prompt_hi, rate, shared, n=n, finish=finish,
                               max_output_tokens=out_hi, priority=[0, 1, 2])
-    _assert_same_run(engine_kw, workload)
+    return engine_kw, workload
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(num_blocks=st.integers(12, 400), **SCHEDULES)
+def test_implicit_decodes_trace_equals_step_by_step(num_blocks, **draw):
+    max_model_len = min(96, (num_blocks - 1) * draw["block_size"])
+    _assert_same_run(*_engine_and_workload(num_blocks, max_model_len, **draw))
 
 
 def test_a_run_cut_short_flushes_the_implicit_tokens():
@@ -146,45 +154,24 @@ def _assert_same_hybrid_run(spec, engine_kw: dict, workload: dict, retention=0, 
     pattern=st.sampled_from(sorted(LAYER_PATTERNS)),
     window=st.sampled_from([2, 3, 5, 8, 13, 40]),
     retention=st.sampled_from([0, 0, None, 1, 4]),  # x block_size (1, 4); None: dense
-    async_scheduling=st.booleans(),
-    caching=st.booleans(),
-    chunked=st.booleans(),
-    block_size=st.sampled_from([1, 2, 4, 16]),
     extra_blocks=st.integers(0, 300),
-    max_num_seqs=st.integers(1, 12),
-    budget=st.sampled_from([8, 16, 64, 256]),
-    threshold=st.sampled_from([0, 4, 24]),
-    rate=st.sampled_from([None, 5.0, 50.0, 400.0]),
-    requests=st.integers(1, 14),
-    prompt_hi=st.integers(2, 60),
-    out_hi=st.integers(1, 60),
-    shared=st.booleans(),
-    n=st.sampled_from([1, 1, 2]),
-    finish=st.sampled_from(["max_tokens", "max_tokens", "eos"]),
-    seed=st.integers(0, 1000),
-    policy=st.sampled_from(["fcfs", "priority"]),
+    **SCHEDULES,
 )
 @example(pattern="gpt-oss-like", window=13, retention=0, async_scheduling=True, caching=True, chunked=True,
          block_size=4, extra_blocks=6, max_num_seqs=6, budget=8, threshold=0, rate=None, requests=4, prompt_hi=41,
          out_hi=29, shared=False, n=2, finish="max_tokens", seed=8, policy="priority")  # a shared block's free
-def test_implicit_decodes_with_sliding_window_groups_trace_equals_step_by_step(
-        pattern, window, retention, async_scheduling, caching, chunked, block_size, extra_blocks, max_num_seqs,
-        budget, threshold, rate, requests, prompt_hi, out_hi, shared, n, finish, seed, policy):
+def test_implicit_decodes_with_sliding_window_groups_trace_equals_step_by_step(pattern, window, retention,
+                                                                               extra_blocks, **draw):
     """Hybrid models (gpt-oss's sliding / full layers, all sliding, Gemma's five sliding groups per full
     one): the windows' out-of-window frees, their sparse prefix-cache retention, prefix sharing,
     preemption (small pools), sync and async - the same trace and block pool as step by step."""
     spec = hybrid_spec(pattern, window)
+    block_size = draw["block_size"]
     max_model_len = 96 if block_size < 16 else 96 + 16 * (extra_blocks % 3)
     # one max-length request fits
     num_blocks = NUM_KV_CACHE_GROUPS[pattern] * -(-max_model_len // block_size) + 1 + extra_blocks
-    engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
-                     max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max(budget, max_num_seqs) if chunked else 128,
-                     enable_chunked_prefill=chunked, long_prefill_token_threshold=min(threshold, max_model_len),
-                     max_model_len=max_model_len, policy=policy, async_scheduling=async_scheduling)
-    workload = small_workload(requests, seed, out_hi, prompt_hi, rate, shared, n=n, finish=finish,
-                              max_output_tokens=out_hi, priority=[0, 1, 2])
-    _assert_same_hybrid_run(spec, engine_kw, workload, None if retention is None or not caching
+    engine_kw, workload = _engine_and_workload(num_blocks, max_model_len, **draw)
+    _assert_same_hybrid_run(spec, engine_kw, workload, None if retention is None or not draw["caching"]
                             else retention * block_size)
 
 
