@@ -20,6 +20,21 @@ def _build(block_size, caching, prompts, max_tokens, num_blocks):
     return pair
 
 
+def _step_through_window(slow, rows: list[str], tokens: list[list[int]], k: int) -> list[int]:
+    """Step `slow` k times as the window would: every step schedules one token for each row in running
+    order (no admission, no preemption) and finishes no one; the free blocks after each step's
+    scheduling (what `fast_forward_decode` returns)."""
+    observed = []
+    for j in range(k):
+        so = slow.schedule()
+        assert list(so.num_scheduled_tokens.items()) == [(rid, 1) for rid in rows]
+        assert not so.preempted_order and not so.scheduled_new_reqs
+        observed.append(slow.kv_cache_manager.num_free_blocks)
+        out = ModelRunnerOutput(rows, {r: i for i, r in enumerate(rows)}, [[tokens[i][j]] for i in range(len(rows))])
+        assert all(o.finish_reason is None for o in slow.update_from_output(so, out))
+    return observed
+
+
 def _state(s):
     kv = s.kv_cache_manager
     pool = kv.block_pool
@@ -57,16 +72,7 @@ def test_fast_forward_equals_step_by_step(block_size, caching, tight):
     rows = [r.request_id for r in fast.running]
     tokens = [[100 + 7 * j + i for j in range(k)] for i in range(len(rows))]
     free_after = fast.fast_forward_decode(k, tokens)
-    observed = []
-    for j in range(k):
-        so = slow.schedule()
-        assert list(so.num_scheduled_tokens.items()) == [(rid, 1) for rid in rows]
-        assert not so.preempted_order and not so.scheduled_new_reqs
-        observed.append(slow.kv_cache_manager.num_free_blocks)
-        out = ModelRunnerOutput(rows, {r: i for i, r in enumerate(rows)}, [[tokens[i][j]] for i in range(len(rows))])
-        outs = slow.update_from_output(so, out)
-        assert all(o.finish_reason is None for o in outs)
-    assert free_after == observed
+    assert free_after == _step_through_window(slow, rows, tokens, k)
     assert _state(fast) == _state(slow)
 
 
@@ -136,15 +142,6 @@ def test_fast_forward_with_window_groups_equals_step_by_step(window, block_size,
         tokens = [[token + 7 * j + i for j in range(k)] for i in range(len(rows))]
         token += 7 * k + len(rows)
         free_after = fast.fast_forward_decode(k, tokens)
-        observed = []
-        for j in range(k):
-            so = slow.schedule()
-            assert list(so.num_scheduled_tokens.items()) == [(rid, 1) for rid in rows]
-            assert not so.preempted_order and not so.scheduled_new_reqs
-            observed.append(slow.kv_cache_manager.num_free_blocks)
-            out = ModelRunnerOutput(rows, {r: i for i, r in enumerate(rows)},
-                                    [[tokens[i][j]] for i in range(len(rows))])
-            assert all(o.finish_reason is None for o in slow.update_from_output(so, out))
-        assert free_after == observed
+        assert free_after == _step_through_window(slow, rows, tokens, k)
     assert windows >= 2
     assert _group_state(fast) == _group_state(slow)
