@@ -117,25 +117,31 @@ def test_implicit_decodes_replace_most_rows():
     assert listed + implicit == 8 * 200  # every request is a row in every step until its last token
 
 
-@pytest.mark.pure_python("counts calls by patching LazyDecodes methods")
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_block_boundaries_are_handled_in_place(async_scheduling, monkeypatch):
-    """A member crossing block boundaries (a new block, a block registered) stays implicit: it is
-    materialised about once (its last token), not once per block, and listed only around its prefill
-    and its end - with a trace equal to the step-by-step run."""
+def _count_lazy_calls(monkeypatch, *names: str) -> dict[str, int]:
+    """Count the calls of these `LazyDecodes` methods (pure Python only: the methods are patched)."""
     from servetwin.sim.lazy_decode import LazyDecodes  # noqa: PLC0415
 
-    engine_kw = dict(enable_prefix_caching=True, num_gpu_blocks=600, max_num_seqs=8, max_model_len=512,
-                     async_scheduling=async_scheduling, block_size=16)
-    workload = {"requests": 8, "seed": 2, "prompt_tokens": 40, "output_tokens": 300, "arrival": {"type": "offline"}}
-    counts = {"materialise": 0, "advance": 0}
-    for name in counts:
+    counts = dict.fromkeys(names, 0)
+    for name in names:
         orig = getattr(LazyDecodes, name)
 
         def wrapped(self, *a, _orig=orig, _name=name):
             counts[_name] += 1
             return _orig(self, *a)
         monkeypatch.setattr(LazyDecodes, name, wrapped)
+    return counts
+
+
+@pytest.mark.pure_python("counts calls by patching LazyDecodes methods")
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_block_boundaries_are_handled_in_place(async_scheduling, monkeypatch):
+    """A member crossing block boundaries (a new block, a block registered) stays implicit: it is
+    materialised about once (its last token), not once per block, and listed only around its prefill
+    and its end - with a trace equal to the step-by-step run."""
+    engine_kw = dict(enable_prefix_caching=True, num_gpu_blocks=600, max_num_seqs=8, max_model_len=512,
+                     async_scheduling=async_scheduling, block_size=16)
+    workload = {"requests": 8, "seed": 2, "prompt_tokens": 40, "output_tokens": 300, "arrival": {"type": "offline"}}
+    counts = _count_lazy_calls(monkeypatch, "materialise", "advance")
     _assert_same_run(engine_kw, workload)
     # each lazy run crosses ~300/16 boundaries per request in place; materialised ~once per request
     assert counts["advance"] >= 8 * 300 // 16 - 8 * 2
@@ -182,19 +188,10 @@ def test_window_frees_are_handled_in_place(async_scheduling, caching, monkeypatc
     """gpt-oss-like layers (window 18, blocks of 4): a member whose window drops a block every 4 steps
     stays implicit through its frees as through its new blocks - materialised about once per request,
     its KV events done in place - with a trace equal to the step-by-step run."""
-    from servetwin.sim.lazy_decode import LazyDecodes  # noqa: PLC0415
-
     engine_kw = dict(enable_prefix_caching=caching, num_gpu_blocks=800, max_num_seqs=8, max_model_len=512,
                      async_scheduling=async_scheduling, block_size=4)
     workload = {"requests": 8, "seed": 2, "prompt_tokens": 40, "output_tokens": 300, "arrival": {"type": "offline"}}
-    counts = {"materialise": 0, "advance": 0}
-    for name in counts:
-        orig = getattr(LazyDecodes, name)
-
-        def wrapped(self, *a, _orig=orig, _name=name):
-            counts[_name] += 1
-            return _orig(self, *a)
-        monkeypatch.setattr(LazyDecodes, name, wrapped)
+    counts = _count_lazy_calls(monkeypatch, "materialise", "advance")
     _assert_same_hybrid_run(hybrid_spec("gpt-oss-like", 18), engine_kw, workload)
     # per request: ~300/4 new blocks and ~300/4 frees in place, at different steps (the window's
     # boundary is 2 tokens off the blocks'), materialised about once
