@@ -16,15 +16,10 @@ DEPLOYMENT_FLAGS = (("tp", "--tp"), ("router", "--router"), ("pd", "--pd"), ("pd
 def _check_deployment_flags(args: argparse.Namespace) -> None:
     """The deployment flags vary a cluster's deployment: on a config without a `cluster:` section they would
     do nothing, so they are refused, from the YAML as written (with its --set overrides)."""
-    from servetwin.experiments.config.schema import load_yaml, parse_override, set_dotted  # noqa: PLC0415
+    from servetwin.experiments.config.schema import load_raw_config  # noqa: PLC0415
 
     given = [flag for attr, flag in DEPLOYMENT_FLAGS if getattr(args, attr)]
-    if not given:
-        return
-    raw = load_yaml(args.config) or {}
-    for text in args.overrides:
-        set_dotted(raw, *parse_override(text))
-    if not raw.get("cluster"):
+    if given and not load_raw_config(args.config, args.overrides).get("cluster"):
         raise ConfigError(given[0], "searches cluster deployments: only with a config that has a cluster: section")
 
 

@@ -93,12 +93,10 @@ def check_configs(load: Callable[[dict[str, Any]], Any], raw_cluster: dict[str, 
 
 def run_deployment_capacity(args: Any, log: Callable[[str], None]) -> int:
     """Search, print the ranked table with the cheapest and the runner-up; 0 when a deployment meets the SLOs."""
-    from servetwin.experiments.config.schema import load_config, load_yaml, parse_override, set_dotted  # noqa: PLC0415
+    from servetwin.experiments.config.schema import load_config, load_raw_config  # noqa: PLC0415
     from servetwin.experiments.config.slo import parse_slo_args  # noqa: PLC0415
 
-    raw = load_yaml(args.config) or {}
-    for text in args.overrides:
-        set_dotted(raw, *parse_override(text))
+    raw = load_raw_config(args.config, args.overrides)
     raw_cluster = dict(raw.get("cluster") or {})
     slo = slo_seconds(parse_slo_args(args.slo)) if args.slo else None
     space = deployment_space(args, raw)

@@ -1130,19 +1130,25 @@ def load_yaml(path: str | Path) -> Any:
     return load_yaml_file(p, "config")
 
 
+def load_raw_config(path: str | Path, overrides: Optional[list[str]] = None) -> dict[str, Any]:
+    """An experiment YAML file as its mapping, with the `--set` texts applied; not yet validated."""
+    raw = load_yaml(path)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("config", f"{path} must hold a mapping at the top level, got {type(raw).__name__}")
+    for text in overrides or []:
+        key, value = parse_override(text)
+        set_dotted(raw, key, value)
+    return raw
+
+
 def load_config(path: str | Path, overrides: Optional[list[str]] = None, requests: Optional[int] = None,
                 notes: Optional[list[str]] = None, values: Optional[Mapping[str, Any]] = None) -> ExperimentConfig:
     """Read, override (`--set` texts, `--requests`, `values`: dotted key -> value) and parse an experiment
     YAML file. The result is parsed once: change a run by overriding here, not by editing the result."""
     p = Path(path)
-    raw = load_yaml(p)
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError("config", f"{p} must hold a mapping at the top level, got {type(raw).__name__}")
-    for text in overrides or []:
-        key, value = parse_override(text)
-        set_dotted(raw, key, value)
+    raw = load_raw_config(p, overrides)
     for key, value in (values or {}).items():
         set_dotted(raw, key, copy.deepcopy(value))
     if requests is not None:

@@ -128,3 +128,11 @@ def test_deployment_flags_on_a_single_engine_config_fail_before_loading_it(tmp_p
     monkeypatch.setattr(run_cli, "_load", lambda *a, **k: pytest.fail("loaded the config before checking the flags"))
     assert main(["capacity", str(single), "--slo", "ttft_p99_s=5", "--pd"]) == 2
     assert "--pd" in capsys.readouterr().err
+
+
+def test_a_config_that_is_not_a_mapping_is_a_clear_error_with_deployment_flags(tmp_path, capsys):
+    cfg = tmp_path / "list.yaml"
+    cfg.write_text("- not\n- a mapping\n")
+    assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--pd"]) == 2
+    err = capsys.readouterr().err
+    assert "must hold a mapping at the top level" in err and "Traceback" not in err
