@@ -5,9 +5,10 @@
 First, from the published report alone (`published.json` here and the percentiles below, all copied from llm-d
 guides/pd-disaggregation/README.md, 'Benchmarking Report', rate=45), what its figures count. inference-perf
 (kubernetes-sigs/inference-perf) counts a request's output tokens by re-tokenising the streamed text on the
-client (`apis/completion.py`: `tokenizer.count_tokens(output_text, add_special_tokens=False)`), and computes
-TPOT = (last chunk - first chunk) / (output tokens - 1) and ITL as the gaps between per-token timestamps, a
-chunk's re-tokenised tokens all taking the chunk's arrival time (`reportgen/base.py`, `summarize_requests`).
+client (`apis/completion.py`, `tokenizer.count_tokens(output_text)`), and computes TPOT = (last chunk - first
+chunk) / (output tokens - 1) and ITL as the gaps between per-token timestamps, a chunk's re-tokenised tokens
+all taking the chunk's arrival time (`reportgen/base.py`, `summarize_requests`; read at its 2026 versions: the
+report does not state which one it ran, its own figures show the client count, 282.7 tokens per request).
 So the published output tok/s, TPOT and ITL are on the client's token count, not on the 250 tokens each
 request decoded (`max_tokens` 250 with `ignore_eos`), and the chunk times are when the client parsed them.
 
