@@ -14,8 +14,9 @@ times the preset's coefficients, ms), next to what the published figures imply f
 
 Implied figures (README.md here and its `published.json`): the P/D guide's EPP configures the prefill pods'
 token-load scorer with `peakPrefillThroughput` 33,821 tok/s (H200 TP1, gpt-oss-120b); a decode step at the
-P/D decode instances' batch follows from Little's law (22.5 req/s x 250 tokens x TPOT 5.70 ms = 32 requests
-in flight per instance, one token per step each); the round-robin arm's TTFT at 3-15 req/s (176-184 ms)
+P/D decode instances' batch follows from Little's law on the decoded-token basis (22.5 req/s x 250 tokens x
+6.45 ms = 36 requests in flight per instance, one token per step each; the published TPOT 5.70 ms is per
+client-counted token: pd_breakdown.py); the round-robin arm's TTFT at 3-15 req/s (176-184 ms)
 bounds one 6,500-token prefill plus the front end.
 
 The presets as they are (the Triton kernel's one fitted rate: sim/gpu_calibration.py, TRITON_MXFP4_FIT). Reading: docs/cost_model.md, "gpt-oss-120b
@@ -86,9 +87,9 @@ def main() -> None:
     show("prefill TP1, 5,000 tokens", h200_1, [RowShape(5000, 0)],
          f"= {5000 / total * 1e3:,.0f} tok/s; EPP peakPrefillThroughput 33,821 tok/s = {5000 / 33821 * 1e3:.0f} ms")
     h200_4 = engine("h200", 4)
-    for n in (16, 32, 44, 64):
+    for n in (16, 32, 36, 44, 64):
         show(f"decode TP4, {n} x 5,125-token contexts", h200_4, [RowShape(1, 5125)] * n,
-             "published: TPOT 5.70 ms at ~32 in flight" if n == 32 else "")
+             "published: 6.45 ms per decoded token at ~36 in flight" if n == 36 else "")
     print(f"KV pool TP4 (gpu_memory_utilization 0.9): {kv_tokens('h200', 4, 0.9):,} tokens")
 
 
