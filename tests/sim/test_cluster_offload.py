@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
-from servetwin.core.kv_connector.cpu_tier import LookupResult
+from servetwin.core.kv_connector.cpu_tier import LookupResult, make_offload_key
 from servetwin.experiments.config.cluster import instance_engine_args
 from servetwin.experiments.config.schema import validate_config
 from servetwin.experiments.run.cluster_run import simulate_cluster
@@ -147,5 +147,5 @@ def test_the_tiered_scorer_index_is_the_cpu_tiers_contents_after_a_run():
         hashes = {h for r in reqs for h in sched.block_hasher(SimpleNamespace(
             block_hashes=[], all_token_ids=r.prompt_token_ids, lora_request=None, cache_salt=None))}
         readable = {make_block_hash_with_group_id(h, 0) for h in hashes
-                    if sched.connector.manager.lookup(h) is LookupResult.HIT}
+                    if sched.connector.manager.lookup(make_offload_key(h, 0)) is LookupResult.HIT}
         assert readable and scorer.cpu_index.get(inst.index, set()) == readable
