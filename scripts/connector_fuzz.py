@@ -188,7 +188,9 @@ def random_offload_hybrid_scenario(seed: int) -> dict:
     bs = settings["block_size"]
     window = rnd.choice([bs // 2, bs, bs + 1, 2 * bs, 3 * bs])
     settings["kv_cache_groups"] = [{"type": "full_attention"}, {"type": "sliding_window", "sliding_window": window}]
-    settings["num_gpu_blocks"] *= 2
+    # a pool the longest request just fits in (its window blocks included): prefixes leave the GPU soon
+    longest = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in scenario["requests"])
+    settings["num_gpu_blocks"] = -(-longest // bs) + -(-window // bs) + 3 + rnd.randint(0, 6)
     settings["kv_connector"]["cpu_bytes_to_use"] = 4096 * rnd.randint(8, 48)  # one chunk per block per group
     requests = scenario["requests"]
     for i in range(rnd.randint(0, 6)):  # later resends of a prompt: hits at its replay boundary
