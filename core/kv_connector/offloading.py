@@ -99,6 +99,8 @@ class _RequestState:
 
     def update_offload_keys(self, configs: tuple[_GroupConfig, ...], block_size: int) -> None:
         hashes = self.request.block_hashes
+        if len(hashes) == len(self.groups[0].keys):  # (every group keys every hash)
+            return
         for config, state in zip(configs, self.groups):
             for h in hashes[len(state.keys):]:
                 key = make_offload_key(h, config.group_idx)
@@ -377,8 +379,10 @@ class OffloadingConnector(KVConnectorBase):
         """The chunks to offer the CPU tier, all groups, and each group's end (scheduler.py:1858-1968)."""
         r = req.request
         boundaries: tuple[int, ...] = ()
-        if self.retention_interval is not None:
-            boundaries = (r.num_prompt_tokens - 1,) + ((r.shared_prefix_boundary,) if r.shared_prefix_boundary else ())
+        if self.retention_interval is not None and r.shared_prefix_boundary:
+            boundaries = (r.num_prompt_tokens - 1, r.shared_prefix_boundary)
+        elif self.retention_interval is not None:
+            boundaries = (r.num_prompt_tokens - 1,)
         keys: list[OffloadKey] = []
         ends: list[int] = []
         for config, state in zip(self._groups, req.groups):
