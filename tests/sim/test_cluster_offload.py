@@ -159,7 +159,8 @@ def test_the_cpu_chunk_is_one_pool_block_of_every_rank(hybrid, tp, layers):
     from servetwin.core.engine.engine_args import EngineArgs
     from servetwin.sim.kv_pool import build_sim_executor
     args = EngineArgs.from_kwargs(model="gpt-oss-120b", backend="sim", hardware="h100-sxm", block_size=128,
-                                  max_model_len=16640, tensor_parallel_size=tp, disable_hybrid_kv_cache_manager=not hybrid,
+                                  max_model_len=16640, tensor_parallel_size=tp,
+                                  disable_hybrid_kv_cache_manager=not hybrid,
                                   kv_transfer_config={**CPU_TIER, "kv_connector_extra_config": {
                                       "cpu_bytes_to_use": 107374182400}})
     build_sim_executor(args)
