@@ -9,7 +9,8 @@ every divergence is printed, and its scenario + recording kept for tests/core/da
 Families: `nixl` (P/D, the default), `offload` (the CPU tier), `spec` (either, with speculative
 decoding; tests/core/data/k_spec_fuzz_0NN came from seed NN of an earlier version that sized the pool
 before drawing the requests' lengths - the data files, not this script, are the record), `spec_hybrid` (P/D with speculative decoding
-over full attention + a sliding window; k_spec_hybrid_fuzz_0NN = seed NN).
+over full attention + a sliding window; k_spec_hybrid_fuzz_0NN = seed NN), `offload_hybrid` (the CPU tier over full
+attention + a sliding window).
 
 The driver and a Python with vLLM 0.33.0 are not part of servetwin (the script records with them in a
 subprocess, one process for the whole batch: vLLM's import dominates a single recording).
@@ -176,8 +177,33 @@ def random_spec_hybrid_scenario(seed: int) -> dict:
     return scenario
 
 
+def random_offload_hybrid_scenario(seed: int) -> dict:
+    """An OffloadingConnector scenario over a full-attention + sliding-window model (vLLM 0.33's
+    connector supports the hybrid KV cache manager: both groups go to the CPU tier, a sliding-window
+    group only the blocks a lookup can reach). Needs a driver that accepts it (the oracle's
+    connectors driver rejects sliding-window groups with OffloadingConnector)."""
+    rnd = random.Random(seed * 15485863 + 7)
+    scenario = random_offload_scenario(seed)
+    settings = scenario["settings"]
+    bs = settings["block_size"]
+    window = rnd.choice([bs // 2, bs, bs + 1, 2 * bs, 3 * bs])
+    settings["kv_cache_groups"] = [{"type": "full_attention"}, {"type": "sliding_window", "sliding_window": window}]
+    # a pool the longest request just fits in (its window blocks included): prefixes leave the GPU soon
+    longest = max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in scenario["requests"])
+    settings["num_gpu_blocks"] = -(-longest // bs) + -(-window // bs) + 3 + rnd.randint(0, 6)
+    settings["kv_connector"]["cpu_bytes_to_use"] = 4096 * rnd.randint(8, 48)  # one chunk per block per group
+    requests = scenario["requests"]
+    for i in range(rnd.randint(0, 6)):  # later resends of a prompt: hits at its replay boundary
+        r = dict(rnd.choice(requests), id=f"x{i:02d}", arrival_step=rnd.randint(20, 80))
+        requests.append(r)
+    settings["max_steps"] = 400
+    if rnd.random() < 0.3:
+        settings["prefix_cache_retention_interval"] = rnd.choice([None, 2 * bs, 4 * bs])
+    return scenario
+
+
 FAMILIES = {"nixl": random_scenario, "offload": random_offload_scenario, "spec": random_spec_connector_scenario,
-            "spec_hybrid": random_spec_hybrid_scenario}
+            "spec_hybrid": random_spec_hybrid_scenario, "offload_hybrid": random_offload_hybrid_scenario}
 
 
 def divergences(scenario_path: Path) -> list[str]:

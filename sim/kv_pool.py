@@ -205,10 +205,12 @@ def build_sim_executor(args: Any):
                                                 "pipeline_parallel_size > 1 yet")
     if kv_config is not None:  # each TP rank moves its shard over its own link
         kv_bytes_per_token = model.kv_bytes_per_token(cost_model.kv_bytes_per_element) / args.tensor_parallel_size
-        # the CPU tier's chunk is one block of this model's KV (as vLLM's worker sizes it), unless given
+        # the CPU tier's chunk is one pool block of every rank, unless given (vLLM 0.33 sizes it as the
+        # worker's KV allocation / num_blocks x world size, offloading/config.py:199-211, cpu/spec.py:111-124:
+        # with hybrid groups a page of each layer of one group, else of every layer)
         if kv_config.kv_connector == "OffloadingConnector":
             kv_config.kv_connector_extra_config.setdefault("kv_bytes_per_block",
-                                                           int(kv_bytes_per_token * args.block_size))
+                                                           pool.bytes_per_block * args.tensor_parallel_size)
         executor.enable_kv_transfer(build_kv_worker(kv_config, kv_bytes_per_token, args.block_size,
                                                     None if pool.kv_plan is None else pool.bytes_per_block))
     return ExecutorInfo(executor, pool.num_gpu_blocks, max_len, model.vocab_size, [], None,

@@ -118,6 +118,11 @@ class SimKVWorker:
     def block_bytes(self, num_blocks: int) -> int:
         return int(num_blocks * self.block_size * self.kv_bytes_per_token)
 
+    def chunk_bytes(self, num_chunks: int) -> int:
+        """An offloading job's bytes: a chunk is one block of one KV cache group (with hybrid groups,
+        a page of each of the group's layers; else every layer's)."""
+        return self.block_bytes(num_chunks) if self.group_block_bytes is None else num_chunks * self.group_block_bytes
+
     def hold_sends(self, lease_s: float) -> None:
         """Producer in a cluster: a send ends when `release_send` says the consumer's read ended, or
         `lease_s` after it started (vLLM's NIXL lease, `kv_lease_duration`)."""
@@ -210,11 +215,11 @@ class SimKVWorker:
         flush = set(meta.jobs_to_flush)
         must_end = end
         for j, job in meta.load_jobs.items():
-            done = self._add("load", job.req_id, self.block_bytes(job.num_blocks), start, self.pcie, j)
+            done = self._add("load", job.req_id, self.chunk_bytes(job.num_blocks), start, self.pcie, j)
             if job.sync or j in flush:
                 must_end = max(must_end, done)
         for j, job in meta.store_jobs.items():  # the KV exists once the forward pass is done
-            done = self._add("store", job.req_id, self.block_bytes(job.num_blocks), end, self.pcie, j)
+            done = self._add("store", job.req_id, self.chunk_bytes(job.num_blocks), end, self.pcie, j)
             if j in flush:
                 must_end = max(must_end, done)
         older = flush - meta.load_jobs.keys() - meta.store_jobs.keys()

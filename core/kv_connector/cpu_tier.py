@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Optional, Sequence
 
-OffloadKey = bytes  # a block hash (one KV cache group)
+OffloadKey = bytes  # a block hash + its KV cache group's index
+
+
+def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
+    """A block of one KV cache group in the CPU tier (vLLM 0.33 `v1/kv_offload/base.py:30-32`)."""
+    return block_hash + group_idx.to_bytes(4, "big")
 
 
 class LookupResult(Enum):

@@ -64,7 +64,12 @@ def connector_class(config: KVTransferConfig) -> type:
     return cls
 
 
-def create_connector(config: KVTransferConfig, block_size: int,
-                     kv_cache_groups: Optional[tuple] = None) -> KVConnectorBase:
-    """`kv_cache_groups`: the model's KV cache group specs (None: one full-attention group)."""
-    return connector_class(config)(config, block_size, kv_cache_groups)
+def create_connector(config: KVTransferConfig, block_size: int, kv_cache_groups: Optional[tuple] = None,
+                     retention_interval: Optional[int] = 0) -> KVConnectorBase:
+    """`kv_cache_groups`: the model's KV cache group specs (None: one full-attention group);
+    `retention_interval`: the engine's `prefix_cache_retention_interval`, for a connector class that
+    declares `uses_retention_interval` (vLLM hands every connector its whole `KVCacheConfig`)."""
+    cls = connector_class(config)
+    if getattr(cls, "uses_retention_interval", False):
+        return cls(config, block_size, kv_cache_groups, retention_interval=retention_interval)
+    return cls(config, block_size, kv_cache_groups)

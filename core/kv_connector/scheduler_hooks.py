@@ -55,7 +55,8 @@ class ConnectorSchedulerMixin:
         if kv_transfer_config is None:
             return
         self.connector = create_connector(kv_transfer_config, self.block_size,
-                                          self.kv_cache_manager.kv_cache_groups)
+                                          self.kv_cache_manager.kv_cache_groups,
+                                          self.kv_cache_manager.coordinator.retention_interval)
         if log_stats:
             self.connector_prefix_cache_stats = PrefixCacheStats()
         self.recompute_kv_load_failures = kv_transfer_config.kv_load_failure_policy == "recompute"

@@ -91,8 +91,11 @@ def parse_connector_settings(raw: Any, kv_cache_groups: Optional[list]) -> Conne
             kv_lease_duration=_int(raw, "kv_lease_duration", 30, 1, w))
     if raw.get("eviction_policy", "lru") not in EVICTION_POLICIES:
         raise _Error(f"{w}.eviction_policy", f'must be "lru" or "arc", got {raw.get("eviction_policy")!r}')
-    if kv_cache_groups and any(g.get("type") != "full_attention" for g in kv_cache_groups if isinstance(g, dict)):
-        raise _Error(w, "OffloadingConnector scenarios must use full attention only")
+    # vLLM 0.33's connector offloads sliding-window groups too (SupportsHMA); servetwin's does not
+    # model chunked local attention (the oracle's driver rejects any non-full group)
+    if kv_cache_groups and any(g.get("type") not in ("full_attention", "sliding_window")
+                               for g in kv_cache_groups if isinstance(g, dict)):
+        raise _Error(w, "OffloadingConnector scenarios must use full-attention and sliding-window groups only")
     return ConnectorSettings(
         name, "kv_both", policy, cpu_bytes_to_use=_int(raw, "cpu_bytes_to_use", None, 1, w),
         eviction_policy=raw.get("eviction_policy", "lru"), store_threshold=_int(raw, "store_threshold", 0, 0, w),

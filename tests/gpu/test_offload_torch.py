@@ -1,6 +1,7 @@
-"""The offloading connector for real in the torch backend (tiny-llama, CPU): a prefix set larger
-than the KV pool but within the CPU tier is served from the tier (loads copy the stored KV back),
-the greedy outputs equal a run without offload, and fewer tokens are prefilled."""
+"""The offloading connector for real in the torch backend (tiny-llama, and tiny-gpt-oss with its
+sliding-window groups; CPU): a prefix set larger than the KV pool but within the CPU tier is served
+from the tier (loads copy the stored KV back), the greedy outputs equal a run without offload, and
+fewer tokens are prefilled."""
 from __future__ import annotations
 
 import pytest
@@ -104,3 +105,36 @@ def test_kv_bytes_per_block_must_match_the_pool():
     with pytest.raises(ConfigError, match="kv_bytes_per_block"):
         TorchExecutor(model="tiny-llama", device="cpu", dtype="float32", block_size=BLOCK, num_gpu_blocks=9,
                       max_model_len=32, kv_transfer_config=conn)
+
+
+def _run_hybrid(offload: bool, pool: int):
+    """tiny-gpt-oss (10-token sliding windows on every other layer, the hybrid KV cache manager on):
+    six 20-token prompts, then the same six again, one at a time."""
+    conn = KVTransferConfig("OffloadingConnector", "kv_both",
+                            kv_connector_extra_config={"cpu_bytes_to_use": 96 * 4096}) if offload else None
+    ex = TorchExecutor(model="tiny-gpt-oss", device="cpu", dtype="float32", block_size=BLOCK, num_gpu_blocks=pool,
+                       max_num_batched_tokens=64, max_num_seqs=4, max_model_len=32, kv_transfer_config=conn)
+    engine = EngineCore(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=32),
+                        CacheConfig(block_size=BLOCK, num_gpu_blocks=pool, kv_cache_groups=ex.kv_cache_groups), ex)
+    prompts = [[7 + 13 * p + i for i in range(20)] for p in range(6)] * 2
+    outputs = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", prompt, GREEDY))
+        while engine.has_work():
+            for o in engine.step().outputs:
+                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [outputs[f"r{i}"] for i in range(len(prompts))], ex, engine
+
+
+def test_with_sliding_window_groups_cpu_tier_loads_give_the_same_outputs():
+    """vLLM 0.33's connector offloads both groups; a sliding-window group only the cdiv(10 - 1, 4) = 3
+    blocks before the replay boundary (19 // 4 = 4: blocks 1-3). A resent prompt's hit therefore ends
+    at 16 tokens: it loads 4 full-attention blocks and the window's 3, and the model's outputs are those
+    of a run without the tier."""
+    base, _, _ = _run_hybrid(offload=False, pool=24)
+    out, ex, engine = _run_hybrid(offload=True, pool=24)
+    assert ex.kv_cache_groups is not None and len(ex.kv_cache_groups) == 2
+    st = ex.kv_connector_worker.stats
+    assert st.num_loaded_blocks == 6 * (4 + 3)
+    assert out == base
+    assert not engine.scheduler.connector.has_pending_push_work()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
-from servetwin.core.kv_connector.cpu_tier import LookupResult
+from servetwin.core.kv_connector.cpu_tier import LookupResult, make_offload_key
 from servetwin.experiments.config.cluster import instance_engine_args
 from servetwin.experiments.config.schema import validate_config
 from servetwin.experiments.run.cluster_run import simulate_cluster
@@ -147,5 +147,25 @@ def test_the_tiered_scorer_index_is_the_cpu_tiers_contents_after_a_run():
         hashes = {h for r in reqs for h in sched.block_hasher(SimpleNamespace(
             block_hashes=[], all_token_ids=r.prompt_token_ids, lora_request=None, cache_salt=None))}
         readable = {make_block_hash_with_group_id(h, 0) for h in hashes
-                    if sched.connector.manager.lookup(h) is LookupResult.HIT}
+                    if sched.connector.manager.lookup(make_offload_key(h, 0)) is LookupResult.HIT}
         assert readable and scorer.cpu_index.get(inst.index, set()) == readable
+
+
+@pytest.mark.parametrize("hybrid, tp, layers", [(True, 1, 18), (False, 1, 36), (True, 2, 18)])
+def test_the_cpu_chunk_is_one_pool_block_of_every_rank(hybrid, tp, layers):
+    """vLLM 0.33 sizes a CPU chunk as the worker's KV allocation / num_blocks x world size: with the
+    hybrid KV cache manager gpt-oss's pool block is a page of 18 layers (one group), else of all 36;
+    a page is 128 tokens x 2048 B (8 KV heads x 64 x K and V x bf16), split over the TP ranks."""
+    from servetwin.core.engine.engine_args import EngineArgs
+    from servetwin.sim.kv_pool import build_sim_executor
+    args = EngineArgs.from_kwargs(model="gpt-oss-120b", backend="sim", hardware="h100-sxm", block_size=128,
+                                  max_model_len=16640, tensor_parallel_size=tp,
+                                  disable_hybrid_kv_cache_manager=not hybrid,
+                                  kv_transfer_config={**CPU_TIER, "kv_connector_extra_config": {
+                                      "cpu_bytes_to_use": 107374182400}})
+    build_sim_executor(args)
+    chunk = args.kv_transfer_config.kv_connector_extra_config["kv_bytes_per_block"]
+    assert chunk == layers * 128 * 2048
+    if hybrid and tp == 1:  # the llm-d guide's 100 GiB tier: 22,755 chunks (11,377 without the hybrid manager)
+        from servetwin.core.kv_connector.factory import create_connector
+        assert create_connector(args.kv_transfer_config, 128).num_cpu_chunks == 22755
