@@ -5,7 +5,7 @@ cluster cases (benchmarks/published_cluster/cases), the predicted step time and 
 times the preset's coefficients, ms), next to what the published figures imply for the same shape:
 
 - routing arms, one H100 TP1 replica: a 6,500-token prompt prefilled whole (round robin: ~1% prefix hits),
-  500 tokens after a 6,000-token cached prefix (llm-d: ~98% hits), decode batches at ~6,750-token contexts
+  100 tokens after 6,400 cached / 612 after 5,888 (llm-d, 128-token blocks: ~98% hits), decode batches at ~6,750-token contexts
   (prompt + half the 500 output tokens);
 - P/D arm: one H200 TP1 prefill instance's 5,000-token prefill, one H200 TP4 decode instance's batches at
   ~5,125-token contexts;
@@ -73,8 +73,10 @@ def main() -> None:
           "engine's CPU terms overlap the GPU's) ==")
     show("prefill 6,500 tokens, nothing cached", h100, [RowShape(6500, 0)],
          "published TTFT at 3-15 req/s: 176-184 ms (front end included)")
-    show("prefill 500 tokens after 6,000 cached", h100, [RowShape(500, 6000)],
+    # llm-d: 128-token blocks (the guide's --block-size=128); a prompt sent again is cached to its last full block
+    show("prefill 100 tokens after 6,400 cached (a prompt sent again)", h100, [RowShape(100, 6400)],
          "published TTFT at 3-15 req/s: 63-70 ms (llm-d)")
+    show("prefill 612 tokens after 5,888 cached (a new prompt of a cached group)", h100, [RowShape(612, 5888)])
     for n in (16, 24, 32, 40):
         show(f"decode {n} x 6,750-token contexts", h100, [RowShape(1, 6750)] * n)
     print(f"KV pool (gpu_memory_utilization 0.95): {kv_tokens('h100-sxm', 1, 0.95):,} tokens")
