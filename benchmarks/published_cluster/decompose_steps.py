@@ -12,8 +12,9 @@ times the preset's coefficients, ms), next to what the published figures imply f
 - the same step with the Marlin kernel of the training runs (benchmarks/published_moe), for comparison;
 - the KV pool of each instance (tokens of full-attention KV it holds), which bounds the decode batch.
 
-Implied figures (README.md here and its `published.json`): the P/D guide's EPP configures the prefill pods'
-token-load scorer with `peakPrefillThroughput` 33,821 tok/s (H200 TP1, gpt-oss-120b); a decode step at the
+Implied figures (README.md here and its `published.json`): llm-d's `peakPrefillThroughput` (8,192 / median TTFT of
+8,192-token prompts through the router: 39,065 tok/s on the routing arms' H100s, 33,821 through the P/D guide's
+path; `calibrate_prefill.py` replays both); a decode step at the
 P/D decode instances' batch follows from Little's law (22.5 req/s x 250 tokens x TPOT 5.70 ms = 32 requests
 in flight per instance, one token per step each); the round-robin arm's TTFT at 3-15 req/s (176-184 ms)
 bounds one 6,500-token prefill plus the front end.
@@ -84,9 +85,10 @@ def main() -> None:
 
     print("== P/D arm: H200 instances (async scheduling) ==")
     h200_1 = engine("h200", 1)
-    total, _ = step_ms(h200_1, [RowShape(5000, 0)])
-    show("prefill TP1, 5,000 tokens", h200_1, [RowShape(5000, 0)],
-         f"= {5000 / total * 1e3:,.0f} tok/s; EPP peakPrefillThroughput 33,821 tok/s = {5000 / 33821 * 1e3:.0f} ms")
+    show("prefill TP1, 5,000 tokens", h200_1, [RowShape(5000, 0)])
+    # llm-d's peakPrefillThroughput is 8,192 / TTFT through the router (calibrate_prefill.py replays it)
+    show("prefill TP1, 8,192 tokens", h200_1, [RowShape(8192, 0)],
+         f"EPP peakPrefillThroughput 33,821 tok/s: TTFT {8192 / 33821 * 1e3:.0f} ms through the P/D path")
     h200_4 = engine("h200", 4)
     for n in (16, 32, 44, 64):
         show(f"decode TP4, {n} x 5,125-token contexts", h200_4, [RowShape(1, 5125)] * n,
