@@ -73,13 +73,17 @@ TRITON_MXFP4_DEFAULT = ("vllm model_executor/layers/fused_moe/oracle/mxfp4.py _g
                         "moe.py admits SM 9.0-12.x. vllm-project/vllm PR #25488: Marlin 'worse TTFT and TPOT' than "
                         "OAITritonExperts")
 # The one rate fitted for this kernel (docs/cost_model.md, "gpt-oss-120b in the llm-d runs"): its large-M compute
-# fraction, from the only public prefill rate of a default-backend gpt-oss deployment found
-TRITON_MXFP4_COMPUTE = 0.405
-TRITON_MXFP4_FIT = ("compute: fitted so that a 5,000-token gpt-oss-120b prefill on one H200 (TP1, async "
-                    "scheduling) takes 5,000 / 33,821 s = 147.8 ms: llm-d guides/pd-disaggregation (commit "
-                    "027a05326f), whose EPP token-load scorer sets peakPrefillThroughput 33821 for these prefill "
-                    "pods (the published P/D arm of benchmarks/published_cluster, a training case); bisection gives 0.405 "
-                    "(Marlin: 0.35, on experts padded to 3072 x 2944 instead of 3072 x 2880)")
+# fraction, from the two public prefill figures of default-backend gpt-oss deployments (both training cases)
+TRITON_MXFP4_COMPUTE = 0.69
+TRITON_MXFP4_FIT = ("compute: fitted (benchmarks/published_cluster/calibrate_prefill.py --fit) so that llm-d's "
+                    "calibrate.sh, replayed on the simulated deployments, measures what it measured on the real "
+                    "ones: peakPrefillThroughput = 8,192 / median TTFT of 8,192-token random prompts sent one at "
+                    "a time through the router (llm-d guides/recipes/router/calibration/README.md): 39,065 tok/s "
+                    "on H100 TP1 aggregated (configuration-matrix.md, row gpu/vllm/gpt-oss, vLLM v0.22.0; the "
+                    "routing arms' servers) and 33,821 through the full P/D path on H200 (8 prefill pods TP1, the "
+                    "P/D guide's router values; the P/D arm). 0.69 gives 39,440 (+1.0%) and 33,510 (-0.9%); the "
+                    "earlier 0.405 read 33,821 as a bare 5,000-token prefill rate and was 24% slow on both "
+                    "(Marlin: 0.35)")
 B200_SPEC = ("NVIDIA HGX B200 (1000 W) dense peaks, 8 TB/s HBM3e, NVLink 5 (1.8 TB/s bidirectional): "
              "glennklockwood.com/garden/processors/B200 and NVIDIA's HGX B200 figures")
 FI_TRTLLM_MOE = ("flashinfer-ai/flashinfer PR #1475 ('Trtllm-gen Fp4 MoE Autotunner', 2025-08-12), B200 with the clock "

@@ -22,8 +22,8 @@ random tie-break (llm-d-inference-scheduler `docs/architecture.md`, "Routing Flo
   cached through vLLM's KV events (BlockStored / BlockRemoved / AllBlocksCleared), which reach the router
   `event_delay_s` after the step that made them (default 5 ms, assumed: llm-d does not publish it);
 - `tiered-prefix-cache`: the same over the GPU cache and the endpoint's CPU offload tier (its events, medium CPU).
-The filter `prefix-cache-affinity` keeps the endpoints whose approximate prefix score is the best one when
-that score is at least `threshold` (default 0.5; all endpoints otherwise).
+The filter `prefix-cache-affinity` keeps the endpoints whose approximate prefix score is at least `threshold`
+(default 0.80; all endpoints when none is), unless its TTFT load gate opens (`PrefixAffinityFilter`).
 
 Users add routers and scorers through the entry point groups `servetwin.routers` (a factory called with the
 router's config and its random stream, as the built-in `make_*` ones) and `servetwin.router_scorers` (a factory
@@ -314,16 +314,42 @@ SCORERS: dict[str, Callable[..., Any]] = {
 
 @dataclass(slots=True)
 class PrefixAffinityFilter:
-    """Keeps the endpoints with the best approximate prefix match when it reaches `threshold`."""
+    """llm-d's `prefix-cache-affinity-filter` (llm-d-router `pkg/epp/framework/plugins/scheduling/filter/
+    prefixcacheaffinity/plugin.go`, `Filter`): the "sticky" endpoints are those whose approximate prefix score
+    is at least `threshold` (`affinityThreshold`, default 0.80); with none, every endpoint stays. The TTFT load
+    gate breaks stickiness (every endpoint stays) when the best sticky endpoint's estimated TTFT exceeds the
+    best non-sticky one's by more than `max_ttft_penalty_ms` (`maxTTFTPenaltyMs`, default 18,000; 0 turns the
+    gate off), the estimate being the endpoint's in-flight prompt tokens / `peak_prefill_throughput`
+    (`peakPrefillThroughput`, tokens/s, default 15,928: its Qwen3-32B TP2 H100 calibration)."""
     scorer: PrefixCacheScorer
-    threshold: float = 0.5
+    threshold: float = 0.80
+    max_ttft_penalty_ms: float = 18_000.0
+    peak_prefill_throughput: float = 15_928.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise TypeError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.max_ttft_penalty_ms < 0 or self.peak_prefill_throughput <= 0:
+            raise TypeError("max_ttft_penalty_ms must be >= 0 and peak_prefill_throughput > 0")
+
+    def estimated_ttft_ms(self, endpoint: Endpoint) -> float:
+        return endpoint.active_tokens / self.peak_prefill_throughput * 1000.0
 
     def filter(self, request: Any, endpoints: Sequence[Endpoint]) -> list[int]:
+        everyone = list(range(len(endpoints)))
+        if len(endpoints) <= 1 or self.threshold <= 0:
+            return everyone
         scores = self.scorer.score(request, endpoints)
-        best = max(scores)
-        if best < self.threshold or best == 0.0:
-            return list(range(len(endpoints)))
-        return [i for i, s in enumerate(scores) if s == best]
+        sticky = [i for i, s in enumerate(scores) if s >= self.threshold]
+        if not sticky:
+            return everyone
+        others = [i for i, s in enumerate(scores) if s < self.threshold]
+        if self.max_ttft_penalty_ms > 0 and others:
+            penalty = (min(self.estimated_ttft_ms(endpoints[i]) for i in sticky)
+                       - min(self.estimated_ttft_ms(endpoints[i]) for i in others))
+            if penalty > self.max_ttft_penalty_ms:
+                return everyone
+        return sticky
 
 
 class LlmdRouter:

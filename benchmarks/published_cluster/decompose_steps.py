@@ -5,15 +5,16 @@ cluster cases (benchmarks/published_cluster/cases), the predicted step time and 
 times the preset's coefficients, ms), next to what the published figures imply for the same shape:
 
 - routing arms, one H100 TP1 replica: a 6,500-token prompt prefilled whole (round robin: ~1% prefix hits),
-  500 tokens after a 6,000-token cached prefix (llm-d: ~98% hits), decode batches at ~6,750-token contexts
+  100 tokens after 6,400 cached / 612 after 5,888 (llm-d, 128-token blocks: ~98% hits), decode batches at ~6,750-token contexts
   (prompt + half the 500 output tokens);
 - P/D arm: one H200 TP1 prefill instance's 5,000-token prefill, one H200 TP4 decode instance's batches at
   ~5,125-token contexts;
 - the same step with the Marlin kernel of the training runs (benchmarks/published_moe), for comparison;
 - the KV pool of each instance (tokens of full-attention KV it holds), which bounds the decode batch.
 
-Implied figures (README.md here and its `published.json`): the P/D guide's EPP configures the prefill pods'
-token-load scorer with `peakPrefillThroughput` 33,821 tok/s (H200 TP1, gpt-oss-120b); a decode step at the
+Implied figures (README.md here and its `published.json`): llm-d's `peakPrefillThroughput` (8,192 / median TTFT of
+8,192-token prompts through the router: 39,065 tok/s on the routing arms' H100s, 33,821 through the P/D guide's
+path; `calibrate_prefill.py` replays both); a decode step at the
 P/D decode instances' batch follows from Little's law on the decoded-token basis (22.5 req/s x 250 tokens x
 6.45 ms = 36 requests in flight per instance, one token per step each; the published TPOT 5.70 ms is per
 client-counted token: pd_breakdown.py); the round-robin arm's TTFT at 3-15 req/s (176-184 ms)
@@ -74,8 +75,10 @@ def main() -> None:
           "engine's CPU terms overlap the GPU's) ==")
     show("prefill 6,500 tokens, nothing cached", h100, [RowShape(6500, 0)],
          "published TTFT at 3-15 req/s: 176-184 ms (front end included)")
-    show("prefill 500 tokens after 6,000 cached", h100, [RowShape(500, 6000)],
+    # llm-d: 128-token blocks (the guide's --block-size=128); a prompt sent again is cached to its last full block
+    show("prefill 100 tokens after 6,400 cached (a prompt sent again)", h100, [RowShape(100, 6400)],
          "published TTFT at 3-15 req/s: 63-70 ms (llm-d)")
+    show("prefill 612 tokens after 5,888 cached (a new prompt of a cached group)", h100, [RowShape(612, 5888)])
     for n in (16, 24, 32, 40):
         show(f"decode {n} x 6,750-token contexts", h100, [RowShape(1, 6750)] * n)
     print(f"KV pool (gpu_memory_utilization 0.95): {kv_tokens('h100-sxm', 1, 0.95):,} tokens")
@@ -83,9 +86,10 @@ def main() -> None:
 
     print("== P/D arm: H200 instances (async scheduling) ==")
     h200_1 = engine("h200", 1)
-    total, _ = step_ms(h200_1, [RowShape(5000, 0)])
-    show("prefill TP1, 5,000 tokens", h200_1, [RowShape(5000, 0)],
-         f"= {5000 / total * 1e3:,.0f} tok/s; EPP peakPrefillThroughput 33,821 tok/s = {5000 / 33821 * 1e3:.0f} ms")
+    show("prefill TP1, 5,000 tokens", h200_1, [RowShape(5000, 0)])
+    # llm-d's peakPrefillThroughput is 8,192 / TTFT through the router (calibrate_prefill.py replays it)
+    show("prefill TP1, 8,192 tokens", h200_1, [RowShape(8192, 0)],
+         f"EPP peakPrefillThroughput 33,821 tok/s: TTFT {8192 / 33821 * 1e3:.0f} ms through the P/D path")
     h200_4 = engine("h200", 4)
     for n in (16, 32, 36, 44, 64):
         show(f"decode TP4, {n} x 5,125-token contexts", h200_4, [RowShape(1, 5125)] * n,

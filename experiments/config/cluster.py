@@ -13,7 +13,7 @@ Absent, the experiment is one engine (as before). Present:
       router:
         type: llm_d                # round_robin | random | least_loaded | llm_d | an entry point name
         scrape_interval_s: 0.05
-        filters: [{type: prefix-cache-affinity, threshold: 0.5}]
+        filters: [{type: prefix-cache-affinity, threshold: 0.8}]
         scorers: [{type: prefix-cache, weight: 3}, {type: queue, weight: 2}]
       prefill_router: {type: llm_d, scorers: [{type: token-load}]}   # P/D: the prefill profile
       links:

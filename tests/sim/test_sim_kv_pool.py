@@ -1,6 +1,7 @@
 """KV pool sizing against vLLM's own memory-profile logs (sim/kv_pool.py's docstring cites them)."""
 import pytest
 
+from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.kv_sizing import check_or_fit_max_model_len
 from servetwin.sim.hardware import load_hardware
 from servetwin.sim.kv_pool import size_kv_pool
@@ -114,3 +115,27 @@ def test_the_cuda_graph_capture_sizes_follow_vllm_and_the_engine_setting():
     assert sizes(max_num_seqs=16, max_cudagraph_capture_size=2048)[-1] == 2048
     assert sizes(max_num_batched_tokens=256)[-1] == 256  # never above the step's token budget
     assert sizes(enforce_eager=True) == []
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpt_oss_120b_on_one_h100_fits_128k_at_0_95_not_at_0_9(block_size):
+    """The llm-d guide's gpt-oss-120b model servers (optimized-baseline, `patch-vllm-gpt120b.yaml`) raise
+    `--gpu-memory-utilization` to 0.95 because at vLLM's 0.9 the KV cache left on an 80 GB H100 after the
+    MXFP4 weights is short of one 131,072-token request "by ~0.01 GiB". That request needs 18 full-attention
+    layers x 131,072 tokens + 18 sliding-window layers x (127 + 8,192 batched tokens), at 2,048 B a layer and
+    token: 4.79 GiB. So the engine's pool at 0.9 is just under it: the simulated pool (Triton MXFP4 layout)
+    is at most 10% under, and the same start-up check refuses 128k at 0.9 and accepts it at 0.95."""
+    from servetwin.sim.cost_model import CostModel
+
+    model, hw = load_model_spec("gpt-oss-120b"), load_hardware("h100-sxm")
+    weights = CostModel(model, hw, tp=1, moe_backend="triton").weight_bytes_per_rank
+    one_128k_request = 18 * 2048 * (131_072 + block_size * (-(-(127 + 8192) // block_size) + 1))
+    pools = {util: size_kv_pool(model, hw, block_size, util, 8192, 1024, weight_bytes=weights)
+             for util in (0.9, 0.95)}
+    assert 0.9 * one_128k_request < pools[0.9].available_kv_bytes < one_128k_request
+    def fit(util):
+        pool = pools[util]
+        return pool.kv_plan.fit_max_model_len(pool.num_gpu_blocks, pool.kv_spec, 131_072, 131_072, 8192)
+    assert fit(0.95) == 131_072
+    with pytest.raises(ConfigError, match="131072 tokens need"):
+        fit(0.9)

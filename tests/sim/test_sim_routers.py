@@ -47,13 +47,33 @@ def test_approximate_prefix_index_scores_routed_prompts_and_never_sees_evictions
     assert small.matched(0, prompt_block_keys(REQ.prompt_token_ids, 16, 256)) == 0  # its LRU dropped the head
 
 
-def test_prefix_affinity_filter_keeps_the_best_match_above_the_threshold():
+def test_prefix_affinity_filter_keeps_every_endpoint_at_or_above_the_threshold():
     scorer = PrefixCacheScorer()
-    eps = _eps(0, 0, 0)
+    eps = _eps(0, 0, 0, 0)
     scorer.on_routed(REQ, eps[2])
-    assert PrefixAffinityFilter(scorer).filter(REQ, eps) == [2]
+    three_quarters = SimpleNamespace(prompt_token_ids=REQ.prompt_token_ids[:48] + [7] * 16)
+    scorer.on_routed(three_quarters, eps[3])
+    assert PrefixAffinityFilter(scorer).filter(REQ, eps) == [2]  # 3 of 4 blocks at eps[3]: below 0.80
+    assert PrefixAffinityFilter(scorer, threshold=0.75).filter(REQ, eps) == [2, 3]  # not only the best
     other = SimpleNamespace(prompt_token_ids=[9] * 64)
-    assert PrefixAffinityFilter(scorer).filter(other, eps) == [0, 1, 2]
+    assert PrefixAffinityFilter(scorer).filter(other, eps) == [0, 1, 2, 3]  # nothing sticky: all stay
+
+
+def test_prefix_affinity_filter_ttft_load_gate_breaks_stickiness():
+    """llm-d-router prefixcacheaffinity: estimated TTFT = in-flight tokens / peakPrefillThroughput; the gate
+    opens (every endpoint stays) when the best sticky one is more than maxTTFTPenaltyMs behind the best other."""
+    scorer = PrefixCacheScorer()
+    eps = _eps(0, 0, 0, active_tokens=[2_000, 500, 12_000])  # at 1,000 tok/s: 2 s, 0.5 s, 12 s
+    scorer.on_routed(REQ, eps[2])
+
+    def kept(max_penalty_ms):
+        return PrefixAffinityFilter(scorer, max_ttft_penalty_ms=max_penalty_ms,
+                                    peak_prefill_throughput=1_000.0).filter(REQ, eps)
+    assert kept(12_000.0) == [2]  # 11.5 s behind: tolerated
+    assert kept(11_000.0) == [0, 1, 2]  # more than 11 s behind: stickiness broken
+    assert kept(0.0) == [2]  # 0 turns the gate off
+    with pytest.raises(TypeError):
+        PrefixAffinityFilter(scorer, threshold=1.5)
 
 
 def test_llm_d_picks_the_best_weighted_sum_with_random_tie_breaks():
