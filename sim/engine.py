@@ -80,6 +80,18 @@ class SimResult:
 
 
 @dataclass(slots=True)
+class _Shortcuts:
+    """Which of the exact step shortcuts a simulation takes (besides implicit decodes) and their state."""
+    fast_forward: bool = False  # the decode fast-forward (servetwin.sim.fast_forward; sync, no implicit decodes)
+    fused: bool = False  # the fused implicit-decode step (`Simulation._fused_step`)
+    count: int = 0  # steps done fused
+    # async scheduling: the last fused step's batch, not yet processed, kept out of the engine's batch
+    # queue until a normal step needs it there (`Simulation._unfuse`): (step, scheduler step, its implicit
+    # rows, shared KV tokens, duration, end)
+    batch: Optional[tuple[int, int, ImplicitDecodes, int, float, float]] = None
+
+
+@dataclass(slots=True)
 class _Pending:
     request: WorkloadRequest
     done: simpy.Event
@@ -136,15 +148,11 @@ class Simulation:
                                 and engine.scheduler.lazy_decode_supported())
         if self.lazy_decode:
             engine.scheduler.enable_lazy_decode(ex)
-        self.fast_forward = fast_forward and not self.lazy_decode and plain
         # fused implicit-decode steps (`_fused_step`): with implicit decodes, one batch at a time, no KV worker
-        self.fused = (fused_steps and self.lazy_decode and self.pipeline is None and getattr(ex, "kv_worker", None) is None
-                      and hasattr(ex, "implicit_decode_duration"))
-        # async scheduling: the last fused step's batch, not yet processed, kept out of the engine's
-        # batch queue until a normal step needs it there (`_unfuse`): (step, scheduler step, its
-        # implicit rows, shared KV tokens, duration, end)
-        self._fused_batch: Optional[tuple[int, int, ImplicitDecodes, int, float, float]] = None
-        self.num_fused_steps = 0  # engine steps done by `_fused_step`
+        self._shortcuts = _Shortcuts(
+            fast_forward=fast_forward and not self.lazy_decode and plain,
+            fused=(fused_steps and self.lazy_decode and self.pipeline is None
+                   and getattr(ex, "kv_worker", None) is None and hasattr(ex, "implicit_decode_duration")))
         self.eos_token_id = eos_token_id
         self.on_complete = on_complete
         self.on_reject = on_reject
@@ -174,6 +182,16 @@ class Simulation:
 
             self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend,
                                               frontend.api_server_count, frontend.ingress)
+
+    @property
+    def fast_forward(self) -> bool:
+        """Whether steady decode steps are fast-forwarded (servetwin.sim.fast_forward)."""
+        return self._shortcuts.fast_forward
+
+    @property
+    def num_fused_steps(self) -> int:
+        """Engine steps done by the fused implicit-decode step."""
+        return self._shortcuts.count
 
     # -- submission ------------------------------------------------------------------------------
     def submit(self, request: WorkloadRequest, done: Optional[simpy.Event] = None) -> simpy.Event:
@@ -336,6 +354,7 @@ class Simulation:
         env, engine = self.env, self.engine
         # (speed: looked up once, not per step; the executor's worker side is set when it is built)
         worker = getattr(engine.executor, "kv_worker", None)
+        shortcuts = self._shortcuts
         idle = 0
         while True:
             if not self._inbox and not self._aborts and (not engine.has_work() or idle >= MAX_IDLE_ITERATIONS):
@@ -368,7 +387,7 @@ class Simulation:
                 self.on_step_boundary(self)
             if not engine.has_work():
                 continue
-            if self.fast_forward:
+            if shortcuts.fast_forward:
                 durations = fast_forward(engine, self.recorder, env.now, env.peek())
                 if durations:
                     self.result.num_steps += len(durations)
@@ -378,8 +397,8 @@ class Simulation:
                         if self.frontend is not None:  # every running request got one token
                             self.frontend.on_step_output(env.now, num_running, 0, [])
                     continue
-            if self.fused:
-                fused = self._fused_step(env.now)
+            if shortcuts.fused:
+                fused = self._fused_step(shortcuts, env.now)
                 if fused is not None:
                     idle = 0
                     yield env.timeout(fused[0])
@@ -403,7 +422,7 @@ class Simulation:
                 self.on_step_boundary(self)
 
     # -- the fused implicit-decode step -----------------------------------------------------------
-    def _fused_step(self, t0: float) -> Optional[tuple[float, int, float]]:
+    def _fused_step(self, state: _Shortcuts, t0: float) -> Optional[tuple[float, int, float]]:
         """An engine step whose batch is the implicit decode rows alone and whose processed batch has no
         output (`SimScheduler.quiet_step` says when; most steps of a cluster's engines, which hold a few
         requests each) done in one go: the scheduler's step, the duration from the cost model
@@ -417,7 +436,7 @@ class Simulation:
         sched = engine.scheduler
         queue = engine.batch_queue
         in_flight = engine.batch_queue_size > 1  # async: the step processes the previous batch
-        fused = self._fused_batch
+        fused = state.batch
         if in_flight:
             if fused is not None:
                 prev_step, prev_end = fused[0], fused[5]
@@ -442,7 +461,7 @@ class Simulation:
         t_end = t0 + duration
         engine.step_counter += 1
         self.result.num_steps += 1
-        self.num_fused_steps += 1
+        state.count += 1
         if not in_flight:
             sched.last_updated_step = sched_step
             self.recorder.on_implicit_step(step, sched_step, t0, t_end, implicit, len(sched.running),
@@ -459,7 +478,7 @@ class Simulation:
             prev_samples = self._num_samples.pop(prev_step, 0)
         self.recorder.on_implicit_step(step, sched_step, t0, t_end, implicit, len(sched.running),
                                        kv.num_free_blocks, kv.usage, shared, prev_step)
-        self._fused_batch = (step, sched_step, implicit, shared, duration, t_end)
+        state.batch = (step, sched_step, implicit, shared, duration, t_end)
         self._fused_complete(prev_samples, prev_end)
         return duration, 0, t_end
 
@@ -470,10 +489,11 @@ class Simulation:
 
     def _unfuse(self) -> None:
         """The last fused step's batch into the engine's batch queue, as `EngineCore.step` left it there."""
-        fused = self._fused_batch
+        state = self._shortcuts
+        fused = state.batch
         if fused is None:
             return
-        self._fused_batch = None
+        state.batch = None
         step, sched_step, implicit, shared, duration, t_end = fused
         so = SchedulerOutput([], CachedRequestData(), {}, implicit.num_reqs, set(), set(), step=step,
                              scheduler_step=sched_step, shared_kv_tokens=shared, implicit_decodes=implicit)
