@@ -199,7 +199,8 @@ class TraceRecorder:
         self.requests: dict[str, RequestTrace] = {}
         self._step_rows: dict[int, int] = {}  # step -> its row's index, until its output is processed
         self._carried_preemptions = 0  # made in steps that scheduled nothing (no row of their own)
-        self._implicit_details: dict[int, IterationDetails] = {}  # batch size -> on_implicit_step's details
+        # batch size -> on_implicit_step's details, their annotation, the run and the backend (interned)
+        self._implicit_details: dict[int, tuple[IterationDetails, str, str, str]] = {}
         self._t_end_by_step: list[Optional[float]] = []  # [scheduler step] -> t_end, for steps with implicit rows
         self.delivery: Optional[DeliveryMap] = None  # set by a modelled front end (set_delivery)
         self._packed_token_times: Optional[tuple] = None  # (values, index or None, lengths): `packed()`
@@ -285,10 +286,21 @@ class TraceRecorder:
     def _append_row(self, step: int, t_start: float, t_end: float, num_reqs: int, details: IterationDetails,
                     total_tokens: int, sum_q2: int, sum_q_kv: int, sum_kv: int, max_kv: int, num_running: int,
                     num_waiting: int, num_preempted: int, num_free_blocks: int, kv_usage: float,
-                    prefix_queries: int, prefix_hits: int, shared_kv_tokens: int) -> int:
-        """Add a scheduled step's row (it takes the preemptions carried from steps with no row); its index."""
+                    prefix_queries: int, prefix_hits: int, shared_kv_tokens: int,
+                    interned: Optional[tuple[str, str, str]] = None) -> int:
+        """Add a scheduled step's row (it takes the preemptions carried from steps with no row); its index.
+        `interned`: the details' annotation, the run and the backend as `StepTable.intern` gave them, with
+        float times (the row goes in without per-value checks)."""
         num_preempted += self._carried_preemptions
         self._carried_preemptions = 0
+        if interned is not None:
+            annotation, run, backend = interned
+            return self.steps.append_interned((
+                run, backend, step, t_start, t_end, t_end - t_start, num_reqs,
+                details.num_ctx_requests, details.num_ctx_tokens, details.num_generation_requests,
+                details.num_generation_tokens, total_tokens, annotation,
+                sum_q2, sum_q_kv, sum_kv, max_kv, num_running, num_waiting,
+                num_preempted, 0, num_free_blocks, kv_usage, prefix_queries, prefix_hits, shared_kv_tokens))
         # STEP_COLUMNS' order; num_finished is counted when the step's output is processed
         return self.steps.append((
             self.run, self.backend, step, t_start, t_end, t_end - t_start, num_reqs,
@@ -304,16 +316,21 @@ class TraceRecorder:
         waiting, preempted or looked up in the prefix cache) and whose processed batch, if any
         (`processed_step`), has no output: the simulator's fused decode step (servetwin.sim.engine)."""
         k = implicit.num_reqs
-        details = self._implicit_details.get(k)
-        if details is None:
-            details = self._implicit_details[k] = IterationDetails(0, 0, k, k)
+        cached = self._implicit_details.get(k)
+        if cached is None:
+            details = IterationDetails(0, 0, k, k)
+            intern = self.steps.intern
+            cached = self._implicit_details[k] = (details, intern(details.annotation), intern(self.run),
+                                                  intern(self.backend))
+        details = cached[0]
         kv = implicit.sum_computed_before + k
         ends = self._t_end_by_step  # for their LateTokens
         if len(ends) <= scheduler_step:
             ends.extend([None] * (scheduler_step + 1 - len(ends)))
         ends[scheduler_step] = t_end
         index = self._append_row(step, t_start, t_end, k, details, k, k, kv, kv, max(0, implicit.max_computed_before + 1),
-                                 num_running, 0, 0, num_free_blocks, kv_usage, 0, 0, shared_kv_tokens)
+                                 num_running, 0, 0, num_free_blocks, kv_usage, 0, 0, shared_kv_tokens,
+                                 cached[1:] if type(t_start) is float and type(kv_usage) is float else None)
         if processed_step != step:
             self._step_rows[step] = index
         if processed_step is not None:
