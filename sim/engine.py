@@ -27,6 +27,13 @@ build the next turn's prompt from them); an aborted or rejected one keeps None.
 Time stamps follow `servetwin.core.testbed.trace`: a token's time is the end of the step that computed it; a request
 completes at the end of the step that produced its last token.
 
+Fused steps: with implicit decodes (sim/scheduler.py), a step whose batch is the implicit members alone (no
+listed row, nothing waiting, finished or preempted; `SimScheduler.quiet_step`) is done in one call,
+`_fused_step`: the scheduler's step, the duration from the cost model, the trace row and the front end's
+step output, without the `SchedulerOutput`, stats and runner output of `EngineCore.step` - the same
+rows, events and state (tests/sim/test_sim_fused_step.py). In async scheduling its batch stays out of
+the engine's batch queue until a normal step needs it there (`_unfuse`).
+
 Front end: with `frontend=` an API server (`servetwin.sim.frontend.ApiServerFrontend`, its own
 process with its own CPU) sits between the arrival process and the engine: arrivals are submitted to
 it, it hands each request to the engine when its ingress work is done, gets every processed step's
