@@ -408,7 +408,8 @@ class Simulation:
                 fused = self._fused_step(shortcuts, env.now)
                 if fused is not None:
                     idle = 0
-                    yield env.timeout(fused[0])
+                    if fused[0] > 0:  # (a batch priced 0 s: no event, as for a normal step)
+                        yield env.timeout(fused[0])
                     if fused[1]:  # sync: the step's own batch, processed at its end
                         self._fused_complete(fused[1], fused[2])
                     if self.on_step_boundary is not None:

@@ -7,6 +7,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.engine.engine_factory import create_engine_core
+from servetwin.sim.coefficients import CostCoefficients
 from servetwin.sim.cost_model import CostModel, StepSummary
 from servetwin.sim.engine import Simulation
 from servetwin.sim.frontend import FrontendConfig
@@ -33,12 +34,14 @@ def test_decode_duration_equals_predict(model, tp, cuda_graphs, async_scheduling
     assert cm.decode_duration(k, sum_before + 8 * k, 0) == other  # (cached terms, other lengths)
 
 
-def _run(engine_kw: dict, workload: dict, mode: str, frontend: str, max_time_s=None):
+def _run(engine_kw: dict, workload: dict, mode: str, frontend: str, max_time_s=None, free_steps=False):
     """mode: "fused" (implicit decodes and fused steps), "lazy" (implicit decodes, no fused step) or "eager"
-    (every step and row simulated)."""
+    (every step and row simulated). `free_steps`: every step priced 0 s (all cost coefficients 0)."""
     args = EngineArgs.from_kwargs(model="tiny-llama", backend="sim", hardware="h100-sxm", skip_tokenizer_init=True,
                                   **engine_kw)
     engine, info = create_engine_core(args)
+    if free_steps:
+        engine.executor.cost_model.coefficients = CostCoefficients.from_terms({})
     spec, requests = build_workload(workload, vocab_size=info.vocab_size)
     sim = Simulation(engine, requests, spec.arrival, rng=rng_streams(spec.seed)["runtime"], fast_forward=False,
                      record_step_requests=False, lazy_decode=mode != "eager", fused_steps=mode == "fused",
@@ -47,10 +50,10 @@ def _run(engine_kw: dict, workload: dict, mode: str, frontend: str, max_time_s=N
     return result, engine, sim
 
 
-def _assert_same(engine_kw: dict, workload: dict, frontend: str, max_time_s=None) -> int:
+def _assert_same(engine_kw: dict, workload: dict, frontend: str, max_time_s=None, free_steps=False) -> int:
     """The fused run equals the step-by-step run; returns its fused steps."""
-    eager, eager_engine, eager_sim = _run(engine_kw, workload, "eager", frontend, max_time_s)
-    fused, fused_engine, fused_sim = _run(engine_kw, workload, "fused", frontend, max_time_s)
+    eager, eager_engine, eager_sim = _run(engine_kw, workload, "eager", frontend, max_time_s, free_steps)
+    fused, fused_engine, fused_sim = _run(engine_kw, workload, "fused", frontend, max_time_s, free_steps)
     a, b = eager.recorder.frames(), fused.recorder.frames()
     for name in ("steps", "requests"):
         pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
@@ -107,3 +110,14 @@ def test_most_steps_of_a_steady_batch_are_fused(async_scheduling, frontend):
     fused = _assert_same(engine_kw, workload, frontend)
     assert fused >= 300 - 20
     assert _assert_same(engine_kw, workload, frontend, max_time_s=0.2) > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("frontend", ["offline", "api_server"])
+def test_fused_steps_priced_zero_seconds(async_scheduling, frontend):
+    """Steps priced 0 s (every cost coefficient 0): a fused step then takes no event either, as a normal one."""
+    engine_kw = dict(enable_prefix_caching=True, block_size=4, num_gpu_blocks=600, max_num_seqs=4,
+                     max_model_len=256, async_scheduling=async_scheduling)
+    workload = {"requests": 6, "seed": 5, "prompt_tokens": 20, "output_tokens": 40,
+                "arrival": {"type": "poisson", "rate": 50.0}}
+    assert _assert_same(engine_kw, workload, frontend, free_steps=True) > 0
