@@ -41,7 +41,7 @@ decisions, completions, every engine's step / request rows and ITLs - equal to t
   311,677 steps fused; 29.9 -> 19.4 s CPU (the two checkouts at the same time, load 4-7).
 - the whole ladder (774,471 steps now: the cost terms changed since 09:31), the previous checkout and this
   one as concurrent `servetwin run` processes: 137.3 -> 118.6 s CPU (-14%; 12:00, load 7-10) and 159.6 ->
-  133.1 s (-17%; 12:16, load 3-6), 368.8 -> 298.9 s in the loop, peak RSS 1,273 -> 1,266 MB; the single
+  133.1 s (-17%; 12:16, load 3-6; in the loop 368.8 -> 298.9 s), peak RSS 1,273 -> 1,266 MB; the single
   engine's bench the same way right after: 11.9 / 11.9 s CPU (not slower; its outputs byte-identical, its
   function calls under cProfile 20.13 M -> 20.03 M). Per request: 7.8 ms CPU for the ladder against 1.2 ms
   for the bench, 6.5x (7.9x before). `--repeats 1` (11:48-11:53, load 4-10):
