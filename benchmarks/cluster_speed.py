@@ -13,84 +13,60 @@ cluster / single ratio against issue 35's targets: <= 1.5x the wall time per req
 their counts, so N must be a stage boundary: 810 = the warm-up and the first stage, 1,010, 1,310, 2,070,
 ...), and print the functions with the most cumulative and own time.
 
-Measured 2026-12-06 on the shared 2-core machine, under load (eight sessions; not results):
-- the two routing arms run at once with `servetwin run`: llm-d 2,041 s wall, round robin 2,139 s, 17,084
-  requests each: ~120 ms of wall per request (the single-engine bench runs at ~1 ms per request: about
-  100x, far from the 1.5x target). The side-by-side run of this script (~40 min) was not made.
-- `--profile 810` (the warm-up and first stage, 92.8 s under cProfile): 102,095 engine steps for 810
-  requests (126 steps per request of 500 output tokens). The time is the engines' own step path: the
-  scheduler's `schedule` 36 s cumulative (`allocate_slots` 24 s), trace recording 12.6 s, the executor
-  10.5 s, the front end 8.3 s; no function of sim/cluster.py, sim/routers.py or sim/lockstep.py is among
-  the 25 with the most cumulative or own time. The cause of the gap: gpt-oss has a sliding-window KV
-  group, and the simulator's exact decode shortcuts (lazy decode, decode fast-forward, sim/engine.py)
-  require a single full-attention group, so every decode step of every engine is simulated one by one;
-  the Llama-3.1-8B bench uses them. Making those shortcuts handle a sliding-window group (blocks freed
-  each step) is the lever, not the cluster machinery; not done here.
-- after the shortcuts learnt sliding-window groups (a window's free is a member event), same machine,
-  under load (load average 4-10 on 2 cores; not results). CPU seconds of `simulate_cluster` on the
-  ladder's first stages, the old checkout and the new one one after the other: 810 requests 16.8 ->
-  11.7 s, 2,070 requests 49.8 -> 26.8 s, 5,053 requests 72.3 -> 47.1 s (1.4-1.9x). Every engine runs
-  lazy decode now (at 5,053 requests: 2,516,394 implicit decode rows against 10,107 listed, 16
-  fall-backs to the normal step), and the traces, completions and router decisions equal the
-  step-by-step run's (compared frame by frame at 2,070 requests). The whole ladder as `servetwin run`
-  processes, the old and the new checkout at the same time (load average ~4): user CPU 222.7 -> 118.0 s
-  (1.9x; 500.6 -> 333.1 s of wall in the loop, sharing the cores), peak RSS 1.21 -> 1.19 GB. Per
-  request that is 6.9 ms of CPU against the single-engine bench's 0.86 ms (8.58 s user for 10,000,
-  run right after): about 8x (15x before); the 1.5x target is not met. (An earlier run of this
-  script under heavier, shifting load gave 575 / 567 s wall for new / old: wall figures from this
-  machine do not compare across runs.) What remains is the per-step cost (102,095 steps for 810
-  requests: 16 engines at a few requests each): `--profile 810` gives the scheduler's `schedule` 29 s
-  cumulative of 88 s, trace recording 13 s, the executor 11 s, the front end 10 s.
+History (2026-12-06, the shared 2-core machine, under load: ratios, not results): the ladder ran at ~100x the
+single engine's wall time per request while gpt-oss's sliding-window group kept implicit decodes off; ~8x
+CPU per request once they handled windows (every engine runs implicit decodes since); 7.1x CPU / 9.6x wall
+at 09:31 (`--repeats 1`). (Until then the script passed `--requests 17084`, which redraws the shared-prefix
+workload as 3,416 groups instead of the ladder's 150 cycled: a different run; it runs the config's own.)
 
-Where the time per request goes (2026-12-06, `--profile 810` with the machine nearly idle, load 1-2:
-21.7 s under cProfile; call counts are load-independent; shares are of cProfile time):
-- steps: 102,095 engine steps for 810 requests, 126 per request (the single-engine bench: 29,867 steps
-  for 10,000 requests, 3 per request). The 16 engines hold 4.0 requests per step on average (32% of
-  steps serve one request), so the per-step cost is paid ~40x as often per request as in the bench.
-  98.4% of steps list no row (every running request is an implicit member); members have 50,220 KV
-  events done in place (0.49 per step: the ladder's engines run sync scheduling, and a decode meets a
-  block registration at C = 15 mod 16 and a new block plus a window drop at C = 0 mod 16).
-- per step: the scheduler's `schedule` 35% (in-place KV events ~11%: `allocate_running_slots`,
-  `apply_outputs`; `_finalise` 4%; admissions 7%, half of it the prompts' sha256 block hashes), the
-  executor 13% (the cost model 7%), the trace row 13%, the front end 12%, EngineCore's stats and update
-  9%, SimPy and the engine loop 9% (2.09 SimPy events per step: the step's timeout and a zero-delay
-  settler wait), routers, scrapes and sim/cluster.py 1.4% (26,576 scrape reads, 33 per request).
-- without the profiler ~73 us of CPU per cluster step (7.4 s for 810 requests, under load) against
-  ~290 us per step of the single engine (8.8 s CPU for the whole 10,000-request process: bigger
-  batches, listed prefill rows). Cluster / single CPU per request = (126 / 3) x (73 / 290) ~ 10 on
-  this slice (~8 on the whole ladder). 1.5x would need ~10 us per cluster step: every step simulated
-  one by one cannot get there in Python.
-This session's exact changes (tests/sim/test_sim_cluster_speed.py: a cluster with implicit decodes
-gives the step-by-step run's decisions, completions and every engine's rows; a run digest of the
-ladder's first 2,070 requests - decisions, completions, every engine's step / request rows and ITLs -
-equal before and after): an engine yields to the cluster's settler only when another event is due now
-or another engine waits (SimPy events 213,259 -> 111,164 at 810 requests), a lazy step with no listed
-row skips the running-demand and group-fit passes. Measured back to back under load (load 10, not
-results): 7.74 / 7.79 s -> 7.35 / 7.65 s CPU at 810 requests, within the machine's noise.
+Where the time goes (`--profile 810`; call counts are load-independent): 127,235 engine steps for the first
+810 requests, 126 per request (the single-engine bench: 3): the 16 engines hold ~4 requests each and 98% of
+steps list no row (every running request an implicit member); one step in ~6 has a member KV event (a
+new block, a block registered, a window's drop), done in place.
 
-The whole ladder, `python benchmarks/cluster_speed.py --repeats 1` (09:31-09:34 UTC, load 3-5 on the 2
-cores, not results): single 0.83 ms CPU / 0.67 ms wall per request (277 MB); cluster llm-d 5.88 ms CPU /
-6.38 ms wall per request (100.5 s CPU, 109 s wall, 651,621 steps, 706 simulated seconds), peak RSS
-1,169 MB. Cluster / single: 7.1x the CPU per request, 9.6x the wall time (12.3x in the loop); the
-target of 1.5x is not met, the RSS target is. The old checkout (4d1c4d2) and this one right after, each
-a whole `servetwin run` of the ladder (09:35-09:39): 111.2 -> 101.5 s CPU (-9%), 129.4 -> 110.3 s in the
-loop, peak RSS 1,166 -> 1,159 MB, the same 651,621 steps. (Until this session the script passed
-`--requests 17084`, which redraws a shared-prefix workload as 3,416 groups of 5 instead of the ladder's
-150 groups cycled: a different run, with 2 GB peak RSS; it now runs the config's own workload.)
+The fused implicit-decode step (this session, sim/engine.py `Simulation._fused_step`): a step whose batch
+is the implicit members alone - no member event (`LazyDecodes.quiet_step`), or only KV events done in place
+(`SimScheduler.quiet_step` schedules it in full) - with nobody waiting, nothing finished or preempted, is
+scheduled, priced (`CostModel.decode_duration`: the batch size's terms cached, the attention terms and
+`predict`'s sum redone, the same float), recorded (`TraceRecorder.on_implicit_step`, the row without
+per-value checks) and handed to the front end without `SchedulerOutput`, stats, runner output or
+`StepResult`; in async scheduling its batch joins the engine's queue only when a normal step needs it.
+Exact: tests/sim/test_sim_fused_step.py (single engine, Hypothesis: sync/async, caching, windows, small
+pools, API server, client timeouts, cut runs; `decode_duration` == `predict`), test_sim_cluster_speed.py
+(a cluster equals its step-by-step run), and a digest of the ladder's first 810 and 2,070 requests -
+decisions, completions, every engine's step / request rows and ITLs - equal to the previous checkout's.
+- 810 requests: 123,593 of 127,235 steps fused (102,046 with no member event, 21,547 with KV events in
+  place; 3,882 normal: admissions, last tokens); function calls 33.70 M -> 26.51 M; CPU of
+  `simulate_cluster` 10.1 s -> 6.3-7.8 s (one after the other, load 4-11). 2,070 requests: 302,089 of
+  311,677 steps fused; 29.9 -> 19.4 s CPU (the two checkouts at the same time, load 4-7).
+- the whole ladder (774,471 steps now: the cost terms changed since 09:31), the previous checkout and this
+  one as concurrent `servetwin run` processes: 137.3 -> 118.6 s CPU (-14%; 12:00, load 7-10) and 159.6 ->
+  133.1 s (-17%; 12:16, load 3-6; in the loop 368.8 -> 298.9 s), peak RSS 1,273 -> 1,266 MB; the single
+  engine's bench the same way right after: 11.9 / 11.9 s CPU (not slower; its outputs byte-identical, its
+  function calls under cProfile 20.13 M -> 20.03 M). Per request: 7.8 ms CPU for the ladder against 1.2 ms
+  for the bench, 6.5x (7.9x before). `--repeats 1` (11:48-11:53, load 4-10):
+  single 1.09 ms CPU / 2.49 ms wall per request, cluster 6.83 / 11.41: 6.3x the CPU, 4.6x the wall (the
+  single run's wall inflated by the load). The target of 1.5x is not met; the RSS target is.
+- per fused step what is left (cProfile shares at 810): the API server's output message (`on_step_output`:
+  the shared CPU's job add / completion / delivery, ~25%), the scheduler's checks and aggregates, the trace
+  row, the cost model, one SimPy timeout and the engine loop's checks - each step is still one event.
 
-What remains, and a way there (not built): most steps must not be simulated one by one. The ladder's
-engines run sync scheduling, where the decode fast-forward (sim/fast_forward.py) already replays k
-steps' block allocations, registrations and window drops exactly; in a cluster it never fires: it is
-off under implicit decodes, and its horizon is `env.peek()`, the next event of any engine (about one
-step away among 16 engines); the cluster-wide arrival gap (17-67 ms) is only 1.5-5 steps of ~13 ms.
-Long windows need (a) the horizon to be the next dispatch to this engine, so a window is planned
-(durations are a function of the batch, `decode_step_durations`) and committed only up to the step that
-starts before a dispatch interrupts it (`fast_forward_decode(j)`); (b) scrapes answered from the
-planned window (running and waiting are constant in it, KV usage from its per-step free-block counts)
-instead of cutting windows every 50 ms; (c) the front end fed with the window's step ends at their
-times (it reads `env.now` today; one SimPy timeout per step keeps ~20% of today's per-step cost);
-(d) implicit decodes and fast-forward side by side (exclusive today), each proven against the
-step-by-step run as tests/sim/test_sim_cluster_speed.py does.
+What remains, and a way there (not built): most steps must not be events. Over the whole ladder 57% of the
+774,471 steps are fused with no member event, 33% fused with KV events in place (full scheduling pass) and
+10% normal (admissions, last tokens: the later stages hold more requests per engine); an engine runs 27
+fused steps in a row on average (83-91 on the first 810 / 2,070 requests) but only 3.7 (5.6-6) without a
+member KV event; so a window must span in-place KV events. Per engine: plan its fused
+steps ahead (durations depend on the batch: k, the sum of contexts growing by k a step, shared KV constant
+unless a window drops a shared block) and commit them - KV work, rows, front-end outputs - only when an event
+of this engine interrupts or the window ends; one SimPy event per window. What exactness needs, found here:
+(a) the API server's shared CPU reads `env.now` (`on_step_output`, `_output_done`'s delays, `_schedule_wake`):
+outputs must be fed with explicit times, and every access to it (a dispatch's ingress job, its wake timers,
+an ingress completing) must commit the window up to now first; (b) the router's 50 ms scrapes read KV usage,
+which in-place allocations and window drops change: answer them from the plan's per-step free-block counts
+(or commit up to the scrape); (c) SimPy's clock: one timeout for a window must land on the float the chain
+of per-step timeouts reaches (t + d0 + d1 ..., each rounded): pick the delay so that `now + delay` equals
+it; (d) a planned step end at exactly another event's time is ordered by event id in the step-by-step run:
+cut the window before such a tie. Each proven against the step-by-step run as test_sim_cluster_speed.py does.
 
 Usage: python benchmarks/cluster_speed.py [--repeats 1] [--both-arms] [--profile 1060]
 """

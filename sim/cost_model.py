@@ -347,6 +347,7 @@ class CostModel:
         self._window_const = tuple(Lw * r for r in attn_rates) if Lw else ()
         self._moe_layers = float(n_moe)
         self._moe_seconds: dict[int, float] = {}
+        self._decode_terms: dict[int, list[float]] = {}  # batch size -> `_terms` of a pure decode (decode_duration)
         # a measured GEMM curve (`Efficiency.gemm_m_curve`): the rows the linear term charges at T tokens,
         # T * gemm_compute / fraction(T), tabulated once up to the curve's last point (then its slope)
         self._gemm_rows: Optional[list[float]] = None
@@ -471,9 +472,29 @@ class CostModel:
         """Basis terms of the step (see the module docstring); keys are `BASIS_TERMS`."""
         return dict(zip(BASIS_TERMS, self._terms(self.summarize(step))[0]))
 
-    def predict(self, step: StepSummary | Iterable[Any]) -> StepTiming:
-        st = step if type(step) is StepSummary else self.summarize(step)
-        terms, padded = self._terms(st)
+    def decode_duration(self, num_reqs: int, decode_sum_kv: int, shared_kv: int = 0) -> float:
+        """`predict(StepSummary(...)).duration_s` of a pure decode batch - `num_reqs` rows of one token,
+        each sampling, their (s + 1) summing to `decode_sum_kv`, `shared_kv` shared tokens - for the
+        simulator's fused decode steps: the terms that do not depend on the KV lengths are kept per batch
+        size (`_terms` of the batch at s = 0), the decode attention terms are `_terms`' expressions for
+        a step without prefill rows, and the sum is `predict`'s, so the float is the same
+        (tests/sim/test_sim_fused_step.py)."""
+        terms = self._decode_terms.get(num_reqs)
+        if terms is None:
+            st = StepSummary(num_reqs, num_reqs, num_reqs, decode_reqs=num_reqs, decode_sum_kv=num_reqs)
+            terms = self._decode_terms[num_reqs] = list(self._terms(st)[0])
+        ad_flop, ad_byte = self._const_terms[9], self._const_terms[10]
+        shared_dec = min(shared_kv, decode_sum_kv)
+        attn_decode = max(ad_flop * decode_sum_kv, ad_byte * (decode_sum_kv - shared_dec + num_reqs))
+        if self._window_const:  # (_window_attention's decode part, no prefill rows)
+            w_flop, w_byte = self._window_const[2], self._window_const[3]
+            keys = min(decode_sum_kv, self.attention_window * num_reqs)
+            attn_decode += max(w_flop * keys, w_byte * (keys + num_reqs))
+        terms[8], terms[9] = attn_decode, ad_byte * shared_dec
+        return self._duration(*self._parts(terms))
+
+    def _parts(self, terms: Sequence[float]) -> tuple[float, float, float]:
+        """(prepare, forward, sample) seconds of a step's basis values."""
         (step_, req, token, layer, piecewise, linear, elementwise, attn_prefill, attn_decode, attn_shared,
          lm_head, sampler, comm, tp_step, ipc_step, ipc_req, moe, moe_layer) = terms
         c = self.coefficients
@@ -485,9 +506,17 @@ class CostModel:
         if moe_layer:
             forward += c.c_moe * moe + c.c_moe_layer * moe_layer
         sample = c.c_lm_head * lm_head + c.c_sampler * sampler
+        return prepare, forward, sample
+
+    def _duration(self, prepare: float, forward: float, sample: float) -> float:
         # async scheduling: the engine prepares step n+1 while the GPU runs step n
-        duration = max(prepare, forward + sample) if self.async_scheduling else prepare + forward + sample
-        return StepTiming(duration_s=duration, prepare_s=prepare,
+        return max(prepare, forward + sample) if self.async_scheduling else prepare + forward + sample
+
+    def predict(self, step: StepSummary | Iterable[Any]) -> StepTiming:
+        st = step if type(step) is StepSummary else self.summarize(step)
+        terms, padded = self._terms(st)
+        prepare, forward, sample = self._parts(terms)
+        return StepTiming(duration_s=self._duration(prepare, forward, sample), prepare_s=prepare,
                           forward_s=forward, sample_s=sample, padded_batch_size=padded)
 
     def predict_from_scheduler_output(self, so: SchedulerOutput,

@@ -27,6 +27,13 @@ build the next turn's prompt from them); an aborted or rejected one keeps None.
 Time stamps follow `servetwin.core.testbed.trace`: a token's time is the end of the step that computed it; a request
 completes at the end of the step that produced its last token.
 
+Fused steps: with implicit decodes (sim/scheduler.py), a step whose batch is the implicit members alone (no
+listed row, nothing waiting, finished or preempted; `SimScheduler.quiet_step`) is done in one call,
+`_fused_step`: the scheduler's step, the duration from the cost model, the trace row and the front end's
+step output, without the `SchedulerOutput`, stats and runner output of `EngineCore.step` - the same
+rows, events and state (tests/sim/test_sim_fused_step.py). In async scheduling its batch stays out of
+the engine's batch queue until a normal step needs it there (`_unfuse`).
+
 Front end: with `frontend=` an API server (`servetwin.sim.frontend.ApiServerFrontend`, its own
 process with its own CPU) sits between the arrival process and the engine: arrivals are submitted to
 it, it hands each request to the engine when its ingress work is done, gets every processed step's
@@ -48,8 +55,10 @@ import simpy
 
 from servetwin.core.engine.engine_core import EngineCore, StepResult
 from servetwin.core.engine.parallel_sampling import fan_out
+from servetwin.core.outputs import ModelRunnerOutput, StepTiming
 from servetwin.core.request import Request
 from servetwin.core.sampling_params import SamplingParams
+from servetwin.core.sched.output import CachedRequestData, ImplicitDecodes, SchedulerOutput
 from servetwin.core.sched.scheduler import UnservableRequestError
 from servetwin.core.testbed.trace import TraceRecorder
 from servetwin.sim.arrivals import ArrivalProcess
@@ -78,6 +87,18 @@ class SimResult:
 
 
 @dataclass(slots=True)
+class _Shortcuts:
+    """Which of the exact step shortcuts a simulation takes (besides implicit decodes) and their state."""
+    fast_forward: bool = False  # the decode fast-forward (servetwin.sim.fast_forward; sync, no implicit decodes)
+    fused: bool = False  # the fused implicit-decode step (`Simulation._fused_step`)
+    count: int = 0  # steps done fused
+    # async scheduling: the last fused step's batch, not yet processed, kept out of the engine's batch
+    # queue until a normal step needs it there (`Simulation._unfuse`): (step, scheduler step, its implicit
+    # rows, shared KV tokens, duration, end)
+    batch: Optional[tuple[int, int, ImplicitDecodes, int, float, float]] = None
+
+
+@dataclass(slots=True)
 class _Pending:
     request: WorkloadRequest
     done: simpy.Event
@@ -100,7 +121,7 @@ class Simulation:
                  arrival: ArrivalProcess, *, rng: Optional[np.random.Generator] = None,
                  run: str = "sim", eos_token_id: int = DEFAULT_EOS_TOKEN_ID,
                  max_time_s: Optional[float] = None, record_step_requests: bool = True,
-                 fast_forward: bool = True, lazy_decode: bool = True, frontend: Any = None,
+                 fast_forward: bool = True, lazy_decode: bool = True, fused_steps: bool = True, frontend: Any = None,
                  on_complete: Optional[Callable[[str, float], None]] = None,
                  on_reject: Optional[Callable[[str, str], None]] = None,
                  env: Optional[simpy.Environment] = None, settler: Optional["Settler"] = None) -> None:
@@ -134,7 +155,11 @@ class Simulation:
                                 and engine.scheduler.lazy_decode_supported())
         if self.lazy_decode:
             engine.scheduler.enable_lazy_decode(ex)
-        self.fast_forward = fast_forward and not self.lazy_decode and plain
+        # fused implicit-decode steps (`_fused_step`): with implicit decodes, one batch at a time, no KV worker
+        self._shortcuts = _Shortcuts(
+            fast_forward=fast_forward and not self.lazy_decode and plain,
+            fused=(fused_steps and self.lazy_decode and self.pipeline is None
+                   and getattr(ex, "kv_worker", None) is None and hasattr(ex, "implicit_decode_duration")))
         self.eos_token_id = eos_token_id
         self.on_complete = on_complete
         self.on_reject = on_reject
@@ -164,6 +189,16 @@ class Simulation:
 
             self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend,
                                               frontend.api_server_count, frontend.ingress)
+
+    @property
+    def fast_forward(self) -> bool:
+        """Whether steady decode steps are fast-forwarded (servetwin.sim.fast_forward)."""
+        return self._shortcuts.fast_forward
+
+    @property
+    def num_fused_steps(self) -> int:
+        """Engine steps done by the fused implicit-decode step."""
+        return self._shortcuts.count
 
     # -- submission ------------------------------------------------------------------------------
     def submit(self, request: WorkloadRequest, done: Optional[simpy.Event] = None) -> simpy.Event:
@@ -326,6 +361,7 @@ class Simulation:
         env, engine = self.env, self.engine
         # (speed: looked up once, not per step; the executor's worker side is set when it is built)
         worker = getattr(engine.executor, "kv_worker", None)
+        shortcuts = self._shortcuts
         idle = 0
         while True:
             if not self._inbox and not self._aborts and (not engine.has_work() or idle >= MAX_IDLE_ITERATIONS):
@@ -349,7 +385,8 @@ class Simulation:
             # settle; else its wait would be a zero-delay event processed next, changing nothing)
             if env.peek() <= env.now or (self.settler is not None and self.settler.has_waiting()):
                 yield from self._settle()
-            if self._aborts:
+            if self._aborts:  # (the last fused batch first: it keeps the engine busy, `has_work`, below)
+                self._unfuse()
                 self._apply_aborts()
             if self._inbox:
                 self._admit()
@@ -357,7 +394,7 @@ class Simulation:
                 self.on_step_boundary(self)
             if not engine.has_work():
                 continue
-            if self.fast_forward:
+            if shortcuts.fast_forward:
                 durations = fast_forward(engine, self.recorder, env.now, env.peek())
                 if durations:
                     self.result.num_steps += len(durations)
@@ -366,6 +403,17 @@ class Simulation:
                         yield env.timeout(d)
                         if self.frontend is not None:  # every running request got one token
                             self.frontend.on_step_output(env.now, num_running, 0, [])
+                    continue
+            if shortcuts.fused:
+                fused = self._fused_step(shortcuts, env.now)
+                if fused is not None:
+                    idle = 0
+                    if fused[0] > 0:  # (a batch priced 0 s: no event, as for a normal step)
+                        yield env.timeout(fused[0])
+                    if fused[1]:  # sync: the step's own batch, processed at its end
+                        self._fused_complete(fused[1], fused[2])
+                    if self.on_step_boundary is not None:
+                        self.on_step_boundary(self)
                     continue
             t0 = env.now
             if worker is not None:  # a step waiting for KV transfers ends by the next other event
@@ -381,6 +429,87 @@ class Simulation:
             if self.on_step_boundary is not None:
                 self.on_step_boundary(self)
 
+    # -- the fused implicit-decode step -----------------------------------------------------------
+    def _fused_step(self, state: _Shortcuts, t0: float) -> Optional[tuple[float, int, float]]:
+        """An engine step whose batch is the implicit decode rows alone and whose processed batch has no
+        output (`SimScheduler.quiet_step` says when; most steps of a cluster's engines, which hold a few
+        requests each) done in one go: the scheduler's step, the duration from the cost model
+        (`SimExecutor.implicit_decode_duration`), the trace row (`TraceRecorder.on_implicit_step`) and
+        the front end's step output, without the `SchedulerOutput`, stats and runner output of
+        `EngineCore.step` - the same state, rows and events as `step_engine` + `record_step`
+        (tests/sim/test_sim_fused_step.py). Returns (duration, the samples of its own batch to
+        complete at its end - sync scheduling - else 0, that end), or None: not such a step, nothing
+        changed."""
+        engine = self.engine
+        sched = engine.scheduler
+        queue = engine.batch_queue
+        in_flight = engine.batch_queue_size > 1  # async: the step processes the previous batch
+        fused = state.batch
+        if in_flight:
+            if fused is not None:
+                prev_step, prev_end = fused[0], fused[5]
+            elif len(queue) == 1 and not queue[0][0].num_scheduled_tokens:
+                prev_step = queue[0][0].step
+                prev_end = self._t_end[prev_step]
+            else:
+                return None
+            if prev_end > t0:
+                return None
+        elif queue:
+            return None
+        step, sched_step = engine.step_counter, sched.current_step
+        implicit = sched.quiet_step()
+        if implicit is None:
+            return None
+        kv = sched.kv_cache_manager
+        shared = kv.block_pool.num_shared_refs * sched.block_size
+        duration = self.engine.executor.implicit_decode_duration(implicit, shared)
+        if duration is None:
+            raise RuntimeError("implicit decodes: the executor cannot price a fused step it said it could")
+        t_end = t0 + duration
+        engine.step_counter += 1
+        self.result.num_steps += 1
+        state.count += 1
+        if not in_flight:
+            sched.last_updated_step = sched_step
+            self.recorder.on_implicit_step(step, sched_step, t0, t_end, implicit, len(sched.running),
+                                           kv.num_free_blocks, kv.usage, shared, step)
+            return duration, implicit.num_reqs, t_end
+        if fused is not None:
+            prev_samples = fused[2].num_reqs
+            sched.last_updated_step = fused[1]
+        else:  # a listed batch without rows: its update applies nothing (no member has a pending output)
+            pso, pmro = queue.pop()
+            if sched.update_from_output(pso, pmro):
+                raise AssertionError("implicit decodes: a batch without rows had outputs")
+            self._t_end.pop(prev_step)
+            prev_samples = self._num_samples.pop(prev_step, 0)
+        self.recorder.on_implicit_step(step, sched_step, t0, t_end, implicit, len(sched.running),
+                                       kv.num_free_blocks, kv.usage, shared, prev_step)
+        state.batch = (step, sched_step, implicit, shared, duration, t_end)
+        self._fused_complete(prev_samples, prev_end)
+        return duration, 0, t_end
+
+    def _fused_complete(self, num_samples: int, t: float) -> None:
+        """A fused step's processed batch completes at `t`: no request finished, `num_samples` got a token."""
+        if self.frontend is not None:
+            self.frontend.on_step_output(t, num_samples, 0, [])
+
+    def _unfuse(self) -> None:
+        """The last fused step's batch into the engine's batch queue, as `EngineCore.step` left it there."""
+        state = self._shortcuts
+        fused = state.batch
+        if fused is None:
+            return
+        state.batch = None
+        step, sched_step, implicit, shared, duration, t_end = fused
+        so = SchedulerOutput([], CachedRequestData(), {}, implicit.num_reqs, set(), set(), step=step,
+                             scheduler_step=sched_step, shared_kv_tokens=shared, implicit_decodes=implicit)
+        self.engine.batch_queue.appendleft((so, ModelRunnerOutput([], {}, [], timing=StepTiming(duration_s=duration))))
+        self._t_end[step] = t_end
+        if self.frontend is not None:
+            self._num_samples[step] = implicit.num_reqs
+
     def _transfer_due(self) -> Optional[float]:
         """When the engine's next KV transfer in flight ends (None: none is)."""
         worker = getattr(self.engine.executor, "kv_worker", None)
@@ -389,6 +518,7 @@ class Simulation:
     # -- one step, in parts (the engine process above; a lockstep DP group drives several engines) --
     def step_engine(self) -> tuple[StepResult, float]:
         """One engine step at the current time: (its result, its batch's predicted duration; 0 if none ran)."""
+        self._unfuse()
         result = self.engine.step()
         if self.lazy_decode:  # tokens of implicit steps applied this step: before the step's own
             late = self.engine.scheduler.take_late_tokens()

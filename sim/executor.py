@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from servetwin.core.outputs import ModelRunnerOutput, StepTiming
-from servetwin.core.sched.output import SchedulerOutput
+from servetwin.core.sched.output import ImplicitDecodes, SchedulerOutput
 from servetwin.core.testbed.iteration import compute_iteration_details
 from servetwin.sim.cost_model import CostModel, StepSummary
 from servetwin.sim.hardware import HardwareSpec
@@ -363,6 +363,15 @@ class SimExecutor:
             counts[rid] += k
             out.append(toks)
         return out
+
+    def implicit_decode_duration(self, implicit: ImplicitDecodes, shared_kv: int) -> Optional[float]:
+        """`execute_model`'s duration of a batch of implicit decode rows alone (`SimScheduler.quiet_step`:
+        no listed row, so nothing else for the runner to do), or None when this executor must see the
+        step itself (a KV connector's worker, a drafter, a profile being recorded)."""
+        if self.kv_worker is not None or self.drafter is not None or self.profile is not None:
+            return None
+        k = implicit.num_reqs
+        return self.cost_model.decode_duration(k, implicit.sum_computed_before + k, shared_kv)
 
     def decode_step_durations(self, num_reqs: int, sum_kv_before: int, k: int,
                               shared_kv: int = 0) -> list[float]:

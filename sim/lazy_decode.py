@@ -263,6 +263,18 @@ class LazyDecodes:
             return None
         return ImplicitDecodes(k, self.sum_offset + k * step, self.max_offset() + step)
 
+    def quiet_step(self, step: int) -> Optional[ImplicitDecodes]:
+        """The aggregates of `step` when it can only run the members implicitly - nobody else running,
+        no member event due at it (`due(step)` would return nothing), nothing materialised since the
+        last step - and then `due(step)` is done; None (nothing changed) otherwise. The caller checks
+        the rest of the scheduler's state (`SimScheduler.quiet_step`)."""
+        if (not self.members or self.nonmembers or self.pending_update or self.flushed
+                or self._due_from != step or step in self._events):
+            return None
+        self._due_from = step + 1
+        k = len(self.members)
+        return ImplicitDecodes(k, self.sum_offset + k * step, self.max_offset() + step)
+
     def take_flushed(self) -> list[LateTokens]:
         out, self.flushed = self.flushed, []
         return out

@@ -32,7 +32,7 @@ from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from servetwin.core.request import Request, RequestStatus
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
-from servetwin.core.sched.output import SchedulerOutput
+from servetwin.core.sched.output import ImplicitDecodes, SchedulerOutput
 from servetwin.core.sched.spec_decode import SpeculativeConfig
 from servetwin.core.sched.scheduler import Scheduler
 from servetwin.core.testbed.trace import LateTokens
@@ -75,6 +75,7 @@ class SimScheduler(Scheduler):
         self.running_order: dict[str, int] = {}  # request id -> stamp of its (re)admission (lazy only)
         self._admissions = 0
         self._group_managers: list = []  # every KV cache group's manager when there are several (lazy only)
+        self._scheduled_ahead: Optional[SchedulerOutput] = None  # `quiet_step`'s output with rows, for `schedule`
 
     # -- implicit steady decodes: public entry points -------------------------------------------------
     def lazy_decode_supported(self) -> bool:
@@ -111,11 +112,47 @@ class SimScheduler(Scheduler):
         self._materialise_all()
         return self.lazy.take_flushed()
 
-    # -- the overridden public methods ------------------------------------------------------------
+    def quiet_step(self) -> Optional[ImplicitDecodes]:
+        """Schedule the next step at once when its batch can only be the implicit members' (the fused step
+        of `servetwin.sim.engine.Simulation`): every running request a member, nobody waiting, nothing
+        finished or preempted since the last step, no drafts, no KV connector, no prefix-cache lookup
+        or preemption since the last stats - so that `make_stats()` would change nothing. Returns the
+        step's aggregates (its `ImplicitDecodes`) when the step lists no row: no member event due
+        (then nothing changes but the step counter), or only KV events done in place (the step is
+        scheduled in full, `schedule()`). None: not such a step - nothing changed, or the step was
+        scheduled and listed rows after all, and the next `schedule()` returns that output."""
+        lazy = self.lazy
+        if (lazy is None or self.waiting or self.kv_holding_waiting or self.deferred_waiting or self.finished_req_ids
+                or self.reset_preempted_req_ids or self._step_spec_tokens or self._num_preempted_since_stats
+                or self._spec_stats_since_read is not None or self.connector is not None
+                or self._scheduled_ahead is not None
+                or len(lazy.members) > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)):
+            return None
+        pcs = self.kv_cache_manager.prefix_cache_stats
+        if pcs is not None and (pcs.requests or pcs.preempted_requests or pcs.reset):
+            return None  # (make_stats would hand these counts to the step's row)
+        implicit = lazy.quiet_step(self.current_step)
+        if implicit is not None:
+            self.current_step += 1
+            return implicit
+        if not lazy.members or lazy.nonmembers or lazy.pending_update or lazy.flushed:
+            return None
+        so = self.schedule()  # member events: done in place, or the normal path
+        if (so.num_scheduled_tokens or so.scheduled_new_reqs or so.preempted_order or so.implicit_decodes is None
+                or lazy.pending_update or lazy.flushed):
+            self._scheduled_ahead = so
+            return None
+        return so.implicit_decodes
+
+        # -- the overridden public methods ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         lazy = self.lazy
         if lazy is None:
             return super().schedule()
+        ahead = self._scheduled_ahead
+        if ahead is not None:  # scheduled by `quiet_step`, which found rows in it
+            self._scheduled_ahead = None
+            return ahead
         so = self._schedule_lazy()
         if so is None:
             so = super().schedule()

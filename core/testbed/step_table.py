@@ -86,6 +86,23 @@ class StepTable:
                 col[n] = strings.setdefault(value, value)
         return n
 
+    def intern(self, text: str) -> str:
+        """The table's one object for this text value (what `append` stores for it)."""
+        return self._strings.setdefault(text, text)
+
+    def append_interned(self, values: Sequence[Any]) -> int:
+        """`append` of a row whose text values come from `intern` and whose four float values are
+        floats (the simulator's fused decode steps: one row per step, the per-value checks skipped).
+        The row is stored as `append` stores it."""
+        n = len(self)
+        try:
+            for append, value in zip(self._appends, values):
+                append(value)
+        except (TypeError, OverflowError):  # a value a count column's array cannot hold
+            self._truncate(n)
+            self._append_checked(values)
+        return n
+
     def _append_checked(self, values: Sequence[Any]) -> None:
         """`append`, each value checked: a column whose array cannot hold it exactly becomes a list."""
         for name, value in zip(STEP_COLUMNS, values):

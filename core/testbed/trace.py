@@ -30,6 +30,7 @@ from servetwin.core.testbed.atomic import atomic_open, atomic_write_with
 from servetwin.core.engine.engine_core import StepResult
 from servetwin.core.testbed.iteration import IterationDetails, context_request_ids
 from servetwin.core.request import Request
+from servetwin.core.sched.output import ImplicitDecodes
 from servetwin.core.testbed.step_table import STEP_COLUMNS, StepTable
 
 STEP_REQUEST_COLUMNS = ["run", "backend", "step", "request_id", "num_tokens", "num_computed_before", "phase",
@@ -198,6 +199,8 @@ class TraceRecorder:
         self.requests: dict[str, RequestTrace] = {}
         self._step_rows: dict[int, int] = {}  # step -> its row's index, until its output is processed
         self._carried_preemptions = 0  # made in steps that scheduled nothing (no row of their own)
+        # batch size -> on_implicit_step's details, their annotation, the run and the backend (interned)
+        self._implicit_details: dict[int, tuple[IterationDetails, str, str, str]] = {}
         self._t_end_by_step: list[Optional[float]] = []  # [scheduler step] -> t_end, for steps with implicit rows
         self.delivery: Optional[DeliveryMap] = None  # set by a modelled front end (set_delivery)
         self._packed_token_times: Optional[tuple] = None  # (values, index or None, lengths): `packed()`
@@ -273,18 +276,65 @@ class TraceRecorder:
                     trace.first_scheduled_s = t_start
                 if trace.num_preemptions == 0:
                     trace.cached_tokens = new.num_computed_tokens
-        num_preempted = len(so.preempted_order) + self._carried_preemptions
-        self._carried_preemptions = 0
         pcs = stats.prefix_cache_stats
+        self._step_rows[so.step] = self._append_row(
+            so.step, t_start, t_end, num_reqs, details, so.total_num_scheduled_tokens, sum_q2, sum_q_kv, sum_kv,
+            max_kv, stats.num_running_reqs, stats.num_waiting_reqs, len(so.preempted_order), stats.num_free_blocks,
+            stats.kv_cache_usage, pcs.queries + pcs.preempted_queries, pcs.hits + pcs.preempted_hits,
+            so.shared_kv_tokens)
+
+    def _append_row(self, step: int, t_start: float, t_end: float, num_reqs: int, details: IterationDetails,
+                    total_tokens: int, sum_q2: int, sum_q_kv: int, sum_kv: int, max_kv: int, num_running: int,
+                    num_waiting: int, num_preempted: int, num_free_blocks: int, kv_usage: float,
+                    prefix_queries: int, prefix_hits: int, shared_kv_tokens: int,
+                    interned: Optional[tuple[str, str, str]] = None) -> int:
+        """Add a scheduled step's row (it takes the preemptions carried from steps with no row); its index.
+        `interned`: the details' annotation, the run and the backend as `StepTable.intern` gave them, with
+        float times (the row goes in without per-value checks)."""
+        num_preempted += self._carried_preemptions
+        self._carried_preemptions = 0
+        if interned is not None:
+            annotation, run, backend = interned
+            return self.steps.append_interned((
+                run, backend, step, t_start, t_end, t_end - t_start, num_reqs,
+                details.num_ctx_requests, details.num_ctx_tokens, details.num_generation_requests,
+                details.num_generation_tokens, total_tokens, annotation,
+                sum_q2, sum_q_kv, sum_kv, max_kv, num_running, num_waiting,
+                num_preempted, 0, num_free_blocks, kv_usage, prefix_queries, prefix_hits, shared_kv_tokens))
         # STEP_COLUMNS' order; num_finished is counted when the step's output is processed
-        index = self.steps.append((
-            self.run, self.backend, so.step, t_start, t_end, t_end - t_start, num_reqs,
+        return self.steps.append((
+            self.run, self.backend, step, t_start, t_end, t_end - t_start, num_reqs,
             details.num_ctx_requests, details.num_ctx_tokens, details.num_generation_requests,
-            details.num_generation_tokens, so.total_num_scheduled_tokens, details.annotation,
-            sum_q2, sum_q_kv, sum_kv, max_kv, stats.num_running_reqs, stats.num_waiting_reqs,
-            num_preempted, 0, stats.num_free_blocks, stats.kv_cache_usage,
-            pcs.queries + pcs.preempted_queries, pcs.hits + pcs.preempted_hits, so.shared_kv_tokens))
-        self._step_rows[so.step] = index
+            details.num_generation_tokens, total_tokens, details.annotation,
+            sum_q2, sum_q_kv, sum_kv, max_kv, num_running, num_waiting,
+            num_preempted, 0, num_free_blocks, kv_usage, prefix_queries, prefix_hits, shared_kv_tokens))
+
+    def on_implicit_step(self, step: int, scheduler_step: int, t_start: float, t_end: float,
+                         implicit: ImplicitDecodes, num_running: int, num_free_blocks: int, kv_usage: float,
+                         shared_kv_tokens: int, processed_step: Optional[int]) -> None:
+        """`on_step` of a step whose batch is its implicit decode rows alone (no listed row, no one
+        waiting, preempted or looked up in the prefix cache) and whose processed batch, if any
+        (`processed_step`), has no output: the simulator's fused decode step (servetwin.sim.engine)."""
+        k = implicit.num_reqs
+        cached = self._implicit_details.get(k)
+        if cached is None:
+            details = IterationDetails(0, 0, k, k)
+            intern = self.steps.intern
+            cached = self._implicit_details[k] = (details, intern(details.annotation), intern(self.run),
+                                                  intern(self.backend))
+        details = cached[0]
+        kv = implicit.sum_computed_before + k
+        ends = self._t_end_by_step  # for their LateTokens
+        if len(ends) <= scheduler_step:
+            ends.extend([None] * (scheduler_step + 1 - len(ends)))
+        ends[scheduler_step] = t_end
+        index = self._append_row(step, t_start, t_end, k, details, k, k, kv, kv, max(0, implicit.max_computed_before + 1),
+                                 num_running, 0, 0, num_free_blocks, kv_usage, 0, 0, shared_kv_tokens,
+                                 cached[1:] if type(t_start) is float and type(kv_usage) is float else None)
+        if processed_step != step:
+            self._step_rows[step] = index
+        if processed_step is not None:
+            self._step_rows.pop(processed_step, None)
 
     def _record_processed(self, result: StepResult) -> None:
         row = self._step_rows.pop(result.processed.step, None)

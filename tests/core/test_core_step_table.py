@@ -30,6 +30,30 @@ _odd = st.tuples(st.sampled_from([c for c in STEP_COLUMNS if c not in _TEXT]),
 
 
 @settings(max_examples=60, deadline=None)
+@given(rows=st.lists(_row, max_size=12), odd=st.lists(st.tuples(st.integers(0, 11), st.sampled_from(
+    [c for c in STEP_COLUMNS if c not in _TEXT and c not in _FLOATS]), st.sampled_from([2 ** 70, -2 ** 70])),
+    max_size=3), fast=st.lists(st.booleans(), min_size=12, max_size=12))
+def test_append_interned_stores_what_append_stores(rows, odd, fast):
+    """The fused steps' `append_interned` (interned text, float times) stores a row as `append` does, a count
+    too large for its column's array included; mixed with `append` rows."""
+    for i, name, value in odd:
+        if i < len(rows):
+            rows[i][name] = value
+    a, b = StepTable(), StepTable()
+    for row, quick in zip(rows, fast):
+        values = [float(row[c]) if c in _FLOATS else row[c] for c in STEP_COLUMNS]
+        a.append(values)
+        if quick:
+            b.append_interned([b.intern(v) if c in _TEXT else v for c, v in zip(STEP_COLUMNS, values)])
+        else:
+            b.append(values)
+    assert list(a) == list(b)
+    pd.testing.assert_frame_equal(a.to_frame(), b.to_frame(), check_exact=True)
+    for name in _TEXT:  # one object per distinct text value
+        assert len({id(v) for v in b.column(name)}) == len(set(b.column(name)))
+
+
+@settings(max_examples=60, deadline=None)
 @given(rows=st.lists(_row, max_size=12), odd=st.lists(st.tuples(st.integers(0, 11), _odd), max_size=3))
 def test_rows_round_trip_and_frame_equals_pandas_from_dicts(rows, odd):
     for i, (name, value) in odd:

@@ -47,6 +47,8 @@ def _run(exp, step_by_step: bool, monkeypatch):
         sim, runs, _, _ = simulate_cluster(exp)
     lazy = [s.lazy_decode for _, _, s in sim.simulations()]
     assert lazy == [not step_by_step] * len(lazy)
+    fused = sum(s.num_fused_steps for _, _, s in sim.simulations())  # (fused implicit-decode steps)
+    assert (fused > 0) == (not step_by_step)
     return sim, runs
 
 
