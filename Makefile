@@ -12,6 +12,10 @@ STAMP := $(VENV)/.servetwin-installed
 COMPILED_STAMP := $(VENV)/.servetwin-compiled-installed
 RUN_DIR ?= runs/default
 COMPARE_DIR ?= runs/compare-default
+# PyPI's Linux torch==2.13.0 is the CUDA build (2.7 GB with its nvidia-* wheels); this index has the CPU one
+# (2.13.0+cpu, ~190 MB), which pip prefers when it can reach it (a local version sorts above the plain one);
+# unreachable (--retries 0: a few seconds), PyPI's is installed as before
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup run test bench clean build-compiled test-compiled clean-compiled
 
@@ -23,7 +27,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null && echo "setup: keeping the torch that imports" \
 		|| echo "setup: installing torch 2.13.0 (CPU build, ~200 MB)"
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0 \
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q --retries 0 \
+		--extra-index-url $(TORCH_CPU_INDEX) torch==2.13.0 || $(BIN)/python -m pip install -q torch==2.13.0 \
 		|| $(BIN)/python -m pip install -q torch
 	@echo "setup: installing servetwin (editable) and its dependencies"
 	$(BIN)/python -m pip install -q -e ".[dev]"

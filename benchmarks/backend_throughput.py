@@ -29,7 +29,8 @@ Systems:
 3. HF continuous batching (transformers >= 5: `model.continuous_batching_context_manager` /
    `ContinuousBatchingManager.add_request(input_ids, max_new_tokens=o_i, eos_token_id=-1)`; the
    per-request max_new_tokens is why `generate_batch` - one max_new_tokens for all - is not used),
-   max_requests_per_batch = B. Skipped with a message if the installed transformers lacks it or it
+   max_requests_per_batch = B, a KV cache of servetwin's pool's capacity (`num_blocks`; unset, HF
+   would size it from the host's RAM). Skipped with a message if the installed transformers lacks it or it
    fails.
 
 Timing: wall time of the generation only; the process CPU time (all threads) over the same span is
@@ -68,13 +69,23 @@ def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     return prompts, [int(o) for o in olens]
 
 
+def model_len(prompts, olens) -> int:
+    """servetwin's max_model_len: the longest request, in whole 16-token blocks, at least 1024."""
+    longest = max(len(p) + o for p, o in zip(prompts, olens))
+    return max(1024, -(-longest // 16) * 16)
+
+
+def kv_pool_blocks(args, prompts, olens) -> int:
+    """servetwin's KV pool in 16-token blocks: `--num-gpu-blocks`, or room for a full batch of the longest."""
+    return args.num_gpu_blocks or (args.batch_size * (model_len(prompts, olens) // 16) + 64)
+
+
 # -- the three systems ---------------------------------------------------------------------------------
 def run_servetwin(args, prompts, olens) -> dict[str, Any]:
     from servetwin.core import LLM, SamplingParams  # noqa: PLC0415
 
-    longest = max(len(p) + o for p, o in zip(prompts, olens))
-    max_model_len = max(1024, -(-longest // 16) * 16)
-    blocks = args.num_gpu_blocks or (args.batch_size * (max_model_len // 16) + 64)
+    max_model_len = model_len(prompts, olens)
+    blocks = kv_pool_blocks(args, prompts, olens)
     t0 = time.perf_counter()
     llm = LLM(model=args.model, backend="torch", multiprocess=False, max_num_seqs=args.batch_size,
               num_gpu_blocks=blocks, max_model_len=max_model_len, dtype="float32", device="cpu")
@@ -167,7 +178,11 @@ def run_hf_continuous(args, prompts, olens) -> dict[str, Any]:
         return {"name": "HF continuous batching", "skipped": "model has no continuous_batching_context_manager"}
     load_s = time.perf_counter() - t0
     gc = GenerationConfig(do_sample=False, max_new_tokens=max(olens), eos_token_id=-1, pad_token_id=0)
-    cbc = ContinuousBatchingConfig(max_requests_per_batch=args.batch_size)
+    # the KV capacity servetwin's pool has (run_servetwin): unset, HF sizes its cache from the host's memory
+    # (90% of all RAM on the CPU) and allocating that takes a minute, while B requests use only this much
+    page = ContinuousBatchingConfig().page_size
+    cbc = ContinuousBatchingConfig(max_requests_per_batch=args.batch_size,
+                                   num_blocks=-(-kv_pool_blocks(args, prompts, olens) * 16 // page))
 
     def run(ps, os_, prefix):
         res: dict[str, Any] = {}
@@ -224,7 +239,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16,
                     help="servetwin max_num_seqs = HF generate batch = HF CB max_requests_per_batch")
-    ap.add_argument("--num-gpu-blocks", type=int, default=None, help="servetwin KV pool (default: fits a full batch)")
+    ap.add_argument("--num-gpu-blocks", type=int, default=None, help="servetwin KV pool, and HF continuous batching's capacity (default: fits a full batch)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--hf-grouping", choices=["length", "input"], default="length",

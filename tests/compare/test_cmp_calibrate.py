@@ -53,6 +53,17 @@ def _synthetic_step(noise: float, outliers: dict[int, float]):
     return step, truth
 
 
+@pytest.fixture
+def no_link_measurements(monkeypatch):
+    """The synthetic tests check the fit of the steps they fake; the CPU calibration's gloo all-reduce and
+    TP=2 step measurements after the fit (two worker launches each, about half of such a test's time) run for
+    real, end to end, in test_calibrate_real_quick_run_and_use_in_experiment and are checked in
+    tests/experiments/test_calibrate_allreduce.py."""
+    monkeypatch.setattr(calmod, "calibrate_allreduce", lambda *args: None)
+    monkeypatch.setattr(calmod, "calibrate_tp_step", lambda *args: None)
+
+
+@pytest.mark.usefixtures("no_link_measurements")
 def test_calibrate_cli_recovers_synthetic_coefficients(tmp_path, monkeypatch):
     step, truth = _synthetic_step(noise=0.0, outliers={})
     monkeypatch.setattr(designmod._Driver, "step", step)
@@ -73,6 +84,7 @@ def test_calibrate_cli_recovers_synthetic_coefficients(tmp_path, monkeypatch):
         assert cm.predict(rows).duration_s == pytest.approx(truth.predict(rows).duration_s, rel=1e-4)
 
 
+@pytest.mark.usefixtures("no_link_measurements")
 def test_calibrate_drops_contended_and_outlier_steps(tmp_path, monkeypatch):
     # the 20th and 30th recorded steps are 3x slow and lost their CPU (contended)
     step, _ = _synthetic_step(noise=0.01, outliers={20: 3.0, 30: 3.0})

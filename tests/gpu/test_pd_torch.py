@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from servetwin.core.engine.engine_core import EngineCore
 from servetwin.core.request import Request
@@ -21,6 +22,20 @@ from servetwin.gpu.models.registry import SMOLLM2_NAME, find_smollm2_gguf, model
 EXECUTOR = dict(model="tiny-llama", device="cpu", dtype="float32", block_size=16, num_gpu_blocks=160,
                 max_num_batched_tokens=512, max_num_seqs=32, max_model_len=128)
 PARAMS = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread in every engine: the prefill and decode processes (OMP_NUM_THREADS, read at
+    their start) step at the same time on this 2-core machine, and two 2-thread OpenMP pools spin at
+    their barriers against each other (the smollm2 check took minutes); the in-process reference
+    engine runs one thread too, so every engine computes in the same reduction order."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(n)
 
 
 def _smollm2_available() -> bool:
@@ -38,8 +53,7 @@ def _prompts(n: int = 64) -> dict[str, list[int]]:
     return {f"q{i}": [int(t) for t in rng.integers(1, 320, int(rng.integers(3, 90)))] for i in range(n)}
 
 
-def _one_engine(prompts: dict[str, list[int]], executor: dict) -> dict[str, list[int]]:
-    ex = TorchExecutor(**executor)
+def _one_engine(prompts: dict[str, list[int]], ex: TorchExecutor) -> dict[str, list[int]]:
     engine = EngineCore(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, max_model_len=128),
                         CacheConfig(block_size=16, num_gpu_blocks=ex.num_gpu_blocks), ex)
     for rid, p in prompts.items():
@@ -60,9 +74,10 @@ def _check_pd_equals_one_engine(executor: dict) -> None:
         got, _ = proxy.stats(proxy.decode)
     finally:
         proxy.close()
-    assert out == _one_engine(prompts, executor)
+    ex = TorchExecutor(**executor)
+    assert out == _one_engine(prompts, ex)
     assert all(proxy.first_tokens[rid] == toks[0] for rid, toks in out.items())  # prefill's token too
-    per_token = TorchExecutor(**executor).kv_bytes_per_block // 16  # every layer's K and V
+    per_token = ex.kv_bytes_per_block // 16  # every layer's K and V
     num_tokens = sum(len(p) for p in prompts.values())
     assert got.num_reads == sent.num_reads == 64 and got.num_failed_reads == 0
     assert got.transferred_tokens == sent.transferred_tokens == num_tokens
