@@ -70,12 +70,7 @@ class StepTable:
         n = len(self)
         a, b, c, d = _FLOAT_VALUES(values)
         if type(a) is float and type(b) is float and type(c) is float and type(d) is float:  # (else: checked)
-            try:
-                for append, value in zip(self._appends, values):
-                    append(value)
-            except (TypeError, OverflowError):  # a value a count column's array cannot hold
-                self._truncate(n)
-                self._append_checked(values)
+            self._append_unchecked(n, values)
         else:
             self._append_checked(values)
         strings = self._strings
@@ -95,13 +90,17 @@ class StepTable:
         floats (the simulator's fused decode steps: one row per step, the per-value checks skipped).
         The row is stored as `append` stores it."""
         n = len(self)
+        self._append_unchecked(n, values)
+        return n
+
+    def _append_unchecked(self, n: int, values: Sequence[Any]) -> None:
+        """Row `n` into the columns as they are; checked value by value only when an array refuses one."""
         try:
             for append, value in zip(self._appends, values):
                 append(value)
         except (TypeError, OverflowError):  # a value a count column's array cannot hold
             self._truncate(n)
             self._append_checked(values)
-        return n
 
     def _append_checked(self, values: Sequence[Any]) -> None:
         """`append`, each value checked: a column whose array cannot hold it exactly becomes a list."""
