@@ -17,6 +17,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
 
@@ -65,12 +67,13 @@ def _meta(pid: int, name: str, tid: Optional[int] = None) -> dict[str, Any]:
     return {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
 
 
-def _engine_events(steps: StepTable, pid: int = ENGINE_PID) -> Iterator[dict[str, Any]]:
+def _engine_events(steps: StepTable, pid: int = ENGINE_PID, first: int = 0) -> Iterator[dict[str, Any]]:
+    """The engine process's events from step row `first` on (`first` = len(steps): the closing counter alone)."""
     col = steps.column
     names = ("annotation", "t_start_s", "duration_s", "step", "total_tokens", "num_running", "num_waiting",
              "num_preempted", "kv_usage", "num_context_tokens", "num_generation_tokens")
-    for annotation, t0, dur, step, tokens, running, waiting, preempted, kv, prefill, decode in zip(
-            *map(col, names)):
+    for annotation, t0, dur, step, tokens, running, waiting, preempted, kv, prefill, decode in itertools.islice(
+            zip(*map(col, names)), first, None):
         ts = _us(t0)
         yield {"name": annotation, "ph": "X", "pid": pid, "tid": STEP_TID, "ts": ts,
                "dur": _us(max(dur, 0.0)),
@@ -86,6 +89,65 @@ def _engine_events(steps: StepTable, pid: int = ENGINE_PID) -> Iterator[dict[str
         yield {"name": "engine", "ph": "C", "pid": pid, "ts": _us(col("t_end_s")[-1]),
                "args": {"running": 0, "waiting": 0, "KV usage %": round(100.0 * col("kv_usage")[-1], 2),
                         "prefill tokens": 0, "decode tokens": 0}}
+
+
+# (speed: a cluster's trace holds ~1.5M step events; as dicts encoded by json they took ~8 s of a 16-engine
+# ladder's ~60 s run) the same events as text, each formatted as `json.dumps(event, separators=(",", ":"))`
+# writes it: ints by `%d` (int.__repr__), floats by `%r` (float.__repr__, what json uses for finite floats)
+_STEP_TEXT = ('{"name":%s,"ph":"X","pid":%d,"tid":' + str(STEP_TID) + ',"ts":%r,"dur":%r,"args":{"step":%d,'
+              '"tokens":%d,"running":%d,"waiting":%d,"preempted":%d}},{"name":"engine","ph":"C","pid":%d,'
+              '"ts":%r,"args":{"running":%d,"waiting":%d,"KV usage %%":%r,"prefill tokens":%d,"decode tokens":%d}}')
+_PREEMPT_TEXT = (',{"name":"preempted %d","ph":"i","s":"t","pid":%d,"tid":' + str(PREEMPT_TID)
+                 + ',"ts":%r,"args":{"step":%d,"preempted":%d}}')
+_INT_COLUMNS = ("step", "total_tokens", "num_running", "num_waiting", "num_preempted", "num_context_tokens",
+                "num_generation_tokens")
+_FLOAT_COLUMNS = ("t_start_s", "duration_s", "kv_usage")
+_FLOAT_LIMIT = 1e290  # x 1e6 stays finite, as `_us` and the KV percentage need for `%r` to equal json's
+
+
+def _engine_event_texts(steps: StepTable, pid: int) -> Optional[Iterator[str]]:
+    """`_engine_events(steps, pid)` but its last event, one text per step (its events joined by ","), or
+    None when a column is not a typed array of finite values or an annotation is not text (then the
+    dicts are encoded: json spells None, bools and non-finite floats its own way)."""
+    col = steps.column
+    if not all(type(col(n)) is array for n in _INT_COLUMNS + _FLOAT_COLUMNS):
+        return None
+    for n in _FLOAT_COLUMNS:
+        values = col(n)
+        if len(values) and not (all(map(math.isfinite, values)) and max(map(abs, values)) < _FLOAT_LIMIT):
+            return None
+    annotations = col("annotation")
+    if not all(type(a) is str for a in annotations):
+        return None
+    return _step_texts(steps, pid)
+
+
+def _step_texts(steps: StepTable, pid: int) -> Iterator[str]:
+    col = steps.column
+    encode = json.JSONEncoder(separators=(",", ":")).encode
+    names: dict[str, str] = {}  # an annotation repeats over steps: encoded once
+    for annotation, t0, dur, step, tokens, running, waiting, preempted, kv, prefill, decode in zip(
+            col("annotation"), col("t_start_s"), col("duration_s"), col("step"), col("total_tokens"),
+            col("num_running"), col("num_waiting"), col("num_preempted"), col("kv_usage"),
+            col("num_context_tokens"), col("num_generation_tokens")):
+        name = names.get(annotation)
+        if name is None:
+            name = names[annotation] = encode(annotation)
+        ts = _us(t0)
+        text = _STEP_TEXT % (name, pid, ts, _us(max(dur, 0.0)), step, tokens, running, waiting, preempted,
+                             pid, ts, running, waiting, round(100.0 * kv, 2), prefill, decode)
+        if preempted:
+            text += _PREEMPT_TEXT % (preempted, pid, ts, step, preempted)
+        yield text
+
+
+def _engine_stream(steps: StepTable, pid: int = ENGINE_PID) -> Iterator[Any]:
+    """The engine's events for a streamed write: texts where `_engine_event_texts` can, else dicts."""
+    texts = _engine_event_texts(steps, pid)
+    if texts is None:
+        return _engine_events(steps, pid)
+    last = list(_engine_events(steps, pid, first=len(steps))) if len(steps) else []  # the closing counter
+    return itertools.chain(texts, last)
 
 
 def _end_of(t: Any) -> float:
@@ -121,9 +183,10 @@ def _request_slices(requests: list[Any], tracks: list[Optional[int]], pid: int =
                 yield {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": _us(a), "dur": _us(b - a)}
 
 
-def _document(run: str, backend: str, steps: StepTable, requests: list[Any],
-              max_tracks: int) -> tuple[list[dict[str, Any]], Iterator[dict[str, Any]], dict[str, Any]]:
-    """(the events before the steps', an iterator over every step's, everything after "traceEvents")."""
+def _document(run: str, backend: str, steps: StepTable, requests: list[Any], max_tracks: int,
+              encoded: bool = False) -> tuple[list[dict[str, Any]], Iterator[Any], dict[str, Any]]:
+    """(the events before the steps', an iterator over every step's, everything after "traceEvents");
+    `encoded`: the engine's events as `_engine_stream` gives them (texts where it can)."""
     req_events, num_tracks, left_out = _request_events(requests, max_tracks)
     shown = f"{len(requests) - left_out:,} of {len(requests):,} on {num_tracks} tracks" if left_out else \
         f"{len(requests):,} on {num_tracks} tracks"
@@ -134,7 +197,8 @@ def _document(run: str, backend: str, steps: StepTable, requests: list[Any],
     tail = {"displayTimeUnit": "ms",
             "otherData": {"run": run, "backend": backend, "requests": len(requests),
                           "requests_left_out": left_out, "request_tracks": num_tracks}}
-    return head, itertools.chain(_engine_events(steps), req_events), tail
+    engine = _engine_stream(steps) if encoded else _engine_events(steps)
+    return head, itertools.chain(engine, req_events), tail
 
 
 def chrome_trace(run: str, backend: str, steps: StepTable, requests: list[Any],
@@ -153,11 +217,22 @@ def _write_streamed(path: str, head: list[dict[str, Any]], events: Iterator[dict
                     tail: dict[str, Any]) -> None:
     encode = json.JSONEncoder(separators=(",", ":")).encode
     with atomic_open(path) as f:
-        # a list's encoding is "[" + its items' encodings joined by "," + "]": one encoder call a chunk
+        # a list's encoding is "[" + its items' encodings joined by "," + "]": one encoder call per run of
+        # dicts in a chunk; a text item is an event (or several, joined by ",") encoded already
         f.write('{"traceEvents":' + encode(head)[:-1])
         while chunk := list(itertools.islice(events, EVENTS_PER_WRITE)):  # (`head` is never empty)
-            f.write("," + encode(chunk)[1:-1])
+            f.write("," + ",".join(run if is_text else encode(list(run))[1:-1]
+                                   for is_text, run in _runs(chunk)))
         f.write("]," + encode(tail)[1:])
+
+
+def _runs(chunk: list[Any]) -> Iterator[tuple[bool, Any]]:
+    """(True, a text) for each text item, (False, the dicts) for each run of dicts between them."""
+    for is_text, run in itertools.groupby(chunk, key=lambda e: type(e) is str):
+        if is_text:
+            yield from ((True, text) for text in run)
+        else:
+            yield False, run
 
 
 def write_cluster_trace(path: str, run: str, engines: list[tuple[str, StepTable, list[Any]]],
@@ -178,7 +253,7 @@ def write_cluster_trace(path: str, run: str, engines: list[tuple[str, StepTable,
             f"{len(requests):,} requests"
         head += [_meta(pid, f"{label} ({shown})"), _meta(pid, "steps", STEP_TID), _meta(pid, "preemptions", PREEMPT_TID)]
         head += [_meta(pid, f"requests {k + 1}", PREEMPT_TID + 1 + k) for k in range(num_tracks)]
-        streams += [_engine_events(steps, pid), req_events]
+        streams += [_engine_stream(steps, pid), req_events]
     router_pid = len(engines) + 1
     head += [_meta(router_pid, "router"), _meta(router_pid, "decisions", 1)]
     routed = ({"name": f"{rid} -> {pick}", "ph": "i", "s": "t", "pid": router_pid, "tid": 1, "ts": _us(t)}
@@ -207,5 +282,5 @@ def write_chrome_trace(path: str, run: str, backend: str, steps: StepTable, requ
     """`chrome_trace(...)` written as `json.dumps(doc, separators=(",", ":"))` writes it, byte for byte,
     streamed: the events are encoded `EVENTS_PER_WRITE` at a time, never all held at once (a 100,000-
     request run has ~1M of them: ~1 GB as dicts, ~150 MB as one string). Renamed into place complete."""
-    head, events, tail = _document(run, backend, steps, requests, max_tracks)
+    head, events, tail = _document(run, backend, steps, requests, max_tracks, encoded=True)
     _write_streamed(path, head, events, tail)

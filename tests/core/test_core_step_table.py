@@ -95,3 +95,47 @@ def test_streamed_trace_is_the_document_dumped(tmp_path_factory, n, preempt, per
         perfetto.EVENTS_PER_WRITE = saved
     doc = perfetto.chrome_trace("r", "sim", table, reqs, tracks)
     assert path.read_text() == json.dumps(doc, separators=(",", ":"))
+
+
+# the engine's step events are written as text (`perfetto._engine_event_texts`, a speed path): whatever the
+# rows hold - odd values that turn a column into a list, non-finite or huge floats, negative durations, text
+# that json escapes - the file is still `json.dumps` of the dict document, byte for byte
+_wide_float = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-1e4, 1e4), st.just(0))
+_wide_row = st.fixed_dictionaries({
+    name: (st.sampled_from(["a", 'q"\\\n', "é→", "execute_context_1(10)_generation_0(0)"]) if name in _TEXT
+           else _wide_float if name in _FLOATS else st.integers(0, 2 ** 62)) for name in STEP_COLUMNS})
+
+
+_odd_count = st.tuples(st.sampled_from([c for c in STEP_COLUMNS if c not in _TEXT | _FLOATS]),
+                       st.sampled_from([None, 2.5, 2 ** 70, True]))  # (a float column holds a float: the trace reads it)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(_wide_row, max_size=12), odd=st.lists(st.tuples(st.integers(0, 11), _odd_count), max_size=2),
+       preempted=st.lists(st.integers(0, 3), min_size=12, max_size=12))
+def test_streamed_step_events_as_text_are_json_dumps(tmp_path_factory, rows, odd, preempted):
+    for i, row in enumerate(rows):
+        row["num_preempted"] = preempted[i]
+    for i, (name, value) in odd:
+        if i < len(rows):
+            rows[i][name] = value
+    table = StepTable.from_rows(rows)
+    path = tmp_path_factory.mktemp("trace") / "trace.json"
+    perfetto.write_chrome_trace(str(path), "r", "sim", table, [], 2)
+    doc = perfetto.chrome_trace("r", "sim", table, [], 2)
+    assert path.read_text() == json.dumps(doc, separators=(",", ":"))
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.lists(_row, min_size=1, max_size=8), n=st.integers(1, 3))
+def test_cluster_trace_with_text_step_events_equals_the_dict_encoding(tmp_path_factory, rows, n):
+    engines = [(f"e{k}", StepTable.from_rows(rows[k:]), []) for k in range(n)]
+    folder = tmp_path_factory.mktemp("cluster")
+    perfetto.write_cluster_trace(str(folder / "fast.json"), "r", engines, [(0.5, "q1", "e0")])
+    saved, perfetto._engine_event_texts = perfetto._engine_event_texts, lambda steps, pid: None  # all dicts
+    try:
+        perfetto.write_cluster_trace(str(folder / "dicts.json"), "r", engines, [(0.5, "q1", "e0")])
+    finally:
+        perfetto._engine_event_texts = saved
+    assert (folder / "fast.json").read_text() == (folder / "dicts.json").read_text()
+    assert any(type(e) is str for e in perfetto._engine_stream(engines[0][1], 1))  # the text path ran
