@@ -19,14 +19,17 @@ CPU per request once they handled windows (every engine runs implicit decodes si
 at 09:31 (`--repeats 1`). (Until then the script passed `--requests 17084`, which redraws the shared-prefix
 workload as 3,416 groups instead of the ladder's 150 cycled: a different run; it runs the config's own.)
 
-Quiet (2026-12-06 12:54 UTC, load under 1, after merging the fused step and the routing cases' `block_size:
-128`, `python benchmarks/cluster_speed.py --repeats 1`): single 0.68 ms wall / 0.86 ms CPU per request (276 MB),
-cluster llm-d 3.62 ms wall / 3.62 ms CPU per request (1,156 MB; 39.4 s in the loop, 61.9 s in all): **5.30x the
-wall time per request** (5.44x in the loop, 4.20x the CPU) against the target of 1.5x, not met; RSS met. The
-previous quiet figure, 9.16x (5.79 ms), was of the same ladder with 16-token blocks (the case's block size moved
-to the guide's 128: fewer KV events per step, so more steps fuse); the fused step alone measured -14 to -17% CPU
-on the whole ladder (below). Under cProfile the cluster run's 118 s split: simulation 97 s (fused steps 46 s, of
-which the API server's output message 16 s; normal steps 19 s; routing 5 s), trace.json 16 s (1.5M step events).
+Quiet (2026-12-06, load under 1, `python benchmarks/cluster_speed.py --repeats 2`, 13:11 UTC): single 0.65 ms
+wall / 0.79 ms CPU per request (276 MB), cluster llm-d 2.72 ms wall / 2.71 ms CPU per request (1,163 MB; 39.3 s in
+the loop, 48.2 s in all): **4.22x the wall time per request** (4.96x in the loop, 3.42x the CPU) against the
+target of 1.5x, not met; RSS met. Steps on the way (all quiet, `--repeats 1`): 9.16x (5.79 ms) with 16-token
+blocks before the fused step; 5.30x (3.62 ms; 61.9 s in all, 39.4 s in the loop) after it and the routing cases'
+move to the guide's 128-token blocks (fewer KV events per step, so more steps fuse; the fused step alone measured
+-14 to -17% CPU on the whole ladder, below); 4.22x once trace.json's step events were written as text
+(core/testbed/perfetto.py `_engine_event_texts`: the same bytes, checked on this ladder's 251 MB file; the run
+outside the loop 22.5 -> 9 s). Under cProfile the cluster run before that last change (118 s) split: simulation
+97 s (fused steps 46 s, of which the API server's output message 16 s; normal steps 19 s; routing 5 s),
+trace.json 16 s (1.5M step events).
 
 Where the time goes (`--profile 810`; call counts are load-independent): 127,235 engine steps for the first
 810 requests, 126 per request (the single-engine bench: 3): the 16 engines hold ~4 requests each and 98% of
