@@ -19,7 +19,7 @@ CPU per request once they handled windows (every engine runs implicit decodes si
 at 09:31 (`--repeats 1`). (Until then the script passed `--requests 17084`, which redraws the shared-prefix
 workload as 3,416 groups instead of the ladder's 150 cycled: a different run; it runs the config's own.)
 
-Quiet (2026-12-06, load under 1, `python benchmarks/cluster_speed.py --repeats 2`, 13:11 UTC): single 0.65 ms
+Quiet (2026-12-06, nothing else running, load about 1 at the start, `python benchmarks/cluster_speed.py --repeats 2`, 13:11 UTC): single 0.65 ms
 wall / 0.79 ms CPU per request (276 MB), cluster llm-d 2.72 ms wall / 2.71 ms CPU per request (1,163 MB; 39.3 s in
 the loop, 48.2 s in all): **4.22x the wall time per request** (4.96x in the loop, 3.42x the CPU) against the
 target of 1.5x, not met; RSS met. Steps on the way (all quiet, `--repeats 1`): 9.16x (5.79 ms) with 16-token
