@@ -263,13 +263,16 @@ class LazyDecodes:
             return None
         return ImplicitDecodes(k, self.sum_offset + k * step, self.max_offset() + step)
 
+    def members_only(self) -> bool:
+        """Whether every running request is a member and nothing was materialised since the last step."""
+        return bool(self.members) and not self.nonmembers and not self.pending_update and not self.flushed
+
     def quiet_step(self, step: int) -> Optional[ImplicitDecodes]:
-        """The aggregates of `step` when it can only run the members implicitly - nobody else running,
-        no member event due at it (`due(step)` would return nothing), nothing materialised since the
-        last step - and then `due(step)` is done; None (nothing changed) otherwise. The caller checks
-        the rest of the scheduler's state (`SimScheduler.quiet_step`)."""
-        if (not self.members or self.nonmembers or self.pending_update or self.flushed
-                or self._due_from != step or step in self._events):
+        """The aggregates of `step` when it can only run the members implicitly - `members_only()`, no
+        member event due at it (`due(step)` would return nothing) - and then `due(step)` is done; None
+        (nothing changed) otherwise. The caller checks the rest of the scheduler's state
+        (`SimScheduler.quiet_step`)."""
+        if not self.members_only() or self._due_from != step or step in self._events:
             return None
         self._due_from = step + 1
         k = len(self.members)

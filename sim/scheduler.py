@@ -135,7 +135,7 @@ class SimScheduler(Scheduler):
         if implicit is not None:
             self.current_step += 1
             return implicit
-        if not lazy.members or lazy.nonmembers or lazy.pending_update or lazy.flushed:
+        if not lazy.members_only():
             return None
         so = self.schedule()  # member events: done in place, or the normal path
         if (so.num_scheduled_tokens or so.scheduled_new_reqs or so.preempted_order or so.implicit_decodes is None
@@ -144,7 +144,7 @@ class SimScheduler(Scheduler):
             return None
         return so.implicit_decodes
 
-        # -- the overridden public methods ------------------------------------------------------------
+    # -- the overridden public methods ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         lazy = self.lazy
         if lazy is None:
