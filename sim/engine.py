@@ -463,19 +463,17 @@ class Simulation:
             return None
         kv = sched.kv_cache_manager
         shared = kv.block_pool.num_shared_refs * sched.block_size
-        duration = self.engine.executor.implicit_decode_duration(implicit, shared)
+        duration = engine.executor.implicit_decode_duration(implicit, shared)
         if duration is None:
             raise RuntimeError("implicit decodes: the executor cannot price a fused step it said it could")
         t_end = t0 + duration
         engine.step_counter += 1
         self.result.num_steps += 1
         state.count += 1
-        if not in_flight:
+        if not in_flight:  # sync: the step processes its own batch
             sched.last_updated_step = sched_step
-            self.recorder.on_implicit_step(step, sched_step, t0, t_end, implicit, len(sched.running),
-                                           kv.num_free_blocks, kv.usage, shared, step)
-            return duration, implicit.num_reqs, t_end
-        if fused is not None:
+            prev_step = step
+        elif fused is not None:
             prev_samples = fused[2].num_reqs
             sched.last_updated_step = fused[1]
         else:  # a listed batch without rows: its update applies nothing (no member has a pending output)
@@ -486,6 +484,8 @@ class Simulation:
             prev_samples = self._num_samples.pop(prev_step, 0)
         self.recorder.on_implicit_step(step, sched_step, t0, t_end, implicit, len(sched.running),
                                        kv.num_free_blocks, kv.usage, shared, prev_step)
+        if not in_flight:
+            return duration, implicit.num_reqs, t_end
         state.batch = (step, sched_step, implicit, shared, duration, t_end)
         self._fused_complete(prev_samples, prev_end)
         return duration, 0, t_end
