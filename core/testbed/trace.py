@@ -295,17 +295,15 @@ class TraceRecorder:
         self._carried_preemptions = 0
         if interned is not None:
             annotation, run, backend = interned
-            return self.steps.append_interned((
-                run, backend, step, t_start, t_end, t_end - t_start, num_reqs,
-                details.num_ctx_requests, details.num_ctx_tokens, details.num_generation_requests,
-                details.num_generation_tokens, total_tokens, annotation,
-                sum_q2, sum_q_kv, sum_kv, max_kv, num_running, num_waiting,
-                num_preempted, 0, num_free_blocks, kv_usage, prefix_queries, prefix_hits, shared_kv_tokens))
+            append = self.steps.append_interned
+        else:
+            annotation, run, backend = details.annotation, self.run, self.backend
+            append = self.steps.append
         # STEP_COLUMNS' order; num_finished is counted when the step's output is processed
-        return self.steps.append((
-            self.run, self.backend, step, t_start, t_end, t_end - t_start, num_reqs,
+        return append((
+            run, backend, step, t_start, t_end, t_end - t_start, num_reqs,
             details.num_ctx_requests, details.num_ctx_tokens, details.num_generation_requests,
-            details.num_generation_tokens, total_tokens, details.annotation,
+            details.num_generation_tokens, total_tokens, annotation,
             sum_q2, sum_q_kv, sum_kv, max_kv, num_running, num_waiting,
             num_preempted, 0, num_free_blocks, kv_usage, prefix_queries, prefix_hits, shared_kv_tokens))
 
