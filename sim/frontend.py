@@ -212,6 +212,10 @@ class SharedCPU:
             return None
         return self.now + (self._heap[0][0] - self.virtual) * self.weight
 
+    def holds_important(self) -> bool:
+        """Whether a job someone waits on (an ingress, an output that completes requests) is in service."""
+        return self._important > 0
+
     def advance(self, t: float) -> None:
         heap = self._heap
         while heap:
@@ -318,15 +322,30 @@ class ApiServerFrontend:
                        done: list[simpy.Event]) -> None:
         """The outputs of the step that ended at `t_engine` (`num_outputs` requests got tokens,
         `num_finished` finished; `done`: the events of workload requests it completes)."""
+        self.on_step_output_at(self.env.now, t_engine, num_outputs, num_finished, done)
+
+    # (explicit times: for the step windows of servetwin.sim.engine.Simulation, which hand over the outputs
+    # of steps that ended earlier than the current simulated time)
+    def quiet(self) -> bool:
+        """Whether the front end holds nothing that schedules an event: no ingress or completing output in
+        service, no queued output that completes requests, no wake-up pending. Then `on_step_output_at`
+        of outputs completing nothing schedules none either and reads no clock."""
+        return (self._wake_at is None and not any(c.holds_important() for c in self.cpus)
+                and not any(o.done for o in self._outputs))
+
+    def on_step_output_at(self, now: float, t_engine: float, num_outputs: int, num_finished: int,
+                          done: list[simpy.Event]) -> None:
+        """`on_step_output` as called at simulated time `now` (`env.now` unless `quiet()` and `done` is empty:
+        a step window hands over a step that ended at `now`, before the current time)."""
         if num_outputs <= 0 and not done:
             return
-        self._advance(self.env.now)  # first: a job done by now must not start this one early
+        self._advance(now)  # first: a job done by now must not start this one early
         if self._outputs:  # the handler is behind: these go out with the steps already waiting
             self._outputs[-1].merge(t_engine, num_outputs, num_finished, done)
         else:
             self._outputs.append(_StepOutput([t_engine], num_outputs, num_outputs, num_finished, list(done)))
         if not self._handler_busy:
-            self._start_next(self.env.now)
+            self._start_next(now)
         self._schedule_wake()
 
     def _start_next(self, t: float) -> None:

@@ -278,6 +278,18 @@ class LazyDecodes:
         k = len(self.members)
         return ImplicitDecodes(k, self.sum_offset + k * step, self.max_offset() + step)
 
+    def quiet_run(self, step: int, limit: int) -> int:
+        """How many steps from `step` on (at most `limit`) `quiet_step` would take one after the other:
+        `members_only()`, `step` next for `due`, and no event bucket at any of them (a stale one counts, as
+        in `quiet_step`). Changes nothing."""
+        if not self.members_only() or self._due_from != step:
+            return 0
+        events = self._events
+        n = 0
+        while n < limit and step + n not in events:
+            n += 1
+        return n
+
     def take_flushed(self) -> list[LateTokens]:
         out, self.flushed = self.flushed, []
         return out
