@@ -152,6 +152,54 @@ def profile(n: int, top: int) -> None:
     stats.sort_stats("tottime").print_stats(top)
 
 
+def check_windows(n: int) -> bool:
+    """The cluster config cut to its first n requests with step windows on and off (`Simulation(step_windows=
+    False)` through the cluster's engine factory): a digest of the decisions, completions, every engine's step
+    and request rows, ITLs and deliveries of each, whether they are equal, and the windows' share of steps."""
+    import hashlib  # noqa: PLC0415
+    import time  # noqa: PLC0415
+    from unittest import mock  # noqa: PLC0415
+
+    import pandas as pd  # noqa: PLC0415
+
+    import servetwin.sim.cluster as cluster_module  # noqa: PLC0415
+    from servetwin.experiments.config.schema import load_config  # noqa: PLC0415
+    from servetwin.experiments.run.cluster_run import simulate_cluster  # noqa: PLC0415
+    from servetwin.sim.engine import Simulation  # noqa: PLC0415
+
+    exp = load_config(CLUSTER, values={"output.plots": False, "output.step_requests": False})
+    exp = load_config(CLUSTER, values={"output.plots": False, "output.step_requests": False,
+                                       "workload.arrival.stages": _stages_for(exp, n), "workload.requests": n})
+
+    def digest(windows: bool) -> tuple[str, tuple[int, int, int], float]:
+        factory = Simulation if windows else (lambda *a, **kw: Simulation(*a, **{**kw, "step_windows": False}))
+        cpu = time.process_time()
+        with mock.patch.object(cluster_module, "Simulation", factory):
+            sim, runs, _, _ = simulate_cluster(exp)
+        cpu = time.process_time() - cpu
+        h = hashlib.sha256()
+        h.update(repr([(d.request_id, d.t, d.pick, d.rank, d.candidates, d.scores) for d in sim.result.decisions])
+                 .encode())
+        h.update(repr(sorted(sim.result.completion_s.items())).encode())
+        for label in sorted(runs):
+            rec = runs[label].recorder
+            frames = rec.frames()
+            for name in ("steps", "requests"):
+                h.update(pd.util.hash_pandas_object(frames[name], index=False).values.tobytes())
+            h.update(repr(rec.itls()).encode())
+            if rec.delivery is not None:
+                h.update(repr([rec.delivery.client_time(t) for t in frames["steps"]["t_end_s"]]).encode())
+        stats = [s.window_stats for _, _, s in sim.simulations()]
+        return h.hexdigest(), (sim.result.num_steps, sum(w for w, _ in stats), sum(k for _, k in stats)), cpu
+
+    on, (steps, windows, in_windows), cpu_on = digest(True)
+    off, _, cpu_off = digest(False)
+    print(f"{n} requests: windows on {on[:16]} ({cpu_on:.1f} s CPU), off {off[:16]} ({cpu_off:.1f} s CPU): "
+          f"{'equal' if on == off else 'DIFFERENT'}; {steps:,} steps, {in_windows:,} in {windows:,} windows "
+          f"({in_windows / max(1, steps):.1%}, {in_windows / max(1, windows):.1f} steps per window)")
+    return on == off
+
+
 def _stages_for(exp, n: int) -> list[dict]:
     """The ladder's first stages holding exactly n requests."""
     out, total = [], 0
@@ -171,8 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--both-arms", action="store_true", help="also the round-robin arm")
     ap.add_argument("--profile", type=int, metavar="N", help="cProfile the cluster's first N requests instead")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--check-windows", type=int, metavar="N", nargs="+",
+                    help="compare the first N requests with step windows on and off instead")
     args = ap.parse_args(argv)
-    if args.profile:
+    if args.check_windows:
+        if not all([check_windows(n) for n in args.check_windows]):
+            raise SystemExit(1)
+    elif args.profile:
         profile(args.profile, args.top)
     else:
         measure(args.repeats, args.both_arms)

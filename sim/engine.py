@@ -118,6 +118,12 @@ class _Window:
     applied: int
     stop: int
     wake: simpy.Event
+    # the steps' batch (`SimScheduler.quiet_run`): step i's aggregates are ImplicitDecodes(num_reqs,
+    # sum_offset + num_reqs x q, max_offset + q) at its scheduler step q = step 1's + i - 1; its shared KV
+    num_reqs: int
+    sum_offset: int
+    max_offset: int
+    shared: int
 
 
 @dataclass(slots=True)
@@ -471,8 +477,7 @@ class Simulation:
                 self.on_step_boundary(self)
 
     # -- the fused implicit-decode step -----------------------------------------------------------
-    def _fused_step(self, state: _Shortcuts, t0: float,
-                    duration: Optional[float] = None) -> Optional[tuple[float, int, float]]:
+    def _fused_step(self, state: _Shortcuts, t0: float) -> Optional[tuple[float, int, float]]:
         """An engine step whose batch is the implicit decode rows alone and whose processed batch has no
         output (`SimScheduler.quiet_step` says when; most steps of a cluster's engines, which hold a few
         requests each) done in one go: the scheduler's step, the duration from the cost model
@@ -481,8 +486,7 @@ class Simulation:
         `EngineCore.step` - the same state, rows and events as `step_engine` + `record_step`
         (tests/sim/test_sim_fused_step.py). Returns (duration, the samples of its own batch to
         complete at its end - sync scheduling - else 0, that end), or None: not such a step, nothing
-        changed. `duration`: the step's, already priced (a step window's); `t0` is the current time
-        otherwise."""
+        changed."""
         engine = self.engine
         sched = engine.scheduler
         queue = engine.batch_queue
@@ -506,8 +510,7 @@ class Simulation:
             return None
         kv = sched.kv_cache_manager
         shared = kv.block_pool.num_shared_refs * sched.block_size
-        if duration is None:
-            duration = engine.executor.implicit_decode_duration(implicit, shared)
+        duration = engine.executor.implicit_decode_duration(implicit, shared)
         if duration is None:
             raise RuntimeError("implicit decodes: the executor cannot price a fused step it said it could")
         t_end = t0 + duration
@@ -582,12 +585,15 @@ class Simulation:
         if (self._inbox or self._aborts or state.timeouts or self.on_step_boundary is not None
                 or state.batch is None or (self.frontend is not None and not self.frontend.quiet())):
             return None
-        sched = self.engine.scheduler
+        engine = self.engine
+        sched = engine.scheduler
         run = sched.quiet_run(WINDOW_MAX_STEPS - 1)
         if run is None:
             return None
         n, k, sum_offset, max_offset = run
         q = sched.current_step  # the scheduler step of the window's step 2
+        if state.batch[:2] != (engine.step_counter - 1, q - 1) or state.batch[2].num_reqs != k:
+            raise AssertionError("step window: step 1 is not the last fused step")
         shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (no KV event in it)
         price = self.engine.executor.implicit_decode_duration
         t = t0 + d1
@@ -608,7 +614,7 @@ class Simulation:
             stop -= 1
         if delay is None:
             return None
-        window = state.window = _Window(ends, durations, 0, stop, self.env.event())
+        window = state.window = _Window(ends, durations, 0, stop, self.env.event(), k, sum_offset, max_offset, shared)
         self.env.timeout(delay).callbacks.append(lambda _e, w=window, i=stop: self._window_due(w, i))
         return window
 
@@ -620,13 +626,39 @@ class Simulation:
             self._shortcuts.stale += 1
 
     def _window_apply(self, window: _Window, upto: int) -> None:
-        """The actions at the ends of the window's steps applied+1 .. upto, with their own times."""
-        state = self._shortcuts
-        ends, durations = window.ends, window.durations
-        for i in range(window.applied + 1, upto + 1):
-            if self._fused_step(state, ends[i], durations[i + 1]) is None:
-                raise AssertionError(f"step window: its step {i + 1} was not a fused step")
-        window.applied = max(window.applied, upto)
+        """The actions at the ends of the window's steps applied+1 .. upto, with their own times: what
+        `_fused_step` does at each (async: step i + 1 scheduled, step i's batch processed and its outputs
+        handed to the front end), for the steps `SimScheduler.quiet_run` found quiet."""
+        first = window.applied + 1
+        n = upto + 1 - first
+        if n <= 0:
+            return
+        window.applied = upto
+        state, engine = self._shortcuts, self.engine
+        sched = engine.scheduler
+        step, q = engine.step_counter, sched.current_step  # step i + 1's (i = first)
+        sched.quiet_steps(n)
+        engine.step_counter += n
+        self.result.num_steps += n
+        state.count += n
+        sched.last_updated_step = q + n - 2  # (each step processes the previous one's batch)
+        kv = sched.kv_cache_manager
+        k, sum_offset, max_offset, shared = window.num_reqs, window.sum_offset, window.max_offset, window.shared
+        num_running, num_free, usage = len(sched.running), kv.num_free_blocks, kv.usage
+        ends = window.ends
+        on_row = self.recorder.on_implicit_step
+        implicit = None
+        for j in range(n):
+            s = q + j
+            implicit = ImplicitDecodes(k, sum_offset + k * s, max_offset + s)
+            on_row(step + j, s, ends[first + j], ends[first + j + 1], implicit, num_running, num_free, usage, shared,
+                   step + j - 1)
+        last = upto + 1
+        state.batch = (step + n - 1, q + n - 1, implicit, shared, window.durations[last], ends[last])
+        if self.frontend is not None:
+            output = self.frontend.on_step_output_at
+            for i in range(first, upto + 1):
+                output(ends[i], ends[i], k, 0, [])
 
     def _window_close(self, window: _Window) -> None:
         """The engine woke at the end of the window's last step: the actions before it applied."""

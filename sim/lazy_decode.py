@@ -290,6 +290,12 @@ class LazyDecodes:
             n += 1
         return n
 
+    def skip_quiet(self, step: int, n: int) -> None:
+        """`quiet_step` of steps step .. step + n - 1, which `quiet_run` found quiet (nothing changed since)."""
+        if self._due_from != step:
+            raise AssertionError(f"implicit decodes: quiet steps from {step}, but the next step is {self._due_from}")
+        self._due_from = step + n
+
     def take_flushed(self) -> list[LateTokens]:
         out, self.flushed = self.flushed, []
         return out

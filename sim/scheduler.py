@@ -167,6 +167,12 @@ class SimScheduler(Scheduler):
             return None
         return n, len(lazy.members), lazy.sum_offset, lazy.max_offset()
 
+    def quiet_steps(self, n: int) -> None:
+        """Take the next n steps as `quiet_step` would, after `quiet_run` found them quiet and nothing reached
+        the scheduler since: only the step counters move."""
+        self.lazy.skip_quiet(self.current_step, n)
+        self.current_step += n
+
     # -- the overridden public methods ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         lazy = self.lazy
