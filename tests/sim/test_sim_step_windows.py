@@ -78,7 +78,7 @@ def test_windows_equal_the_run_without_them(async_scheduling, caching, block_siz
         num_windows, steps = _assert_same(engine_kw, workload, frontend)
     if not async_scheduling:
         assert num_windows == 0
-    assert steps >= 2 * num_windows
+    assert steps >= num_windows  # (a window cut while its first step runs has one step)
 
 
 @pytest.mark.parametrize("frontend", ["offline", "api_server"])
