@@ -189,9 +189,6 @@ class Simulation:
             fast_forward=fast_forward and not self.lazy_decode and plain,
             fused=(fused_steps and self.lazy_decode and self.pipeline is None
                    and getattr(ex, "kv_worker", None) is None and hasattr(ex, "implicit_decode_duration")))
-        # step windows (`_plan_window`): fused steps, async scheduling, a run to its end (no `max_time_s`)
-        self._shortcuts.windows = (step_windows and self._shortcuts.fused and engine.batch_queue_size > 1
-                                   and max_time_s is None)
         self.eos_token_id = eos_token_id
         self.on_complete = on_complete
         self.on_reject = on_reject
@@ -221,6 +218,10 @@ class Simulation:
 
             self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend,
                                               frontend.api_server_count, frontend.ingress)
+        # step windows (`_plan_window`): with fused steps, in a run to its end (no `max_time_s`), in async
+        # scheduling, or in sync scheduling without a front end (ties, `_plan_window`)
+        self._shortcuts.windows = (step_windows and self._shortcuts.fused and max_time_s is None
+                                   and (engine.batch_queue_size > 1 or self.frontend is None))
 
     @property
     def fast_forward(self) -> bool:
@@ -457,6 +458,7 @@ class Simulation:
                         else:
                             yield window.wake
                             self._window_close(window)
+                            fused = (fused[0], fused[1], env.now)  # (sync: the last step's batch ends now)
                     if fused[1]:  # sync: the step's own batch, processed at its end
                         self._fused_complete(fused[1], fused[2], env.now)
                     if self.on_step_boundary is not None:
@@ -574,17 +576,20 @@ class Simulation:
     # - the times are the step-by-step run's floats: ends[i] = ends[i - 1] + durations[i], as SimPy's
     #   `now + delay`, and the one timeout lands on exactly the end (`_delay_to`);
     # - ties: a cut at exactly a step end (a request reaching the engine at the time a step ends) is
-    #   ordered by SimPy's event ids in the step-by-step run; in async scheduling it does not matter: the
-    #   step-by-step engine applies a step end's actions after everything else at that time (it settles
-    #   first, `_settle`), which is what the cut leaves to the woken engine. Other events at a step end
+    #   ordered by SimPy's event ids in the step-by-step run; here it does not matter: the step-by-step
+    #   engine schedules the next step after everything else at that time (it settles first, `_settle`),
+    #   which is what the cut leaves to the woken engine, and it hands the step's outputs to the front end
+    #   then too in async scheduling (in sync scheduling it does so before settling, at a time that depends
+    #   on the event ids: so no windows in sync scheduling with a front end). Other events at a step end
     #   (other engines, scrapes, the arrival process) do not touch this engine's state.
     def _plan_window(self, t0: float, d1: float) -> Optional[_Window]:
         """After a fused step at `t0` of `d1` seconds: a window of it and the quiet steps after it, or None
         (the engine waits for that step alone)."""
         state = self._shortcuts
         if (self._inbox or self._aborts or state.timeouts or self.on_step_boundary is not None
-                or state.batch is None or (self.frontend is not None and not self.frontend.quiet())):
+                or (self.frontend is not None and not self.frontend.quiet())):
             return None
+        in_flight = state.batch is not None  # async: each step processes the previous one's batch
         engine = self.engine
         sched = engine.scheduler
         run = sched.quiet_run(WINDOW_MAX_STEPS - 1)
@@ -592,7 +597,7 @@ class Simulation:
             return None
         n, k, sum_offset, max_offset = run
         q = sched.current_step  # the scheduler step of the window's step 2
-        if state.batch[:2] != (engine.step_counter - 1, q - 1) or state.batch[2].num_reqs != k:
+        if in_flight and (state.batch[:2] != (engine.step_counter - 1, q - 1) or state.batch[2].num_reqs != k):
             raise AssertionError("step window: step 1 is not the last fused step")
         shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (no KV event in it)
         price = self.engine.executor.implicit_decode_duration
@@ -627,8 +632,8 @@ class Simulation:
 
     def _window_apply(self, window: _Window, upto: int) -> None:
         """The actions at the ends of the window's steps applied+1 .. upto, with their own times: what
-        `_fused_step` does at each (async: step i + 1 scheduled, step i's batch processed and its outputs
-        handed to the front end), for the steps `SimScheduler.quiet_run` found quiet."""
+        `_fused_step` does at each (step i's batch processed, its outputs handed to the front end - async
+        scheduling - and step i + 1 scheduled), for the steps `SimScheduler.quiet_run` found quiet."""
         first = window.applied + 1
         n = upto + 1 - first
         if n <= 0:
@@ -641,7 +646,8 @@ class Simulation:
         engine.step_counter += n
         self.result.num_steps += n
         state.count += n
-        sched.last_updated_step = q + n - 2  # (each step processes the previous one's batch)
+        in_flight = state.batch is not None  # async: each step processes the previous one's batch, else its own
+        sched.last_updated_step = q + n - 1 - in_flight
         kv = sched.kv_cache_manager
         k, sum_offset, max_offset, shared = window.num_reqs, window.sum_offset, window.max_offset, window.shared
         num_running, num_free, usage = len(sched.running), kv.num_free_blocks, kv.usage
@@ -652,7 +658,9 @@ class Simulation:
             s = q + j
             implicit = ImplicitDecodes(k, sum_offset + k * s, max_offset + s)
             on_row(step + j, s, ends[first + j], ends[first + j + 1], implicit, num_running, num_free, usage, shared,
-                   step + j - 1)
+                   step + j - in_flight)
+        if not in_flight:
+            return  # (sync: no front end, `_plan_window`)
         last = upto + 1
         state.batch = (step + n - 1, q + n - 1, implicit, shared, window.durations[last], ends[last])
         if self.frontend is not None:

@@ -66,7 +66,7 @@ def _assert_same(engine_kw: dict, workload: dict, frontend: str) -> tuple[int, i
        extra_blocks=st.sampled_from([0, 10, 400]), shared=st.booleans(), seed=st.integers(0, 500))
 def test_windows_equal_the_run_without_them(async_scheduling, caching, block_size, max_num_seqs, rate, requests,
                                              out_hi, frontend, timeout_s, window, extra_blocks, shared, seed):
-    """Sync and async scheduling (windows in async only), prefix caching, sliding-window groups, small pools
+    """Sync and async scheduling (sync: windows without a front end only), prefix caching, sliding-window groups, small pools
     (preemption), arrivals during windows (cuts), the API-server front end, client timeouts: the same run."""
     groups = 1 if window is None else NUM_KV_CACHE_GROUPS["gpt-oss-like"]
     num_blocks = groups * -(-160 // block_size) + 1 + extra_blocks  # one max-length request fits
@@ -76,18 +76,18 @@ def test_windows_equal_the_run_without_them(async_scheduling, caching, block_siz
     workload = small_workload(requests, seed, out_hi, 40, rate, shared, max_output_tokens=min(out_hi, 100), **extra)
     with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
         num_windows, steps = _assert_same(engine_kw, workload, frontend)
-    if not async_scheduling:
+    if not async_scheduling and frontend == "api_server":
         assert num_windows == 0
     assert steps >= num_windows  # (a window cut while its first step runs has one step)
 
 
-@pytest.mark.parametrize("frontend", ["offline", "api_server"])
+@pytest.mark.parametrize("async_scheduling, frontend", [(True, "offline"), (True, "api_server"), (False, "offline")])
 @pytest.mark.parametrize("rate", [None, 30.0])
-def test_a_steady_async_batch_runs_in_windows(frontend, rate):
-    """A steady decode batch in async scheduling: most of its steps are inside windows (each up to the next
-    member event: a new block), arrivals cut them, and the run is the same."""
+def test_a_steady_batch_runs_in_windows(async_scheduling, frontend, rate):
+    """A steady decode batch: most of its steps are inside windows (each up to the next member event: a new
+    block), arrivals cut them, and the run is the same."""
     engine_kw = dict(enable_prefix_caching=True, block_size=64, num_gpu_blocks=600, max_num_seqs=8,
-                     max_model_len=1024, async_scheduling=True)
+                     max_model_len=1024, async_scheduling=async_scheduling)
     workload = {"requests": 8, "seed": 2, "prompt_tokens": 40, "output_tokens": 600,
                 "arrival": {"type": "offline"} if rate is None else {"type": "poisson", "rate": rate}}
     num_windows, steps = _assert_same(engine_kw, workload, frontend)
@@ -174,5 +174,5 @@ def test_a_cluster_with_windows_equals_its_run_without(router, instances, rate, 
     exp = validate_config(raw)
     with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
         num_windows, _ = assert_same_cluster(exp, monkeypatch)
-    if not async_scheduling:
+    if not async_scheduling and frontend == "api_server":
         assert num_windows == 0
