@@ -653,7 +653,7 @@ class Simulation:
         num_running, num_free, usage = len(sched.running), kv.num_free_blocks, kv.usage
         ends = window.ends
         on_row = self.recorder.on_implicit_step
-        implicit = None
+        implicit: Optional[ImplicitDecodes] = None
         for j in range(n):
             s = q + j
             implicit = ImplicitDecodes(k, sum_offset + k * s, max_offset + s)
@@ -662,6 +662,7 @@ class Simulation:
         if not in_flight:
             return  # (sync: no front end, `_plan_window`)
         last = upto + 1
+        assert implicit is not None  # (n >= 1)
         state.batch = (step + n - 1, q + n - 1, implicit, shared, window.durations[last], ends[last])
         if self.frontend is not None:
             output = self.frontend.on_step_output_at
