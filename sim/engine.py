@@ -34,6 +34,12 @@ step output, without the `SchedulerOutput`, stats and runner output of `EngineCo
 rows, events and state (tests/sim/test_sim_fused_step.py). In async scheduling its batch stays out of
 the engine's batch queue until a normal step needs it there (`_unfuse`).
 
+Step windows (`step_windows=True`, with fused steps; async scheduling, or sync without a front end): a run of
+fused steps without member events is one SimPy event; what the step-by-step run does at each step end in
+between is applied afterwards with that step's own times, or up to the current time when a request reaches
+the engine first (the window then ends with the step in progress) - the same rows, events and state
+(tests/sim/test_sim_step_windows.py; `_plan_window` says why).
+
 Front end: with `frontend=` an API server (`servetwin.sim.frontend.ApiServerFrontend`, its own
 process with its own CPU) sits between the arrival process and the engine: arrivals are submitted to
 it, it hands each request to the engine when its ingress work is done, gets every processed step's
