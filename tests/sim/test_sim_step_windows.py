@@ -24,13 +24,17 @@ from servetwin.sim.workload import build_workload, rng_streams
 from sim_helpers import NUM_KV_CACHE_GROUPS, assert_same_block_pool, hybrid_spec, sim_model, small_workload
 
 
+FRONTENDS = {"offline": FrontendConfig("offline"), "api_server": FrontendConfig("api_server"),
+             "two_servers_in_order": FrontendConfig("api_server", "chat", api_server_count=2, ingress="in_order")}
+
+
 def _run(engine_kw: dict, workload: dict, frontend: str, windows: bool):
     args = EngineArgs.from_kwargs(model="tiny-llama", backend="sim", hardware="h100-sxm", skip_tokenizer_init=True,
                                   **engine_kw)
     engine, info = create_engine_core(args)
     spec, requests = build_workload(workload, vocab_size=info.vocab_size)
     sim = Simulation(engine, requests, spec.arrival, rng=rng_streams(spec.seed)["runtime"], fast_forward=False,
-                     record_step_requests=False, step_windows=windows, frontend=FrontendConfig(frontend))
+                     record_step_requests=False, step_windows=windows, frontend=FRONTENDS[frontend])
     return sim.run(), engine, sim
 
 
@@ -45,7 +49,7 @@ def _assert_same(engine_kw: dict, workload: dict, frontend: str) -> tuple[int, i
     assert off.recorder.itls() == on.recorder.itls()
     assert (off.completion_s, off.rejected, off.aborted_s, off.unfinished, off.num_steps, off.end_time_s) \
         == (on.completion_s, on.rejected, on.aborted_s, on.unfinished, on.num_steps, on.end_time_s)
-    if frontend == "api_server":
+    if frontend != "offline":
         ends = list(a["steps"]["t_end_s"])
         assert [on.recorder.delivery.client_time(t) for t in ends] == \
             [off.recorder.delivery.client_time(t) for t in ends]
@@ -61,13 +65,14 @@ def _assert_same(engine_kw: dict, workload: dict, frontend: str) -> tuple[int, i
 @settings(max_examples=30, deadline=None)
 @given(async_scheduling=st.booleans(), caching=st.booleans(), block_size=st.sampled_from([1, 4, 16]),
        max_num_seqs=st.integers(1, 10), rate=st.sampled_from([None, 20.0, 200.0]), requests=st.integers(1, 12),
-       out_hi=st.integers(1, 120), frontend=st.sampled_from(["offline", "api_server"]),
+       out_hi=st.integers(1, 120), frontend=st.sampled_from(sorted(FRONTENDS)),
        timeout_s=st.sampled_from([None, None, 0.01, 0.05]), window=st.sampled_from([None, None, 5, 24]),
        extra_blocks=st.sampled_from([0, 10, 400]), shared=st.booleans(), seed=st.integers(0, 500))
 def test_windows_equal_the_run_without_them(async_scheduling, caching, block_size, max_num_seqs, rate, requests,
                                              out_hi, frontend, timeout_s, window, extra_blocks, shared, seed):
     """Sync and async scheduling (sync: windows without a front end only), prefix caching, sliding-window groups, small pools
-    (preemption), arrivals during windows (cuts), the API-server front end, client timeouts: the same run."""
+    (preemption), arrivals during windows (cuts), the API-server front end (also two servers, in-order
+    ingress), client timeouts: the same run."""
     groups = 1 if window is None else NUM_KV_CACHE_GROUPS["gpt-oss-like"]
     num_blocks = groups * -(-160 // block_size) + 1 + extra_blocks  # one max-length request fits
     engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
@@ -76,7 +81,7 @@ def test_windows_equal_the_run_without_them(async_scheduling, caching, block_siz
     workload = small_workload(requests, seed, out_hi, 40, rate, shared, max_output_tokens=min(out_hi, 100), **extra)
     with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
         num_windows, steps = _assert_same(engine_kw, workload, frontend)
-    if not async_scheduling and frontend == "api_server":
+    if not async_scheduling and frontend != "offline":
         assert num_windows == 0
     assert steps >= num_windows  # (a window cut while its first step runs has one step)
 
