@@ -21,6 +21,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
+from servetwin.experiments.validate.token_basis import check_token_basis
+
 GROUPS = ("throughput/duration", "TPOT/ITL", "TTFT", "E2E")
 # published metric -> (summary.json key, statistic or None, scale to the published unit)
 _DIST = {"mean": "mean", "p50": "p50", "p99": "p99"}
@@ -133,6 +135,7 @@ def load_published(case_dir: str | Path) -> tuple[dict[str, Path], dict[str, Any
         for metric in entry["published"]:
             predicted_value(metric, {})  # unknown metric names fail before any run
         _check_stages(name, entry.get("stages"))
+        check_token_basis(name, entry)
         if entry.get("pending") and name not in cases:  # a recorded case that cannot run yet has no YAML
             cases[name] = d / "cases" / f"{name}.yaml"
     return cases, published
