@@ -7,7 +7,9 @@ end-to-end time, `benchmark_latency`), and `ttft_*`, `tpot_*`, `itl_*`, `e2e_*` 
 `p99` as `vllm bench serve` reports them. Every case is run as it is (its YAML, optionally on other
 hardware) and each published figure is compared with the prediction from the run's `summary.json`:
 signed error = (predicted - published) / published. Groups (median |error| each):
-throughput/duration (req_s, out_tok_s, tot_tok_s, dur_s, lat_*), TPOT/ITL, TTFT, E2E.
+throughput/duration (req_s, out_tok_s, tot_tok_s, dur_s, lat_*), TPOT/ITL, TTFT, E2E. A case's optional
+`token_basis` (the harness's own output count per request, with its source) also puts the token-counting
+figures on the engine's basis (experiments/validate/token_basis.py).
 """
 from __future__ import annotations
 
