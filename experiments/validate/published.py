@@ -281,13 +281,13 @@ def group_medians(results: list[CaseResult]) -> dict[str, Optional[float]]:
     return {g: (float(np.median(v)) if v else None) for g, v in per.items()}
 
 
-def _pct(x: Optional[float], signed: bool = True) -> str:
+def format_pct(x: Optional[float], signed: bool = True) -> str:
     if x is None or not math.isfinite(x):
         return "-"
     return f"{100 * x:+.1f}%" if signed else f"{100 * x:.1f}%"
 
 
-def _num(x: Optional[float]) -> str:
+def format_num(x: Optional[float]) -> str:
     if x is None:
         return "-"
     return f"{x:,.4g}" if abs(x) < 1000 else f"{x:,.0f}"
@@ -304,10 +304,10 @@ def render_table(results: list[CaseResult], title: str = "Published vLLM vs serv
             continue
         errs = r.errors()
         for m, pub, p in r.rows:
-            lines.append(f"| {r.name} | {m} | {_num(pub)} | {_num(p)} | {_pct(errs.get(m))} |")
+            lines.append(f"| {r.name} | {m} | {format_num(pub)} | {format_num(p)} | {format_pct(errs.get(m))} |")
     med = group_medians(results)
     lines += ["", "| group | median abs error |", "|---|---:|"]
-    lines += [f"| {g} | {_pct(v, signed=False)} |" for g, v in med.items()]
+    lines += [f"| {g} | {format_pct(v, signed=False)} |" for g, v in med.items()]
     ran = sum(1 for r in results if not r.error and not r.pending)
     pending = sum(1 for r in results if r.pending)
     lines += ["", f"cases run: {ran}/{len(results)}" + (f" ({pending} not runnable yet)" if pending else "")]

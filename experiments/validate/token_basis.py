@@ -140,7 +140,8 @@ class BasisCase:
     name: str
     engine: Optional[int]
     counts: str  # the factor(s) used and their source, or why none
-    rows: list[tuple[str, float, Optional[float], Optional[float], str]]  # metric, published, engine basis, predicted, how
+    # (metric, published, published on the engine basis, predicted, how it was converted or why not)
+    rows: list[tuple[str, float, Optional[float], Optional[float], str]]
 
 
 def basis_case(result: Any, entry: Mapping[str, Any], engine: Optional[int]) -> BasisCase:
@@ -215,26 +216,31 @@ def engine_basis_results(case_dir: str | Path, results: list[Any], overrides: Op
     return out
 
 
+def _error(predicted: Optional[float], reference: Optional[float]) -> Optional[float]:
+    return None if predicted is None or not reference else (predicted - reference) / reference
+
+
 def _median_abs(errors: list[float]) -> Optional[float]:
     return float(np.median(np.abs(errors))) if errors else None
 
 
-def _group_errors(rows: list[tuple[str, float, Optional[float], Optional[float], str]], column: int
+def _group_errors(rows: list[tuple[str, float, Optional[float], Optional[float], str]], on_engine_basis: bool
                   ) -> dict[str, list[float]]:
-    """Signed errors per group: column 1 the published figure as published, 2 on the engine basis."""
+    """Signed errors per group against the published figure as published or on the engine basis."""
     from servetwin.experiments.validate.published import GROUPS, metric_group  # noqa: PLC0415
     per: dict[str, list[float]] = {g: [] for g in GROUPS}
-    for row in rows:
-        reference, predicted = row[column], row[3]
-        if predicted is not None and reference:
-            per[metric_group(row[0])].append((predicted - reference) / reference)
+    for metric, published, basis, predicted, _ in rows:
+        reference = basis if on_engine_basis else published
+        err = _error(predicted, reference)
+        if err is not None:
+            per[metric_group(metric)].append(err)
     return per
 
 
 def render_engine_basis(cases: list[BasisCase]) -> str:
     """The engine-basis section of `servetwin validate`: the token-counting figures on both bases, then the
     median |error| per group on both bases for the whole folder and per case (Markdown)."""
-    from servetwin.experiments.validate.published import GROUPS, _num, _pct  # noqa: PLC0415
+    from servetwin.experiments.validate.published import GROUPS, format_num, format_pct  # noqa: PLC0415
     lines = ["Output tokens per request (engine: decoded, fixed by the workload; client: counted by the report's "
              "harness, which re-tokenises the streamed text):"]
     lines += [f"- {c.name}: {c.counts}" for c in cases]
@@ -245,22 +251,21 @@ def render_engine_basis(cases: list[BasisCase]) -> str:
               "error, engine-token basis | conversion |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for c in converted:
         for metric, pub, basis, pred, how in c.rows:
-            if not counts_tokens(metric):
-                continue
-            err = (lambda ref: None if pred is None or not ref else (pred - ref) / ref)
-            lines.append(f"| {c.name} | {metric} | {_num(pub)} | {_num(basis)} | {_num(pred)} | {_pct(err(pub))} | "
-                         f"{_pct(err(basis))} | {how} |")
+            if counts_tokens(metric):
+                lines.append(f"| {c.name} | {metric} | {format_num(pub)} | {format_num(basis)} | {format_num(pred)} | "
+                             f"{format_pct(_error(pred, pub))} | {format_pct(_error(pred, basis))} | {how} |")
     lines += ["", "| median abs error | group | as published | engine-token basis | figures (converted) |",
               "|---|---|---:|---:|---:|"]
     scopes = [("whole folder", [r for c in cases for r in c.rows])] + [(c.name, c.rows) for c in cases]
     for scope, rows in scopes:
-        as_pub, on_basis = _group_errors(rows, 1), _group_errors(rows, 2)
+        as_pub, on_basis = _group_errors(rows, False), _group_errors(rows, True)
         for g in GROUPS:
             if not as_pub[g]:
                 continue
             n_converted = sum(1 for r in rows if r[3] is not None and _converted(r) and _same_group(r[0], g))
-            lines.append(f"| {scope} | {g} | {_pct(_median_abs(as_pub[g]), signed=False)} | "
-                         f"{_pct(_median_abs(on_basis[g]), signed=False)} | {len(as_pub[g])} ({n_converted}) |")
+            lines.append(f"| {scope} | {g} | {format_pct(_median_abs(as_pub[g]), signed=False)} | "
+                         f"{format_pct(_median_abs(on_basis[g]), signed=False)} | "
+                         f"{len(as_pub[g])} ({n_converted}) |")
     return "\n".join(lines)
 
 
