@@ -22,6 +22,12 @@ basis. Each metric's conversion follows from inference-perf's definitions (`infe
   request, its output count 282.7). On the engine basis the pooled ITL mean equals the TPOT mean's conversion
   (E tokens per request, each timestamped): it would be the same figure counted twice.
 - TTFT, E2E, requests/s and durations count no output tokens: the same on both bases.
+
+The reports do not say which inference-perf version they ran. These conversions hold for every version read:
+throughput and requests/s have shared total_time since 2025, TTFT has been the first token's time - start
+throughout; TPOT divided the span by the chunk count before kubernetes-sigs/inference-perf#410 (April 2026)
+and by the client count since, and the engine-basis TPOT uses neither. Where a version counts the server's
+tokens (`use_server_output_tokens`, #577 / #607), C = E and converting changes nothing.
 """
 from __future__ import annotations
 
