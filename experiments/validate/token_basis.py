@@ -99,7 +99,8 @@ def engine_tokens(workload_spec: Any) -> Optional[int]:
     length = getattr(workload_spec, "output_tokens", None)
     if getattr(workload_spec, "finish", None) != "max_tokens" or not isinstance(length, Fixed):
         return None
-    return int(length.value)
+    cap = getattr(workload_spec, "max_output_tokens", None)
+    return int(length.value) if cap is None else min(int(length.value), int(cap))
 
 
 def check_token_basis(name: str, entry: Mapping[str, Any]) -> None:
@@ -117,6 +118,8 @@ def check_token_basis(name: str, entry: Mapping[str, Any]) -> None:
         raise ValueError(f"{where}: unknown key {unknown[0]!r}")
     if "client_tokens_per_request" in basis:
         _check_count(where, basis, entry.get("published") or {})
+    if not isinstance(basis.get("per_stage") or [], list):
+        raise ValueError(f"{where}.per_stage: must be a list of {{rate, client_tokens_per_request, source}}")
     stages = {float(st["rate"]): st for st in ((entry.get("stages") or {}).get("per_stage") or [])}
     for i, st in enumerate(basis.get("per_stage") or []):
         at = f"{where}.per_stage[{i}]"

@@ -97,6 +97,8 @@ def test_engine_count_needs_a_fixed_length_and_max_tokens():
     from servetwin.experiments.config.schema import load_config
     spec = load_config(ROOT / "cases" / f"{PD}.yaml").workload.spec
     assert engine_tokens(spec) == 250
+    spec.max_output_tokens = 200  # the workload caps the sampled length
+    assert engine_tokens(spec) == 200
     spec.finish = "eos"  # a request may stop early: the engine's count is not fixed
     assert engine_tokens(spec) is None
 
@@ -160,3 +162,6 @@ def test_a_count_that_contradicts_the_figures_is_refused(tmp_path, capsys):
     (d / "published.json").write_text(json.dumps({"a": {**entry, "token_basis": {"per_stage": [{"rate": 9}]}}}))
     assert main(["validate", str(d), "-q"]) == 2
     assert "token_basis.per_stage[0]: must name the `rate` of a published stage" in capsys.readouterr().err
+    (d / "published.json").write_text(json.dumps({"a": {**entry, "token_basis": {"per_stage": "all"}}}))
+    assert main(["validate", str(d), "-q"]) == 2
+    assert "token_basis.per_stage: must be a list" in capsys.readouterr().err
