@@ -7,7 +7,9 @@ end-to-end time, `benchmark_latency`), and `ttft_*`, `tpot_*`, `itl_*`, `e2e_*` 
 `p99` as `vllm bench serve` reports them. Every case is run as it is (its YAML, optionally on other
 hardware) and each published figure is compared with the prediction from the run's `summary.json`:
 signed error = (predicted - published) / published. Groups (median |error| each):
-throughput/duration (req_s, out_tok_s, tot_tok_s, dur_s, lat_*), TPOT/ITL, TTFT, E2E.
+throughput/duration (req_s, out_tok_s, tot_tok_s, dur_s, lat_*), TPOT/ITL, TTFT, E2E. A case's optional
+`token_basis` (the harness's own output count per request, with its source) also puts the token-counting
+figures on the engine's basis (experiments/validate/token_basis.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
+
+from servetwin.experiments.validate.token_basis import check_token_basis
 
 GROUPS = ("throughput/duration", "TPOT/ITL", "TTFT", "E2E")
 # published metric -> (summary.json key, statistic or None, scale to the published unit)
@@ -133,6 +137,7 @@ def load_published(case_dir: str | Path) -> tuple[dict[str, Path], dict[str, Any
         for metric in entry["published"]:
             predicted_value(metric, {})  # unknown metric names fail before any run
         _check_stages(name, entry.get("stages"))
+        check_token_basis(name, entry)
         if entry.get("pending") and name not in cases:  # a recorded case that cannot run yet has no YAML
             cases[name] = d / "cases" / f"{name}.yaml"
     return cases, published
@@ -276,13 +281,13 @@ def group_medians(results: list[CaseResult]) -> dict[str, Optional[float]]:
     return {g: (float(np.median(v)) if v else None) for g, v in per.items()}
 
 
-def _pct(x: Optional[float], signed: bool = True) -> str:
+def format_pct(x: Optional[float], signed: bool = True) -> str:
     if x is None or not math.isfinite(x):
         return "-"
     return f"{100 * x:+.1f}%" if signed else f"{100 * x:.1f}%"
 
 
-def _num(x: Optional[float]) -> str:
+def format_num(x: Optional[float]) -> str:
     if x is None:
         return "-"
     return f"{x:,.4g}" if abs(x) < 1000 else f"{x:,.0f}"
@@ -299,10 +304,10 @@ def render_table(results: list[CaseResult], title: str = "Published vLLM vs serv
             continue
         errs = r.errors()
         for m, pub, p in r.rows:
-            lines.append(f"| {r.name} | {m} | {_num(pub)} | {_num(p)} | {_pct(errs.get(m))} |")
+            lines.append(f"| {r.name} | {m} | {format_num(pub)} | {format_num(p)} | {format_pct(errs.get(m))} |")
     med = group_medians(results)
     lines += ["", "| group | median abs error |", "|---|---:|"]
-    lines += [f"| {g} | {_pct(v, signed=False)} |" for g, v in med.items()]
+    lines += [f"| {g} | {format_pct(v, signed=False)} |" for g, v in med.items()]
     ran = sum(1 for r in results if not r.error and not r.pending)
     pending = sum(1 for r in results if r.pending)
     lines += ["", f"cases run: {ran}/{len(results)}" + (f" ({pending} not runnable yet)" if pending else "")]

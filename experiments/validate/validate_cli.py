@@ -49,6 +49,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     ranks = ranking_checks(results, published)
     if ranks:
         table += "\n\nRankings the sources show:\n" + "\n".join(ranks)
+    if any(entry.get("token_basis") for entry in published.values()):
+        from servetwin.experiments.validate import token_basis  # noqa: PLC0415
+        basis = token_basis.engine_basis_results(args.dir, results, overrides=args.set or None)
+        table += ("\n\n## Engine-token basis\n\nThe tables above compare every figure as published. Below, "
+                  "the figures that count output tokens are also put on the engine's basis (tokens decoded) with "
+                  "the report's own counts (experiments/validate/token_basis.py); figures that cannot be "
+                  "converted stand as published.\n\n" + token_basis.render_engine_basis(basis))
     print(table)
     if args.loo:
         _print_loo(args, grid, preset, log)
