@@ -683,6 +683,15 @@ class Simulation:
         state.num_windows += 1
         state.window_steps += window.stop
 
+    def _window_apply_before(self, window: _Window, now: float) -> int:
+        """The actions of the window's steps that ended before `now` applied; returns the step in progress."""
+        ends = window.ends
+        i = window.applied + 1
+        while i < window.stop and ends[i] < now:
+            i += 1
+        self._window_apply(window, i - 1)
+        return i
+
     def _window_cut(self) -> None:
         """Something reaches this engine now: a window in progress ends with the step in progress (the
         actions of the steps that ended before now applied; the engine wakes at that step's end)."""
@@ -690,11 +699,8 @@ class Simulation:
         if window is None:
             return
         now = self.env.now
+        i = self._window_apply_before(window, now)
         ends = window.ends
-        i = window.applied + 1
-        while i < window.stop and ends[i] < now:
-            i += 1
-        self._window_apply(window, i - 1)
         if i >= window.stop:
             return  # the last step is in progress: the window's own wake-up
         window.stop = i
@@ -817,6 +823,8 @@ class Simulation:
         """The result once the environment stopped: outputs still in the front end, late tokens, the
         requests that did not finish."""
         end = self._shortcuts.end_s
+        if self._shortcuts.window is not None:  # (a run stopped from outside: the steps ended by now)
+            self._window_apply_before(self._shortcuts.window, self.env.now)
         self.result.end_time_s = float(self.env.now if end is None else end)
         if self.frontend is not None:  # outputs still in the front end when the engine stopped
             self.frontend.finish(self.max_time_s)
