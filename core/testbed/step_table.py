@@ -93,6 +93,20 @@ class StepTable:
         self._append_unchecked(n, values)
         return n
 
+    def extend_interned(self, columns: Sequence[Sequence[Any]]) -> int:
+        """Several rows at once, given by column (one sequence per STEP_COLUMNS name, all of one length),
+        with `append_interned`'s conditions on every row; the rows are stored as `append_interned` of each
+        would store them. Returns the first new row's index."""
+        n = len(self)
+        try:
+            for col, values in zip(self._columns.values(), columns):
+                col.extend(values)
+        except (TypeError, OverflowError):  # a value a count column's array cannot hold: row by row
+            self._truncate(n)
+            for values in zip(*columns):
+                self.append_interned(values)
+        return n
+
     def _append_unchecked(self, n: int, values: Sequence[Any]) -> None:
         """Row `n` into the columns as they are; checked value by value only when an array refuses one."""
         try:

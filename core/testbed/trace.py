@@ -23,7 +23,7 @@ import bisect
 import os
 import dataclasses
 from dataclasses import asdict, dataclass, field
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 from servetwin.core.testbed.atomic import atomic_open, atomic_write_with
@@ -314,12 +314,7 @@ class TraceRecorder:
         waiting, preempted or looked up in the prefix cache) and whose processed batch, if any
         (`processed_step`), has no output: the simulator's fused decode step (servetwin.sim.engine)."""
         k = implicit.num_reqs
-        cached = self._implicit_details.get(k)
-        if cached is None:
-            details = IterationDetails(0, 0, k, k)
-            intern = self.steps.intern
-            cached = self._implicit_details[k] = (details, intern(details.annotation), intern(self.run),
-                                                  intern(self.backend))
+        cached = self._implicit_row_texts(k)
         details = cached[0]
         kv = implicit.sum_computed_before + k
         ends = self._t_end_by_step  # for their LateTokens
@@ -333,6 +328,71 @@ class TraceRecorder:
             self._step_rows[step] = index
         if processed_step is not None:
             self._step_rows.pop(processed_step, None)
+
+    def on_implicit_steps(self, first_step: int, first_scheduler_step: int, t_starts: Sequence[float],
+                          t_ends: Sequence[float], implicit: ImplicitDecodes, num_running: int,
+                          num_free_blocks: Sequence[int], kv_usage: Sequence[float],
+                          shared_kv_tokens: Sequence[int], processed_step: Optional[int]) -> None:
+        """`on_implicit_step` of n = len(t_starts) consecutive fused decode steps of the same rows, in one
+        call: step i is engine step `first_step` + i and scheduler step `first_scheduler_step` + i, runs
+        from t_starts[i] to t_ends[i], its aggregates are `implicit`'s grown by i steps (each row one
+        token longer: `sum_computed_before` + i * `num_reqs`, `max_computed_before` + i), with
+        `num_running` requests and the i-th free blocks, KV usage and shared tokens. The first step
+        processes `processed_step`; the others process their own batch if the first did (sync
+        scheduling), else the previous step's (async). The rows and state are those of the n calls
+        (tests/core/test_core_trace_bulk.py)."""
+        n = len(t_starts)
+        if n == 0:
+            return
+        k = implicit.num_reqs
+        if not (all(type(t) is float for t in t_starts) and all(type(u) is float for u in kv_usage)):
+            for i in range(n):  # (values the row checks: n single steps)
+                self.on_implicit_step(
+                    first_step + i, first_scheduler_step + i, t_starts[i], t_ends[i],
+                    ImplicitDecodes(k, implicit.sum_computed_before + i * k, implicit.max_computed_before + i),
+                    num_running, num_free_blocks[i], kv_usage[i], shared_kv_tokens[i],
+                    processed_step if i == 0 else first_step + (i if processed_step == first_step else i - 1))
+            return
+        cached = self._implicit_row_texts(k)
+        last_sched = first_scheduler_step + n - 1
+        ends = self._t_end_by_step  # for their LateTokens
+        if len(ends) <= last_sched:
+            ends.extend([None] * (last_sched + 1 - len(ends)))
+        ends[first_scheduler_step:last_sched + 1] = t_ends
+        kv0 = implicit.sum_computed_before + k
+        max0 = implicit.max_computed_before + 1
+        ks, zeros = [k] * n, [0] * n
+        preempted = zeros
+        if self._carried_preemptions:
+            preempted = [self._carried_preemptions] + zeros[1:]
+            self._carried_preemptions = 0
+        kvs = range(kv0, kv0 + n * k, k) if k else [kv0] * n
+        first_row = self.steps.extend_interned((
+            [cached[2]] * n, [cached[3]] * n, range(first_step, first_step + n), t_starts, t_ends,
+            [e - s for s, e in zip(t_starts, t_ends)], ks, zeros, zeros, ks, ks, ks, [cached[1]] * n,
+            ks, kvs, kvs, [max(0, m) for m in range(max0, max0 + n)], [num_running] * n, zeros, preempted,
+            zeros, num_free_blocks, kv_usage, zeros, zeros, shared_kv_tokens))
+        rows = self._step_rows
+        last = first_step + n - 1
+        if processed_step == first_step:  # sync: every step processes its own batch
+            for step in range(first_step, last + 1):
+                rows.pop(step, None)
+            return
+        for step in range(first_step, last):  # async: each row waits for the next step (set, then popped)
+            rows.pop(step, None)
+        rows[last] = first_row + n - 1
+        if processed_step is not None:
+            rows.pop(processed_step, None)
+
+    def _implicit_row_texts(self, k: int) -> tuple[IterationDetails, str, str, str]:
+        """The details of a batch of `k` implicit rows, their annotation, the run and the backend (interned)."""
+        cached = self._implicit_details.get(k)
+        if cached is None:
+            details = IterationDetails(0, 0, k, k)
+            intern = self.steps.intern
+            cached = self._implicit_details[k] = (details, intern(details.annotation), intern(self.run),
+                                                  intern(self.backend))
+        return cached
 
     def _record_processed(self, result: StepResult) -> None:
         row = self._step_rows.pop(result.processed.step, None)
