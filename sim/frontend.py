@@ -63,7 +63,7 @@ from __future__ import annotations
 import copy
 import heapq
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -205,6 +205,11 @@ class SharedCPU:
         self._important += job.important
         heapq.heappush(self._heap, (job.v_finish, job.seq, job))
 
+    @property
+    def has_important_jobs(self) -> bool:
+        """Whether a job someone waits on (`_Job.important`) is in service."""
+        return self._important > 0
+
     def next_finish(self, important_only: bool = True) -> Optional[float]:
         """Real time at which the first job finishes if nothing else arrives (None: idle, or only
         unimportant jobs when `important_only`)."""
@@ -320,14 +325,45 @@ class ApiServerFrontend:
         `num_finished` finished; `done`: the events of workload requests it completes)."""
         if num_outputs <= 0 and not done:
             return
-        self._advance(self.env.now)  # first: a job done by now must not start this one early
+        self._output_at(self.env.now, t_engine, num_outputs, num_finished, done)
+        self._schedule_wake()
+
+    def _output_at(self, now: float, t_engine: float, num_outputs: int, num_finished: int,
+                   done: list[simpy.Event]) -> None:
+        """`on_step_output`'s message, received at `now`, up to its wake-up."""
+        self._advance(now)  # first: a job done by now must not start this one early
         if self._outputs:  # the handler is behind: these go out with the steps already waiting
             self._outputs[-1].merge(t_engine, num_outputs, num_finished, done)
         else:
             self._outputs.append(_StepOutput([t_engine], num_outputs, num_outputs, num_finished, list(done)))
         if not self._handler_busy:
-            self._start_next(self.env.now)
-        self._schedule_wake()
+            self._start_next(now)
+
+    def quiet_until(self, t: float) -> bool:
+        """Whether the outputs of quiet steps received up to `t` may be given with their times
+        (`on_step_outputs_at`): the front end holds no important job (no ingress in flight, no queued
+        output completing a request) and no wake-up of its own is due by `t`. Then such outputs add
+        only unimportant jobs, read no clock and set no timer."""
+        return (not any(cpu.has_important_jobs for cpu in self.cpus) and not any(o.done for o in self._outputs)
+                and (self._wake_at is None or self._wake_at > t))
+
+    def on_step_outputs_at(self, nows: Sequence[float], t_engines: Sequence[float], num_outputs: int) -> None:
+        """The outputs of consecutive quiet steps - no request finished, `num_outputs` requests got a token
+        each - the i-th received at nows[i] (the `env.now` its `on_step_output` call would have had;
+        non-decreasing, and not before the front end's last call) from the step that ended at t_engines[i]:
+        every effect (the CPUs' state, the output messages, the deliveries) is that of those calls made at
+        those times, and none reads `env.now` or creates a SimPy event. Only while the front end is quiet
+        (`quiet_until(nows[-1])`): raises RuntimeError otherwise (an important job's wake-up, a request's
+        completion, an ingress reaching the engine must happen at its own time, between these outputs)."""
+        if num_outputs <= 0 or not nows:
+            return  # (as each call would: nothing to send)
+        if not self.quiet_until(nows[-1]):
+            raise RuntimeError("ApiServerFrontend.on_step_outputs_at: the front end is not quiet up to "
+                               f"t={nows[-1]} (an important job, a request's completion or a wake-up is due)")
+        no_done: list[simpy.Event] = []
+        for now, t_engine in zip(nows, t_engines):
+            self._output_at(now, t_engine, num_outputs, 0, no_done)
+        # (each call's `_schedule_wake` would find no important job and no completion: nothing to schedule)
 
     def _start_next(self, t: float) -> None:
         if not self._outputs:
