@@ -219,18 +219,23 @@ class SharedCPU:
 
     def advance(self, t: float) -> None:
         heap = self._heap
-        while heap:
-            v_fin, _, job = heap[0]
-            t_fin = self.now + (v_fin - self.virtual) * self.weight
-            if t_fin > t + _EPS * max(1.0, abs(t)):
-                break
-            heapq.heappop(heap)
-            t_fin = min(max(t_fin, self.now), t)
-            self.busy_s += t_fin - self.now
-            self.now, self.virtual = t_fin, v_fin
-            self.weight = self.weight - job.weight if heap else 0.0
-            self._important -= job.important
-            job.on_done(t_fin)  # may add jobs at t_fin (the output handler's next message)
+        if heap:
+            a = abs(t)
+            limit = t + _EPS * (a if a > 1.0 else 1.0)  # (max(1.0, |t|))
+            pop = heapq.heappop
+            while heap:
+                v_fin, _, job = heap[0]
+                now = self.now
+                t_fin = now + (v_fin - self.virtual) * self.weight
+                if t_fin > limit:
+                    break
+                pop(heap)
+                t_fin = min(max(t_fin, now), t)
+                self.busy_s += t_fin - now
+                self.now, self.virtual = t_fin, v_fin
+                self.weight = self.weight - job.weight if heap else 0.0
+                self._important -= job.important
+                job.on_done(t_fin)  # may add jobs at t_fin (the output handler's next message)
         if t > self.now:
             if self.weight > 0:
                 self.virtual += (t - self.now) / self.weight
@@ -274,6 +279,9 @@ class ApiServerFrontend:
         self.to_engine = to_engine
         self.cpus = [SharedCPU() for _ in range(api_server_count)]  # one per API-server process
         self.cpu = self.cpus[0]
+        self._single = api_server_count == 1
+        self._in_service: Optional[_StepOutput] = None  # one server: the output message its handler works on
+        self._on_output_job_done = self._output_job_done  # (bound once: one per output job otherwise)
         self.deliveries = DeliveryMap(split_first_chunk=self.chat)
         self._outputs: deque[_StepOutput] = deque()
         self._handler_busy = False
@@ -331,12 +339,21 @@ class ApiServerFrontend:
     def _output_at(self, now: float, t_engine: float, num_outputs: int, num_finished: int,
                    done: list[simpy.Event]) -> None:
         """`on_step_output`'s message, received at `now`, up to its wake-up."""
-        self._advance(now)  # first: a job done by now must not start this one early
-        if self._outputs:  # the handler is behind: these go out with the steps already waiting
-            self._outputs[-1].merge(t_engine, num_outputs, num_finished, done)
+        if self._single:  # (`_advance` of one CPU)
+            self.cpu.advance(now)  # first: a job done by now must not start this one early
         else:
-            self._outputs.append(_StepOutput([t_engine], num_outputs, num_outputs, num_finished, list(done)))
-        if not self._handler_busy:
+            self._advance(now)
+        outputs = self._outputs
+        if outputs:  # the handler is behind: these go out with the steps already waiting
+            outputs[-1].merge(t_engine, num_outputs, num_finished, done)
+            return  # (the handler is busy: it takes them when its message is done)
+        out = _StepOutput([t_engine], num_outputs, num_outputs, num_finished, list(done))
+        if self._handler_busy:
+            outputs.append(out)
+        elif self._single:  # (`_start_next` of this message at once)
+            self._start_output(now, out)
+        else:
+            outputs.append(out)
             self._start_next(now)
 
     def quiet_until(self, t: float) -> bool:
@@ -370,17 +387,15 @@ class ApiServerFrontend:
             self._handler_busy = False
             return
         out = self._outputs.popleft()
+        if self._single:
+            self._start_output(t, out)
+            return
         self._handler_busy = True
         self.num_messages += 1
-        n = len(self.cpus)
-        if n == 1:
-            work = self.coeffs.output_work(len(out.t_engines), out.num_tokens, out.num_chunks, out.num_finished)
-            self.cpu.add(t, _Job(work, float(max(1, out.num_chunks)), lambda tf, o=out: self._output_done(tf, o),
-                                 important=bool(out.done)))
-            return
+        c = self.coeffs
         # each server: its own message per step, 1/n of the tokens, chunks and finished requests
-        work = self.coeffs.output_work(len(out.t_engines), out.num_tokens / n, out.num_chunks / n,
-                                       out.num_finished / n)
+        n = len(self.cpus)
+        work = c.output_work(len(out.t_engines), out.num_tokens / n, out.num_chunks / n, out.num_finished / n)
         left = [n]
 
         def part_done(tf: float, o: _StepOutput = out) -> None:
@@ -390,17 +405,37 @@ class ApiServerFrontend:
         for cpu in self.cpus:
             cpu.add(t, _Job(work, max(1.0, out.num_chunks / n), part_done, important=bool(out.done)))
 
+    def _start_output(self, t: float, out: _StepOutput) -> None:
+        """One server: its handler starts on `out` at `t` (`output_work` written out: the same sum)."""
+        self._handler_busy = True
+        self.num_messages += 1
+        c = self.coeffs
+        work = (c.c_step_s * len(out.t_engines) + c.c_token_out_s * out.num_tokens + c.c_chunk_s * out.num_chunks
+                + c.c_finish_s * out.num_finished)
+        self._in_service = out
+        chunks = out.num_chunks
+        self.cpu.add(t, _Job(work, float(chunks if chunks > 1 else 1), self._on_output_job_done,  # (max(1, chunks))
+                             important=bool(out.done)))
+
+    def _output_job_done(self, t: float) -> None:
+        """The one server's output job (the message in service) finished at `t`."""
+        self._output_done(t, self._in_service)
+
     def _output_done(self, t: float, out: _StepOutput) -> None:
         t_client = t + self.coeffs.latency_out_s
+        add = self.deliveries.add
         for t_engine in out.t_engines:
-            self.deliveries.add(t_engine, t_client)
+            add(t_engine, t_client)
         for ev in out.done:
             delay = t_client - self.env.now
             if delay > 0:
                 self.env.timeout(delay).callbacks.append(lambda _e, ev=ev: ev.succeed())
             else:
                 ev.succeed()
-        self._start_next(t)
+        if self._outputs:
+            self._start_next(t)
+        else:  # (`_start_next` with nothing waiting)
+            self._handler_busy = False
 
     # -- time -----------------------------------------------------------------------------------
     def _add(self, cpu: SharedCPU, job: _Job) -> None:
@@ -430,7 +465,11 @@ class ApiServerFrontend:
     def _schedule_wake(self) -> None:
         # a queued message that completes requests waits for the running one, important or not: its
         # end must wake the handler (else the clients hear of their completion at the next event)
-        t = self._next_finish(important_only=not any(o.done for o in self._outputs))
+        outputs = self._outputs
+        important_only = not outputs or not any(o.done for o in outputs)
+        if important_only and self._single and not self.cpu.has_important_jobs:
+            return  # (`_next_finish` would find nothing)
+        t = self._next_finish(important_only)
         if t is None:
             return
         t = max(t, self.env.now)

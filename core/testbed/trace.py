@@ -75,9 +75,10 @@ class DeliveryMap:
 
     def add(self, t_engine: float, t_client: float) -> None:
         self._by_end[t_engine] = t_client
-        if self._ends and t_engine < self._ends[-1]:
-            raise ValueError(f"DeliveryMap: step end {t_engine} added after {self._ends[-1]}")
-        self._ends.append(t_engine)
+        ends = self._ends
+        if ends and t_engine < ends[-1]:
+            raise ValueError(f"DeliveryMap: step end {t_engine} added after {ends[-1]}")
+        ends.append(t_engine)
         self._clients.append(t_client)
 
     def __len__(self) -> int:
@@ -200,7 +201,7 @@ class TraceRecorder:
         self._step_rows: dict[int, int] = {}  # step -> its row's index, until its output is processed
         self._carried_preemptions = 0  # made in steps that scheduled nothing (no row of their own)
         # batch size -> on_implicit_step's details, their annotation, the run and the backend (interned)
-        self._implicit_details: dict[int, tuple[IterationDetails, str, str, str]] = {}
+        self._implicit_details: dict[int, tuple[IterationDetails, tuple[str, str, str]]] = {}
         self._t_end_by_step: list[Optional[float]] = []  # [scheduler step] -> t_end, for steps with implicit rows
         self.delivery: Optional[DeliveryMap] = None  # set by a modelled front end (set_delivery)
         self._packed_token_times: Optional[tuple] = None  # (values, index or None, lengths): `packed()`
@@ -314,16 +315,19 @@ class TraceRecorder:
         waiting, preempted or looked up in the prefix cache) and whose processed batch, if any
         (`processed_step`), has no output: the simulator's fused decode step (servetwin.sim.engine)."""
         k = implicit.num_reqs
-        cached = self._implicit_row_texts(k)
+        cached = self._implicit_details.get(k)
+        if cached is None:
+            cached = self._implicit_row_texts(k)
         details = cached[0]
         kv = implicit.sum_computed_before + k
         ends = self._t_end_by_step  # for their LateTokens
         if len(ends) <= scheduler_step:
             ends.extend([None] * (scheduler_step + 1 - len(ends)))
         ends[scheduler_step] = t_end
-        index = self._append_row(step, t_start, t_end, k, details, k, k, kv, kv, max(0, implicit.max_computed_before + 1),
+        max_kv = implicit.max_computed_before + 1
+        index = self._append_row(step, t_start, t_end, k, details, k, k, kv, kv, max_kv if max_kv > 0 else 0,
                                  num_running, 0, 0, num_free_blocks, kv_usage, 0, 0, shared_kv_tokens,
-                                 cached[1:] if type(t_start) is float and type(kv_usage) is float else None)
+                                 cached[1] if type(t_start) is float and type(kv_usage) is float else None)
         if processed_step != step:
             self._step_rows[step] = index
         if processed_step is not None:
@@ -353,7 +357,7 @@ class TraceRecorder:
                     num_running, num_free_blocks[i], kv_usage[i], shared_kv_tokens[i],
                     processed_step if i == 0 else first_step + (i if processed_step == first_step else i - 1))
             return
-        cached = self._implicit_row_texts(k)
+        annotation, run, backend = self._implicit_row_texts(k)[1]
         last_sched = first_scheduler_step + n - 1
         ends = self._t_end_by_step  # for their LateTokens
         if len(ends) <= last_sched:
@@ -366,11 +370,11 @@ class TraceRecorder:
         if self._carried_preemptions:
             preempted = [self._carried_preemptions] + zeros[1:]
             self._carried_preemptions = 0
-        kvs = range(kv0, kv0 + n * k, k) if k else [kv0] * n
+        kvs = list(range(kv0, kv0 + n * k, k)) if k else [kv0] * n
         first_row = self.steps.extend_interned((
-            [cached[2]] * n, [cached[3]] * n, range(first_step, first_step + n), t_starts, t_ends,
-            [e - s for s, e in zip(t_starts, t_ends)], ks, zeros, zeros, ks, ks, ks, [cached[1]] * n,
-            ks, kvs, kvs, [max(0, m) for m in range(max0, max0 + n)], [num_running] * n, zeros, preempted,
+            [run] * n, [backend] * n, list(range(first_step, first_step + n)), t_starts, t_ends,
+            [e - s for s, e in zip(t_starts, t_ends)], ks, zeros, zeros, ks, ks, ks, [annotation] * n,
+            ks, kvs, kvs, list(range(max0, max0 + n)) if max0 > 0 else [max(0, m) for m in range(max0, max0 + n)], [num_running] * n, zeros, preempted,
             zeros, num_free_blocks, kv_usage, zeros, zeros, shared_kv_tokens))
         rows = self._step_rows
         last = first_step + n - 1
@@ -384,14 +388,14 @@ class TraceRecorder:
         if processed_step is not None:
             rows.pop(processed_step, None)
 
-    def _implicit_row_texts(self, k: int) -> tuple[IterationDetails, str, str, str]:
+    def _implicit_row_texts(self, k: int) -> tuple[IterationDetails, tuple[str, str, str]]:
         """The details of a batch of `k` implicit rows, their annotation, the run and the backend (interned)."""
         cached = self._implicit_details.get(k)
         if cached is None:
             details = IterationDetails(0, 0, k, k)
             intern = self.steps.intern
-            cached = self._implicit_details[k] = (details, intern(details.annotation), intern(self.run),
-                                                  intern(self.backend))
+            cached = self._implicit_details[k] = (details, (intern(details.annotation), intern(self.run),
+                                                            intern(self.backend)))
         return cached
 
     def _record_processed(self, result: StepResult) -> None:

@@ -1,6 +1,7 @@
 """`TraceRecorder.on_implicit_steps` (n fused decode steps recorded in one call, `StepTable.extend_interned`)
 leaves the recorder exactly as n `on_implicit_step` calls do: every step row column by column (floats with ==),
 the steps awaiting their output, the step ends kept for late tokens, the carried preemptions."""
+import pickle
 from array import array
 
 from hypothesis import given, settings, strategies as st
@@ -103,3 +104,57 @@ def test_extend_interned_stores_what_append_stores(n, odd, at, column):
     assert [type(b.column(c)) for c in STEP_COLUMNS] == [type(a.column(c)) for c in STEP_COLUMNS]
     assert all(not isinstance(b.column(c), array) or b.column(c).typecode == a.column(c).typecode
                for c in STEP_COLUMNS)
+
+
+_ROW_VALUES = {"t_start_s": 1.5, "t_end_s": 2.5, "duration_s": 1.0, "kv_usage": 0.25}
+
+
+def _fused_row(i: int, odd) -> list:
+    row = [f"t{c % 2}" if name in ("run", "backend", "annotation") else _ROW_VALUES.get(name, i + c)
+           for c, name in enumerate(STEP_COLUMNS)]
+    if odd is not None:
+        row[STEP_COLUMNS.index(odd[0])] = odd[1]
+    return row
+
+
+_op = st.one_of(
+    st.tuples(st.just("interned"), st.one_of(st.none(), st.tuples(st.sampled_from(["step", "sum_kv", "num_reqs"]),
+                                                                  st.sampled_from([2 ** 64, 2.5, None])))),
+    st.tuples(st.just("append"), st.none()), st.tuples(st.just("many"), st.integers(0, 1500)),
+    st.tuples(st.sampled_from(["get", "add", "len", "column"]), st.integers(0, 10 ** 4)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(_op, max_size=30))
+def test_buffered_rows_read_as_appended(ops):
+    """`append_interned` buffers its rows (flushed into the columns by any read, or past 1,024 rows): every read
+    - `get`, `add`, `len`, `column`, iteration, `to_frame`, pickling - sees what a table that stored each row at
+    once (`_append_unchecked` row by row: the checked path for an odd value) holds, mixed with `append`."""
+    buffered, direct = StepTable(), StepTable()
+    i = 0
+    for kind, arg in ops:
+        if kind in ("interned", "append", "many"):
+            rows = [_fused_row(i + j, arg if kind == "interned" else None)
+                    for j in range(arg if kind == "many" else 1)]
+            i += len(rows)
+            for row in rows:
+                if kind == "append":
+                    buffered.append(row)
+                else:
+                    buffered.append_interned(tuple(buffered.intern(v) if type(v) is str else v for v in row))
+                direct.append(row)
+                assert len(buffered) == len(direct)
+        elif kind == "len":
+            assert len(buffered) == len(direct)
+        elif len(direct):
+            r = arg % len(direct)
+            if kind == "get":
+                assert buffered.get(r, "sum_kv") == direct.get(r, "sum_kv")
+            elif kind == "add":
+                buffered.add(r, "num_finished", 1)
+                direct.add(r, "num_finished", 1)
+            else:
+                assert list(buffered.column("step")) == list(direct.column("step"))
+    assert list(buffered) == list(direct)
+    assert pickle.loads(pickle.dumps(buffered)).to_frame().equals(direct.to_frame())
+    assert [type(buffered.column(c)) for c in STEP_COLUMNS] == [type(direct.column(c)) for c in STEP_COLUMNS]

@@ -85,12 +85,14 @@ def test_on_step_outputs_at_equals_sequential_calls(servers, endpoint, ingress, 
     (env_a, seq, _), (env_b, bulk, _) = fronts
     assert bulk.quiet_until(nows[-1] if nows else env_b.now)
     timeouts = env_a.num_timeouts, env_b.num_timeouts
+    clock = []  # env.now at each call: SimPy's `run(until)` adds a delay to now, rounded
     for now, t_engine in zip(nows, t_engines):
         _run_to(env_a, now)
+        clock.append(env_a.now)
         seq.on_step_output(t_engine, k, 0, [])
-    for now in nows:  # (the clock along the same path: SimPy's `run(until)` adds a delay to now, rounded)
+    for now in nows:  # (env_b's clock along the same path)
         _run_to(env_b, now)
-    bulk.on_step_outputs_at(nows, t_engines, k)
+    bulk.on_step_outputs_at(clock, t_engines, k)
     assert (env_a.num_timeouts, env_b.num_timeouts) == timeouts  # no SimPy event either way
     assert _state(bulk) == _state(seq)
     # what follows: a request, a quiet output and one completing it, to the end
