@@ -197,7 +197,8 @@ class SharedCPU:
         self._important = 0
 
     def add(self, t: float, job: _Job) -> None:
-        self.advance(t)
+        if self._heap or t > self.now:  # (else `advance(t)` does nothing)
+            self.advance(t)
         self._seq += 1
         job.seq = self._seq
         job.v_finish = self.virtual + job.work / job.weight
@@ -230,7 +231,10 @@ class SharedCPU:
                 if t_fin > limit:
                     break
                 pop(heap)
-                t_fin = min(max(t_fin, now), t)
+                if now > t_fin:  # (t_fin = min(max(t_fin, now), t))
+                    t_fin = now
+                if t < t_fin:
+                    t_fin = t
                 self.busy_s += t_fin - now
                 self.now, self.virtual = t_fin, v_fin
                 self.weight = self.weight - job.weight if heap else 0.0
@@ -280,8 +284,8 @@ class ApiServerFrontend:
         self.cpus = [SharedCPU() for _ in range(api_server_count)]  # one per API-server process
         self.cpu = self.cpus[0]
         self._single = api_server_count == 1
-        self._in_service: Optional[_StepOutput] = None  # one server: the output message its handler works on
-        self._on_output_job_done = self._output_job_done  # (bound once: one per output job otherwise)
+        self._in_service: Optional[_StepOutput] = None  # the output message the handler works on
+        self._on_output_done = self._output_done  # (bound once: one per output job otherwise)
         self.deliveries = DeliveryMap(split_first_chunk=self.chat)
         self._outputs: deque[_StepOutput] = deque()
         self._handler_busy = False
@@ -392,16 +396,17 @@ class ApiServerFrontend:
             return
         self._handler_busy = True
         self.num_messages += 1
+        self._in_service = out
         c = self.coeffs
         # each server: its own message per step, 1/n of the tokens, chunks and finished requests
         n = len(self.cpus)
         work = c.output_work(len(out.t_engines), out.num_tokens / n, out.num_chunks / n, out.num_finished / n)
         left = [n]
 
-        def part_done(tf: float, o: _StepOutput = out) -> None:
+        def part_done(tf: float) -> None:
             left[0] -= 1
             if left[0] == 0:  # the slowest server's clients got the step's tokens last
-                self._output_done(tf, o)
+                self._output_done(tf)
         for cpu in self.cpus:
             cpu.add(t, _Job(work, max(1.0, out.num_chunks / n), part_done, important=bool(out.done)))
 
@@ -414,14 +419,12 @@ class ApiServerFrontend:
                 + c.c_finish_s * out.num_finished)
         self._in_service = out
         chunks = out.num_chunks
-        self.cpu.add(t, _Job(work, float(chunks if chunks > 1 else 1), self._on_output_job_done,  # (max(1, chunks))
+        self.cpu.add(t, _Job(work, float(chunks if chunks > 1 else 1), self._on_output_done,  # (max(1, chunks))
                              important=bool(out.done)))
 
-    def _output_job_done(self, t: float) -> None:
-        """The one server's output job (the message in service) finished at `t`."""
-        self._output_done(t, self._in_service)
-
-    def _output_done(self, t: float, out: _StepOutput) -> None:
+    def _output_done(self, t: float) -> None:
+        """The output message in service is done at `t` (on every server): its tokens go to the clients."""
+        out = self._in_service
         t_client = t + self.coeffs.latency_out_s
         add = self.deliveries.add
         for t_engine in out.t_engines:
