@@ -381,9 +381,21 @@ class ApiServerFrontend:
         if not self.quiet_until(nows[-1]):
             raise RuntimeError("ApiServerFrontend.on_step_outputs_at: the front end is not quiet up to "
                                f"t={nows[-1]} (an important job, a request's completion or a wake-up is due)")
-        no_done: list[simpy.Event] = []
-        for now, t_engine in zip(nows, t_engines):
-            self._output_at(now, t_engine, num_outputs, 0, no_done)
+        if not self._single:
+            for now, t_engine in zip(nows, t_engines):
+                self._output_at(now, t_engine, num_outputs, 0, [])
+            return
+        cpu, outputs = self.cpu, self._outputs
+        for now, t_engine in zip(nows, t_engines):  # (`_output_at` of one server, written out)
+            cpu.advance(now)
+            if outputs:
+                outputs[-1].merge(t_engine, num_outputs, 0, [])
+                continue
+            out = _StepOutput([t_engine], num_outputs, num_outputs, 0, [])
+            if self._handler_busy:
+                outputs.append(out)
+            else:
+                self._start_output(now, out)
         # (each call's `_schedule_wake` would find no important job and no completion: nothing to schedule)
 
     def _start_next(self, t: float) -> None:
