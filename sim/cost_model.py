@@ -347,7 +347,7 @@ class CostModel:
         self._window_const = tuple(Lw * r for r in attn_rates) if Lw else ()
         self._moe_layers = float(n_moe)
         self._moe_seconds: dict[int, float] = {}
-        self._decode_terms: dict[int, list[float]] = {}  # batch size -> `_terms` of a pure decode (decode_duration)
+        self._decode_parts: dict[int, tuple] = {}  # batch size -> `_new_decode_parts` (decode_duration)
         # a measured GEMM curve (`Efficiency.gemm_m_curve`): the rows the linear term charges at T tokens,
         # T * gemm_compute / fraction(T), tabulated once up to the curve's last point (then its slope)
         self._gemm_rows: Optional[list[float]] = None
@@ -475,23 +475,69 @@ class CostModel:
     def decode_duration(self, num_reqs: int, decode_sum_kv: int, shared_kv: int = 0) -> float:
         """`predict(StepSummary(...)).duration_s` of a pure decode batch - `num_reqs` rows of one token,
         each sampling, their (s + 1) summing to `decode_sum_kv`, `shared_kv` shared tokens - for the
-        simulator's fused decode steps: the terms that do not depend on the KV lengths are kept per batch
-        size (`_terms` of the batch at s = 0), the decode attention terms are `_terms`' expressions for
-        a step without prefill rows, and the sum is `predict`'s, so the float is the same
-        (tests/sim/test_sim_fused_step.py)."""
-        terms = self._decode_terms.get(num_reqs)
-        if terms is None:
-            st = StepSummary(num_reqs, num_reqs, num_reqs, decode_reqs=num_reqs, decode_sum_kv=num_reqs)
-            terms = self._decode_terms[num_reqs] = list(self._terms(st)[0])
-        ad_flop, ad_byte = self._const_terms[9], self._const_terms[10]
-        shared_dec = min(shared_kv, decode_sum_kv)
+        simulator's fused decode steps: the parts that do not depend on the KV lengths are kept per batch
+        size (`_decode_parts`), the decode attention terms are `_terms`' expressions for a step without
+        prefill rows, and the sums are `_parts`' and `_duration`'s in their order, so the float is the
+        same (tests/sim/test_sim_fused_step.py)."""
+        parts = self._decode_parts.get(num_reqs)
+        if parts is None or parts[0] is not self.coefficients:
+            parts = self._new_decode_parts(num_reqs)
+        _, prepare, head, c_decode, c_shared, tail, moe, sample, ad_flop, ad_byte, w_flop, w_byte, w_keys = parts
+        shared_dec = shared_kv if shared_kv < decode_sum_kv else decode_sum_kv  # (min: the same value)
         attn_decode = max(ad_flop * decode_sum_kv, ad_byte * (decode_sum_kv - shared_dec + num_reqs))
-        if self._window_const:  # (_window_attention's decode part, no prefill rows)
-            w_flop, w_byte = self._window_const[2], self._window_const[3]
-            keys = min(decode_sum_kv, self.attention_window * num_reqs)
+        if w_keys is not None:  # (_window_attention's decode part, no prefill rows)
+            keys = min(decode_sum_kv, w_keys)
             attn_decode += max(w_flop * keys, w_byte * (keys + num_reqs))
-        terms[8], terms[9] = attn_decode, ad_byte * shared_dec
-        return self._duration(*self._parts(terms))
+        forward = head + c_decode * attn_decode + c_shared * (ad_byte * shared_dec) + tail
+        if moe is not None:
+            forward += moe
+        return max(prepare, forward + sample) if self.async_scheduling else prepare + forward + sample
+
+    def decode_durations(self, num_reqs: int, first_sum_kv: int, shared_kv: int, n: int) -> list[float]:
+        """`decode_duration(num_reqs, first_sum_kv + i * num_reqs, shared_kv)` for i in 0..n-1, element for
+        element (n consecutive fused decode steps of the same rows: each step adds one token per row)."""
+        parts = self._decode_parts.get(num_reqs)
+        if parts is None or parts[0] is not self.coefficients:
+            parts = self._new_decode_parts(num_reqs)
+        _, prepare, head, c_decode, c_shared, tail, moe, sample, ad_flop, ad_byte, w_flop, w_byte, w_keys = parts
+        is_async = self.async_scheduling
+        out = []
+        append = out.append
+        for sum_kv in range(first_sum_kv, first_sum_kv + n * num_reqs, num_reqs) if n > 0 else ():
+            shared_dec = shared_kv if shared_kv < sum_kv else sum_kv
+            attn_decode = max(ad_flop * sum_kv, ad_byte * (sum_kv - shared_dec + num_reqs))
+            if w_keys is not None:
+                keys = min(sum_kv, w_keys)
+                attn_decode += max(w_flop * keys, w_byte * (keys + num_reqs))
+            forward = head + c_decode * attn_decode + c_shared * (ad_byte * shared_dec) + tail
+            if moe is not None:
+                forward += moe
+            append(max(prepare, forward + sample) if is_async else prepare + forward + sample)
+        return out
+
+    def _new_decode_parts(self, num_reqs: int) -> tuple:
+        """`decode_duration`'s per-batch-size values: `_parts`' sums up to the decode attention terms (its
+        left-to-right order: `head` is the forward sum before them, `tail` the term after), the factors of
+        the two terms that vary, the MoE addend (None without MoE layers), and the attention constants;
+        first the coefficients they were computed with (a new `coefficients` object recomputes them)."""
+        c = self.coefficients
+        st = StepSummary(num_reqs, num_reqs, num_reqs, decode_reqs=num_reqs, decode_sum_kv=num_reqs)
+        (step_, req, token, layer, piecewise, linear, elementwise, attn_prefill, _, _, lm_head, sampler, comm,
+         tp_step, ipc_step, ipc_req, moe, moe_layer) = self._terms(st)[0]
+        prepare = (c.c_step * step_ + c.c_req * req + c.c_token * token + c.c_tp_step * tp_step
+                   + c.c_ipc_step * ipc_step + c.c_ipc_req * ipc_req)
+        head = (c.c_layer * layer + c.c_layer_piecewise * piecewise + c.c_linear * linear
+                + c.c_elementwise * elementwise + c.c_attn_prefill * attn_prefill)
+        moe_part = c.c_moe * moe + c.c_moe_layer * moe_layer if moe_layer else None
+        sample = c.c_lm_head * lm_head + c.c_sampler * sampler
+        w_flop = w_byte = w_keys = None
+        if self._window_const:
+            w_flop, w_byte = self._window_const[2], self._window_const[3]
+            w_keys = self.attention_window * num_reqs
+        parts = (c, prepare, head, c.c_attn_decode, c.c_attn_shared, c.c_comm * comm, moe_part, sample,
+                 self._const_terms[9], self._const_terms[10], w_flop, w_byte, w_keys)
+        self._decode_parts[num_reqs] = parts
+        return parts
 
     def _parts(self, terms: Sequence[float]) -> tuple[float, float, float]:
         """(prepare, forward, sample) seconds of a step's basis values."""

@@ -466,7 +466,7 @@ class Simulation:
                             self._window_close(window)
                             fused = (fused[0], fused[1], env.now)  # (sync: the last step's batch ends now)
                     if fused[1]:  # sync: the step's own batch, processed at its end
-                        self._fused_complete(fused[1], fused[2], env.now)
+                        self._fused_complete(fused[1], fused[2])
                     if self.on_step_boundary is not None:
                         self.on_step_boundary(self)
                     continue
@@ -542,14 +542,13 @@ class Simulation:
         if not in_flight:
             return duration, implicit.num_reqs, t_end
         state.batch = (step, sched_step, implicit, shared, duration, t_end)
-        self._fused_complete(prev_samples, prev_end, t0)
+        self._fused_complete(prev_samples, prev_end)
         return duration, 0, t_end
 
-    def _fused_complete(self, num_samples: int, t: float, now: float) -> None:
-        """A fused step's processed batch completes at `t`, handed to the front end at `now` (the current
-        time, or a step window's step start): no request finished, `num_samples` got a token."""
+    def _fused_complete(self, num_samples: int, t: float) -> None:
+        """A fused step's processed batch completes at `t`: no request finished, `num_samples` got a token."""
         if self.frontend is not None:
-            self.frontend.on_step_output_at(now, t, num_samples, 0, [])
+            self.frontend.on_step_output(t, num_samples, 0, [])
 
     def _unfuse(self) -> None:
         """The last fused step's batch into the engine's batch queue, as `EngineCore.step` left it there."""
@@ -577,8 +576,8 @@ class Simulation:
     # Exact (tests/sim/test_sim_step_windows.py) because, inside a window:
     # - nothing else reads or changes what the deferred actions change: the scheduler's waiting/running
     #   counts and KV usage (a cluster's scrapes) stay as they are in quiet steps (no admission, no finish,
-    #   no KV event: `SimScheduler.quiet_run`); the front end is `quiet()` (no timer of its own to fire,
-    #   its outputs need no clock); no step-boundary hook, KV worker, client timeout or abort is pending;
+    #   no KV event: `SimScheduler.quiet_run`); the front end is quiet (`quiet_until`: no timer of its own
+    #   due, its outputs need no clock); no step-boundary hook, KV worker, client timeout or abort is pending;
     # - the times are the step-by-step run's floats: ends[i] = ends[i - 1] + durations[i], as SimPy's
     #   `now + delay`, and the one timeout lands on exactly the end (`_delay_to`);
     # - ties: a cut at exactly a step end (a request reaching the engine at the time a step ends) is
@@ -592,8 +591,9 @@ class Simulation:
         """After a fused step at `t0` of `d1` seconds: a window of it and the quiet steps after it, or None
         (the engine waits for that step alone)."""
         state = self._shortcuts
+        frontend = self.frontend
         if (self._inbox or self._aborts or state.timeouts or self.on_step_boundary is not None
-                or (self.frontend is not None and not self.frontend.quiet())):
+                or (frontend is not None and not frontend.quiet_until(t0))):
             return None
         in_flight = state.batch is not None  # async: each step processes the previous one's batch
         engine = self.engine
@@ -606,12 +606,14 @@ class Simulation:
         if in_flight and (state.batch[:2] != (engine.step_counter - 1, q - 1) or state.batch[2].num_reqs != k):
             raise AssertionError("step window: step 1 is not the last fused step")
         shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (no KV event in it)
-        price = self.engine.executor.implicit_decode_duration
+        priced = engine.executor.implicit_decode_durations(ImplicitDecodes(k, sum_offset + k * q, max_offset + q),
+                                                           shared, n)
+        if priced is None:
+            return None
         t = t0 + d1
         ends, durations = [t0, t], [0.0, d1]
-        for i in range(q, q + n):
-            d = price(ImplicitDecodes(k, sum_offset + k * i, max_offset + i), shared)
-            if d is None or not d > 0:  # (a step priced 0 s takes no event: left to the step-by-step path)
+        for d in priced:
+            if not d > 0:  # (a step priced 0 s takes no event: left to the step-by-step path)
                 break
             t += d
             ends.append(t)
@@ -623,8 +625,8 @@ class Simulation:
             if delay is not None:
                 break
             stop -= 1
-        if delay is None:
-            return None
+        if delay is None or (frontend is not None and not frontend.quiet_until(ends[stop])):
+            return None  # (the front end's own wake-up due inside the window: it reads the outputs by then)
         window = state.window = _Window(ends, durations, 0, stop, self.env.event(), k, sum_offset, max_offset, shared)
         self.env.timeout(delay).callbacks.append(lambda _e, w=window, i=stop: self._window_due(w, i))
         return window
@@ -656,24 +658,18 @@ class Simulation:
         sched.last_updated_step = q + n - 1 - in_flight
         kv = sched.kv_cache_manager
         k, sum_offset, max_offset, shared = window.num_reqs, window.sum_offset, window.max_offset, window.shared
-        num_running, num_free, usage = len(sched.running), kv.num_free_blocks, kv.usage
         ends = window.ends
-        on_row = self.recorder.on_implicit_step
-        implicit: Optional[ImplicitDecodes] = None
-        for j in range(n):
-            s = q + j
-            implicit = ImplicitDecodes(k, sum_offset + k * s, max_offset + s)
-            on_row(step + j, s, ends[first + j], ends[first + j + 1], implicit, num_running, num_free, usage, shared,
-                   step + j - in_flight)
+        starts = ends[first:upto + 1]  # (step i + 1 starts when step i ends: its batch's outputs go out then)
+        self.recorder.on_implicit_steps(step, q, starts, ends[first + 1:upto + 2],
+                                        ImplicitDecodes(k, sum_offset + k * q, max_offset + q), len(sched.running),
+                                        [kv.num_free_blocks] * n, [kv.usage] * n, [shared] * n, step - in_flight)
         if not in_flight:
             return  # (sync: no front end, `_plan_window`)
-        last = upto + 1
-        assert implicit is not None  # (n >= 1)
-        state.batch = (step + n - 1, q + n - 1, implicit, shared, window.durations[last], ends[last])
+        last_q = q + n - 1
+        state.batch = (step + n - 1, last_q, ImplicitDecodes(k, sum_offset + k * last_q, max_offset + last_q), shared,
+                       window.durations[upto + 1], ends[upto + 1])
         if self.frontend is not None:
-            output = self.frontend.on_step_output_at
-            for i in range(first, upto + 1):
-                output(ends[i], ends[i], k, 0, [])
+            self.frontend.on_step_outputs_at(starts, starts, k)
 
     def _window_close(self, window: _Window) -> None:
         """The engine woke at the end of the window's last step: the actions before it applied."""

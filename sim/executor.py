@@ -373,6 +373,16 @@ class SimExecutor:
         k = implicit.num_reqs
         return self.cost_model.decode_duration(k, implicit.sum_computed_before + k, shared_kv)
 
+    def implicit_decode_durations(self, implicit: ImplicitDecodes, shared_kv: int, n: int) -> Optional[list[float]]:
+        """`implicit_decode_duration` of `n` consecutive batches of the same implicit rows, the first
+        `implicit`, each next one a token longer per row (`sum_computed_before` + i * `num_reqs`), with
+        `shared_kv` shared tokens throughout - element for element the floats n calls would give; None
+        when this executor must see each step itself."""
+        if self.kv_worker is not None or self.drafter is not None or self.profile is not None:
+            return None
+        k = implicit.num_reqs
+        return self.cost_model.decode_durations(k, implicit.sum_computed_before + k, shared_kv, n)
+
     def decode_step_durations(self, num_reqs: int, sum_kv_before: int, k: int,
                               shared_kv: int = 0) -> list[float]:
         """Predicted durations of `k` pure-decode steps of `num_reqs` rows whose computed tokens sum to

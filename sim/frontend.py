@@ -63,7 +63,7 @@ from __future__ import annotations
 import copy
 import heapq
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -197,13 +197,19 @@ class SharedCPU:
         self._important = 0
 
     def add(self, t: float, job: _Job) -> None:
-        self.advance(t)
+        if self._heap or t > self.now:  # (else `advance(t)` does nothing)
+            self.advance(t)
         self._seq += 1
         job.seq = self._seq
         job.v_finish = self.virtual + job.work / job.weight
         self.weight += job.weight
         self._important += job.important
         heapq.heappush(self._heap, (job.v_finish, job.seq, job))
+
+    @property
+    def has_important_jobs(self) -> bool:
+        """Whether a job someone waits on (`_Job.important`) is in service."""
+        return self._important > 0
 
     def next_finish(self, important_only: bool = True) -> Optional[float]:
         """Real time at which the first job finishes if nothing else arrives (None: idle, or only
@@ -212,24 +218,28 @@ class SharedCPU:
             return None
         return self.now + (self._heap[0][0] - self.virtual) * self.weight
 
-    def holds_important(self) -> bool:
-        """Whether a job someone waits on (an ingress, an output that completes requests) is in service."""
-        return self._important > 0
-
     def advance(self, t: float) -> None:
         heap = self._heap
-        while heap:
-            v_fin, _, job = heap[0]
-            t_fin = self.now + (v_fin - self.virtual) * self.weight
-            if t_fin > t + _EPS * max(1.0, abs(t)):
-                break
-            heapq.heappop(heap)
-            t_fin = min(max(t_fin, self.now), t)
-            self.busy_s += t_fin - self.now
-            self.now, self.virtual = t_fin, v_fin
-            self.weight = self.weight - job.weight if heap else 0.0
-            self._important -= job.important
-            job.on_done(t_fin)  # may add jobs at t_fin (the output handler's next message)
+        if heap:
+            a = abs(t)
+            limit = t + _EPS * (a if a > 1.0 else 1.0)  # (max(1.0, |t|))
+            pop = heapq.heappop
+            while heap:
+                v_fin, _, job = heap[0]
+                now = self.now
+                t_fin = now + (v_fin - self.virtual) * self.weight
+                if t_fin > limit:
+                    break
+                pop(heap)
+                if now > t_fin:  # (t_fin = min(max(t_fin, now), t))
+                    t_fin = now
+                if t < t_fin:
+                    t_fin = t
+                self.busy_s += t_fin - now
+                self.now, self.virtual = t_fin, v_fin
+                self.weight = self.weight - job.weight if heap else 0.0
+                self._important -= job.important
+                job.on_done(t_fin)  # may add jobs at t_fin (the output handler's next message)
         if t > self.now:
             if self.weight > 0:
                 self.virtual += (t - self.now) / self.weight
@@ -273,6 +283,9 @@ class ApiServerFrontend:
         self.to_engine = to_engine
         self.cpus = [SharedCPU() for _ in range(api_server_count)]  # one per API-server process
         self.cpu = self.cpus[0]
+        self._single = api_server_count == 1
+        self._in_service: Optional[_StepOutput] = None  # the output message the handler works on
+        self._on_output_done = self._output_done  # (bound once: one per output job otherwise)
         self.deliveries = DeliveryMap(split_first_chunk=self.chat)
         self._outputs: deque[_StepOutput] = deque()
         self._handler_busy = False
@@ -322,68 +335,122 @@ class ApiServerFrontend:
                        done: list[simpy.Event]) -> None:
         """The outputs of the step that ended at `t_engine` (`num_outputs` requests got tokens,
         `num_finished` finished; `done`: the events of workload requests it completes)."""
-        self.on_step_output_at(self.env.now, t_engine, num_outputs, num_finished, done)
-
-    # (explicit times: for the step windows of servetwin.sim.engine.Simulation, which hand over the outputs
-    # of steps that ended earlier than the current simulated time)
-    def quiet(self) -> bool:
-        """Whether the front end holds nothing that schedules an event: no ingress or completing output in
-        service, no queued output that completes requests, no wake-up pending. Then `on_step_output_at`
-        of outputs completing nothing schedules none either and reads no clock."""
-        return (self._wake_at is None and not any(c.holds_important() for c in self.cpus)
-                and not any(o.done for o in self._outputs))
-
-    def on_step_output_at(self, now: float, t_engine: float, num_outputs: int, num_finished: int,
-                          done: list[simpy.Event]) -> None:
-        """`on_step_output` as called at simulated time `now` (`env.now` unless `quiet()` and `done` is empty:
-        a step window hands over a step that ended at `now`, before the current time)."""
         if num_outputs <= 0 and not done:
             return
-        self._advance(now)  # first: a job done by now must not start this one early
-        if self._outputs:  # the handler is behind: these go out with the steps already waiting
-            self._outputs[-1].merge(t_engine, num_outputs, num_finished, done)
-        else:
-            self._outputs.append(_StepOutput([t_engine], num_outputs, num_outputs, num_finished, list(done)))
-        if not self._handler_busy:
-            self._start_next(now)
+        self._output_at(self.env.now, t_engine, num_outputs, num_finished, done)
         self._schedule_wake()
+
+    def _output_at(self, now: float, t_engine: float, num_outputs: int, num_finished: int,
+                   done: list[simpy.Event]) -> None:
+        """`on_step_output`'s message, received at `now`, up to its wake-up."""
+        if self._single:  # (`_advance` of one CPU)
+            self.cpu.advance(now)  # first: a job done by now must not start this one early
+        else:
+            self._advance(now)
+        outputs = self._outputs
+        if outputs:  # the handler is behind: these go out with the steps already waiting
+            outputs[-1].merge(t_engine, num_outputs, num_finished, done)
+            return  # (the handler is busy: it takes them when its message is done)
+        out = _StepOutput([t_engine], num_outputs, num_outputs, num_finished, list(done))
+        if self._handler_busy:
+            outputs.append(out)
+        elif self._single:  # (`_start_next` of this message at once)
+            self._start_output(now, out)
+        else:
+            outputs.append(out)
+            self._start_next(now)
+
+    def quiet_until(self, t: float) -> bool:
+        """Whether the outputs of quiet steps received up to `t` may be given with their times
+        (`on_step_outputs_at`): the front end holds no important job (no ingress in flight, no queued
+        output completing a request) and no wake-up of its own is due by `t`. Then such outputs add
+        only unimportant jobs, read no clock and set no timer."""
+        return (not any(cpu.has_important_jobs for cpu in self.cpus) and not any(o.done for o in self._outputs)
+                and (self._wake_at is None or self._wake_at > t))
+
+    def on_step_outputs_at(self, nows: Sequence[float], t_engines: Sequence[float], num_outputs: int) -> None:
+        """The outputs of consecutive quiet steps - no request finished, `num_outputs` requests got a token
+        each - the i-th received at nows[i] (the `env.now` its `on_step_output` call would have had;
+        non-decreasing, and not before the front end's last call) from the step that ended at t_engines[i]:
+        every effect (the CPUs' state, the output messages, the deliveries) is that of those calls made at
+        those times, and none reads `env.now` or creates a SimPy event. Only while the front end is quiet
+        (`quiet_until(nows[-1])`): raises RuntimeError otherwise (an important job's wake-up, a request's
+        completion, an ingress reaching the engine must happen at its own time, between these outputs)."""
+        if num_outputs <= 0 or not nows:
+            return  # (as each call would: nothing to send)
+        if not self.quiet_until(nows[-1]):
+            raise RuntimeError("ApiServerFrontend.on_step_outputs_at: the front end is not quiet up to "
+                               f"t={nows[-1]} (an important job, a request's completion or a wake-up is due)")
+        if not self._single:
+            for now, t_engine in zip(nows, t_engines):
+                self._output_at(now, t_engine, num_outputs, 0, [])
+            return
+        cpu, outputs = self.cpu, self._outputs
+        for now, t_engine in zip(nows, t_engines):  # (`_output_at` of one server, written out)
+            cpu.advance(now)
+            if outputs:
+                outputs[-1].merge(t_engine, num_outputs, 0, [])
+                continue
+            out = _StepOutput([t_engine], num_outputs, num_outputs, 0, [])
+            if self._handler_busy:
+                outputs.append(out)
+            else:
+                self._start_output(now, out)
+        # (each call's `_schedule_wake` would find no important job and no completion: nothing to schedule)
 
     def _start_next(self, t: float) -> None:
         if not self._outputs:
             self._handler_busy = False
             return
         out = self._outputs.popleft()
+        if self._single:
+            self._start_output(t, out)
+            return
         self._handler_busy = True
         self.num_messages += 1
-        n = len(self.cpus)
-        if n == 1:
-            work = self.coeffs.output_work(len(out.t_engines), out.num_tokens, out.num_chunks, out.num_finished)
-            self.cpu.add(t, _Job(work, float(max(1, out.num_chunks)), lambda tf, o=out: self._output_done(tf, o),
-                                 important=bool(out.done)))
-            return
+        self._in_service = out
+        c = self.coeffs
         # each server: its own message per step, 1/n of the tokens, chunks and finished requests
-        work = self.coeffs.output_work(len(out.t_engines), out.num_tokens / n, out.num_chunks / n,
-                                       out.num_finished / n)
+        n = len(self.cpus)
+        work = c.output_work(len(out.t_engines), out.num_tokens / n, out.num_chunks / n, out.num_finished / n)
         left = [n]
 
-        def part_done(tf: float, o: _StepOutput = out) -> None:
+        def part_done(tf: float) -> None:
             left[0] -= 1
             if left[0] == 0:  # the slowest server's clients got the step's tokens last
-                self._output_done(tf, o)
+                self._output_done(tf)
         for cpu in self.cpus:
             cpu.add(t, _Job(work, max(1.0, out.num_chunks / n), part_done, important=bool(out.done)))
 
-    def _output_done(self, t: float, out: _StepOutput) -> None:
+    def _start_output(self, t: float, out: _StepOutput) -> None:
+        """One server: its handler starts on `out` at `t` (`output_work` written out: the same sum)."""
+        self._handler_busy = True
+        self.num_messages += 1
+        c = self.coeffs
+        work = (c.c_step_s * len(out.t_engines) + c.c_token_out_s * out.num_tokens + c.c_chunk_s * out.num_chunks
+                + c.c_finish_s * out.num_finished)
+        self._in_service = out
+        chunks = out.num_chunks
+        self.cpu.add(t, _Job(work, float(chunks if chunks > 1 else 1), self._on_output_done,  # (max(1, chunks))
+                             important=bool(out.done)))
+
+    def _output_done(self, t: float) -> None:
+        """The output message in service is done at `t` (on every server): its tokens go to the clients."""
+        out = self._in_service
         t_client = t + self.coeffs.latency_out_s
+        add = self.deliveries.add
         for t_engine in out.t_engines:
-            self.deliveries.add(t_engine, t_client)
+            add(t_engine, t_client)
         for ev in out.done:
             delay = t_client - self.env.now
             if delay > 0:
                 self.env.timeout(delay).callbacks.append(lambda _e, ev=ev: ev.succeed())
             else:
                 ev.succeed()
-        self._start_next(t)
+        if self._outputs:
+            self._start_next(t)
+        else:  # (`_start_next` with nothing waiting)
+            self._handler_busy = False
 
     # -- time -----------------------------------------------------------------------------------
     def _add(self, cpu: SharedCPU, job: _Job) -> None:
@@ -413,7 +480,11 @@ class ApiServerFrontend:
     def _schedule_wake(self) -> None:
         # a queued message that completes requests waits for the running one, important or not: its
         # end must wake the handler (else the clients hear of their completion at the next event)
-        t = self._next_finish(important_only=not any(o.done for o in self._outputs))
+        outputs = self._outputs
+        important_only = not outputs or not any(o.done for o in outputs)
+        if important_only and self._single and not self.cpu.has_important_jobs:
+            return  # (`_next_finish` would find nothing)
+        t = self._next_finish(important_only)
         if t is None:
             return
         t = max(t, self.env.now)

@@ -26,6 +26,7 @@ _FLOAT = ("t_start_s", "t_end_s", "duration_s", "kv_usage")
 _FLOAT_VALUES = operator.itemgetter(*(STEP_COLUMNS.index(name) for name in _FLOAT))
 
 Column = Union[array, list]
+_MAX_PENDING = 1024  # buffered rows at most (a run of fused steps that nobody reads: bounded memory)
 
 
 def _new_column(name: str) -> Column:
@@ -38,21 +39,26 @@ class StepTable:
     """Step rows (STEP_COLUMNS) by column. Rows go in with `append` (values in STEP_COLUMNS order) or
     `append_row` (a mapping); `row(i)` / iteration give them back as dicts, `to_frame()` as a table."""
 
-    __slots__ = ("_columns", "_strings", "_appends")
+    __slots__ = ("_columns", "_strings", "_appends", "_pending")
 
     def __init__(self) -> None:
         self._columns: dict[str, Column] = {name: _new_column(name) for name in STEP_COLUMNS}
         self._strings: dict[str, str] = {}  # one object per distinct text value
+        # rows from `append_interned` not yet in the columns (each reader flushes them first: one extend per
+        # column for many rows instead of 26 appends per row)
+        self._pending: list[Sequence[Any]] = []
         self._bind()
 
     def _bind(self) -> None:
         self._appends = [col.append for col in self._columns.values()]  # (the per-step hot path)
 
     def __getstate__(self) -> tuple:
+        self._flush()
         return self._columns, self._strings
 
     def __setstate__(self, state: tuple) -> None:
         self._columns, self._strings = state
+        self._pending = []
         self._bind()
 
     @classmethod
@@ -63,10 +69,11 @@ class StepTable:
         return table
 
     def __len__(self) -> int:
-        return len(self._columns["step"])
+        return len(self._columns["step"]) + len(self._pending)
 
     def append(self, values: Sequence[Any]) -> int:
         """Add one row (values in STEP_COLUMNS order); returns its index."""
+        self._flush()
         n = len(self)
         a, b, c, d = _FLOAT_VALUES(values)
         if type(a) is float and type(b) is float and type(c) is float and type(d) is float:  # (else: checked)
@@ -88,9 +95,50 @@ class StepTable:
     def append_interned(self, values: Sequence[Any]) -> int:
         """`append` of a row whose text values come from `intern` and whose four float values are
         floats (the simulator's fused decode steps: one row per step, the per-value checks skipped).
-        The row is stored as `append` stores it."""
+        The row is stored as `append` stores it (buffered: it reaches the columns when anything reads
+        the table; the table keeps `values`, which must not change)."""
+        pending = self._pending
+        n = len(self._columns["step"]) + len(pending)
+        pending.append(values)
+        if len(pending) >= _MAX_PENDING:
+            self._flush()
+        return n
+
+    def _flush(self) -> None:
+        """The buffered rows into the columns, as `_append_unchecked` of each would store them."""
+        rows = self._pending
+        if not rows:
+            return
+        self._pending = []
+        n = len(self._columns["step"])
+        try:
+            for col, values in zip(self._columns.values(), zip(*rows)):
+                if type(col) is array:
+                    col.fromlist(list(values))  # (faster than extend; all or nothing)
+                else:
+                    col.extend(values)
+        except (TypeError, OverflowError):  # a value a count column's array cannot hold: row by row
+            self._truncate(n)
+            for values in rows:
+                self._append_unchecked(n, values)
+                n += 1
+
+    def extend_interned(self, columns: Sequence[Sequence[Any]]) -> int:
+        """Several rows at once, given by column (one sequence per STEP_COLUMNS name, all of one length),
+        with `append_interned`'s conditions on every row; the rows are stored as `append_interned` of each
+        would store them. Returns the first new row's index."""
+        self._flush()
         n = len(self)
-        self._append_unchecked(n, values)
+        try:
+            for col, values in zip(self._columns.values(), columns):
+                if type(values) is list and type(col) is array:
+                    col.fromlist(values)  # (faster than extend; all or nothing)
+                else:
+                    col.extend(values)
+        except (TypeError, OverflowError):  # a value a count column's array cannot hold: row by row
+            self._truncate(n)
+            for i, values in enumerate(zip(*columns)):
+                self._append_unchecked(n + i, values)
         return n
 
     def _append_unchecked(self, n: int, values: Sequence[Any]) -> None:
@@ -119,14 +167,17 @@ class StepTable:
             self.append_row(row)
 
     def _truncate(self, n: int) -> None:
+        """The columns cut to their first `n` rows (the buffered rows are not in them)."""
         for col in self._columns.values():
             del col[n:]
 
     def get(self, i: int, name: str) -> Any:
+        self._flush()
         return self._columns[name][i]
 
     def add(self, i: int, name: str, delta: int) -> None:
         """Row `i`'s `name` += `delta` (a count learnt after the row was recorded)."""
+        self._flush()
         col = self._columns[name]
         value = col[i] + delta
         if not isinstance(col, list) and not _fits(col, value):
@@ -136,9 +187,11 @@ class StepTable:
 
     def column(self, name: str) -> Column:
         """Every row's `name`, in row order (the table's own storage: read, do not modify)."""
+        self._flush()
         return self._columns[name]
 
     def row(self, i: int) -> dict[str, Any]:
+        self._flush()
         return {name: col[i] for name, col in self._columns.items()}
 
     def __getitem__(self, i: int) -> dict[str, Any]:
@@ -147,6 +200,7 @@ class StepTable:
         return self.row(i)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._flush()
         names = list(self._columns)
         for values in zip(*self._columns.values()):
             yield dict(zip(names, values))
@@ -156,6 +210,7 @@ class StepTable:
         import numpy as np  # noqa: PLC0415  (lazy, like pandas)
         import pandas as pd  # noqa: PLC0415
 
+        self._flush()
         if not len(self):  # (no rows: every column of the empty table is object, as from no dicts)
             return pd.DataFrame([], columns=STEP_COLUMNS)
         data = {}

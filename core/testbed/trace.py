@@ -23,7 +23,7 @@ import bisect
 import os
 import dataclasses
 from dataclasses import asdict, dataclass, field
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 from servetwin.core.testbed.atomic import atomic_open, atomic_write_with
@@ -75,9 +75,10 @@ class DeliveryMap:
 
     def add(self, t_engine: float, t_client: float) -> None:
         self._by_end[t_engine] = t_client
-        if self._ends and t_engine < self._ends[-1]:
-            raise ValueError(f"DeliveryMap: step end {t_engine} added after {self._ends[-1]}")
-        self._ends.append(t_engine)
+        ends = self._ends
+        if ends and t_engine < ends[-1]:
+            raise ValueError(f"DeliveryMap: step end {t_engine} added after {ends[-1]}")
+        ends.append(t_engine)
         self._clients.append(t_client)
 
     def __len__(self) -> int:
@@ -200,7 +201,7 @@ class TraceRecorder:
         self._step_rows: dict[int, int] = {}  # step -> its row's index, until its output is processed
         self._carried_preemptions = 0  # made in steps that scheduled nothing (no row of their own)
         # batch size -> on_implicit_step's details, their annotation, the run and the backend (interned)
-        self._implicit_details: dict[int, tuple[IterationDetails, str, str, str]] = {}
+        self._implicit_details: dict[int, tuple[IterationDetails, tuple[str, str, str]]] = {}
         self._t_end_by_step: list[Optional[float]] = []  # [scheduler step] -> t_end, for steps with implicit rows
         self.delivery: Optional[DeliveryMap] = None  # set by a modelled front end (set_delivery)
         self._packed_token_times: Optional[tuple] = None  # (values, index or None, lengths): `packed()`
@@ -316,23 +317,86 @@ class TraceRecorder:
         k = implicit.num_reqs
         cached = self._implicit_details.get(k)
         if cached is None:
-            details = IterationDetails(0, 0, k, k)
-            intern = self.steps.intern
-            cached = self._implicit_details[k] = (details, intern(details.annotation), intern(self.run),
-                                                  intern(self.backend))
+            cached = self._implicit_row_texts(k)
         details = cached[0]
         kv = implicit.sum_computed_before + k
         ends = self._t_end_by_step  # for their LateTokens
         if len(ends) <= scheduler_step:
             ends.extend([None] * (scheduler_step + 1 - len(ends)))
         ends[scheduler_step] = t_end
-        index = self._append_row(step, t_start, t_end, k, details, k, k, kv, kv, max(0, implicit.max_computed_before + 1),
+        max_kv = implicit.max_computed_before + 1
+        index = self._append_row(step, t_start, t_end, k, details, k, k, kv, kv, max_kv if max_kv > 0 else 0,
                                  num_running, 0, 0, num_free_blocks, kv_usage, 0, 0, shared_kv_tokens,
-                                 cached[1:] if type(t_start) is float and type(kv_usage) is float else None)
+                                 cached[1] if type(t_start) is float and type(kv_usage) is float else None)
         if processed_step != step:
             self._step_rows[step] = index
         if processed_step is not None:
             self._step_rows.pop(processed_step, None)
+
+    def on_implicit_steps(self, first_step: int, first_scheduler_step: int, t_starts: Sequence[float],
+                          t_ends: Sequence[float], implicit: ImplicitDecodes, num_running: int,
+                          num_free_blocks: Sequence[int], kv_usage: Sequence[float],
+                          shared_kv_tokens: Sequence[int], processed_step: Optional[int]) -> None:
+        """`on_implicit_step` of n = len(t_starts) consecutive fused decode steps of the same rows, in one
+        call: step i is engine step `first_step` + i and scheduler step `first_scheduler_step` + i, runs
+        from t_starts[i] to t_ends[i], its aggregates are `implicit`'s grown by i steps (each row one
+        token longer: `sum_computed_before` + i * `num_reqs`, `max_computed_before` + i), with
+        `num_running` requests and the i-th free blocks, KV usage and shared tokens. The first step
+        processes `processed_step`; the others process their own batch if the first did (sync
+        scheduling), else the previous step's (async). The rows and state are those of the n calls
+        (tests/core/test_core_trace_bulk.py)."""
+        n = len(t_starts)
+        if n == 0:
+            return
+        k = implicit.num_reqs
+        if not (all(type(t) is float for t in t_starts) and all(type(u) is float for u in kv_usage)):
+            for i in range(n):  # (values the row checks: n single steps)
+                self.on_implicit_step(
+                    first_step + i, first_scheduler_step + i, t_starts[i], t_ends[i],
+                    ImplicitDecodes(k, implicit.sum_computed_before + i * k, implicit.max_computed_before + i),
+                    num_running, num_free_blocks[i], kv_usage[i], shared_kv_tokens[i],
+                    processed_step if i == 0 else first_step + (i if processed_step == first_step else i - 1))
+            return
+        annotation, run, backend = self._implicit_row_texts(k)[1]
+        last_sched = first_scheduler_step + n - 1
+        ends = self._t_end_by_step  # for their LateTokens
+        if len(ends) <= last_sched:
+            ends.extend([None] * (last_sched + 1 - len(ends)))
+        ends[first_scheduler_step:last_sched + 1] = t_ends
+        kv0 = implicit.sum_computed_before + k
+        max0 = implicit.max_computed_before + 1
+        ks, zeros = [k] * n, [0] * n
+        preempted = zeros
+        if self._carried_preemptions:
+            preempted = [self._carried_preemptions] + zeros[1:]
+            self._carried_preemptions = 0
+        kvs = list(range(kv0, kv0 + n * k, k)) if k else [kv0] * n
+        first_row = self.steps.extend_interned((
+            [run] * n, [backend] * n, list(range(first_step, first_step + n)), t_starts, t_ends,
+            [e - s for s, e in zip(t_starts, t_ends)], ks, zeros, zeros, ks, ks, ks, [annotation] * n,
+            ks, kvs, kvs, list(range(max0, max0 + n)) if max0 > 0 else [max(0, m) for m in range(max0, max0 + n)], [num_running] * n, zeros, preempted,
+            zeros, num_free_blocks, kv_usage, zeros, zeros, shared_kv_tokens))
+        rows = self._step_rows
+        last = first_step + n - 1
+        if processed_step == first_step:  # sync: every step processes its own batch
+            for step in range(first_step, last + 1):
+                rows.pop(step, None)
+            return
+        for step in range(first_step, last):  # async: each row waits for the next step (set, then popped)
+            rows.pop(step, None)
+        rows[last] = first_row + n - 1
+        if processed_step is not None:
+            rows.pop(processed_step, None)
+
+    def _implicit_row_texts(self, k: int) -> tuple[IterationDetails, tuple[str, str, str]]:
+        """The details of a batch of `k` implicit rows, their annotation, the run and the backend (interned)."""
+        cached = self._implicit_details.get(k)
+        if cached is None:
+            details = IterationDetails(0, 0, k, k)
+            intern = self.steps.intern
+            cached = self._implicit_details[k] = (details, (intern(details.annotation), intern(self.run),
+                                                            intern(self.backend)))
+        return cached
 
     def _record_processed(self, result: StepResult) -> None:
         row = self._step_rows.pop(result.processed.step, None)
