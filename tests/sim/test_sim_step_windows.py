@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import Optional
 
 import pandas as pd
 import pytest
@@ -121,10 +122,19 @@ def _without_windows(*args, **kwargs) -> Simulation:
     return Simulation(*args, **{**kwargs, "step_windows": False})
 
 
-def _cluster(exp, windows: bool, monkeypatch):
+def _cluster(exp, windows: bool, monkeypatch, scrapes: Optional[list] = None):
+    """`scrapes`: gets (time, instance, counts) of every read of an instance's counts (the router's scrapes)."""
     with monkeypatch.context() as patch:
         if not windows:
             patch.setattr(cluster_module, "Simulation", _without_windows)
+        if scrapes is not None:
+            counts = cluster_module._Instance.counts
+
+            def recorded(inst):
+                out = counts(inst)
+                scrapes.append((inst.env.now, inst.name, out))
+                return out
+            patch.setattr(cluster_module._Instance, "counts", recorded)
         sim, runs, _, _ = simulate_cluster(exp)
     return sim, runs
 
@@ -136,8 +146,12 @@ def _decisions(sim) -> list[str]:
 def assert_same_cluster(exp, monkeypatch) -> tuple[int, int]:
     """A cluster run with windows equals the one without: decisions, completions, every engine's rows,
     ITLs and deliveries; returns (windows, steps in them) over its engines."""
-    off, off_runs = _cluster(exp, False, monkeypatch)
-    on, on_runs = _cluster(exp, True, monkeypatch)
+    off_scrapes: list = []
+    on_scrapes: list = []
+    off, off_runs = _cluster(exp, False, monkeypatch, off_scrapes)
+    on, on_runs = _cluster(exp, True, monkeypatch, on_scrapes)
+    assert off_scrapes == on_scrapes  # (inside a window waiting, running and KV usage stay as they are)
+    assert len(on_scrapes) > len(on.instances)  # (the scraper ran: more than its first tick)
     assert _decisions(off) == _decisions(on)
     assert (off.result.completion_s, off.result.rejected, off.result.aborted_s, off.result.end_time_s) \
         == (on.result.completion_s, on.result.rejected, on.result.aborted_s, on.result.end_time_s)
