@@ -793,7 +793,12 @@ class Simulation:
             if self.max_time_s is not None:
                 self.env.run(until=self.max_time_s)
             elif self._shortcuts.windows:
-                self._run_past_stale_wakes(engine)
+                try:
+                    self._run_past_stale_wakes(engine)
+                except KeyboardInterrupt:  # (the caller reads the trace so far: the window's steps ended by now)
+                    if self._shortcuts.window is not None:
+                        self._window_apply_before(self._shortcuts.window, self.env.now)
+                    raise
             else:
                 self.env.run()
         return self.finish()
