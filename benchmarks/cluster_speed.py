@@ -80,7 +80,46 @@ of per-step timeouts reaches (t + d0 + d1 ..., each rounded): pick the delay so 
 it; (d) a planned step end at exactly another event's time is ordered by event id in the step-by-step run:
 cut the window before such a tie. Each proven against the step-by-step run as test_sim_cluster_speed.py does.
 
-Usage: python benchmarks/cluster_speed.py [--repeats 1] [--both-arms] [--profile 1060]
+Step windows (built since, "Stage B" in its simplest exact form; sim/engine.py `Simulation._plan_window`,
+`SimScheduler.quiet_run`): after a fused step, the run of fused steps ahead with no member event at all (up
+to 256; `LazyDecodes.quiet_run`) is priced at once (`CostModel.decode_durations`) and the engine waits for
+the last one's end as one SimPy event; the per-step actions in between (the step counters, the trace rows
+`TraceRecorder.on_implicit_steps`, the previous batch's outputs `ApiServerFrontend.on_step_outputs_at`) are
+applied with each step's own times when the window ends, or up to now when a request reaches the engine
+first (a submit to it or to its front end, a wake-up: `_window_cut`; the window then ends with the step in
+progress, its engine woken by a second timeout, the first one left to fire for nothing). Only with no
+step-boundary hook (DP coordinator, KV events), KV worker, drafter, client timeout or abort pending, no
+`max_time_s`, a front end holding no important job and no wake-up due in the window (`quiet_until`); in
+async scheduling, or sync without a front end. The four conditions: (a) the front end gets each step's
+outputs with its time, and every access to it cuts first; (b) scrapes need nothing: inside a window
+waiting, running and KV usage do not change (no admission, finish or KV event), which the cluster test
+checks with 5 ms scrapes; (c) `_delay_to` picks the delay whose `now + delay` is the last step's end;
+(d) ties need no order here: the step-by-step engine settles before scheduling at a step end (everything
+else at that time first, what a cut leaves to the woken engine) and, in async scheduling, hands the
+previous batch's outputs over then too; in sync scheduling it hands them over before settling, at a
+position the event ids decide, so no sync windows with a front end. Exact: tests/sim/test_sim_step_windows.py
+(Hypothesis, windows on vs off: single engines sync/async, offline / API server / two in-order servers,
+client timeouts, small pools, sliding windows; clusters behind four routers, Poisson and stage arrivals,
+5 / 50 ms scrapes) and `--check-windows N` (a digest of the decisions, completions, every engine's step and
+request rows, ITLs and deliveries; equal at 810, 2,070 and all 17,084 requests, and equal to the previous
+checkout's at 810 and 2,070).
+- `--profile 2070`, one after the other (load 2-3, cProfile): the checkout before (8b47cd0) 44.35 M function
+  calls, 23.8 s; main with the bulk primitives, no windows: 29.45 M, 18.5 s; with windows 17.84 M, 11.4 s.
+  297,449 of its 312,221 steps in 11,955 windows (95.3%, 24.9 steps a window; 810 requests: 95.6%, 27.5);
+  SimPy events 337,695 -> 67,343.
+- the whole ladder: 652,218 of 758,763 steps in 62,871 windows (86.0%, 10.4 steps a window: the later stages
+  hold more requests per engine, so member events come sooner); `simulate_cluster` 34.1 -> 28.9 s CPU (off /
+  on, one after the other, load 2-3). `--repeats 1` at load 3.6-4.9 (a ratio under load, not a result):
+  3.41x the wall time per request, 2.89x the CPU (single 0.78 ms CPU, cluster 2.25 ms), 1,186 MB.
+- what is left (cProfile of the whole ladder, 118 s): normal steps 31 s (admissions, last tokens), fused
+  steps with member KV events in place between windows 21 s, routing 15 s (the prefix-cache filter's block
+  keys), the windows' commits 18 s (per step still: the front end's output job on its shared CPU - add,
+  advance, done - and the trace row's values) and plans 6.6 s. Next: the front end's jobs of a window's equal
+  outputs in closed form; windows across in-place KV events (their steps' KV usage for the scrapes:
+  `_Instance.counts` would commit up to the scrape); sync windows with a front end (ties ordered by when the
+  arrival's event was created).
+
+Usage: python benchmarks/cluster_speed.py [--repeats 1] [--both-arms] [--profile 1060] [--check-windows 810 2070]
 """
 from __future__ import annotations
 
@@ -152,6 +191,54 @@ def profile(n: int, top: int) -> None:
     stats.sort_stats("tottime").print_stats(top)
 
 
+def check_windows(n: int) -> bool:
+    """The cluster config cut to its first n requests with step windows on and off (`Simulation(step_windows=
+    False)` through the cluster's engine factory): a digest of the decisions, completions, every engine's step
+    and request rows, ITLs and deliveries of each, whether they are equal, and the windows' share of steps."""
+    import hashlib  # noqa: PLC0415
+    import time  # noqa: PLC0415
+    from unittest import mock  # noqa: PLC0415
+
+    import pandas as pd  # noqa: PLC0415
+
+    import servetwin.sim.cluster as cluster_module  # noqa: PLC0415
+    from servetwin.experiments.config.schema import load_config  # noqa: PLC0415
+    from servetwin.experiments.run.cluster_run import simulate_cluster  # noqa: PLC0415
+    from servetwin.sim.engine import Simulation  # noqa: PLC0415
+
+    exp = load_config(CLUSTER, values={"output.plots": False, "output.step_requests": False})
+    exp = load_config(CLUSTER, values={"output.plots": False, "output.step_requests": False,
+                                       "workload.arrival.stages": _stages_for(exp, n), "workload.requests": n})
+
+    def digest(windows: bool) -> tuple[str, tuple[int, int, int], float]:
+        factory = Simulation if windows else (lambda *a, **kw: Simulation(*a, **{**kw, "step_windows": False}))
+        cpu = time.process_time()
+        with mock.patch.object(cluster_module, "Simulation", factory):
+            sim, runs, _, _ = simulate_cluster(exp)
+        cpu = time.process_time() - cpu
+        h = hashlib.sha256()
+        h.update(repr([(d.request_id, d.t, d.pick, d.rank, d.candidates, d.scores) for d in sim.result.decisions])
+                 .encode())
+        h.update(repr(sorted(sim.result.completion_s.items())).encode())
+        for label in sorted(runs):
+            rec = runs[label].recorder
+            frames = rec.frames()
+            for name in ("steps", "requests"):
+                h.update(pd.util.hash_pandas_object(frames[name], index=False).values.tobytes())
+            h.update(repr(rec.itls()).encode())
+            if rec.delivery is not None:
+                h.update(repr([rec.delivery.client_time(t) for t in frames["steps"]["t_end_s"]]).encode())
+        stats = [s.window_stats for _, _, s in sim.simulations()]
+        return h.hexdigest(), (sim.result.num_steps, sum(w for w, _ in stats), sum(k for _, k in stats)), cpu
+
+    on, (steps, windows, in_windows), cpu_on = digest(True)
+    off, _, cpu_off = digest(False)
+    print(f"{n} requests: windows on {on[:16]} ({cpu_on:.1f} s CPU), off {off[:16]} ({cpu_off:.1f} s CPU): "
+          f"{'equal' if on == off else 'DIFFERENT'}; {steps:,} steps, {in_windows:,} in {windows:,} windows "
+          f"({in_windows / max(1, steps):.1%}, {in_windows / max(1, windows):.1f} steps per window)")
+    return on == off
+
+
 def _stages_for(exp, n: int) -> list[dict]:
     """The ladder's first stages holding exactly n requests."""
     out, total = [], 0
@@ -171,8 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--both-arms", action="store_true", help="also the round-robin arm")
     ap.add_argument("--profile", type=int, metavar="N", help="cProfile the cluster's first N requests instead")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--check-windows", type=int, metavar="N", nargs="+",
+                    help="compare the first N requests with step windows on and off instead")
     args = ap.parse_args(argv)
-    if args.profile:
+    if args.check_windows:
+        if not all([check_windows(n) for n in args.check_windows]):
+            raise SystemExit(1)
+    elif args.profile:
         profile(args.profile, args.top)
     else:
         measure(args.repeats, args.both_arms)

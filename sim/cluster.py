@@ -221,6 +221,8 @@ class ClusterSimulation:
         self._where: dict[str, tuple[_Instance, int]] = {}  # request -> its instance and prompt tokens, in flight
         self._arrivals_done = False
         settler = self.settler = Settler(self.env)
+        if max_time_s is not None:  # (a run cut at a time: the engines step one by one, `Simulation._plan_window`)
+            sim_kwargs = {**sim_kwargs, "step_windows": False}
 
         def make_sim(engine: EngineCore, inst: _Instance, rank: int) -> Simulation:
             sim = Simulation(engine, [], arrival, rng=self.rng, run=run, record_step_requests=record_step_requests,

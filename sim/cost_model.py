@@ -501,7 +501,7 @@ class CostModel:
             parts = self._new_decode_parts(num_reqs)
         _, prepare, head, c_decode, c_shared, tail, moe, sample, ad_flop, ad_byte, w_flop, w_byte, w_keys = parts
         is_async = self.async_scheduling
-        out = []
+        out: list[float] = []
         append = out.append
         for sum_kv in range(first_sum_kv, first_sum_kv + n * num_reqs, num_reqs) if n > 0 else ():
             shared_dec = shared_kv if shared_kv < sum_kv else sum_kv

@@ -34,6 +34,12 @@ step output, without the `SchedulerOutput`, stats and runner output of `EngineCo
 rows, events and state (tests/sim/test_sim_fused_step.py). In async scheduling its batch stays out of
 the engine's batch queue until a normal step needs it there (`_unfuse`).
 
+Step windows (`step_windows=True`, with fused steps; async scheduling, or sync without a front end): a run of
+fused steps without member events is one SimPy event; what the step-by-step run does at each step end in
+between is applied afterwards with that step's own times, or up to the current time when a request reaches
+the engine first (the window then ends with the step in progress) - the same rows, events and state
+(tests/sim/test_sim_step_windows.py; `_plan_window` says why).
+
 Front end: with `frontend=` an API server (`servetwin.sim.frontend.ApiServerFrontend`, its own
 process with its own CPU) sits between the arrival process and the engine: arrivals are submitted to
 it, it hands each request to the engine when its ingress work is done, gets every processed step's
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +80,7 @@ MAX_IDLE_ITERATIONS = 3  # engine iterations without progress before the loop wa
 # collector ran ~170 times on bench_h100_llama8b (10k requests), its full passes walking every trace
 # row and request, ~10% of the loop's time; at 50,000 it runs twice. Cycles are still collected.
 SIM_GC_THRESHOLD0 = 50_000
+WINDOW_MAX_STEPS = 256  # steps of one step window at most (`Simulation._plan_window`)
 
 
 @dataclass(slots=True)
@@ -96,6 +104,32 @@ class _Shortcuts:
     # queue until a normal step needs it there (`Simulation._unfuse`): (step, scheduler step, its implicit
     # rows, shared KV tokens, duration, end)
     batch: Optional[tuple[int, int, ImplicitDecodes, int, float, float]] = None
+    windows: bool = False  # step windows (`Simulation._plan_window`)
+    window: Optional["_Window"] = None  # the window in progress
+    timeouts: int = 0  # client-timeout processes not yet fired (no window while any is)
+    num_windows: int = 0  # windows closed
+    window_steps: int = 0  # steps inside them
+    stale: int = 0  # wake-ups of windows that were cut, fired for nothing
+    end_s: Optional[float] = None  # the run's last event but stale wake-ups (`Simulation._run_past_stale_wakes`)
+
+
+@dataclass(slots=True)
+class _Window:
+    """A step window: steps 1..stop of the engine's fused implicit-decode steps as one SimPy event. Step i
+    runs [ends[i - 1], ends[i]) for durations[i]; step 1 was taken at ends[0] as a fused step; the
+    actions at ends[i] (0 < i < stop) - step i + 1 scheduled, step i's outputs to the front end - are
+    applied later, with their own times (`applied`: the last one applied)."""
+    ends: list[float]
+    durations: list[float]
+    applied: int
+    stop: int
+    wake: simpy.Event
+    # the steps' batch (`SimScheduler.quiet_run`): step i's aggregates are ImplicitDecodes(num_reqs,
+    # sum_offset + num_reqs x q, max_offset + q) at its scheduler step q = step 1's + i - 1; its shared KV
+    num_reqs: int
+    sum_offset: int
+    max_offset: int
+    shared: int
 
 
 @dataclass(slots=True)
@@ -121,7 +155,8 @@ class Simulation:
                  arrival: ArrivalProcess, *, rng: Optional[np.random.Generator] = None,
                  run: str = "sim", eos_token_id: int = DEFAULT_EOS_TOKEN_ID,
                  max_time_s: Optional[float] = None, record_step_requests: bool = True,
-                 fast_forward: bool = True, lazy_decode: bool = True, fused_steps: bool = True, frontend: Any = None,
+                 fast_forward: bool = True, lazy_decode: bool = True, fused_steps: bool = True,
+                 step_windows: bool = True, frontend: Any = None,
                  on_complete: Optional[Callable[[str, float], None]] = None,
                  on_reject: Optional[Callable[[str, str], None]] = None,
                  env: Optional[simpy.Environment] = None, settler: Optional["Settler"] = None) -> None:
@@ -189,6 +224,10 @@ class Simulation:
 
             self.frontend = ApiServerFrontend(self.env, frontend.spec(), frontend.endpoint, self._from_frontend,
                                               frontend.api_server_count, frontend.ingress)
+        # step windows (`_plan_window`): with fused steps, in a run to its end (no `max_time_s`), in async
+        # scheduling, or in sync scheduling without a front end (ties, `_plan_window`)
+        self._shortcuts.windows = (step_windows and self._shortcuts.fused and max_time_s is None
+                                   and (engine.batch_queue_size > 1 or self.frontend is None))
 
     @property
     def fast_forward(self) -> bool:
@@ -200,9 +239,15 @@ class Simulation:
         """Engine steps done by the fused implicit-decode step."""
         return self._shortcuts.count
 
+    @property
+    def window_stats(self) -> tuple[int, int]:
+        """(step windows, steps inside them)."""
+        return self._shortcuts.num_windows, self._shortcuts.window_steps
+
     # -- submission ------------------------------------------------------------------------------
     def submit(self, request: WorkloadRequest, done: Optional[simpy.Event] = None) -> simpy.Event:
         """Hand a request to the engine (added at the next step start); fires when it completes."""
+        self._window_cut()
         pending = _Pending(request, self.env.event() if done is None else done, t_engine=self.env.now)
         self._inbox.append(pending)
         self._poke()
@@ -216,6 +261,7 @@ class Simulation:
     def wake(self) -> None:
         """Something outside the engine changed what it can do (a remote read of its KV ended): an idle engine
         loop runs again."""
+        self._window_cut()
         self._poke()
 
     def close_arrivals(self) -> None:
@@ -224,6 +270,7 @@ class Simulation:
         self._poke()
 
     def _to_frontend(self, request: WorkloadRequest) -> simpy.Event:
+        self._window_cut()  # (the front end's CPU: the outputs of the steps that ended before now first)
         self._in_frontend += 1
         return self.frontend.submit(request)
 
@@ -274,12 +321,14 @@ class Simulation:
                                          pending.t_engine if self.frontend is not None else None)
                 self._by_child[req.request_id] = pending
             if wreq.timeout_s is not None:
+                self._shortcuts.timeouts += 1
                 self.env.process(self._client_timeout(pending, wreq.arrival_s + wreq.timeout_s))
 
     def _client_timeout(self, pending: _Pending, deadline: float) -> Generator[simpy.Event, Any, None]:
         """The client gives up at `deadline`; the abort reaches the engine at its next step start (as
         vLLM's engine core reads an ABORT from its input queue between steps)."""
         yield self.env.timeout(max(0.0, deadline - self.env.now))
+        self._shortcuts.timeouts -= 1
         if not pending.done.triggered:
             self._aborts.append(pending)
             self._poke()
@@ -409,7 +458,13 @@ class Simulation:
                 if fused is not None:
                     idle = 0
                     if fused[0] > 0:  # (a batch priced 0 s: no event, as for a normal step)
-                        yield env.timeout(fused[0])
+                        window = self._plan_window(env.now, fused[0]) if shortcuts.windows else None
+                        if window is None:
+                            yield env.timeout(fused[0])
+                        else:
+                            yield window.wake
+                            self._window_close(window)
+                            fused = (fused[0], fused[1], env.now)  # (sync: the last step's batch ends now)
                     if fused[1]:  # sync: the step's own batch, processed at its end
                         self._fused_complete(fused[1], fused[2])
                     if self.on_step_boundary is not None:
@@ -510,6 +565,149 @@ class Simulation:
         if self.frontend is not None:
             self._num_samples[step] = implicit.num_reqs
 
+    # -- step windows -----------------------------------------------------------------------------
+    # A run of fused steps without member events (async scheduling: each step processes the previous one's
+    # batch) is one SimPy event: `_plan_window` prices the steps ahead and waits for the last one's end;
+    # what the step-by-step run does at each step end in between - the next step scheduled
+    # (`_fused_step`), the previous batch's outputs to the front end - is applied later with that step's
+    # own times, by `_window_close` at the window's end, or by `_window_cut` when something reaches this
+    # engine before (a request to it or its front end, a wake-up): the actions before the current time
+    # are applied, and the engine wakes at the end of the step in progress, as the step-by-step run.
+    # Exact (tests/sim/test_sim_step_windows.py) because, inside a window:
+    # - nothing else reads or changes what the deferred actions change: the scheduler's waiting/running
+    #   counts and KV usage (a cluster's scrapes) stay as they are in quiet steps (no admission, no finish,
+    #   no KV event: `SimScheduler.quiet_run`); the front end is quiet (`quiet_until`: no timer of its own
+    #   due, its outputs need no clock); no step-boundary hook, KV worker, client timeout or abort is pending;
+    # - the times are the step-by-step run's floats: ends[i] = ends[i - 1] + durations[i], as SimPy's
+    #   `now + delay`, and the one timeout lands on exactly the end (`_delay_to`);
+    # - ties: a cut at exactly a step end (a request reaching the engine at the time a step ends) is
+    #   ordered by SimPy's event ids in the step-by-step run; here it does not matter: the step-by-step
+    #   engine schedules the next step after everything else at that time (it settles first, `_settle`),
+    #   which is what the cut leaves to the woken engine, and it hands the step's outputs to the front end
+    #   then too in async scheduling (in sync scheduling it does so before settling, at a time that depends
+    #   on the event ids: so no windows in sync scheduling with a front end). Other events at a step end
+    #   (other engines, scrapes, the arrival process) do not touch this engine's state.
+    def _plan_window(self, t0: float, d1: float) -> Optional[_Window]:
+        """After a fused step at `t0` of `d1` seconds: a window of it and the quiet steps after it, or None
+        (the engine waits for that step alone)."""
+        state = self._shortcuts
+        frontend = self.frontend
+        if (self._inbox or self._aborts or state.timeouts or self.on_step_boundary is not None
+                or (frontend is not None and not frontend.quiet_until(t0))):
+            return None
+        in_flight = state.batch is not None  # async: each step processes the previous one's batch
+        engine = self.engine
+        sched = engine.scheduler
+        run = sched.quiet_run(WINDOW_MAX_STEPS - 1)
+        if run is None:
+            return None
+        n, k, sum_offset, max_offset = run
+        q = sched.current_step  # the scheduler step of the window's step 2
+        if in_flight and (state.batch[:2] != (engine.step_counter - 1, q - 1) or state.batch[2].num_reqs != k):
+            raise AssertionError("step window: step 1 is not the last fused step")
+        shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (no KV event in it)
+        priced = engine.executor.implicit_decode_durations(ImplicitDecodes(k, sum_offset + k * q, max_offset + q),
+                                                           shared, n)
+        if priced is None:
+            return None
+        t = t0 + d1
+        ends, durations = [t0, t], [0.0, d1]
+        for d in priced:
+            if not d > 0:  # (a step priced 0 s takes no event: left to the step-by-step path)
+                break
+            t += d
+            ends.append(t)
+            durations.append(d)
+        stop = len(ends) - 1
+        delay = None
+        while stop > 1:
+            delay = _delay_to(t0, ends[stop])
+            if delay is not None:
+                break
+            stop -= 1
+        if delay is None or (frontend is not None and not frontend.quiet_until(ends[stop])):
+            return None  # (the front end's own wake-up due inside the window: it reads the outputs by then)
+        window = state.window = _Window(ends, durations, 0, stop, self.env.event(), k, sum_offset, max_offset, shared)
+        self.env.timeout(delay).callbacks.append(lambda _e, w=window, i=stop: self._window_due(w, i))
+        return window
+
+    def _window_due(self, window: _Window, stop: int) -> None:
+        """A window's wake-up at the end of its step `stop` (stale when the window was cut before)."""
+        if window.stop == stop and self._shortcuts.window is window:
+            window.wake.succeed()
+        else:
+            self._shortcuts.stale += 1
+
+    def _window_apply(self, window: _Window, upto: int) -> None:
+        """The actions at the ends of the window's steps applied+1 .. upto, with their own times: what
+        `_fused_step` does at each (step i's batch processed, its outputs handed to the front end - async
+        scheduling - and step i + 1 scheduled), for the steps `SimScheduler.quiet_run` found quiet."""
+        first = window.applied + 1
+        n = upto + 1 - first
+        if n <= 0:
+            return
+        window.applied = upto
+        state, engine = self._shortcuts, self.engine
+        sched = engine.scheduler
+        step, q = engine.step_counter, sched.current_step  # step i + 1's (i = first)
+        sched.quiet_steps(n)
+        engine.step_counter += n
+        self.result.num_steps += n
+        state.count += n
+        in_flight = state.batch is not None  # async: each step processes the previous one's batch, else its own
+        sched.last_updated_step = q + n - 1 - in_flight
+        kv = sched.kv_cache_manager
+        k, sum_offset, max_offset, shared = window.num_reqs, window.sum_offset, window.max_offset, window.shared
+        ends = window.ends
+        starts = ends[first:upto + 1]  # (step i + 1 starts when step i ends: its batch's outputs go out then)
+        self.recorder.on_implicit_steps(step, q, starts, ends[first + 1:upto + 2],
+                                        ImplicitDecodes(k, sum_offset + k * q, max_offset + q), len(sched.running),
+                                        [kv.num_free_blocks] * n, [kv.usage] * n, [shared] * n, step - in_flight)
+        if not in_flight:
+            return  # (sync: no front end, `_plan_window`)
+        last_q = q + n - 1
+        state.batch = (step + n - 1, last_q, ImplicitDecodes(k, sum_offset + k * last_q, max_offset + last_q), shared,
+                       window.durations[upto + 1], ends[upto + 1])
+        if self.frontend is not None:
+            self.frontend.on_step_outputs_at(starts, starts, k)
+
+    def _window_close(self, window: _Window) -> None:
+        """The engine woke at the end of the window's last step: the actions before it applied."""
+        self._window_apply(window, window.stop - 1)
+        state = self._shortcuts
+        state.window = None
+        state.num_windows += 1
+        state.window_steps += window.stop
+
+    def _window_apply_before(self, window: _Window, now: float) -> int:
+        """The actions of the window's steps that ended before `now` applied; returns the step in progress."""
+        ends = window.ends
+        i = window.applied + 1
+        while i < window.stop and ends[i] < now:
+            i += 1
+        self._window_apply(window, i - 1)
+        return i
+
+    def _window_cut(self) -> None:
+        """Something reaches this engine now: a window in progress ends with the step in progress (the
+        actions of the steps that ended before now applied; the engine wakes at that step's end)."""
+        window = self._shortcuts.window
+        if window is None:
+            return
+        now = self.env.now
+        i = self._window_apply_before(window, now)
+        ends = window.ends
+        if i >= window.stop:
+            return  # the last step is in progress: the window's own wake-up
+        window.stop = i
+        if ends[i] == now:  # (the engine settles before its next step: after this event, as step by step)
+            window.wake.succeed()
+            return
+        delay = _delay_to(now, ends[i])
+        if delay is None:
+            raise AssertionError(f"step window: no delay from {now!r} lands on {ends[i]!r}")
+        self.env.timeout(delay).callbacks.append(lambda _e, w=window, j=i: self._window_due(w, j))
+
     def _transfer_due(self) -> Optional[float]:
         """When the engine's next KV transfer in flight ends (None: none is)."""
         worker = getattr(self.engine.executor, "kv_worker", None)
@@ -590,13 +788,33 @@ class Simulation:
 
     def run(self) -> SimResult:
         self.env.process(self._arrivals())
-        self.env.process(self._engine())
+        engine = self.env.process(self._engine())
         with rare_young_collections():
             if self.max_time_s is not None:
                 self.env.run(until=self.max_time_s)
+            elif self._shortcuts.windows:
+                try:
+                    self._run_past_stale_wakes(engine)
+                except KeyboardInterrupt:  # (the caller reads the trace so far: the window's steps ended by now)
+                    if self._shortcuts.window is not None:
+                        self._window_apply_before(self._shortcuts.window, self.env.now)
+                    raise
             else:
                 self.env.run()
         return self.finish()
+
+    def _run_past_stale_wakes(self, engine: simpy.Process) -> None:
+        """`env.run()`, keeping the time of the last event but the stale wake-ups of cut windows (the run's
+        end, which a wake-up due after everything else would otherwise move)."""
+        env, state = self.env, self._shortcuts
+        env.run(until=engine)
+        last = env.now
+        while (t := env.peek()) != math.inf:
+            stale = state.stale
+            env.step()
+            if state.stale == stale:
+                last = t
+        state.end_s = last
 
     def start_engine(self) -> simpy.Process:
         """The engine's process alone (a cluster starts each engine's and routes the arrivals itself)."""
@@ -605,7 +823,10 @@ class Simulation:
     def finish(self) -> SimResult:
         """The result once the environment stopped: outputs still in the front end, late tokens, the
         requests that did not finish."""
-        self.result.end_time_s = float(self.env.now)
+        end = self._shortcuts.end_s
+        if self._shortcuts.window is not None:  # (a run stopped from outside: the steps ended by now)
+            self._window_apply_before(self._shortcuts.window, self.env.now)
+        self.result.end_time_s = float(self.env.now if end is None else end)
         if self.frontend is not None:  # outputs still in the front end when the engine stopped
             self.frontend.finish(self.max_time_s)
             self.recorder.set_delivery(self.frontend.deliveries)
@@ -660,6 +881,15 @@ class Settler:
             self._wakeup = env.event()
             yield self._wakeup
             self._wakeup = None
+
+
+def _delay_to(now: float, t: float) -> Optional[float]:
+    """A delay d > 0 with now + d == t in floats (SimPy's timeout lands on `now + delay`), or None."""
+    d = t - now
+    for cand in (d, math.nextafter(d, math.inf), math.nextafter(d, -math.inf)):
+        if cand > 0 and now + cand == t:
+            return cand
+    return None
 
 
 @contextlib.contextmanager

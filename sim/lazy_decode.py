@@ -278,6 +278,24 @@ class LazyDecodes:
         k = len(self.members)
         return ImplicitDecodes(k, self.sum_offset + k * step, self.max_offset() + step)
 
+    def quiet_run(self, step: int, limit: int) -> int:
+        """How many steps from `step` on (at most `limit`) `quiet_step` would take one after the other:
+        `members_only()`, `step` next for `due`, and no event bucket at any of them (a stale one counts, as
+        in `quiet_step`). Changes nothing."""
+        if not self.members_only() or self._due_from != step:
+            return 0
+        events = self._events
+        n = 0
+        while n < limit and step + n not in events:
+            n += 1
+        return n
+
+    def skip_quiet(self, step: int, n: int) -> None:
+        """`quiet_step` of steps step .. step + n - 1, which `quiet_run` found quiet (nothing changed since)."""
+        if self._due_from != step:
+            raise AssertionError(f"implicit decodes: quiet steps from {step}, but the next step is {self._due_from}")
+        self._due_from = step + n
+
     def take_flushed(self) -> list[LateTokens]:
         out, self.flushed = self.flushed, []
         return out

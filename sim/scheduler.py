@@ -122,15 +122,8 @@ class SimScheduler(Scheduler):
         scheduled in full, `schedule()`). None: not such a step - nothing changed, or the step was
         scheduled and listed rows after all, and the next `schedule()` returns that output."""
         lazy = self.lazy
-        if (lazy is None or self.waiting or self.kv_holding_waiting or self.deferred_waiting or self.finished_req_ids
-                or self.reset_preempted_req_ids or self._step_spec_tokens or self._num_preempted_since_stats
-                or self._spec_stats_since_read is not None or self.connector is not None
-                or self._scheduled_ahead is not None
-                or len(lazy.members) > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)):
+        if lazy is None or not self._members_alone():
             return None
-        pcs = self.kv_cache_manager.prefix_cache_stats
-        if pcs is not None and (pcs.requests or pcs.preempted_requests or pcs.reset):
-            return None  # (make_stats would hand these counts to the step's row)
         implicit = lazy.quiet_step(self.current_step)
         if implicit is not None:
             self.current_step += 1
@@ -143,6 +136,42 @@ class SimScheduler(Scheduler):
             self._scheduled_ahead = so
             return None
         return so.implicit_decodes
+
+    def _members_alone(self) -> bool:
+        """Whether the next step's batch can only be the implicit members' (what `quiet_step` needs besides
+        the members' events): nobody waiting, nothing finished or preempted, no drafts, no connector, no
+        prefix-cache lookup or preemption since the last stats, the members within the token budget."""
+        lazy = self.lazy
+        if (self.waiting or self.kv_holding_waiting or self.deferred_waiting or self.finished_req_ids
+                or self.reset_preempted_req_ids or self._step_spec_tokens or self._num_preempted_since_stats
+                or self._spec_stats_since_read is not None or self.connector is not None
+                or self._scheduled_ahead is not None
+                or len(lazy.members) > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens)):
+            return False
+        pcs = self.kv_cache_manager.prefix_cache_stats
+        # (make_stats would hand these counts to the step's row)
+        return pcs is None or not (pcs.requests or pcs.preempted_requests or pcs.reset)
+
+    def quiet_run(self, limit: int) -> Optional[tuple[int, int, int, int]]:
+        """How the next steps go if nothing reaches the scheduler meanwhile (a step window of
+        `servetwin.sim.engine.Simulation`): (n, members, sum of offsets, max offset) when each of the next
+        n steps (1 <= n <= limit) would be a `quiet_step` without any member event - then step
+        `current_step + i` has the aggregates ImplicitDecodes(members, sum + members x step, max + step)
+        and changes nothing but the step counters (the members, their offsets, the running list, the
+        waiting queue and the KV pool stay as they are); None: not even the next one. Changes nothing."""
+        lazy = self.lazy
+        if lazy is None or not self._members_alone():
+            return None
+        n = lazy.quiet_run(self.current_step, limit)
+        if not n:
+            return None
+        return n, len(lazy.members), lazy.sum_offset, lazy.max_offset()
+
+    def quiet_steps(self, n: int) -> None:
+        """Take the next n steps as `quiet_step` would, after `quiet_run` found them quiet and nothing reached
+        the scheduler since: only the step counters move."""
+        self.lazy.skip_quiet(self.current_step, n)
+        self.current_step += n
 
     # -- the overridden public methods ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

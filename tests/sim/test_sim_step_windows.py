@@ -1,0 +1,197 @@
+"""Step windows (`Simulation._plan_window`: a run of quiet fused steps as one SimPy event, its per-step actions
+applied later with their own times, cut when a request reaches the engine) give exactly the run with windows
+off: every step and request row, ITLs, completions, aborts, the front end's deliveries and CPU time, the
+router's decisions - single engines (async and sync scheduling, with and without the API server, client
+timeouts, small pools, sliding windows) and clusters behind routers that read scraped metrics."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Optional
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import servetwin.sim.cluster as cluster_module
+from servetwin.core.engine.engine_args import EngineArgs
+from servetwin.core.engine.engine_factory import create_engine_core
+from servetwin.experiments.config.schema import validate_config
+from servetwin.experiments.run.cluster_run import simulate_cluster
+from servetwin.sim.engine import Simulation
+from servetwin.sim.frontend import FrontendConfig
+from servetwin.sim.workload import build_workload, rng_streams
+from sim_helpers import NUM_KV_CACHE_GROUPS, assert_same_block_pool, hybrid_spec, sim_model, small_workload
+
+
+FRONTENDS = {"offline": FrontendConfig("offline"), "api_server": FrontendConfig("api_server"),
+             "two_servers_in_order": FrontendConfig("api_server", "chat", api_server_count=2, ingress="in_order")}
+
+
+def _run(engine_kw: dict, workload: dict, frontend: str, windows: bool):
+    args = EngineArgs.from_kwargs(model="tiny-llama", backend="sim", hardware="h100-sxm", skip_tokenizer_init=True,
+                                  **engine_kw)
+    engine, info = create_engine_core(args)
+    spec, requests = build_workload(workload, vocab_size=info.vocab_size)
+    sim = Simulation(engine, requests, spec.arrival, rng=rng_streams(spec.seed)["runtime"], fast_forward=False,
+                     record_step_requests=False, step_windows=windows, frontend=FRONTENDS[frontend])
+    return sim.run(), engine, sim
+
+
+def _assert_same(engine_kw: dict, workload: dict, frontend: str) -> tuple[int, int]:
+    """The windowed run equals the run with windows off; returns its (windows, steps in them)."""
+    off, off_engine, off_sim = _run(engine_kw, workload, frontend, False)
+    on, on_engine, on_sim = _run(engine_kw, workload, frontend, True)
+    a, b = off.recorder.frames(), on.recorder.frames()
+    for name in ("steps", "requests"):
+        pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
+                                      check_exact=True, obj=name)
+    assert off.recorder.itls() == on.recorder.itls()
+    assert (off.completion_s, off.rejected, off.aborted_s, off.unfinished, off.num_steps, off.end_time_s) \
+        == (on.completion_s, on.rejected, on.aborted_s, on.unfinished, on.num_steps, on.end_time_s)
+    if frontend != "offline":
+        ends = list(a["steps"]["t_end_s"])
+        assert [on.recorder.delivery.client_time(t) for t in ends] == \
+            [off.recorder.delivery.client_time(t) for t in ends]
+        assert off_sim.frontend.num_messages == on_sim.frontend.num_messages
+        assert [c.busy_s for c in off_sim.frontend.cpus] == [c.busy_s for c in on_sim.frontend.cpus]
+    assert_same_block_pool(off_engine, on_engine)
+    assert off_engine.step_counter == on_engine.step_counter
+    assert off_sim.num_fused_steps == on_sim.num_fused_steps
+    assert off_sim.window_stats == (0, 0)
+    return on_sim.window_stats
+
+
+@settings(max_examples=30, deadline=None)
+@given(async_scheduling=st.booleans(), caching=st.booleans(), block_size=st.sampled_from([1, 4, 16]),
+       max_num_seqs=st.integers(1, 10), rate=st.sampled_from([None, 20.0, 200.0]), requests=st.integers(1, 12),
+       out_hi=st.integers(1, 120), frontend=st.sampled_from(sorted(FRONTENDS)),
+       timeout_s=st.sampled_from([None, None, 0.01, 0.05]), window=st.sampled_from([None, None, 5, 24]),
+       extra_blocks=st.sampled_from([0, 10, 400]), shared=st.booleans(), seed=st.integers(0, 500))
+def test_windows_equal_the_run_without_them(async_scheduling, caching, block_size, max_num_seqs, rate, requests,
+                                             out_hi, frontend, timeout_s, window, extra_blocks, shared, seed):
+    """Sync and async scheduling (sync: windows without a front end only), prefix caching, sliding-window groups, small pools
+    (preemption), arrivals during windows (cuts), the API-server front end (also two servers, in-order
+    ingress), client timeouts: the same run."""
+    groups = 1 if window is None else NUM_KV_CACHE_GROUPS["gpt-oss-like"]
+    num_blocks = groups * -(-160 // block_size) + 1 + extra_blocks  # one max-length request fits
+    engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
+                     max_num_seqs=max_num_seqs, max_model_len=160, async_scheduling=async_scheduling)
+    extra = {"timeout_s": timeout_s} if timeout_s is not None else {}
+    workload = small_workload(requests, seed, out_hi, 40, rate, shared, max_output_tokens=min(out_hi, 100), **extra)
+    with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
+        num_windows, steps = _assert_same(engine_kw, workload, frontend)
+    if not async_scheduling and frontend != "offline":
+        assert num_windows == 0
+    assert steps >= num_windows  # (a window cut while its first step runs has one step)
+
+
+@pytest.mark.parametrize("async_scheduling, frontend", [(True, "offline"), (True, "api_server"), (False, "offline")])
+@pytest.mark.parametrize("rate", [None, 30.0])
+def test_a_steady_batch_runs_in_windows(async_scheduling, frontend, rate):
+    """A steady decode batch: most of its steps are inside windows (each up to the next member event: a new
+    block), arrivals cut them, and the run is the same."""
+    engine_kw = dict(enable_prefix_caching=True, block_size=64, num_gpu_blocks=600, max_num_seqs=8,
+                     max_model_len=1024, async_scheduling=async_scheduling)
+    workload = {"requests": 8, "seed": 2, "prompt_tokens": 40, "output_tokens": 600,
+                "arrival": {"type": "offline"} if rate is None else {"type": "poisson", "rate": rate}}
+    num_windows, steps = _assert_same(engine_kw, workload, frontend)
+    assert num_windows > 0
+    assert steps > 300
+    assert steps / num_windows > 8
+
+
+BASE = {
+    "name": "windows", "model": "tiny-llama", "hardware": "h100-sxm",
+    "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "max_model_len": 384,
+               "enable_prefix_caching": True},
+    "workload": {"requests": 30, "shared_prefix": {"groups": 6, "per_group": 5, "prefix_tokens": 64,
+                                                   "suffix_tokens": 20},
+                 "output_tokens": {"type": "lognormal", "mean": 60, "cv": 0.6}, "max_output_tokens": 150},
+    "output": {"step_requests": False, "plots": False},
+}
+ROUTERS = [{"type": "round_robin"}, {"type": "least_loaded"},
+           {"type": "llm_d", "filters": [{"type": "prefix-cache-affinity"}], "scorers": [{"type": "token-load"}]},
+           {"type": "llm_d", "scorers": [{"type": "queue"}, {"type": "kv-cache-utilization", "weight": 2},
+                                         {"type": "prefix-cache"}]}]
+
+
+def _without_windows(*args, **kwargs) -> Simulation:
+    """An engine simulation with step windows off (a factory: no subclass of the compiled Simulation)."""
+    return Simulation(*args, **{**kwargs, "step_windows": False})
+
+
+def _cluster(exp, windows: bool, monkeypatch, scrapes: Optional[list] = None):
+    """`scrapes`: gets (time, instance, counts) of every read of an instance's counts (the router's scrapes)."""
+    with monkeypatch.context() as patch:
+        if not windows:
+            patch.setattr(cluster_module, "Simulation", _without_windows)
+        if scrapes is not None:
+            counts = cluster_module._Instance.counts
+
+            def recorded(inst):
+                out = counts(inst)
+                scrapes.append((inst.env.now, inst.name, out))
+                return out
+            patch.setattr(cluster_module._Instance, "counts", recorded)
+        sim, runs, _, _ = simulate_cluster(exp)
+    return sim, runs
+
+
+def _decisions(sim) -> list[str]:
+    return [repr((d.request_id, d.t, d.pick, d.rank, d.candidates, d.scores)) for d in sim.result.decisions]
+
+
+def assert_same_cluster(exp, monkeypatch) -> tuple[int, int]:
+    """A cluster run with windows equals the one without: decisions, completions, every engine's rows,
+    ITLs and deliveries; returns (windows, steps in them) over its engines."""
+    off_scrapes: list = []
+    on_scrapes: list = []
+    off, off_runs = _cluster(exp, False, monkeypatch, off_scrapes)
+    on, on_runs = _cluster(exp, True, monkeypatch, on_scrapes)
+    assert off_scrapes == on_scrapes  # (inside a window waiting, running and KV usage stay as they are)
+    assert len(on_scrapes) > len(on.instances)  # (the scraper ran: more than its first tick)
+    assert _decisions(off) == _decisions(on)
+    assert (off.result.completion_s, off.result.rejected, off.result.aborted_s, off.result.end_time_s) \
+        == (on.result.completion_s, on.result.rejected, on.result.aborted_s, on.result.end_time_s)
+    assert sorted(off_runs) == sorted(on_runs)
+    for label, run in off_runs.items():
+        a, b = run.recorder.frames(), on_runs[label].recorder.frames()
+        for name in ("steps", "requests"):
+            pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
+                                          check_exact=True, obj=f"{label} {name}")
+        assert run.recorder.itls() == on_runs[label].recorder.itls()
+        if run.recorder.delivery is not None:
+            ends = list(a["steps"]["t_end_s"])
+            assert [on_runs[label].recorder.delivery.client_time(t) for t in ends] == \
+                [run.recorder.delivery.client_time(t) for t in ends]
+    stats = [s.window_stats for _, _, s in on.simulations()]
+    assert all(s == (0, 0) for _, _, s in ((None, None, s.window_stats) for _, _, s in off.simulations()))
+    return sum(w for w, _ in stats), sum(n for _, n in stats)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(router=st.sampled_from(ROUTERS), instances=st.integers(2, 4), rate=st.sampled_from([20.0, 80.0, 400.0]),
+       async_scheduling=st.booleans(), frontend=st.sampled_from(["offline", "api_server"]),
+       window=st.sampled_from([None, 24, 40]), scrape_s=st.sampled_from([0.005, 0.05]),
+       stages=st.booleans(), seed=st.integers(0, 50))
+def test_a_cluster_with_windows_equals_its_run_without(router, instances, rate, async_scheduling, frontend, window,
+                                                      scrape_s, stages, seed, monkeypatch):
+    """Clusters behind routers reading scraped counts (constant inside a window: no admission, finish or KV
+    event), Poisson or stage-ladder arrivals, sync and async engines, hybrid (sliding-window) models."""
+    raw = copy.deepcopy(BASE)
+    raw["seed"] = seed
+    raw["engine"]["async_scheduling"] = async_scheduling
+    raw["workload"]["arrival"] = ({"type": "stages", "stages": [{"rate": rate, "duration_s": 10 / rate},
+                                                                 {"rate": rate, "duration_s": 20 / rate}]}
+                                  if stages else {"type": "poisson", "rate": rate})
+    raw["frontend"] = {"type": frontend}
+    raw["cluster"] = {"instances": [{"name": "r", "count": instances}],
+                      "router": {**router, "scrape_interval_s": scrape_s}}
+    exp = validate_config(raw)
+    with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
+        num_windows, _ = assert_same_cluster(exp, monkeypatch)
+    if not async_scheduling and frontend == "api_server":
+        assert num_windows == 0
