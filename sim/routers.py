@@ -14,7 +14,9 @@ random tie-break (llm-d-inference-scheduler `docs/architecture.md`, "Routing Flo
 - `load-aware`: `q == 0 -> 0.5`, else `0.5 * (1 - min(q, T) / T)`, T = 128 (llm-d `QueueThresholdDefault`);
 - `active-request`: the router's in-flight count, `(max - n) / max`, all idle -> 1 (llm-d `active-request-scorer`);
 - `token-load`: the router's in-flight prompt tokens, `1 - min(t, T) / T`, T = 4,194,304 (GIE
-  `scorer/tokenload`, `tokenQueueThresholdDefault`, "128 requests @ 32K");
+  `scorer/tokenload`, `tokenQueueThresholdDefault`, "128 requests @ 32K"); with the router's `in_flight_load`
+  parameter, llm-d's in-flight load producer's count instead (`InFlightLoad`: uncached prompt tokens until the
+  first token);
 - `prefix-cache` (approximate): a router-side LRU index per endpoint of the block hashes of the prompts routed
   there (16-token blocks, at most 256 matched, 31,250 blocks per endpoint), which never sees the engines'
   evictions; score = leading blocks matched / prompt blocks (GIE `plugins/multi/prefix/plugin.go`);
