@@ -14,7 +14,9 @@ random tie-break (llm-d-inference-scheduler `docs/architecture.md`, "Routing Flo
 - `load-aware`: `q == 0 -> 0.5`, else `0.5 * (1 - min(q, T) / T)`, T = 128 (llm-d `QueueThresholdDefault`);
 - `active-request`: the router's in-flight count, `(max - n) / max`, all idle -> 1 (llm-d `active-request-scorer`);
 - `token-load`: the router's in-flight prompt tokens, `1 - min(t, T) / T`, T = 4,194,304 (GIE
-  `scorer/tokenload`, `tokenQueueThresholdDefault`, "128 requests @ 32K");
+  `scorer/tokenload`, `tokenQueueThresholdDefault`, "128 requests @ 32K"); with the router's `in_flight_load`
+  parameter, llm-d's in-flight load producer's count instead (`InFlightLoad`: uncached prompt tokens until the
+  first token);
 - `prefix-cache` (approximate): a router-side LRU index per endpoint of the block hashes of the prompts routed
   there (16-token blocks, at most 256 matched, 31,250 blocks per endpoint), which never sees the engines'
   evictions; score = leading blocks matched / prompt blocks (GIE `plugins/multi/prefix/plugin.go`);
@@ -148,11 +150,22 @@ class ActiveRequestScorer:
 
 @dataclass(slots=True)
 class TokenLoadScorer:
+    """`1 - min(t, T) / T`. Without an in-flight load producer t is the router's in-flight prompt tokens; with
+    one (`InFlightLoad`, wired by `make_llm_d`) t is the endpoint's producer count plus what this request would
+    add there (llm-d-router `scorer/tokenload/token_load.go:92-130` at 7f6c33663: `InFlightLoad.Tokens` +
+    `UncachedRequestTokens.Tokens`)."""
     threshold: int = TOKEN_LOAD_THRESHOLD
+    load: Optional["InFlightLoad"] = None
 
     def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
         t = self.threshold
-        return [1.0 if e.active_tokens <= 0 else 1.0 - min(e.active_tokens, t) / t for e in endpoints]
+        if self.load is None:
+            return [1.0 if e.active_tokens <= 0 else 1.0 - min(e.active_tokens, t) / t for e in endpoints]
+        out = []
+        for e in endpoints:
+            tokens = self.load.tokens_at(e.index) + self.load.request_tokens(request, e.index)
+            out.append(1.0 if tokens <= 0 else 1.0 - min(tokens, t) / t)
+        return out
 
 
 def prompt_block_keys(tokens: Sequence[int], block_tokens: int, max_blocks: int) -> list[int]:
@@ -218,6 +231,75 @@ class PrefixCacheScorer:
 
     def on_routed(self, request: Any, endpoint: Endpoint) -> None:
         self.index.add(endpoint.index, self.keys(request))
+
+
+IN_FLIGHT_OUTPUT_RATIO = 1.5  # llm-d-router inflightload/token_estimator.go:39 DefaultOutputRatio
+
+
+@dataclass(slots=True)
+class InFlightLoad:
+    """llm-d's `inflight-load-producer` (llm-d-router `pkg/epp/framework/plugins/requestcontrol/dataproducer/
+    inflightload/producer.go` at 7f6c33663, 2026-06-26, the router of the llm-d guides' runs of June-July 2026):
+    per endpoint, the requests routed there and not finished, and the tokens they still cost it. At routing a
+    request is charged its prompt tokens not matched in that endpoint's approximate prefix index (`PreRequest`,
+    :337, `uncachedInputTokens`, :521: the index's unmatched blocks plus the prompt's tail beyond them), plus,
+    with `add_estimated_output_tokens`, round(prompt x `output_ratio`) bounded by its `max_tokens`
+    (`estimateRequestTokens`, :393; `token_estimator.go:100`). Its tokens are released at its first streamed
+    token when no output is estimated (`ResponseBody`, :427, the default since #1029 of May 2026: "prefill is
+    done"), else when it finishes (:456), which also releases its request count. The cluster calls
+    `on_first_token` and `on_finished` (see `LlmdRouter.wants_first_token`)."""
+    prefix: Optional[PrefixCacheScorer] = None  # the approximate index it discounts against (None: no discount)
+    add_estimated_output_tokens: bool = False  # `addEstimatedOutputTokens`, default false (producer.go:68)
+    output_ratio: float = IN_FLIGHT_OUTPUT_RATIO
+    tokens: dict[int, int] = field(default_factory=dict)  # endpoint -> tokens charged
+    requests: dict[int, int] = field(default_factory=dict)  # endpoint -> requests in flight
+    charged: dict[Any, tuple[int, int]] = field(default_factory=dict)  # request id -> (endpoint, its tokens)
+
+    def __post_init__(self) -> None:
+        if self.output_ratio < 0:
+            raise TypeError(f"output_ratio must be >= 0, got {self.output_ratio}")
+
+    def tokens_at(self, endpoint: int) -> int:
+        return self.tokens.get(endpoint, 0)
+
+    def uncached_tokens(self, request: Any, endpoint: int) -> int:
+        """The prompt tokens the endpoint's approximate index does not hold (matched blocks x block size off)."""
+        n = len(request.prompt_token_ids)
+        if self.prefix is None:
+            return n
+        matched = self.prefix.index.matched(endpoint, self.prefix.keys(request))
+        return max(0, n - matched * self.prefix.block_tokens)
+
+    def request_tokens(self, request: Any, endpoint: int) -> int:
+        """What routing `request` to `endpoint` would add to its count (`UncachedRequestTokens`)."""
+        tokens = self.uncached_tokens(request, endpoint)
+        if self.add_estimated_output_tokens:
+            n = len(request.prompt_token_ids)
+            tokens += min(int(round(n * self.output_ratio)), max(0, int(request.max_tokens))) if n else 0
+        return tokens
+
+    def on_routed(self, request: Any, endpoint: int) -> None:
+        """Charge the request (before the prefix index learns its prompt: the charge is the pre-routing match)."""
+        tokens = self.request_tokens(request, endpoint)
+        self.tokens[endpoint] = self.tokens.get(endpoint, 0) + tokens
+        self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
+        self.charged[request.request_id] = (endpoint, tokens)
+
+    def _release_tokens(self, request_id: Any) -> None:
+        entry = self.charged.get(request_id)
+        if entry is not None and entry[1]:
+            self.tokens[entry[0]] -= entry[1]
+            self.charged[request_id] = (entry[0], 0)
+
+    def on_first_token(self, request_id: Any) -> None:
+        if not self.add_estimated_output_tokens:
+            self._release_tokens(request_id)
+
+    def on_finished(self, request_id: Any) -> None:
+        self._release_tokens(request_id)
+        entry = self.charged.pop(request_id, None)
+        if entry is not None:
+            self.requests[entry[0]] -= 1
 
 
 @dataclass(slots=True)
@@ -319,12 +401,15 @@ class PrefixAffinityFilter:
     is at least `threshold` (`affinityThreshold`, default 0.80); with none, every endpoint stays. The TTFT load
     gate breaks stickiness (every endpoint stays) when the best sticky endpoint's estimated TTFT exceeds the
     best non-sticky one's by more than `max_ttft_penalty_ms` (`maxTTFTPenaltyMs`, default 18,000; 0 turns the
-    gate off), the estimate being the endpoint's in-flight prompt tokens / `peak_prefill_throughput`
-    (`peakPrefillThroughput`, tokens/s, default 15,928: its Qwen3-32B TP2 H100 calibration)."""
+    gate off), the estimate being the endpoint's in-flight tokens / `peak_prefill_throughput`
+    (`peakPrefillThroughput`, tokens/s, default 15,928: its Qwen3-32B TP2 H100 calibration): the in-flight load
+    producer's count when the router has one (`InFlightLoad`, as the plugin reads `InFlightLoad.Tokens`), else
+    the router's in-flight prompt tokens."""
     scorer: PrefixCacheScorer
     threshold: float = 0.80
     max_ttft_penalty_ms: float = 18_000.0
     peak_prefill_throughput: float = 15_928.0
+    load: Optional[InFlightLoad] = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
@@ -333,7 +418,8 @@ class PrefixAffinityFilter:
             raise TypeError("max_ttft_penalty_ms must be >= 0 and peak_prefill_throughput > 0")
 
     def estimated_ttft_ms(self, endpoint: Endpoint) -> float:
-        return endpoint.active_tokens / self.peak_prefill_throughput * 1000.0
+        tokens = endpoint.active_tokens if self.load is None else self.load.tokens_at(endpoint.index)
+        return tokens / self.peak_prefill_throughput * 1000.0
 
     def filter(self, request: Any, endpoints: Sequence[Endpoint]) -> list[int]:
         everyone = list(range(len(endpoints)))
@@ -356,10 +442,11 @@ class LlmdRouter:
     """Filters -> weighted scorers -> max-score picker, ties broken at random."""
 
     def __init__(self, scorers: Sequence[tuple[Any, float]], rng: np.random.Generator,
-                 filters: Sequence[Any] = ()) -> None:
+                 filters: Sequence[Any] = (), load: Optional[InFlightLoad] = None) -> None:
         self.scorers = list(scorers)
         self.filters = list(filters)
         self.rng = rng
+        self.load = load  # llm-d's inflight-load-producer (None: the scorers read the router's own counts)
 
     def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision:
         candidates = list(range(len(endpoints)))
@@ -403,7 +490,22 @@ class LlmdRouter:
             if getattr(scorer, "wants_cpu_kv_events", False):
                 scorer.on_cpu_kv_events(endpoint, events)
 
+    @property
+    def wants_first_token(self) -> bool:
+        """Whether the cluster must call `on_first_token` / `on_finished` per request (its producer's release)."""
+        return self.load is not None
+
+    def on_first_token(self, request_id: Any) -> None:
+        if self.load is not None:
+            self.load.on_first_token(request_id)
+
+    def on_finished(self, request_id: Any) -> None:
+        if self.load is not None:
+            self.load.on_finished(request_id)
+
     def on_routed(self, request: Any, endpoint: Endpoint) -> None:
+        if self.load is not None:  # first: its charge is the match before the index learns this prompt
+            self.load.on_routed(request, endpoint.index)
         seen = set()
         for scorer in [s for s, _ in self.scorers] + [getattr(f, "scorer", None) for f in self.filters]:
             hook = getattr(scorer, "on_routed", None)
@@ -458,21 +560,47 @@ def make_least_loaded(spec: Any, rng: np.random.Generator) -> LeastLoaded:
     return LeastLoaded()
 
 
+def _in_flight_load(params: Mapping[str, Any], path: str) -> Optional[InFlightLoad]:
+    """`params.in_flight_load` (llm-d's `inflight-load-producer`): absent -> None; a mapping of its
+    parameters (`add_estimated_output_tokens`, `output_ratio`) -> an `InFlightLoad`."""
+    unknown = sorted(set(params) - {"in_flight_load"})
+    if unknown:
+        raise ConfigError(f"{path}.params.{unknown[0]}", "unknown llm_d router parameter; known: in_flight_load")
+    if "in_flight_load" not in params:
+        return None
+    cfg = params["in_flight_load"]
+    if cfg is None:
+        cfg = {}
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"{path}.params.in_flight_load", "expected a mapping (its parameters, or {})")
+    try:
+        return InFlightLoad(**cfg)
+    except TypeError as e:
+        raise ConfigError(f"{path}.params.in_flight_load", f"bad parameters: {e}") from None
+
+
 def make_llm_d(spec: Any, rng: np.random.Generator) -> LlmdRouter:
     path = getattr(spec, "path", "cluster.router")  # (P/D: cluster.prefill_router too)
     scorers = [(build_scorer(s.type, s.params, f"{path}.scorers[{i}]"), s.weight)
                for i, s in enumerate(spec.scorers)]
+    load = _in_flight_load(getattr(spec, "params", None) or {}, path)
+    shared = next((s for s, _ in scorers if isinstance(s, PrefixCacheScorer)), None)
     filters = []
     for i, f in enumerate(spec.filters):
         if f.type != "prefix-cache-affinity":
             raise ConfigError(f"{path}.filters[{i}].type",
                               f"unknown filter {f.type!r}; built in: prefix-cache-affinity")
-        shared = next((s for s, _ in scorers if isinstance(s, PrefixCacheScorer)), None)
         try:
-            filters.append(PrefixAffinityFilter(shared or PrefixCacheScorer(), **f.params))
+            filters.append(PrefixAffinityFilter(shared or PrefixCacheScorer(), **f.params, load=load))
         except TypeError as e:
             raise ConfigError(f"{path}.filters[{i}]", f"bad parameters: {e}") from None
-    return LlmdRouter(scorers, rng, filters)
+        shared = shared or filters[-1].scorer
+    if load is not None:  # the producer discounts against the approximate index; the token scorers read it
+        load.prefix = shared
+        for scorer, _ in scorers:
+            if isinstance(scorer, TokenLoadScorer):
+                scorer.load = load
+    return LlmdRouter(scorers, rng, filters, load)
 
 
 ROUTERS: dict[str, Callable[[Any, np.random.Generator], Any]] = {
@@ -493,5 +621,5 @@ def build_router(spec: Any, rng: np.random.Generator) -> Any:
 __all__ = ["ROUTERS", "Endpoint", "RouteDecision", "Router", "RoundRobin", "RandomRouter", "LeastLoaded", "LlmdRouter",
            "SCORERS", "build_router", "build_scorer", "queue_scores", "prompt_block_keys", "ApproxPrefixIndex",
            "PrefixCacheScorer", "PrecisePrefixCacheScorer", "PrefixAffinityFilter", "PrefixBasedPDDecider",
-           "TieredPrefixCacheScorer",
+           "TieredPrefixCacheScorer", "InFlightLoad",
            "DEFAULT_SCRAPE_INTERVAL_S"]

@@ -8,9 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servetwin.sim.routers import (ActiveRequestScorer, ApproxPrefixIndex, Endpoint, KVCacheUtilizationScorer,
-                                   LeastLoaded, LlmdRouter, LoadAwareScorer, PrefixAffinityFilter,
-                                   PrefixCacheScorer, QueueScorer, RoundRobin, TokenLoadScorer, prompt_block_keys)
+from servetwin.core.config_error import ConfigError
+from servetwin.experiments.config.cluster import PluginConfig, RouterConfig
+from servetwin.sim.routers import (ActiveRequestScorer, ApproxPrefixIndex, Endpoint, InFlightLoad,
+                                   KVCacheUtilizationScorer, LeastLoaded, LlmdRouter, LoadAwareScorer,
+                                   PrefixAffinityFilter, PrefixCacheScorer, QueueScorer, RoundRobin, TokenLoadScorer,
+                                   make_llm_d, prompt_block_keys)
 
 
 def _eps(*waiting, **kw):
@@ -163,3 +166,110 @@ def test_the_pd_decider_disaggregates_above_16_non_cached_tokens():
     d = PrefixBasedPDDecider()
     assert d.disaggregate(100, 0) and d.disaggregate(100, 83)
     assert not d.disaggregate(100, 84) and not d.disaggregate(16, 0)
+
+
+# -- llm-d's inflight-load-producer (InFlightLoad) --------------------------------------------------------------
+def _request(rid, tokens, max_tokens=500):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(tokens), max_tokens=max_tokens)
+
+
+def test_in_flight_load_charges_uncached_prompt_tokens_until_the_first_token():
+    """llm-d-router inflightload/producer.go (7f6c33663): PreRequest charges the prompt tokens the endpoint's
+    approximate index does not hold; with no output estimate (the default) StartOfStream releases them and
+    EndOfStream the request count."""
+    prefix = PrefixCacheScorer()
+    load = InFlightLoad(prefix)
+    eps = _eps(0, 0)
+    a = _request("a", REQ.prompt_token_ids + [5] * 10)  # 74 tokens: 4 full blocks + a 10-token tail
+    assert load.request_tokens(a, 0) == 74  # nothing indexed: the whole prompt
+    load.on_routed(a, 0)
+    prefix.on_routed(a, eps[0])  # (the router: producer first, then the index learns the prompt)
+    assert load.tokens_at(0) == 74 and load.requests[0] == 1
+    b = _request("b", REQ.prompt_token_ids + [6] * 10)
+    assert load.request_tokens(b, 0) == 10 and load.request_tokens(b, 1) == 74  # 4 blocks matched at 0
+    load.on_routed(b, 0)
+    assert load.tokens_at(0) == 84
+    load.on_first_token("a")
+    assert load.tokens_at(0) == 10 and load.requests[0] == 2  # tokens freed, the request still in flight
+    load.on_finished("a")
+    load.on_finished("b")  # finished without a first token seen: its tokens go too
+    assert load.tokens_at(0) == 0 and load.requests[0] == 0 and not load.charged
+    load.on_finished("b")  # twice: no-op
+
+
+def test_in_flight_load_with_estimated_output_holds_tokens_to_the_end():
+    """addEstimatedOutputTokens: + round(prompt x 1.5) bounded by max_tokens, released only at EndOfStream."""
+    load = InFlightLoad(add_estimated_output_tokens=True)  # no prefix index: no discount
+    r = _request("r", range(100), max_tokens=40)
+    assert load.request_tokens(r, 0) == 100 + 40  # min(150, 40)
+    assert load.request_tokens(_request("s", range(100), max_tokens=1000), 0) == 100 + 150
+    load.on_routed(r, 0)
+    load.on_first_token("r")
+    assert load.tokens_at(0) == 140
+    load.on_finished("r")
+    assert load.tokens_at(0) == 0
+    with pytest.raises(TypeError):
+        InFlightLoad(output_ratio=-1.0)
+
+
+def test_token_load_scorer_and_the_gate_read_the_producer():
+    """token_load.go: InFlightLoad.Tokens + UncachedRequestTokens; the affinity filter's TTFT gate reads
+    InFlightLoad.Tokens / peakPrefillThroughput."""
+    prefix = PrefixCacheScorer()
+    load = InFlightLoad(prefix)
+    eps = _eps(0, 0, 0, active_tokens=[0, 0, 10**9])  # the router's own counts are not read any more
+    load.on_routed(_request("x", [9] * 500), 1)  # 500 uncached tokens in flight at 1
+    prefix.on_routed(REQ, eps[2])
+    scores = TokenLoadScorer(threshold=1000, load=load).score(_request("q", REQ.prompt_token_ids), eps)
+    assert scores == pytest.approx([1 - 64 / 1000, 1 - 564 / 1000, 1.0])  # 2 holds it: adds nothing
+    gate = PrefixAffinityFilter(prefix, max_ttft_penalty_ms=400.0, peak_prefill_throughput=1_000.0, load=load)
+    assert gate.filter(REQ, eps) == [2]  # sticky 2 has no load
+    load.on_routed(_request("y", [8] * 500), 2)
+    assert gate.filter(REQ, eps) == [0, 1, 2]  # 2: 500 ms, best other 0 ms: over 400 ms, all stay
+
+
+def test_make_llm_d_wires_the_producer_and_the_router_releases_it():
+    spec = RouterConfig(type="llm_d", scorers=[PluginConfig("token-load")],
+                        filters=[PluginConfig("prefix-cache-affinity")], params={"in_flight_load": {}})
+    router = make_llm_d(spec, np.random.default_rng(0))
+    assert router.wants_first_token and router.scorers[0][0].load is router.load
+    assert router.filters[0].load is router.load and router.load.prefix is router.filters[0].scorer
+    eps = _eps(0, 0, 0)
+    first = _request("g0", REQ.prompt_token_ids)
+    d = router.route(first, eps)
+    router.on_routed(first, eps[d.pick])
+    assert router.load.tokens_at(d.pick) == 64  # charged the pre-routing match (nothing)
+    again = _request("g1", REQ.prompt_token_ids)
+    assert router.route(again, eps).pick == d.pick  # sticky
+    router.on_routed(again, eps[d.pick])
+    assert router.load.tokens_at(d.pick) == 64  # fully indexed: no uncached tokens
+    router.on_first_token("g0")
+    router.on_finished("g0")
+    router.on_finished("g1")
+    assert router.load.tokens_at(d.pick) == 0 and router.load.requests[d.pick] == 0
+    plain = make_llm_d(RouterConfig(type="llm_d", scorers=[PluginConfig("token-load")]), np.random.default_rng(0))
+    assert not plain.wants_first_token and plain.scorers[0][0].load is None
+    with pytest.raises(ConfigError) as e:
+        make_llm_d(RouterConfig(type="llm_d", params={"in_flight": {}}), np.random.default_rng(0))
+    assert e.value.path == "cluster.router.params.in_flight"
+    with pytest.raises(ConfigError) as e:
+        make_llm_d(RouterConfig(type="llm_d", params={"in_flight_load": {"ratio": 2}}), np.random.default_rng(0))
+    assert e.value.path == "cluster.router.params.in_flight_load"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 80), st.booleans()), min_size=1, max_size=30),
+       st.booleans())
+def test_in_flight_load_counts_return_to_zero(routes, estimate):
+    """Whatever the order of first tokens and ends, every charge is released exactly once."""
+    load = InFlightLoad(PrefixCacheScorer(), add_estimated_output_tokens=estimate)
+    for k, (endpoint, n, first) in enumerate(routes):
+        r = _request(k, [k % 3] * n)
+        load.on_routed(r, endpoint)
+        load.prefix.index.add(endpoint, load.prefix.keys(r))
+        if first:
+            load.on_first_token(k)
+        assert all(v >= 0 for v in load.tokens.values())
+    for k in range(len(routes)):
+        load.on_finished(k)
+    assert set(load.tokens.values()) <= {0} and set(load.requests.values()) <= {0}
