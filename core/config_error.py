@@ -14,7 +14,12 @@ class ConfigError(ValueError):
     def __init__(self, path: str, message: str) -> None:
         self.path = path
         self.message = message
-        super().__init__(f"{path}: {message}" if path else message)
+        # args (path, message): `type(err)(*err.args)` rebuilds the error (SimPy re-raises an exception of a
+        # simulated process that way; with the joined text alone it failed with a TypeError hiding this one)
+        super().__init__(path, message)
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
 
     def within(self, prefix: str) -> "ConfigError":
         """The same error (same class) for a document nested at `prefix` (`"engine"` + `"max_num_seqs"`)."""

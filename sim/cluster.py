@@ -224,11 +224,15 @@ class ClusterSimulation:
         if max_time_s is not None:  # (a run cut at a time: the engines step one by one, `Simulation._plan_window`)
             sim_kwargs = {**sim_kwargs, "step_windows": False}
 
+        wants_first_token = bool(getattr(router, "wants_first_token", False))
+
         def make_sim(engine: EngineCore, inst: _Instance, rank: int) -> Simulation:
             sim = Simulation(engine, [], arrival, rng=self.rng, run=run, record_step_requests=record_step_requests,
                              frontend=frontend, env=self.env, settler=settler, on_complete=self._completed,
                              on_reject=self._rejected, **sim_kwargs)
-            sim.on_abort = self._aborted
+            sim.hooks.on_abort = self._aborted
+            if wants_first_token:  # (the router releases a load charge at each request's first token)
+                sim.hooks.on_first_token = self._first_token
             return sim
 
         self.instances = [_Instance(i, spec, self.env, make_sim) for i, spec in enumerate(instances)]
@@ -292,7 +296,15 @@ class ClusterSimulation:
             endpoint.active -= 1
             endpoint.active_tokens -= tokens
             inst.on_finished(request_id)
+            if getattr(self.router, "wants_first_token", False):
+                self.router.on_finished(request_id)
         return inst
+
+    def _first_token(self, request_id: str, t: float) -> None:
+        """A request's first output token was processed by its engine: the router's load producer releases its
+        prompt charge (llm-d's inflight-load-producer does at the first streamed token; the API server's output
+        path, a few ms, is not added)."""
+        self.router.on_first_token(request_id)
 
     def _completed(self, request_id: str, t: float) -> None:
         self._release(request_id)

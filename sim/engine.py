@@ -19,7 +19,9 @@ Step 3 waits (`Simulation._settle`) until no other event is scheduled at t, so e
 
 Drivers observe a run through callbacks, not by subclassing: `on_complete(request_id, t)` when a
 workload request's last sequence finishes, `on_reject(request_id, reason)` when one can never be served,
-`on_abort(request_id, t)` when its client gave up (`timeout_s`) and the engine aborted it.
+and, set on `Simulation.hooks` (`SimHooks`), `on_abort(request_id, t)` when its client gave up (`timeout_s`) and
+the engine aborted it, `on_first_token(request_id, t)` when its first output token is processed,
+`on_kv_transfer_params(request_id, params)` when a finished request hands its KV on.
 A workload request with `keep_output_tokens` (n = 1) gets the engine's output token ids in its
 `output_token_ids` when it completes (the multi-turn conversations of `servetwin.sim.conversation`
 build the next turn's prompt from them); an aborted or rejected one keeps None.
@@ -133,12 +135,26 @@ class _Window:
 
 
 @dataclass(slots=True)
+class SimHooks:
+    """Callbacks a driver (a cluster, the P/D path) sets on a `Simulation` after building it; None: nobody listens."""
+    # (request id, t) when its client gave up (`timeout_s`) and the engine aborted it
+    on_abort: Optional[Callable[[str, float], None]] = None
+    # (request, kv_transfer_params) when a finished request's output carries a KV connector's hand-off (a P/D
+    # producer's; sim/pd_cluster.py passes it to the decode instance)
+    on_kv_transfer_params: Optional[Callable[[str, dict], None]] = None
+    # (workload request id, t) when a workload request's first output token is processed (a router that
+    # releases a load charge at the first token: llm-d's inflight-load-producer)
+    on_first_token: Optional[Callable[[str, float], None]] = None
+
+
+@dataclass(slots=True)
 class _Pending:
     request: WorkloadRequest
     done: simpy.Event
     remaining: int = 0
     t_engine: float = 0.0  # when it reached the engine
     child: Optional[Request] = None  # the engine's request, kept when its output tokens are wanted
+    got_token: bool = False  # an output token of it was processed (`SimHooks.on_first_token`)
 
 
 def _num_samples(result: StepResult) -> int:
@@ -198,10 +214,7 @@ class Simulation:
         self.eos_token_id = eos_token_id
         self.on_complete = on_complete
         self.on_reject = on_reject
-        self.on_abort: Optional[Callable[[str, float], None]] = None
-        # called with (request, kv_transfer_params) when a finished request's output carries a KV connector's
-        # hand-off (a P/D producer's; sim/pd_cluster.py passes it to the decode instance); None: nobody listens
-        self.on_kv_transfer_params: Optional[Callable[[str, dict], None]] = None
+        self.hooks = SimHooks()  # the callbacks a driver sets after construction
         self._inbox: list[_Pending] = []
         self._aborts: list[_Pending] = []  # client timeouts, applied at the next step start
         self._seq = -1
@@ -347,8 +360,8 @@ class Simulation:
                 self.recorder.on_abort(cid, now)
             self.result.aborted_s[wreq.request_id] = now
             pending.done.succeed()
-            if self.on_abort is not None:
-                self.on_abort(wreq.request_id, now)
+            if self.hooks.on_abort is not None:
+                self.hooks.on_abort(wreq.request_id, now)
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -372,13 +385,16 @@ class Simulation:
         return self._arrivals_done and not self._in_frontend
 
     def _complete(self, result: StepResult, t: float) -> None:
+        on_first_token = self.hooks.on_first_token
+        if on_first_token is not None:
+            self._first_tokens(result, t, on_first_token)
         done, num_finished = [], 0
         for out in result.outputs:
             if out.finish_reason is None:
                 continue
             num_finished += 1
-            if out.kv_transfer_params is not None and self.on_kv_transfer_params is not None:
-                self.on_kv_transfer_params(out.request_id, out.kv_transfer_params)
+            if out.kv_transfer_params is not None and self.hooks.on_kv_transfer_params is not None:
+                self.hooks.on_kv_transfer_params(out.request_id, out.kv_transfer_params)
             pending = self._by_child.pop(out.request_id, None)
             if pending is None:
                 continue
@@ -396,6 +412,17 @@ class Simulation:
             return
         num_outputs = self._num_samples.pop(result.processed.step, 0) if result.processed is not None else 0
         self.frontend.on_step_output(t, num_outputs, num_finished, done)
+
+    def _first_tokens(self, result: StepResult, t: float, on_first_token: Callable[[str, float], None]) -> None:
+        """`hooks.on_first_token` for each workload request whose first output token this step's output carries
+        (implicit decode steps never do: their members had their first token in a listed row)."""
+        for out in result.outputs:
+            if not out.new_token_ids:
+                continue
+            pending = self._by_child.get(out.request_id)
+            if pending is not None and not pending.got_token:
+                pending.got_token = True
+                on_first_token(pending.request.request_id, t)
 
     def _settle(self) -> Generator[simpy.Event, Any, None]:
         """Return once no other event is scheduled at the current time (public SimPy API only)."""

@@ -125,7 +125,7 @@ class PDFlow:
             (sim,) = insts[i].ranks
             connector = sim.engine.scheduler.connector  # its kv_lease_duration, as vLLM's worker enforces it
             sim.engine.executor.kv_worker.hold_sends(float(getattr(connector, "kv_lease_duration", lease_s)))
-            sim.on_kv_transfer_params = self._params.__setitem__
+            sim.hooks.on_kv_transfer_params = self._params.__setitem__
         for i in self.decode:
             (sim,) = insts[i].ranks
             sim.engine.executor.kv_worker.on_recv_done = self._read_done_hook(i)

@@ -41,6 +41,13 @@ def check_pd(instances: Sequence[Any], raw_prefill_router: Any, router: Any,
     for role in ("prefill", "decode"):
         if role not in roles:
             raise ConfigError("cluster.instances", f"a prefill/decode cluster needs a {role} instance (role: {role})")
+    raw_prefill_params = raw_prefill_router.get("params") if isinstance(raw_prefill_router, dict) else None
+    for params, path in ((router.params, "cluster.router"), (raw_prefill_params, "cluster.prefill_router")):
+        if isinstance(params, dict) and "in_flight_load" in params:
+            # (llm-d charges the client's request at the EPP and releases it at the first token the decode pod
+            # streams, after the prefill pod's work and the KV read: a charge across both profiles, not modelled)
+            raise ConfigError(f"{path}.params.in_flight_load", "not simulated on the prefill/decode path "
+                                                               "(only for instances with role both)")
     if raw_prefill_router is None:
         return dataclasses.replace(router, scorers=list(router.scorers), filters=list(router.filters),
                                    params=dict(router.params), path="cluster.router")  # (its settings are router's)

@@ -60,6 +60,12 @@ def test_a_cluster_parses_into_typed_instances_router_and_links():
      "cluster.instances[0].data_parallel_size_local"),
     ({"instances": [{"data_parallel_size": 4, "data_parallel_size_local": 2}]},
      "cluster.instances[0].data_parallel_size_local"),
+    ({"instances": [{"role": "prefill"}, {"role": "decode"}],  # llm-d's in-flight load: not on the P/D path
+      "prefill_router": {"type": "llm_d", "scorers": ["token-load"], "params": {"in_flight_load": {}}}},
+     "cluster.prefill_router.params.in_flight_load"),
+    ({"instances": [{"role": "prefill"}, {"role": "decode"}],
+      "router": {"type": "llm_d", "scorers": ["token-load"], "params": {"in_flight_load": {}}}},
+     "cluster.router.params.in_flight_load"),
 ])
 def test_bad_fields_are_named(cluster, path):
     with pytest.raises(ConfigError) as err:

@@ -171,3 +171,23 @@ def test_external_and_hybrid_dp_load_balancing_make_the_ranks_endpoints():
     assert [d.pick for d in sim.result.decisions[:6]] == [e.name for e in sim.endpoints]  # the router picks ranks
     assert set(runs) == {"x-r0", "x-r1", "x-r2", "x-r3", "y-n0-r0", "y-n0-r1", "y-n1-r0", "y-n1-r1"}
     assert exp.cluster.num_gpus() == 8
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.booleans(), st.sampled_from(["offline", "api_server"]), st.integers(0, 3))
+def test_llm_d_in_flight_load_is_released_at_each_first_token_and_at_each_end(async_scheduling, frontend, seed):
+    """llm-d's inflight-load-producer in a cluster: every request is charged once when routed, its prompt tokens
+    released at its first token (while it still runs) and its request count at its end; nothing stays charged."""
+    shared = {"groups": 3, "per_group": 6, "prefix_tokens": 96, "suffix_tokens": 16, "order": "shuffled"}
+    router = {"type": "llm_d", "scorers": [{"type": "token-load"}], "filters": [{"type": "prefix-cache-affinity"}],
+              "params": {"in_flight_load": {}}}
+    cfg = _cfg({"instances": [{"name": "p", "count": 3}], "router": router}, {"async_scheduling": async_scheduling},
+               requests=18, shared_prefix=shared, seed=seed, arrival={"type": "poisson", "rate": 30}).to_dict()
+    cfg["frontend"] = {"type": frontend}
+    exp = validate_config(cfg)
+    sim, runs, reqs, _ = simulate_cluster(exp)
+    load = sim.router.load
+    assert all(inst.ranks[0].hooks.on_first_token is not None for inst in sim.instances)
+    assert len(sim.result.completion_s) == len(reqs) == 18
+    assert not load.charged and all(v == 0 for v in load.tokens.values())
+    assert all(v == 0 for v in load.requests.values())

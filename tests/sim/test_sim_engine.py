@@ -5,6 +5,8 @@ import time
 import numpy as np
 import pytest
 
+from servetwin.core.config_error import ConfigError
+
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.engine.engine_core import EngineCore
 from servetwin.sim.arrivals import ClosedLoop, Offline
@@ -224,3 +226,28 @@ def test_a_client_timeout_between_the_engine_finish_and_the_delivery_is_no_abort
     combined, _, runs = run_backends(validate_config(copy.deepcopy(raw)), progress=False, log=lambda m: None)
     s = combined["backends"]["sim"]
     assert s["completed"] + s["aborted_sequences"] == 60
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_on_first_token_fires_once_per_request_at_its_first_token(async_scheduling):
+    """`hooks.on_first_token(request id, t)`: once per workload request (n > 1: at its first child's first
+    token), at the engine time of that token - the trace's `first_token_s` - and never for a rejected one."""
+    reqs = [_req("a", 0.0, max_tokens=5), _req("x", 0.1, prompt_tokens=600), _req("b", 0.3, prompt_tokens=40, max_tokens=4),
+            WorkloadRequest("p", 0.7, list(range(1, 30)), max_tokens=6, n=3)]
+    sim = Simulation(_engine(async_scheduling, max_model_len=512), reqs, Offline())
+    seen = []
+    sim.hooks.on_first_token = lambda rid, t: seen.append((rid, t))
+    res = sim.run()
+    assert set(res.rejected) == {"x"}
+    rows = res.recorder.frames()["requests"]
+    first = rows.assign(parent=rows.parent_id.fillna(rows.request_id)).groupby("parent").first_token_s.min().to_dict()
+    assert sorted(r for r, _ in seen) == ["a", "b", "p"]
+    assert dict(seen) == {rid: first[rid] for rid in ("a", "b", "p")}
+
+
+def test_a_config_error_inside_the_simulation_reaches_the_caller_with_its_field():
+    """SimPy re-raises a process's exception as `type(err)(*err.args)`: a ConfigError survives it, path and all."""
+    reqs = [_req("a", 0.5), _req("b", 0.1)]  # not sorted by arrival
+    with pytest.raises(ConfigError) as e:
+        Simulation(_engine(), reqs, Offline()).run()
+    assert e.value.path == "arrivals" and "sorted by arrival_s" in str(e.value)
