@@ -142,7 +142,7 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
         "router": exp.cluster.router.type,
         "throughput_tok_s": per_s(prompt_done + output_done), "output_tok_s": per_s(output_done),
         "request_throughput_s": per_s(completed),
-        "itl_s": dist_stats(np.concatenate(itls) if itls else np.array([])),
+        "itl_s": dist_stats(np.concatenate(itls) if itls else np.array([]), scratch=True),  # (a fresh array)
         "prefix_queries": queries, "prefix_hits": hits, "prefix_hit_rate": hits / queries if queries else None,
         "preemptions": sum(s["preemptions"] for s in summaries.values()),
         "kv_peak_usage": max((s["kv_peak_usage"] or 0.0 for s in summaries.values()), default=None),
