@@ -16,6 +16,7 @@ requests: a ~22 MB trace.json); `--full` runs both configs' own workloads (the l
 its 251 MB trace.json, ~1 min a run). Exit status 1 when a file differs (each named), 0 when all match.
 
 Usage: python benchmarks/outputs_identical.py --baseline 8b47cd0 [--full] [--keep DIR]
+       [--config PATH [--arg=--requests --arg=200 ...]]
 """
 from __future__ import annotations
 
@@ -97,22 +98,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", required=True, help="git ref (or an existing checkout) to compare with")
     ap.add_argument("--full", action="store_true", help="the configs' own workloads (default: cut short)")
     ap.add_argument("--keep", type=Path, help="write the run folders here (default: a temporary folder)")
+    ap.add_argument("--config", type=Path, help="this experiment YAML instead of the two (its own workload, "
+                    "unless --arg gives e.g. --requests)")
+    ap.add_argument("--arg", action="append", default=[], help="passed to `servetwin run` with --config "
+                    "(repeatable: --arg=--requests --arg=200 --arg=--set --arg=output.plots=true)")
     args = ap.parse_args(argv)
+    configs = [args.config.resolve()] if args.config else [SINGLE, CLUSTER]
+    cut = {args.config.resolve(): args.arg} if args.config else CUT
     bad = 0
     with tempfile.TemporaryDirectory(prefix="servetwin-outputs-") as tmp:
         base = args.keep or Path(tmp)
         before, made = baseline_checkout(args.baseline, tmp)
         try:
-            for config in (SINGLE, CLUSTER):
-                extra = [] if args.full else CUT[config]
+            for config in configs:
+                extra = [] if args.full else cut[config]
                 folders = {}
                 for label, checkout in (("before", before), ("after", ROOT)):
                     folders[label] = base / f"{config.stem}-{label}"
                     run(checkout, config, folders[label], extra, tmp)
                 problems = compare_folders(folders["before"], folders["after"])
                 count = sum(1 for p in folders["after"].rglob("*") if p.is_file())
-                print(f"{config.name}: {'identical' if not problems else 'DIFFERENT'} ({count} files"
-                      f"{', the configs own workload' if args.full else ', cut short'})")
+                how = "the config's own workload" if args.full or (args.config and not args.arg) else "cut short"
+                print(f"{config.name}: {'identical' if not problems else 'DIFFERENT'} ({count} files, {how})")
                 for p in problems:
                     print(f"  {p}")
                 bad += len(problems)
