@@ -95,10 +95,10 @@ def _engine_events(steps: StepTable, pid: int = ENGINE_PID, first: int = 0) -> I
 # (speed: a cluster's trace holds ~1.5M step events; as dicts encoded by json they took ~8 s of a 16-engine
 # ladder's ~60 s run) the same events as text, each formatted as `json.dumps(event, separators=(",", ":"))`
 # writes it: ints by `%d` (int.__repr__), floats by `%r` or `repr` (float.__repr__, what json uses for
-# finite floats; `_us_texts`). A step's two events are cut into parts: those that repeat over steps (by annotation;
-# by tokens, running, waiting and preempted; by the counters' values) are formatted once each, the rest
-# (the start, twice, the duration and the step) per step: `_STEP_TEXT` % (head, ts, dur, step, middle,
-# ts, counters) is the two events.
+# finite floats; `_us_texts`). A step's two events are cut into parts: those that repeat over steps (by
+# annotation; by tokens, running, waiting and preempted; by the counters' values) are formatted once each,
+# the rest (the start, twice, the duration and the step) per step: `_STEP_TEXT` % (head, ts, dur, step,
+# middle, ts, counters) is the two events.
 _STEP_HEAD = '{"name":%s,"ph":"X","pid":%d,"tid":' + str(STEP_TID) + ',"ts":'
 _STEP_TEXT = '%s%s,"dur":%s,"args":{"step":%d,%s%s%s'
 _STEP_MIDDLE = ('"tokens":%d,"running":%d,"waiting":%d,"preempted":%d}},{"name":"engine","ph":"C","pid":%d,'
@@ -144,7 +144,7 @@ def _engine_event_texts(steps: StepTable, pid: int) -> Optional[Iterator[str]]:
     return _step_texts(steps, pid)
 
 
-_FIXED_LIMIT_S = 1e6  # |t| below it: t * 1e6 has at most 12 integer digits, so `_us(t)` has <= 15 significant ones
+_FIXED_LIMIT_S = 1e6  # |t| below it: t * 1e6 has <= 12 integer digits, `_us(t)` <= 15 significant ones
 
 
 def _us_texts(values: Sequence[float]) -> list[str]:

@@ -4,7 +4,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servetwin.core.testbed.perfetto import _FIXED_LIMIT_S, MAX_REQUEST_TRACKS, _us, _us_texts, chrome_trace, pack_tracks
+from servetwin.core.testbed.perfetto import (_FIXED_LIMIT_S, MAX_REQUEST_TRACKS, _us, _us_texts, chrome_trace,
+                                             pack_tracks)
 from servetwin.core.testbed.step_table import STEP_COLUMNS, StepTable
 from servetwin.core.testbed.trace import RequestTrace
 
