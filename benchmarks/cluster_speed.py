@@ -63,6 +63,33 @@ decisions, completions, every engine's step / request rows and ITLs - equal to t
   the shared CPU's job add / completion / delivery, ~25%), the scheduler's checks and aggregates, the trace
   row, the cost model, one SimPy timeout and the engine loop's checks - each step is still one event.
 
+Outside the loop (2026-12-06 14:10-14:45, the shared 2-core machine under load 1-5: CPU seconds of
+whole `servetwin run` processes, measured back to back with a wrapper timing `ClusterSimulation.run` and
+`main`; no quiet wall figure). Before, at load ~1: 40.9 s in all, 32.9 s in the loop, ~8 s outside it, all
+in one process: start-up 0.6 s (imports 0.23 s, engines and workload 0.2 s), then 7.2-7.4 s CPU of output
+work - trace.json 3.5 s (1.5M step events: rounding and repr of their 2.3M floats 1.4 s, `%` formatting 1
+s; the requests' and router's dicts, encoding and writing 1 s), the ITL arrays 0.8 s, the tables as frames
+0.7 s (pandas' import in it) and as Parquet 0.55 s, the engines' summaries 0.5 s, the cluster's 0.35 s, the
+router decisions 0.3 s (a full GC pass over the simulation's objects fell there: ~0.3 s each) - and the
+interpreter's exit 0.55-1.1 s (collecting the simulation's reference cycles). Now
+(experiments/run/cluster_run.py `_write_outputs`): trace.json is written by a forked child while the
+parent builds the tables and summaries; its step events are formatted in C loops over parts cached by
+value, the times by '%.3f' (core/testbed/perfetto.py `_step_texts`, `_us_texts`: 3.5 -> 2.0 s for the
+file); the simulation's objects are frozen out of the GC for the output phase (experiments/run/background.py
+`frozen_heap`) and left to the OS at exit (experiments/cli.py `_leave_the_heap_to_the_os`). Two pairs at
+load 2.6-4.6: the output phase 7.41 / 7.21 s CPU in one process -> 3.21 / 3.14 s in the parent and 2.08 /
+2.11 s in the child (5.3 s in all, -28%; the parent's, the critical path on two free CPUs, -57%); the
+exit ("wrote" -> process end) 0.78 / 1.10 -> 0.19 / 0.17 s; peak RSS 1,160 -> 1,100 MB. Under that load
+the wall outside the loop barely moved (9.1 / 12.6 -> 9.1 / 8.7 s: the child found no free CPU). Every
+output file is the same bytes (benchmarks/outputs_identical.py against 8b47cd0: both configs cut short and
+`--full`, the 251 MB trace.json included; the P/D and CPU-offload cases cut short with figures). What the
+parent still does (3.1 s CPU under load), all in the recorder (core/testbed/trace.py, step_table.py):
+frames 0.7 s (pandas' import ~0.4 s), ITL arrays 0.8 s (`DeliveryMap.client_times` converts its lists to
+arrays and searches every token's time: ~0.7 s of it), Parquet 0.55 s, summaries 0.5 s. The single-engine
+bench, outside its loop (~2.3 s of 6.5 s, quiet 14:11): start-up 0.5 s, its output phase 1.6 s (already in
+a prewarmed child and forked writers: the four figures the longest), exit 0.14 s; unchanged by this (its
+trace.json has 30k steps: children's CPU 2.55 -> 2.48 s).
+
 What remains, and a way there (not built): most steps must not be events. Over the whole ladder 57% of the
 774,471 steps are fused with no member event, 33% fused with KV events in place (full scheduling pass) and
 10% normal (admissions, last tokens: the later stages hold more requests per engine); an engine runs 27

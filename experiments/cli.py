@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -78,7 +79,19 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+def _leave_the_heap_to_the_os() -> None:
+    """At interpreter exit (an atexit hook: every command has returned, its files are closed): whatever
+    is still alive is frozen out of the last collections (`gc.freeze`) and left to the OS. A run's
+    simulation leaves millions of objects in reference cycles; collecting them at exit took ~0.6 s of
+    the 16-engine routing ladder's run, to free memory the process gives back the next moment."""
+    import gc  # noqa: PLC0415
+
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
+    atexit.unregister(_leave_the_heap_to_the_os)  # once, however often main runs in one process
+    atexit.register(_leave_the_heap_to_the_os)
     args = build_parser().parse_args(argv)
     if isinstance(getattr(args, "output", None), str):
         args.output = os.path.expanduser(args.output)  # `-o '~/x'`, quoted, reaches us unexpanded

@@ -18,6 +18,7 @@ import heapq
 import itertools
 import json
 import math
+import operator
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
@@ -93,22 +94,44 @@ def _engine_events(steps: StepTable, pid: int = ENGINE_PID, first: int = 0) -> I
 
 # (speed: a cluster's trace holds ~1.5M step events; as dicts encoded by json they took ~8 s of a 16-engine
 # ladder's ~60 s run) the same events as text, each formatted as `json.dumps(event, separators=(",", ":"))`
-# writes it: ints by `%d` (int.__repr__), floats by `%r` (float.__repr__, what json uses for finite floats)
-_STEP_TEXT = ('{"name":%s,"ph":"X","pid":%d,"tid":' + str(STEP_TID) + ',"ts":%r,"dur":%r,"args":{"step":%d,'
-              '"tokens":%d,"running":%d,"waiting":%d,"preempted":%d}},{"name":"engine","ph":"C","pid":%d,'
-              '"ts":%r,"args":{"running":%d,"waiting":%d,"KV usage %%":%r,"prefill tokens":%d,"decode tokens":%d}}')
+# writes it: ints by `%d` (int.__repr__), floats by `%r` or `repr` (float.__repr__, what json uses for
+# finite floats; `_us_texts`). A step's two events are cut into parts: those that repeat over steps (by
+# annotation; by tokens, running, waiting and preempted; by the counters' values) are formatted once each,
+# the rest (the start, twice, the duration and the step) per step: `_STEP_TEXT` % (head, ts, dur, step,
+# middle, ts, counters) is the two events.
+_STEP_HEAD = '{"name":%s,"ph":"X","pid":%d,"tid":' + str(STEP_TID) + ',"ts":'
+_STEP_TEXT = '%s%s,"dur":%s,"args":{"step":%d,%s%s%s'
+_STEP_MIDDLE = ('"tokens":%d,"running":%d,"waiting":%d,"preempted":%d}},{"name":"engine","ph":"C","pid":%d,'
+                '"ts":')
+_STEP_COUNTERS = ',"args":{"running":%d,"waiting":%d,"KV usage %%":%r,"prefill tokens":%d,"decode tokens":%d}}'
 _PREEMPT_TEXT = (',{"name":"preempted %d","ph":"i","s":"t","pid":%d,"tid":' + str(PREEMPT_TID)
                  + ',"ts":%r,"args":{"step":%d,"preempted":%d}}')
 _INT_COLUMNS = ("step", "total_tokens", "num_running", "num_waiting", "num_preempted", "num_context_tokens",
                 "num_generation_tokens")
 _FLOAT_COLUMNS = ("t_start_s", "duration_s", "kv_usage")
 _FLOAT_LIMIT = 1e290  # x 1e6 stays finite, as `_us` and the KV percentage need for `%r` to equal json's
+STEPS_PER_TEXT = 4096  # steps joined into one text (a few MB): the writer's work is per text, not per step
+
+
+class _Formatted(dict):
+    """`make(key)` for each key, made once: `map(d.__getitem__, keys)` stays in C but for a new key."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key: Any) -> str:
+        text = self[key] = self.make(key)
+        return text
 
 
 def _engine_event_texts(steps: StepTable, pid: int) -> Optional[Iterator[str]]:
-    """`_engine_events(steps, pid)` but its last event, one text per step (its events joined by ","), or
-    None when a column is not a typed array of finite values or an annotation is not text (then the
-    dicts are encoded: json spells None, bools and non-finite floats its own way)."""
+    """`_engine_events(steps, pid)` but its last event as texts, each the events of up to `STEPS_PER_TEXT`
+    consecutive steps joined by ",", or None when a column is not a typed array of finite values or an
+    annotation is not text (then the dicts are encoded: json spells None, bools and non-finite floats
+    its own way)."""
     col = steps.column
     if not all(type(col(n)) is array for n in _INT_COLUMNS + _FLOAT_COLUMNS):
         return None
@@ -116,29 +139,55 @@ def _engine_event_texts(steps: StepTable, pid: int) -> Optional[Iterator[str]]:
         values = col(n)
         if len(values) and not (all(map(math.isfinite, values)) and max(map(abs, values)) < _FLOAT_LIMIT):
             return None
-    annotations = col("annotation")
-    if not all(type(a) is str for a in annotations):
+    if not set(map(type, col("annotation"))) <= {str}:  # (exact types, in one C loop)
         return None
     return _step_texts(steps, pid)
 
 
+_FIXED_LIMIT_S = 1e6  # |t| below it: t * 1e6 has <= 12 integer digits, `_us(t)` <= 15 significant ones
+
+
+def _us_texts(values: Sequence[float]) -> list[str]:
+    """`[repr(_us(v)) for v in values]` (finite values), in C loops where every |v| < `_FIXED_LIMIT_S`.
+
+    Why '%.3f' gives the same text there: `round(x, 3)` is the float nearest to x correctly rounded to 3
+    decimals, the decimal D that '%.3f' % x prints (both by dtoa). D has <= 15 significant digits, and
+    distinct decimals of <= 15 digits are distinct floats (DBL_DIG), so the shortest text that reads back
+    as round(x, 3) - its repr - is D's digits: D without trailing zeros, "N.0" when none is left after
+    the point (repr's fixed notation: |round(x, 3)| is 0 or >= 0.001, and < 1e16)."""
+    if not values or max(map(abs, values)) >= _FIXED_LIMIT_S:
+        return [repr(_us(v)) for v in values]
+    texts = list(map(str.rstrip, map("%.3f".__mod__, map(operator.mul, itertools.repeat(1e6), values)),
+                     itertools.repeat("0")))
+    for i in itertools.compress(itertools.count(), map(str.endswith, texts, itertools.repeat("."))):
+        texts[i] += "0"
+    return texts
+
+
 def _step_texts(steps: StepTable, pid: int) -> Iterator[str]:
+    """The texts of `_engine_event_texts`, `STEPS_PER_TEXT` steps each: every step's two events formatted
+    by one `%` in `map` (no Python frame per step); a step that preempted gets its instant after its two
+    events, as `_engine_events` yields them."""
     col = steps.column
     encode = json.JSONEncoder(separators=(",", ":")).encode
-    names: dict[str, str] = {}  # an annotation repeats over steps: encoded once
-    for annotation, t0, dur, step, tokens, running, waiting, preempted, kv, prefill, decode in zip(
-            col("annotation"), col("t_start_s"), col("duration_s"), col("step"), col("total_tokens"),
-            col("num_running"), col("num_waiting"), col("num_preempted"), col("kv_usage"),
-            col("num_context_tokens"), col("num_generation_tokens")):
-        name = names.get(annotation)
-        if name is None:
-            name = names[annotation] = encode(annotation)
-        ts = _us(t0)
-        text = _STEP_TEXT % (name, pid, ts, _us(max(dur, 0.0)), step, tokens, running, waiting, preempted,
-                             pid, ts, running, waiting, round(100.0 * kv, 2), prefill, decode)
-        if preempted:
-            text += _PREEMPT_TEXT % (preempted, pid, ts, step, preempted)
-        yield text
+    heads = {a: _STEP_HEAD % (encode(a), pid) for a in set(col("annotation"))}
+    middles = _Formatted(lambda k: _STEP_MIDDLE % (*k, pid))
+    counters = _Formatted(lambda k: _STEP_COUNTERS % (k[0], k[1], round(100.0 * k[2], 2), k[3], k[4]))
+    annotation, t_start, duration, step = col("annotation"), col("t_start_s"), col("duration_s"), col("step")
+    tokens, running, waiting, preempted = (col("total_tokens"), col("num_running"), col("num_waiting"),
+                                           col("num_preempted"))
+    kv, prefill, decode = col("kv_usage"), col("num_context_tokens"), col("num_generation_tokens")
+    for a in range(0, len(steps), STEPS_PER_TEXT):
+        b = min(a + STEPS_PER_TEXT, len(steps))
+        ts = _us_texts(t_start[a:b])
+        block = list(map(_STEP_TEXT.__mod__, zip(
+            map(heads.__getitem__, annotation[a:b]), ts,
+            _us_texts(list(map(max, duration[a:b], itertools.repeat(0.0)))), step[a:b],
+            map(middles.__getitem__, zip(tokens[a:b], running[a:b], waiting[a:b], preempted[a:b])), ts,
+            map(counters.__getitem__, zip(running[a:b], waiting[a:b], kv[a:b], prefill[a:b], decode[a:b])))))
+        for i in itertools.compress(itertools.count(), preempted[a:b]):  # (rare)
+            block[i] += _PREEMPT_TEXT % (preempted[a + i], pid, _us(t_start[a + i]), step[a + i], preempted[a + i])
+        yield ",".join(block)
 
 
 def _engine_stream(steps: StepTable, pid: int = ENGINE_PID) -> Iterator[Any]:
@@ -213,26 +262,29 @@ EVENTS_PER_WRITE = 20_000
 CLUSTER_REQUEST_TRACKS = 16  # request tracks per instance in a cluster's trace
 
 
-def _write_streamed(path: str, head: list[dict[str, Any]], events: Iterator[dict[str, Any]],
-                    tail: dict[str, Any]) -> None:
+def _write_streamed(path: str, head: list[dict[str, Any]], events: Iterator[Any], tail: dict[str, Any]) -> None:
+    """`{"traceEvents": head + events, **tail}` as `json.dumps(..., separators=(",", ":"))` writes it;
+    `events`: dicts, and texts (one or more events encoded already, joined by ",") written as they come."""
     encode = json.JSONEncoder(separators=(",", ":")).encode
     with atomic_open(path) as f:
-        # a list's encoding is "[" + its items' encodings joined by "," + "]": one encoder call per run of
-        # dicts in a chunk; a text item is an event (or several, joined by ",") encoded already
-        f.write('{"traceEvents":' + encode(head)[:-1])
-        while chunk := list(itertools.islice(events, EVENTS_PER_WRITE)):  # (`head` is never empty)
-            f.write("," + ",".join(run if is_text else encode(list(run))[1:-1]
-                                   for is_text, run in _runs(chunk)))
+        # a list's encoding is "[" + its items' encodings joined by "," + "]": one encoder call per
+        # `EVENTS_PER_WRITE` dicts (or fewer, up to the next text)
+        f.write('{"traceEvents":' + encode(head)[:-1])  # (`head` is never empty)
+        dicts: list[dict[str, Any]] = []
+        for event in events:
+            if type(event) is str:
+                if dicts:
+                    f.write("," + encode(dicts)[1:-1])
+                    dicts = []
+                f.write("," + event)
+            else:
+                dicts.append(event)
+                if len(dicts) == EVENTS_PER_WRITE:
+                    f.write("," + encode(dicts)[1:-1])
+                    dicts = []
+        if dicts:
+            f.write("," + encode(dicts)[1:-1])
         f.write("]," + encode(tail)[1:])
-
-
-def _runs(chunk: list[Any]) -> Iterator[tuple[bool, Any]]:
-    """(True, a text) for each text item, (False, the dicts) for each run of dicts between them."""
-    for is_text, run in itertools.groupby(chunk, key=lambda e: type(e) is str):
-        if is_text:
-            yield from ((True, text) for text in run)
-        else:
-            yield False, run
 
 
 def write_cluster_trace(path: str, run: str, engines: list[tuple[str, StepTable, list[Any]]],

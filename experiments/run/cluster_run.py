@@ -11,8 +11,8 @@ Layout under the output folder DIR:
     DIR/sim/instances/<name>[-r<rank>]/          each engine's steps.parquet, requests.parquet, summary.json
 
 The whole-cluster figures pool every engine's requests (latency distributions over all of them) over the
-cluster's duration (the last engine's end). `write_cluster_outputs` adds report.md, the figures and
-sim/trace.json.
+cluster's duration (the last engine's end). `write_cluster_outputs` adds report.md and the figures;
+sim/trace.json is written by a forked child meanwhile (`write_cluster_trace_file`).
 """
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
         "router": exp.cluster.router.type,
         "throughput_tok_s": per_s(prompt_done + output_done), "output_tok_s": per_s(output_done),
         "request_throughput_s": per_s(completed),
-        "itl_s": dist_stats(np.concatenate(itls) if itls else np.array([])),
+        "itl_s": dist_stats(np.concatenate(itls) if itls else np.array([]), scratch=True),  # (a fresh array)
         "prefix_queries": queries, "prefix_hits": hits, "prefix_hit_rate": hits / queries if queries else None,
         "preemptions": sum(s["preemptions"] for s in summaries.values()),
         "kv_peak_usage": max((s["kv_peak_usage"] or 0.0 for s in summaries.values()), default=None),
@@ -157,21 +157,25 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
     return out
 
 
-def write_cluster_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, runs: dict[str, BackendRun],
-                          summaries: dict[str, dict], frames: dict[str, dict], whole: dict[str, Any], sim: Any) -> None:
-    """sim/trace.json (one Perfetto process per engine, then the router's decisions), report.md (the
-    cluster's and every engine's table) and, with `output.plots`, the cluster's figures."""
+def write_cluster_trace_file(path: str, exp: ExperimentConfig, runs: dict[str, BackendRun], sim: Any) -> str:
+    """sim/trace.json: one Perfetto process per engine, then the router's decisions (and, for P/D, the KV
+    transfers with their flow arrows). Needs only what the simulation recorded (no table)."""
     from servetwin.core.testbed.perfetto import write_cluster_trace  # noqa: PLC0415
-    from servetwin.experiments.run.cluster_report import cluster_figures, cluster_report  # noqa: PLC0415
 
-    trace = os.path.join(out_dir, "sim", "trace.json")
-    write_cluster_trace(trace, exp.name, [(label, run.recorder.steps, list(run.recorder.requests.values()))
-                                          for label, run in runs.items()],
+    write_cluster_trace(path, exp.name, [(label, run.recorder.steps, list(run.recorder.requests.values()))
+                                         for label, run in runs.items()],
                         ((d.t, d.request_id, d.pick if d.rank is None or d.rank == 0 else f"{d.pick}-r{d.rank}")
                          for d in sim.result.decisions),
                         transfers=[] if sim.pd is None else  # P/D: the KV reads, with flow arrows
                         [(t.request_id, t.prefill, t.decode, t.start_s, t.end_s) for t in sim.pd.record.transfers.values()])
-    folder.record(os.path.relpath(trace, out_dir))
+    return path
+
+
+def write_cluster_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, summaries: dict[str, dict],
+                          frames: dict[str, dict], whole: dict[str, Any]) -> None:
+    """report.md (the cluster's and every engine's table) and, with `output.plots`, the cluster's figures."""
+    from servetwin.experiments.run.cluster_report import cluster_figures, cluster_report  # noqa: PLC0415
+
     figures = cluster_figures(out_dir, frames) if exp.output.plots else []
     for path in figures:
         folder.record(os.path.relpath(path, out_dir))
@@ -190,15 +194,39 @@ def decisions_frame(sim: Any):
 def run_cluster_experiment(exp: ExperimentConfig, out_dir: str, folder: Any, progress: bool = True,
                            log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
     """Run the cluster, write everything under `out_dir` (the run-folder protocol of `run_experiment`)."""
-    import yaml  # noqa: PLC0415
-
-    from servetwin.experiments.run.report import portable_config  # noqa: PLC0415
+    from servetwin.experiments.run.background import frozen_heap  # noqa: PLC0415
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     t0 = time.perf_counter()
     sim, runs, requests, interrupted = simulate_cluster(exp, progress)
     wall = time.perf_counter() - t0
     folder.begin()
+    with frozen_heap():  # the simulation's millions of objects, all still in use: not scanned again
+        combined = _write_outputs(exp, out_dir, folder, sim, runs, requests, interrupted, wall)
+    whole = combined["backends"]["sim"]
+    log(f"[sim cluster] {whole['completed']}/{whole['requests']} requests on {whole['num_engines']} engines "
+        f"({whole['num_gpus']} GPUs), router {whole['router']}, {whole['simulated_s']:.1f}s simulated in "
+        f"{wall:.1f}s wall")
+    if interrupted:
+        raise KeyboardInterrupt
+    return combined
+
+
+def _write_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, sim: Any, runs: dict[str, BackendRun],
+                   requests: list[Any], interrupted: bool, wall: float) -> dict[str, Any]:
+    """Every file of the cluster's run but the top summary.json (written last by the caller); trace.json,
+    the longest to write, in a forked child (`OutputJobs`) while the tables and summaries are built here.
+    Returns the combined summary."""
+    import yaml  # noqa: PLC0415
+
+    from servetwin.experiments.run.background import OutputJobs  # noqa: PLC0415
+    from servetwin.experiments.run.report import portable_config  # noqa: PLC0415
+
+    jobs = OutputJobs()
+    trace_rel = os.path.join("sim", "trace.json")
+    folder.own(trace_rel)  # in the marker before the fork: the child's rename then adds no second line
+    trace = folder.file(trace_rel)
+    jobs.submit(trace_rel, write_cluster_trace_file, (trace, exp, runs, sim), trace)
     folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
     summaries, frames, itls = {}, {}, []
     for label, run in runs.items():
@@ -227,16 +255,13 @@ def run_cluster_experiment(exp: ExperimentConfig, out_dir: str, folder: Any, pro
         folder.record(os.path.relpath(path, out_dir))
         whole["pd"] = sim.pd.summary()
         write_json(os.path.join(out_dir, "sim", "summary.json"), whole)
-    write_cluster_outputs(exp, out_dir, folder, runs, summaries, frames, whole, sim)
+    write_cluster_outputs(exp, out_dir, folder, summaries, frames, whole)
+    jobs.wait()  # (a child that failed: its file redone here)
+    folder.record(trace_rel)
     wsum = workload_summary(requests)
     combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
                 "workload": wsum, "backends": {"sim": whole}, "cluster": {"engines": summaries}}
-    folder.write_json("summary.json", combined)
-    log(f"[sim cluster] {whole['completed']}/{whole['requests']} requests on {whole['num_engines']} engines "
-        f"({whole['num_gpus']} GPUs), router {whole['router']}, {whole['simulated_s']:.1f}s simulated in "
-        f"{wall:.1f}s wall")
-    if interrupted:
-        raise KeyboardInterrupt
+    folder.write_json("summary.json", combined)  # last: its presence and "interrupted" are the truth
     return combined
 
 

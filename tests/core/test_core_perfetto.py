@@ -4,7 +4,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servetwin.core.testbed.perfetto import MAX_REQUEST_TRACKS, chrome_trace, pack_tracks
+from servetwin.core.testbed.perfetto import (_FIXED_LIMIT_S, MAX_REQUEST_TRACKS, _us, _us_texts, chrome_trace,
+                                             pack_tracks)
 from servetwin.core.testbed.step_table import STEP_COLUMNS, StepTable
 from servetwin.core.testbed.trace import RequestTrace
 
@@ -65,3 +66,19 @@ def test_trace_has_counters_preemptions_and_bounded_request_tracks():
     assert phases == ["r0", "queue", "prefill", "decode"]
     names = [e["args"]["name"] for e in ev if e["name"] == "process_name"]
     assert any("64 of 74" in n for n in names)
+
+
+# `_us_texts` (trace.json's step times as text, '%.3f' without trailing zeros where every value is below
+# `_FIXED_LIMIT_S`) is `repr(_us(v))`: json's spelling of the rounded microseconds, for any finite value
+_times = st.one_of(st.floats(-2 * _FIXED_LIMIT_S, 2 * _FIXED_LIMIT_S, allow_nan=False),
+                   st.floats(-1e-3, 1e-3),  # rounds to 0.0, -0.0, +-0.001 ...
+                   st.integers(-2 * 10 ** 9, 2 * 10 ** 9).map(lambda k: k / 2e9),  # halfway cases of the 3rd decimal
+                   st.integers(-10 ** 6, 10 ** 6).map(float),  # whole seconds: "N.0" microseconds
+                   st.sampled_from([0.0, -0.0, _FIXED_LIMIT_S, -_FIXED_LIMIT_S, 999_999.9999995, 1e-9, 5e-10]),
+                   st.floats(-1e280, 1e280, allow_nan=False))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_times, max_size=8))
+def test_step_times_as_text_are_the_repr_of_the_rounded_microseconds(values):
+    assert _us_texts(values) == [repr(_us(v)) for v in values]

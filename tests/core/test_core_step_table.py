@@ -112,8 +112,9 @@ _odd_count = st.tuples(st.sampled_from([c for c in STEP_COLUMNS if c not in _TEX
 
 @settings(max_examples=60, deadline=None)
 @given(rows=st.lists(_wide_row, max_size=12), odd=st.lists(st.tuples(st.integers(0, 11), _odd_count), max_size=2),
-       preempted=st.lists(st.integers(0, 3), min_size=12, max_size=12))
-def test_streamed_step_events_as_text_are_json_dumps(tmp_path_factory, rows, odd, preempted):
+       preempted=st.lists(st.integers(0, 3), min_size=12, max_size=12),
+       per_text=st.integers(1, 13))  # steps per text (`perfetto.STEPS_PER_TEXT`): a preemption anywhere in one
+def test_streamed_step_events_as_text_are_json_dumps(tmp_path_factory, rows, odd, preempted, per_text):
     for i, row in enumerate(rows):
         row["num_preempted"] = preempted[i]
     for i, (name, value) in odd:
@@ -121,7 +122,11 @@ def test_streamed_step_events_as_text_are_json_dumps(tmp_path_factory, rows, odd
             rows[i][name] = value
     table = StepTable.from_rows(rows)
     path = tmp_path_factory.mktemp("trace") / "trace.json"
-    perfetto.write_chrome_trace(str(path), "r", "sim", table, [], 2)
+    saved, perfetto.STEPS_PER_TEXT = perfetto.STEPS_PER_TEXT, per_text
+    try:
+        perfetto.write_chrome_trace(str(path), "r", "sim", table, [], 2)
+    finally:
+        perfetto.STEPS_PER_TEXT = saved
     doc = perfetto.chrome_trace("r", "sim", table, [], 2)
     assert path.read_text() == json.dumps(doc, separators=(",", ":"))
 
