@@ -24,7 +24,6 @@ STEP_COLUMNS = [
 _TEXT = ("run", "backend", "annotation")
 _FLOAT = ("t_start_s", "t_end_s", "duration_s", "kv_usage")
 _FLOAT_VALUES = operator.itemgetter(*(STEP_COLUMNS.index(name) for name in _FLOAT))
-_COLUMN_INDEX = {name: i for i, name in enumerate(STEP_COLUMNS)}
 
 Column = Union[array, list]
 _MAX_PENDING = 1024  # buffered rows at most (a run of fused steps that nobody reads: bounded memory)
@@ -173,30 +172,11 @@ class StepTable:
             del col[n:]
 
     def get(self, i: int, name: str) -> Any:
-        # (speed: a buffered row is read where it waits - the trace reads each step's end once its output
-        # is processed; flushing a few rows at a time costs more than the rows. An int, float or str is
-        # what its column will hold for it: the typed arrays hold ints and floats exactly.)
-        pending = self._pending
-        if pending:
-            j = i - len(self._columns["step"])
-            if j >= 0:
-                value = pending[j][_COLUMN_INDEX[name]]
-                if type(value) is float or type(value) is int or type(value) is str:
-                    return value
         self._flush()
         return self._columns[name][i]
 
     def add(self, i: int, name: str, delta: int) -> None:
         """Row `i`'s `name` += `delta` (a count learnt after the row was recorded)."""
-        pending = self._pending
-        if pending and type(delta) is int and name not in _TEXT:
-            j = i - len(self._columns["step"])
-            if j >= 0:  # (speed: see `get`; the row's new values are stored, and checked, when flushed)
-                k = _COLUMN_INDEX[name]
-                values = pending[j]
-                if type(values[k]) is int:
-                    pending[j] = (*values[:k], values[k] + delta, *values[k + 1:])
-                    return
         self._flush()
         col = self._columns[name]
         value = col[i] + delta
