@@ -2,8 +2,8 @@
 
 The cluster simulation (benchmarks/cluster_speed.py) spends, besides its fused implicit-decode steps, time on
 routing (the llm-d router: the prompt's 16-token block keys, the approximate prefix index), on each admitted
-request's prefix-cache block hashes (SHA-256 of the pickle, 128-token blocks) and on the normal steps' trace
-rows. This script times, in fresh processes importing each checkout (interleaved `--repeats` times):
+request's prefix-cache block hashes (SHA-256 of the pickle, 128-token blocks) and on the normal steps. This
+script times, in fresh processes importing each checkout (interleaved `--repeats` times):
 - `block_hashes`: a 6,500-token prompt's block hashes (a `Request` with the scheduler's sha256 hasher, 128-token
   blocks), the prompt sent before (the ladder cycles 750 prompts over its 17,084 requests), us per request;
 - `route`: one llm-d route (prefix-cache-affinity filter, token-load scorer) of such a prompt over 16
@@ -25,15 +25,17 @@ Outputs byte-identical to db4eb3c but for wall times: the ladder's first 2,070 a
 of the run folder, trace.json included) and the single-engine bench (2,000 requests).
 
 Tried and dropped: a normal step's trace row joining the step table's buffer (no flush per normal step, the
-buffered rows read in place) - fewer calls, but 2-4% more CPU on the 5,053 requests (concurrent pairs 0.96 vs
-0.98 against the baseline): rows flushed long after they were made are cold in the CPU caches.
+buffered rows read in place) - fewer calls, but 2-4% more CPU on the 5,053 requests (concurrent pairs against
+the baseline: 0.96 without it, 0.98 with it): rows flushed long after they were made are cold in the CPU caches.
 
-Where the rest goes (py-spy, 6,573 requests, this checkout): fused steps 46% (not this script's), normal
-steps ~19% (scheduling with in-place KV events 15%, the executor 6% of which the fake-token salt - a CRC of
-the packed prompt - 2.8%), routing 6.3% (the 256 keys of 16 tokens 3%), block hashes 5.6% (cache lookups:
-a 128-token tuple hashed and compared), the step table's flush 7%. The single-engine bench uses the `builtin`
-block hash (`prefix_caching_hash_algo`), the ladder vLLM's default sha256: the same decisions (only hash
-equality matters), so the ladder's case could name `builtin` too - a config choice, not made here.
+Where the time goes (py-spy, 150 Hz, the first 6,573 requests, shares of the process; baseline -> this):
+block hashes 9.8% -> 8.0% (a cache hit still hashes and compares the block's 128 token ids, which are
+cold in the CPU caches: the micro case above runs hot), admission in all 10.9% -> 8.3%, routing 8.1% ->
+7.1% (the 256 keys of 16 tokens 3.0%), the fake-token salt (a CRC of the packed prompt) 3.0% -> 2.4%, the
+step table's flush 4.8% -> 4.3%; the fused steps 36-39% and the normal steps' scheduling ~18% are the rest.
+The single-engine bench uses the `builtin` block hash (`prefix_caching_hash_algo`), the ladder vLLM's default
+sha256: the same decisions (only hash equality matters), so the ladder's case could name `builtin` too - a
+config choice, not made here.
 """
 from __future__ import annotations
 
