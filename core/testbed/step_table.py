@@ -119,8 +119,8 @@ class StepTable:
                     col.extend(values)
         except (TypeError, OverflowError):  # a value a count column's array cannot hold: row by row
             self._truncate(n)
-            for row in rows:
-                self._append_unchecked(n, row)
+            for values in rows:
+                self._append_unchecked(n, values)
                 n += 1
 
     def extend_interned(self, columns: Sequence[Sequence[Any]]) -> int:
