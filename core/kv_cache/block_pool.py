@@ -161,6 +161,18 @@ class BlockHashToBlockMap:
             return blocks
         return next(iter(blocks.values()))
 
+    def get_leading_blocks(self, block_hashes: list[bytes], suffix: bytes) -> list[KVCacheBlock]:
+        """`get_one_block(h + suffix)` for the hashes in order, up to the first miss (a full-attention
+        group's prefix hit; speed: one call for the whole walk, ~50 blocks of a long prompt)."""
+        cache = self._cache
+        hits = []
+        for h in block_hashes:
+            blocks = cache.get(h + suffix)
+            if blocks is None:
+                break
+            hits.append(blocks if isinstance(blocks, KVCacheBlock) else next(iter(blocks.values())))
+        return hits
+
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
         existing = self._cache.get(key)
         if existing is None:

@@ -8,6 +8,7 @@ a fast non-cryptographic option for simulated runs (see `builtin`).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -130,6 +131,27 @@ def generate_block_hash_extra_keys(request: Any, start_token_idx: int) -> Option
     return tuple(keys) if keys else None
 
 
+# (speed: requests that share a prefix - a shared system prompt, a prompt sent again, its greedy output -
+# hash the same blocks again: SHA-256 of the pickle costs ~4.5 us a block, a hit in this cache ~1.5 us, the
+# key's tuple hash and compare; a miss ~1 us more. A block's hash is a pure function of its
+# (parent hash, tokens, extra keys), so a cached value is the one the function returns.)
+BLOCK_HASH_CACHE_SIZE = 1 << 14  # entries per hash function, shared by the process's hashers (~20 MB)
+_CACHED_HASH_FNS: dict[HashFn, HashFn] = {}
+
+
+def cached_hash_fn(hash_fn: HashFn) -> HashFn:
+    """`hash_fn` behind a bounded LRU cache when it is one of vLLM's hash functions (pure: `sha256`,
+    `sha256_cbor`, `xxhash`, `xxhash_cbor`); `builtin` (cheaper than a lookup) and any other function
+    as they are. Token ids are ints (what vLLM's engine hashes): the cache compares keys with `==`,
+    so a token given as another type equal to an int (a bool, a numpy integer) would share that int's entry."""
+    if hash_fn is builtin or hash_fn not in _HASH_FNS.values():
+        return hash_fn
+    cached = _CACHED_HASH_FNS.get(hash_fn)
+    if cached is None:
+        cached = _CACHED_HASH_FNS[hash_fn] = functools.lru_cache(maxsize=BLOCK_HASH_CACHE_SIZE)(hash_fn)
+    return cached
+
+
 def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
                              num_lookahead_tokens: int = 0) -> Callable[[Any], list[bytes]]:
     """Closure returning the hashes of the request's full blocks not hashed yet (incremental).
@@ -137,6 +159,8 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
     `num_lookahead_tokens` (L > 0: EAGLE / MTP speculative decoding with prefix caching): each hash
     also covers the L tokens after its block, whose drafter KV at the block's last position depends
     on them, so a block is hashed only once they exist (vLLM 0.33 `kv_cache_utils.py:953-1030`)."""
+    builtin_fn = hash_fn is builtin
+    hash_fn = cached_hash_fn(hash_fn)  # (speed: see cached_hash_fn)
     if num_lookahead_tokens:
         return _lookahead_request_block_hasher(block_size, hash_fn, num_lookahead_tokens)
 
@@ -180,7 +204,7 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
             start = end
         return out
 
-    hasher = builtin_request_block_hasher if hash_fn is builtin else request_block_hasher
+    hasher = builtin_request_block_hasher if builtin_fn else request_block_hasher
     hasher.block_size = block_size  # type: ignore[attr-defined]
     hasher.num_lookahead_tokens = 0  # type: ignore[attr-defined]
     return hasher

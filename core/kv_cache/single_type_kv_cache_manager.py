@@ -142,14 +142,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         826-830)."""
         hashes = block_hashes[:max_length // block_size]
         if len(group_ids) == 1:  # one group (the common case): the hash map directly
-            get_one = block_pool.cached_block_hash_to_block.get_one_block
-            gid = group_ids[0].to_bytes(4, "big")
-            hits = []
-            for h in hashes:
-                block = get_one(h + gid)
-                if block is None:
-                    break
-                hits.append(block)
+            hits = block_pool.cached_block_hash_to_block.get_leading_blocks(hashes, group_ids[0].to_bytes(4, "big"))
             if drop_eagle_block and hits:
                 hits.pop()
             return [hits]

@@ -1,0 +1,66 @@
+"""The routers' fast paths equal the plain loops they replace (same keys, same LRU order, same matches)."""
+from collections import OrderedDict
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servetwin.sim.routers import ApproxPrefixIndex, prompt_block_keys
+
+
+def _keys_loop(tokens, block_tokens, max_blocks):
+    """prompt_block_keys as a slice and a tuple per block."""
+    keys, parent = [], 0
+    for start in range(0, min(len(tokens) // block_tokens, max_blocks) * block_tokens, block_tokens):
+        parent = hash((parent, tuple(tokens[start:start + block_tokens])))
+        keys.append(parent)
+    return keys
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 50), max_size=80), block_tokens=st.integers(1, 9),
+       max_blocks=st.integers(-2, 30), as_tuple=st.booleans())
+def test_prompt_block_keys_equal_the_per_block_loop(tokens, block_tokens, max_blocks, as_tuple):
+    prompt = tuple(tokens) if as_tuple else tokens
+    assert prompt_block_keys(prompt, block_tokens, max_blocks) == _keys_loop(prompt, block_tokens, max_blocks)
+
+
+class _LoopIndex:
+    """ApproxPrefixIndex with an assignment and a move per key, and a walk per match."""
+
+    def __init__(self, capacity):
+        self.capacity, self.lru = capacity, {}
+
+    def matched(self, endpoint, keys):
+        table, n = self.lru.get(endpoint), 0
+        if table:
+            for k in keys:
+                if k not in table:
+                    break
+                n += 1
+        return n
+
+    def add(self, endpoint, keys):
+        table = self.lru.setdefault(endpoint, OrderedDict())
+        for k in keys:
+            table[k] = None
+            table.move_to_end(k)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
+
+
+# keys drawn from a small range: repeats within a prompt and across prompts, and LRU evictions
+_keys = st.lists(st.integers(0, 12), max_size=10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(1, 12),
+       ops=st.lists(st.tuples(st.booleans(), st.integers(0, 2), _keys), max_size=25))
+def test_approx_prefix_index_equals_the_plain_loops(capacity, ops):
+    fast, ref = ApproxPrefixIndex(capacity), _LoopIndex(capacity)
+    for add, endpoint, keys in ops:
+        if add:
+            fast.add(endpoint, keys)
+            ref.add(endpoint, keys)
+        else:
+            assert fast.matched(endpoint, keys) == ref.matched(endpoint, keys)
+        assert {e: list(t) for e, t in fast.lru.items()} == {e: list(t) for e, t in ref.lru.items()}
