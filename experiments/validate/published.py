@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from servetwin.experiments.validate.token_basis import check_token_basis
+from servetwin.experiments.validate.token_basis_entry import check_token_basis
 
 GROUPS = ("throughput/duration", "TPOT/ITL", "TTFT", "E2E")
 # published metric -> (summary.json key, statistic or None, scale to the published unit)
