@@ -605,7 +605,7 @@ class Simulation:
         q = sched.current_step  # the scheduler step of the window's step 2
         if in_flight and (state.batch[:2] != (engine.step_counter - 1, q - 1) or state.batch[2].num_reqs != k):
             raise AssertionError("step window: step 1 is not the last fused step")
-        shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (no KV event in it)
+        shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (`quiet_run`: it stays)
         priced = engine.executor.implicit_decode_durations(ImplicitDecodes(k, sum_offset + k * q, max_offset + q),
                                                            shared, n)
         if priced is None:
@@ -650,19 +650,23 @@ class Simulation:
         state, engine = self._shortcuts, self.engine
         sched = engine.scheduler
         step, q = engine.step_counter, sched.current_step  # step i + 1's (i = first)
-        sched.quiet_steps(n)
+        in_flight = state.batch is not None  # async: each step processes the previous one's batch, else its own
+        free, usage = sched.quiet_steps(n, 1 + in_flight)  # (member KV events done in place by `schedule()`)
+        k, sum_offset, max_offset, shared = window.num_reqs, window.sum_offset, window.max_offset, window.shared
+        kv = sched.kv_cache_manager
+        lazy = sched.lazy
+        if (len(lazy.members), lazy.sum_offset, kv.block_pool.num_shared_refs * sched.block_size) \
+                != (k, sum_offset, shared):
+            raise AssertionError("step window: the steps' batch or shared KV changed, against `quiet_run`")
         engine.step_counter += n
         self.result.num_steps += n
         state.count += n
-        in_flight = state.batch is not None  # async: each step processes the previous one's batch, else its own
         sched.last_updated_step = q + n - 1 - in_flight
-        kv = sched.kv_cache_manager
-        k, sum_offset, max_offset, shared = window.num_reqs, window.sum_offset, window.max_offset, window.shared
         ends = window.ends
         starts = ends[first:upto + 1]  # (step i + 1 starts when step i ends: its batch's outputs go out then)
         self.recorder.on_implicit_steps(step, q, starts, ends[first + 1:upto + 2],
                                         ImplicitDecodes(k, sum_offset + k * q, max_offset + q), len(sched.running),
-                                        [kv.num_free_blocks] * n, [kv.usage] * n, [shared] * n, step - in_flight)
+                                        free, usage, [shared] * n, step - in_flight)
         if not in_flight:
             return  # (sync: no front end, `_plan_window`)
         last_q = q + n - 1
@@ -687,6 +691,14 @@ class Simulation:
             i += 1
         self._window_apply(window, i - 1)
         return i
+
+    def catch_up(self) -> None:
+        """Bring the engine's state up to now for an outside reader (a cluster's scrape of the KV usage): the
+        actions of a window's steps that ended before now applied (the window goes on). A step that ends
+        exactly now is not: the step-by-step engine settles before its next step."""
+        window = self._shortcuts.window
+        if window is not None:
+            self._window_apply_before(window, self.env.now)
 
     def _window_cut(self) -> None:
         """Something reaches this engine now: a window in progress ends with the step in progress (the
