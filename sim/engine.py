@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ MAX_IDLE_ITERATIONS = 3  # engine iterations without progress before the loop wa
 # row and request, ~10% of the loop's time; at 50,000 it runs twice. Cycles are still collected.
 SIM_GC_THRESHOLD0 = 50_000
 WINDOW_MAX_STEPS = 256  # steps of one step window at most (`Simulation._plan_window`)
+WINDOW_FIRST_STEPS = 32  # steps a window prices first (then as many as it has, `Simulation._window_extend`)
 
 
 @dataclass(slots=True)
@@ -130,6 +132,13 @@ class _Window:
     sum_offset: int
     max_offset: int
     shared: int
+    q: int  # step 2's scheduler step
+    limit: int  # its last step that may be priced (`SimScheduler.quiet_run`'s; `stop` once cut)
+    # the steps scheduled (`Simulation._window_schedule`: up to step scheduled + 1, possibly ahead of
+    # `applied` for a scrape, `Simulation.catch_up`) and the KV pool's free blocks and usage after each
+    scheduled: int = 0
+    free: list[int] = field(default_factory=list)
+    usage: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -606,37 +615,79 @@ class Simulation:
         if in_flight and (state.batch[:2] != (engine.step_counter - 1, q - 1) or state.batch[2].num_reqs != k):
             raise AssertionError("step window: step 1 is not the last fused step")
         shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (`quiet_run`: it stays)
-        priced = engine.executor.implicit_decode_durations(ImplicitDecodes(k, sum_offset + k * q, max_offset + q),
-                                                           shared, n)
-        if priced is None:
+        window = _Window([t0, t0 + d1], [0.0, d1], 0, 1, self.env.event(), k, sum_offset, max_offset, shared, q,
+                         limit=1 + n)
+        if not self._window_extend(window, t0):
             return None
-        t = t0 + d1
-        ends, durations = [t0, t], [0.0, d1]
+        state.window = window
+        return window
+
+    def _window_extend(self, window: _Window, now: float) -> bool:
+        """Price the window's next steps up to its limit (`quiet_run`'s), at most as many as it has (at least
+        `WINDOW_FIRST_STEPS`: most windows are cut by an arrival within a few dozen steps, so pricing all
+        that are quiet would be mostly wasted), and wait for the last one's end from `now`, the end of its
+        step `stop`; False (nothing changed): no step to add - the window ends with step `stop`."""
+        stop = window.stop
+        m = min(window.limit - stop, max(WINDOW_FIRST_STEPS, stop))
+        if m <= 0:
+            return False
+        k = window.num_reqs
+        q = window.q + stop - 1  # the scheduler step of step stop + 1
+        priced = self.engine.executor.implicit_decode_durations(
+            ImplicitDecodes(k, window.sum_offset + k * q, window.max_offset + q), window.shared, m)
+        if priced is None:
+            return False
+        ends, durations = window.ends, window.durations
+        del ends[stop + 1:], durations[stop + 1:]  # (steps priced before whose end no delay landed on)
+        t = ends[stop]
         for d in priced:
             if not d > 0:  # (a step priced 0 s takes no event: left to the step-by-step path)
+                window.limit = len(ends) - 1
                 break
             t += d
             ends.append(t)
             durations.append(d)
-        stop = len(ends) - 1
+        end = len(ends) - 1
         delay = None
-        while stop > 1:
-            delay = _delay_to(t0, ends[stop])
+        while end > stop:
+            delay = _delay_to(now, ends[end])
             if delay is not None:
                 break
-            stop -= 1
-        if delay is None or (frontend is not None and not frontend.quiet_until(ends[stop])):
-            return None  # (the front end's own wake-up due inside the window: it reads the outputs by then)
-        window = state.window = _Window(ends, durations, 0, stop, self.env.event(), k, sum_offset, max_offset, shared)
-        self.env.timeout(delay).callbacks.append(lambda _e, w=window, i=stop: self._window_due(w, i))
-        return window
+            end -= 1
+        frontend = self.frontend
+        if delay is None or (frontend is not None and not frontend.quiet_until(ends[end])):
+            return False  # (the front end's own wake-up due inside the window: it reads the outputs by then)
+        window.stop = end
+        self.env.timeout(delay).callbacks.append(lambda _e, w=window, i=end: self._window_due(w, i))
+        return True
 
     def _window_due(self, window: _Window, stop: int) -> None:
-        """A window's wake-up at the end of its step `stop` (stale when the window was cut before)."""
+        """A window's wake-up at the end of its step `stop` (stale when the window was cut before): the window
+        goes on if more steps are quiet (`_window_extend`), else the engine wakes."""
         if window.stop == stop and self._shortcuts.window is window:
-            window.wake.succeed()
+            if not self._window_extend(window, self.env.now):
+                window.wake.succeed()
         else:
             self._shortcuts.stale += 1
+
+    def _window_schedule(self, window: _Window, upto: int) -> None:
+        """The scheduler's part of the actions at the ends of the window's steps scheduled+1 .. upto: steps
+        scheduled+2 .. upto+1 scheduled (`SimScheduler.quiet_steps`: member KV events done in place), the KV
+        pool's free blocks and usage after each kept for their trace rows."""
+        n = upto - window.scheduled
+        if n <= 0:
+            return
+        window.scheduled = upto
+        sched = self.engine.scheduler
+        in_flight = self._shortcuts.batch is not None  # async: each step processes the previous one's batch
+        free, usage = sched.quiet_steps(n, 1 + in_flight)
+        window.free += free
+        window.usage += usage
+        lazy = sched.lazy
+        if (len(lazy.members), lazy.sum_offset, sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size) \
+                != (window.num_reqs, window.sum_offset, window.shared):
+            raise AssertionError("step window: the steps' batch or shared KV changed, against `quiet_run`")
+        sched.last_updated_step = sched.current_step - 1 - in_flight
 
     def _window_apply(self, window: _Window, upto: int) -> None:
         """The actions at the ends of the window's steps applied+1 .. upto, with their own times: what
@@ -646,27 +697,22 @@ class Simulation:
         n = upto + 1 - first
         if n <= 0:
             return
+        self._window_schedule(window, upto)
         window.applied = upto
         state, engine = self._shortcuts, self.engine
         sched = engine.scheduler
-        step, q = engine.step_counter, sched.current_step  # step i + 1's (i = first)
+        step, q = engine.step_counter, window.q + first - 1  # step i + 1's (i = first)
         in_flight = state.batch is not None  # async: each step processes the previous one's batch, else its own
-        free, usage = sched.quiet_steps(n, 1 + in_flight)  # (member KV events done in place by `schedule()`)
-        k, sum_offset, max_offset, shared = window.num_reqs, window.sum_offset, window.max_offset, window.shared
-        kv = sched.kv_cache_manager
-        lazy = sched.lazy
-        if (len(lazy.members), lazy.sum_offset, kv.block_pool.num_shared_refs * sched.block_size) \
-                != (k, sum_offset, shared):
-            raise AssertionError("step window: the steps' batch or shared KV changed, against `quiet_run`")
         engine.step_counter += n
         self.result.num_steps += n
         state.count += n
-        sched.last_updated_step = q + n - 1 - in_flight
+        k, sum_offset, max_offset, shared = window.num_reqs, window.sum_offset, window.max_offset, window.shared
         ends = window.ends
         starts = ends[first:upto + 1]  # (step i + 1 starts when step i ends: its batch's outputs go out then)
         self.recorder.on_implicit_steps(step, q, starts, ends[first + 1:upto + 2],
                                         ImplicitDecodes(k, sum_offset + k * q, max_offset + q), len(sched.running),
-                                        free, usage, [shared] * n, step - in_flight)
+                                        window.free[first - 1:upto], window.usage[first - 1:upto], [shared] * n,
+                                        step - in_flight)
         if not in_flight:
             return  # (sync: no front end, `_plan_window`)
         last_q = q + n - 1
@@ -685,20 +731,19 @@ class Simulation:
 
     def _window_apply_before(self, window: _Window, now: float) -> int:
         """The actions of the window's steps that ended before `now` applied; returns the step in progress."""
-        ends = window.ends
-        i = window.applied + 1
-        while i < window.stop and ends[i] < now:
-            i += 1
+        i = bisect_left(window.ends, now, window.applied + 1, window.stop)
         self._window_apply(window, i - 1)
         return i
 
     def catch_up(self) -> None:
-        """Bring the engine's state up to now for an outside reader (a cluster's scrape of the KV usage): the
-        actions of a window's steps that ended before now applied (the window goes on). A step that ends
-        exactly now is not: the step-by-step engine settles before its next step."""
+        """Bring the scheduler's state up to now for an outside reader (a cluster's scrape of the KV usage):
+        the steps a window scheduled before now scheduled (their member KV events done; the window goes
+        on, its trace rows and outputs still to come). A step that ends exactly now is not: the
+        step-by-step engine settles before its next step."""
         window = self._shortcuts.window
         if window is not None:
-            self._window_apply_before(window, self.env.now)
+            self._window_schedule(window, bisect_left(window.ends, self.env.now, window.scheduled + 1,
+                                                      window.stop) - 1)
 
     def _window_cut(self) -> None:
         """Something reaches this engine now: a window in progress ends with the step in progress (the
@@ -710,8 +755,9 @@ class Simulation:
         i = self._window_apply_before(window, now)
         ends = window.ends
         if i >= window.stop:
+            window.limit = window.stop  # (not extended at its end)
             return  # the last step is in progress: the window's own wake-up
-        window.stop = i
+        window.stop = window.limit = i
         if ends[i] == now:  # (the engine settles before its next step: after this event, as step by step)
             window.wake.succeed()
             return
