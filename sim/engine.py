@@ -575,27 +575,36 @@ class Simulation:
             self._num_samples[step] = implicit.num_reqs
 
     # -- step windows -----------------------------------------------------------------------------
-    # A run of fused steps without member events (async scheduling: each step processes the previous one's
-    # batch) is one SimPy event: `_plan_window` prices the steps ahead and waits for the last one's end;
-    # what the step-by-step run does at each step end in between - the next step scheduled
-    # (`_fused_step`), the previous batch's outputs to the front end - is applied later with that step's
-    # own times, by `_window_close` at the window's end, or by `_window_cut` when something reaches this
-    # engine before (a request to it or its front end, a wake-up): the actions before the current time
-    # are applied, and the engine wakes at the end of the step in progress, as the step-by-step run.
+    # A run of fused steps whose members stay implicit - no member event, or only KV events done in place
+    # (a new block, a full block registered, a sliding window's drop) - (async scheduling: each step
+    # processes the previous one's batch) is one SimPy event: `_plan_window` prices the steps ahead
+    # (`WINDOW_FIRST_STEPS`, then more at the planned end while still quiet, `_window_extend`) and waits for
+    # the last one's end; what the step-by-step run does at each step end in between - the next step
+    # scheduled (`_fused_step`; its members' KV events done in place by the scheduler's own `schedule()`),
+    # the previous batch's outputs to the front end - is applied later with that step's own times, by
+    # `_window_close` at the window's end, or by `_window_cut` when something reaches this engine before
+    # (a request to it or its front end, a wake-up): the actions before the current time are applied, and
+    # the engine wakes at the end of the step in progress, as the step-by-step run. A cluster's scrape of
+    # the KV usage first schedules the steps before its time (`catch_up`: their KV events).
     # Exact (tests/sim/test_sim_step_windows.py) because, inside a window:
+    # - the steps are certain to be quiet (`SimScheduler.quiet_run`: before every member's terminal event,
+    #   every allocation within the free blocks, no block shared by several requests dropped), so their
+    #   batch - rows, sum and max of C - and their shared KV tokens are known ahead: the durations are;
+    #   the commit runs the steps and raises if one was not quiet after all;
     # - nothing else reads or changes what the deferred actions change: the scheduler's waiting/running
-    #   counts and KV usage (a cluster's scrapes) stay as they are in quiet steps (no admission, no finish,
-    #   no KV event: `SimScheduler.quiet_run`); the front end is quiet (`quiet_until`: no timer of its own
-    #   due, its outputs need no clock); no step-boundary hook, KV worker, client timeout or abort is pending;
+    #   counts stay (no admission, no finish); its KV usage, which a scrape reads, is brought up to the
+    #   scrape's time (`catch_up`); the front end is quiet (`quiet_until`: no timer of its own due, its
+    #   outputs need no clock); no step-boundary hook, KV worker, client timeout or abort is pending;
     # - the times are the step-by-step run's floats: ends[i] = ends[i - 1] + durations[i], as SimPy's
-    #   `now + delay`, and the one timeout lands on exactly the end (`_delay_to`);
+    #   `now + delay`, and each timeout lands on exactly its end (`_delay_to`);
     # - ties: a cut at exactly a step end (a request reaching the engine at the time a step ends) is
     #   ordered by SimPy's event ids in the step-by-step run; here it does not matter: the step-by-step
     #   engine schedules the next step after everything else at that time (it settles first, `_settle`),
     #   which is what the cut leaves to the woken engine, and it hands the step's outputs to the front end
     #   then too in async scheduling (in sync scheduling it does so before settling, at a time that depends
-    #   on the event ids: so no windows in sync scheduling with a front end). Other events at a step end
-    #   (other engines, scrapes, the arrival process) do not touch this engine's state.
+    #   on the event ids: so no windows in sync scheduling with a front end). A scrape at exactly a step
+    #   end reads the KV usage before the next step's KV events, as the settling engine lets it. Other
+    #   events at a step end (other engines, the arrival process) do not touch this engine's state.
     def _plan_window(self, t0: float, d1: float) -> Optional[_Window]:
         """After a fused step at `t0` of `d1` seconds: a window of it and the quiet steps after it, or None
         (the engine waits for that step alone)."""
