@@ -137,6 +137,7 @@ class _Window:
     # the steps scheduled (`Simulation._window_schedule`: up to step scheduled + 1, possibly ahead of
     # `applied` for a scrape, `Simulation.catch_up`) and the KV pool's free blocks and usage after each
     scheduled: int = 0
+    next_event: Optional[int] = None  # the scheduler step of the next member event (None: none), as scheduled
     free: list[int] = field(default_factory=list)
     usage: list[float] = field(default_factory=list)
 
@@ -625,7 +626,7 @@ class Simulation:
             raise AssertionError("step window: step 1 is not the last fused step")
         shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (`quiet_run`: it stays)
         window = _Window([t0, t0 + d1], [0.0, d1], 0, 1, self.env.event(), k, sum_offset, max_offset, shared, q,
-                         limit=1 + n)
+                         limit=1 + n, next_event=sched.lazy.next_event_step())
         if not self._window_extend(window, t0):
             return None
         state.window = window
@@ -693,6 +694,7 @@ class Simulation:
         window.free += free
         window.usage += usage
         lazy = sched.lazy
+        window.next_event = lazy.next_event_step()
         if (len(lazy.members), lazy.sum_offset, sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size) \
                 != (window.num_reqs, window.sum_offset, window.shared):
             raise AssertionError("step window: the steps' batch or shared KV changed, against `quiet_run`")
@@ -750,9 +752,12 @@ class Simulation:
         on, its trace rows and outputs still to come). A step that ends exactly now is not: the
         step-by-step engine settles before its next step."""
         window = self._shortcuts.window
-        if window is not None:
-            self._window_schedule(window, bisect_left(window.ends, self.env.now, window.scheduled + 1,
-                                                      window.stop) - 1)
+        if window is None:
+            return
+        upto = bisect_left(window.ends, self.env.now, window.scheduled + 1, window.stop) - 1
+        # (steps up to scheduler step q + upto - 1 to schedule: none with a member event, nothing to read)
+        if window.next_event is not None and window.q + upto - 1 >= window.next_event:
+            self._window_schedule(window, upto)
 
     def _window_cut(self) -> None:
         """Something reaches this engine now: a window in progress ends with the step in progress (the

@@ -303,6 +303,12 @@ class LazyDecodes:
                 n = m.terminal - step
         return max(0, n)
 
+    def next_event_step(self) -> Optional[int]:
+        """The first step from the next one on with an event bucket (a stale one counts; None: none)."""
+        start = self._due_from
+        steps = [k for k in self._events if start is None or k >= start]
+        return min(steps) if steps else None
+
     def skip_quiet(self, step: int, n: int) -> None:
         """`quiet_step` of steps step .. step + n - 1, which `quiet_run` found quiet (nothing changed since)."""
         if self._due_from != step:
