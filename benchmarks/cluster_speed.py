@@ -146,6 +146,44 @@ checkout's at 810 and 2,070).
   `_Instance.counts` would commit up to the scrape); sync windows with a front end (ties ordered by when the
   arrival's event was created).
 
+Windows across member KV events, lazy plans, cheaper commits (the second round, 2026-12-06 afternoon):
+- windows span member KV events done in place (a new block, a full block registered, a sliding window's
+  drop): `SimScheduler.quiet_run` counts the steps certain to stay quiet - before every member's terminal
+  event (`LazyDecodes.in_place_run`), every allocation within the pool's free blocks now (at most
+  cdiv(n, block_size) new blocks per member and KV cache group in n steps), no member holding a block
+  shared with another request in a sliding-window group taking an event (a drop of it would change the
+  shared KV tokens: the durations' input) - and the commit runs each event step's own `schedule()`
+  (`SimScheduler.quiet_steps`: the KV work by the existing code; it raises if a step was not quiet after
+  all), the trace rows taking each step's free blocks and usage; a cluster's scrape first schedules the
+  window's steps before its time when a member event is among them (`Simulation.catch_up`: the KV usage as
+  of then; the rows and outputs still at the window's end);
+- plans price lazily: 32 steps first, then as many as the window has at its planned end while it is still
+  quiet (`Simulation._window_extend`: one timeout, no engine step, no new plan); 2,070 requests: 388k
+  steps priced for 298k used (644k when each plan priced all quiet steps, up to 256);
+- the front end's output messages that run alone on its CPU (each done before the next step's: nearly all
+  of a window's) in one pass (`SharedCPU.alone_finishes`: the same floats, no message, job or heap entry per
+  step; test_sim_frontend_bulk).
+Exact: tests/sim/test_sim_step_windows.py (new: Hypothesis with blocks of 1-8 tokens, sliding windows over
+shared prefixes, pools with a few blocks to spare; a steady batch with blocks of 4 whose ~600 steps take a
+few windows; the cluster test's 5 ms scrapes read the KV usage changing inside windows) and `--check-windows`:
+equal at 2,070 and 17,084 requests, with the same digests as the checkout before (676f8d70..., 88fd3b6f...).
+Numbers (under load 1.1-1.8, ratios and call counts, not results):
+- 2,070 requests: 312,221 steps, 298,167 in 5,362 windows (95.5%, 55.6 steps a window; before 11,955 and 24.9);
+  `--profile 2070` 17.84 M -> 15.61 M function calls, SimPy events 67,343 -> 58,290, 11.6 -> 9.6 s (one
+  after the other); `--check-windows 2070` on/off CPU: before 4.8 / 6.5 s, now 4.3 / 6.2 s.
+- `--profile 6573` (a later stage boundary, ~10 requests per engine; before the scrape change above): 43.84 M
+  -> 40.39 M function calls, SimPy events 185,520 -> 155,492; fused steps outside windows 76,783 -> 55,953.
+- the whole ladder: 665,341 of 758,763 steps in 31,797 windows (87.7%, 20.9 steps a window; before 86.0%,
+  62,871, 10.4); `--check-windows 17084` windows on: 28.1 s CPU before, 26.8 s now (off 29.9 / 30.1; the
+  final checkout 28.7 / 32.0 at a higher load: -10%).
+  `--repeats 1` (15:10, load 1.5-1.8; before the scrape change), this checkout then the one before: single
+  0.76 / 0.76 ms CPU per request, cluster 2.01 / 2.19 ms CPU: 2.65x / 2.88x the CPU, 2.69x / 3.24x the wall
+  time per request (the single runs' wall 0.75 / 0.68 ms: load), 1,181 MB. The target of 1.5x is not met.
+- what is left: the 12% of the ladder's steps outside windows - normal steps (admissions, last tokens:
+  `step_engine`, 30,835 of them at 6,573 requests and the largest single cost there) and the fused
+  steps around them; routing (the prefix-cache filter's block keys); per window step, the trace row and
+  the front end's per-step arithmetic (both now one pass per window), and the event steps' `schedule()`.
+
 Usage: python benchmarks/cluster_speed.py [--repeats 1] [--both-arms] [--profile 1060] [--check-windows 810 2070]
 """
 from __future__ import annotations

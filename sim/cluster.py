@@ -166,6 +166,7 @@ class _Instance:
         waiting = running = 0
         usage = 0.0
         for sim in self.ranks:
+            sim.catch_up()  # (a step window's KV events before now)
             sched = sim.engine.scheduler
             r, w = sched.get_request_counts()
             waiting += w

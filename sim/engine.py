@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,7 @@ MAX_IDLE_ITERATIONS = 3  # engine iterations without progress before the loop wa
 # row and request, ~10% of the loop's time; at 50,000 it runs twice. Cycles are still collected.
 SIM_GC_THRESHOLD0 = 50_000
 WINDOW_MAX_STEPS = 256  # steps of one step window at most (`Simulation._plan_window`)
+WINDOW_FIRST_STEPS = 32  # steps a window prices first (then as many as it has, `Simulation._window_extend`)
 
 
 @dataclass(slots=True)
@@ -132,6 +134,14 @@ class _Window:
     sum_offset: int
     max_offset: int
     shared: int
+    q: int  # step 2's scheduler step
+    limit: int  # its last step that may be priced (`SimScheduler.quiet_run`'s; `stop` once cut)
+    # the steps scheduled (`Simulation._window_schedule`: up to step scheduled + 1, possibly ahead of
+    # `applied` for a scrape, `Simulation.catch_up`) and the KV pool's free blocks and usage after each
+    scheduled: int = 0
+    next_event: Optional[int] = None  # the scheduler step of the next member event (None: none), as scheduled
+    free: list[int] = field(default_factory=list)
+    usage: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -593,27 +603,36 @@ class Simulation:
             self._num_samples[step] = implicit.num_reqs
 
     # -- step windows -----------------------------------------------------------------------------
-    # A run of fused steps without member events (async scheduling: each step processes the previous one's
-    # batch) is one SimPy event: `_plan_window` prices the steps ahead and waits for the last one's end;
-    # what the step-by-step run does at each step end in between - the next step scheduled
-    # (`_fused_step`), the previous batch's outputs to the front end - is applied later with that step's
-    # own times, by `_window_close` at the window's end, or by `_window_cut` when something reaches this
-    # engine before (a request to it or its front end, a wake-up): the actions before the current time
-    # are applied, and the engine wakes at the end of the step in progress, as the step-by-step run.
+    # A run of fused steps whose members stay implicit - no member event, or only KV events done in place
+    # (a new block, a full block registered, a sliding window's drop) - (async scheduling: each step
+    # processes the previous one's batch) is one SimPy event: `_plan_window` prices the steps ahead
+    # (`WINDOW_FIRST_STEPS`, then more at the planned end while still quiet, `_window_extend`) and waits for
+    # the last one's end; what the step-by-step run does at each step end in between - the next step
+    # scheduled (`_fused_step`; its members' KV events done in place by the scheduler's own `schedule()`),
+    # the previous batch's outputs to the front end - is applied later with that step's own times, by
+    # `_window_close` at the window's end, or by `_window_cut` when something reaches this engine before
+    # (a request to it or its front end, a wake-up): the actions before the current time are applied, and
+    # the engine wakes at the end of the step in progress, as the step-by-step run. A cluster's scrape of
+    # the KV usage first schedules the steps before its time (`catch_up`: their KV events).
     # Exact (tests/sim/test_sim_step_windows.py) because, inside a window:
+    # - the steps are certain to be quiet (`SimScheduler.quiet_run`: before every member's terminal event,
+    #   every allocation within the free blocks, no block shared by several requests dropped), so their
+    #   batch - rows, sum and max of C - and their shared KV tokens are known ahead: the durations are;
+    #   the commit runs the steps and raises if one was not quiet after all;
     # - nothing else reads or changes what the deferred actions change: the scheduler's waiting/running
-    #   counts and KV usage (a cluster's scrapes) stay as they are in quiet steps (no admission, no finish,
-    #   no KV event: `SimScheduler.quiet_run`); the front end is quiet (`quiet_until`: no timer of its own
-    #   due, its outputs need no clock); no step-boundary hook, KV worker, client timeout or abort is pending;
+    #   counts stay (no admission, no finish); its KV usage, which a scrape reads, is brought up to the
+    #   scrape's time (`catch_up`); the front end is quiet (`quiet_until`: no timer of its own due, its
+    #   outputs need no clock); no step-boundary hook, KV worker, client timeout or abort is pending;
     # - the times are the step-by-step run's floats: ends[i] = ends[i - 1] + durations[i], as SimPy's
-    #   `now + delay`, and the one timeout lands on exactly the end (`_delay_to`);
+    #   `now + delay`, and each timeout lands on exactly its end (`_delay_to`);
     # - ties: a cut at exactly a step end (a request reaching the engine at the time a step ends) is
     #   ordered by SimPy's event ids in the step-by-step run; here it does not matter: the step-by-step
     #   engine schedules the next step after everything else at that time (it settles first, `_settle`),
     #   which is what the cut leaves to the woken engine, and it hands the step's outputs to the front end
     #   then too in async scheduling (in sync scheduling it does so before settling, at a time that depends
-    #   on the event ids: so no windows in sync scheduling with a front end). Other events at a step end
-    #   (other engines, scrapes, the arrival process) do not touch this engine's state.
+    #   on the event ids: so no windows in sync scheduling with a front end). A scrape at exactly a step
+    #   end reads the KV usage before the next step's KV events, as the settling engine lets it. Other
+    #   events at a step end (other engines, the arrival process) do not touch this engine's state.
     def _plan_window(self, t0: float, d1: float) -> Optional[_Window]:
         """After a fused step at `t0` of `d1` seconds: a window of it and the quiet steps after it, or None
         (the engine waits for that step alone)."""
@@ -632,38 +651,81 @@ class Simulation:
         q = sched.current_step  # the scheduler step of the window's step 2
         if in_flight and (state.batch[:2] != (engine.step_counter - 1, q - 1) or state.batch[2].num_reqs != k):
             raise AssertionError("step window: step 1 is not the last fused step")
-        shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (no KV event in it)
-        priced = engine.executor.implicit_decode_durations(ImplicitDecodes(k, sum_offset + k * q, max_offset + q),
-                                                           shared, n)
-        if priced is None:
+        shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (`quiet_run`: it stays)
+        window = _Window([t0, t0 + d1], [0.0, d1], 0, 1, self.env.event(), k, sum_offset, max_offset, shared, q,
+                         limit=1 + n, next_event=sched.lazy.next_event_step())
+        if not self._window_extend(window, t0):
             return None
-        t = t0 + d1
-        ends, durations = [t0, t], [0.0, d1]
+        state.window = window
+        return window
+
+    def _window_extend(self, window: _Window, now: float) -> bool:
+        """Price the window's next steps up to its limit (`quiet_run`'s), at most as many as it has (at least
+        `WINDOW_FIRST_STEPS`: most windows are cut by an arrival within a few dozen steps, so pricing all
+        that are quiet would be mostly wasted), and wait for the last one's end from `now`, the end of its
+        step `stop`; False (nothing changed): no step to add - the window ends with step `stop`."""
+        stop = window.stop
+        m = min(window.limit - stop, max(WINDOW_FIRST_STEPS, stop))
+        if m <= 0:
+            return False
+        k = window.num_reqs
+        q = window.q + stop - 1  # the scheduler step of step stop + 1
+        priced = self.engine.executor.implicit_decode_durations(
+            ImplicitDecodes(k, window.sum_offset + k * q, window.max_offset + q), window.shared, m)
+        if priced is None:
+            return False
+        ends, durations = window.ends, window.durations
+        del ends[stop + 1:], durations[stop + 1:]  # (steps priced before whose end no delay landed on)
+        t = ends[stop]
         for d in priced:
             if not d > 0:  # (a step priced 0 s takes no event: left to the step-by-step path)
+                window.limit = len(ends) - 1
                 break
             t += d
             ends.append(t)
             durations.append(d)
-        stop = len(ends) - 1
+        end = len(ends) - 1
         delay = None
-        while stop > 1:
-            delay = _delay_to(t0, ends[stop])
+        while end > stop:
+            delay = _delay_to(now, ends[end])
             if delay is not None:
                 break
-            stop -= 1
-        if delay is None or (frontend is not None and not frontend.quiet_until(ends[stop])):
-            return None  # (the front end's own wake-up due inside the window: it reads the outputs by then)
-        window = state.window = _Window(ends, durations, 0, stop, self.env.event(), k, sum_offset, max_offset, shared)
-        self.env.timeout(delay).callbacks.append(lambda _e, w=window, i=stop: self._window_due(w, i))
-        return window
+            end -= 1
+        frontend = self.frontend
+        if delay is None or (frontend is not None and not frontend.quiet_until(ends[end])):
+            return False  # (the front end's own wake-up due inside the window: it reads the outputs by then)
+        window.stop = end
+        self.env.timeout(delay).callbacks.append(lambda _e, w=window, i=end: self._window_due(w, i))
+        return True
 
     def _window_due(self, window: _Window, stop: int) -> None:
-        """A window's wake-up at the end of its step `stop` (stale when the window was cut before)."""
+        """A window's wake-up at the end of its step `stop` (stale when the window was cut before): the window
+        goes on if more steps are quiet (`_window_extend`), else the engine wakes."""
         if window.stop == stop and self._shortcuts.window is window:
-            window.wake.succeed()
+            if not self._window_extend(window, self.env.now):
+                window.wake.succeed()
         else:
             self._shortcuts.stale += 1
+
+    def _window_schedule(self, window: _Window, upto: int) -> None:
+        """The scheduler's part of the actions at the ends of the window's steps scheduled+1 .. upto: steps
+        scheduled+2 .. upto+1 scheduled (`SimScheduler.quiet_steps`: member KV events done in place), the KV
+        pool's free blocks and usage after each kept for their trace rows."""
+        n = upto - window.scheduled
+        if n <= 0:
+            return
+        window.scheduled = upto
+        sched = self.engine.scheduler
+        in_flight = self._shortcuts.batch is not None  # async: each step processes the previous one's batch
+        free, usage = sched.quiet_steps(n, 1 + in_flight)
+        window.free += free
+        window.usage += usage
+        lazy = sched.lazy
+        window.next_event = lazy.next_event_step()
+        if (len(lazy.members), lazy.sum_offset, sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size) \
+                != (window.num_reqs, window.sum_offset, window.shared):
+            raise AssertionError("step window: the steps' batch or shared KV changed, against `quiet_run`")
+        sched.last_updated_step = sched.current_step - 1 - in_flight
 
     def _window_apply(self, window: _Window, upto: int) -> None:
         """The actions at the ends of the window's steps applied+1 .. upto, with their own times: what
@@ -673,23 +735,22 @@ class Simulation:
         n = upto + 1 - first
         if n <= 0:
             return
+        self._window_schedule(window, upto)
         window.applied = upto
         state, engine = self._shortcuts, self.engine
         sched = engine.scheduler
-        step, q = engine.step_counter, sched.current_step  # step i + 1's (i = first)
-        sched.quiet_steps(n)
+        step, q = engine.step_counter, window.q + first - 1  # step i + 1's (i = first)
+        in_flight = state.batch is not None  # async: each step processes the previous one's batch, else its own
         engine.step_counter += n
         self.result.num_steps += n
         state.count += n
-        in_flight = state.batch is not None  # async: each step processes the previous one's batch, else its own
-        sched.last_updated_step = q + n - 1 - in_flight
-        kv = sched.kv_cache_manager
         k, sum_offset, max_offset, shared = window.num_reqs, window.sum_offset, window.max_offset, window.shared
         ends = window.ends
         starts = ends[first:upto + 1]  # (step i + 1 starts when step i ends: its batch's outputs go out then)
         self.recorder.on_implicit_steps(step, q, starts, ends[first + 1:upto + 2],
                                         ImplicitDecodes(k, sum_offset + k * q, max_offset + q), len(sched.running),
-                                        [kv.num_free_blocks] * n, [kv.usage] * n, [shared] * n, step - in_flight)
+                                        window.free[first - 1:upto], window.usage[first - 1:upto], [shared] * n,
+                                        step - in_flight)
         if not in_flight:
             return  # (sync: no front end, `_plan_window`)
         last_q = q + n - 1
@@ -708,12 +769,22 @@ class Simulation:
 
     def _window_apply_before(self, window: _Window, now: float) -> int:
         """The actions of the window's steps that ended before `now` applied; returns the step in progress."""
-        ends = window.ends
-        i = window.applied + 1
-        while i < window.stop and ends[i] < now:
-            i += 1
+        i = bisect_left(window.ends, now, window.applied + 1, window.stop)
         self._window_apply(window, i - 1)
         return i
+
+    def catch_up(self) -> None:
+        """Bring the scheduler's state up to now for an outside reader (a cluster's scrape of the KV usage):
+        the steps a window scheduled before now scheduled (their member KV events done; the window goes
+        on, its trace rows and outputs still to come). A step that ends exactly now is not: the
+        step-by-step engine settles before its next step."""
+        window = self._shortcuts.window
+        if window is None:
+            return
+        upto = bisect_left(window.ends, self.env.now, window.scheduled + 1, window.stop) - 1
+        # (steps up to scheduler step q + upto - 1 to schedule: none with a member event, nothing to read)
+        if window.next_event is not None and window.q + upto - 1 >= window.next_event:
+            self._window_schedule(window, upto)
 
     def _window_cut(self) -> None:
         """Something reaches this engine now: a window in progress ends with the step in progress (the
@@ -725,8 +796,9 @@ class Simulation:
         i = self._window_apply_before(window, now)
         ends = window.ends
         if i >= window.stop:
+            window.limit = window.stop  # (not extended at its end)
             return  # the last step is in progress: the window's own wake-up
-        window.stop = i
+        window.stop = window.limit = i
         if ends[i] == now:  # (the engine settles before its next step: after this event, as step by step)
             window.wake.succeed()
             return

@@ -218,6 +218,40 @@ class SharedCPU:
             return None
         return self.now + (self._heap[0][0] - self.virtual) * self.weight
 
+    @property
+    def idle(self) -> bool:
+        """Whether no job is in service."""
+        return not self._heap
+
+    def alone_finishes(self, starts: Sequence[float], i: int, work: float, weight: float) -> list[float]:
+        """Jobs of `work` and `weight` added at starts[i], starts[i + 1], ... to this idle CPU (advanced to
+        starts[i]), each one alone: done, as `advance(starts[j + 1])` finds it, before the next is added.
+        Runs them as `add` and `advance` would - the same floats (sequence numbers, virtual time, busy
+        time), the CPU left idle and advanced to the next start - and returns their finish times; stops
+        before a job that would still run at the next start, and before the last start (those: `add`)."""
+        if self._heap:
+            raise RuntimeError("SharedCPU.alone_finishes: a job is in service")
+        out: list[float] = []
+        for j in range(i, len(starts) - 1):
+            t = starts[j + 1]
+            v_fin = self.virtual + work / weight  # (`add`)
+            now = self.now
+            t_fin = now + (v_fin - self.virtual) * (self.weight + weight)  # (`advance(t)`'s first job)
+            a = abs(t)
+            if t_fin > t + _EPS * (a if a > 1.0 else 1.0):
+                break
+            if now > t_fin:
+                t_fin = now
+            if t < t_fin:
+                t_fin = t
+            self._seq += 1
+            self.busy_s += t_fin - now
+            self.virtual = v_fin
+            self.now = t if t > t_fin else t_fin  # (the CPU idle again: `advance`'s tail)
+            self.weight = 0.0
+            out.append(t_fin)
+        return out
+
     def advance(self, t: float) -> None:
         heap = self._heap
         if heap:
@@ -386,16 +420,34 @@ class ApiServerFrontend:
                 self._output_at(now, t_engine, num_outputs, 0, [])
             return
         cpu, outputs = self.cpu, self._outputs
-        for now, t_engine in zip(nows, t_engines):  # (`_output_at` of one server, written out)
+        c = self.coeffs
+        # each message alone (`_start_output`'s job of one step's outputs, done before the next step's):
+        # `SharedCPU.alone_finishes`, without a message or job per step
+        work = c.c_step_s * 1 + c.c_token_out_s * num_outputs + c.c_chunk_s * num_outputs + c.c_finish_s * 0
+        weight = float(num_outputs if num_outputs > 1 else 1)
+        i, n = 0, len(nows)
+        while i < n:  # (`_output_at` of one server, written out)
+            now, t_engine = nows[i], t_engines[i]
             cpu.advance(now)
             if outputs:
                 outputs[-1].merge(t_engine, num_outputs, 0, [])
+                i += 1
                 continue
+            if not self._handler_busy and cpu.idle:
+                finishes = cpu.alone_finishes(nows, i, work, weight)
+                if finishes:
+                    self.num_messages += len(finishes)
+                    add, latency = self.deliveries.add, c.latency_out_s
+                    for t_done in finishes:  # (`_output_done` of each)
+                        add(t_engines[i], t_done + latency)
+                        i += 1
+                    continue
             out = _StepOutput([t_engine], num_outputs, num_outputs, 0, [])
             if self._handler_busy:
                 outputs.append(out)
             else:
                 self._start_output(now, out)
+            i += 1
         # (each call's `_schedule_wake` would find no important job and no completion: nothing to schedule)
 
     def _start_next(self, t: float) -> None:

@@ -290,6 +290,25 @@ class LazyDecodes:
             n += 1
         return n
 
+    def in_place_run(self, step: int, limit: int) -> int:
+        """How many steps from `step` on (at most `limit`) keep every member implicit if each member KV event
+        in them is done in place and succeeds (`advance`): `members_only()`, `step` next for `due`, and
+        before every member's terminal event. The caller checks that the KV work succeeds
+        (`SimScheduler.quiet_run`). Changes nothing."""
+        if not self.members_only() or self._due_from != step:
+            return 0
+        n = limit
+        for m in self.members.values():
+            if m.terminal - step < n:
+                n = m.terminal - step
+        return max(0, n)
+
+    def next_event_step(self) -> Optional[int]:
+        """The first step from the next one on with an event bucket (a stale one counts; None: none)."""
+        start = self._due_from
+        steps = [k for k in self._events if start is None or k >= start]
+        return min(steps) if steps else None
+
     def skip_quiet(self, step: int, n: int) -> None:
         """`quiet_step` of steps step .. step + n - 1, which `quiet_run` found quiet (nothing changed since)."""
         if self._due_from != step:

@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from servetwin.core.kv_cache.kv_cache_interface import FULL_ATTENTION, SLIDING_WINDOW
 from servetwin.core.kv_cache.kv_sizing import cdiv
+from servetwin.core.kv_cache.single_type_kv_cache_manager import SlidingWindowManager
 from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from servetwin.core.request import Request, RequestStatus
@@ -75,6 +76,7 @@ class SimScheduler(Scheduler):
         self.running_order: dict[str, int] = {}  # request id -> stamp of its (re)admission (lazy only)
         self._admissions = 0
         self._group_managers: list = []  # every KV cache group's manager when there are several (lazy only)
+        self._window_managers: list = []  # the sliding-window ones among them
         self._scheduled_ahead: Optional[SchedulerOutput] = None  # `quiet_step`'s output with rows, for `schedule`
 
     # -- implicit steady decodes: public entry points -------------------------------------------------
@@ -96,6 +98,7 @@ class SimScheduler(Scheduler):
         # several groups: every row goes through allocate_slots as in the core's running pass (the
         # windows free blocks every few steps), and KV demand is summed over the groups
         self._group_managers = [] if kv.single_full_attention else kv.coordinator.single_type_managers
+        self._window_managers = [g for g in self._group_managers if isinstance(g, SlidingWindowManager)]
         self.running_order = {}
         for r in self.running:
             self._stamp(r)
@@ -155,23 +158,89 @@ class SimScheduler(Scheduler):
     def quiet_run(self, limit: int) -> Optional[tuple[int, int, int, int]]:
         """How the next steps go if nothing reaches the scheduler meanwhile (a step window of
         `servetwin.sim.engine.Simulation`): (n, members, sum of offsets, max offset) when each of the next
-        n steps (1 <= n <= limit) would be a `quiet_step` without any member event - then step
-        `current_step + i` has the aggregates ImplicitDecodes(members, sum + members x step, max + step)
-        and changes nothing but the step counters (the members, their offsets, the running list, the
-        waiting queue and the KV pool stay as they are); None: not even the next one. Changes nothing."""
+        n steps (1 <= n <= limit) is certain to be a `quiet_step` - then step `current_step + i` has the
+        aggregates ImplicitDecodes(members, sum + members x step, max + step) and the same shared KV
+        tokens, and changes nothing but the step counters and, at member KV events done in place, the KV
+        pool (the members, their offsets, the running list and the waiting queue stay as they are); None:
+        not even the next one. Changes nothing."""
         lazy = self.lazy
         if lazy is None or not self._members_alone():
             return None
-        n = lazy.quiet_run(self.current_step, limit)
+        step = self.current_step
+        n = self._in_place_run(step, limit)
+        if n < limit:  # (what is left: the steps before the first member event)
+            n = max(n, lazy.quiet_run(step, limit))
         if not n:
             return None
         return n, len(lazy.members), lazy.sum_offset, lazy.max_offset()
 
-    def quiet_steps(self, n: int) -> None:
+    def _in_place_run(self, step: int, limit: int) -> int:
+        """How many of the next steps (at most `limit`) are certain to stay quiet through their member KV
+        events: before every member's terminal event (`LazyDecodes.in_place_run`); every allocation
+        fits - each member needs at most cdiv(n, block_size) new blocks per KV cache group in n steps
+        (it holds the blocks of its C already), all of them within the pool's free blocks now (windows'
+        frees only add to them), so `_schedule_lazy`'s KV check passes at each; and the shared KV tokens
+        stay - a block held by several requests is freed only by a sliding window's drop, so a member
+        holding one in a window group takes no event in the run. (Its KV event's `advance` always finds
+        the next one ahead: the KV work leaves the member a block ahead of C, its full blocks
+        registered, its window's drops done.)"""
+        lazy = self.lazy
+        n = lazy.in_place_run(step, limit)
+        if not n:
+            return 0
+        kv = self.kv_cache_manager
+        pool = kv.block_pool
+        per_block = len(lazy.members) * (len(self._group_managers) or 1)
+        n = min(n, self.block_size * (pool.free_block_queue.num_free_blocks // per_block))
+        if n and pool.num_shared_refs and self._window_managers:
+            for rid, m in lazy.members.items():
+                if m.event - step < n and self._holds_shared_window_block(rid):
+                    n = m.event - step
+        return n
+
+    def _holds_shared_window_block(self, rid: str) -> bool:
+        """Whether a sliding-window group's block table of `rid` holds a block other requests hold too (the
+        blocks a drop could free: those after its last null block)."""
+        for g in self._window_managers:
+            for b in reversed(g.req_to_blocks.get(rid) or ()):
+                if b.is_null:
+                    break
+                if b.ref_cnt > 1:
+                    return True
+        return False
+
+    def quiet_steps(self, n: int, lag: int) -> tuple[list[int], list[float]]:
         """Take the next n steps as `quiet_step` would, after `quiet_run` found them quiet and nothing reached
-        the scheduler since: only the step counters move."""
-        self.lazy.skip_quiet(self.current_step, n)
-        self.current_step += n
+        the scheduler since: the step counters move, and the member KV events among them are done in place
+        by the step's own `schedule()` (with the outputs processed up to `lag` steps back: 1 in sync, 2 in
+        async scheduling, as the fused step has them). Returns the KV pool's free blocks and usage after
+        each step's scheduling. Raises if a step is not quiet after all (`quiet_run` promised it)."""
+        lazy = self.lazy
+        kv = self.kv_cache_manager
+        free: list[int] = []
+        usage: list[float] = []
+        while n:
+            step = self.current_step
+            run = lazy.quiet_run(step, n)
+            if run:
+                lazy.skip_quiet(step, run)
+                self.current_step += run
+                free += [kv.num_free_blocks] * run
+                usage += [kv.usage] * run
+                n -= run
+                if not n:
+                    break
+            self.last_updated_step = self.current_step - lag
+            if self.quiet_step() is None:
+                raise AssertionError(f"step window: scheduler step {self.current_step} has member events that "
+                                     "did not stay in place")
+            free.append(kv.num_free_blocks)
+            usage.append(kv.usage)
+            n -= 1
+            if n and not self._members_alone():  # (the step-by-step run checks it before each step)
+                raise AssertionError(f"step window: scheduler step {self.current_step - 1}'s KV events changed "
+                                     "what the next step's batch may be")
+        return free, usage
 
     # -- the overridden public methods ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -102,6 +102,47 @@ def test_a_steady_batch_runs_in_windows(async_scheduling, frontend, rate):
     assert steps / num_windows > 8
 
 
+@settings(max_examples=25, deadline=None)
+@given(async_scheduling=st.booleans(), caching=st.booleans(), block_size=st.sampled_from([1, 2, 4, 8]),
+       max_num_seqs=st.integers(2, 10), rate=st.sampled_from([None, 100.0, 400.0]), requests=st.integers(3, 12),
+       out_hi=st.integers(40, 150), window=st.sampled_from([None, 5, 9, 24]), extra_blocks=st.sampled_from([0, 8, 60]),
+       shared=st.booleans(), frontend=st.sampled_from(["offline", "api_server"]), seed=st.integers(0, 500))
+def test_windows_across_member_kv_events_equal_the_run_without_them(async_scheduling, caching, block_size,
+                                                                    max_num_seqs, rate, requests, out_hi, window,
+                                                                    extra_blocks, shared, frontend, seed):
+    """Member KV events every few steps (blocks of 1 to 8 tokens: a new block, a full block registered, a
+    sliding window's drop - of blocks shared by a prefix group too), pools with a few blocks to spare
+    (the windows' KV check) or none (preemption): windows run across the events done in place, and the run
+    is the same."""
+    if not async_scheduling:
+        frontend = "offline"  # (sync scheduling with a front end takes no windows)
+    groups = 1 if window is None else NUM_KV_CACHE_GROUPS["gpt-oss-like"]
+    num_blocks = groups * -(-200 // block_size) + 1 + extra_blocks  # one max-length request fits
+    engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
+                     max_num_seqs=max_num_seqs, max_model_len=200, async_scheduling=async_scheduling)
+    workload = small_workload(requests, seed, out_hi, 30, rate, shared, max_output_tokens=150)
+    with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
+        num_windows, steps = _assert_same(engine_kw, workload, frontend)
+    assert steps >= num_windows
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("block_size, window", [(4, None), (16, None), (4, 9)])
+def test_windows_span_member_kv_events(async_scheduling, block_size, window):
+    """A steady batch of 8 whose members cross a block boundary every few steps (blocks of 4 tokens: with 8
+    members, a KV event - a new block, a full block registered, a window's drop - almost every step): its
+    windows run across the events done in place (its ~600 steps in a few windows, each up to
+    `WINDOW_MAX_STEPS`), and the run is the same."""
+    groups = 1 if window is None else NUM_KV_CACHE_GROUPS["gpt-oss-like"]
+    engine_kw = dict(enable_prefix_caching=True, block_size=block_size, num_gpu_blocks=groups * 8 * 700 // block_size,
+                     max_num_seqs=8, max_model_len=1024, async_scheduling=async_scheduling)
+    workload = {"requests": 8, "seed": 2, "prompt_tokens": 40, "output_tokens": 600, "arrival": {"type": "offline"}}
+    with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
+        num_windows, steps = _assert_same(engine_kw, workload, "offline")
+    assert steps > 400
+    assert steps / num_windows > 100  # (windows ended by every member event: a few steps each)
+
+
 BASE = {
     "name": "windows", "model": "tiny-llama", "hardware": "h100-sxm",
     "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "max_model_len": 384,
@@ -150,7 +191,7 @@ def assert_same_cluster(exp, monkeypatch) -> tuple[int, int]:
     on_scrapes: list = []
     off, off_runs = _cluster(exp, False, monkeypatch, off_scrapes)
     on, on_runs = _cluster(exp, True, monkeypatch, on_scrapes)
-    assert off_scrapes == on_scrapes  # (inside a window waiting, running and KV usage stay as they are)
+    assert off_scrapes == on_scrapes  # (a window's KV events before a scrape applied first: `Simulation.catch_up`)
     assert len(on_scrapes) > len(on.instances)  # (the scraper ran: more than its first tick)
     assert _decisions(off) == _decisions(on)
     assert (off.result.completion_s, off.result.rejected, off.result.aborted_s, off.result.end_time_s) \
@@ -179,8 +220,10 @@ def assert_same_cluster(exp, monkeypatch) -> tuple[int, int]:
        stages=st.booleans(), seed=st.integers(0, 50))
 def test_a_cluster_with_windows_equals_its_run_without(router, instances, rate, async_scheduling, frontend, window,
                                                       scrape_s, stages, seed, monkeypatch):
-    """Clusters behind routers reading scraped counts (constant inside a window: no admission, finish or KV
-    event), Poisson or stage-ladder arrivals, sync and async engines, hybrid (sliding-window) models."""
+    """Clusters behind routers reading scraped counts (waiting and running constant inside a window; the KV
+    usage changed by member KV events done in place: a scrape sees it as of its time, `Simulation.catch_up`),
+    Poisson or stage-ladder arrivals, sync and async engines, hybrid (sliding-window) models; blocks of 16
+    tokens, the smallest the YAML takes (with up to 8 members, a KV event every few steps)."""
     raw = copy.deepcopy(BASE)
     raw["seed"] = seed
     raw["engine"]["async_scheduling"] = async_scheduling
