@@ -29,6 +29,10 @@ class SafeLoader(yaml.SafeLoader):
     max_depth = MAX_NESTING_DEPTH
 
     def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.events.ScalarEvent, yaml.events.AliasEvent):
+            # a scalar or an alias opens no level: the depth counts collections, as JSON's nesting_depth does
+            # (a 64-deep list holding a scalar is 64 levels, not 65)
+            return super().compose_node(parent, index)
         depth = getattr(self, "servetwin_depth", 0)
         if depth >= self.max_depth:
             raise yaml.composer.ComposerError(None, None, f"nested more than {self.max_depth} levels deep",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from servetwin.core.config_error import ConfigError
@@ -45,6 +45,10 @@ def test_json_nesting_is_an_error_past_the_limit(depth, kind):
 
 @settings(max_examples=30, deadline=None)
 @given(depth=st.integers(0, 300), flow=st.booleans())  # 10^5 levels: tests/experiments/test_exp_hostile_files.py
+@example(depth=63, flow=False).via("the limit: 64 lists, the innermost holding a scalar")  # (once refused)
+@example(depth=64, flow=False).via("one past it")
+@example(depth=64, flow=True).via("the limit, flow style")
+@example(depth=65, flow=True).via("one past it, flow style")
 def test_yaml_nesting_is_an_error_past_the_limit(depth, flow):
     text = ("[" * depth + "]" * depth) if flow else "".join("  " * i + "- \n" for i in range(depth)) + "  " * depth + "- 1\n"
     levels = depth if flow else depth + 1
