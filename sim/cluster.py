@@ -43,7 +43,7 @@ from servetwin.sim.cluster_offload import enable_cpu_tier_events, take_cpu_tier_
 from servetwin.sim.engine import Settler, Simulation, SimResult, rare_young_collections
 from servetwin.sim.lockstep import LockstepGroup
 from servetwin.sim.pd_cluster import client_id, is_prefill_id
-from servetwin.sim.routers import DEFAULT_SCRAPE_INTERVAL_S, Endpoint, RouteDecision
+from servetwin.sim.routers import DEFAULT_SCRAPE_INTERVAL_S, Endpoint, RouteDecision, reads_scraped_metrics
 from servetwin.sim.workload import WorkloadRequest
 
 
@@ -349,11 +349,26 @@ class ClusterSimulation:
                 endpoint.waiting, endpoint.running, endpoint.kv_usage = inst.counts()
             yield env.timeout(self.scrape_interval_s)
 
+    def scrapes_needed(self) -> bool:
+        """Whether the router's metrics refresh can change the run: with several instances, when a router (or the
+        P/D path's prefill router) reads scraped metrics (`reads_scraped_metrics`), or when an engine has a KV
+        connector's worker (a step waiting for KV transfers ends at the next other event, `Simulation._engine`:
+        a scrape is one). Otherwise the scrapes would only write endpoint fields nobody reads (tests/sim/
+        test_sim_cluster_speed.py runs both ways)."""
+        if len(self.instances) < 2:  # (one instance: nothing to choose)
+            return False
+        if any(getattr(sim.engine.executor, "kv_worker", None) is not None
+               for inst in self.instances for sim in inst.ranks):
+            return True
+        prefill_router = getattr(self.pd, "prefill_router", None)
+        return reads_scraped_metrics(self.router) or (prefill_router is not None
+                                                      and reads_scraped_metrics(prefill_router))
+
     def run(self) -> ClusterResult:
         env = self.env
         env.process(self._arrivals())
         engines = self._start_engines()
-        if len(self.instances) > 1:  # (one instance: nothing to choose, the router needs no metrics)
+        if self.scrapes_needed():
             env.process(self._scraper())
         for inst in self.instances:
             if inst.coordinator is not None:

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from itertools import takewhile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, ClassVar, Optional, Protocol
 
 import numpy as np
 
@@ -83,7 +83,15 @@ class Router(Protocol):
     def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision: ...
 
 
+def reads_scraped_metrics(plugin: Any) -> bool:
+    """Whether a router, scorer or filter reads the endpoints' scraped metrics (`waiting`, `running`,
+    `kv_usage`): its `reads_metrics`; a plugin that does not say (a user's) is taken to read them. (speed: a
+    cluster whose router reads none runs no scrapes, `servetwin.sim.cluster`; the scrapes change nothing else)"""
+    return bool(getattr(plugin, "reads_metrics", True))
+
+
 class RoundRobin:
+    reads_metrics: ClassVar[bool] = False  # (`reads_scraped_metrics`)
     def __init__(self) -> None:
         self.next = 0
 
@@ -94,6 +102,7 @@ class RoundRobin:
 
 
 class RandomRouter:
+    reads_metrics: ClassVar[bool] = False  # (`reads_scraped_metrics`)
     def __init__(self, rng: np.random.Generator) -> None:
         self.rng = rng
 
@@ -103,6 +112,7 @@ class RandomRouter:
 
 class LeastLoaded:
     """The endpoint with the fewest of the router's requests in flight (the first of equals)."""
+    reads_metrics: ClassVar[bool] = False  # (`reads_scraped_metrics`)
 
     def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision:
         loads = [float(e.active) for e in endpoints]
@@ -123,17 +133,20 @@ def queue_scores(endpoints: Sequence[Endpoint]) -> list[float]:
 
 
 class QueueScorer:
+    reads_metrics: ClassVar[bool] = True  # the scraped metrics (`reads_scraped_metrics`)
     def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
         return queue_scores(endpoints)
 
 
 class KVCacheUtilizationScorer:
+    reads_metrics: ClassVar[bool] = True  # the scraped metrics (`reads_scraped_metrics`)
     def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
         return [1.0 - e.kv_usage for e in endpoints]
 
 
 @dataclass(slots=True)
 class LoadAwareScorer:
+    reads_metrics: ClassVar[bool] = True  # the scraped metrics (`reads_scraped_metrics`)
     threshold: int = LOAD_AWARE_THRESHOLD
 
     def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
@@ -142,6 +155,7 @@ class LoadAwareScorer:
 
 
 class ActiveRequestScorer:
+    reads_metrics: ClassVar[bool] = False  # (`reads_scraped_metrics`)
     def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
         top = max(e.active for e in endpoints)
         if top == 0:
@@ -155,6 +169,7 @@ class TokenLoadScorer:
     one (`InFlightLoad`, wired by `make_llm_d`) t is the endpoint's producer count plus what this request would
     add there (llm-d-router `scorer/tokenload/token_load.go:92-130` at 7f6c33663: `InFlightLoad.Tokens` +
     `UncachedRequestTokens.Tokens`)."""
+    reads_metrics: ClassVar[bool] = False  # (`reads_scraped_metrics`)
     threshold: int = TOKEN_LOAD_THRESHOLD
     load: Optional["InFlightLoad"] = None
 
@@ -211,6 +226,7 @@ class ApproxPrefixIndex:
 
 @dataclass(slots=True)
 class PrefixCacheScorer:
+    reads_metrics: ClassVar[bool] = False  # (`reads_scraped_metrics`)
     block_tokens: int = PREFIX_BLOCK_TOKENS
     max_blocks: int = PREFIX_MAX_BLOCKS
     # GIE `lruCapacityPerServer` (llm-d's CPU-tier guide gives a second prefix scorer the tier's block count)
@@ -313,6 +329,7 @@ class InFlightLoad:
 class PrecisePrefixCacheScorer:
     """An index per endpoint of the blocks its engines reported cached (KV events: stored adds, removed and
     cleared drop, as llm-d's kv-cache indexer keeps a key -> pods map), `event_delay_s` behind the engines."""
+    reads_metrics: ClassVar[bool] = False  # (`reads_scraped_metrics`)
     max_blocks: int = PREFIX_MAX_BLOCKS
     event_delay_s: float = KV_EVENT_DELAY_S
     index: dict[int, set] = field(default_factory=dict)
@@ -412,6 +429,7 @@ class PrefixAffinityFilter:
     (`peakPrefillThroughput`, tokens/s, default 15,928: its Qwen3-32B TP2 H100 calibration): the in-flight load
     producer's count when the router has one (`InFlightLoad`, as the plugin reads `InFlightLoad.Tokens`), else
     the router's in-flight prompt tokens."""
+    reads_metrics: ClassVar[bool] = False  # (`reads_scraped_metrics`)
     scorer: PrefixCacheScorer
     threshold: float = 0.80
     max_ttft_penalty_ms: float = 18_000.0
@@ -454,6 +472,10 @@ class LlmdRouter:
         self.filters = list(filters)
         self.rng = rng
         self.load = load  # llm-d's inflight-load-producer (None: the scorers read the router's own counts)
+
+    @property
+    def reads_metrics(self) -> bool:
+        return any(reads_scraped_metrics(p) for p in [s for s, _ in self.scorers] + self.filters)
 
     def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision:
         candidates = list(range(len(endpoints)))

@@ -88,3 +88,50 @@ def test_a_cluster_with_implicit_decodes_equals_its_step_by_step_run(router, ins
             pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
                                           check_exact=True, obj=f"{label} {name}")
         assert run.recorder.itls() == lazy_runs[label].recorder.itls()
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(router=st.sampled_from([r for r in ROUTERS if not any(s["type"] in ("queue", "kv-cache-utilization")
+                                                            for s in r.get("scorers", []))]),
+       instances=st.integers(2, 4), rate=st.sampled_from([20.0, 400.0]), async_scheduling=st.booleans(),
+       frontend=st.sampled_from(["offline", "api_server"]), seed=st.integers(0, 50))
+def test_a_router_that_reads_no_scraped_metrics_runs_the_same_without_scrapes(router, instances, rate,
+                                                                             async_scheduling, frontend, seed,
+                                                                             monkeypatch):
+    """`ClusterSimulation.scrapes_needed`: routers that read no scraped metrics (round robin, least loaded,
+    affinity + token-load) run no scrapes; forcing the scrapes on changes nothing in the run."""
+    raw = copy.deepcopy(BASE)
+    raw["seed"] = seed
+    raw["engine"]["async_scheduling"] = async_scheduling
+    raw["workload"]["arrival"] = {"type": "poisson", "rate": rate}
+    raw["frontend"] = {"type": frontend}
+    raw["cluster"] = {"instances": [{"name": "r", "count": instances}], "router": {**router, "scrape_interval_s": 0.005}}
+    exp = validate_config(raw)
+    skipped, skipped_runs, _, _ = simulate_cluster(exp)
+    assert not skipped.scrapes_needed()
+    with monkeypatch.context() as patch:
+        patch.setattr(cluster_module.ClusterSimulation, "scrapes_needed", lambda self: True)
+        scraped, scraped_runs, _, _ = simulate_cluster(exp)
+    assert _decisions(skipped) == _decisions(scraped)
+    assert skipped.result.completion_s == scraped.result.completion_s
+    assert skipped.result.end_time_s == scraped.result.end_time_s
+    for label, run in skipped_runs.items():
+        a, b = run.recorder.frames(), scraped_runs[label].recorder.frames()
+        for name in ("steps", "requests"):
+            pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
+                                          check_exact=True, obj=f"{label} {name}")
+        assert run.recorder.itls() == scraped_runs[label].recorder.itls()
+
+
+def test_which_routers_read_scraped_metrics():
+    from servetwin.experiments.config.schema import validate_config as vc  # noqa: PLC0415
+    for router, reads in [(ROUTERS[0], False), (ROUTERS[1], False), (ROUTERS[2], False), (ROUTERS[3], True),
+                          ({"type": "llm_d", "scorers": [{"type": "load-aware"}]}, True),
+                          ({"type": "random"}, False)]:
+        raw = copy.deepcopy(BASE)
+        raw["workload"]["requests"] = 5
+        raw["workload"]["shared_prefix"]["groups"], raw["workload"]["shared_prefix"]["per_group"] = 1, 5
+        raw["cluster"] = {"instances": [{"name": "r", "count": 2}], "router": router}
+        sim, _, _, _ = simulate_cluster(vc(raw))
+        assert sim.scrapes_needed() == reads, router
