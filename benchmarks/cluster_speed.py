@@ -13,6 +13,16 @@ cluster / single ratio against issue 35's targets: <= 1.5x the wall time per req
 their counts, so N must be a stage boundary: 810 = the warm-up and the first stage, 1,010, 1,310, 2,070,
 ...), and print the functions with the most cumulative and own time.
 
+**Now** (quiet, 2026-12-06 15:24-15:34 UTC, main with this session's merges: step windows across member KV
+events, bulk primitives, cheaper normal steps and routing, the output phase in a forked child, scrapes skipped when
+the router reads none; `python benchmarks/cluster_speed.py --repeats 2`, then `--repeats 3`): single 0.60-0.62 ms
+wall / 0.75-0.78 ms CPU per request (276 MB), cluster llm-d 1.72-1.83 ms wall / 1.84-1.96 ms CPU (1,146 MB; 25.6-29.4
+s in the loop, 29.0-33.1 s in all): **2.84-2.94x the wall time per request** (3.66-3.78x in the loop, 2.47-2.56x
+the CPU), from 4.22x; the target of 1.5x is not met, RSS is. Whole-ladder cProfile now (55 s, `--profile 17084`):
+normal steps 16.9 s (the scheduler's lazy pass 15 s), routing 8.9 s, window commits (`_window_schedule` +
+`_window_apply`) 11 s, window plans and extensions 5.7 s, the scrapes' catch-up 6.7 s (since skipped for this
+router: it reads no scraped metric; the quiet repeats above show no wall gain beyond noise from it).
+
 History (2026-12-06, the shared 2-core machine, under load: ratios, not results): the ladder ran at ~100x the
 single engine's wall time per request while gpt-oss's sliding-window group kept implicit decodes off; ~8x
 CPU per request once they handled windows (every engine runs implicit decodes since); 7.1x CPU / 9.6x wall
