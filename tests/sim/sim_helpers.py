@@ -92,3 +92,33 @@ def sim_model(spec, retention_interval=0):
     with mock.patch.object(kv_pool, "load_model_spec", lambda name, dtype=None: spec), \
             mock.patch.object(EngineArgs, "cache_config", cache_config):
         yield
+
+
+# a small cluster experiment (tests/sim/test_sim_cluster_speed.py, test_sim_step_windows.py): 30 requests in 6
+# shared-prefix groups of 5, and routers that read scraped metrics or not
+CLUSTER_BASE = {
+    "name": "speed", "model": "tiny-llama", "hardware": "h100-sxm",
+    "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "max_model_len": 384,
+               "enable_prefix_caching": True},
+    "workload": {"requests": 30, "shared_prefix": {"groups": 6, "per_group": 5, "prefix_tokens": 64,
+                                                   "suffix_tokens": 20},
+                 "output_tokens": {"type": "lognormal", "mean": 60, "cv": 0.6}, "max_output_tokens": 150},
+    "output": {"step_requests": False, "plots": False},
+}
+CLUSTER_ROUTERS = [{"type": "round_robin"}, {"type": "least_loaded"},
+                   {"type": "llm_d", "filters": [{"type": "prefix-cache-affinity"}], "scorers": [{"type": "token-load"}]},
+                   {"type": "llm_d", "scorers": [{"type": "queue"}, {"type": "kv-cache-utilization", "weight": 2},
+                                                 {"type": "prefix-cache"}]}]
+
+
+def assert_same_engine_runs(a_runs, b_runs) -> None:
+    """Two cluster runs' engines (label -> run): the same step and request rows, exactly, and the same ITLs."""
+    import pandas as pd  # noqa: PLC0415
+
+    assert sorted(a_runs) == sorted(b_runs)
+    for label, run in a_runs.items():
+        a, b = run.recorder.frames(), b_runs[label].recorder.frames()
+        for name in ("steps", "requests"):
+            pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
+                                          check_exact=True, obj=f"{label} {name}")
+        assert run.recorder.itls() == b_runs[label].recorder.itls()

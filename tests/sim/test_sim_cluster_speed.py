@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import copy
 
-import pandas as pd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,21 +15,10 @@ import servetwin.sim.cluster as cluster_module
 from servetwin.experiments.config.schema import validate_config
 from servetwin.experiments.run.cluster_run import simulate_cluster
 from servetwin.sim.engine import Simulation
-from sim_helpers import hybrid_spec, sim_model
+from sim_helpers import CLUSTER_BASE, CLUSTER_ROUTERS, assert_same_engine_runs, hybrid_spec, sim_model
 
-BASE = {
-    "name": "speed", "model": "tiny-llama", "hardware": "h100-sxm",
-    "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "max_model_len": 384,
-               "enable_prefix_caching": True},
-    "workload": {"requests": 30, "shared_prefix": {"groups": 6, "per_group": 5, "prefix_tokens": 64,
-                                                   "suffix_tokens": 20},
-                 "output_tokens": {"type": "lognormal", "mean": 60, "cv": 0.6}, "max_output_tokens": 150},
-    "output": {"step_requests": False, "plots": False},
-}
-ROUTERS = [{"type": "round_robin"}, {"type": "least_loaded"},
-           {"type": "llm_d", "filters": [{"type": "prefix-cache-affinity"}], "scorers": [{"type": "token-load"}]},
-           {"type": "llm_d", "scorers": [{"type": "queue"}, {"type": "kv-cache-utilization", "weight": 2},
-                                         {"type": "prefix-cache"}]}]
+BASE = CLUSTER_BASE
+ROUTERS = CLUSTER_ROUTERS
 
 
 def _step_by_step(*args, **kwargs) -> Simulation:
@@ -81,13 +69,7 @@ def test_a_cluster_with_implicit_decodes_equals_its_step_by_step_run(router, ins
     assert eager.result.rejected == lazy.result.rejected
     assert eager.result.end_time_s == lazy.result.end_time_s
     assert len(eager.result.completion_s) == 30
-    assert sorted(eager_runs) == sorted(lazy_runs)
-    for label, run in eager_runs.items():
-        a, b = run.recorder.frames(), lazy_runs[label].recorder.frames()
-        for name in ("steps", "requests"):
-            pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
-                                          check_exact=True, obj=f"{label} {name}")
-        assert run.recorder.itls() == lazy_runs[label].recorder.itls()
+    assert_same_engine_runs(eager_runs, lazy_runs)
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -116,12 +98,7 @@ def test_a_router_that_reads_no_scraped_metrics_runs_the_same_without_scrapes(ro
     assert _decisions(skipped) == _decisions(scraped)
     assert skipped.result.completion_s == scraped.result.completion_s
     assert skipped.result.end_time_s == scraped.result.end_time_s
-    for label, run in skipped_runs.items():
-        a, b = run.recorder.frames(), scraped_runs[label].recorder.frames()
-        for name in ("steps", "requests"):
-            pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
-                                          check_exact=True, obj=f"{label} {name}")
-        assert run.recorder.itls() == scraped_runs[label].recorder.itls()
+    assert_same_engine_runs(skipped_runs, scraped_runs)
 
 
 def test_which_routers_read_scraped_metrics():

@@ -22,7 +22,8 @@ from servetwin.experiments.run.cluster_run import simulate_cluster
 from servetwin.sim.engine import Simulation
 from servetwin.sim.frontend import FrontendConfig
 from servetwin.sim.workload import build_workload, rng_streams
-from sim_helpers import NUM_KV_CACHE_GROUPS, assert_same_block_pool, hybrid_spec, sim_model, small_workload
+from sim_helpers import (CLUSTER_BASE, CLUSTER_ROUTERS, NUM_KV_CACHE_GROUPS, assert_same_block_pool, hybrid_spec,
+                         sim_model, small_workload)
 
 
 FRONTENDS = {"offline": FrontendConfig("offline"), "api_server": FrontendConfig("api_server"),
@@ -143,19 +144,8 @@ def test_windows_span_member_kv_events(async_scheduling, block_size, window):
     assert steps / num_windows > 100  # (windows ended by every member event: a few steps each)
 
 
-BASE = {
-    "name": "windows", "model": "tiny-llama", "hardware": "h100-sxm",
-    "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "max_model_len": 384,
-               "enable_prefix_caching": True},
-    "workload": {"requests": 30, "shared_prefix": {"groups": 6, "per_group": 5, "prefix_tokens": 64,
-                                                   "suffix_tokens": 20},
-                 "output_tokens": {"type": "lognormal", "mean": 60, "cv": 0.6}, "max_output_tokens": 150},
-    "output": {"step_requests": False, "plots": False},
-}
-ROUTERS = [{"type": "round_robin"}, {"type": "least_loaded"},
-           {"type": "llm_d", "filters": [{"type": "prefix-cache-affinity"}], "scorers": [{"type": "token-load"}]},
-           {"type": "llm_d", "scorers": [{"type": "queue"}, {"type": "kv-cache-utilization", "weight": 2},
-                                         {"type": "prefix-cache"}]}]
+BASE = {**CLUSTER_BASE, "name": "windows"}
+ROUTERS = CLUSTER_ROUTERS
 
 
 def _without_windows(*args, **kwargs) -> Simulation:
