@@ -554,7 +554,7 @@ class Simulation:
         if implicit is None:
             return None
         kv = sched.kv_cache_manager
-        shared = kv.block_pool.num_shared_refs * sched.block_size
+        shared = sched.shared_kv_tokens()
         duration = engine.executor.implicit_decode_duration(implicit, shared)
         if duration is None:
             raise RuntimeError("implicit decodes: the executor cannot price a fused step it said it could")
@@ -651,7 +651,7 @@ class Simulation:
         q = sched.current_step  # the scheduler step of the window's step 2
         if in_flight and (state.batch[:2] != (engine.step_counter - 1, q - 1) or state.batch[2].num_reqs != k):
             raise AssertionError("step window: step 1 is not the last fused step")
-        shared = sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size  # (`quiet_run`: it stays)
+        shared = sched.shared_kv_tokens()  # (`quiet_run`: it stays)
         window = _Window([t0, t0 + d1], [0.0, d1], 0, 1, self.env.event(), k, sum_offset, max_offset, shared, q,
                          limit=1 + n, next_event=sched.lazy.next_event_step())
         if not self._window_extend(window, t0):
@@ -722,7 +722,7 @@ class Simulation:
         window.usage += usage
         lazy = sched.lazy
         window.next_event = lazy.next_event_step()
-        if (len(lazy.members), lazy.sum_offset, sched.kv_cache_manager.block_pool.num_shared_refs * sched.block_size) \
+        if (len(lazy.members), lazy.sum_offset, sched.shared_kv_tokens()) \
                 != (window.num_reqs, window.sum_offset, window.shared):
             raise AssertionError("step window: the steps' batch or shared KV changed, against `quiet_run`")
         sched.last_updated_step = sched.current_step - 1 - in_flight

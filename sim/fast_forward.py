@@ -36,9 +36,8 @@ def fast_forward(engine: EngineCore, recorder: TraceRecorder, t0: float, t_limit
     if k < 2:
         return []
     starts = [r.num_computed_tokens for r in running]
-    pool = scheduler.kv_cache_manager.block_pool
     # no block is shared or unshared in the window (a window group stops before freeing a shared one)
-    shared_kv = pool.num_shared_refs * scheduler.block_size
+    shared_kv = scheduler.shared_kv_tokens()
     durations = executor.decode_step_durations(len(ids), sum(starts), k, shared_kv)
     t_starts, t_ends, t = [], [], t0
     for d in durations:
@@ -55,7 +54,7 @@ def fast_forward(engine: EngineCore, recorder: TraceRecorder, t0: float, t_limit
     free_after = scheduler.fast_forward_decode(k, tokens)
     engine.step_counter += k
     rows, step_requests = decode_window_rows(recorder, first_step, t_starts, t_ends, ids, starts, free_after,
-                                             pool.num_gpu_blocks, shared_kv)
+                                             scheduler.kv_cache_manager.block_pool.num_gpu_blocks, shared_kv)
     recorder.add_steps(rows, step_requests, {rid: t_ends for rid in ids})
     return durations[:k]
 

@@ -273,6 +273,11 @@ class Scheduler(ConnectorSchedulerMixin):
     def get_request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting) + len(self.kv_holding_waiting)
 
+    def shared_kv_tokens(self) -> int:
+        """Tokens of the KV blocks several requests hold (`SchedulerOutput.shared_kv_tokens`: the cost model's
+        attention reads them once per step, not once per row)."""
+        return self.kv_cache_manager.block_pool.num_shared_refs * self.block_size
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting) + len(self.kv_holding_waiting)
 
@@ -588,7 +593,7 @@ class Scheduler(ConnectorSchedulerMixin):
             scheduler_step=self.current_step - 1,
             num_computed_before=before,
             preempted_order=[r.request_id for r in preempted_reqs],
-            shared_kv_tokens=self.kv_cache_manager.block_pool.num_shared_refs * self.block_size,
+            shared_kv_tokens=self.shared_kv_tokens(),
             scheduled_spec_decode_tokens=spec,
         )
         for scheduled in (scheduled_new_reqs, scheduled_resumed_reqs):
