@@ -423,7 +423,7 @@ class ApiServerFrontend:
         c = self.coeffs
         # each message alone (`_start_output`'s job of one step's outputs, done before the next step's):
         # `SharedCPU.alone_finishes`, without a message or job per step
-        work = c.c_step_s * 1 + c.c_token_out_s * num_outputs + c.c_chunk_s * num_outputs + c.c_finish_s * 0
+        work = c.output_work(1, num_outputs, num_outputs, 0)
         weight = float(num_outputs if num_outputs > 1 else 1)
         i, n = 0, len(nows)
         while i < n:  # (`_output_at` of one server, written out)
@@ -475,12 +475,10 @@ class ApiServerFrontend:
             cpu.add(t, _Job(work, max(1.0, out.num_chunks / n), part_done, important=bool(out.done)))
 
     def _start_output(self, t: float, out: _StepOutput) -> None:
-        """One server: its handler starts on `out` at `t` (`output_work` written out: the same sum)."""
+        """One server: its handler starts on `out` at `t`."""
         self._handler_busy = True
         self.num_messages += 1
-        c = self.coeffs
-        work = (c.c_step_s * len(out.t_engines) + c.c_token_out_s * out.num_tokens + c.c_chunk_s * out.num_chunks
-                + c.c_finish_s * out.num_finished)
+        work = self.coeffs.output_work(len(out.t_engines), out.num_tokens, out.num_chunks, out.num_finished)
         self._in_service = out
         chunks = out.num_chunks
         self.cpu.add(t, _Job(work, float(chunks if chunks > 1 else 1), self._on_output_done,  # (max(1, chunks))
