@@ -110,18 +110,7 @@ class StepTable:
         if not rows:
             return
         self._pending = []
-        n = len(self._columns["step"])
-        try:
-            for col, values in zip(self._columns.values(), zip(*rows)):
-                if type(col) is array:
-                    col.fromlist(list(values))  # (faster than extend; all or nothing)
-                else:
-                    col.extend(values)
-        except (TypeError, OverflowError):  # a value a count column's array cannot hold: row by row
-            self._truncate(n)
-            for row in rows:
-                self._append_unchecked(n, row)
-                n += 1
+        self._extend(list(zip(*rows)))
 
     def extend_interned(self, columns: Sequence[Sequence[Any]]) -> int:
         """Several rows at once, given by column (one sequence per STEP_COLUMNS name, all of one length),
@@ -129,17 +118,23 @@ class StepTable:
         would store them. Returns the first new row's index."""
         self._flush()
         n = len(self)
+        self._extend(columns)
+        return n
+
+    def _extend(self, columns: Sequence[Sequence[Any]]) -> None:
+        """Rows given by column into the columns as they are; row by row (`_append_unchecked`) only when an
+        array refuses a value."""
+        n = len(self._columns["step"])
         try:
             for col, values in zip(self._columns.values(), columns):
-                if type(values) is list and type(col) is array:
-                    col.fromlist(values)  # (faster than extend; all or nothing)
+                if type(col) is array:  # (fromlist: faster than extend; all or nothing)
+                    col.fromlist(values if type(values) is list else list(values))
                 else:
                     col.extend(values)
         except (TypeError, OverflowError):  # a value a count column's array cannot hold: row by row
             self._truncate(n)
             for i, values in enumerate(zip(*columns)):
                 self._append_unchecked(n + i, values)
-        return n
 
     def _append_unchecked(self, n: int, values: Sequence[Any]) -> None:
         """Row `n` into the columns as they are; checked value by value only when an array refuses one."""
