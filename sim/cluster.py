@@ -225,14 +225,15 @@ class ClusterSimulation:
         if max_time_s is not None:  # (a run cut at a time: the engines step one by one, `Simulation._plan_window`)
             sim_kwargs = {**sim_kwargs, "step_windows": False}
 
-        wants_first_token = bool(getattr(router, "wants_first_token", False))
+        # the router releases a load charge at each request's first token and end (llm-d's in-flight load)
+        wants_first_token = self._router_wants_first_token = bool(getattr(router, "wants_first_token", False))
 
         def make_sim(engine: EngineCore, inst: _Instance, rank: int) -> Simulation:
             sim = Simulation(engine, [], arrival, rng=self.rng, run=run, record_step_requests=record_step_requests,
                              frontend=frontend, env=self.env, settler=settler, on_complete=self._completed,
                              on_reject=self._rejected, **sim_kwargs)
             sim.hooks.on_abort = self._aborted
-            if wants_first_token:  # (the router releases a load charge at each request's first token)
+            if wants_first_token:
                 sim.hooks.on_first_token = self._first_token
             return sim
 
@@ -297,7 +298,7 @@ class ClusterSimulation:
             endpoint.active -= 1
             endpoint.active_tokens -= tokens
             inst.on_finished(request_id)
-            if getattr(self.router, "wants_first_token", False):
+            if self._router_wants_first_token:
                 self.router.on_finished(request_id)
         return inst
 
