@@ -51,3 +51,21 @@ def folder_tree(root) -> dict[str, bytes]:
             with open(p, "rb") as f:
                 out[os.path.relpath(p, root)] = f.read()
     return out
+
+
+# a staged cluster case for `servetwin validate` (format with its name and router)
+STAGED_CLUSTER = """\
+name: {name}
+model: llama-3.1-8b
+hardware: h100-sxm
+engine: {{max_num_seqs: 16, max_num_batched_tokens: 2048, max_model_len: 2048}}
+workload:
+  requests: 9
+  shared_prefix: {{groups: 2, per_group: 2, prefix_tokens: 64, suffix_tokens: 8, order: inference_perf}}
+  output_tokens: 6
+  arrival: {{type: stages, stages: [{{rate: 2, duration_s: 1}}, {{rate: 3, duration_s: 1}}, {{rate: 4, duration_s: 1}}]}}
+output: {{step_requests: false, plots: false}}
+cluster:
+  instances: [{{name: r, count: 2}}]
+  router: {router}
+"""

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from exptest_helpers import STAGED_CLUSTER
 from servetwin.experiments.cli import main
 from servetwin.experiments.validate.published import (group_medians, predicted_value, render_table, validate_cases,
                                              version_settings)
@@ -167,21 +168,6 @@ def test_the_held_out_moe_cases_are_the_artifacts_rows_minus_the_training_set(tm
         assert exp.model and exp.backends == ["sim"]
 
 
-STAGED = """\
-name: {name}
-model: llama-3.1-8b
-hardware: h100-sxm
-engine: {{max_num_seqs: 16, max_num_batched_tokens: 2048, max_model_len: 2048}}
-workload:
-  requests: 9
-  shared_prefix: {{groups: 2, per_group: 2, prefix_tokens: 64, suffix_tokens: 8, order: inference_perf}}
-  output_tokens: 6
-  arrival: {{type: stages, stages: [{{rate: 2, duration_s: 1}}, {{rate: 3, duration_s: 1}}, {{rate: 4, duration_s: 1}}]}}
-output: {{step_requests: false, plots: false}}
-cluster:
-  instances: [{{name: r, count: 2}}]
-  router: {router}
-"""
 
 
 def _staged_dir(tmp_path):
@@ -191,7 +177,7 @@ def _staged_dir(tmp_path):
     pub = {}
     for name, router in (("a_rr", "{type: round_robin}"),
                          ("b_llmd", "{type: llm_d, filters: [{type: prefix-cache-affinity}], scorers: [{type: token-load}]}")):
-        (tmp_path / "cases" / f"{name}.yaml").write_text(STAGED.format(name=name, router=router))
+        (tmp_path / "cases" / f"{name}.yaml").write_text(STAGED_CLUSTER.format(name=name, router=router))
         pub[name] = {"source": "made up", "published": {}, "stages": {"first": 1, "per_stage": per_stage}}
     pub["b_llmd"]["stages"] = {"first": 1, "per_stage": [{**s, "ttft_mean": 10.0} for s in per_stage]}
     pub["b_llmd"]["ranking"] = {"above": "a_rr"}

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from exptest_helpers import STAGED_CLUSTER
 from servetwin.experiments.cli import main
 from servetwin.experiments.validate.published import CaseResult, load_published
 from servetwin.experiments.validate.token_basis import basis_case, convert_figures, engine_tokens
@@ -103,26 +104,11 @@ def test_engine_count_needs_a_fixed_length_and_max_tokens():
     assert engine_tokens(spec) is None
 
 
-STAGED = """\
-name: {name}
-model: llama-3.1-8b
-hardware: h100-sxm
-engine: {{max_num_seqs: 16, max_num_batched_tokens: 2048, max_model_len: 2048}}
-workload:
-  requests: 9
-  shared_prefix: {{groups: 2, per_group: 2, prefix_tokens: 64, suffix_tokens: 8, order: inference_perf}}
-  output_tokens: 6
-  arrival: {{type: stages, stages: [{{rate: 2, duration_s: 1}}, {{rate: 3, duration_s: 1}}, {{rate: 4, duration_s: 1}}]}}
-output: {{step_requests: false, plots: false}}
-cluster:
-  instances: [{{name: r, count: 2}}]
-  router: {{type: round_robin}}
-"""
 
 
 def _basis_dir(tmp_path, stage_count=7.5):
     (tmp_path / "cases").mkdir(parents=True)
-    (tmp_path / "cases" / "a.yaml").write_text(STAGED.format(name="a"))
+    (tmp_path / "cases" / "a.yaml").write_text(STAGED_CLUSTER.format(name="a", router="{type: round_robin}"))
     per_stage = [{"rate": 3, "out_tok_s": 20.0, "ttft_mean": 30.0, "e2e_mean": 80.0},
                  {"rate": 4, "out_tok_s": 25.0, "ttft_mean": 30.0}]
     pub = {"a": {"source": "made up", "published": {}, "stages": {"first": 1, "per_stage": per_stage},
@@ -153,7 +139,7 @@ def test_a_count_that_contradicts_the_figures_is_refused(tmp_path, capsys):
     entry = published[PD]
     d = tmp_path
     (d / "cases").mkdir()
-    (d / "cases" / "a.yaml").write_text(STAGED.format(name="a"))
+    (d / "cases" / "a.yaml").write_text(STAGED_CLUSTER.format(name="a", router="{type: round_robin}"))
     bad = {**entry["token_basis"], "client_tokens_per_request": 250}  # not the report's 12,035.85 / 42.581
     (d / "published.json").write_text(json.dumps({"a": {**entry, "token_basis": bad}}))
     assert main(["validate", str(d), "-q"]) == 2
