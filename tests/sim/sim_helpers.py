@@ -111,14 +111,24 @@ CLUSTER_ROUTERS = [{"type": "round_robin"}, {"type": "least_loaded"},
                                                  {"type": "prefix-cache"}]}]
 
 
-def assert_same_engine_runs(a_runs, b_runs) -> None:
-    """Two cluster runs' engines (label -> run): the same step and request rows, exactly, and the same ITLs."""
+def assert_same_recordings(a_rec, b_rec, label: str = "") -> None:
+    """Two runs' trace recorders: the same step and request rows, exactly, the same ITLs and, with a modelled
+    front end, the same client time of every step end."""
     import pandas as pd  # noqa: PLC0415
 
+    a, b = a_rec.frames(), b_rec.frames()
+    for name in ("steps", "requests"):
+        pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
+                                      check_exact=True, obj=f"{label} {name}".strip())
+    assert a_rec.itls() == b_rec.itls()
+    assert (a_rec.delivery is None) == (b_rec.delivery is None)
+    if a_rec.delivery is not None:
+        ends = list(a["steps"]["t_end_s"])
+        assert [b_rec.delivery.client_time(t) for t in ends] == [a_rec.delivery.client_time(t) for t in ends]
+
+
+def assert_same_engine_runs(a_runs, b_runs) -> None:
+    """Two cluster runs' engines (label -> run): `assert_same_recordings` of each."""
     assert sorted(a_runs) == sorted(b_runs)
     for label, run in a_runs.items():
-        a, b = run.recorder.frames(), b_runs[label].recorder.frames()
-        for name in ("steps", "requests"):
-            pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
-                                          check_exact=True, obj=f"{label} {name}")
-        assert run.recorder.itls() == b_runs[label].recorder.itls()
+        assert_same_recordings(run.recorder, b_runs[label].recorder, label)

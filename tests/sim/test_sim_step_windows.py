@@ -9,7 +9,6 @@ import contextlib
 import copy
 from typing import Optional
 
-import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,8 +21,8 @@ from servetwin.experiments.run.cluster_run import simulate_cluster
 from servetwin.sim.engine import Simulation
 from servetwin.sim.frontend import FrontendConfig
 from servetwin.sim.workload import build_workload, rng_streams
-from sim_helpers import (CLUSTER_BASE, CLUSTER_ROUTERS, NUM_KV_CACHE_GROUPS, assert_same_block_pool, hybrid_spec,
-                         sim_model, small_workload)
+from sim_helpers import (CLUSTER_BASE, CLUSTER_ROUTERS, NUM_KV_CACHE_GROUPS, assert_same_block_pool,
+                         assert_same_engine_runs, assert_same_recordings, hybrid_spec, sim_model, small_workload)
 
 
 FRONTENDS = {"offline": FrontendConfig("offline"), "api_server": FrontendConfig("api_server"),
@@ -44,17 +43,10 @@ def _assert_same(engine_kw: dict, workload: dict, frontend: str) -> tuple[int, i
     """The windowed run equals the run with windows off; returns its (windows, steps in them)."""
     off, off_engine, off_sim = _run(engine_kw, workload, frontend, False)
     on, on_engine, on_sim = _run(engine_kw, workload, frontend, True)
-    a, b = off.recorder.frames(), on.recorder.frames()
-    for name in ("steps", "requests"):
-        pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
-                                      check_exact=True, obj=name)
-    assert off.recorder.itls() == on.recorder.itls()
+    assert_same_recordings(off.recorder, on.recorder)
     assert (off.completion_s, off.rejected, off.aborted_s, off.unfinished, off.num_steps, off.end_time_s) \
         == (on.completion_s, on.rejected, on.aborted_s, on.unfinished, on.num_steps, on.end_time_s)
     if frontend != "offline":
-        ends = list(a["steps"]["t_end_s"])
-        assert [on.recorder.delivery.client_time(t) for t in ends] == \
-            [off.recorder.delivery.client_time(t) for t in ends]
         assert off_sim.frontend.num_messages == on_sim.frontend.num_messages
         assert [c.busy_s for c in off_sim.frontend.cpus] == [c.busy_s for c in on_sim.frontend.cpus]
     assert_same_block_pool(off_engine, on_engine)
@@ -187,17 +179,7 @@ def assert_same_cluster(exp, monkeypatch) -> tuple[int, int]:
     assert _decisions(off) == _decisions(on)
     assert (off.result.completion_s, off.result.rejected, off.result.aborted_s, off.result.end_time_s) \
         == (on.result.completion_s, on.result.rejected, on.result.aborted_s, on.result.end_time_s)
-    assert sorted(off_runs) == sorted(on_runs)
-    for label, run in off_runs.items():
-        a, b = run.recorder.frames(), on_runs[label].recorder.frames()
-        for name in ("steps", "requests"):
-            pd.testing.assert_frame_equal(a[name].reset_index(drop=True), b[name].reset_index(drop=True),
-                                          check_exact=True, obj=f"{label} {name}")
-        assert run.recorder.itls() == on_runs[label].recorder.itls()
-        if run.recorder.delivery is not None:
-            ends = list(a["steps"]["t_end_s"])
-            assert [on_runs[label].recorder.delivery.client_time(t) for t in ends] == \
-                [run.recorder.delivery.client_time(t) for t in ends]
+    assert_same_engine_runs(off_runs, on_runs)
     stats = [s.window_stats for _, _, s in on.simulations()]
     assert all(s == (0, 0) for _, _, s in ((None, None, s.window_stats) for _, _, s in off.simulations()))
     return sum(w for w, _ in stats), sum(n for _, n in stats)
