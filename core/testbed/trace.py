@@ -371,11 +371,12 @@ class TraceRecorder:
             preempted = [self._carried_preemptions] + zeros[1:]
             self._carried_preemptions = 0
         kvs = list(range(kv0, kv0 + n * k, k)) if k else [kv0] * n
+        max_kvs = [m if m > 0 else 0 for m in range(max0, max0 + n)]  # (on_implicit_step's max(0, ...))
         first_row = self.steps.extend_interned((
             [run] * n, [backend] * n, list(range(first_step, first_step + n)), t_starts, t_ends,
             [e - s for s, e in zip(t_starts, t_ends)], ks, zeros, zeros, ks, ks, ks, [annotation] * n,
-            ks, kvs, kvs, list(range(max0, max0 + n)) if max0 > 0 else [max(0, m) for m in range(max0, max0 + n)], [num_running] * n, zeros, preempted,
-            zeros, num_free_blocks, kv_usage, zeros, zeros, shared_kv_tokens))
+            ks, kvs, kvs, max_kvs, [num_running] * n, zeros, preempted, zeros, num_free_blocks, kv_usage, zeros, zeros,
+            shared_kv_tokens))
         rows = self._step_rows
         last = first_step + n - 1
         if processed_step == first_step:  # sync: every step processes its own batch
