@@ -179,6 +179,10 @@ class _Instance:
         config = self.ranks[0].engine.scheduler.cache_config
         return config.block_size, config.prefix_caching_hash_algo
 
+    def num_gpu_blocks(self) -> int:
+        """The KV pool's blocks, summed over the ranks (vLLM's `cache_config_info` num_gpu_blocks per engine)."""
+        return sum(sim.engine.scheduler.cache_config.num_gpu_blocks or 0 for sim in self.ranks)
+
     def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
         """The keys (block hash + group 0) the engines give a prompt's full blocks: what their KV events name."""
         hasher = getattr(self.ranks[0].engine.scheduler, "block_hasher", None)
@@ -238,7 +242,8 @@ class ClusterSimulation:
             return sim
 
         self.instances = [_Instance(i, spec, self.env, make_sim) for i, spec in enumerate(instances)]
-        self.endpoints = [Endpoint(i, inst.name, inst.role, block_keys=inst.block_keys, key_scheme=inst.key_scheme())
+        self.endpoints = [Endpoint(i, inst.name, inst.role, block_keys=inst.block_keys, key_scheme=inst.key_scheme(),
+                                   block_size=inst.key_scheme()[0], num_gpu_blocks=inst.num_gpu_blocks())
                           for i, inst in enumerate(self.instances)]
         self._by_name = {inst.name: inst for inst in self.instances}
         # prefill/decode roles: `pd_flow(self)` builds the P/D path (sim/pd_cluster.py), None: every instance serves

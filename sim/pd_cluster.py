@@ -95,7 +95,8 @@ def cached_prompt_tokens(router: Any, request: WorkloadRequest, endpoint: Endpoi
     scorer = next((s for s in scorers if isinstance(s, PrefixCacheScorer)), None)
     if scorer is None:
         return 0
-    return scorer.index.matched(endpoint.index, scorer.keys(request)) * scorer.block_tokens
+    n = len(request.prompt_token_ids)  # (llm-d's tail block is counted whole: an unmatched prompt gives < 0)
+    return max(0, n - scorer.uncached_tokens(request, endpoint.index))
 
 
 def read_scale(prefill_tp: int, decode_tp: int) -> float:

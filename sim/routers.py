@@ -53,6 +53,11 @@ TOKEN_LOAD_THRESHOLD = 4_194_304  # GIE tokenload tokenQueueThresholdDefault
 PREFIX_BLOCK_TOKENS = 16  # GIE prefix plugin: block size in tokens
 PREFIX_MAX_BLOCKS = 256  # maxPrefixBlocksToMatch
 PREFIX_LRU_BLOCKS = 31_250  # lruCapacityPerServer
+# llm-d-router's `approx-prefix-cache-producer` (pkg/epp/framework/plugins/requestcontrol/dataproducer/
+# approximateprefix at 7f6c33663, 2026-06-26): `defaultMaxPrefixTokens` (types.go:110, #1548 of 2026-06-11) and
+# `minBlockSizeTokens` (plugin.go:50, #1160 of 2026-06-02)
+PRODUCER_MAX_PREFIX_TOKENS = 131_072
+PRODUCER_MIN_BLOCK_TOKENS = 64
 # How long vLLM's KV events take to reach the router's index (ZMQ publish + indexer): not published; assumed.
 KV_EVENT_DELAY_S = 0.005
 
@@ -70,6 +75,10 @@ class Endpoint:
     active_tokens: int = 0  # their prompt tokens
     block_keys: Optional[Callable[[Sequence[int]], list[bytes]]] = None  # a prompt's block keys as its engines name them
     key_scheme: Any = None  # endpoints with equal schemes name a prompt's blocks alike (computed once per request)
+    # vLLM's `vllm:cache_config_info` (block_size, num_gpu_blocks summed over the instance's DP ranks): what an
+    # auto-tuned approximate prefix index reads (0: unknown)
+    block_size: int = 0
+    num_gpu_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -184,11 +193,13 @@ class TokenLoadScorer:
         return out
 
 
-def prompt_block_keys(tokens: Sequence[int], block_tokens: int, max_blocks: int) -> list[int]:
-    """Chained keys of the prompt's full blocks (a block's key covers every token before it)."""
-    n = min(len(tokens) // block_tokens, max_blocks)
-    if n <= 0:
-        return []
+def prompt_block_keys(tokens: Sequence[int], block_tokens: int, max_blocks: int,
+                      tail_block: bool = False) -> list[int]:
+    """Chained keys of the prompt's full blocks (a block's key covers every token before it); with
+    `tail_block`, the last partial block too (llm-d-router's `getKVCacheBlocksFromTokens`, hashing.go:119 at
+    7f6c33663, yields it), at most `max_blocks` in all."""
+    full = len(tokens) // block_tokens
+    n = max(0, min(full, max_blocks))
     keys: list[int] = []
     append, parent = keys.append, 0
     # (speed: zip over one iterator repeated makes the blocks' tuples in C, ~20% faster than a slice and a
@@ -196,64 +207,160 @@ def prompt_block_keys(tokens: Sequence[int], block_tokens: int, max_blocks: int)
     for block in zip(*[iter(tokens[:n * block_tokens])] * block_tokens):
         parent = hash((parent, block))
         append(parent)
+    if tail_block and n == full < max_blocks and len(tokens) > full * block_tokens:
+        append(hash((parent, tuple(tokens[full * block_tokens:]))))
     return keys
 
 
 @dataclass(slots=True)
 class ApproxPrefixIndex:
-    """Per endpoint, an LRU set of the block keys of prompts routed there; it never sees evictions."""
+    """The router's approximate prefix index (llm-d-router `approximateprefix/indexer.go` at 7f6c33663, as GIE's
+    prefix plugin before it): per endpoint an LRU of the block keys of prompts routed there, and per key the
+    endpoints holding it; it never sees the engines' evictions."""
     capacity: int = PREFIX_LRU_BLOCKS
     lru: dict[int, OrderedDict] = field(default_factory=dict)
+    holders: dict[int, set[int]] = field(default_factory=dict)  # key -> the endpoints whose LRU holds it
+    capacities: dict[int, int] = field(default_factory=dict)  # per endpoint, where it differs (auto-tune)
+    version: int = 0  # counts the adds (what a scorer's kept matches were read at)
+
+    def matches(self, keys: Sequence[int]) -> dict[int, int]:
+        """llm-d's `matchLongestPrefix` (plugin.go:265): walk the keys from the first while some endpoint holds
+        the key, counting for each endpoint the walked keys it holds."""
+        out: dict[int, int] = {}
+        holders = self.holders
+        for k in keys:
+            held = holders.get(k)
+            if not held:
+                break
+            for e in held:
+                out[e] = out.get(e, 0) + 1
+        return out
 
     def matched(self, endpoint: int, keys: Sequence[int]) -> int:
-        table = self.lru.get(endpoint)
-        if not table or not keys or keys[0] not in table:
-            return 0
-        # (speed: the walk in C - the endpoint holding the prompt walks up to 256 keys, ~25% faster)
-        return len(list(takewhile(table.__contains__, keys)))
+        return self.matches(keys).get(endpoint, 0)
 
     def add(self, endpoint: int, keys: Sequence[int]) -> None:
-        table = self.lru.setdefault(endpoint, OrderedDict())
-        move_to_end = table.move_to_end
+        self.version += 1
+        table = self.lru.get(endpoint)
+        if table is None:
+            table = self.lru[endpoint] = OrderedDict()
+        move_to_end, holders = table.move_to_end, self.holders
         for k in keys:  # (speed: one dict operation a key, not an assignment and a move: ~1/3 less)
             if k in table:
                 move_to_end(k)
             else:
                 table[k] = None  # (a new key goes to the end)
-        while len(table) > self.capacity:
-            table.popitem(last=False)
+                held = holders.get(k)
+                if held is None:
+                    holders[k] = {endpoint}
+                else:
+                    held.add(endpoint)
+        capacity = self.capacities.get(endpoint, self.capacity)
+        while len(table) > capacity:  # (the eviction callback: the key leaves this endpoint's holders)
+            k, _ = table.popitem(last=False)
+            held = holders[k]
+            held.discard(endpoint)
+            if not held:
+                del holders[k]
 
 
 @dataclass(slots=True)
 class PrefixCacheScorer:
+    """The approximate prefix score: an endpoint's matched leading blocks / the prompt's blocks. Its defaults
+    are GIE's prefix plugin's (16-token full blocks, at most 256); `approx_prefix_producer` builds llm-d-router's
+    `approx-prefix-cache-producer` of 2026 with it (token cap, the partial last block, auto-tuning)."""
     reads_metrics: ClassVar[bool] = False  # (`reads_scraped_metrics`)
     block_tokens: int = PREFIX_BLOCK_TOKENS
     max_blocks: int = PREFIX_MAX_BLOCKS
     # GIE `lruCapacityPerServer` (llm-d's CPU-tier guide gives a second prefix scorer the tier's block count)
     lru_capacity_per_server: int = PREFIX_LRU_BLOCKS
+    max_prefix_tokens: int = 0  # `maxPrefixTokensToMatch`: > 0 caps the blocks at it // block size (over max_blocks)
+    tail_block: bool = False  # hash the prompt's last partial block too
+    # `autoTune`: the block size is the engines' (the first endpoint's `cache_config_info`) and each endpoint's
+    # LRU holds its engines' KV blocks (plugin.go:255, :296)
+    auto_tune: bool = False
+    min_block_tokens: int = 0  # the floor of the block size, whatever its source (`minBlockSizeTokens`)
     index: Optional[ApproxPrefixIndex] = None
     _last: Optional[tuple[Any, list[int]]] = field(default=None, repr=False, compare=False)
+    _last_matches: Optional[tuple[Any, int, dict[int, int]]] = field(default=None, repr=False, compare=False)
+    _tuned: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.block_tokens <= 0 or self.max_blocks <= 0 or self.lru_capacity_per_server <= 0:
+            raise TypeError("block_tokens, max_blocks and lru_capacity_per_server must be > 0, got "
+                            f"{self.block_tokens}, {self.max_blocks}, {self.lru_capacity_per_server}")
+        if self.max_prefix_tokens < 0:
+            raise TypeError(f"max_prefix_tokens must be >= 0, got {self.max_prefix_tokens}")
+        self.block_tokens = max(self.block_tokens, self.min_block_tokens)
+        self._set_max_blocks()
         if self.index is None:
             self.index = ApproxPrefixIndex(self.lru_capacity_per_server)
+
+    def _set_max_blocks(self) -> None:
+        if self.max_prefix_tokens > 0:
+            self.max_blocks = self.max_prefix_tokens // self.block_tokens
+
+    def tune(self, endpoints: Sequence[Endpoint]) -> None:
+        """With `auto_tune`, read the engines' block size and KV blocks once (the router calls this first)."""
+        if self._tuned or not self.auto_tune or not endpoints:
+            return
+        self._tuned = True
+        self._last = self._last_matches = None  # (keys of the old block size)
+        if endpoints[0].block_size > 0:
+            self.block_tokens = max(endpoints[0].block_size, self.min_block_tokens)
+            self._set_max_blocks()
+        self.index.capacities.update({e.index: e.num_gpu_blocks for e in endpoints if e.num_gpu_blocks > 0})
 
     def keys(self, request: Any) -> list[int]:
         """(Kept for the request last asked about: the filter, the score and the routed hook ask in turn.)"""
         if self._last is not None and self._last[0] is request:
             return self._last[1]
-        keys = prompt_block_keys(request.prompt_token_ids, self.block_tokens, self.max_blocks)
+        keys = prompt_block_keys(request.prompt_token_ids, self.block_tokens, self.max_blocks, self.tail_block)
         self._last = (request, keys)
         return keys
+
+    def matches(self, request: Any) -> dict[int, int]:
+        """Each endpoint's matched leading blocks of the request's prompt (kept until the index changes)."""
+        last, version = self._last_matches, self.index.version
+        if last is not None and last[0] is request and last[1] == version:
+            return last[2]
+        out = self.index.matches(self.keys(request))
+        self._last_matches = (request, version, out)
+        return out
+
+    def uncached_tokens(self, request: Any, endpoint: int) -> int:
+        """llm-d-router's `uncachedInputTokens` (inflightload/producer.go:521): the indexed blocks not matched,
+        times the block size, plus the prompt's tokens beyond the indexed ones."""
+        n = len(request.prompt_token_ids)
+        total = len(self.keys(request))
+        indexed = total * self.block_tokens
+        return (total - self.matches(request).get(endpoint, 0)) * self.block_tokens + max(0, n - indexed)
 
     def score(self, request: Any, endpoints: Sequence[Endpoint]) -> list[float]:
         keys = self.keys(request)
         if not keys:
             return [0.0] * len(endpoints)
-        return [self.index.matched(e.index, keys) / len(keys) for e in endpoints]
+        matches, n = self.matches(request), len(keys)
+        return [matches.get(e.index, 0) / n for e in endpoints]
 
     def on_routed(self, request: Any, endpoint: Endpoint) -> None:
         self.index.add(endpoint.index, self.keys(request))
+
+
+def approx_prefix_producer(**params: Any) -> PrefixCacheScorer:
+    """llm-d-router's `approx-prefix-cache-producer` with its defaults at 7f6c33663 (`defaultConfig`,
+    types.go:146): `autoTune` on, `blockSizeTokens` 16 floored at 64 (the engines' block size when tuned),
+    `maxPrefixTokensToMatch` 131,072, the prompt's partial last block hashed, `lruCapacityPerServer` 31,250
+    (each endpoint's KV blocks when tuned). `params` override: block_tokens, max_prefix_tokens, max_blocks,
+    lru_capacity_per_server, auto_tune."""
+    unknown = sorted(set(params) - {"block_tokens", "max_prefix_tokens", "max_blocks", "lru_capacity_per_server",
+                                    "auto_tune"})
+    if unknown:
+        raise TypeError(f"unknown parameter {unknown[0]!r}; known: auto_tune, block_tokens, lru_capacity_per_server, "
+                        "max_blocks, max_prefix_tokens")
+    cfg = {"block_tokens": PREFIX_BLOCK_TOKENS, "max_prefix_tokens": PRODUCER_MAX_PREFIX_TOKENS, "auto_tune": True,
+           **params}
+    return PrefixCacheScorer(tail_block=True, min_block_tokens=PRODUCER_MIN_BLOCK_TOKENS, **cfg)
 
 
 IN_FLIGHT_OUTPUT_RATIO = 1.5  # llm-d-router inflightload/token_estimator.go:39 DefaultOutputRatio
@@ -286,12 +393,10 @@ class InFlightLoad:
         return self.tokens.get(endpoint, 0)
 
     def uncached_tokens(self, request: Any, endpoint: int) -> int:
-        """The prompt tokens the endpoint's approximate index does not hold (matched blocks x block size off)."""
-        n = len(request.prompt_token_ids)
+        """The prompt tokens the endpoint's approximate index does not hold (`uncachedInputTokens`)."""
         if self.prefix is None:
-            return n
-        matched = self.prefix.index.matched(endpoint, self.prefix.keys(request))
-        return max(0, n - matched * self.prefix.block_tokens)
+            return len(request.prompt_token_ids)
+        return self.prefix.uncached_tokens(request, endpoint)
 
     def request_tokens(self, request: Any, endpoint: int) -> int:
         """What routing `request` to `endpoint` would add to its count (`UncachedRequestTokens`)."""
@@ -472,12 +577,19 @@ class LlmdRouter:
         self.filters = list(filters)
         self.rng = rng
         self.load = load  # llm-d's inflight-load-producer (None: the scorers read the router's own counts)
+        # the approximate indexes that read the engines' block size and KV blocks at the first route
+        plugins = [s for s, _ in self.scorers] + [getattr(f, "scorer", None) for f in self.filters]
+        self._to_tune = [p for p in {id(p): p for p in plugins}.values() if getattr(p, "auto_tune", False)]
 
     @property
     def reads_metrics(self) -> bool:
         return any(reads_scraped_metrics(p) for p in [s for s, _ in self.scorers] + self.filters)
 
     def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision:
+        if self._to_tune:
+            for producer in self._to_tune:
+                producer.tune(endpoints)
+            self._to_tune = []
         candidates = list(range(len(endpoints)))
         for f in self.filters:
             kept = f.filter(request, [endpoints[i] for i in candidates])
@@ -589,31 +701,42 @@ def make_least_loaded(spec: Any, rng: np.random.Generator) -> LeastLoaded:
     return LeastLoaded()
 
 
-def _in_flight_load(params: Mapping[str, Any], path: str) -> Optional[InFlightLoad]:
-    """`params.in_flight_load` (llm-d's `inflight-load-producer`): absent -> None; a mapping of its
-    parameters (`add_estimated_output_tokens`, `output_ratio`) -> an `InFlightLoad`."""
-    unknown = sorted(set(params) - {"in_flight_load"})
+ROUTER_PARAMS = ("approx_prefix", "in_flight_load")  # the llm_d router's `params`
+
+
+def _router_param(params: Mapping[str, Any], name: str, build: Callable[..., Any], path: str) -> Any:
+    """`params.<name>` built with its parameters ({} or null: the defaults); absent -> None."""
+    unknown = sorted(set(params) - set(ROUTER_PARAMS))
     if unknown:
-        raise ConfigError(f"{path}.params.{unknown[0]}", "unknown llm_d router parameter; known: in_flight_load")
-    if "in_flight_load" not in params:
+        raise ConfigError(f"{path}.params.{unknown[0]}", f"unknown llm_d router parameter; known: {', '.join(ROUTER_PARAMS)}")
+    if name not in params:
         return None
-    cfg = params["in_flight_load"]
-    if cfg is None:
-        cfg = {}
+    cfg = params[name] if params[name] is not None else {}
     if not isinstance(cfg, Mapping):
-        raise ConfigError(f"{path}.params.in_flight_load", "expected a mapping (its parameters, or {})")
+        raise ConfigError(f"{path}.params.{name}", "expected a mapping (its parameters, or {})")
     try:
-        return InFlightLoad(**cfg)
+        return build(**cfg)
     except TypeError as e:
-        raise ConfigError(f"{path}.params.in_flight_load", f"bad parameters: {e}") from None
+        raise ConfigError(f"{path}.params.{name}", f"bad parameters: {e}") from None
 
 
 def make_llm_d(spec: Any, rng: np.random.Generator) -> LlmdRouter:
     path = getattr(spec, "path", "cluster.router")  # (P/D: cluster.prefill_router too)
-    scorers = [(build_scorer(s.type, s.params, f"{path}.scorers[{i}]"), s.weight)
-               for i, s in enumerate(spec.scorers)]
-    load = _in_flight_load(getattr(spec, "params", None) or {}, path)
-    shared = next((s for s, _ in scorers if isinstance(s, PrefixCacheScorer)), None)
+    params = getattr(spec, "params", None) or {}
+    # llm-d-router's inflight-load-producer (`InFlightLoad`) and approx-prefix-cache-producer: the one approximate
+    # index the affinity filter, the in-flight load and every `prefix-cache` scorer read
+    load: Optional[InFlightLoad] = _router_param(params, "in_flight_load", InFlightLoad, path)
+    producer: Optional[PrefixCacheScorer] = _router_param(params, "approx_prefix", approx_prefix_producer, path)
+    scorers = []
+    for i, s in enumerate(spec.scorers):
+        if producer is not None and s.type == "prefix-cache":  # (llm-d 2026: the scorer reads the producer)
+            if s.params:
+                raise ConfigError(f"{path}.scorers[{i}].params", "with params.approx_prefix the prefix-cache "
+                                  "scorer reads that index: set its parameters there")
+            scorers.append((producer, s.weight))
+        else:
+            scorers.append((build_scorer(s.type, s.params, f"{path}.scorers[{i}]"), s.weight))
+    shared = producer or next((s for s, _ in scorers if isinstance(s, PrefixCacheScorer)), None)
     filters = []
     for i, f in enumerate(spec.filters):
         if f.type != "prefix-cache-affinity":
@@ -650,5 +773,5 @@ def build_router(spec: Any, rng: np.random.Generator) -> Any:
 __all__ = ["ROUTERS", "Endpoint", "RouteDecision", "Router", "RoundRobin", "RandomRouter", "LeastLoaded", "LlmdRouter",
            "SCORERS", "build_router", "build_scorer", "queue_scores", "prompt_block_keys", "ApproxPrefixIndex",
            "PrefixCacheScorer", "PrecisePrefixCacheScorer", "PrefixAffinityFilter", "PrefixBasedPDDecider",
-           "TieredPrefixCacheScorer", "InFlightLoad",
+           "TieredPrefixCacheScorer", "InFlightLoad", "approx_prefix_producer",
            "DEFAULT_SCRAPE_INTERVAL_S"]

@@ -13,7 +13,7 @@ from servetwin.experiments.config.cluster import PluginConfig, RouterConfig
 from servetwin.sim.routers import (ActiveRequestScorer, ApproxPrefixIndex, Endpoint, InFlightLoad,
                                    KVCacheUtilizationScorer, LeastLoaded, LlmdRouter, LoadAwareScorer,
                                    PrefixAffinityFilter, PrefixCacheScorer, QueueScorer, RoundRobin, TokenLoadScorer,
-                                   make_llm_d, prompt_block_keys)
+                                   approx_prefix_producer, make_llm_d, prompt_block_keys)
 
 
 def _eps(*waiting, **kw):
@@ -273,3 +273,116 @@ def test_in_flight_load_counts_return_to_zero(routes, estimate):
     for k in range(len(routes)):
         load.on_finished(k)
     assert set(load.tokens.values()) <= {0} and set(load.requests.values()) <= {0}
+
+
+# -- llm-d-router's approx-prefix-cache-producer (params.approx_prefix) ------------------------------------------
+def test_prompt_block_keys_with_the_tail_block_hash_the_partial_last_block():
+    """hashing.go:119 (7f6c33663) yields the prompt's last partial block too, within maxPrefixBlocks."""
+    tokens = list(range(70))  # 4 full blocks of 16 and 6 tokens
+    full = prompt_block_keys(tokens, 16, 256)
+    tail = prompt_block_keys(tokens, 16, 256, tail_block=True)
+    assert len(full) == 4 and tail[:4] == full and len(tail) == 5
+    assert prompt_block_keys(tokens[:-1] + [999], 16, 256, tail_block=True)[4] != tail[4]  # the tail's tokens count
+    assert prompt_block_keys(tokens, 16, 4, tail_block=True) == full  # the cap reached: no tail
+    assert prompt_block_keys(tokens[:64], 16, 256, tail_block=True) == full  # no partial block
+    assert prompt_block_keys(tokens[:10], 16, 256, tail_block=True) == [hash((0, tuple(range(10))))]
+
+
+def test_the_producer_defaults_and_auto_tune_read_the_engines():
+    """defaultConfig (types.go:146): autoTune, 16-token blocks floored at 64 (plugin.go:296-306), 131,072 tokens;
+    tuned, the first endpoint's block size and each endpoint's KV blocks as its LRU capacity (plugin.go:255)."""
+    p = approx_prefix_producer()
+    assert (p.block_tokens, p.max_blocks, p.tail_block, p.auto_tune) == (64, 2048, True, True)
+    eps = [Endpoint(i, f"e{i}", block_size=128, num_gpu_blocks=1834 + i) for i in range(3)]
+    p.tune(eps)
+    assert (p.block_tokens, p.max_blocks, p.index.capacities) == (128, 1024, {0: 1834, 1: 1835, 2: 1836})
+    q = approx_prefix_producer(max_prefix_tokens=40_960)
+    q.tune([Endpoint(0, "e", block_size=16)])
+    assert (q.block_tokens, q.max_blocks, q.index.capacities) == (64, 640, {})  # floored; capacity stays 31,250
+    fixed = approx_prefix_producer(auto_tune=False, block_tokens=256)
+    fixed.tune(eps)
+    assert (fixed.block_tokens, fixed.max_blocks) == (256, 512)
+    with pytest.raises(TypeError):
+        approx_prefix_producer(block_size=64)
+
+
+def test_the_producer_charges_what_llm_d_router_charges():
+    """uncachedInputTokens (producer.go:521): (total - matched) blocks x block size + the tokens beyond the
+    indexed ones. A 6,500-token prompt in 128-token blocks is 51 blocks (50 full and a 100-token tail): new, it
+    costs 51 x 128 (the tail block counted whole, as there); sent again, nothing; a prompt sharing its first
+    6,000 tokens matches 46 blocks and costs 5 x 128."""
+    p = approx_prefix_producer()
+    eps = [Endpoint(i, f"e{i}", block_size=128, num_gpu_blocks=2000) for i in range(2)]
+    p.tune(eps)
+    shared = list(range(6000))
+    first = _request("a", shared + [1] * 500)
+    assert p.uncached_tokens(first, 0) == 6528
+    p.on_routed(first, eps[0])
+    assert p.uncached_tokens(first, 0) == 0 and p.score(first, eps) == [1.0, 0.0]
+    member = _request("b", shared + [2] * 500)
+    assert p.uncached_tokens(member, 0) == 640 and p.uncached_tokens(member, 1) == 6528
+    assert p.score(member, eps) == [46 / 51, 0.0]
+    # GIE's plugin (16-token full blocks, 256 at most) matched 4,096 tokens of either
+    gie = PrefixCacheScorer()
+    gie.on_routed(first, eps[0])
+    assert gie.uncached_tokens(first, 0) == 2404 and gie.uncached_tokens(member, 0) == 2404
+
+
+def test_the_index_walks_the_keys_as_match_longest_prefix_does():
+    """matchLongestPrefix (plugin.go:265): walk while some endpoint holds the key; an endpoint counts every
+    walked key it holds. Evictions drop the LRU's oldest keys, the prompt's first blocks first."""
+    index = ApproxPrefixIndex(capacity=3)
+    index.add(0, [1, 2, 3])
+    index.add(1, [1, 2])
+    assert index.matches([1, 2, 3, 4]) == {0: 3, 1: 2}
+    index.add(0, [7, 8])  # capacity 3: 1 and 2 leave endpoint 0
+    assert index.lru[0] == {3: None, 7: None, 8: None} and index.holders[1] == {1}
+    assert index.matches([1, 2, 3]) == {1: 2, 0: 1}  # 3 is walked (1 and 2 are held by endpoint 1)
+    assert index.matches([7, 8]) == {0: 2} and index.matched(1, [7, 8]) == 0
+    index.add(1, [9, 10])  # 1 and 2 leave endpoint 1 too: nobody holds 1, the walk stops at once
+    assert index.matches([1, 2, 3]) == {} and 1 not in index.holders
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(1, 90)), min_size=1, max_size=25),
+       st.booleans())
+def test_without_evictions_each_endpoint_matches_its_leading_run(routes, tail):
+    """With room for every key, the walk gives each endpoint the leading run of the prompt's keys it holds
+    (a chained key is held only with every key before it): the per-endpoint walk of the index before."""
+    scorer = PrefixCacheScorer(block_tokens=8, tail_block=tail)
+    eps = [Endpoint(i, f"e{i}") for i in range(4)]
+    for k, (endpoint, group, n) in enumerate(routes):
+        r = _request(k, [group] * 40 + [k] * n)
+        keys = scorer.keys(r)
+        got = scorer.matches(r)
+        for e in eps:
+            table = scorer.index.lru.get(e.index, {})
+            run = 0
+            while run < len(keys) and keys[run] in table:
+                run += 1
+            assert got.get(e.index, 0) == run
+        scorer.on_routed(r, eps[endpoint])
+
+
+def test_router_params_approx_prefix_is_the_one_index_and_names_bad_fields():
+    spec = RouterConfig(type="llm_d", scorers=[PluginConfig("token-load"), PluginConfig("prefix-cache", weight=2)],
+                        filters=[PluginConfig("prefix-cache-affinity")],
+                        params={"in_flight_load": {}, "approx_prefix": {"max_prefix_tokens": 40_960}})
+    router = make_llm_d(spec, np.random.default_rng(0))
+    producer = router.filters[0].scorer
+    assert producer.auto_tune and producer.tail_block and router.load.prefix is producer
+    assert router.scorers[1] == (producer, 2)
+    eps = [Endpoint(i, f"e{i}", block_size=128, num_gpu_blocks=900) for i in range(3)]
+    r = _request("r", range(300))
+    router.on_routed(r, eps[router.route(r, eps).pick])
+    assert (producer.block_tokens, producer.max_blocks, producer.index.capacities[2]) == (128, 320, 900)
+    for params, path in [({"approx_prefix": {"blocks": 1}}, "cluster.router.params.approx_prefix"),
+                         ({"approx_prefix": 5}, "cluster.router.params.approx_prefix"),
+                         ({"approx": {}}, "cluster.router.params.approx")]:
+        with pytest.raises(ConfigError) as e:
+            make_llm_d(RouterConfig(type="llm_d", params=params), np.random.default_rng(0))
+        assert e.value.path == path
+    with pytest.raises(ConfigError) as e:
+        make_llm_d(RouterConfig(type="llm_d", scorers=[PluginConfig("prefix-cache", params={"block_tokens": 8})],
+                                params={"approx_prefix": {}}), np.random.default_rng(0))
+    assert e.value.path == "cluster.router.scorers[0].params"

@@ -25,18 +25,19 @@ def test_prompt_block_keys_equal_the_per_block_loop(tokens, block_tokens, max_bl
 
 
 class _LoopIndex:
-    """ApproxPrefixIndex with an assignment and a move per key, and a walk per match."""
+    """ApproxPrefixIndex with an assignment and a move per key, and llm-d's matchLongestPrefix walk over the
+    LRUs themselves (no key -> endpoints map)."""
 
     def __init__(self, capacity):
         self.capacity, self.lru = capacity, {}
 
     def matched(self, endpoint, keys):
-        table, n = self.lru.get(endpoint), 0
-        if table:
-            for k in keys:
-                if k not in table:
-                    break
-                n += 1
+        n = 0
+        for k in keys:
+            held = [e for e, table in self.lru.items() if k in table]
+            if not held:
+                break
+            n += endpoint in held
         return n
 
     def add(self, endpoint, keys):
@@ -64,3 +65,4 @@ def test_approx_prefix_index_equals_the_plain_loops(capacity, ops):
         else:
             assert fast.matched(endpoint, keys) == ref.matched(endpoint, keys)
         assert {e: list(t) for e, t in fast.lru.items()} == {e: list(t) for e, t in ref.lru.items()}
+        assert fast.holders == {k: {e for e, t in ref.lru.items() if k in t} for t in ref.lru.values() for k in t}
