@@ -57,6 +57,7 @@ PREFIX_LRU_BLOCKS = 31_250  # lruCapacityPerServer
 # approximateprefix at 7f6c33663, 2026-06-26): `defaultMaxPrefixTokens` (types.go:110, #1548 of 2026-06-11) and
 # `minBlockSizeTokens` (plugin.go:50, #1160 of 2026-06-02)
 PRODUCER_MAX_PREFIX_TOKENS = 131_072
+PROMPT_KEYS_KEPT = 4096  # prompt lists whose keys a prefix scorer keeps (speed; `PrefixCacheScorer.keys`)
 PRODUCER_MIN_BLOCK_TOKENS = 64
 # How long vLLM's KV events take to reach the router's index (ZMQ publish + indexer): not published; assumed.
 KV_EVENT_DELAY_S = 0.005
@@ -284,6 +285,11 @@ class PrefixCacheScorer:
     _last: Optional[tuple[Any, list[int]]] = field(default=None, repr=False, compare=False)
     _last_matches: Optional[tuple[Any, int, dict[int, int]]] = field(default=None, repr=False, compare=False)
     _tuned: bool = field(default=False, repr=False, compare=False)
+    # (speed: a workload sends each of its prompt lists again and again - the gpt-oss ladder 750 lists in 17,084
+    # requests - and hashing a 6,500-token prompt is most of a route: the keys are kept per list object, checked
+    # by identity and length; the entry holds the list, so its id is not reused while kept)
+    _by_prompt: dict[int, tuple[Sequence[int], int, list[int]]] = field(default_factory=dict, repr=False,
+                                                                        compare=False)
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0 or self.max_blocks <= 0 or self.lru_capacity_per_server <= 0:
@@ -306,6 +312,7 @@ class PrefixCacheScorer:
             return
         self._tuned = True
         self._last = self._last_matches = None  # (keys of the old block size)
+        self._by_prompt.clear()
         if endpoints[0].block_size > 0:
             self.block_tokens = max(endpoints[0].block_size, self.min_block_tokens)
             self._set_max_blocks()
@@ -315,7 +322,15 @@ class PrefixCacheScorer:
         """(Kept for the request last asked about: the filter, the score and the routed hook ask in turn.)"""
         if self._last is not None and self._last[0] is request:
             return self._last[1]
-        keys = prompt_block_keys(request.prompt_token_ids, self.block_tokens, self.max_blocks, self.tail_block)
+        tokens = request.prompt_token_ids
+        kept = self._by_prompt.get(id(tokens))
+        if kept is not None and kept[0] is tokens and kept[1] == len(tokens):
+            keys = kept[2]
+        else:
+            keys = prompt_block_keys(tokens, self.block_tokens, self.max_blocks, self.tail_block)
+            if len(self._by_prompt) >= PROMPT_KEYS_KEPT:
+                del self._by_prompt[next(iter(self._by_prompt))]  # (the oldest kept)
+            self._by_prompt[id(tokens)] = (tokens, len(tokens), keys)
         self._last = (request, keys)
         return keys
 

@@ -66,3 +66,26 @@ def test_approx_prefix_index_equals_the_plain_loops(capacity, ops):
             assert fast.matched(endpoint, keys) == ref.matched(endpoint, keys)
         assert {e: list(t) for e, t in fast.lru.items()} == {e: list(t) for e, t in ref.lru.items()}
         assert fast.holders == {k: {e for e, t in ref.lru.items() if k in t} for t in ref.lru.values() for k in t}
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 3), max_size=40), min_size=1, max_size=6),
+       sends=st.lists(st.tuples(st.integers(0, 5), st.booleans()), min_size=1, max_size=30),
+       tail=st.booleans())
+def test_prefix_scorer_keys_kept_per_prompt_list_equal_fresh_keys(prompts, sends, tail):
+    """A prompt list sent again reuses its keys; a list equal in content but another object, or the same
+    object grown, gets its own: always the keys prompt_block_keys gives."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from servetwin.sim.routers import PrefixCacheScorer  # noqa: PLC0415
+    scorer = PrefixCacheScorer(block_tokens=4, tail_block=tail)
+    lists = [list(p) for p in prompts]
+    for which, copy in sends:
+        tokens = lists[which % len(lists)]
+        if copy:
+            tokens = list(tokens)
+        expected = prompt_block_keys(tokens, 4, scorer.max_blocks, tail)
+        assert scorer.keys(SimpleNamespace(prompt_token_ids=tokens)) == expected
+    grown = lists[0]
+    grown.append(1)
+    assert scorer.keys(SimpleNamespace(prompt_token_ids=grown)) == prompt_block_keys(grown, 4, scorer.max_blocks, tail)
