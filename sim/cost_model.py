@@ -479,35 +479,38 @@ class CostModel:
         size (`_decode_parts`), the decode attention terms are `_terms`' expressions for a step without
         prefill rows, and the sums are `_parts`' and `_duration`'s in their order, so the float is the
         same (tests/sim/test_sim_fused_step.py)."""
-        return self._decode_step(self._decode_parts_of(num_reqs), num_reqs, decode_sum_kv, shared_kv)
+        return self.decode_durations(num_reqs, decode_sum_kv, shared_kv, 1)[0]
 
     def decode_durations(self, num_reqs: int, first_sum_kv: int, shared_kv: int, n: int) -> list[float]:
         """`decode_duration(num_reqs, first_sum_kv + i * num_reqs, shared_kv)` for i in 0..n-1, element for
-        element (n consecutive fused decode steps of the same rows: each step adds one token per row)."""
+        element (n consecutive fused decode steps of the same rows: each step adds one token per row).
+        (speed: one loop over the steps with the batch size's parts in locals, no call per step - a step
+        window prices dozens at once; the expressions and their order are `decode_duration`'s, so are the
+        floats: tests/sim/test_sim_decode_durations.py)"""
         if n <= 0:
             return []
-        parts, step = self._decode_parts_of(num_reqs), self._decode_step
-        return [step(parts, num_reqs, sum_kv, shared_kv)
-                for sum_kv in range(first_sum_kv, first_sum_kv + n * num_reqs, num_reqs)]
+        _, prepare, head, c_decode, c_shared, tail, moe, sample, ad_flop, ad_byte, w_flop, w_byte, w_keys = \
+            self._decode_parts_of(num_reqs)
+        async_scheduling = self.async_scheduling
+        out: list[float] = []
+        append = out.append
+        for sum_kv in range(first_sum_kv, first_sum_kv + n * num_reqs, num_reqs):
+            shared_dec = shared_kv if shared_kv < sum_kv else sum_kv  # (min: the same value)
+            attn_decode = max(ad_flop * sum_kv, ad_byte * (sum_kv - shared_dec + num_reqs))
+            if w_keys is not None:  # (_window_attention's decode part, no prefill rows)
+                keys = min(sum_kv, w_keys)
+                attn_decode += max(w_flop * keys, w_byte * (keys + num_reqs))
+            forward = head + c_decode * attn_decode + c_shared * (ad_byte * shared_dec) + tail
+            if moe is not None:
+                forward += moe
+            append(max(prepare, forward + sample) if async_scheduling else prepare + forward + sample)
+        return out
 
     def _decode_parts_of(self, num_reqs: int) -> tuple:
         parts = self._decode_parts.get(num_reqs)
         if parts is None or parts[0] is not self.coefficients:
             parts = self._new_decode_parts(num_reqs)
         return parts
-
-    def _decode_step(self, parts: tuple, num_reqs: int, sum_kv: int, shared_kv: int) -> float:
-        """`decode_duration` from its batch size's `_decode_parts`."""
-        _, prepare, head, c_decode, c_shared, tail, moe, sample, ad_flop, ad_byte, w_flop, w_byte, w_keys = parts
-        shared_dec = shared_kv if shared_kv < sum_kv else sum_kv  # (min: the same value)
-        attn_decode = max(ad_flop * sum_kv, ad_byte * (sum_kv - shared_dec + num_reqs))
-        if w_keys is not None:  # (_window_attention's decode part, no prefill rows)
-            keys = min(sum_kv, w_keys)
-            attn_decode += max(w_flop * keys, w_byte * (keys + num_reqs))
-        forward = head + c_decode * attn_decode + c_shared * (ad_byte * shared_dec) + tail
-        if moe is not None:
-            forward += moe
-        return max(prepare, forward + sample) if self.async_scheduling else prepare + forward + sample
 
     def _new_decode_parts(self, num_reqs: int) -> tuple:
         """`decode_duration`'s per-batch-size values: `_parts`' sums up to the decode attention terms (its

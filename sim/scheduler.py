@@ -231,9 +231,7 @@ class SimScheduler(Scheduler):
                 if not n:
                     break
             self.last_updated_step = self.current_step - lag
-            if self.quiet_step() is None:
-                raise AssertionError(f"step window: scheduler step {self.current_step} has member events that "
-                                     "did not stay in place")
+            self._in_place_step()
             free.append(kv.num_free_blocks)
             usage.append(kv.usage)
             n -= 1
@@ -241,6 +239,63 @@ class SimScheduler(Scheduler):
                 raise AssertionError(f"step window: scheduler step {self.current_step - 1}'s KV events changed "
                                      "what the next step's batch may be")
         return free, usage
+
+    def _in_place_step(self) -> None:
+        """`quiet_step` of a window's step with member KV events (`quiet_steps`), without `schedule()`: the
+        same state changes as its `_schedule_lazy` pass when every due member's event is done in place
+        (the fit check, then in running order each member's outputs applied, its KV work, its next event)
+        - the `SchedulerOutput` that pass would build lists no row and changes nothing (no waiting pass:
+        nobody waits; `_finalise` of no row resets sets that are empty), so it is not built. (speed: a
+        window commits thousands of these.) Raises where that pass would not keep the step quiet (a
+        member's terminal event, an allocation that does not fit, a member listed after all): `quiet_run`
+        promised it would."""
+        lazy = self.lazy
+        step = self.current_step
+        if not (self._members_alone() and lazy.members_only()):
+            raise AssertionError(f"step window: scheduler step {step} is not the members' alone")
+        due = lazy.due(step)
+        order = self.running_order
+        due.sort(key=lambda m: order[m.request.request_id])
+        kv = self.kv_cache_manager
+        req_to_blocks = kv.req_to_blocks
+        block_size = self.block_size
+        in_place = {}
+        blocks_needed = 0
+        for m in due:
+            rid = m.request.request_id
+            if m.event >= m.terminal:
+                raise AssertionError(f"step window: {rid}'s terminal event at scheduler step {step}")
+            in_place[rid] = m
+            if m.offset + step >= len(req_to_blocks[rid]) * block_size:
+                blocks_needed += 1
+        groups = self._group_managers
+        if groups:
+            fits = not due or self._group_rows_fit([(m.request, 1) for m in due], in_place, step)
+        else:
+            fits = blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
+        if not fits:
+            raise AssertionError(f"step window: the members' KV work at scheduler step {step} does not fit")
+        self.current_step += 1
+        last_updated = self.last_updated_step
+        caching = kv.enable_caching
+        num_cached_block = kv.num_cached_block
+        for m in due:  # (`_schedule_lazy`'s running pass for a member row)
+            request = m.request
+            rid = request.request_id
+            lazy.apply_outputs(m, last_updated)
+            computed = m.offset + step
+            blocks = req_to_blocks.get(rid)
+            if groups:
+                kv.allocate_running_slots(request, 1, computed, lazy.num_in_flight)
+            elif blocks is not None and computed + 1 <= len(blocks) * block_size:
+                if caching and computed + 1 >= (num_cached_block.get(rid, 0) + 1) * block_size:
+                    kv.cache_blocks(request, min(computed + 1, request.num_tokens))
+            elif blocks is not None:
+                kv.allocate_running_slots(request, 1, computed)
+            elif kv.allocate_slots(request, 1) is None:
+                raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
+            if not lazy.advance(m, step, *self._held_blocks(rid)):
+                raise AssertionError(f"step window: {rid} is listed at scheduler step {step} after its KV event")
 
     # -- the overridden public methods ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
