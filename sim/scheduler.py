@@ -121,9 +121,9 @@ class SimScheduler(Scheduler):
         finished or preempted since the last step, no drafts, no KV connector, no prefix-cache lookup
         or preemption since the last stats - so that `make_stats()` would change nothing. Returns the
         step's aggregates (its `ImplicitDecodes`) when the step lists no row: no member event due
-        (then nothing changes but the step counter), or only KV events done in place (the step is
-        scheduled in full, `schedule()`). None: not such a step - nothing changed, or the step was
-        scheduled and listed rows after all, and the next `schedule()` returns that output."""
+        (then nothing changes but the step counter), or only KV events done in place (`_in_place_step`).
+        None: not such a step - nothing changed, or the step was scheduled in full (`schedule()`) and
+        listed rows after all, and the next `schedule()` returns that output."""
         lazy = self.lazy
         if lazy is None or not self._members_alone():
             return None
@@ -133,7 +133,9 @@ class SimScheduler(Scheduler):
             return implicit
         if not lazy.members_only():
             return None
-        so = self.schedule()  # member events: done in place, or the normal path
+        if self._in_place_step():  # member KV events done in place
+            return lazy.step_aggregates(self.current_step - 1)
+        so = self.schedule()  # the normal path
         if (so.num_scheduled_tokens or so.scheduled_new_reqs or so.preempted_order or so.implicit_decodes is None
                 or lazy.pending_update or lazy.flushed):
             self._scheduled_ahead = so
@@ -231,7 +233,9 @@ class SimScheduler(Scheduler):
                 if not n:
                     break
             self.last_updated_step = self.current_step - lag
-            self._in_place_step()
+            if not (self._members_alone() and lazy.members_only() and self._in_place_step()):
+                raise AssertionError(f"step window: scheduler step {self.current_step} has member events that "
+                                     "did not stay in place")
             free.append(kv.num_free_blocks)
             usage.append(kv.usage)
             n -= 1
@@ -240,41 +244,41 @@ class SimScheduler(Scheduler):
                                      "what the next step's batch may be")
         return free, usage
 
-    def _in_place_step(self) -> None:
-        """`quiet_step` of a window's step with member KV events (`quiet_steps`), without `schedule()`: the
-        same state changes as its `_schedule_lazy` pass when every due member's event is done in place
-        (the fit check, then in running order each member's outputs applied, its KV work, its next event)
-        - the `SchedulerOutput` that pass would build lists no row and changes nothing (no waiting pass:
-        nobody waits; `_finalise` of no row resets sets that are empty), so it is not built. (speed: a
-        window commits thousands of these.) Raises where that pass would not keep the step quiet (a
-        member's terminal event, an allocation that does not fit, a member listed after all): `quiet_run`
-        promised it would."""
+    def _in_place_step(self) -> bool:
+        """Schedule the next step, whose batch is the members' alone (`_members_alone`, `members_only`), when
+        every due member's event is a KV event that fits (its terminal one: not) - without `schedule()`:
+        the same state changes as its `_schedule_lazy` pass (the fit check, then in running order each
+        due member's outputs applied, its KV work, its next event), whose `SchedulerOutput` would list no
+        row and change nothing (no waiting pass: nobody waits; `_finalise` of no row resets the finished
+        and preempted sets and the spec tokens, all empty). (speed: `quiet_step` and a window's commit,
+        `quiet_steps`, take most steps with KV events this way.) False: not such a step, nothing changed.
+        Raises if a member's event does not leave it implicit (its KV work always does: `advance` finds
+        the next event ahead, `_in_place_run`)."""
         lazy = self.lazy
         step = self.current_step
-        if not (self._members_alone() and lazy.members_only()):
-            raise AssertionError(f"step window: scheduler step {step} is not the members' alone")
-        due = lazy.due(step)
-        order = self.running_order
-        due.sort(key=lambda m: order[m.request.request_id])
+        due = lazy.peek_due(step)
         kv = self.kv_cache_manager
         req_to_blocks = kv.req_to_blocks
         block_size = self.block_size
         in_place = {}
         blocks_needed = 0
         for m in due:
-            rid = m.request.request_id
             if m.event >= m.terminal:
-                raise AssertionError(f"step window: {rid}'s terminal event at scheduler step {step}")
+                return False  # (its last token or length cap: the normal path)
+            rid = m.request.request_id
             in_place[rid] = m
             if m.offset + step >= len(req_to_blocks[rid]) * block_size:
                 blocks_needed += 1
+        order = self.running_order
+        due.sort(key=lambda m: order[m.request.request_id])
         groups = self._group_managers
         if groups:
             fits = not due or self._group_rows_fit([(m.request, 1) for m in due], in_place, step)
         else:
             fits = blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
         if not fits:
-            raise AssertionError(f"step window: the members' KV work at scheduler step {step} does not fit")
+            return False
+        lazy.due(step)  # (the members of `peek_due`: visited)
         self.current_step += 1
         last_updated = self.last_updated_step
         caching = kv.enable_caching
@@ -295,7 +299,9 @@ class SimScheduler(Scheduler):
             elif kv.allocate_slots(request, 1) is None:
                 raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
             if not lazy.advance(m, step, *self._held_blocks(rid)):
-                raise AssertionError(f"step window: {rid} is listed at scheduler step {step} after its KV event")
+                raise AssertionError(f"implicit decodes: {rid} is not implicit after its KV event at scheduler "
+                                     f"step {step}")
+        return True
 
     # -- the overridden public methods ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
