@@ -20,6 +20,7 @@ arrive.
 from __future__ import annotations
 
 import bisect
+import operator
 import os
 import dataclasses
 from dataclasses import asdict, dataclass, field
@@ -60,6 +61,9 @@ REQUEST_COLUMNS = [
 ]
 
 
+_FLOAT_ONLY = frozenset({float})  # (`on_implicit_steps`: a sequence of floats only)
+
+
 class DeliveryMap:
     """Engine step end -> client receipt of that step's tokens (filled in step order by a front end).
 
@@ -80,6 +84,20 @@ class DeliveryMap:
             raise ValueError(f"DeliveryMap: step end {t_engine} added after {ends[-1]}")
         ends.append(t_engine)
         self._clients.append(t_client)
+
+    def add_many(self, t_engines: Sequence[float], t_clients: Sequence[float]) -> None:
+        """`add` of each pair in turn (speed: a step window's outputs at once, `ApiServerFrontend.on_step_outputs_at`;
+        pair by pair, raising as `add` does, only when a step end would come before the one added before it)."""
+        ends = self._ends
+        if not t_engines:
+            return
+        if (ends and t_engines[0] < ends[-1]) or any(map(operator.lt, t_engines[1:], t_engines)):
+            for t_engine, t_client in zip(t_engines, t_clients):
+                self.add(t_engine, t_client)
+            return
+        self._by_end.update(zip(t_engines, t_clients))
+        ends += t_engines
+        self._clients += t_clients
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -349,7 +367,8 @@ class TraceRecorder:
         if n == 0:
             return
         k = implicit.num_reqs
-        if not (all(type(t) is float for t in t_starts) and all(type(u) is float for u in kv_usage)):
+        if not (set(map(type, t_starts)) == _FLOAT_ONLY and set(map(type, kv_usage)) == _FLOAT_ONLY):
+            # (speed: the types collected in C, not a generator per value; n > 0 here, so {float}: all floats)
             for i in range(n):  # (values the row checks: n single steps)
                 self.on_implicit_step(
                     first_step + i, first_scheduler_step + i, t_starts[i], t_ends[i],
