@@ -261,19 +261,19 @@ class SimScheduler(Scheduler):
         req_to_blocks = kv.req_to_blocks
         block_size = self.block_size
         in_place = {}
-        blocks_needed = 0
         for m in due:
             if m.event >= m.terminal:
                 return False  # (its last token or length cap: the normal path)
-            rid = m.request.request_id
-            in_place[rid] = m
+            in_place[m.request.request_id] = m
+        blocks_needed = 0
+        for rid, m in in_place.items():
             if m.offset + step >= len(req_to_blocks[rid]) * block_size:
                 blocks_needed += 1
         order = self.running_order
-        due.sort(key=lambda m: order[m.request.request_id])
+        rows = sorted(in_place.values(), key=lambda m: order[m.request.request_id])
         groups = self._group_managers
         if groups:
-            fits = not due or self._group_rows_fit([(m.request, 1) for m in due], in_place, step)
+            fits = not rows or self._group_rows_fit([(m.request, 1) for m in rows], in_place, step)
         else:
             fits = blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
         if not fits:
@@ -283,7 +283,7 @@ class SimScheduler(Scheduler):
         last_updated = self.last_updated_step
         caching = kv.enable_caching
         num_cached_block = kv.num_cached_block
-        for m in due:  # (`_schedule_lazy`'s running pass for a member row)
+        for m in rows:  # (`_schedule_lazy`'s running pass for a member row)
             request = m.request
             rid = request.request_id
             lazy.apply_outputs(m, last_updated)
