@@ -609,7 +609,7 @@ class Simulation:
     # processes the previous one's batch) is one SimPy event: `_plan_window` prices the steps ahead
     # (`WINDOW_FIRST_STEPS`, then more at the planned end while still quiet, `_window_extend`) and waits for
     # the last one's end; what the step-by-step run does at each step end in between - the next step
-    # scheduled (`_fused_step`; its members' KV events done in place by the scheduler's own `schedule()`),
+    # scheduled (`_fused_step`; its members' KV events done in place, `SimScheduler._in_place_step`),
     # the previous batch's outputs to the front end - is applied later with that step's own times, by
     # `_window_close` at the window's end, or by `_window_cut` when something reaches this engine before
     # (a request to it or its front end, a wake-up): the actions before the current time are applied, and

@@ -214,7 +214,7 @@ class SimScheduler(Scheduler):
     def quiet_steps(self, n: int, lag: int) -> tuple[list[int], list[float]]:
         """Take the next n steps as `quiet_step` would, after `quiet_run` found them quiet and nothing reached
         the scheduler since: the step counters move, and the member KV events among them are done in place
-        by the step's own `schedule()` (with the outputs processed up to `lag` steps back: 1 in sync, 2 in
+        (`_in_place_step`, with the outputs processed up to `lag` steps back: 1 in sync, 2 in
         async scheduling, as the fused step has them). Returns the KV pool's free blocks and usage after
         each step's scheduling. Raises if a step is not quiet after all (`quiet_run` promised it)."""
         lazy = self.lazy
