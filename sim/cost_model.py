@@ -483,12 +483,48 @@ class CostModel:
 
     def decode_durations(self, num_reqs: int, first_sum_kv: int, shared_kv: int, n: int) -> list[float]:
         """`decode_duration(num_reqs, first_sum_kv + i * num_reqs, shared_kv)` for i in 0..n-1, element for
-        element (n consecutive fused decode steps of the same rows: each step adds one token per row)."""
+        element (n consecutive fused decode steps of the same rows: each step adds one token per row).
+        (speed: a step window prices dozens of steps at once. Once the KV sum exceeds the shared tokens
+        and the sliding window's keys - from the first step on, in most windows - the min of each is the
+        same value at every step: their terms are computed once, and each step is the rest of
+        `_decode_step`'s expressions in its order, max as a comparison, in one loop - the same floats,
+        tests/sim/test_sim_decode_durations.py)"""
         if n <= 0:
             return []
-        parts, step = self._decode_parts_of(num_reqs), self._decode_step
-        return [step(parts, num_reqs, sum_kv, shared_kv)
-                for sum_kv in range(first_sum_kv, first_sum_kv + n * num_reqs, num_reqs)]
+        parts = self._decode_parts_of(num_reqs)
+        _, prepare, head, c_decode, c_shared, tail, moe, sample, ad_flop, ad_byte, w_flop, w_byte, w_keys = parts
+        out: list[float] = []
+        sum_kv, stop = first_sum_kv, first_sum_kv + n * num_reqs
+        while sum_kv < stop and (sum_kv <= shared_kv or (w_keys is not None and sum_kv <= w_keys)):
+            out.append(self._decode_step(parts, num_reqs, sum_kv, shared_kv))
+            sum_kv += num_reqs
+        if sum_kv >= stop:
+            return out
+        shared_term = c_shared * (ad_byte * shared_kv)  # (shared_dec = shared_kv: below every sum from here)
+        not_shared = num_reqs - shared_kv
+        window = w_keys is not None
+        w_term = 0.0
+        if w_keys is not None:  # (keys = w_keys: below every sum from here)
+            x, y = w_flop * w_keys, w_byte * (w_keys + num_reqs)
+            w_term = y if y > x else x
+        with_moe = moe is not None
+        moe_term = moe if moe is not None else 0.0
+        async_scheduling = self.async_scheduling
+        append = out.append
+        for sum_kv in range(sum_kv, stop, num_reqs):
+            x, y = ad_flop * sum_kv, ad_byte * (sum_kv + not_shared)  # (ints: exact in any order)
+            attn_decode = y if y > x else x  # (max(x, y): x unless y is larger)
+            if window:
+                attn_decode += w_term
+            forward = head + c_decode * attn_decode + shared_term + tail
+            if with_moe:
+                forward += moe_term
+            if async_scheduling:
+                busy = forward + sample
+                append(busy if busy > prepare else prepare)  # (max(prepare, busy))
+            else:
+                append(prepare + forward + sample)
+        return out
 
     def _decode_parts_of(self, num_reqs: int) -> tuple:
         parts = self._decode_parts.get(num_reqs)

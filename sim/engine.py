@@ -58,6 +58,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Optional
 
 import numpy as np
@@ -608,7 +609,7 @@ class Simulation:
     # processes the previous one's batch) is one SimPy event: `_plan_window` prices the steps ahead
     # (`WINDOW_FIRST_STEPS`, then more at the planned end while still quiet, `_window_extend`) and waits for
     # the last one's end; what the step-by-step run does at each step end in between - the next step
-    # scheduled (`_fused_step`; its members' KV events done in place by the scheduler's own `schedule()`),
+    # scheduled (`_fused_step`; its members' KV events done in place, `SimScheduler._in_place_step`),
     # the previous batch's outputs to the front end - is applied later with that step's own times, by
     # `_window_close` at the window's end, or by `_window_cut` when something reaches this engine before
     # (a request to it or its front end, a wake-up): the actions before the current time are applied, and
@@ -676,14 +677,21 @@ class Simulation:
             return False
         ends, durations = window.ends, window.durations
         del ends[stop + 1:], durations[stop + 1:]  # (steps priced before whose end no delay landed on)
-        t = ends[stop]
-        for d in priced:
-            if not d > 0:  # (a step priced 0 s takes no event: left to the step-by-step path)
-                window.limit = len(ends) - 1
-                break
-            t += d
-            ends.append(t)
-            durations.append(d)
+        if priced and min(priced) > 0:
+            # (speed: the ends in one pass - accumulate's running sum is the loop's `t += d`, the same floats)
+            sums = accumulate(priced, initial=ends[stop])
+            next(sums)
+            ends += sums
+            durations += priced
+        else:
+            t = ends[stop]
+            for d in priced:
+                if not d > 0:  # (a step priced 0 s takes no event: left to the step-by-step path)
+                    window.limit = len(ends) - 1
+                    break
+                t += d
+                ends.append(t)
+                durations.append(d)
         end = len(ends) - 1
         delay = None
         while end > stop:

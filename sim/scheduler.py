@@ -121,9 +121,9 @@ class SimScheduler(Scheduler):
         finished or preempted since the last step, no drafts, no KV connector, no prefix-cache lookup
         or preemption since the last stats - so that `make_stats()` would change nothing. Returns the
         step's aggregates (its `ImplicitDecodes`) when the step lists no row: no member event due
-        (then nothing changes but the step counter), or only KV events done in place (the step is
-        scheduled in full, `schedule()`). None: not such a step - nothing changed, or the step was
-        scheduled and listed rows after all, and the next `schedule()` returns that output."""
+        (then nothing changes but the step counter), or only KV events done in place (`_in_place_step`).
+        None: not such a step - nothing changed, or the step was scheduled in full (`schedule()`) and
+        listed rows after all, and the next `schedule()` returns that output."""
         lazy = self.lazy
         if lazy is None or not self._members_alone():
             return None
@@ -133,7 +133,9 @@ class SimScheduler(Scheduler):
             return implicit
         if not lazy.members_only():
             return None
-        so = self.schedule()  # member events: done in place, or the normal path
+        if self._in_place_step():  # member KV events done in place
+            return lazy.step_aggregates(self.current_step - 1)
+        so = self.schedule()  # the normal path
         if (so.num_scheduled_tokens or so.scheduled_new_reqs or so.preempted_order or so.implicit_decodes is None
                 or lazy.pending_update or lazy.flushed):
             self._scheduled_ahead = so
@@ -212,7 +214,7 @@ class SimScheduler(Scheduler):
     def quiet_steps(self, n: int, lag: int) -> tuple[list[int], list[float]]:
         """Take the next n steps as `quiet_step` would, after `quiet_run` found them quiet and nothing reached
         the scheduler since: the step counters move, and the member KV events among them are done in place
-        by the step's own `schedule()` (with the outputs processed up to `lag` steps back: 1 in sync, 2 in
+        (`_in_place_step`, with the outputs processed up to `lag` steps back: 1 in sync, 2 in
         async scheduling, as the fused step has them). Returns the KV pool's free blocks and usage after
         each step's scheduling. Raises if a step is not quiet after all (`quiet_run` promised it)."""
         lazy = self.lazy
@@ -231,7 +233,7 @@ class SimScheduler(Scheduler):
                 if not n:
                     break
             self.last_updated_step = self.current_step - lag
-            if self.quiet_step() is None:
+            if not (self._members_alone() and lazy.members_only() and self._in_place_step()):
                 raise AssertionError(f"step window: scheduler step {self.current_step} has member events that "
                                      "did not stay in place")
             free.append(kv.num_free_blocks)
@@ -241,6 +243,65 @@ class SimScheduler(Scheduler):
                 raise AssertionError(f"step window: scheduler step {self.current_step - 1}'s KV events changed "
                                      "what the next step's batch may be")
         return free, usage
+
+    def _in_place_step(self) -> bool:
+        """Schedule the next step, whose batch is the members' alone (`_members_alone`, `members_only`), when
+        every due member's event is a KV event that fits (its terminal one: not) - without `schedule()`:
+        the same state changes as its `_schedule_lazy` pass (the fit check, then in running order each
+        due member's outputs applied, its KV work, its next event), whose `SchedulerOutput` would list no
+        row and change nothing (no waiting pass: nobody waits; `_finalise` of no row resets the finished
+        and preempted sets and the spec tokens, all empty). (speed: `quiet_step` and a window's commit,
+        `quiet_steps`, take most steps with KV events this way.) False: not such a step, nothing changed.
+        Raises if a member's event does not leave it implicit (its KV work always does: `advance` finds
+        the next event ahead, `_in_place_run`)."""
+        lazy = self.lazy
+        step = self.current_step
+        due = lazy.peek_due(step)
+        kv = self.kv_cache_manager
+        req_to_blocks = kv.req_to_blocks
+        block_size = self.block_size
+        in_place = {}
+        for m in due:
+            if m.event >= m.terminal:
+                return False  # (its last token or length cap: the normal path)
+            in_place[m.request.request_id] = m
+        blocks_needed = 0
+        for rid, m in in_place.items():
+            if m.offset + step >= len(req_to_blocks[rid]) * block_size:
+                blocks_needed += 1
+        order = self.running_order
+        rows = sorted(in_place.values(), key=lambda m: order[m.request.request_id])
+        groups = self._group_managers
+        if groups:
+            fits = not rows or self._group_rows_fit([(m.request, 1) for m in rows], in_place, step)
+        else:
+            fits = blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
+        if not fits:
+            return False
+        lazy.due(step)  # (the members of `peek_due`: visited)
+        self.current_step += 1
+        last_updated = self.last_updated_step
+        caching = kv.enable_caching
+        num_cached_block = kv.num_cached_block
+        for m in rows:  # (`_schedule_lazy`'s running pass for a member row)
+            request = m.request
+            rid = request.request_id
+            lazy.apply_outputs(m, last_updated)
+            computed = m.offset + step
+            blocks = req_to_blocks.get(rid)
+            if groups:
+                kv.allocate_running_slots(request, 1, computed, lazy.num_in_flight)
+            elif blocks is not None and computed + 1 <= len(blocks) * block_size:
+                if caching and computed + 1 >= (num_cached_block.get(rid, 0) + 1) * block_size:
+                    kv.cache_blocks(request, min(computed + 1, request.num_tokens))
+            elif blocks is not None:
+                kv.allocate_running_slots(request, 1, computed)
+            elif kv.allocate_slots(request, 1) is None:
+                raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
+            if not lazy.advance(m, step, *self._held_blocks(rid)):
+                raise AssertionError(f"implicit decodes: {rid} is not implicit after its KV event at scheduler "
+                                     f"step {step}")
+        return True
 
     # -- the overridden public methods ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

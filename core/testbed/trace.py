@@ -20,6 +20,7 @@ arrive.
 from __future__ import annotations
 
 import bisect
+import operator
 import os
 import dataclasses
 from dataclasses import asdict, dataclass, field
@@ -60,6 +61,20 @@ REQUEST_COLUMNS = [
 ]
 
 
+def _drop_keys(d: dict[int, int], lo: int, hi: int) -> None:
+    """`d.pop(key, None)` for every key in range(lo, hi) (speed: over the dict's keys when it holds fewer - the
+    steps awaiting their output, a few - than a step window has steps)."""
+    if len(d) < hi - lo:
+        for key in [key for key in d if lo <= key < hi]:
+            del d[key]
+    else:
+        for key in range(lo, hi):
+            d.pop(key, None)
+
+
+_FLOAT_ONLY = frozenset({float})  # (`on_implicit_steps`: a sequence of floats only)
+
+
 class DeliveryMap:
     """Engine step end -> client receipt of that step's tokens (filled in step order by a front end).
 
@@ -80,6 +95,20 @@ class DeliveryMap:
             raise ValueError(f"DeliveryMap: step end {t_engine} added after {ends[-1]}")
         ends.append(t_engine)
         self._clients.append(t_client)
+
+    def add_many(self, t_engines: Sequence[float], t_clients: Sequence[float]) -> None:
+        """`add` of each pair in turn (speed: a step window's outputs at once, `ApiServerFrontend.on_step_outputs_at`;
+        pair by pair, raising as `add` does, only when a step end would come before the one added before it)."""
+        ends = self._ends
+        if not t_engines:
+            return
+        if (ends and t_engines[0] < ends[-1]) or any(map(operator.lt, t_engines[1:], t_engines)):
+            for t_engine, t_client in zip(t_engines, t_clients):
+                self.add(t_engine, t_client)
+            return
+        self._by_end.update(zip(t_engines, t_clients))
+        ends += t_engines
+        self._clients += t_clients
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -349,7 +378,8 @@ class TraceRecorder:
         if n == 0:
             return
         k = implicit.num_reqs
-        if not (all(type(t) is float for t in t_starts) and all(type(u) is float for u in kv_usage)):
+        if not (set(map(type, t_starts)) == _FLOAT_ONLY and set(map(type, kv_usage)) == _FLOAT_ONLY):
+            # (speed: the types collected in C, not a generator per value; n > 0 here, so {float}: all floats)
             for i in range(n):  # (values the row checks: n single steps)
                 self.on_implicit_step(
                     first_step + i, first_scheduler_step + i, t_starts[i], t_ends[i],
@@ -371,20 +401,19 @@ class TraceRecorder:
             preempted = [self._carried_preemptions] + zeros[1:]
             self._carried_preemptions = 0
         kvs = list(range(kv0, kv0 + n * k, k)) if k else [kv0] * n
-        max_kvs = [m if m > 0 else 0 for m in range(max0, max0 + n)]  # (on_implicit_step's max(0, ...))
+        # (on_implicit_step's max(0, ...): none of them below 0 in most runs)
+        max_kvs = list(range(max0, max0 + n)) if max0 >= 0 else [m if m > 0 else 0 for m in range(max0, max0 + n)]
         first_row = self.steps.extend_interned((
             [run] * n, [backend] * n, list(range(first_step, first_step + n)), t_starts, t_ends,
-            [e - s for s, e in zip(t_starts, t_ends)], ks, zeros, zeros, ks, ks, ks, [annotation] * n,
+            list(map(operator.sub, t_ends, t_starts)), ks, zeros, zeros, ks, ks, ks, [annotation] * n,
             ks, kvs, kvs, max_kvs, [num_running] * n, zeros, preempted, zeros, num_free_blocks, kv_usage, zeros, zeros,
             shared_kv_tokens))
         rows = self._step_rows
         last = first_step + n - 1
         if processed_step == first_step:  # sync: every step processes its own batch
-            for step in range(first_step, last + 1):
-                rows.pop(step, None)
+            _drop_keys(rows, first_step, last + 1)
             return
-        for step in range(first_step, last):  # async: each row waits for the next step (set, then popped)
-            rows.pop(step, None)
+        _drop_keys(rows, first_step, last)  # async: each row waits for the next step (set, then popped)
         rows[last] = first_row + n - 1
         if processed_step is not None:
             rows.pop(processed_step, None)

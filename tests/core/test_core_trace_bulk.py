@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from servetwin.core.engine.engine_core import StepResult
 from servetwin.core.sched.output import CachedRequestData, ImplicitDecodes, SchedulerOutput
 from servetwin.core.testbed.step_table import STEP_COLUMNS, StepTable
-from servetwin.core.testbed.trace import TraceRecorder
+from servetwin.core.testbed.trace import DeliveryMap, TraceRecorder
 
 
 def _state(rec: TraceRecorder) -> dict:
@@ -158,3 +158,30 @@ def test_buffered_rows_read_as_appended(ops):
     assert list(buffered) == list(direct)
     assert pickle.loads(pickle.dumps(buffered)).to_frame().equals(direct.to_frame())
     assert [type(buffered.column(c)) for c in STEP_COLUMNS] == [type(direct.column(c)) for c in STEP_COLUMNS]
+
+
+@settings(max_examples=150, deadline=None)
+@given(before=st.lists(st.floats(0.0, 10.0), max_size=3), times=st.lists(st.tuples(st.floats(0.0, 10.0),
+       st.floats(0.0, 20.0)), max_size=30), ordered=st.booleans())
+def test_delivery_map_add_many_equals_add(before, times, ordered):
+    """`DeliveryMap.add_many` (a step window's deliveries at once) leaves the map as `add` of each pair in turn -
+    step ends out of order included: the same ValueError, the pairs before it added."""
+    if ordered:
+        times = sorted(times)
+    maps = [DeliveryMap(), DeliveryMap()]
+    for m in maps:
+        for t in sorted(before):
+            m.add(t, t + 1.0)
+    errors = []
+    try:
+        for t_engine, t_client in times:
+            maps[0].add(t_engine, t_client)
+    except ValueError as e:
+        errors.append(str(e))
+    try:
+        maps[1].add_many([t for t, _ in times], [c for _, c in times])
+    except ValueError as e:
+        errors.append(str(e))
+    assert len(errors) in (0, 2) and len(set(errors)) <= 1
+    assert [(m._ends, m._clients, list(m._by_end.items())) for m in maps][0] \
+        == [(m._ends, m._clients, list(m._by_end.items())) for m in maps][1]
