@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from servetwin.core.outputs import ModelRunnerOutput, StepTiming
+from servetwin.core.prompt_memo import PromptMemo
 from servetwin.core.sched.output import ImplicitDecodes, SchedulerOutput
 from servetwin.core.testbed.iteration import compute_iteration_details
 from servetwin.sim.cost_model import CostModel, StepSummary
@@ -54,13 +55,31 @@ def request_token_salt(request_id: str, prompt_token_ids: Optional[Sequence[int]
     (equal prompts give equal outputs, so their full output blocks hash equal); seeded sampling - the
     prompt and the seed (reproducible); otherwise the request id."""
     if params is not None and prompt_token_ids is not None:
-        # the int64s' native bytes, as array("q", ...).tobytes() gave them (struct packs them 2x faster)
-        prompt = struct.pack(f"={len(prompt_token_ids)}q", *prompt_token_ids)
-        if params.temperature < GREEDY_TEMPERATURE:
-            return zlib.crc32(prompt)
-        if params.seed is not None:
-            return zlib.crc32(prompt + str(params.seed).encode())
+        greedy = params.temperature < GREEDY_TEMPERATURE
+        if greedy or params.seed is not None:
+            prompt_crc = _prompt_crc(prompt_token_ids)
+            # (crc32(b, crc32(a)) == crc32(a + b): the seed's bytes continue the prompt's CRC)
+            return prompt_crc if greedy else zlib.crc32(str(params.seed).encode(), prompt_crc)
     return zlib.crc32(request_id.encode())
+
+
+# (speed: a prompt sent again is the same list - servetwin.core.prompt_memo - and its CRC is computed once
+# per distinct prompt instead of packing its thousands of tokens at every request's first step)
+PROMPT_CRCS = PromptMemo()
+
+
+def _prompt_crc(prompt_token_ids: Sequence[int]) -> int:
+    """CRC-32 of the prompt's tokens as int64s' native bytes, as array("q", ...).tobytes() gave them
+    (struct packs them 2x faster)."""
+    is_list = type(prompt_token_ids) is list
+    if is_list:
+        known = PROMPT_CRCS.get(prompt_token_ids)
+        if known is not None:
+            return known
+    crc = zlib.crc32(struct.pack(f"={len(prompt_token_ids)}q", *prompt_token_ids))
+    if is_list:
+        PROMPT_CRCS.put(prompt_token_ids, crc)
+    return crc
 
 
 def request_token(salt: int, k: int, modulus: int = 1000) -> int:
