@@ -10,7 +10,9 @@ only; the memo checks the length, which an append or a slice deletion changes). 
 so no other list can take its `id` while the entry lives. Entries are never evicted: once `max_tokens`
 prompt tokens are held, new prompts are computed and not stored - a workload that cycles through more
 prompts than fit keeps the hits of those stored instead of thrashing, and a server that sees only new
-prompts holds at most `max_tokens` tokens' worth of its first prompts.
+prompts holds at most `max_tokens` tokens' worth of its first prompts. Who keeps one: each simulated engine's
+scheduler (`SimScheduler`, its block hasher's) and executor (`SimExecutor`, the token salt's), for that run
+only; a real engine's scheduler keeps none (a server would hold its prompts).
 """
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servetwin.core.kv_cache import hashing
 from servetwin.core.kv_cache.hashing import NONE_HASH, builtin, get_request_block_hasher, sha256
 from servetwin.core.prompt_memo import PromptMemo
 from servetwin.core.request import Request
@@ -36,25 +35,21 @@ _sends = st.lists(st.tuples(st.integers(0, 3),  # which prompt list
        algo=st.sampled_from(["sha256", "builtin"]), max_tokens=st.sampled_from([0, 10, 1 << 20]))
 def test_resent_prompts_hash_as_computed_afresh(prompts, sends, block_sizes, algo, max_tokens):
     hash_fn = sha256 if algo == "sha256" else builtin
-    memo, size = hashing.PROMPT_BLOCK_HASHES, hashing.PROMPT_BLOCK_HASHES.max_tokens
-    memo.clear()
-    memo.max_tokens = max_tokens  # 0 / 10: full at once / soon
-    try:
-        hashers = [(bs, get_request_block_hasher(bs, hash_fn)) for bs in block_sizes]
-        for i, (p, grow, output, salt) in enumerate(sends):
-            prompt = prompts[p % len(prompts)]
-            prompt.extend(grow)  # (in place: the memo must not give the shorter list's hashes)
-            for bs, hasher in hashers:
-                req = Request(f"r{i}", prompt, SamplingParams(max_tokens=100), arrival_time=0.0, cache_salt=salt,
-                              block_hasher=hasher, hash_block_size=bs)
-                assert req.prompt_token_ids is prompt  # (kept, as vLLM keeps it)
-                for token in output:
-                    req.append_output_token_ids(token)
-                assert req.block_hashes == _reference(prompt + output, bs, hash_fn, salt)
-                assert req.all_token_ids == prompt + output and prompt is not req.all_token_ids
-    finally:
-        memo.clear()
-        memo.max_tokens = size
+    memo = PromptMemo(max_tokens=max_tokens)  # 0 / 10: full at once / soon
+    # (one memo shared by hashers of several block sizes, and a hasher without one)
+    hashers = [(bs, get_request_block_hasher(bs, hash_fn, prompt_memo=memo)) for bs in block_sizes]
+    hashers.append((block_sizes[0], get_request_block_hasher(block_sizes[0], hash_fn)))
+    for i, (p, grow, output, salt) in enumerate(sends):
+        prompt = prompts[p % len(prompts)]
+        prompt.extend(grow)  # (in place: the memo must not give the shorter list's hashes)
+        for bs, hasher in hashers:
+            req = Request(f"r{i}", prompt, SamplingParams(max_tokens=100), arrival_time=0.0, cache_salt=salt,
+                          block_hasher=hasher, hash_block_size=bs)
+            assert req.prompt_token_ids is prompt  # (kept, as vLLM keeps it)
+            for token in output:
+                req.append_output_token_ids(token)
+            assert req.block_hashes == _reference(prompt + output, bs, hash_fn, salt)
+            assert req.all_token_ids == prompt + output and prompt is not req.all_token_ids
 
 
 def test_request_like_objects_without_a_prompt_list_hash_their_tokens():
@@ -78,3 +73,27 @@ def test_memo_keys_on_the_list_and_its_length_and_stops_storing_when_full():
     assert memo.get(a) == "A4" and memo.num_tokens == 4
     memo.clear()
     assert memo.get(a) is None and memo.num_tokens == 0 and len(memo) == 0
+
+
+def test_only_the_simulators_schedulers_keep_prompts():
+    """A real engine's scheduler hashes without a memo (a server would otherwise hold its prompts); the
+    simulator's keeps one per engine."""
+    from servetwin.core.sched.config import CacheConfig, SchedulerConfig  # noqa: PLC0415
+    from servetwin.core.sched.scheduler import Scheduler  # noqa: PLC0415
+    from servetwin.sim.scheduler import SimScheduler  # noqa: PLC0415
+
+    def make(cls):
+        return cls(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                   CacheConfig(block_size=4, num_gpu_blocks=32, enable_prefix_caching=True))
+
+    prompt = list(range(12))
+    for cls, kept in ((Scheduler, False), (SimScheduler, True)):
+        sched = make(cls)
+        req = Request("r", prompt, SamplingParams(max_tokens=4), arrival_time=0.0)
+        sched.add_request(req)
+        again = Request("s", prompt, SamplingParams(max_tokens=4), arrival_time=0.0)
+        sched.add_request(again)
+        assert again.block_hashes == req.block_hashes == _reference(prompt, 4, sha256)
+        memo = sched.block_hasher.prompt_memo
+        # the simulator's: the prompt's hashes kept once (both requests sent the same list)
+        assert (memo is not None and len(memo) == 1 and memo.num_tokens == len(prompt)) if kept else memo is None

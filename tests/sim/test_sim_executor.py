@@ -142,24 +142,20 @@ def test_request_token_salt_of_a_resent_prompt_is_computed_afresh(prompts, sends
     import zlib  # noqa: PLC0415
     from array import array  # noqa: PLC0415
 
+    from servetwin.core.prompt_memo import PromptMemo  # noqa: PLC0415
     from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
     from servetwin.sim import executor  # noqa: PLC0415
-    memo, size = executor.PROMPT_CRCS, executor.PROMPT_CRCS.max_tokens
-    memo.clear()
-    memo.max_tokens = max_tokens  # 0 / 8: full at once / soon
-    try:
-        for i, (p, grow, temperature, seed) in enumerate(sends):
-            prompt = prompts[p % len(prompts)]
-            prompt.extend(grow)
-            params = SamplingParams(temperature=temperature, seed=seed)
-            want = (zlib.crc32(array("q", prompt).tobytes()) if temperature == 0.0
-                    else zlib.crc32(array("q", prompt).tobytes() + str(seed).encode()) if seed is not None
-                    else zlib.crc32(f"r{i}".encode()))
-            assert executor.request_token_salt(f"r{i}", prompt, params) == want
-            assert executor.request_token_salt(f"r{i}", tuple(prompt), params) == want  # (no list: no memo)
-    finally:
-        memo.clear()
-        memo.max_tokens = size
+    memo = PromptMemo(max_tokens=max_tokens)  # 0 / 8: full at once / soon
+    for i, (p, grow, temperature, seed) in enumerate(sends):
+        prompt = prompts[p % len(prompts)]
+        prompt.extend(grow)
+        params = SamplingParams(temperature=temperature, seed=seed)
+        want = (zlib.crc32(array("q", prompt).tobytes()) if temperature == 0.0
+                else zlib.crc32(array("q", prompt).tobytes() + str(seed).encode()) if seed is not None
+                else zlib.crc32(f"r{i}".encode()))
+        assert executor.request_token_salt(f"r{i}", prompt, params, memo) == want
+        assert executor.request_token_salt(f"r{i}", tuple(prompt), params, memo) == want  # (no list: no memo)
+        assert executor.request_token_salt(f"r{i}", prompt, params) == want  # (no memo)
 
 
 def test_request_rule_tokens_stay_inside_a_small_vocabulary():
