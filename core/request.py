@@ -94,10 +94,13 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.sampling_params = sampling_params
         self.max_tokens = sampling_params.max_tokens
-        self.prompt_token_ids = list(prompt_token_ids)
+        # the caller's list, read only from here on, as vLLM keeps it (request.py:134; speed: one copy of the
+        # prompt less per request, and a prompt sent again stays one object, which the prompt's caches key on:
+        # hashing.py `_prompt_hashes`, sim/executor.py `request_token_salt`); other sequences as a list
+        self.prompt_token_ids = prompt_token_ids if type(prompt_token_ids) is list else list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._all_token_ids: list[int] = self.prompt_token_ids.copy()  # grows with the output (vLLM: a copy)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.cache_salt = cache_salt

@@ -177,6 +177,27 @@ def _num_samples(result: StepResult) -> int:
     return explicit + (so.implicit_decodes.num_reqs if so.implicit_decodes is not None else 0)
 
 
+# (speed: a workload's requests differ in few sampling settings - their output lengths - and nothing changes a
+# request's SamplingParams once it is made (vLLM's engine shares one object between the children of an n > 1
+# request as well): one object per setting instead of building and validating it per request)
+_WORKLOAD_PARAMS: dict[tuple[int, int, Optional[int]], SamplingParams] = {}
+_WORKLOAD_PARAMS_MAX = 1 << 14
+
+
+def workload_sampling_params(max_tokens: int, n: int, eos_token_id: Optional[int]) -> SamplingParams:
+    """A workload request's SamplingParams: `max_tokens`, `n`, and, with `eos_token_id`, the EOS that forces its
+    end (None: it ignores EOS); the same object for the same settings."""
+    key = (max_tokens, n, eos_token_id)
+    params = _WORKLOAD_PARAMS.get(key)
+    if params is None:
+        params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=eos_token_id is None)
+        if eos_token_id is not None:
+            params.update_from_generation_config(eos_token_id)
+        if len(_WORKLOAD_PARAMS) < _WORKLOAD_PARAMS_MAX:
+            _WORKLOAD_PARAMS[key] = params
+    return params
+
+
 class Simulation:
     def __init__(self, engine: EngineCore, requests: Sequence[WorkloadRequest],
                  arrival: ArrivalProcess, *, rng: Optional[np.random.Generator] = None,
@@ -310,10 +331,8 @@ class Simulation:
         inbox, self._inbox = self._inbox, []
         for pending in inbox:
             wreq = pending.request
-            params = SamplingParams(max_tokens=wreq.max_tokens, n=wreq.n,
-                                    ignore_eos=wreq.eos_at is None)
-            if wreq.eos_at is not None:
-                params.update_from_generation_config(self._forcing_eos_id())
+            params = workload_sampling_params(wreq.max_tokens, wreq.n,
+                                              None if wreq.eos_at is None else self._forcing_eos_id())
             children = fan_out(wreq.request_id, params)
             # distinct arrival stamps in submission order (vLLM's wall-clock stamps never tie; the
             # priority policy breaks ties by arrival time)

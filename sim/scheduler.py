@@ -35,6 +35,7 @@ from servetwin.core.request import Request, RequestStatus
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.sched.output import ImplicitDecodes, SchedulerOutput
 from servetwin.core.sched.spec_decode import SpeculativeConfig
+from servetwin.core.prompt_memo import PromptMemo
 from servetwin.core.sched.scheduler import Scheduler
 from servetwin.core.testbed.trace import LateTokens
 from servetwin.sim.lazy_decode import LazyDecodes, LazyTokenSource
@@ -78,6 +79,9 @@ class SimScheduler(Scheduler):
         self._group_managers: list = []  # every KV cache group's manager when there are several (lazy only)
         self._window_managers: list = []  # the sliding-window ones among them
         self._scheduled_ahead: Optional[SchedulerOutput] = None  # `quiet_step`'s output with rows, for `schedule`
+        # (speed: a prompt sent again - the same list, as the simulator's workloads send it - hashes its full
+        # blocks once per engine: servetwin.core.prompt_memo; kept for this engine's run only)
+        self.block_hasher = self.make_block_hasher(PromptMemo())
 
     # -- implicit steady decodes: public entry points -------------------------------------------------
     def lazy_decode_supported(self) -> bool:

@@ -14,6 +14,8 @@ import os
 import pickle
 from typing import Any, Callable, Optional
 
+from servetwin.core.prompt_memo import PromptMemo
+
 BlockHash = bytes
 HashFn = Callable[[Any], bytes]
 NONE_HASH_SEED = "vllm-none-hash"
@@ -152,14 +154,38 @@ def cached_hash_fn(hash_fn: HashFn) -> HashFn:
     return cached
 
 
+def _prompt_hashes(prompt: list[int], block_size: int, hash_fn: HashFn, memo: PromptMemo) -> list[bytes]:
+    """The hashes of the full blocks of `prompt` without extra keys (`request_block_hasher`'s chain from
+    NONE_HASH), from `memo` when this list was hashed before. (speed: see servetwin.core.prompt_memo: its
+    blocks' hashes are a pure function of (block size, hash function, the prompt's tokens) when there are no
+    extra keys, the case this is used for)"""
+    tag = (block_size, hash_fn)
+    known = memo.get(prompt, tag)
+    if known is not None:
+        return list(known)
+    hashes: list[bytes] = []
+    prev = NONE_HASH
+    for start in range(0, len(prompt) - block_size + 1, block_size):
+        prev = hash_fn((prev, tuple(prompt[start:start + block_size]), None))  # = hash_block_tokens(...)
+        hashes.append(prev)
+    memo.put(prompt, tuple(hashes), tag)
+    return hashes
+
+
 def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
-                             num_lookahead_tokens: int = 0) -> Callable[[Any], list[bytes]]:
+                             num_lookahead_tokens: int = 0,
+                             prompt_memo: Optional[PromptMemo] = None) -> Callable[[Any], list[bytes]]:
     """Closure returning the hashes of the request's full blocks not hashed yet (incremental).
+
+    `prompt_memo` (the simulator's schedulers pass one): a request's first hashes, its prompt's full blocks,
+    are kept per prompt list there and found again when the same list is sent again.
 
     `num_lookahead_tokens` (L > 0: EAGLE / MTP speculative decoding with prefix caching): each hash
     also covers the L tokens after its block, whose drafter KV at the block's last position depends
     on them, so a block is hashed only once they exist (vLLM 0.33 `kv_cache_utils.py:953-1030`)."""
     builtin_fn = hash_fn is builtin
+    # (any other function is called for every block: it may be impure)
+    memo = prompt_memo if hash_fn in _HASH_FNS.values() else None
     hash_fn = cached_hash_fn(hash_fn)  # (speed: see cached_hash_fn)
     if num_lookahead_tokens:
         return _lookahead_request_block_hasher(block_size, hash_fn, num_lookahead_tokens)
@@ -171,11 +197,20 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
         num_tokens = len(tokens)
         if start + block_size > num_tokens:
             return []
-        prev = hashes[-1] if hashes else NONE_HASH
-        new_hashes = []
+        has_lora = getattr(request, "lora_request", None) is not None
+        prompt = None if start or memo is None or has_lora or getattr(request, "cache_salt", None) is not None \
+            else getattr(request, "prompt_token_ids", None)
+        if type(prompt) is list and memo is not None and len(prompt) <= num_tokens:
+            # the first hashes: the prompt's full blocks (speed: `_prompt_hashes`; a `Request`'s tokens start
+            # with its prompt), then the full blocks after them
+            new_hashes = _prompt_hashes(prompt, block_size, hash_fn, memo)
+            start = len(new_hashes) * block_size
+            prev = new_hashes[-1] if new_hashes else NONE_HASH
+        else:
+            new_hashes = []
+            prev = hashes[-1] if hashes else NONE_HASH
         # extra keys: LoRA in every block, the cache salt only in the block at token 0
-        lora_keys = (generate_block_hash_extra_keys(request, 1)
-                     if getattr(request, "lora_request", None) is not None else None)
+        lora_keys = generate_block_hash_extra_keys(request, 1) if has_lora else None
         while start + block_size <= num_tokens:
             end = start + block_size
             extra = generate_block_hash_extra_keys(request, start) if start == 0 else lora_keys
@@ -192,10 +227,9 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
         num_tokens = len(tokens)
         if start + block_size > num_tokens:
             return []
-        if (getattr(request, "lora_request", None) is not None
-                or (not start and getattr(request, "cache_salt", None) is not None)):
-            return request_block_hasher(request)  # extra keys: the general path
-        parent = int.from_bytes(hashes[-1] if hashes else NONE_HASH, "little")
+        if not start or getattr(request, "lora_request", None) is not None:
+            return request_block_hasher(request)  # the first blocks (a prompt's, cached) or extra keys
+        parent = int.from_bytes(hashes[-1], "little")
         out = []
         while start + block_size <= num_tokens:
             end = start + block_size
@@ -207,6 +241,7 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
     hasher = builtin_request_block_hasher if builtin_fn else request_block_hasher
     hasher.block_size = block_size  # type: ignore[attr-defined]
     hasher.num_lookahead_tokens = 0  # type: ignore[attr-defined]
+    hasher.prompt_memo = memo  # type: ignore[attr-defined]
     return hasher
 
 

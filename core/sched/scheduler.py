@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
@@ -25,6 +25,7 @@ from servetwin.core.kv_cache.kv_cache_manager import KVCacheManager, PrefixCache
 from servetwin.core.kv_cache.kv_sizing import cdiv
 from servetwin.core.kv_connector.config import KVTransferConfig
 from servetwin.core.kv_connector.scheduler_hooks import ConnectorSchedulerMixin
+from servetwin.core.prompt_memo import PromptMemo
 from servetwin.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from servetwin.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from servetwin.core.request import Request, RequestStatus
@@ -147,11 +148,7 @@ class Scheduler(ConnectorSchedulerMixin):
             prefix_cache_retention_interval=cache_config.prefix_cache_retention_interval,
             max_in_flight_tokens=scheduler_config.max_in_flight_tokens,
             drop_eagle_block=self.use_eagle_block_drop)
-        self.block_hasher = None
-        if cache_config.enable_prefix_caching:
-            self.block_hasher = get_request_block_hasher(
-                cache_config.block_size, get_hash_fn_by_name(cache_config.prefix_caching_hash_algo),
-                self.num_hash_lookahead_tokens)
+        self.block_hasher = self.make_block_hasher()
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -167,6 +164,15 @@ class Scheduler(ConnectorSchedulerMixin):
         self._init_spec_decode(speculative_config)
         # KV connector (None without kv_transfer_config) and the held-blocks queue
         self._init_connector(kv_transfer_config, self.async_scheduling, log_stats)
+
+    def make_block_hasher(self, prompt_memo: Optional[PromptMemo] = None) -> Optional[Callable[[Any], list[bytes]]]:
+        """The prefix cache's request block hasher (None: caching off); `prompt_memo`: see
+        `get_request_block_hasher`."""
+        config = self.cache_config
+        if not config.enable_prefix_caching:
+            return None
+        return get_request_block_hasher(config.block_size, get_hash_fn_by_name(config.prefix_caching_hash_algo),
+                                        self.num_hash_lookahead_tokens, prompt_memo)
 
     def _init_spec_decode(self, speculative_config: Optional[SpeculativeConfig]) -> None:
         """Speculative decoding state (vLLM 0.33 sched:294-381, async_scheduler.py:14-17)."""

@@ -185,3 +185,37 @@ def test_delivery_map_add_many_equals_add(before, times, ordered):
     assert len(errors) in (0, 2) and len(set(errors)) <= 1
     assert [(m._ends, m._clients, list(m._by_end.items())) for m in maps][0] \
         == [(m._ends, m._clients, list(m._by_end.items())) for m in maps][1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(recorded=st.lists(st.booleans(), max_size=25), ends=st.lists(st.floats(0.0, 1e6, allow_nan=False), min_size=25,
+                                                                     max_size=25),
+       late=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 12)), min_size=1, max_size=4))
+def test_late_tokens_take_their_steps_ends_or_name_a_step_with_none(recorded, ends, late):
+    """`on_late_tokens`: each token gets its step's end; a range with a step that kept no end (None: no
+    implicit rows) or past the last one raises, as the check `None in times` decided (its faster form)."""
+    import pytest  # noqa: PLC0415
+
+    from servetwin.core.request import Request  # noqa: PLC0415
+    from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
+    from servetwin.core.testbed.trace import LateTokens  # noqa: PLC0415
+    rec = TraceRecorder(run="r", backend="sim")
+    rec.on_arrival(Request("a", [1, 2], SamplingParams(max_tokens=5), arrival_time=0.0), 0.0)
+    kept: list = []
+    for step, has_rows in enumerate(recorded):
+        if has_rows:  # a step with implicit rows keeps its end for their late tokens
+            rec.on_implicit_step(step, step, ends[step] - 0.0, ends[step], ImplicitDecodes(1, 5, 5), 1, 1, 0.5, 0,
+                                 None)
+        kept.append(ends[step] if has_rows else None)
+    while kept and kept[-1] is None:  # (the list ends at the last step with an end)
+        kept.pop()
+    want = list(rec.requests["a"].token_times)
+    for first, n in late:
+        times = kept[first:first + n]
+        if len(times) != n or None in times:
+            with pytest.raises(RuntimeError, match="no recorded end"):
+                rec.on_late_tokens([LateTokens("a", first, n)])
+            return
+        rec.on_late_tokens([LateTokens("a", first, n)])
+        want += times
+        assert rec.requests["a"].token_times == want and rec.requests["a"].output_tokens == len(want)

@@ -4,6 +4,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from servetwin.core.config_error import ConfigError
 
@@ -251,3 +253,20 @@ def test_a_config_error_inside_the_simulation_reaches_the_caller_with_its_field(
     with pytest.raises(ConfigError) as e:
         Simulation(_engine(), reqs, Offline()).run()
     assert e.value.path == "arrivals" and "sorted by arrival_s" in str(e.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(settings_=st.lists(st.tuples(st.integers(1, 4), st.sampled_from([1, 1, 3]), st.sampled_from([None, 2, 7])),
+                          min_size=1, max_size=12))
+def test_workload_sampling_params_equal_params_built_per_request(settings_):
+    """The SamplingParams shared by a workload's requests of the same settings == the ones `_admit` built per
+    request before (every field, the EOS ids included); one object per setting."""
+    from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
+    from servetwin.sim.engine import workload_sampling_params  # noqa: PLC0415
+    for max_tokens, n, eos in settings_:
+        want = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=eos is None)
+        if eos is not None:
+            want.update_from_generation_config(eos)
+        got = workload_sampling_params(max_tokens, n, eos)
+        assert got == want and got is workload_sampling_params(max_tokens, n, eos)  # (== compares every field)
+        assert (got.eos_token_id, got.all_stop_token_ids) == (want.eos_token_id, want.all_stop_token_ids)

@@ -2,6 +2,8 @@
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from servetwin.core.engine.executor import Executor, FakeExecutor, make_executor
 from servetwin.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -127,6 +129,33 @@ def test_request_token_salt_follows_the_sampling_mode():
     prompt = [1, 2, 300, 2**40, 0]
     assert request_token_salt("x", prompt, greedy) == zlib.crc32(array("q", prompt).tobytes())
     assert request_token_salt("x", prompt, seeded) == zlib.crc32(array("q", prompt).tobytes() + b"3")
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 2**40), max_size=6), min_size=1, max_size=3),
+       sends=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(0, 9), max_size=3),
+                                st.sampled_from([0.0, 1.0]), st.sampled_from([None, 3, 40])), min_size=1, max_size=8),
+       max_tokens=st.sampled_from([0, 8, 1 << 20]))
+def test_request_token_salt_of_a_resent_prompt_is_computed_afresh(prompts, sends, max_tokens):
+    """The salt of a prompt list sent again (from the memo of prompt CRCs) == the definition, whatever was
+    sent before (lists grown in place, a memo that is full)."""
+    import zlib  # noqa: PLC0415
+    from array import array  # noqa: PLC0415
+
+    from servetwin.core.prompt_memo import PromptMemo  # noqa: PLC0415
+    from servetwin.core.sampling_params import SamplingParams  # noqa: PLC0415
+    from servetwin.sim import executor  # noqa: PLC0415
+    memo = PromptMemo(max_tokens=max_tokens)  # 0 / 8: full at once / soon
+    for i, (p, grow, temperature, seed) in enumerate(sends):
+        prompt = prompts[p % len(prompts)]
+        prompt.extend(grow)
+        params = SamplingParams(temperature=temperature, seed=seed)
+        want = (zlib.crc32(array("q", prompt).tobytes()) if temperature == 0.0
+                else zlib.crc32(array("q", prompt).tobytes() + str(seed).encode()) if seed is not None
+                else zlib.crc32(f"r{i}".encode()))
+        assert executor.request_token_salt(f"r{i}", prompt, params, memo) == want
+        assert executor.request_token_salt(f"r{i}", tuple(prompt), params, memo) == want  # (no list: no memo)
+        assert executor.request_token_salt(f"r{i}", prompt, params) == want  # (no memo)
 
 
 def test_request_rule_tokens_stay_inside_a_small_vocabulary():
