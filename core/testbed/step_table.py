@@ -24,6 +24,7 @@ STEP_COLUMNS = [
 _TEXT = ("run", "backend", "annotation")
 _FLOAT = ("t_start_s", "t_end_s", "duration_s", "kv_usage")
 _FLOAT_VALUES = operator.itemgetter(*(STEP_COLUMNS.index(name) for name in _FLOAT))
+_FLOAT_INDEX = {name: STEP_COLUMNS.index(name) for name in _FLOAT}
 
 Column = Union[array, list]
 _MAX_PENDING = 1024  # buffered rows at most (a run of fused steps that nobody reads: bounded memory)
@@ -167,6 +168,13 @@ class StepTable:
             del col[n:]
 
     def get(self, i: int, name: str) -> Any:
+        pending = self._pending
+        if pending and name in _FLOAT_INDEX:
+            n = len(self._columns["step"])
+            if i >= n:  # (speed: a buffered row's time read without flushing the buffer - the trace reads
+                # each processed step's end; `append_interned` rows hold floats there, which the column
+                # stores as they are)
+                return pending[i - n][_FLOAT_INDEX[name]]
         self._flush()
         return self._columns[name][i]
 

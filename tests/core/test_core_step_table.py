@@ -54,6 +54,31 @@ def test_append_interned_stores_what_append_stores(rows, odd, fast):
 
 
 @settings(max_examples=60, deadline=None)
+@given(rows=st.lists(_row, max_size=12), fast=st.lists(st.booleans(), min_size=12, max_size=12),
+       reads=st.lists(st.tuples(st.integers(0, 11), st.sampled_from(STEP_COLUMNS)), max_size=6))
+def test_get_of_a_buffered_row_is_what_the_flushed_table_holds(rows, fast, reads):
+    """`get` of a row still buffered by `append_interned` (a float column read without a flush) gives what
+    the table gives once the rows reached the columns; reads in between change nothing stored."""
+    a, b = StepTable(), StepTable()
+    seen = []
+    for i, (row, quick) in enumerate(zip(rows, fast)):
+        values = [float(row[c]) if c in _FLOATS else row[c] for c in STEP_COLUMNS]
+        for table in (a, b):
+            if quick:
+                table.append_interned([table.intern(v) if c in _TEXT else v for c, v in zip(STEP_COLUMNS, values)])
+            else:
+                table.append(values)
+        for j, name in reads:
+            if j <= i:
+                seen.append((j, name, b.get(j, name)))
+    flushed = list(a)  # (reading every row puts the buffered ones in the columns)
+    for j, name, value in seen:
+        assert a.get(j, name) == value and type(a.get(j, name)) is type(value)
+        assert flushed[j][name] == value
+    assert flushed == list(b)
+
+
+@settings(max_examples=60, deadline=None)
 @given(rows=st.lists(_row, max_size=12), odd=st.lists(st.tuples(st.integers(0, 11), _odd), max_size=3))
 def test_rows_round_trip_and_frame_equals_pandas_from_dicts(rows, odd):
     for i, (name, value) in odd:
