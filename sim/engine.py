@@ -553,6 +553,9 @@ class Simulation:
         implicit = sched.quiet_step()
         if implicit is None:
             return None
+        finished = sched.take_quiet_finished()
+        if finished:  # (the step after a finish: the runner forgets them, as from its `finished_req_ids`)
+            engine.executor.forget_requests(finished)
         kv = sched.kv_cache_manager
         shared = sched.shared_kv_tokens()
         duration = engine.executor.implicit_decode_duration(implicit, shared)

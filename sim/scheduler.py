@@ -78,6 +78,7 @@ class SimScheduler(Scheduler):
         self._group_managers: list = []  # every KV cache group's manager when there are several (lazy only)
         self._window_managers: list = []  # the sliding-window ones among them
         self._scheduled_ahead: Optional[SchedulerOutput] = None  # `quiet_step`'s output with rows, for `schedule`
+        self._quiet_finished: set[str] = set()  # the finished ids a `quiet_step` handed over (`take_quiet_finished`)
 
     # -- implicit steady decodes: public entry points -------------------------------------------------
     def lazy_decode_supported(self) -> bool:
@@ -118,20 +119,26 @@ class SimScheduler(Scheduler):
     def quiet_step(self) -> Optional[ImplicitDecodes]:
         """Schedule the next step at once when its batch can only be the implicit members' (the fused step
         of `servetwin.sim.engine.Simulation`): every running request a member, nobody waiting, nothing
-        finished or preempted since the last step, no drafts, no KV connector, no prefix-cache lookup
-        or preemption since the last stats - so that `make_stats()` would change nothing. Returns the
-        step's aggregates (its `ImplicitDecodes`) when the step lists no row: no member event due
-        (then nothing changes but the step counter), or only KV events done in place (the step is
-        scheduled in full, `schedule()`). None: not such a step - nothing changed, or the step was
-        scheduled and listed rows after all, and the next `schedule()` returns that output."""
+        preempted since the last step, no drafts, no KV connector, no prefix-cache lookup or preemption
+        since the last stats - so that `make_stats()` would change nothing. Returns the step's aggregates
+        (its `ImplicitDecodes`) when the step lists no row: no member event due (then nothing changes but
+        the step counter, and the requests finished since the last step are handed over with it, as
+        `SchedulerOutput.finished_req_ids`: `take_quiet_finished`), or, with nothing finished, only KV
+        events done in place (the step is scheduled in full, `schedule()`). None: not such a step -
+        nothing changed, or the step was scheduled and listed rows after all, and the next `schedule()`
+        returns that output."""
         lazy = self.lazy
-        if lazy is None or not self._members_alone():
+        if lazy is None or not self._members_alone(finished_ok=True):
             return None
         implicit = lazy.quiet_step(self.current_step)
+        finished = self.finished_req_ids
         if implicit is not None:
             self.current_step += 1
+            if finished:  # (speed: the step after a finish fused too; `_finalise` would hand them over so)
+                self._quiet_finished = finished
+                self.finished_req_ids = set()
             return implicit
-        if not lazy.members_only():
+        if finished or not lazy.members_only():
             return None
         so = self.schedule()  # member events: done in place, or the normal path
         if (so.num_scheduled_tokens or so.scheduled_new_reqs or so.preempted_order or so.implicit_decodes is None
@@ -140,12 +147,22 @@ class SimScheduler(Scheduler):
             return None
         return so.implicit_decodes
 
-    def _members_alone(self) -> bool:
+    def take_quiet_finished(self) -> set[str]:
+        """The requests finished before the step `quiet_step` just took, which it handed over (the runner
+        forgets them, as with a scheduled step's `finished_req_ids`); empty after the first call."""
+        finished = self._quiet_finished
+        if finished:
+            self._quiet_finished = set()
+        return finished
+
+    def _members_alone(self, finished_ok: bool = False) -> bool:
         """Whether the next step's batch can only be the implicit members' (what `quiet_step` needs besides
-        the members' events): nobody waiting, nothing finished or preempted, no drafts, no connector, no
-        prefix-cache lookup or preemption since the last stats, the members within the token budget."""
+        the members' events): nobody waiting, nothing finished (unless `finished_ok`) or preempted, no
+        drafts, no connector, no prefix-cache lookup or preemption since the last stats, the members within
+        the token budget."""
         lazy = self.lazy
-        if (self.waiting or self.kv_holding_waiting or self.deferred_waiting or self.finished_req_ids
+        if (self.waiting or self.kv_holding_waiting or self.deferred_waiting
+                or (self.finished_req_ids and not finished_ok)
                 or self.reset_preempted_req_ids or self._step_spec_tokens or self._num_preempted_since_stats
                 or self._spec_stats_since_read is not None or self.connector is not None
                 or self._scheduled_ahead is not None
