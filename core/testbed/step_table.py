@@ -168,24 +168,31 @@ class StepTable:
             del col[n:]
 
     def get(self, i: int, name: str) -> Any:
+        # (speed: the trace reads each processed step's end; the buffered rows are flushed only when the row
+        # read is one of them and not in a float column - `append_interned` rows hold floats there, which the
+        # column stores as they are; a row already in the columns is what a flush leaves it)
         pending = self._pending
-        if pending and name in _FLOAT_INDEX:
+        if pending:
             n = len(self._columns["step"])
-            if i >= n:  # (speed: a buffered row's time read without flushing the buffer - the trace reads
-                # each processed step's end; `append_interned` rows hold floats there, which the column
-                # stores as they are)
+            if 0 <= i < n:
+                return self._columns[name][i]
+            if i >= n and name in _FLOAT_INDEX:
                 return pending[i - n][_FLOAT_INDEX[name]]
-        self._flush()
+            self._flush()
         return self._columns[name][i]
 
     def add(self, i: int, name: str, delta: int) -> None:
         """Row `i`'s `name` += `delta` (a count learnt after the row was recorded)."""
-        self._flush()
+        if not 0 <= i < len(self._columns["step"]):  # (speed: a row in the columns changes in place, as after
+            self._flush()  # a flush of the buffered rows behind it, which go to the column as it is then)
         col = self._columns[name]
         value = col[i] + delta
         if not isinstance(col, list) and not _fits(col, value):
-            col = self._columns[name] = list(col)
-            self._bind()
+            self._flush()  # (the buffered rows go in before the column becomes a list, as they always did)
+            col = self._columns[name]
+            if not isinstance(col, list):
+                col = self._columns[name] = list(col)
+                self._bind()
         col[i] = value
 
     def column(self, name: str) -> Column:
