@@ -135,7 +135,10 @@ class SimScheduler(Scheduler):
         if implicit is not None:
             self.current_step += 1
             if finished:  # (speed: the step after a finish fused too; `_finalise` would hand them over so)
-                self._quiet_finished = finished
+                if self._quiet_finished:
+                    self._quiet_finished |= finished
+                else:
+                    self._quiet_finished = finished
                 self.finished_req_ids = set()
             return implicit
         if finished or not lazy.members_only():
@@ -148,8 +151,8 @@ class SimScheduler(Scheduler):
         return so.implicit_decodes
 
     def take_quiet_finished(self) -> set[str]:
-        """The requests finished before the step `quiet_step` just took, which it handed over (the runner
-        forgets them, as with a scheduled step's `finished_req_ids`); empty after the first call."""
+        """The requests finished before the steps `quiet_step` took since the last call, which it handed over
+        (the runner forgets them, as with a scheduled step's `finished_req_ids`)."""
         finished = self._quiet_finished
         if finished:
             self._quiet_finished = set()
