@@ -34,8 +34,9 @@ listed row, nothing waiting or preempted; `SimScheduler.quiet_step`) is done in 
 `_fused_step`: the scheduler's step, the duration from the cost model, the trace row and the front end's
 step output, without the `SchedulerOutput`, stats and runner output of `EngineCore.step` - the same
 rows, events and state (tests/sim/test_sim_fused_step.py). The requests finished since the previous step
-(the step after a finish, with no member event) go to the runner as that output's `finished_req_ids` would. In async scheduling its batch stays out of
-the engine's batch queue until a normal step needs it there (`_unfuse`).
+(the step after a finish, with no member event) go to the runner as that output's `finished_req_ids` would.
+In async scheduling its batch stays out of the engine's batch queue until a normal step needs it there
+(`_unfuse`).
 
 Step windows (`step_windows=True`, with fused steps; async scheduling, or sync without a front end): a run of
 fused steps without member events is one SimPy event; what the step-by-step run does at each step end in
