@@ -109,6 +109,21 @@ def test_most_steps_of_a_steady_batch_are_fused(async_scheduling, frontend):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("frontend", ["offline", "api_server"])
+def test_the_step_after_a_finish_is_fused(async_scheduling, frontend):
+    """Requests of different lengths finishing one by one while the others decode: the step after a finish
+    (its finished ids handed to the runner) is fused too, so a finish costs one normal step (its last token's):
+    at most the admission, the two steps after it (the prefills' outputs), one per request and the last one."""
+    engine_kw = dict(enable_prefix_caching=True, block_size=16, num_gpu_blocks=600, max_num_seqs=8,
+                     max_model_len=512, async_scheduling=async_scheduling)
+    workload = {"requests": 8, "seed": 2, "prompt_tokens": 40,
+                "output_tokens": {"type": "uniform", "low": 50, "high": 300}, "arrival": {"type": "offline"}}
+    fused = _assert_same(engine_kw, workload, frontend)
+    result, _, _ = _run(engine_kw, workload, "fused", frontend)
+    assert result.num_steps - fused <= 3 + 8 + 1
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("frontend", ["offline", "api_server"])
 def test_fused_steps_priced_zero_seconds(async_scheduling, frontend):
     """Steps priced 0 s (every cost coefficient 0): a fused step then takes no event either, as a normal one."""
     engine_kw = dict(enable_prefix_caching=True, block_size=4, num_gpu_blocks=600, max_num_seqs=4,
