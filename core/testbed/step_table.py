@@ -117,11 +117,8 @@ class StepTable:
         """Several rows at once, given by column (one sequence per STEP_COLUMNS name, all of one length),
         with `append_interned`'s conditions on every row; the rows are stored as `append_interned` of each
         would store them. Returns the first new row's index."""
-        pending = self._pending
-        n = len(self._columns["step"]) + len(pending)
-        if pending:  # (speed: the buffered rows and these in one extend per column, not two)
-            self._pending = []
-            columns = [[*old, *new] for old, new in zip(zip(*pending), columns)]
+        self._flush()
+        n = len(self)
         self._extend(columns)
         return n
 
