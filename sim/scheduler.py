@@ -122,33 +122,37 @@ class SimScheduler(Scheduler):
         preempted since the last step, no drafts, no KV connector, no prefix-cache lookup or preemption
         since the last stats - so that `make_stats()` would change nothing. Returns the step's aggregates
         (its `ImplicitDecodes`) when the step lists no row: no member event due (then nothing changes but
-        the step counter, and the requests finished since the last step are handed over with it, as
-        `SchedulerOutput.finished_req_ids`: `take_quiet_finished`), or, with nothing finished, only KV
-        events done in place (the step is scheduled in full, `schedule()`). None: not such a step -
+        the step counter), or only KV events done in place (the step is scheduled in full, `schedule()`);
+        the requests finished since the last step are handed over with it, as its
+        `SchedulerOutput.finished_req_ids` would be (`take_quiet_finished`). None: not such a step -
         nothing changed, or the step was scheduled and listed rows after all, and the next `schedule()`
-        returns that output."""
+        returns that output (the finished ids in it)."""
         lazy = self.lazy
         if lazy is None or not self._members_alone(finished_ok=True):
             return None
         implicit = lazy.quiet_step(self.current_step)
-        finished = self.finished_req_ids
         if implicit is not None:
             self.current_step += 1
-            if finished:  # (speed: the step after a finish fused too; `_finalise` would hand them over so)
-                if self._quiet_finished:
-                    self._quiet_finished |= finished
-                else:
-                    self._quiet_finished = finished
+            if self.finished_req_ids:  # (speed: the step after a finish fused too, as `_finalise` hands them over)
+                self._hand_over_finished(self.finished_req_ids)
                 self.finished_req_ids = set()
             return implicit
-        if finished or not lazy.members_only():
+        if not lazy.members_only():
             return None
         so = self.schedule()  # member events: done in place, or the normal path
         if (so.num_scheduled_tokens or so.scheduled_new_reqs or so.preempted_order or so.implicit_decodes is None
                 or lazy.pending_update or lazy.flushed):
             self._scheduled_ahead = so
             return None
+        if so.finished_req_ids:
+            self._hand_over_finished(so.finished_req_ids)
         return so.implicit_decodes
+
+    def _hand_over_finished(self, finished: set[str]) -> None:
+        if self._quiet_finished:
+            self._quiet_finished |= finished
+        else:
+            self._quiet_finished = finished
 
     def take_quiet_finished(self) -> set[str]:
         """The requests finished before the steps `quiet_step` took since the last call, which it handed over
