@@ -30,11 +30,13 @@ Time stamps follow `servetwin.core.testbed.trace`: a token's time is the end of 
 completes at the end of the step that produced its last token.
 
 Fused steps: with implicit decodes (sim/scheduler.py), a step whose batch is the implicit members alone (no
-listed row, nothing waiting, finished or preempted; `SimScheduler.quiet_step`) is done in one call,
+listed row, nothing waiting or preempted; `SimScheduler.quiet_step`) is done in one call,
 `_fused_step`: the scheduler's step, the duration from the cost model, the trace row and the front end's
 step output, without the `SchedulerOutput`, stats and runner output of `EngineCore.step` - the same
-rows, events and state (tests/sim/test_sim_fused_step.py). In async scheduling its batch stays out of
-the engine's batch queue until a normal step needs it there (`_unfuse`).
+rows, events and state (tests/sim/test_sim_fused_step.py). The requests finished since the previous step
+(the step after a finish, with no member event) go to the runner as that output's `finished_req_ids` would.
+In async scheduling its batch stays out of the engine's batch queue until a normal step needs it there
+(`_unfuse`).
 
 Step windows (`step_windows=True`, with fused steps; async scheduling, or sync without a front end): a run of
 fused steps without member events is one SimPy event; what the step-by-step run does at each step end in
@@ -573,6 +575,9 @@ class Simulation:
         implicit = sched.quiet_step()
         if implicit is None:
             return None
+        finished = sched.take_quiet_finished()
+        if finished:  # (the step after a finish: the runner forgets them, as from its `finished_req_ids`)
+            engine.executor.forget_requests(finished)
         kv = sched.kv_cache_manager
         shared = sched.shared_kv_tokens()
         duration = engine.executor.implicit_decode_duration(implicit, shared)

@@ -22,7 +22,7 @@ import math
 import struct
 import threading
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 from servetwin.core.outputs import ModelRunnerOutput, StepTiming
@@ -139,14 +139,20 @@ class SimExecutor:
             raise ValueError(f"output_lengths[{request_id!r}]: must be an integer >= 1, got {n!r}")
         self.output_lengths[request_id] = n
 
+    def forget_requests(self, request_ids: Iterable[str]) -> None:
+        """The runner state of these finished requests dropped (a step's `finished_req_ids`)."""
+        counts, prompts, salts, lengths = self.num_tokens, self.num_prompt_tokens, self.salts, self.output_lengths
+        for rid in request_ids:
+            counts.pop(rid, None)
+            prompts.pop(rid, None)
+            salts.pop(rid, None)
+            lengths.pop(rid, None)
+
     def _update_token_counts(self, so: SchedulerOutput) -> None:
         """The runner's view of each request's known tokens (prompt + sampled), from the output."""
         counts, prompts = self.num_tokens, self.num_prompt_tokens
-        for rid in so.finished_req_ids:
-            counts.pop(rid, None)
-            prompts.pop(rid, None)
-            self.salts.pop(rid, None)
-            self.output_lengths.pop(rid, None)
+        if so.finished_req_ids:
+            self.forget_requests(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             counts[new.req_id] = prompts[new.req_id] = len(new.prompt_token_ids)
             self.salts[new.req_id] = request_token_salt(new.req_id, new.prompt_token_ids, new.sampling_params,

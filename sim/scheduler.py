@@ -79,6 +79,7 @@ class SimScheduler(Scheduler):
         self._group_managers: list = []  # every KV cache group's manager when there are several (lazy only)
         self._window_managers: list = []  # the sliding-window ones among them
         self._scheduled_ahead: Optional[SchedulerOutput] = None  # `quiet_step`'s output with rows, for `schedule`
+        self._quiet_finished: set[str] = set()  # the finished ids a `quiet_step` handed over (`take_quiet_finished`)
         # (speed: a prompt sent again - the same list, as the simulator's workloads send it - hashes its full
         # blocks once per engine: servetwin.core.prompt_memo; kept for this engine's run only)
         self.block_hasher = self.make_block_hasher(PromptMemo())
@@ -122,36 +123,62 @@ class SimScheduler(Scheduler):
     def quiet_step(self) -> Optional[ImplicitDecodes]:
         """Schedule the next step at once when its batch can only be the implicit members' (the fused step
         of `servetwin.sim.engine.Simulation`): every running request a member, nobody waiting, nothing
-        finished or preempted since the last step, no drafts, no KV connector, no prefix-cache lookup
-        or preemption since the last stats - so that `make_stats()` would change nothing. Returns the
-        step's aggregates (its `ImplicitDecodes`) when the step lists no row: no member event due
-        (then nothing changes but the step counter), or only KV events done in place (`_in_place_step`).
-        None: not such a step - nothing changed, or the step was scheduled in full (`schedule()`) and
-        listed rows after all, and the next `schedule()` returns that output."""
+        preempted since the last step, no drafts, no KV connector, no prefix-cache lookup or preemption
+        since the last stats - so that `make_stats()` would change nothing. Returns the step's aggregates
+        (its `ImplicitDecodes`) when the step lists no row: no member event due (then nothing changes but
+        the step counter), or only KV events done in place (`_in_place_step`); the requests finished since
+        the last step are handed over with it, as its `SchedulerOutput.finished_req_ids` would be
+        (`take_quiet_finished`). None: not such a step - nothing changed, or the step was scheduled in full
+        (`schedule()`) and listed rows after all, and the next `schedule()` returns that output (the
+        finished ids in it)."""
         lazy = self.lazy
-        if lazy is None or not self._members_alone():
+        if lazy is None or not self._members_alone(finished_ok=True):
             return None
         implicit = lazy.quiet_step(self.current_step)
         if implicit is not None:
             self.current_step += 1
+            if self.finished_req_ids:  # (speed: the step after a finish fused too, as `_finalise` hands them over)
+                self._hand_over_finished(self.finished_req_ids)
+                self.finished_req_ids = set()
             return implicit
         if not lazy.members_only():
             return None
         if self._in_place_step():  # member KV events done in place
+            if self.finished_req_ids:  # (as `_finalise` hands them over and resets the set)
+                self._hand_over_finished(self.finished_req_ids)
+                self.finished_req_ids = set()
             return lazy.step_aggregates(self.current_step - 1)
         so = self.schedule()  # the normal path
         if (so.num_scheduled_tokens or so.scheduled_new_reqs or so.preempted_order or so.implicit_decodes is None
                 or lazy.pending_update or lazy.flushed):
             self._scheduled_ahead = so
             return None
+        if so.finished_req_ids:
+            self._hand_over_finished(so.finished_req_ids)
         return so.implicit_decodes
 
-    def _members_alone(self) -> bool:
+    def _hand_over_finished(self, finished: set[str]) -> None:
+        if self._quiet_finished:
+            self._quiet_finished |= finished
+        else:
+            self._quiet_finished = finished
+
+    def take_quiet_finished(self) -> set[str]:
+        """The requests finished before the steps `quiet_step` took since the last call, which it handed over
+        (the runner forgets them, as with a scheduled step's `finished_req_ids`)."""
+        finished = self._quiet_finished
+        if finished:
+            self._quiet_finished = set()
+        return finished
+
+    def _members_alone(self, finished_ok: bool = False) -> bool:
         """Whether the next step's batch can only be the implicit members' (what `quiet_step` needs besides
-        the members' events): nobody waiting, nothing finished or preempted, no drafts, no connector, no
-        prefix-cache lookup or preemption since the last stats, the members within the token budget."""
+        the members' events): nobody waiting, nothing finished (unless `finished_ok`) or preempted, no
+        drafts, no connector, no prefix-cache lookup or preemption since the last stats, the members within
+        the token budget."""
         lazy = self.lazy
-        if (self.waiting or self.kv_holding_waiting or self.deferred_waiting or self.finished_req_ids
+        if (self.waiting or self.kv_holding_waiting or self.deferred_waiting
+                or (self.finished_req_ids and not finished_ok)
                 or self.reset_preempted_req_ids or self._step_spec_tokens or self._num_preempted_since_stats
                 or self._spec_stats_since_read is not None or self.connector is not None
                 or self._scheduled_ahead is not None
@@ -253,8 +280,8 @@ class SimScheduler(Scheduler):
         every due member's event is a KV event that fits (its terminal one: not) - without `schedule()`:
         the same state changes as its `_schedule_lazy` pass (the fit check, then in running order each
         due member's outputs applied, its KV work, its next event), whose `SchedulerOutput` would list no
-        row and change nothing (no waiting pass: nobody waits; `_finalise` of no row resets the finished
-        and preempted sets and the spec tokens, all empty). (speed: `quiet_step` and a window's commit,
+        row and change nothing (no waiting pass: nobody waits; `_finalise` of no row resets the preempted set
+        and the spec tokens, both empty, and hands the finished set over, which `quiet_step` does). (speed: `quiet_step` and a window's commit,
         `quiet_steps`, take most steps with KV events this way.) False: not such a step, nothing changed.
         Raises if a member's event does not leave it implicit (its KV work always does: `advance` finds
         the next event ahead, `_in_place_run`)."""
@@ -515,8 +542,15 @@ class SimScheduler(Scheduler):
         if not groups:
             kv = self.kv_cache_manager
             return len(kv.req_to_blocks[rid]), kv.num_cached_block.get(rid, 0)
-        return (min(len(g.req_to_blocks[rid]) for g in groups),
-                min(g.num_cached_block.get(rid, 0) for g in groups))
+        held = cached = -1  # (speed: one loop, no generators; called for every member KV event)
+        for g in groups:
+            n = len(g.req_to_blocks[rid])
+            c = g.num_cached_block.get(rid, 0)
+            if held < 0 or n < held:
+                held = n
+            if cached < 0 or c < cached:
+                cached = c
+        return held, cached
 
     def _running_demand(self, requests: list[Request],
                         threshold: int) -> tuple[list[tuple[Request, int]], int, int]:

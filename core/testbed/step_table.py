@@ -24,6 +24,7 @@ STEP_COLUMNS = [
 _TEXT = ("run", "backend", "annotation")
 _FLOAT = ("t_start_s", "t_end_s", "duration_s", "kv_usage")
 _FLOAT_VALUES = operator.itemgetter(*(STEP_COLUMNS.index(name) for name in _FLOAT))
+_FLOAT_INDEX = {name: STEP_COLUMNS.index(name) for name in _FLOAT}
 
 Column = Union[array, list]
 _MAX_PENDING = 1024  # buffered rows at most (a run of fused steps that nobody reads: bounded memory)
@@ -167,17 +168,31 @@ class StepTable:
             del col[n:]
 
     def get(self, i: int, name: str) -> Any:
-        self._flush()
+        # (speed: the trace reads each processed step's end; the buffered rows are flushed only when the row
+        # read is one of them and not in a float column - `append_interned` rows hold floats there, which the
+        # column stores as they are; a row already in the columns is what a flush leaves it)
+        pending = self._pending
+        if pending:
+            n = len(self._columns["step"])
+            if 0 <= i < n:
+                return self._columns[name][i]
+            if i >= n and name in _FLOAT_INDEX:
+                return pending[i - n][_FLOAT_INDEX[name]]
+            self._flush()
         return self._columns[name][i]
 
     def add(self, i: int, name: str, delta: int) -> None:
         """Row `i`'s `name` += `delta` (a count learnt after the row was recorded)."""
-        self._flush()
+        if not 0 <= i < len(self._columns["step"]):  # (speed: a row in the columns changes in place, as after
+            self._flush()  # a flush of the buffered rows behind it, which go to the column as it is then)
         col = self._columns[name]
         value = col[i] + delta
         if not isinstance(col, list) and not _fits(col, value):
-            col = self._columns[name] = list(col)
-            self._bind()
+            self._flush()  # (the buffered rows go in before the column becomes a list, as they always did)
+            col = self._columns[name]
+            if not isinstance(col, list):
+                col = self._columns[name] = list(col)
+                self._bind()
         col[i] = value
 
     def column(self, name: str) -> Column:

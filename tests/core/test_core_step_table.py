@@ -53,6 +53,41 @@ def test_append_interned_stores_what_append_stores(rows, odd, fast):
         assert len({id(v) for v in b.column(name)}) == len(set(b.column(name)))
 
 
+_COUNTS = [c for c in STEP_COLUMNS if c not in _TEXT and c not in _FLOATS]
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.lists(_row, max_size=12), fast=st.lists(st.booleans(), min_size=12, max_size=12),
+       ops=st.lists(st.tuples(st.integers(0, 11), st.booleans(), st.sampled_from(STEP_COLUMNS),
+                              st.sampled_from(_COUNTS), st.sampled_from([1, 2 ** 70])), min_size=12, max_size=12))
+def test_reads_and_adds_between_buffered_rows_are_the_flushed_tables(rows, fast, ops):
+    """`get` and `add` with rows still buffered by `append_interned` (read without a flush when the row is in the
+    columns already or is a buffered row's float; a count added in place, a too-large one turning its column
+    into a list) give and store what they do on a table flushed before each call."""
+    a, b = StepTable(), StepTable()  # a: flushed before every read and add (`column` flushes)
+    for i, (row, quick, (j, read, name, count, delta)) in enumerate(zip(rows, fast, ops)):
+        values = [float(row[c]) if c in _FLOATS else row[c] for c in STEP_COLUMNS]
+        for table in (a, b):
+            if quick:
+                table.append_interned([table.intern(v) if c in _TEXT else v for c, v in zip(STEP_COLUMNS, values)])
+            else:
+                table.append(values)
+        if j > i:
+            continue
+        a.column("step")
+        if read:
+            expected = a.get(j, name)
+            got = b.get(j, name)
+            assert got == expected and type(got) is type(expected)
+        else:
+            a.add(j, count, delta)
+            b.add(j, count, delta)
+    assert list(a) == list(b)
+    for name in STEP_COLUMNS:
+        assert type(a.column(name)) is type(b.column(name))
+    pd.testing.assert_frame_equal(a.to_frame(), b.to_frame(), check_exact=True)
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.lists(_row, max_size=12), odd=st.lists(st.tuples(st.integers(0, 11), _odd), max_size=3))
 def test_rows_round_trip_and_frame_equals_pandas_from_dicts(rows, odd):

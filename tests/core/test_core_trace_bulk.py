@@ -106,6 +106,31 @@ def test_extend_interned_stores_what_append_stores(n, odd, at, column):
                for c in STEP_COLUMNS)
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 6), odd=st.sampled_from([None, 2.5, 2 ** 70, 7]), at=st.integers(0, 5),
+       column=st.sampled_from([c for c in STEP_COLUMNS if c not in ("run", "backend", "annotation")]),
+       buffered=st.integers(0, 6))
+def test_extend_interned_after_buffered_rows_stores_what_append_interned_stores(n, odd, at, column, buffered):
+    """`extend_interned` after rows `append_interned` still buffers (both go to the columns in one extend) stores
+    every row as `append_interned` of each does, a value no array of its column holds included - among the
+    buffered rows or the new ones."""
+    rows = [[f"x{c}" if name in ("run", "backend", "annotation") else
+             (float(i + c) if name in ("t_start_s", "t_end_s", "duration_s", "kv_usage") else i + c)
+             for c, name in enumerate(STEP_COLUMNS)] for i in range(n)]
+    if n:
+        rows[at % n][STEP_COLUMNS.index(column)] = odd
+    a, b = StepTable(), StepTable()
+    for row in rows:
+        a.append_interned([a.intern(v) if type(v) is str else v for v in row])
+    first, rest = rows[:buffered], [[b.intern(v) if type(v) is str else v for v in row] for row in rows[buffered:]]
+    for row in first:
+        b.append_interned([b.intern(v) if type(v) is str else v for v in row])
+    start = b.extend_interned([list(col) for col in zip(*rest)] if rest else [[] for _ in STEP_COLUMNS])
+    assert start == len(first)
+    assert list(b) == list(a)
+    assert [type(b.column(c)) for c in STEP_COLUMNS] == [type(a.column(c)) for c in STEP_COLUMNS]
+
+
 _ROW_VALUES = {"t_start_s": 1.5, "t_end_s": 2.5, "duration_s": 1.0, "kv_usage": 0.25}
 
 

@@ -62,6 +62,8 @@ def _assert_same(engine_kw: dict, workload: dict, frontend: str, max_time_s=None
         assert eager_sim.frontend.cpu.busy_s == fused_sim.frontend.cpu.busy_s
     assert_same_block_pool(eager_engine, fused_engine)
     assert eager_engine.step_counter == fused_engine.step_counter
+    # the runner forgets a finished request at the same step (a fused step after a finish hands it over too)
+    assert eager_engine.executor.num_prompt_tokens.keys() == fused_engine.executor.num_prompt_tokens.keys()
     assert eager_sim.num_fused_steps == 0
     return fused_sim.num_fused_steps
 
@@ -103,6 +105,21 @@ def test_most_steps_of_a_steady_batch_are_fused(async_scheduling, frontend):
     fused = _assert_same(engine_kw, workload, frontend)
     assert fused >= 300 - 20
     assert _assert_same(engine_kw, workload, frontend, max_time_s=0.2) > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("frontend", ["offline", "api_server"])
+def test_the_step_after_a_finish_is_fused(async_scheduling, frontend):
+    """Requests of different lengths finishing one by one while the others decode: the step after a finish
+    (its finished ids handed to the runner) is fused too, so a finish costs one normal step (its last token's):
+    at most the admission, the two steps after it (the prefills' outputs), one per request and the last one."""
+    engine_kw = dict(enable_prefix_caching=True, block_size=16, num_gpu_blocks=600, max_num_seqs=8,
+                     max_model_len=512, async_scheduling=async_scheduling)
+    workload = {"requests": 8, "seed": 2, "prompt_tokens": 40,
+                "output_tokens": {"type": "uniform", "low": 50, "high": 300}, "arrival": {"type": "offline"}}
+    fused = _assert_same(engine_kw, workload, frontend)
+    result, _, _ = _run(engine_kw, workload, "fused", frontend)
+    assert result.num_steps - fused <= 3 + 8 + 1
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
