@@ -34,9 +34,12 @@ def test_decode_duration_equals_predict(model, tp, cuda_graphs, async_scheduling
     assert cm.decode_duration(k, sum_before + 8 * k, 0) == other  # (cached terms, other lengths)
 
 
-def _run(engine_kw: dict, workload: dict, mode: str, frontend: str, max_time_s=None, free_steps=False):
+def _run(engine_kw: dict, workload: dict, mode: str, frontend: str, max_time_s=None, free_steps=False,
+         runner_known=None):
     """mode: "fused" (implicit decodes and fused steps), "lazy" (implicit decodes, no fused step) or "eager"
-    (every step and row simulated). `free_steps`: every step priced 0 s (all cost coefficients 0)."""
+    (every step and row simulated). `free_steps`: every step priced 0 s (all cost coefficients 0).
+    `runner_known` (a dict): filled with the requests the runner knows after each step, by step counter (the
+    step boundary hook keeps every step one by one: no step windows)."""
     args = EngineArgs.from_kwargs(model="tiny-llama", backend="sim", hardware="h100-sxm", skip_tokenizer_init=True,
                                   **engine_kw)
     engine, info = create_engine_core(args)
@@ -46,6 +49,10 @@ def _run(engine_kw: dict, workload: dict, mode: str, frontend: str, max_time_s=N
     sim = Simulation(engine, requests, spec.arrival, rng=rng_streams(spec.seed)["runtime"], fast_forward=False,
                      record_step_requests=False, lazy_decode=mode != "eager", fused_steps=mode == "fused",
                      max_time_s=max_time_s, frontend=FrontendConfig(frontend))
+    if runner_known is not None:
+        def boundary(_sim):
+            runner_known[engine.step_counter] = frozenset(engine.executor.num_prompt_tokens)
+        sim.on_step_boundary = boundary
     result = sim.run()
     return result, engine, sim
 
@@ -65,6 +72,10 @@ def _assert_same(engine_kw: dict, workload: dict, frontend: str, max_time_s=None
     # the runner forgets a finished request at the same step (a fused step after a finish hands it over too)
     assert eager_engine.executor.num_prompt_tokens.keys() == fused_engine.executor.num_prompt_tokens.keys()
     assert eager_sim.num_fused_steps == 0
+    known = [{}, {}]  # ... after every step, with the steps taken one by one
+    _run(engine_kw, workload, "eager", frontend, max_time_s, free_steps, runner_known=known[0])
+    _run(engine_kw, workload, "fused", frontend, max_time_s, free_steps, runner_known=known[1])
+    assert known[0] == known[1]
     return fused_sim.num_fused_steps
 
 
