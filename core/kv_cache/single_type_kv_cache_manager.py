@@ -59,7 +59,10 @@ class SingleTypeKVCacheManager:
         skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_new = max(required - max(skipped, len(new_computed_blocks) + num_held), 0)
         kept = new_computed_blocks[max(0, skipped - num_held):] if skipped else new_computed_blocks
-        return num_new + sum(1 for b in kept if b.ref_cnt == 0 and not b.is_null)
+        for b in kept:  # = sum(1 for b in kept if ...) (speed: no generator; ~50 hits an admission, twice)
+            if b.ref_cnt == 0 and not b.is_null:
+                num_new += 1
+        return num_new
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: list,
                                  total_computed_tokens: int) -> None:

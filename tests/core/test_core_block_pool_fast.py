@@ -1,9 +1,10 @@
 """`BlockHashToBlockMap.get_leading_blocks` (a full-attention group's prefix walk in one call) equals the walk
-of `get_one_block` calls it replaces, blocks sharing a hash included."""
+of `get_one_block` calls it replaces, blocks sharing a hash included; `BlockPool.touch` / `free_blocks`
+(unlink inlined, counts kept local) equal their one-block-at-a-time versions."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servetwin.core.kv_cache.block_pool import BlockHashToBlockMap, KVCacheBlock
+from servetwin.core.kv_cache.block_pool import BlockHashToBlockMap, BlockPool, KVCacheBlock
 
 
 @settings(max_examples=200, deadline=None)
@@ -26,3 +27,79 @@ def test_leading_blocks_equal_get_one_block_walk(inserts, pops, hashes, group):
             break
         walk.append(block)
     assert table.get_leading_blocks(keys, suffix(group)) == walk
+
+
+def _touch_one_by_one(pool: BlockPool, blocks: list[KVCacheBlock]) -> None:
+    """`BlockPool.touch` as it was before its unlink was inlined: `remove` per free block."""
+    for b in blocks:
+        if not b.is_null:
+            if b.ref_cnt == 0:
+                pool.free_block_queue.remove(b)
+            else:
+                pool.num_shared_refs += 1
+        b.ref_cnt += 1
+
+
+def _free_one_by_one(pool: BlockPool, blocks: list[KVCacheBlock]) -> None:
+    """`BlockPool.free_blocks` with every block appended / prepended singly (the queue's order rule)."""
+    first, last = [], []
+    for b in blocks:
+        if b.is_null:
+            continue
+        b.ref_cnt -= 1
+        if b.ref_cnt:
+            pool.num_shared_refs -= 1
+        elif b.block_hash is not None and pool.enable_caching:
+            last.append(b)
+        else:
+            first.append(b)
+    for b in reversed(first):
+        pool.free_block_queue.prepend_n([b])
+    for b in last:
+        pool.free_block_queue.append(b)
+
+
+def _state(pool: BlockPool) -> tuple:
+    return ([b.block_id for b in pool.free_block_queue.get_all_free_blocks()], pool.num_shared_refs,
+            pool.get_num_free_blocks(), [(b.ref_cnt, b.block_hash) for b in pool.blocks])
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["new", "touch", "free", "cache"]),
+                              st.lists(st.integers(0, 40), max_size=12)), max_size=30),
+       caching=st.booleans())
+def test_touch_and_free_equal_their_one_block_versions(ops, caching):
+    """Any sequence of allocations, hits (touch: a free cached block leaves the queue, a held one gains a
+    reference) and frees leaves the free queue's order, the ref counts and the shared count as the
+    one-block-at-a-time versions do."""
+    pools = [BlockPool(24, caching), BlockPool(24, caching)]
+    held: list[list[KVCacheBlock]] = [[], []]
+    for op, picks in ops:
+        for k, pool in enumerate(pools):
+            blocks = pool.blocks
+            if op == "new":
+                n = min(len(picks), pool.get_num_free_blocks())
+                held[k].extend(pool.get_new_blocks(n))
+            elif op == "cache":  # give held blocks a hash, so that their free goes to the tail
+                for i in picks:
+                    b = blocks[i % len(blocks)]
+                    if b.ref_cnt and not b.is_null and b.block_hash is None:
+                        pool.cache_full_blocks([b], [bytes([i])], 0, 1)
+            elif op == "touch":  # the hits: cached blocks, free or held, or the null block
+                hits = [blocks[i % len(blocks)] for i in picks]
+                hits = [b for b in hits if b.is_null or b.block_hash is not None or b.ref_cnt]
+                if k == 0:
+                    pool.touch(hits)
+                else:
+                    _touch_one_by_one(pool, hits)
+                held[k].extend(hits)
+            else:  # free some held references, in the order picked
+                chosen = []
+                for i in picks:
+                    if held[k]:
+                        chosen.append(held[k].pop(i % len(held[k])))
+                if k == 0:
+                    pool.free_blocks(chosen)
+                else:
+                    _free_one_by_one(pool, chosen)
+        assert _state(pools[0]) == _state(pools[1])
