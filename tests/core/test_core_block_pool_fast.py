@@ -64,42 +64,36 @@ def _state(pool: BlockPool) -> tuple:
             pool.get_num_free_blocks(), [(b.ref_cnt, b.block_hash) for b in pool.blocks])
 
 
+_PICKS = st.lists(st.integers(0, 40), max_size=8)
+
+
 @settings(max_examples=200, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["new", "touch", "free", "cache"]),
-                              st.lists(st.integers(0, 40), max_size=12)), max_size=30),
+@given(rounds=st.lists(st.tuples(st.integers(0, 6), _PICKS, _PICKS, _PICKS), min_size=1, max_size=12),
        caching=st.booleans())
-def test_touch_and_free_equal_their_one_block_versions(ops, caching):
-    """Any sequence of allocations, hits (touch: a free cached block leaves the queue, a held one gains a
-    reference) and frees leaves the free queue's order, the ref counts and the shared count as the
+def test_touch_and_free_equal_their_one_block_versions(rounds, caching):
+    """Rounds of allocations, registrations, frees and hits (touch: a free cached block leaves the queue, a
+    held one gains a reference) leave the free queue's order, the ref counts and the shared count as the
     one-block-at-a-time versions do."""
     pools = [BlockPool(24, caching), BlockPool(24, caching)]
     held: list[list[KVCacheBlock]] = [[], []]
-    for op, picks in ops:
+    for num_new, to_cache, to_free, to_touch in rounds:
         for k, pool in enumerate(pools):
-            blocks = pool.blocks
-            if op == "new":
-                n = min(len(picks), pool.get_num_free_blocks())
-                held[k].extend(pool.get_new_blocks(n))
-            elif op == "cache":  # give held blocks a hash, so that their free goes to the tail
-                for i in picks:
-                    b = blocks[i % len(blocks)]
-                    if b.ref_cnt and not b.is_null and b.block_hash is None:
-                        pool.cache_full_blocks([b], [bytes([i])], 0, 1)
-            elif op == "touch":  # the hits: cached blocks, free or held, or the null block
-                hits = [blocks[i % len(blocks)] for i in picks]
-                hits = [b for b in hits if b.is_null or b.block_hash is not None or b.ref_cnt]
-                if k == 0:
-                    pool.touch(hits)
-                else:
-                    _touch_one_by_one(pool, hits)
-                held[k].extend(hits)
-            else:  # free some held references, in the order picked
-                chosen = []
-                for i in picks:
-                    if held[k]:
-                        chosen.append(held[k].pop(i % len(held[k])))
-                if k == 0:
-                    pool.free_blocks(chosen)
-                else:
-                    _free_one_by_one(pool, chosen)
+            mine = held[k]
+            mine.extend(pool.get_new_blocks(min(num_new, pool.get_num_free_blocks())))
+            for i in to_cache:  # give held blocks a hash, so that their free goes to the tail
+                b = mine[i % len(mine)] if mine else pool.null_block
+                if not b.is_null and b.block_hash is None:
+                    pool.cache_full_blocks([b], [bytes([b.block_id])], 0, 1)
+            chosen = [mine.pop(i % len(mine)) for i in to_free if mine]  # held references, in the order picked
+            if k == 0:
+                pool.free_blocks(chosen)
+            else:
+                _free_one_by_one(pool, chosen)
+            candidates = [b for b in pool.blocks if b.is_null or b.block_hash is not None or b.ref_cnt]
+            hits = [candidates[i % len(candidates)] for i in to_touch]  # cached blocks, free or held; null
+            if k == 0:
+                pool.touch(hits)
+            else:
+                _touch_one_by_one(pool, hits)
+            mine.extend(hits)
         assert _state(pools[0]) == _state(pools[1])
