@@ -136,7 +136,10 @@ class KVCacheManager:
         need_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         if coord.get_num_blocks_to_allocate(rid, need_slots, hits, total_computed) + watermark > free - reserved_blocks:
             return None
-        coord.save_new_computed_blocks(rid, hits, total_computed)
+        if new_computed_blocks or rid not in self.num_cached_block:
+            # (speed: a running request adopts no hits - every group's `save_new_computed_blocks` returns at
+            # once for it; the groups hold a request together, so group 0's table says it is running)
+            coord.save_new_computed_blocks(rid, hits, total_computed)
         new_blocks = coord.allocate_new_blocks(rid, need_slots)
         if self.enable_caching and not delay_cache_blocks:
             coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
