@@ -54,3 +54,27 @@ def test_allocate_running_slots_equals_allocate_slots(groups, block_size, retent
             r.num_computed_tokens += 1
             r.append_output_token_ids(pick)
         assert _state(managers[0], rids) == _state(managers[1], rids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(window=st.integers(2, 20), block_size=st.sampled_from([1, 2, 4]), prompt_len=st.integers(1, 30),
+       num_output=st.integers(0, 30), shared=st.one_of(st.none(), st.integers(0, 40)),
+       start_frac=st.floats(0, 1))
+def test_sliding_window_registration_without_retention_reaches_only_boundaries(
+        window, block_size, prompt_len, num_output, shared, start_frac):
+    """Sparse registration (retention interval 0), whose decode blocks past every boundary return at once,
+    hashes exactly the blocks of `_reachable_ranges` (the general rule) in the range registered."""
+    kv = KVCacheManager(200, block_size, 128, kv_cache_groups=(SlidingWindowSpec(window),),
+                        prefix_cache_retention_interval=0)
+    manager = kv.coordinator.single_type_managers[0]
+    r = make_request("r", list(range(prompt_len)), block_size=block_size)
+    r.append_output_token_ids(list(range(100, 100 + num_output)))
+    r.shared_prefix_boundary = shared
+    full = len(r.block_hashes)
+    start = int(start_frac * full)
+    blocks = kv.block_pool.get_new_blocks(full)
+    manager.req_to_blocks["r"], manager.num_cached_block["r"] = blocks, start
+    manager.cache_blocks(r, full * block_size)
+    expected = {i for lo, hi in manager._reachable_ranges(r, full) for i in range(max(lo, start), min(hi, full))}
+    assert {i for i, b in enumerate(blocks) if b.block_hash is not None} == expected
+    assert manager.num_cached_block["r"] == full
