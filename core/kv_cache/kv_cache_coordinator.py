@@ -38,6 +38,9 @@ class KVCacheCoordinator:
                 spec.max_admission_blocks_per_request(block_size, max_in_flight_tokens, max_model_len),
                 **extra))
         self.has_windows = any(g.type != FULL_ATTENTION for g in groups)
+        # the managers whose attention skips leading tokens (speed: `remove_skipped_blocks` of a full-attention
+        # manager skips nothing and returns at once; it runs at every allocation of a hybrid model)
+        self.window_managers = [m for m in self.single_type_managers if type(m) is not FullAttentionManager]
         self.empty_hits: BlocksPerGroup = tuple([] for _ in groups)
         # EAGLE / MTP without lookahead block hashes (a KV connector keeps the legacy hashes): a hit
         # gives back its last block, whose KV the drafter must recompute (single_type_kv_cache_manager
@@ -66,7 +69,7 @@ class KVCacheCoordinator:
             m.cache_blocks(request, num_tokens)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        for m in self.single_type_managers:
+        for m in self.window_managers:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def free(self, request_id: str) -> None:

@@ -136,7 +136,10 @@ class KVCacheManager:
         need_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         if coord.get_num_blocks_to_allocate(rid, need_slots, hits, total_computed) + watermark > free - reserved_blocks:
             return None
-        coord.save_new_computed_blocks(rid, hits, total_computed)
+        if new_computed_blocks or rid not in self.num_cached_block:
+            # (speed: a running request adopts no hits - every group's `save_new_computed_blocks` returns at
+            # once for it; the groups hold a request together, so group 0's table says it is running)
+            coord.save_new_computed_blocks(rid, hits, total_computed)
         new_blocks = coord.allocate_new_blocks(rid, need_slots)
         if self.enable_caching and not delay_cache_blocks:
             coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
@@ -160,16 +163,23 @@ class KVCacheManager:
             if self.enable_caching:
                 manager.cache_blocks(request, min(computed + num_new_tokens, len(request._all_token_ids)))
             return (group_blocks,)
+        # the coordinator's group loops, inlined (speed: a hybrid model's member KV event in a step window
+        # runs this; three calls less each)
         coord = self.coordinator
         rid = request.request_id
         if self.has_windows:  # on what is processed, as allocate_slots
             if num_in_flight is None:
                 num_in_flight = request.num_in_flight_tokens
-            coord.remove_skipped_blocks(rid, computed - num_in_flight)
+            for window in coord.window_managers:  # = coord.remove_skipped_blocks(...)
+                window.remove_skipped_blocks(rid, computed - num_in_flight)
         total_computed = min(computed, self.max_model_len)
-        new_blocks = coord.allocate_new_blocks(rid, min(total_computed + num_new_tokens, self.max_model_len))
+        slots = min(total_computed + num_new_tokens, self.max_model_len)
+        managers = coord.single_type_managers
+        new_blocks = tuple([m.allocate_new_blocks(rid, slots) for m in managers])  # = coord.allocate_new_blocks
         if self.enable_caching:
-            coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+            known = min(total_computed + num_new_tokens, len(request._all_token_ids))  # (= request.num_tokens)
+            for m in managers:  # = coord.cache_blocks(request, known)
+                m.cache_blocks(request, known)
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

@@ -59,7 +59,10 @@ class SingleTypeKVCacheManager:
         skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_new = max(required - max(skipped, len(new_computed_blocks) + num_held), 0)
         kept = new_computed_blocks[max(0, skipped - num_held):] if skipped else new_computed_blocks
-        return num_new + sum(1 for b in kept if b.ref_cnt == 0 and not b.is_null)
+        for b in kept:  # = sum(1 for b in kept if ...) (speed: no generator; ~50 hits an admission, twice)
+            if b.ref_cnt == 0 and not b.is_null:
+                num_new += 1
+        return num_new
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: list,
                                  total_computed_tokens: int) -> None:
@@ -218,6 +221,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             # (single_type_kv_cache_manager.py:1114-1118)
             super()._cache_range(request, start, end)
             return
+        if not interval and not self.use_eagle and start >= self._last_boundary(request):
+            return  # (speed: a decode's block past every boundary - each range below ends at one - hashes nothing)
         for lo, hi in self._reachable_ranges(request, end):
             lo, hi = max(lo, start), min(hi, end)
             if lo < hi:
@@ -240,6 +245,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             step = self.retention_interval // bs
             boundaries.update(range(step, end + k + 1, step))
         return sorted((max(0, b - k), b) for b in boundaries if b > 0)
+
+    def _last_boundary(self, request: Request) -> int:
+        """The highest block index `_reachable_ranges` ends a range at, without retention intervals."""
+        shared = request.shared_prefix_boundary
+        last = (request.num_prompt_tokens - 1) // self.block_size
+        return max(last, shared // self.block_size) if shared else last
 
     def _eagle_reachable_ranges(self, request: Request, end: int) -> list[tuple[int, int]]:
         """EAGLE's hits peek one block past a boundary: each kept run is one block longer and ends
