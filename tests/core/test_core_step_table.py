@@ -88,6 +88,51 @@ def test_reads_and_adds_between_buffered_rows_are_the_flushed_tables(rows, fast,
     pd.testing.assert_frame_equal(a.to_frame(), b.to_frame(), check_exact=True)
 
 
+@settings(max_examples=80, deadline=None)
+@given(rows=st.lists(_row, max_size=16), kinds=st.lists(st.sampled_from(["append", "interned", "window"]),
+                                                        min_size=16, max_size=16),
+       sizes=st.lists(st.integers(1, 4), min_size=16, max_size=16),
+       ops=st.lists(st.tuples(st.integers(0, 15), st.booleans(), st.sampled_from(STEP_COLUMNS),
+                              st.sampled_from(_COUNTS), st.sampled_from([1, 2 ** 70])), min_size=16, max_size=16))
+def test_buffered_window_rows_read_and_add_as_the_rows_appended_one_by_one(rows, kinds, sizes, ops):
+    """`extend_interned` (a step window's rows, buffered with the `append_interned` ones until a reader needs the
+    columns) mixed with `append` and `append_interned`, with reads and adds in between: the same values, column
+    kinds and frame as a table given each row by `append` and flushed before every read; the returned first
+    index is the row's."""
+    a, b = StepTable(), StepTable()
+    i = 0
+    for kind, size, (j, read, name, count, delta) in zip(kinds, sizes, ops):
+        batch = [[float(row[c]) if c in _FLOATS else row[c] for c in STEP_COLUMNS] for row in rows[i:i + size]]
+        if not batch:
+            break
+        if kind == "window":
+            first = b.extend_interned([list(col) for col in zip(*[[b.intern(v) if c in _TEXT else v
+                                                                    for c, v in zip(STEP_COLUMNS, values)]
+                                                                   for values in batch])])
+        else:
+            batch = batch[:1]
+            first = (b.append_interned([b.intern(v) if c in _TEXT else v for c, v in zip(STEP_COLUMNS, batch[0])])
+                     if kind == "interned" else b.append(batch[0]))
+        for k, values in enumerate(batch):
+            assert a.append(values) == first + k
+        i += len(batch)
+        assert len(a) == len(b) == i
+        if j >= i:
+            continue
+        a.column("step")
+        if read:
+            expected = a.get(j, name)
+            got = b.get(j, name)
+            assert got == expected and type(got) is type(expected)
+        else:
+            a.add(j, count, delta)
+            b.add(j, count, delta)
+    assert list(a) == list(b)
+    for name in STEP_COLUMNS:
+        assert type(a.column(name)) is type(b.column(name))
+    pd.testing.assert_frame_equal(a.to_frame(), b.to_frame(), check_exact=True)
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.lists(_row, max_size=12), odd=st.lists(st.tuples(st.integers(0, 11), _odd), max_size=3))
 def test_rows_round_trip_and_frame_equals_pandas_from_dicts(rows, odd):
