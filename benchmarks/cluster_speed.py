@@ -13,15 +13,25 @@ cluster / single ratio against issue 35's targets: <= 1.5x the wall time per req
 their counts, so N must be a stage boundary: 810 = the warm-up and the first stage, 1,010, 1,310, 2,070,
 ...), and print the functions with the most cumulative and own time.
 
-**Now** (quiet, 2026-12-06 15:24-15:34 UTC, main with this session's merges: step windows across member KV
-events, bulk primitives, cheaper normal steps and routing, the output phase in a forked child, scrapes skipped when
-the router reads none; `python benchmarks/cluster_speed.py --repeats 2`, then `--repeats 3`): single 0.60-0.62 ms
-wall / 0.75-0.78 ms CPU per request (276 MB), cluster llm-d 1.72-1.83 ms wall / 1.84-1.96 ms CPU (1,146 MB; 25.6-29.4
-s in the loop, 29.0-33.1 s in all): **2.84-2.94x the wall time per request** (3.66-3.78x in the loop, 2.47-2.56x
-the CPU), from 4.22x; the target of 1.5x is not met, RSS is. Whole-ladder cProfile now (55 s, `--profile 17084`):
-normal steps 16.9 s (the scheduler's lazy pass 15 s), routing 8.9 s, window commits (`_window_schedule` +
-`_window_apply`) 11 s, window plans and extensions 5.7 s, the scrapes' catch-up 6.7 s (since skipped for this
-router: it reads no scraped metric; the quiet repeats above show no wall gain beyond noise from it).
+**Now** (quiet, 2026-12-06 18:12 UTC on main after the nineteenth session's merges, and 17:40 UTC before its last
+two, the KV work and the buffered rows: a window's and a
+fused step's member KV events done in place without `schedule()` (`SimScheduler._in_place_step`), a window priced
+in one loop, the step after a finish fused (its finished ids handed to the runner), prompts' block hashes and salts
+kept per prompt list for the run (core/prompt_memo.py), one SamplingParams per workload setting, cheaper KV
+admission and member KV work (core/kv_cache), trace rows buffered across windows, the router's keys kept per prompt
+list; every output file of the bench and the whole ladder byte-identical to c4c88d0, `benchmarks/outputs_identical.py`;
+`python benchmarks/cluster_speed.py --repeats 3`, and `--repeats 2` at 17:40): single 0.59-0.66 ms wall / 0.72-0.82 ms CPU
+per request (276 MB), cluster llm-d 1.32-1.44 ms wall / 1.45-1.57 ms CPU (1,131 MB; 17.7-20.6 s in the loop,
+21.3-24.8 s in all): **2.18-2.25x the wall time per request** (2.66x in the loop, 1.92-2.02x the CPU), from
+2.84-2.94x; the target of 1.5x is not met, RSS is. Whole-ladder cProfile now (39 s, 49.7 M calls; 56 s, 81.7 M at
+the session's start): normal steps 13.0 s (61,798 of them, 3.6 per request: an admission, the two steps after it,
+the last token; 75,068 before), window commits 8.3 s, window plans and extensions 3.8 s, fused steps 4.3 s,
+routing 2.7 s, admissions' own work 1.2 s. Measured and not merged: fusing the second step after an admission
+(normal steps 61,798 -> 48,032, the same function calls -4.7%) changed the ladder's CPU by -1.5% against a
+spread of +-4% over three interleaved runs (18:07 UTC, quiet): the work of those steps moves, it does not go.
+
+Before (quiet, 2026-12-06 15:24-15:34 UTC, the eighteenth session's merges): single 0.60-0.62 ms wall, cluster
+llm-d 1.72-1.83 ms wall (25.6-29.4 s in the loop): 2.84-2.94x.
 
 History (2026-12-06, the shared 2-core machine, under load: ratios, not results): the ladder ran at ~100x the
 single engine's wall time per request while gpt-oss's sliding-window group kept implicit decodes off; ~8x
