@@ -56,6 +56,25 @@ def test_append_interned_stores_what_append_stores(rows, odd, fast):
 _COUNTS = [c for c in STEP_COLUMNS if c not in _TEXT and c not in _FLOATS]
 
 
+def _read_or_add(a, b, j, read, name, count, delta):
+    """Read row j's `name` from both tables (the reference `a` flushed first) or add `delta` to its `count`."""
+    a.column("step")
+    if read:
+        expected = a.get(j, name)
+        got = b.get(j, name)
+        assert got == expected and type(got) is type(expected)
+    else:
+        a.add(j, count, delta)
+        b.add(j, count, delta)
+
+
+def _assert_same_tables(a, b):
+    assert list(a) == list(b)
+    for name in STEP_COLUMNS:
+        assert type(a.column(name)) is type(b.column(name))
+    pd.testing.assert_frame_equal(a.to_frame(), b.to_frame(), check_exact=True)
+
+
 @settings(max_examples=80, deadline=None)
 @given(rows=st.lists(_row, max_size=12), fast=st.lists(st.booleans(), min_size=12, max_size=12),
        ops=st.lists(st.tuples(st.integers(0, 11), st.booleans(), st.sampled_from(STEP_COLUMNS),
@@ -74,18 +93,8 @@ def test_reads_and_adds_between_buffered_rows_are_the_flushed_tables(rows, fast,
                 table.append(values)
         if j > i:
             continue
-        a.column("step")
-        if read:
-            expected = a.get(j, name)
-            got = b.get(j, name)
-            assert got == expected and type(got) is type(expected)
-        else:
-            a.add(j, count, delta)
-            b.add(j, count, delta)
-    assert list(a) == list(b)
-    for name in STEP_COLUMNS:
-        assert type(a.column(name)) is type(b.column(name))
-    pd.testing.assert_frame_equal(a.to_frame(), b.to_frame(), check_exact=True)
+        _read_or_add(a, b, j, read, name, count, delta)
+    _assert_same_tables(a, b)
 
 
 @settings(max_examples=80, deadline=None)
@@ -119,18 +128,8 @@ def test_buffered_window_rows_read_and_add_as_the_rows_appended_one_by_one(rows,
         assert len(a) == len(b) == i
         if j >= i:
             continue
-        a.column("step")
-        if read:
-            expected = a.get(j, name)
-            got = b.get(j, name)
-            assert got == expected and type(got) is type(expected)
-        else:
-            a.add(j, count, delta)
-            b.add(j, count, delta)
-    assert list(a) == list(b)
-    for name in STEP_COLUMNS:
-        assert type(a.column(name)) is type(b.column(name))
-    pd.testing.assert_frame_equal(a.to_frame(), b.to_frame(), check_exact=True)
+        _read_or_add(a, b, j, read, name, count, delta)
+    _assert_same_tables(a, b)
 
 
 @settings(max_examples=60, deadline=None)

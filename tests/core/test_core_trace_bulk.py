@@ -81,17 +81,23 @@ def test_on_implicit_steps_equals_sequential_calls(durations, k, sum_before, max
     assert _state(bulk) == _state(seq)
 
 
+def _rows_with_an_odd_value(n, odd, at, column):
+    """n step rows (text, float and int columns) with `odd` put in row `at % n`'s `column`."""
+    rows = [[f"x{c}" if name in ("run", "backend", "annotation") else
+             (float(i + c) if name in ("t_start_s", "t_end_s", "duration_s", "kv_usage") else i + c)
+             for c, name in enumerate(STEP_COLUMNS)] for i in range(n)]
+    if n:
+        rows[at % n][STEP_COLUMNS.index(column)] = odd
+    return rows
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 6), odd=st.sampled_from([None, 2.5, 2 ** 70, 7]), at=st.integers(0, 5),
        column=st.sampled_from([c for c in STEP_COLUMNS if c not in ("run", "backend", "annotation")]))
 def test_extend_interned_stores_what_append_stores(n, odd, at, column):
     """`StepTable.extend_interned` stores rows as `append_interned` of each row does, a value no array of its
     column holds included (that column becomes a list; the rows before it are kept once)."""
-    rows = [[f"x{c}" if name in ("run", "backend", "annotation") else
-             (float(i + c) if name in ("t_start_s", "t_end_s", "duration_s", "kv_usage") else i + c)
-             for c, name in enumerate(STEP_COLUMNS)] for i in range(n)]
-    if n:
-        rows[at % n][STEP_COLUMNS.index(column)] = odd
+    rows = _rows_with_an_odd_value(n, odd, at, column)
     a, b = StepTable(), StepTable()
     rows = [[b.intern(v) if type(v) is str else v for v in row] for row in rows]
     a.append([1.0 if name in ("t_start_s", "t_end_s", "duration_s", "kv_usage") else 1 if name not in
@@ -114,11 +120,7 @@ def test_extend_interned_after_buffered_rows_stores_what_append_interned_stores(
     """`extend_interned` after rows `append_interned` still buffers (both go to the columns in one extend) stores
     every row as `append_interned` of each does, a value no array of its column holds included - among the
     buffered rows or the new ones."""
-    rows = [[f"x{c}" if name in ("run", "backend", "annotation") else
-             (float(i + c) if name in ("t_start_s", "t_end_s", "duration_s", "kv_usage") else i + c)
-             for c, name in enumerate(STEP_COLUMNS)] for i in range(n)]
-    if n:
-        rows[at % n][STEP_COLUMNS.index(column)] = odd
+    rows = _rows_with_an_odd_value(n, odd, at, column)
     a, b = StepTable(), StepTable()
     for row in rows:
         a.append_interned([a.intern(v) if type(v) is str else v for v in row])
