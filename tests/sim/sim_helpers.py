@@ -94,6 +94,20 @@ def sim_model(spec, retention_interval=0):
         yield
 
 
+def window_model(window):
+    """The sim engines built inside use tiny-llama (window None) or the gpt-oss-like pattern with that sliding
+    window."""
+    return sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext()
+
+
+def small_engine(window, block_size: int, max_model_len: int, extra_blocks: int, **engine_kw) -> dict:
+    """Engine kwargs of a small sim engine for `window_model(window)`: its pool holds one max-length request
+    plus `extra_blocks`."""
+    groups = 1 if window is None else NUM_KV_CACHE_GROUPS["gpt-oss-like"]
+    num_blocks = groups * -(-max_model_len // block_size) + 1 + extra_blocks
+    return dict(block_size=block_size, num_gpu_blocks=num_blocks, max_model_len=max_model_len, **engine_kw)
+
+
 # a small cluster experiment (tests/sim/test_sim_cluster_speed.py, test_sim_step_windows.py): 30 requests in 6
 # shared-prefix groups of 5, and routers that read scraped metrics or not
 CLUSTER_BASE = {

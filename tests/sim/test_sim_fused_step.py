@@ -11,8 +11,7 @@ from servetwin.sim.cost_model import CostModel, StepSummary
 from servetwin.sim.engine import Simulation
 from servetwin.sim.frontend import FrontendConfig
 from servetwin.sim.workload import build_workload, rng_streams
-from sim_helpers import (NUM_KV_CACHE_GROUPS, assert_same_block_pool, assert_same_recordings, hybrid_spec, sim_model,
-                         small_workload)
+from sim_helpers import assert_same_block_pool, assert_same_recordings, small_engine, small_workload, window_model
 
 
 @settings(max_examples=200, deadline=None)
@@ -92,17 +91,12 @@ def test_fused_steps_equal_the_step_by_step_run(async_scheduling, caching, block
     """Sync and async scheduling, prefix caching, sliding-window groups (their frees done in place in a fused
     step), small pools (preemption), arrivals between steps, the API-server front end, client timeouts (an
     abort between fused steps): the same run as step by step."""
-    groups = 1 if window is None else NUM_KV_CACHE_GROUPS["gpt-oss-like"]
-    num_blocks = groups * -(-96 // block_size) + 1 + extra_blocks  # one max-length request fits
-    engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
-                     max_num_seqs=max_num_seqs, max_model_len=96, async_scheduling=async_scheduling)
+    engine_kw = small_engine(window, block_size, 96, extra_blocks, enable_prefix_caching=caching,
+                           max_num_seqs=max_num_seqs, async_scheduling=async_scheduling)
     extra = {"timeout_s": timeout_s} if timeout_s is not None else {}
     workload = small_workload(requests, seed, out_hi, 40, rate, False, max_output_tokens=min(out_hi, 50), **extra)
-    if window is None:
+    with window_model(window):
         _assert_same(engine_kw, workload, frontend)
-    else:
-        with sim_model(hybrid_spec("gpt-oss-like", window)):
-            _assert_same(engine_kw, workload, frontend)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

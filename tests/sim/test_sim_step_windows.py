@@ -5,7 +5,6 @@ router's decisions - single engines (async and sync scheduling, with and without
 timeouts, small pools, sliding windows) and clusters behind routers that read scraped metrics."""
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Optional
 
@@ -22,7 +21,7 @@ from servetwin.sim.engine import Simulation
 from servetwin.sim.frontend import FrontendConfig
 from servetwin.sim.workload import build_workload, rng_streams
 from sim_helpers import (CLUSTER_BASE, CLUSTER_ROUTERS, NUM_KV_CACHE_GROUPS, assert_same_block_pool,
-                         assert_same_engine_runs, assert_same_recordings, hybrid_spec, sim_model, small_workload)
+                         assert_same_engine_runs, assert_same_recordings, small_engine, small_workload, window_model)
 
 
 FRONTENDS = {"offline": FrontendConfig("offline"), "api_server": FrontendConfig("api_server"),
@@ -67,13 +66,11 @@ def test_windows_equal_the_run_without_them(async_scheduling, caching, block_siz
     """Sync and async scheduling (sync: windows without a front end only), prefix caching, sliding-window groups, small pools
     (preemption), arrivals during windows (cuts), the API-server front end (also two servers, in-order
     ingress), client timeouts: the same run."""
-    groups = 1 if window is None else NUM_KV_CACHE_GROUPS["gpt-oss-like"]
-    num_blocks = groups * -(-160 // block_size) + 1 + extra_blocks  # one max-length request fits
-    engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
-                     max_num_seqs=max_num_seqs, max_model_len=160, async_scheduling=async_scheduling)
+    engine_kw = small_engine(window, block_size, 160, extra_blocks, enable_prefix_caching=caching,
+                           max_num_seqs=max_num_seqs, async_scheduling=async_scheduling)
     extra = {"timeout_s": timeout_s} if timeout_s is not None else {}
     workload = small_workload(requests, seed, out_hi, 40, rate, shared, max_output_tokens=min(out_hi, 100), **extra)
-    with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
+    with window_model(window):
         num_windows, steps = _assert_same(engine_kw, workload, frontend)
     if not async_scheduling and frontend != "offline":
         assert num_windows == 0
@@ -109,12 +106,10 @@ def test_windows_across_member_kv_events_equal_the_run_without_them(async_schedu
     is the same."""
     if not async_scheduling:
         frontend = "offline"  # (sync scheduling with a front end takes no windows)
-    groups = 1 if window is None else NUM_KV_CACHE_GROUPS["gpt-oss-like"]
-    num_blocks = groups * -(-200 // block_size) + 1 + extra_blocks  # one max-length request fits
-    engine_kw = dict(enable_prefix_caching=caching, block_size=block_size, num_gpu_blocks=num_blocks,
-                     max_num_seqs=max_num_seqs, max_model_len=200, async_scheduling=async_scheduling)
+    engine_kw = small_engine(window, block_size, 200, extra_blocks, enable_prefix_caching=caching,
+                           max_num_seqs=max_num_seqs, async_scheduling=async_scheduling)
     workload = small_workload(requests, seed, out_hi, 30, rate, shared, max_output_tokens=150)
-    with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
+    with window_model(window):
         num_windows, steps = _assert_same(engine_kw, workload, frontend)
     assert steps >= num_windows
 
@@ -130,7 +125,7 @@ def test_windows_span_member_kv_events(async_scheduling, block_size, window):
     engine_kw = dict(enable_prefix_caching=True, block_size=block_size, num_gpu_blocks=groups * 8 * 700 // block_size,
                      max_num_seqs=8, max_model_len=1024, async_scheduling=async_scheduling)
     workload = {"requests": 8, "seed": 2, "prompt_tokens": 40, "output_tokens": 600, "arrival": {"type": "offline"}}
-    with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
+    with window_model(window):
         num_windows, steps = _assert_same(engine_kw, workload, "offline")
     assert steps > 400
     assert steps / num_windows > 100  # (windows ended by every member event: a few steps each)
@@ -207,7 +202,7 @@ def test_a_cluster_with_windows_equals_its_run_without(router, instances, rate, 
     raw["cluster"] = {"instances": [{"name": "r", "count": instances}],
                       "router": {**router, "scrape_interval_s": scrape_s}}
     exp = validate_config(raw)
-    with sim_model(hybrid_spec("gpt-oss-like", window)) if window is not None else contextlib.nullcontext():
+    with window_model(window):
         num_windows, _ = assert_same_cluster(exp, monkeypatch)
     if not async_scheduling and frontend == "api_server":
         assert num_windows == 0
