@@ -44,6 +44,7 @@ import numpy as np
 
 from servetwin.core.config_error import ConfigError
 from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
+from servetwin.core.prompt_memo import PromptMemo
 
 ROUTER_ENTRY_POINTS = "servetwin.routers"
 SCORER_ENTRY_POINTS = "servetwin.router_scorers"
@@ -57,7 +58,6 @@ PREFIX_LRU_BLOCKS = 31_250  # lruCapacityPerServer
 # approximateprefix at 7f6c33663, 2026-06-26): `defaultMaxPrefixTokens` (types.go:110, #1548 of 2026-06-11) and
 # `minBlockSizeTokens` (plugin.go:50, #1160 of 2026-06-02)
 PRODUCER_MAX_PREFIX_TOKENS = 131_072
-PROMPT_KEYS_KEPT = 4096  # prompt lists whose keys a prefix scorer keeps (speed; `PrefixCacheScorer.keys`)
 PRODUCER_MIN_BLOCK_TOKENS = 64
 # How long vLLM's KV events take to reach the router's index (ZMQ publish + indexer): not published; assumed.
 KV_EVENT_DELAY_S = 0.005
@@ -237,9 +237,6 @@ class ApproxPrefixIndex:
                 out[e] = out.get(e, 0) + 1
         return out
 
-    def matched(self, endpoint: int, keys: Sequence[int]) -> int:
-        return self.matches(keys).get(endpoint, 0)
-
     def add(self, endpoint: int, keys: Sequence[int]) -> None:
         self.version += 1
         table = self.lru.get(endpoint)
@@ -286,10 +283,9 @@ class PrefixCacheScorer:
     _last_matches: Optional[tuple[Any, int, dict[int, int]]] = field(default=None, repr=False, compare=False)
     _tuned: bool = field(default=False, repr=False, compare=False)
     # (speed: a workload sends each of its prompt lists again and again - the gpt-oss ladder 750 lists in 17,084
-    # requests - and hashing a 6,500-token prompt is most of a route: the keys are kept per list object, checked
-    # by identity and length; the entry holds the list, so its id is not reused while kept)
-    _by_prompt: dict[int, tuple[Sequence[int], int, list[int]]] = field(default_factory=dict, repr=False,
-                                                                        compare=False)
+    # requests - and hashing a 6,500-token prompt is most of a route: the keys are kept per list object,
+    # servetwin.core.prompt_memo)
+    _by_prompt: PromptMemo = field(default_factory=PromptMemo, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0 or self.max_blocks <= 0 or self.lru_capacity_per_server <= 0:
@@ -323,14 +319,10 @@ class PrefixCacheScorer:
         if self._last is not None and self._last[0] is request:
             return self._last[1]
         tokens = request.prompt_token_ids
-        kept = self._by_prompt.get(id(tokens))
-        if kept is not None and kept[0] is tokens and kept[1] == len(tokens):
-            keys = kept[2]
-        else:
+        keys = self._by_prompt.get(tokens)
+        if keys is None:
             keys = prompt_block_keys(tokens, self.block_tokens, self.max_blocks, self.tail_block)
-            if len(self._by_prompt) >= PROMPT_KEYS_KEPT:
-                del self._by_prompt[next(iter(self._by_prompt))]  # (the oldest kept)
-            self._by_prompt[id(tokens)] = (tokens, len(tokens), keys)
+            self._by_prompt.put(tokens, keys)
         self._last = (request, keys)
         return keys
 

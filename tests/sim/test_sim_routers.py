@@ -47,7 +47,7 @@ def test_approximate_prefix_index_scores_routed_prompts_and_never_sees_evictions
     small = ApproxPrefixIndex(capacity=4)
     small.add(0, prompt_block_keys(REQ.prompt_token_ids, 16, 256))
     small.add(0, prompt_block_keys([1] * 32, 16, 256))
-    assert small.matched(0, prompt_block_keys(REQ.prompt_token_ids, 16, 256)) == 0  # its LRU dropped the head
+    assert small.matches(prompt_block_keys(REQ.prompt_token_ids, 16, 256)).get(0, 0) == 0  # its LRU dropped the head
 
 
 def test_prefix_affinity_filter_keeps_every_endpoint_at_or_above_the_threshold():
@@ -338,7 +338,7 @@ def test_the_index_walks_the_keys_as_match_longest_prefix_does():
     index.add(0, [7, 8])  # capacity 3: 1 and 2 leave endpoint 0
     assert index.lru[0] == {3: None, 7: None, 8: None} and index.holders[1] == {1}
     assert index.matches([1, 2, 3]) == {1: 2, 0: 1}  # 3 is walked (1 and 2 are held by endpoint 1)
-    assert index.matches([7, 8]) == {0: 2} and index.matched(1, [7, 8]) == 0
+    assert index.matches([7, 8]) == {0: 2} and index.matches([7, 8]).get(1, 0) == 0
     index.add(1, [9, 10])  # 1 and 2 leave endpoint 1 too: nobody holds 1, the walk stops at once
     assert index.matches([1, 2, 3]) == {} and 1 not in index.holders
 
