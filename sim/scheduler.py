@@ -137,27 +137,26 @@ class SimScheduler(Scheduler):
         implicit = lazy.quiet_step(self.current_step)
         if implicit is not None:
             self.current_step += 1
-            if self.finished_req_ids:  # (speed: the step after a finish fused too, as `_finalise` hands them over)
-                self._hand_over_finished(self.finished_req_ids)
-                self.finished_req_ids = set()
-            return implicit
-        if not lazy.members_only():
+        elif not lazy.members_only():
             return None
-        if self._in_place_step():  # member KV events done in place
-            if self.finished_req_ids:  # (as `_finalise` hands them over and resets the set)
-                self._hand_over_finished(self.finished_req_ids)
-                self.finished_req_ids = set()
-            return lazy.step_aggregates(self.current_step - 1)
-        so = self.schedule()  # the normal path
-        if (so.num_scheduled_tokens or so.scheduled_new_reqs or so.preempted_order or so.implicit_decodes is None
-                or lazy.pending_update or lazy.flushed):
-            self._scheduled_ahead = so
-            return None
-        if so.finished_req_ids:
+        elif self._in_place_step():  # member KV events done in place
+            implicit = lazy.step_aggregates(self.current_step - 1)
+        else:
+            so = self.schedule()  # the normal path
+            if (so.num_scheduled_tokens or so.scheduled_new_reqs or so.preempted_order or so.implicit_decodes is None
+                    or lazy.pending_update or lazy.flushed):
+                self._scheduled_ahead = so
+                return None
             self._hand_over_finished(so.finished_req_ids)
-        return so.implicit_decodes
+            return so.implicit_decodes
+        if self.finished_req_ids:  # (speed: the step after a finish fused too, as `_finalise` hands them over)
+            self._hand_over_finished(self.finished_req_ids)
+            self.finished_req_ids = set()
+        return implicit
 
     def _hand_over_finished(self, finished: set[str]) -> None:
+        if not finished:
+            return
         if self._quiet_finished:
             self._quiet_finished |= finished
         else:
@@ -281,58 +280,68 @@ class SimScheduler(Scheduler):
         the same state changes as its `_schedule_lazy` pass (the fit check, then in running order each
         due member's outputs applied, its KV work, its next event), whose `SchedulerOutput` would list no
         row and change nothing (no waiting pass: nobody waits; `_finalise` of no row resets the preempted set
-        and the spec tokens, both empty, and hands the finished set over, which `quiet_step` does). (speed: `quiet_step` and a window's commit,
-        `quiet_steps`, take most steps with KV events this way.) False: not such a step, nothing changed.
+        and the spec tokens, both empty, and hands the finished set over, which `quiet_step` does). (speed:
+        `quiet_step` and a window's commit, `quiet_steps`, take most steps with KV events this way.) False: not such a step, nothing changed.
         Raises if a member's event does not leave it implicit (its KV work always does: `advance` finds
         the next event ahead, `_in_place_run`)."""
         lazy = self.lazy
         step = self.current_step
-        due = lazy.peek_due(step)
-        kv = self.kv_cache_manager
-        req_to_blocks = kv.req_to_blocks
-        block_size = self.block_size
         in_place = {}
-        for m in due:
+        for m in lazy.peek_due(step):
             if m.event >= m.terminal:
                 return False  # (its last token or length cap: the normal path)
             in_place[m.request.request_id] = m
-        blocks_needed = 0
-        for rid, m in in_place.items():
-            if m.offset + step >= len(req_to_blocks[rid]) * block_size:
-                blocks_needed += 1
         order = self.running_order
         rows = sorted(in_place.values(), key=lambda m: order[m.request.request_id])
-        groups = self._group_managers
-        if groups:
-            fits = not rows or self._group_rows_fit([(m.request, 1) for m in rows], in_place, step)
-        else:
-            fits = blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
-        if not fits:
+        if not self._rows_fit([(m.request, 1) for m in rows], in_place, step, 0):
             return False
         lazy.due(step)  # (the members of `peek_due`: visited)
         self.current_step += 1
         last_updated = self.last_updated_step
-        caching = kv.enable_caching
-        num_cached_block = kv.num_cached_block
         for m in rows:  # (`_schedule_lazy`'s running pass for a member row)
             request = m.request
-            rid = request.request_id
             lazy.apply_outputs(m, last_updated)
-            computed = m.offset + step
-            blocks = req_to_blocks.get(rid)
-            if groups:
-                kv.allocate_running_slots(request, 1, computed, lazy.num_in_flight)
-            elif blocks is not None and computed + 1 <= len(blocks) * block_size:
-                if caching and computed + 1 >= (num_cached_block.get(rid, 0) + 1) * block_size:
-                    kv.cache_blocks(request, min(computed + 1, request.num_tokens))
-            elif blocks is not None:
-                kv.allocate_running_slots(request, 1, computed)
-            elif kv.allocate_slots(request, 1) is None:
-                raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
-            if not lazy.advance(m, step, *self._held_blocks(rid)):
-                raise AssertionError(f"implicit decodes: {rid} is not implicit after its KV event at scheduler "
-                                     f"step {step}")
+            self._row_kv_work(request, 1, m.offset + step, True)
+            if not lazy.advance(m, step, *self._held_blocks(request.request_id)):
+                raise AssertionError(f"implicit decodes: {request.request_id} is not implicit after its KV event at "
+                                     f"scheduler step {step}")
         return True
+
+    def _rows_fit(self, rows: list[tuple[Request, int]], in_place: dict, step: int, blocks_needed: int) -> bool:
+        """Whether the KV work of the step's rows (`in_place`: the members among them, a token each) fits in the
+        free blocks: the eager rows need `blocks_needed`, a member one more when C fills the blocks it holds."""
+        if self._group_managers:  # (then blocks_needed counts group 0 only: this check is the whole one)
+            return not rows or self._group_rows_fit(rows, in_place, step)  # (no row: nothing to allocate)
+        kv = self.kv_cache_manager
+        req_to_blocks, block_size = kv.req_to_blocks, self.block_size
+        for rid, m in in_place.items():
+            if m.offset + step >= len(req_to_blocks[rid]) * block_size:
+                blocks_needed += 1
+        return blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
+
+    def _row_kv_work(self, request: Request, n: int, computed: int, member: bool) -> Optional[Sequence[list]]:
+        """The KV work of a running row of n tokens from `computed` (a member's: its implicit C), once the fit
+        check passed: the core's `allocate_slots`, or its cheaper equivalents - the blocks held suffice (a full
+        block registered), new blocks for a row already holding some. Returns its new blocks."""
+        kv = self.kv_cache_manager
+        rid = request.request_id
+        if self._group_managers:  # the core's call for every row (vLLM 0.33 sched: allocate_slots per running request)
+            if member:
+                return kv.allocate_running_slots(request, n, computed, self.lazy.num_in_flight)
+            new_blocks = kv.allocate_slots(request, n)
+        else:
+            blocks = kv.req_to_blocks.get(rid)
+            block_size = self.block_size
+            if blocks is not None and computed + n <= len(blocks) * block_size:
+                if kv.enable_caching and computed + n >= (kv.num_cached_block.get(rid, 0) + 1) * block_size:
+                    kv.cache_blocks(request, min(computed + n, request.num_tokens))
+                return []
+            if blocks is not None:  # the fit check guarantees these blocks are free
+                return kv.allocate_running_slots(request, n, computed)
+            new_blocks = kv.allocate_slots(request, n)
+        if new_blocks is None:
+            raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
+        return new_blocks
 
     # -- the overridden public methods ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -434,10 +443,6 @@ class SimScheduler(Scheduler):
         scheduler could clip or preempt someone this step (the caller then runs it)."""
         lazy = self.lazy
         step = self.current_step
-        kv = self.kv_cache_manager
-        req_to_blocks = kv.req_to_blocks
-        num_cached_block = kv.num_cached_block
-        block_size = self.block_size
         last_updated = self.last_updated_step
         in_place = {}  # request id -> member with a KV event this step (its row does the KV work)
         for m in lazy.due(step):
@@ -456,25 +461,17 @@ class SimScheduler(Scheduler):
             rows, demand, blocks_needed = self._running_demand(eager, threshold)
         else:  # (speed: most cluster steps list no row - every running request is a member)
             rows, demand, blocks_needed = [], 0, 0
-        groups = self._group_managers
-        if in_place:  # one token each, counted in k; a new block when C fills the blocks held
-            for rid, m in in_place.items():
-                if m.offset + step >= len(req_to_blocks[rid]) * block_size:
-                    blocks_needed += 1
+        if in_place:  # one token each, counted in k
             rows += [(m.request, 1) for m in in_place.values()]
             rows.sort(key=lambda row: order[row[0].request_id])
-        if groups:  # (then blocks_needed counts group 0 only: the check below is the whole one)
-            fits = not rows or self._group_rows_fit(rows, in_place, step)  # (no row: nothing to allocate)
-        else:
-            fits = blocks_needed <= kv.block_pool.free_block_queue.num_free_blocks
-        if k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens) or not fits:
+        if k + demand > min(self.max_num_scheduled_tokens, self.max_num_batched_tokens) or \
+                not self._rows_fit(rows, in_place, step, blocks_needed):
             self._materialise_all()  # their late tokens stay queued for the trace
             return None
 
         self.current_step += 1
         token_budget = self.max_num_scheduled_tokens - k
         input_budget = self.max_num_batched_tokens - k
-        caching = kv.enable_caching
         scheduled_new_reqs: list[Request] = []
         scheduled_resumed_reqs: list[Request] = []
         scheduled_running_reqs: list[Request] = []
@@ -492,25 +489,7 @@ class SimScheduler(Scheduler):
             else:  # its tokens (and so its block hashes) up to date, its C implicit
                 lazy.apply_outputs(m, last_updated)
                 computed = m.offset + step
-            blocks = req_to_blocks.get(rid)
-            new_blocks: Optional[Sequence[list]]
-            if groups:  # the core's call for every row (vLLM 0.33 sched: allocate_slots per running request)
-                if m is None:
-                    new_blocks = kv.allocate_slots(request, n)
-                    if new_blocks is None:
-                        raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
-                else:
-                    new_blocks = kv.allocate_running_slots(request, n, computed, lazy.num_in_flight)
-            elif blocks is not None and computed + n <= len(blocks) * block_size:
-                new_blocks = []
-                if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
-                    kv.cache_blocks(request, min(computed + n, request.num_tokens))
-            elif blocks is not None:  # the KV check above guarantees these blocks are free
-                new_blocks = kv.allocate_running_slots(request, n, computed)
-            else:
-                new_blocks = kv.allocate_slots(request, n)
-                if new_blocks is None:
-                    raise AssertionError(f"implicit decodes: allocation for {rid} failed after the KV check")
+            new_blocks = self._row_kv_work(request, n, computed, m is not None)
             if m is not None:  # its token is in k already
                 if lazy.advance(m, step, *self._held_blocks(rid)):
                     continue
