@@ -96,7 +96,7 @@ class Request:
         self.max_tokens = sampling_params.max_tokens
         # the caller's list, read only from here on, as vLLM keeps it (request.py:134; speed: one copy of the
         # prompt less per request, and a prompt sent again stays one object, which the prompt's caches key on:
-        # hashing.py `_prompt_hashes`, sim/executor.py `request_token_salt`); other sequences as a list
+        # hashing.py `get_request_block_hasher`, sim/executor.py `request_token_salt`); other sequences as a list
         self.prompt_token_ids = prompt_token_ids if type(prompt_token_ids) is list else list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []

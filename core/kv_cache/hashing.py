@@ -154,24 +154,6 @@ def cached_hash_fn(hash_fn: HashFn) -> HashFn:
     return cached
 
 
-def _prompt_hashes(prompt: list[int], block_size: int, hash_fn: HashFn, memo: PromptMemo) -> list[bytes]:
-    """The hashes of the full blocks of `prompt` without extra keys (`request_block_hasher`'s chain from
-    NONE_HASH), from `memo` when this list was hashed before. (speed: see servetwin.core.prompt_memo: its
-    blocks' hashes are a pure function of (block size, hash function, the prompt's tokens) when there are no
-    extra keys, the case this is used for)"""
-    tag = (block_size, hash_fn)
-    known = memo.get(prompt, tag)
-    if known is not None:
-        return list(known)
-    hashes: list[bytes] = []
-    prev = NONE_HASH
-    for start in range(0, len(prompt) - block_size + 1, block_size):
-        prev = hash_fn((prev, tuple(prompt[start:start + block_size]), None))  # = hash_block_tokens(...)
-        hashes.append(prev)
-    memo.put(prompt, tuple(hashes), tag)
-    return hashes
-
-
 def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
                              num_lookahead_tokens: int = 0,
                              prompt_memo: Optional[PromptMemo] = None) -> Callable[[Any], list[bytes]]:
@@ -186,6 +168,7 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
     builtin_fn = hash_fn is builtin
     # (any other function is called for every block: it may be impure)
     memo = prompt_memo if hash_fn in _HASH_FNS.values() else None
+    memo_tag = (block_size, hash_fn)  # (what a prompt's kept hashes depend on besides its tokens)
     hash_fn = cached_hash_fn(hash_fn)  # (speed: see cached_hash_fn)
     if num_lookahead_tokens:
         return _lookahead_request_block_hasher(block_size, hash_fn, num_lookahead_tokens)
@@ -198,14 +181,17 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
         if start + block_size > num_tokens:
             return []
         has_lora = getattr(request, "lora_request", None) is not None
-        prompt = None if start or memo is None or has_lora or getattr(request, "cache_salt", None) is not None \
-            else getattr(request, "prompt_token_ids", None)
-        if type(prompt) is list and memo is not None and len(prompt) <= num_tokens:
-            # the first hashes: the prompt's full blocks (speed: `_prompt_hashes`; a `Request`'s tokens start
-            # with its prompt), then the full blocks after them
-            new_hashes = _prompt_hashes(prompt, block_size, hash_fn, memo)
-            start = len(new_hashes) * block_size
-            prev = new_hashes[-1] if new_hashes else NONE_HASH
+        prompt: Any = getattr(request, "prompt_token_ids", None)
+        # (speed: a prompt sent again - the same list, servetwin.core.prompt_memo - takes its full blocks' hashes
+        # from the memo: with no extra key they are a pure function of (block size, hash function, its tokens);
+        # a `Request`'s tokens start with its prompt)
+        memo_prompt = (memo is not None and not start and not has_lora and type(prompt) is list
+                       and len(prompt) <= num_tokens and getattr(request, "cache_salt", None) is None)
+        known = memo.get(prompt, memo_tag) if memo_prompt else None
+        if known is not None:
+            new_hashes = list(known)
+            start = len(known) * block_size
+            prev = known[-1] if known else NONE_HASH
         else:
             new_hashes = []
             prev = hashes[-1] if hashes else NONE_HASH
@@ -217,6 +203,8 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
             prev = hash_fn((prev, tuple(tokens[start:end]), extra))  # = hash_block_tokens(...)
             new_hashes.append(prev)
             start = end
+        if memo_prompt and known is None:
+            memo.put(prompt, tuple(new_hashes[:len(prompt) // block_size]), memo_tag)
         return new_hashes
 
     def builtin_request_block_hasher(request: Any) -> list[bytes]:
