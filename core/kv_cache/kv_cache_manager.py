@@ -163,23 +163,16 @@ class KVCacheManager:
             if self.enable_caching:
                 manager.cache_blocks(request, min(computed + num_new_tokens, len(request._all_token_ids)))
             return (group_blocks,)
-        # the coordinator's group loops, inlined (speed: a hybrid model's member KV event in a step window
-        # runs this; three calls less each)
         coord = self.coordinator
         rid = request.request_id
         if self.has_windows:  # on what is processed, as allocate_slots
             if num_in_flight is None:
                 num_in_flight = request.num_in_flight_tokens
-            for window in coord.window_managers:  # = coord.remove_skipped_blocks(...)
-                window.remove_skipped_blocks(rid, computed - num_in_flight)
+            coord.remove_skipped_blocks(rid, computed - num_in_flight)
         total_computed = min(computed, self.max_model_len)
-        slots = min(total_computed + num_new_tokens, self.max_model_len)
-        managers = coord.single_type_managers
-        new_blocks = tuple([m.allocate_new_blocks(rid, slots) for m in managers])  # = coord.allocate_new_blocks
+        new_blocks = coord.allocate_new_blocks(rid, min(total_computed + num_new_tokens, self.max_model_len))
         if self.enable_caching:
-            known = min(total_computed + num_new_tokens, len(request._all_token_ids))  # (= request.num_tokens)
-            for m in managers:  # = coord.cache_blocks(request, known)
-                m.cache_blocks(request, known)
+            coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
