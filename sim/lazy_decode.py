@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from servetwin.core.request import Request, RequestStatus
 from servetwin.core.sched.output import ImplicitDecodes
@@ -211,24 +211,22 @@ class LazyDecodes:
     def due(self, step: int) -> list[_Member]:
         """Members whose event is at or before `step`, in no particular order (`step` never decreases;
         every event is scheduled after the step it is set in)."""
-        out = []
-        events, members = self._events, self.members
-        k = step if self._due_from is None else self._due_from
-        while k <= step:
-            bucket = events.pop(k, None)
-            if bucket is not None:
-                out += [m for m in bucket if m.event == k and members.get(m.request.request_id) is m]
-            k += 1
+        out = self._due(step, self._events.pop)
         self._due_from = step + 1
         return out
 
     def peek_due(self, step: int) -> list[_Member]:
         """The members `due(step)` returns, in its order, without visiting the steps (changes nothing)."""
-        out = []
-        events, members = self._events, self.members
+        return self._due(step, self._events.get)
+
+    def _due(self, step: int, bucket_of: Callable[[int, Any], Any]) -> list[_Member]:
+        """The due members of the steps not visited up to `step`, each step's bucket read with `bucket_of`
+        (`pop`: visited, `get`: left)."""
+        out: list[_Member] = []
+        members = self.members
         k = step if self._due_from is None else self._due_from
         while k <= step:
-            bucket = events.get(k)
+            bucket = bucket_of(k, None)
             if bucket is not None:
                 out += [m for m in bucket if m.event == k and members.get(m.request.request_id) is m]
             k += 1
