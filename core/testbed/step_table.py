@@ -24,7 +24,6 @@ STEP_COLUMNS = [
 _TEXT = ("run", "backend", "annotation")
 _FLOAT = ("t_start_s", "t_end_s", "duration_s", "kv_usage")
 _FLOAT_VALUES = operator.itemgetter(*(STEP_COLUMNS.index(name) for name in _FLOAT))
-_FLOAT_INDEX = {name: STEP_COLUMNS.index(name) for name in _FLOAT}
 _INDEX = {name: i for i, name in enumerate(STEP_COLUMNS)}
 
 Column = Union[array, list]
@@ -182,8 +181,8 @@ class StepTable:
             n = len(self._columns["step"])
             if 0 <= i < n:
                 return self._columns[name][i]
-            if i >= n and name in _FLOAT_INDEX:
-                return pending[i - n][_FLOAT_INDEX[name]]
+            if i >= n and name in _FLOAT:
+                return pending[i - n][_INDEX[name]]
             self._flush()
         return self._columns[name][i]
 
