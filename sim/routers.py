@@ -229,12 +229,25 @@ class ApproxPrefixIndex:
         the key, counting for each endpoint the walked keys it holds."""
         out: dict[int, int] = {}
         holders = self.holders
+        # (speed: consecutive keys are mostly held by the same endpoints - a prompt's blocks were routed
+        # together - so the walk counts runs of equal holder sets, one set comparison a key, and adds each
+        # run's length once per endpoint; the same counts, inserted in the same order: first seen first)
+        run_set: Optional[set[int]] = None
+        run = 0
         for k in keys:
             held = holders.get(k)
             if not held:
                 break
-            for e in held:
-                out[e] = out.get(e, 0) + 1
+            if held == run_set:
+                run += 1
+                continue
+            if run_set is not None:
+                for e in run_set:
+                    out[e] = out.get(e, 0) + run
+            run_set, run = held, 1
+        if run_set is not None:
+            for e in run_set:
+                out[e] = out.get(e, 0) + run
         return out
 
     def add(self, endpoint: int, keys: Sequence[int]) -> None:
