@@ -154,6 +154,17 @@ def cached_hash_fn(hash_fn: HashFn) -> HashFn:
     return cached
 
 
+def _token_reader(request: Any) -> tuple[int, Callable[[int, int], list[int]]]:
+    """The request's token count and a reader of its tokens [start, end): a `Request`'s `get_token_ids`
+    (speed: reads its prompt and output lists, `all_token_ids` is not built), else a slice of the
+    `all_token_ids` of a request-like object (a router's probe)."""
+    get_token_ids = getattr(request, "get_token_ids", None)
+    if get_token_ids is not None:
+        return request.num_tokens, get_token_ids
+    tokens = request.all_token_ids
+    return len(tokens), lambda start, end: tokens[start:end]
+
+
 def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
                              num_lookahead_tokens: int = 0,
                              prompt_memo: Optional[PromptMemo] = None) -> Callable[[Any], list[bytes]]:
@@ -176,8 +187,7 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
     def request_block_hasher(request: Any) -> list[bytes]:
         hashes = request.block_hashes
         start = len(hashes) * block_size
-        tokens = request.all_token_ids
-        num_tokens = len(tokens)
+        num_tokens, tokens_between = _token_reader(request)
         if start + block_size > num_tokens:
             return []
         has_lora = getattr(request, "lora_request", None) is not None
@@ -200,7 +210,7 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
         while start + block_size <= num_tokens:
             end = start + block_size
             extra = generate_block_hash_extra_keys(request, start) if start == 0 else lora_keys
-            prev = hash_fn((prev, tuple(tokens[start:end]), extra))  # = hash_block_tokens(...)
+            prev = hash_fn((prev, tuple(tokens_between(start, end)), extra))  # = hash_block_tokens(...)
             new_hashes.append(prev)
             start = end
         if memo_prompt and known is None:
@@ -211,8 +221,7 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
         """`request_block_hasher` with `builtin` inlined (the simulator's hot path: a decode's block)."""
         hashes = request.block_hashes
         start = len(hashes) * block_size
-        tokens = request.all_token_ids
-        num_tokens = len(tokens)
+        num_tokens, tokens_between = _token_reader(request)
         if start + block_size > num_tokens:
             return []
         if not start or getattr(request, "lora_request", None) is not None:
@@ -221,7 +230,7 @@ def get_request_block_hasher(block_size: int, hash_fn: HashFn = sha256,
         out = []
         while start + block_size <= num_tokens:
             end = start + block_size
-            parent = hash((parent, tuple(tokens[start:end]))) & _MASK64  # = builtin((prev, tokens, None))
+            parent = hash((parent, tuple(tokens_between(start, end)))) & _MASK64  # = builtin((prev, tokens, None))
             out.append(parent.to_bytes(8, "little"))
             start = end
         return out

@@ -161,7 +161,7 @@ class KVCacheManager:
             group_blocks = manager.allocate_new_blocks(request.request_id, min(computed + num_new_tokens,
                                                                                self.max_model_len))
             if self.enable_caching:
-                manager.cache_blocks(request, min(computed + num_new_tokens, len(request._all_token_ids)))
+                manager.cache_blocks(request, min(computed + num_new_tokens, request.num_tokens))
             return (group_blocks,)
         coord = self.coordinator
         rid = request.request_id

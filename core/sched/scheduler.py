@@ -61,7 +61,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last
         return True
-    if len(request._all_token_ids) >= max_model_len or len(request._output_token_ids) >= request.max_tokens:
+    num_output = len(request._output_token_ids)
+    if request.num_prompt_tokens + num_output >= max_model_len or num_output >= request.max_tokens:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
@@ -358,7 +359,7 @@ class Scheduler(ConnectorSchedulerMixin):
             if blocks is not None and computed + n + lookahead <= len(blocks) * block_size:
                 new_blocks: Optional[Sequence[list]] = []  # fast path: its blocks already hold these slots
                 if caching and computed + n >= (num_cached_block.get(rid, 0) + 1) * block_size:
-                    kv.cache_blocks(request, min(computed + n, len(request._all_token_ids)))
+                    kv.cache_blocks(request, min(computed + n, request.num_tokens))
             else:
                 while True:
                     new_blocks = kv.allocate_slots(request, n, num_lookahead_tokens=lookahead)
@@ -396,7 +397,7 @@ class Scheduler(ConnectorSchedulerMixin):
             input_budget -= n
             req_index += 1
             if request.spec_token_ids:  # spec decode: the drafts the budget let through (sched:1010-1025)
-                num_spec = n + computed - len(request._all_token_ids) - request.num_output_placeholders
+                num_spec = n + computed - request.num_tokens - request.num_output_placeholders
                 if num_spec > 0:
                     scheduled_spec[rid] = request.spec_token_ids[:num_spec]
                 request.spec_token_ids = []  # the drafter proposes afresh after this step
@@ -416,7 +417,7 @@ class Scheduler(ConnectorSchedulerMixin):
         placeholders = request.num_output_placeholders
         if placeholders and computed + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens:
             return 0
-        n = len(request._all_token_ids) + len(request.spec_token_ids) + placeholders - computed
+        n = request.num_tokens_with_spec + placeholders - computed
         if 0 < threshold < n:
             n = threshold
         return min(n, max_model_len - computed - 1)
@@ -569,11 +570,11 @@ class Scheduler(ConnectorSchedulerMixin):
             output_list.append(len(r._output_token_ids) + placeholders)
             n = nst[rid]
             if send_tokens:  # vLLM 0.33 v1/core/sched/scheduler.py:1945 (spec tokens are not in the list)
-                new_token_ids.append(r._all_token_ids[computed:computed + n])
+                new_token_ids.append(r.get_token_ids(computed, computed + n))
             before[rid] = computed
             r.num_computed_tokens = computed = computed + n
             r.num_in_flight_tokens += n
-            r.is_prefill_chunk = is_chunk = computed < len(r._all_token_ids) + placeholders
+            r.is_prefill_chunk = is_chunk = computed < r.num_tokens + placeholders
             if async_sched and not is_chunk:
                 r.num_output_placeholders = placeholders + 1
                 if drafting:
@@ -585,9 +586,9 @@ class Scheduler(ConnectorSchedulerMixin):
             computed_list.append(r.num_computed_tokens)
             output_list.append(len(r._output_token_ids))
             cached.resumed_req_ids.add(rid)
-            cached.all_token_ids[rid] = list(r._all_token_ids)
+            cached.all_token_ids[rid] = r.get_token_ids(0, r.num_tokens)  # (a new list)
             if send_tokens:
-                new_token_ids.append(r._all_token_ids[r.num_computed_tokens:r.num_computed_tokens + nst[rid]])
+                new_token_ids.append(r.get_token_ids(r.num_computed_tokens, r.num_computed_tokens + nst[rid]))
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
@@ -610,7 +611,7 @@ class Scheduler(ConnectorSchedulerMixin):
                 request.num_computed_tokens = computed = computed + n
                 request.num_in_flight_tokens += n
                 request.is_prefill_chunk = is_chunk = (
-                    computed < len(request._all_token_ids) + request.num_output_placeholders)
+                    computed < request.num_tokens + request.num_output_placeholders)
                 if async_sched and not is_chunk:
                     request.num_output_placeholders += 1
                     if drafting:
@@ -711,12 +712,14 @@ class Scheduler(ConnectorSchedulerMixin):
                     out_ids = request._output_token_ids
                     out_ids.append(token)
                     all_ids = request._all_token_ids
-                    all_ids.append(token)
-                    if len(all_ids) >= request._next_hash_at:
+                    if all_ids is not None:  # (built once read: Request.all_token_ids)
+                        all_ids.append(token)
+                    num_tokens = request.num_prompt_tokens + len(out_ids)
+                    if num_tokens >= request._next_hash_at:
                         request.hash_new_blocks()
                     sp = request.sampling_params
                     if (token == sp._eos_token_id or (sp.stop_token_ids and token in sp.stop_token_ids)
-                            or len(all_ids) >= max_model_len or len(out_ids) >= request.max_tokens):
+                            or num_tokens >= max_model_len or len(out_ids) >= request.max_tokens):
                         stopped = check_stop(request, max_model_len)
                     if async_sched:
                         if request.num_stale_output_tokens:

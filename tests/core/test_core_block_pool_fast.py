@@ -97,3 +97,76 @@ def test_touch_and_free_equal_their_one_block_versions(rounds, caching):
                 _touch_one_by_one(pool, hits)
             mine.extend(hits)
         assert _state(pools[0]) == _state(pools[1])
+
+
+class _ReferenceMap:
+    """`BlockHashToBlockMap` as it was before it kept the looked-up block per key (`_first`): the block, or
+    the first of the key's {block_id: block} dict, found at every lookup (vLLM's `get_one_block`)."""
+
+    def __init__(self) -> None:
+        self._cache: dict = {}
+
+    def get_one_block(self, key):
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return None
+        if isinstance(blocks, KVCacheBlock):
+            return blocks
+        return next(iter(blocks.values()))
+
+    def insert(self, key, block) -> None:
+        existing = self._cache.get(key)
+        if existing is None:
+            self._cache[key] = block
+        elif isinstance(existing, KVCacheBlock):
+            self._cache[key] = {existing.block_id: existing, block.block_id: block}
+        else:
+            existing[block.block_id] = block
+
+    def pop(self, key, block_id):
+        blocks = self._cache.pop(key, None)
+        if blocks is None:
+            return None
+        if isinstance(blocks, KVCacheBlock):
+            if blocks.block_id == block_id:
+                return blocks
+            self._cache[key] = blocks
+            return None
+        block = blocks.pop(block_id, None)
+        if blocks:
+            self._cache[key] = blocks
+        return block
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 4), st.integers(0, 1), st.integers(0, 6),
+                              st.booleans()), max_size=40),
+       hashes=st.lists(st.integers(0, 4), max_size=6), group=st.integers(0, 1))
+def test_kept_first_blocks_equal_the_lookup_of_the_block_dicts(ops, hashes, group):
+    """Any interleaving of inserts and pops (a block id inserted again, as the same block or another object
+    with that id): every key's `get_one_block`, the prefix walk and the length equal the map that finds the
+    first block at each lookup; `pop` returns the same blocks."""
+    fast, ref = BlockHashToBlockMap(), _ReferenceMap()
+    objects: dict[int, KVCacheBlock] = {}
+    for is_insert, h, g, block_id, fresh in ops:
+        key = bytes([h]) + g.to_bytes(4, "big")
+        if is_insert:
+            block = KVCacheBlock(block_id) if fresh else objects.setdefault(block_id, KVCacheBlock(block_id))
+            fast.insert(key, block)
+            ref.insert(key, block)
+        else:
+            assert fast.pop(key, block_id) is ref.pop(key, block_id)
+        for kh in range(5):
+            for kg in range(2):
+                k = bytes([kh]) + kg.to_bytes(4, "big")
+                assert fast.get_one_block(k) is ref.get_one_block(k)
+    keys = [bytes([h]) for h in hashes]
+    walk = []
+    for k in keys:
+        block = ref.get_one_block(k + group.to_bytes(4, "big"))
+        if block is None:
+            break
+        walk.append(block)
+    assert fast.get_leading_blocks(keys, group.to_bytes(4, "big")) == walk and len(fast) == len(ref._cache)
+    fast.clear()
+    assert all(fast.get_one_block(bytes([h]) + g.to_bytes(4, "big")) is None for h in range(5) for g in range(2))

@@ -11,11 +11,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from servetwin.core.kv_cache import hashing
 from servetwin.core.config_error import ConfigError
 from servetwin.core.engine.engine_args import EngineArgs
 from servetwin.core.kv_cache.hashing import (HASH_ALGOS, NONE_HASH, builtin, generate_block_hash_extra_keys, get_block_hash, get_group_id, get_hash_fn_by_name, get_request_block_hasher, hash_block_tokens, make_block_hash_with_group_id, make_none_hash, sha256)
+from servetwin.core.prompt_memo import PromptMemo
 from servetwin.core.request import Request
 from servetwin.core.sampling_params import SamplingParams
 from servetwin.core.sched.config import CacheConfig
@@ -233,3 +236,30 @@ def test_recorded_replays_take_the_same_decisions_with_builtin(name, monkeypatch
     monkeypatch.setattr(scheduler_module, "get_hash_fn_by_name", lambda _name: counted)
     assert list(replay(load_scenario(path))) == reference
     assert calls  # the replay hashed its blocks with it
+
+
+@settings(max_examples=120, deadline=None)
+@given(block_size=st.integers(1, 5), prompt=st.lists(st.integers(0, 9), min_size=1, max_size=14),
+       appends=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=6), max_size=6),
+       algo=st.sampled_from(["sha256", "builtin"]), memo=st.booleans(), again=st.booleans())
+def test_request_hashes_from_prompt_and_output_lists_equal_the_chain_over_all_tokens(
+        block_size, prompt, appends, algo, memo, again):
+    """A `Request`'s hasher reads a block's tokens from its prompt and output lists (`get_token_ids`, blocks
+    across the boundary included; `all_token_ids` is not built): the hashes equal the chain of
+    `hash_block_tokens` over all its tokens, and those of a request-like probe that holds one token list."""
+    hash_fn = get_hash_fn_by_name(algo)
+    hasher = get_request_block_hasher(block_size, hash_fn, prompt_memo=PromptMemo() if memo else None)
+    for rid in ("r", "again")[:1 + again]:  # the same prompt list again: its prompt hashes from the memo
+        req = Request(rid, prompt, SamplingParams(max_tokens=100), arrival_time=0.0, block_hasher=hasher,
+                      hash_block_size=block_size)
+        tokens = list(prompt)
+        for out in appends:
+            req.append_output_token_ids(out)
+            tokens += out
+        prev, expected = None, []
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            prev = hash_block_tokens(hash_fn, prev, tokens[start:start + block_size])
+            expected.append(prev)
+        assert req.block_hashes == expected and req._all_token_ids is None
+        probe = SimpleNamespace(block_hashes=[], all_token_ids=tokens, lora_request=None, cache_salt=None)
+        assert hasher(probe) == expected

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from servetwin.core.sched.config import CacheConfig, SchedulerConfig
 from servetwin.core.testbed.replay import replay
@@ -47,6 +49,32 @@ def test_request_fields_and_token_views():
     assert r.output_token_ids == [9, 8, 7] and r.all_token_ids == [1, 2, 3, 9, 8, 7]
     assert r.num_tokens == 6 and r.num_tokens_with_spec == 6
     assert r.prompt_token_ids == [1, 2, 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(st.integers(0, 50), min_size=1, max_size=12),
+       appends=st.lists(st.one_of(st.integers(0, 50), st.lists(st.integers(0, 50), max_size=4)), max_size=8),
+       read_at=st.integers(0, 8), data=st.data())
+def test_request_token_views_without_the_all_tokens_list(prompt, appends, read_at, data):
+    """`num_tokens` and `get_token_ids` (which read the prompt and output lists) equal the length and slices
+    of `all_token_ids` (the prompt followed by the output), whether that list was built (read) before the
+    output grew or not; the prompt list is never changed and never is `all_token_ids`."""
+    sent = list(prompt)
+    r = make_request("r", sent, max_tokens=100)
+    expected = list(prompt)
+    views = []
+    for i, tokens in enumerate(appends):
+        if i == read_at:
+            views.append(r.all_token_ids)  # built here: it grows with the output from now on
+        r.append_output_token_ids(tokens)
+        expected += [tokens] if isinstance(tokens, int) else tokens
+        assert r.num_tokens == len(expected) and r.num_tokens_with_spec == len(expected)
+        start = data.draw(st.integers(0, len(expected)))
+        end = data.draw(st.integers(start, len(expected)))
+        assert r.get_token_ids(start, end) == expected[start:end]
+    assert r.all_token_ids == expected and r.all_token_ids is not sent and sent == prompt
+    assert all(view is r.all_token_ids for view in views)
+    assert r.output_token_ids == expected[len(prompt):]
 
 
 def test_request_needs_params_and_max_tokens():
