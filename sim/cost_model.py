@@ -534,7 +534,14 @@ class CostModel:
 
     def _decode_step(self, parts: tuple, num_reqs: int, sum_kv: int, shared_kv: int) -> float:
         """`decode_duration` from its batch size's `_decode_parts`."""
-        _, prepare, head, c_decode, c_shared, tail, moe, sample, ad_flop, ad_byte, w_flop, w_byte, w_keys = parts
+        prepare, sample = parts[1], parts[7]
+        forward = self._decode_forward(parts, num_reqs, sum_kv, shared_kv)
+        return max(prepare, forward + sample) if self.async_scheduling else prepare + forward + sample
+
+    def _decode_forward(self, parts: tuple, num_reqs: int, sum_kv: int, shared_kv: int) -> float:
+        """The forward seconds of a pure decode batch from its batch size's `_decode_parts`: `_parts`' sum, the
+        decode attention terms `_terms`' expressions for a step without prefill rows."""
+        _, _, head, c_decode, c_shared, tail, moe, _, ad_flop, ad_byte, w_flop, w_byte, w_keys = parts
         shared_dec = shared_kv if shared_kv < sum_kv else sum_kv  # (min: the same value)
         attn_decode = max(ad_flop * sum_kv, ad_byte * (sum_kv - shared_dec + num_reqs))
         if w_keys is not None:  # (_window_attention's decode part, no prefill rows)
@@ -543,7 +550,7 @@ class CostModel:
         forward = head + c_decode * attn_decode + c_shared * (ad_byte * shared_dec) + tail
         if moe is not None:
             forward += moe
-        return max(prepare, forward + sample) if self.async_scheduling else prepare + forward + sample
+        return forward
 
     def _new_decode_parts(self, num_reqs: int) -> tuple:
         """`decode_duration`'s per-batch-size values: `_parts`' sums up to the decode attention terms (its
@@ -590,6 +597,22 @@ class CostModel:
 
     def predict(self, step: StepSummary | Iterable[Any]) -> StepTiming:
         st = step if type(step) is StepSummary else self.summarize(step)
+        n = st.num_reqs
+        if (n and st.decode_reqs == n and st.num_tokens == n and st.num_sampling == n and not st.prefill_reqs
+                and not st.prefill_sum_q and not st.prefill_sum_kv):
+            # (speed: a pure decode batch - most normal steps of a cluster run: the rows after an admission, a
+            # last token - is priced from its batch size's cached parts, `decode_duration`'s, with the same
+            # floats as `predict_by_terms`: tests/sim/test_sim_cost_model.py)
+            parts = self._decode_parts_of(n)
+            prepare, sample = parts[1], parts[7]
+            forward = self._decode_forward(parts, n, st.decode_sum_kv, st.shared_kv)
+            return StepTiming(self._duration(prepare, forward, sample), prepare, forward, sample,
+                              self.padded_tokens(st)[0])
+        return self.predict_by_terms(st)
+
+    def predict_by_terms(self, st: StepSummary) -> StepTiming:
+        """`predict` from every basis term of the step (`_terms`, `_parts`): the general path, and the reference
+        of its decode fast path."""
         terms, padded = self._terms(st)
         prepare, forward, sample = self._parts(terms)
         return StepTiming(duration_s=self._duration(prepare, forward, sample), prepare_s=prepare,
