@@ -348,6 +348,7 @@ class CostModel:
         self._moe_layers = float(n_moe)
         self._moe_seconds: dict[int, float] = {}
         self._decode_parts: dict[int, tuple] = {}  # batch size -> `_new_decode_parts` (decode_duration)
+        self._decode_padded: dict[int, int] = {}  # batch size -> a pure decode batch's padded tokens (predict)
         # a measured GEMM curve (`Efficiency.gemm_m_curve`): the rows the linear term charges at T tokens,
         # T * gemm_compute / fraction(T), tabulated once up to the curve's last point (then its slope)
         self._gemm_rows: Optional[list[float]] = None
@@ -606,8 +607,10 @@ class CostModel:
             parts = self._decode_parts_of(n)
             prepare, sample = parts[1], parts[7]
             forward = self._decode_forward(parts, n, st.decode_sum_kv, st.shared_kv)
-            return StepTiming(self._duration(prepare, forward, sample), prepare, forward, sample,
-                              self.padded_tokens(st)[0])
+            padded = self._decode_padded.get(n)
+            if padded is None:
+                padded = self._decode_padded[n] = self.padded_tokens(st)[0]
+            return StepTiming(self._duration(prepare, forward, sample), prepare, forward, sample, padded)
         return self.predict_by_terms(st)
 
     def predict_by_terms(self, st: StepSummary) -> StepTiming:
