@@ -217,6 +217,9 @@ class RequestTrace:
 _TRACE_FIELDS = tuple(f.name for f in dataclasses.fields(RequestTrace) if f.name != "token_times")
 
 
+_NO_CONTEXT: frozenset[str] = frozenset()  # `_record_scheduled`'s context rows of a step that has none
+
+
 def _has_gap(step_ends: list[Optional[float]]) -> bool:
     """Whether a step's end is missing (None) among `step_ends`, numbers otherwise. (speed: `sum`'s C loop adds
     floats without a comparison each and meets a None as a TypeError: ~6x faster than `None in step_ends`, which
@@ -277,7 +280,10 @@ class TraceRecorder:
             return
         before = so.num_computed_before
         nst = so.num_scheduled_tokens
-        ctx = context_request_ids(so)
+        # (speed: with no new request and every listed one past its prompt - most normal steps, listing one
+        # decode row or none - there is no context row: `context_request_ids`' set is not built)
+        ctx = (context_request_ids(so) if so.scheduled_new_reqs or 0 in so.scheduled_cached_reqs.num_output_tokens
+               else _NO_CONTEXT)
         n_ctx = t_ctx = sum_q2 = sum_q_kv = sum_kv = max_kv = 0
         for rid, q in nst.items():  # one pass (hot): batch composition and the attention sums
             kv = before[rid] + q
