@@ -146,9 +146,11 @@ class RowShape:
     samples: bool = True
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class StepSummary:
-    """Per-step sums over rows; prefill = rows with q > 1, decode = rows with q == 1."""
+    """Per-step sums over rows; prefill = rows with q > 1, decode = rows with q == 1. (speed: not frozen - a
+    frozen dataclass's `__init__` sets each of the eleven fields through `object.__setattr__`, ~6x the time
+    of a plain one, and the executor builds one per normal step; nothing changes one once built.)"""
     num_reqs: int = 0
     num_tokens: int = 0
     num_sampling: int = 0
@@ -348,6 +350,7 @@ class CostModel:
         self._moe_layers = float(n_moe)
         self._moe_seconds: dict[int, float] = {}
         self._decode_parts: dict[int, tuple] = {}  # batch size -> `_new_decode_parts` (decode_duration)
+        self._decode_padded: dict[int, int] = {}  # batch size -> a pure decode batch's padded tokens (predict)
         # a measured GEMM curve (`Efficiency.gemm_m_curve`): the rows the linear term charges at T tokens,
         # T * gemm_compute / fraction(T), tabulated once up to the curve's last point (then its slope)
         self._gemm_rows: Optional[list[float]] = None
@@ -534,7 +537,14 @@ class CostModel:
 
     def _decode_step(self, parts: tuple, num_reqs: int, sum_kv: int, shared_kv: int) -> float:
         """`decode_duration` from its batch size's `_decode_parts`."""
-        _, prepare, head, c_decode, c_shared, tail, moe, sample, ad_flop, ad_byte, w_flop, w_byte, w_keys = parts
+        prepare, sample = parts[1], parts[7]
+        forward = self._decode_forward(parts, num_reqs, sum_kv, shared_kv)
+        return max(prepare, forward + sample) if self.async_scheduling else prepare + forward + sample
+
+    def _decode_forward(self, parts: tuple, num_reqs: int, sum_kv: int, shared_kv: int) -> float:
+        """The forward seconds of a pure decode batch from its batch size's `_decode_parts`: `_parts`' sum, the
+        decode attention terms `_terms`' expressions for a step without prefill rows."""
+        _, _, head, c_decode, c_shared, tail, moe, _, ad_flop, ad_byte, w_flop, w_byte, w_keys = parts
         shared_dec = shared_kv if shared_kv < sum_kv else sum_kv  # (min: the same value)
         attn_decode = max(ad_flop * sum_kv, ad_byte * (sum_kv - shared_dec + num_reqs))
         if w_keys is not None:  # (_window_attention's decode part, no prefill rows)
@@ -543,7 +553,7 @@ class CostModel:
         forward = head + c_decode * attn_decode + c_shared * (ad_byte * shared_dec) + tail
         if moe is not None:
             forward += moe
-        return max(prepare, forward + sample) if self.async_scheduling else prepare + forward + sample
+        return forward
 
     def _new_decode_parts(self, num_reqs: int) -> tuple:
         """`decode_duration`'s per-batch-size values: `_parts`' sums up to the decode attention terms (its
@@ -590,6 +600,24 @@ class CostModel:
 
     def predict(self, step: StepSummary | Iterable[Any]) -> StepTiming:
         st = step if type(step) is StepSummary else self.summarize(step)
+        n = st.num_reqs
+        if (n and st.decode_reqs == n and st.num_tokens == n and st.num_sampling == n and not st.prefill_reqs
+                and not st.prefill_sum_q and not st.prefill_sum_kv):
+            # (speed: a pure decode batch - most normal steps of a cluster run: the rows after an admission, a
+            # last token - is priced from its batch size's cached parts, `decode_duration`'s, with the same
+            # floats as `predict_by_terms`: tests/sim/test_sim_cost_model.py)
+            parts = self._decode_parts_of(n)
+            prepare, sample = parts[1], parts[7]
+            forward = self._decode_forward(parts, n, st.decode_sum_kv, st.shared_kv)
+            padded = self._decode_padded.get(n)
+            if padded is None:
+                padded = self._decode_padded[n] = self.padded_tokens(st)[0]
+            return StepTiming(self._duration(prepare, forward, sample), prepare, forward, sample, padded)
+        return self.predict_by_terms(st)
+
+    def predict_by_terms(self, st: StepSummary) -> StepTiming:
+        """`predict` from every basis term of the step (`_terms`, `_parts`): the general path, and the reference
+        of its decode fast path."""
         terms, padded = self._terms(st)
         prepare, forward, sample = self._parts(terms)
         return StepTiming(duration_s=self._duration(prepare, forward, sample), prepare_s=prepare,

@@ -217,6 +217,9 @@ class RequestTrace:
 _TRACE_FIELDS = tuple(f.name for f in dataclasses.fields(RequestTrace) if f.name != "token_times")
 
 
+_NO_CONTEXT: frozenset[str] = frozenset()  # `_record_scheduled`'s context rows of a step that has none
+
+
 def _has_gap(step_ends: list[Optional[float]]) -> bool:
     """Whether a step's end is missing (None) among `step_ends`, numbers otherwise. (speed: `sum`'s C loop adds
     floats without a comparison each and meets a None as a TypeError: ~6x faster than `None in step_ends`, which
@@ -277,7 +280,10 @@ class TraceRecorder:
             return
         before = so.num_computed_before
         nst = so.num_scheduled_tokens
-        ctx = context_request_ids(so)
+        # (speed: with no new request and every listed one past its prompt - most normal steps, listing one
+        # decode row or none - there is no context row: `context_request_ids`' set is not built)
+        ctx = (context_request_ids(so) if so.scheduled_new_reqs or 0 in so.scheduled_cached_reqs.num_output_tokens
+               else _NO_CONTEXT)
         n_ctx = t_ctx = sum_q2 = sum_q_kv = sum_kv = max_kv = 0
         for rid, q in nst.items():  # one pass (hot): batch composition and the attention sums
             kv = before[rid] + q
@@ -302,7 +308,14 @@ class TraceRecorder:
             if len(ends) <= step:
                 ends.extend([None] * (step + 1 - len(ends)))
             ends[step] = t_end
-        details = IterationDetails(n_ctx, t_ctx, num_reqs - n_ctx, so.total_num_scheduled_tokens - t_ctx)
+        num_gen_tokens = so.total_num_scheduled_tokens - t_ctx
+        texts: Optional[tuple[str, str, str]] = None
+        if n_ctx == 0 and num_gen_tokens == num_reqs:
+            # (speed: a decode batch - most normal steps of a cluster run - takes the details and interned texts
+            # cached per batch size for the implicit rows' steps: the same values)
+            details, texts = self._implicit_row_texts(num_reqs)
+        else:
+            details = IterationDetails(n_ctx, t_ctx, num_reqs - n_ctx, num_gen_tokens)
         if self.record_step_requests:
             mro = result.model_output
             sampling = ({rid for rid, toks in zip(mro.req_ids, mro.sampled_token_ids) if toks}
@@ -324,8 +337,10 @@ class TraceRecorder:
             # (speed: the row without `StepTable.append`'s per-value checks and its flush of the rows
             # buffered so far - the fused steps' - so that they reach the columns in larger batches;
             # the same stored row: its text values interned, its four float values floats)
-            intern = self.steps.intern
-            interned = (intern(details.annotation), intern(self.run), intern(self.backend))
+            if texts is None:
+                intern = self.steps.intern
+                texts = (intern(details.annotation), intern(self.run), intern(self.backend))
+            interned = texts
         self._step_rows[so.step] = self._append_row(
             so.step, t_start, t_end, num_reqs, details, so.total_num_scheduled_tokens, sum_q2, sum_q_kv, sum_kv,
             max_kv, stats.num_running_reqs, stats.num_waiting_reqs, len(so.preempted_order), stats.num_free_blocks,

@@ -413,3 +413,32 @@ def test_a_bad_gemm_curve_names_the_point(curve, path, message):
     with pytest.raises(ConfigError) as info:
         _curve_hw(curve)
     assert info.value.path == path and message in info.value.message
+
+
+_FAST_PATH_MODELS: dict = {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(model=st.sampled_from(["tiny-llama", "llama-3.1-8b", "gpt-oss-120b"]), tp=st.sampled_from([1, 2]),
+       cuda_graphs=st.booleans(), async_scheduling=st.booleans(), ipc=st.booleans(),
+       rows=st.lists(st.tuples(st.sampled_from([1, 1, 1, 2, 17, 600]), st.integers(0, 20_000), st.booleans()),
+                     max_size=12),
+       implicit=st.integers(0, 400), mean_s=st.integers(0, 9000), shared_frac=st.sampled_from([0.0, 0.3, 1.0, 2.0]))
+def test_predict_decode_fast_path_equals_the_terms(model, tp, cuda_graphs, async_scheduling, ipc, rows, implicit,
+                                                   mean_s, shared_frac):
+    """`predict` prices a pure decode batch (every row one token, every row sampling) from its batch size's
+    cached parts: the same `StepTiming` - duration, prepare, forward, sample seconds (floats compared with ==)
+    and padded size - as `predict_by_terms`, for dense, MoE and sliding-window models, TP, graphs or eager, sync
+    or async, listed and implicit rows, shared KV; any other step is `predict_by_terms`' too."""
+    key = (model, tp, cuda_graphs, async_scheduling, ipc)
+    if key not in _FAST_PATH_MODELS:  # (a batch size's parts cached by an earlier case: part of the claim)
+        _FAST_PATH_MODELS[key] = CostModel(model, "h100-sxm", tp=tp, cuda_graphs=cuda_graphs, ipc=ipc,
+                                           async_scheduling=async_scheduling)
+    cm = _FAST_PATH_MODELS[key]
+    qs, ss = [q for q, _, _ in rows], [s for _, s, _ in rows]
+    sum_s = implicit * mean_s
+    shared = int((sum(ss) + sum_s) * shared_frac)
+    for num_sampling in {sum(sample for _, _, sample in rows), len(rows)}:
+        summary = StepSummary.from_lists(qs, ss, num_sampling, implicit_decodes=implicit, implicit_sum_s=sum_s,
+                                         shared_kv=shared)
+        assert cm.predict(summary) == cm.predict_by_terms(summary)

@@ -25,11 +25,12 @@ def test_decode_duration_equals_predict(model, tp, cuda_graphs, async_scheduling
     cm = CostModel(model, "h100-sxm", tp=tp, cuda_graphs=cuda_graphs, ipc=ipc, async_scheduling=async_scheduling)
     sum_before = k * mean_s
     shared = int(sum_before * shared_frac)
-    expected = cm.predict(StepSummary.from_lists([], [], 0, implicit_decodes=k, implicit_sum_s=sum_before,
-                                                 shared_kv=shared)).duration_s
+    # (`predict_by_terms`: `predict` itself prices a pure decode batch from the same cached parts)
+    expected = cm.predict_by_terms(StepSummary.from_lists([], [], 0, implicit_decodes=k, implicit_sum_s=sum_before,
+                                                          shared_kv=shared)).duration_s
     assert cm.decode_duration(k, sum_before + k, shared) == expected
-    other = cm.predict(StepSummary.from_lists([], [], 0, implicit_decodes=k, implicit_sum_s=sum_before + 7 * k,
-                                              shared_kv=0)).duration_s
+    other = cm.predict_by_terms(StepSummary.from_lists([], [], 0, implicit_decodes=k,
+                                                       implicit_sum_s=sum_before + 7 * k, shared_kv=0)).duration_s
     assert cm.decode_duration(k, sum_before + 8 * k, 0) == other  # (cached terms, other lengths)
 
 
