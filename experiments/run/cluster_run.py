@@ -231,9 +231,9 @@ def _write_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, sim: Any, r
     summaries, frames, itls = {}, {}, []
     for label, run in runs.items():
         frames[label] = run.recorder.frames()
-        run.itls = run.recorder.itl_array()
+        run.itls, engine_itls = run.recorder.itl_arrays()  # (speed: one pass over the token times for both)
         itls.append(np.asarray(run.itls, dtype=float))
-        summaries[label] = summarize(run, frames[label], exp, run.itls)
+        summaries[label] = summarize(run, frames[label], exp, run.itls, engine_itls)
         edir = os.path.join(out_dir, "sim", "instances", label)
         os.makedirs(edir, exist_ok=True)
         for path in run.recorder.write(edir, frames[label], trace=False).values():
