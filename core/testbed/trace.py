@@ -662,11 +662,12 @@ class TraceRecorder:
             names = list(columns)
             self.requests = {values[0]: RequestTrace(**dict(zip(names, values))) for values in zip(*columns.values())}
 
-    def frames(self) -> dict[str, Any]:
+    def frames(self, steps_columns: Sequence[str] = STEP_COLUMNS) -> dict[str, Any]:
+        """The three tables; `steps_columns`: the steps table with these columns alone (a reader of a few)."""
         import pandas as pd  # noqa: PLC0415  (lazy: pandas is only needed to write tables)
 
         return {
-            "steps": self.steps.to_frame(),
+            "steps": self.steps.to_frame(steps_columns),
             "step_requests": pd.DataFrame(self.step_requests, columns=STEP_REQUEST_COLUMNS),
             "requests": pd.DataFrame(self._request_columns(), columns=REQUEST_COLUMNS),
         }
