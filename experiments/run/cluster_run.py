@@ -247,9 +247,9 @@ def _write_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, sim: Any, r
     folder.own(trace_rel)  # in the marker before the fork: the child's rename then adds no second line
     trace = folder.file(trace_rel)
     jobs.submit(trace_rel, write_cluster_trace_file, (trace, exp, runs, sim), trace)
-    # (speed: the steps tables, built and written in a second child: on two CPUs the three processes' work,
-    # ~4.5 s of CPU for the routing ladder, ends about together instead of the parent's ~3 s after the
-    # trace's ~2; pandas imported first, for it and for the parent)
+    # (speed: the steps tables, built and written in a second child: the routing ladder's parent did ~4 s of
+    # CPU here against the trace child's ~3; now ~2.7 against ~3.3 and ~1 in this child, on two CPUs; pandas
+    # imported first, for it and for the parent)
     import pandas  # noqa: F401, PLC0415
 
     steps_rels = steps_table_paths(runs)
