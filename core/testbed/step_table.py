@@ -235,21 +235,26 @@ class StepTable:
         for values in zip(*self._columns.values()):
             yield dict(zip(names, values))
 
-    def to_frame(self) -> Any:
-        """The rows as a pandas DataFrame with STEP_COLUMNS (what `pd.DataFrame(rows)` gave from dicts)."""
+    def to_frame(self, columns: Sequence[str] = STEP_COLUMNS) -> Any:
+        """The rows as a pandas DataFrame with STEP_COLUMNS (what `pd.DataFrame(rows)` gave from dicts);
+        `columns`: that table's columns of these names alone (in STEP_COLUMNS order)."""
         import numpy as np  # noqa: PLC0415  (lazy, like pandas)
         import pandas as pd  # noqa: PLC0415
 
         self._flush()
+        names = [name for name in STEP_COLUMNS if name in columns]
+        if len(names) != len(set(columns)):
+            raise KeyError(f"StepTable.to_frame: no step column {sorted(set(columns) - set(names))}")
         if not len(self):  # (no rows: every column of the empty table is object, as from no dicts)
-            return pd.DataFrame([], columns=STEP_COLUMNS)
+            return pd.DataFrame([], columns=names)
         data = {}
-        for name, col in self._columns.items():
+        for name in names:
+            col = self._columns[name]
             if type(col) is list:
                 data[name] = col
             else:  # a copy out of the array's buffer (the array may still grow)
                 data[name] = np.frombuffer(col, dtype=np.float64 if col.typecode == "d" else np.int64).copy()
-        return pd.DataFrame(data, columns=STEP_COLUMNS)
+        return pd.DataFrame(data, columns=names)
 
 
 def _fits(col: array, value: Any) -> bool:

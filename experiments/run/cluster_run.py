@@ -12,7 +12,8 @@ Layout under the output folder DIR:
 
 The whole-cluster figures pool every engine's requests (latency distributions over all of them) over the
 cluster's duration (the last engine's end). `write_cluster_outputs` adds report.md and the figures;
-sim/trace.json is written by a forked child meanwhile (`write_cluster_trace_file`).
+sim/trace.json and the engines' steps.parquet are written by forked children meanwhile
+(`write_cluster_trace_file`, `write_steps_tables`).
 """
 from __future__ import annotations
 
@@ -26,10 +27,13 @@ import numpy as np
 from servetwin.experiments.config.cluster import instance_engine_args
 from servetwin.experiments.config.schema import ExperimentConfig
 from servetwin.experiments.config.workloads import build_requests, workload_summary
-from servetwin.experiments.run.runner import (BackendRun, _Progress, _progress_bar, dist_stats, kv_pool_dict,
-                                              summarize, write_json)
+from servetwin.experiments.run.runner import (SUMMARY_STEP_COLUMNS, BackendRun, _Progress, _progress_bar, dist_stats,
+                                              kv_pool_dict, summarize, write_json)
 
 CLUSTER_LATENCY_KEYS = ("ttft_s", "tpot_s", "e2e_s", "queue_s")
+# the steps tables' columns the parent reads (`summarize`, and `cluster_figures`: t_start_s): the whole tables
+# are built and written by a forked child (`write_steps_tables`)
+PARENT_STEP_COLUMNS = SUMMARY_STEP_COLUMNS + ("t_start_s",)
 
 
 def build_cluster(exp: ExperimentConfig) -> list[Any]:
@@ -171,6 +175,22 @@ def write_cluster_trace_file(path: str, exp: ExperimentConfig, runs: dict[str, B
     return path
 
 
+def steps_table_paths(runs: dict[str, BackendRun]) -> dict[str, str]:
+    """Each engine's steps.parquet (relative to the output folder), by label."""
+    return {label: os.path.join("sim", "instances", label, "steps.parquet") for label in runs}
+
+
+def write_steps_tables(out_dir: str, runs: dict[str, BackendRun]) -> str:
+    """Every engine's steps.parquet (the tables' largest: ~750k rows over the routing ladder's 16 engines);
+    returns the last one's path."""
+    path = ""
+    for label, rel in steps_table_paths(runs).items():
+        recorder = runs[label].recorder
+        path = recorder.write(os.path.dirname(os.path.join(out_dir, rel)), {"steps": recorder.steps.to_frame()},
+                              trace=False)["steps"]
+    return path
+
+
 def write_cluster_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, summaries: dict[str, dict],
                           frames: dict[str, dict], whole: dict[str, Any]) -> None:
     """report.md (the cluster's and every engine's table) and, with `output.plots`, the cluster's figures."""
@@ -227,16 +247,26 @@ def _write_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, sim: Any, r
     folder.own(trace_rel)  # in the marker before the fork: the child's rename then adds no second line
     trace = folder.file(trace_rel)
     jobs.submit(trace_rel, write_cluster_trace_file, (trace, exp, runs, sim), trace)
+    # (speed: the steps tables, built and written in a second child: the routing ladder's parent did ~4 s of
+    # CPU here against the trace child's ~3; now ~2.7 against ~3.3 and ~1 in this child, on two CPUs; pandas
+    # imported first, for it and for the parent)
+    import pandas  # noqa: F401, PLC0415
+
+    steps_rels = steps_table_paths(runs)
+    folder.own(*steps_rels.values())  # (as trace.json above)
+    if steps_rels:
+        jobs.submit("steps", write_steps_tables, (out_dir, runs), os.path.join(out_dir, list(steps_rels.values())[-1]))
     folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
     summaries, frames, itls = {}, {}, []
     for label, run in runs.items():
-        frames[label] = run.recorder.frames()
-        run.itls = run.recorder.itl_array()
+        frames[label] = run.recorder.frames(PARENT_STEP_COLUMNS)
+        run.itls, engine_itls = run.recorder.itl_arrays()  # (speed: one pass over the token times for both)
         itls.append(np.asarray(run.itls, dtype=float))
-        summaries[label] = summarize(run, frames[label], exp, run.itls)
+        summaries[label] = summarize(run, frames[label], exp, run.itls, engine_itls)
         edir = os.path.join(out_dir, "sim", "instances", label)
         os.makedirs(edir, exist_ok=True)
-        for path in run.recorder.write(edir, frames[label], trace=False).values():
+        tables = {name: frame for name, frame in frames[label].items() if name != "steps"}  # (the child's)
+        for path in run.recorder.write(edir, tables, trace=False).values():
             folder.record(os.path.relpath(path, out_dir))
         write_json(os.path.join(edir, "summary.json"), summaries[label])
         folder.record(os.path.join("sim", "instances", label, "summary.json"))
@@ -256,8 +286,10 @@ def _write_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, sim: Any, r
         whole["pd"] = sim.pd.summary()
         write_json(os.path.join(out_dir, "sim", "summary.json"), whole)
     write_cluster_outputs(exp, out_dir, folder, summaries, frames, whole)
-    jobs.wait()  # (a child that failed: its file redone here)
+    jobs.wait()  # (a child that failed: its files redone here)
     folder.record(trace_rel)
+    for rel in steps_rels.values():
+        folder.record(rel)
     wsum = workload_summary(requests)
     combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
                 "workload": wsum, "backends": {"sim": whole}, "cluster": {"engines": summaries}}

@@ -227,6 +227,11 @@ def _nz(x: float) -> Optional[float]:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
+# the steps table's columns `summarize` reads (a caller may hand it a table of these alone: `TraceRecorder.frames`)
+SUMMARY_STEP_COLUMNS = ("t_end_s", "duration_s", "num_context_tokens", "total_tokens", "annotation", "num_running",
+                        "num_waiting", "kv_free_blocks", "kv_usage", "prefix_queries", "prefix_hits")
+
+
 def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
               itls: Optional[np.ndarray] = None, engine_itls: Optional[np.ndarray] = None,
               itls_read_after: bool = True) -> dict[str, Any]:

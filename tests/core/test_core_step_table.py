@@ -4,6 +4,7 @@ import json
 import pickle
 
 import pandas as pd
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -223,3 +224,21 @@ def test_cluster_trace_with_text_step_events_equals_the_dict_encoding(tmp_path_f
         perfetto._engine_event_texts = saved
     assert (folder / "fast.json").read_text() == (folder / "dicts.json").read_text()
     assert any(type(e) is str for e in perfetto._engine_stream(engines[0][1], 1))  # the text path ran
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(_row, max_size=8), odd=st.lists(_odd, max_size=2),
+       columns=st.lists(st.sampled_from(STEP_COLUMNS), min_size=1, unique=True))
+def test_a_frame_of_some_columns_is_those_columns_of_the_whole_frame(rows, odd, columns):
+    """`to_frame(columns)`: the whole table's columns of those names, in STEP_COLUMNS order (what a reader of a
+    few columns builds instead of the whole table); an unknown name raises."""
+    table = StepTable()
+    for k, row in enumerate(rows):
+        if odd and k == 0:
+            row = {**row, odd[0][0]: odd[0][1]}
+        table.append_row(row)
+    whole, part = table.to_frame(), table.to_frame(columns)
+    assert part.columns.tolist() == [c for c in STEP_COLUMNS if c in columns]
+    pd.testing.assert_frame_equal(part, whole[part.columns.tolist()], check_exact=True)
+    with pytest.raises(KeyError):
+        table.to_frame(columns + ["no_such_column"])

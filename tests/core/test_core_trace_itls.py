@@ -48,8 +48,10 @@ def _check_itls(token_times, ends, lag, split, jitter):
     rec = _recorder(token_times, delivery)
     assert rec.itls() == _loop(rec, delivery)
     assert rec.engine_itls() == _loop(rec, None)
+    _check_both(rec)
     plain = _recorder(token_times, None)
     assert plain.itls() == plain.engine_itls() == _loop(plain, None)
+    _check_both(plain)
     # what the output process gets: one array of token times, the requests pickled as columns; token
     # times kept as indexes among the step ends when every one is a step's end (floats otherwise)
     twin = pickle.loads(pickle.dumps(rec.packed()))
@@ -61,8 +63,18 @@ def _check_itls(token_times, ends, lag, split, jitter):
     indexed = pickle.loads(pickle.dumps(rec.packed()))
     assert indexed._packed_token_times[1] is not None  # (the floats themselves: `twin` above)
     assert indexed.itls() == rec.itls() and indexed.engine_itls() == rec.engine_itls()
+    _check_both(twin)
+    _check_both(indexed)
     assert all(not t.token_times for t in twin.requests.values()) and rec.request_rows() == twin.request_rows()
     assert list(twin.requests) == list(rec.requests)
     times = [x for ts in token_times for x in ts]
     assert [None if v != v else v for v in delivery.client_times(times).tolist()] == \
         [delivery.client_time(t) for t in times]
+
+
+def _check_both(rec):
+    """`itl_arrays()` (one pass for both) is (`itl_array()`, `engine_itl_array()`): the same floats, in order."""
+    client, engine = rec.itl_arrays()
+    assert client.dtype == engine.dtype == rec.itl_array().dtype
+    assert client.tolist() == rec.itl_array().tolist()
+    assert engine.tolist() == rec.engine_itl_array().tolist()

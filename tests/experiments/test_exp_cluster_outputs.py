@@ -1,18 +1,22 @@
-"""A cluster run's output phase (experiments/run/cluster_run.py): sim/trace.json written by a forked child
-while the tables and summaries are built gives the files the one-process writing gives, each listed once
-in the folder's marker; a child that fails is redone in the parent."""
+"""A cluster run's output phase (experiments/run/cluster_run.py): sim/trace.json and the steps tables written
+by forked children while the other tables and summaries are built give the files the one-process writing
+gives, each listed once in the folder's marker; a child that fails is redone in the parent."""
 from __future__ import annotations
 
 import json
 import os
 
+import pandas as pd
 import pytest
 import yaml
 
 from servetwin.experiments.cli import main
 from servetwin.experiments.run import cluster_run
 from servetwin.experiments.run.background import parallel_ok
+from servetwin.core.testbed.step_table import STEP_COLUMNS
+from servetwin.experiments.config.schema import load_config
 from servetwin.experiments.run.run_folder import MARKER
+from servetwin.experiments.run.runner import summarize
 
 CONFIG = {"name": "c", "model": "tiny-llama", "hardware": "h100-sxm",
           "engine": {"max_num_seqs": 4, "max_model_len": 256, "num_gpu_blocks": 24},  # preemptions
@@ -70,17 +74,39 @@ def test_the_forked_trace_gives_the_files_of_the_one_process_run(tmp_path, monke
     assert set(lines) == set(a) - {MARKER}
 
 
-def test_a_trace_child_that_fails_is_redone_in_the_parent(tmp_path, monkeypatch):
+@pytest.mark.parametrize("job", ["write_cluster_trace_file", "write_steps_tables"])
+def test_a_child_that_fails_is_redone_in_the_parent(tmp_path, monkeypatch, job):
     parent = os.getpid()
-    write = cluster_run.write_cluster_trace_file
+    write = getattr(cluster_run, job)
 
     def fails_in_a_child(*args):
         if os.getpid() != parent:
             raise RuntimeError("the child's write fails")
         return write(*args)
 
-    monkeypatch.setattr(cluster_run, "write_cluster_trace_file", fails_in_a_child)
+    monkeypatch.setattr(cluster_run, job, fails_in_a_child)
     out = _run(tmp_path, "out")
     trace = json.loads(open(os.path.join(out, "sim", "trace.json")).read())  # complete: it parses
     assert any(e["ph"] == "i" and e["name"].startswith("preempted") for e in trace["traceEvents"])
-    assert _marker_lines(out).count(os.path.join("sim", "trace.json")) == 1
+    lines = _marker_lines(out)
+    assert lines.count(os.path.join("sim", "trace.json")) == 1
+    steps = sorted(line for line in lines if line.endswith("steps.parquet"))
+    assert steps == sorted(set(steps)) and len(steps) == 4  # one per engine, listed once
+    assert all(pd.read_parquet(os.path.join(out, rel)).columns.tolist() == STEP_COLUMNS for rel in steps)
+
+
+def test_summaries_from_the_parents_step_columns_equal_those_from_the_whole_tables(tmp_path):
+    """The parent builds the steps tables with `PARENT_STEP_COLUMNS` alone (a child writes the whole ones):
+    every engine's summary is the same, and those columns are the whole table's."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(CONFIG))
+    exp = load_config(path)
+    _, runs, _, _ = cluster_run.simulate_cluster(exp)
+    for run in runs.values():
+        itls, engine_itls = run.recorder.itl_arrays()
+        whole, part = run.recorder.frames(), run.recorder.frames(cluster_run.PARENT_STEP_COLUMNS)
+        assert len(whole["steps"]) > 0
+        pd.testing.assert_frame_equal(part["steps"], whole["steps"][list(part["steps"].columns)])
+        assert sorted(part["steps"].columns) == sorted(cluster_run.PARENT_STEP_COLUMNS)
+        assert json.dumps(summarize(run, part, exp, itls, engine_itls)) == \
+            json.dumps(summarize(run, whole, exp, itls, engine_itls))
