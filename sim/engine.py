@@ -321,10 +321,15 @@ class Simulation:
 
     def _to_frontend(self, request: WorkloadRequest) -> simpy.Event:
         # the front end's CPU: the outputs of the steps that ended before now first; a window goes on (the
-        # engine's steps stay the same until the request reaches it, `submit`)
+        # engine's steps stay the same until the request reaches it, `submit`) while its outputs may be given
+        # later, else it ends with the step in progress (its outputs from then on at their own times)
         self._outputs_before_now()
         self._in_frontend += 1
-        return self.frontend.submit(request)
+        done = self.frontend.submit(request)
+        window = self._shortcuts.window
+        if window is not None and not self.frontend.outputs_deferrable(window.ends[window.stop]):
+            self._window_cut()
+        return done
 
     def _outputs_before_now(self) -> None:
         """The front end's CPU is read now (a request reaches it, one of its wake-ups fires): the outputs of the
@@ -648,9 +653,11 @@ class Simulation:
     # scheduled (`_fused_step`; its members' KV events done in place, `SimScheduler._in_place_step`),
     # the previous batch's outputs to the front end - is applied later with that step's own times, by
     # `_window_close` at the window's end, or by `_window_cut` when something reaches this engine before
-    # (a request to it or its front end, a wake-up): the actions before the current time are applied, and
-    # the engine wakes at the end of the step in progress, as the step-by-step run. A cluster's scrape of
-    # the KV usage first schedules the steps before its time (`catch_up`: their KV events).
+    # (a request, a wake-up): the actions before the current time are applied, and the engine wakes at
+    # the end of the step in progress, as the step-by-step run. A cluster's scrape of the KV usage first
+    # schedules the steps before its time (`catch_up`: their KV events). A request reaching the front end,
+    # or a wake-up of the front end (its CPU's next job done: an ingress in service), first hands it the
+    # outputs of the steps that ended before (`_outputs_before_now`); the window goes on.
     # Exact (tests/sim/test_sim_step_windows.py) because, inside a window:
     # - the steps are certain to be quiet (`SimScheduler.quiet_run`: before every member's terminal event,
     #   every allocation within the free blocks, no block shared by several requests dropped), so their
@@ -658,8 +665,11 @@ class Simulation:
     #   the commit runs the steps and raises if one was not quiet after all;
     # - nothing else reads or changes what the deferred actions change: the scheduler's waiting/running
     #   counts stay (no admission, no finish); its KV usage, which a scrape reads, is brought up to the
-    #   scrape's time (`catch_up`); the front end is quiet (`quiet_until`: no timer of its own due, its
-    #   outputs need no clock); no step-boundary hook, KV worker, client timeout or abort is pending;
+    #   scrape's time (`catch_up`); the front end reads the outputs only at its own events - an arrival, a
+    #   wake-up - each of which first has the outputs received before it handed over, at their own times
+    #   with the wake-ups between them at theirs (`ApiServerFrontend.outputs_at`, `outputs_deferrable`: no
+    #   output completing a request waits there, an ingress done reaches the engine after the event that
+    #   hands over its outputs); no step-boundary hook, KV worker, client timeout or abort is pending;
     # - the times are the step-by-step run's floats: ends[i] = ends[i - 1] + durations[i], as SimPy's
     #   `now + delay`, and each timeout lands on exactly its end (`_delay_to`);
     # - ties: a cut at exactly a step end (a request reaching the engine at the time a step ends) is
