@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -372,8 +373,9 @@ class ApiServerFrontend:
         now = self.env.now if clock is None else clock
         delay = self.coeffs.latency_in_s + (t - now)  # t <= now: done while catching up
         if delay > 0:
-            if clock is not None:  # a replay: the timeout lands where the replayed call's would
-                delay = self._delay_from_now(now + delay)
+            if clock is not None:  # a replay: at the time the replayed call's timeout lands on
+                self._at(now + delay, lambda _e: self.to_engine(request, done))
+                return
             self.env.timeout(delay).callbacks.append(lambda _e: self.to_engine(request, done))
         elif clock is not None:
             raise RuntimeError(f"ApiServerFrontend: an ingress replayed at t={clock} reached the engine before "
@@ -446,8 +448,7 @@ class ApiServerFrontend:
         self._clock = None
         if self._wake_at is not None and not self._wake_real:
             self._wake_real = True
-            self.env.timeout(self._delay_from_now(self._wake_fire)).callbacks.append(
-                lambda _e, at=self._wake_at: self._wake(at))
+            self._at(self._wake_fire, lambda _e, at=self._wake_at: self._wake(at))
 
     def _replay_wakes(self, t: float, inclusive: bool) -> None:
         """`_wake` of the pending wake-up, at its time, while it is due before `t` (or at `t`, `inclusive`)."""
@@ -458,15 +459,20 @@ class ApiServerFrontend:
             self._advance(fire)
             self._schedule_wake()
 
-    def _delay_from_now(self, t: float) -> float:
-        """The delay of a timeout made now that lands on `t` (not before now) in floats."""
+    def _at(self, t: float, callback: Callable[[Any], None]) -> None:
+        """`callback` at SimPy time `t` exactly (not before now): a timeout made now that lands on it or, where no
+        delay from now does in floats (now's ulp finer than t's: their sums round past it), one that lands on the
+        float before `t` and makes the last hop from there."""
         now = self.env.now
-        if t == now:
-            return 0.0
-        delay = delay_to(now, t)
-        if delay is None:
+        delay = 0.0 if t == now else delay_to(now, t)
+        if delay is not None:
+            self.env.timeout(delay).callbacks.append(callback)
+            return
+        before = math.nextafter(t, -math.inf)
+        hop = delay_to(now, before) if before > now else None
+        if hop is None or delay_to(before, t) is None:
             raise RuntimeError(f"ApiServerFrontend: no timeout made at t={now!r} lands on {t!r}")
-        return delay
+        self.env.timeout(hop).callbacks.append(lambda _e: self._at(t, callback))
 
     def quiet_until(self, t: float) -> bool:
         """Whether the outputs of quiet steps received up to `t` may be given with their times
