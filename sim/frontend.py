@@ -420,9 +420,13 @@ class ApiServerFrontend:
         completion is computed at a wake-up, which hands the outputs received before it over first,
         `before_wake`; `latency_in_s`, far above the CPU's tolerance `_EPS`, keeps its arrival at the engine
         after the wake-up that completes it however the outputs' load rounds)."""
-        if any(o.done for o in self._outputs) or (self._handler_busy and self._in_service.done):
+        if self._completion_waiting():
             return False
         return self.coeffs.latency_in_s > 1e-9 * max(1.0, t) or self.quiet_until(t)
+
+    def _completion_waiting(self) -> bool:
+        """Whether an output message waiting or in service completes a request."""
+        return any(o.done for o in self._outputs) or (self._handler_busy and bool(self._in_service.done))
 
     def outputs_at(self, nows: Sequence[float], t_engines: Sequence[float], num_outputs: int) -> None:
         """The outputs of consecutive quiet steps (no request finished, `num_outputs` requests got a token
@@ -437,7 +441,7 @@ class ApiServerFrontend:
         if self.quiet_until(nows[-1]):  # (speed: nothing to wake for: `on_step_outputs_at`'s bulk path)
             self.on_step_outputs_at(nows, t_engines, num_outputs)
             return
-        if any(o.done for o in self._outputs) or (self._handler_busy and self._in_service.done):
+        if self._completion_waiting():
             raise RuntimeError("ApiServerFrontend.outputs_at: an output completing a request is waiting")
         for now, t_engine in zip(nows, t_engines):
             self._replay_wakes(now, True)  # (a wake-up due at a step's end: before it, the engine settles first)
