@@ -435,7 +435,11 @@ class ApiServerFrontend:
         wake-ups between them at theirs (their SimPy timeouts, an ingress' hand-over to the engine, made
         now to land at the same times), without a SimPy event per call. Only when `outputs_deferrable`
         was true from the first output's time (a wake-up or an arrival since then handed the outputs
-        before it over first)."""
+        before it over first). Ties: a wake-up due at a step's end comes first (the step-by-step engine
+        settles before its next step); one due exactly now, after the event that called this (a wake-up
+        superseded then does nothing either way; a request reaching the engine does not touch the front
+        end; an arrival at the front end at exactly a wake-up's float time is ordered by SimPy's event ids
+        in the step-by-step run - a coincidence of two unrelated floats, not modelled)."""
         if num_outputs <= 0 or not nows:
             return
         if self.quiet_until(nows[-1]):  # (speed: nothing to wake for: `on_step_outputs_at`'s bulk path)
