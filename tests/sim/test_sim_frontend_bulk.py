@@ -1,6 +1,7 @@
-"""`ApiServerFrontend.on_step_outputs_at`: the outputs of consecutive quiet steps given with explicit times equal,
-in every effect, `on_step_output` called at those times - the CPUs' virtual-time state and jobs, the output
-messages and their merging, the deliveries (floats with ==), no SimPy event - and what follows goes on alike."""
+"""`ApiServerFrontend.on_step_outputs_at` and `outputs_at`: the outputs of consecutive quiet steps given with
+explicit times equal, in every effect, `on_step_output` called at those times - the CPUs' virtual-time state and
+jobs, the output messages and their merging, the deliveries (floats with ==), no SimPy event (`outputs_at`: the
+front end's wake-ups and hand-overs to the engine at their times too) - and what follows goes on alike."""
 from types import SimpleNamespace
 
 import pytest
@@ -8,6 +9,7 @@ import simpy
 from hypothesis import given, settings, strategies as st
 
 from servetwin.sim.frontend import ApiServerFrontend, load_frontend_spec
+from servetwin.sim.sim_time import delay_to
 
 
 class _CountingEnvironment(simpy.Environment):
@@ -178,3 +180,18 @@ def test_outputs_at_while_an_ingress_is_in_service_equals_sequential_calls(serve
     assert _state(bulk) == _state(seq)
     assert [(t, r) for t, r, _ in reached_a] == [(t, r) for t, r, _ in reached_b]
     assert seq.summary(1.0) == bulk.summary(1.0)
+
+
+def test_a_replayed_timeout_lands_on_its_time_where_no_delay_from_now_does():
+    """Now's ulp finer than the target's (their sums round past it: no delay lands there): two hops, the last from
+    the float before the target; SimPy's clock reads the target exactly when the callback runs."""
+    now, t = 0.007339966513270923, 0.015604015468203036
+    assert delay_to(now, t) is None
+    env, fe, _ = _frontend(1, "completions", "shared", 1.0)
+    env.run(until=now)
+    assert env.now == now
+    seen = []
+    fe._at(t, lambda _e: seen.append(env.now))
+    fe._at(now, lambda _e: seen.append(env.now))  # (now itself: no delay)
+    env.run()
+    assert seen == [now, t]

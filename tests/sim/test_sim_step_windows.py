@@ -127,7 +127,8 @@ def test_windows_during_ingress_equal_the_run_without_them(count, ingress, endpo
     engine_kw = dict(enable_prefix_caching=True, block_size=16, num_gpu_blocks=800, max_num_seqs=running + burst,
                      max_model_len=512, async_scheduling=True)
     extra = {"timeout_s": timeout_s} if timeout_s is not None else {}
-    workload = {"requests": running + 3 * burst, "seed": seed, "prompt_tokens": {"type": "uniform", "low": 1, "high": 60},
+    workload = {"requests": running + 3 * burst, "seed": seed,
+                "prompt_tokens": {"type": "uniform", "low": 1, "high": 60},
                 "output_tokens": {"type": "uniform", "low": 1, "high": out_hi},
                 "arrival": {"type": "stages", "stages": [{"rate": 1e6, "duration_s": running / 1e6},
                                                          {"rate": rate, "duration_s": 3 * burst / rate}]}, **extra}
