@@ -77,6 +77,7 @@ from servetwin.core.testbed.trace import TraceRecorder
 from servetwin.sim.arrivals import ArrivalProcess
 from servetwin.sim.fast_forward import fast_forward
 from servetwin.sim.scheduler import SimScheduler
+from servetwin.sim.sim_time import delay_to as _delay_to
 from servetwin.sim.workload import WorkloadRequest, build_workload, rng_streams
 
 DEFAULT_EOS_TOKEN_ID = 0  # fake tokens are >= 10, so 0 appears only where forced
@@ -275,6 +276,8 @@ class Simulation:
         # scheduling, or in sync scheduling without a front end (ties, `_plan_window`)
         self._shortcuts.windows = (step_windows and self._shortcuts.fused and max_time_s is None
                                    and (engine.batch_queue_size > 1 or self.frontend is None))
+        if self._shortcuts.windows and self.frontend is not None:
+            self.frontend.before_wake = self._outputs_before_now
 
     @property
     def fast_forward(self) -> bool:
@@ -317,9 +320,23 @@ class Simulation:
         self._poke()
 
     def _to_frontend(self, request: WorkloadRequest) -> simpy.Event:
-        self._window_cut()  # (the front end's CPU: the outputs of the steps that ended before now first)
+        # the front end's CPU: the outputs of the steps that ended before now first; a window goes on (the
+        # engine's steps stay the same until the request reaches it, `submit`) while its outputs may be given
+        # later, else it ends with the step in progress (its outputs from then on at their own times)
+        self._outputs_before_now()
         self._in_frontend += 1
-        return self.frontend.submit(request)
+        done = self.frontend.submit(request)
+        window = self._shortcuts.window
+        if window is not None and not self.frontend.outputs_deferrable(window.ends[window.stop]):
+            self._window_cut()
+        return done
+
+    def _outputs_before_now(self) -> None:
+        """The front end's CPU is read now (a request reaches it, one of its wake-ups fires): the outputs of the
+        window's steps that ended before now handed over first (`ApiServerFrontend.outputs_at`)."""
+        window = self._shortcuts.window
+        if window is not None:
+            self._window_apply_before(window, self.env.now)
 
     def _from_frontend(self, request: WorkloadRequest, done: simpy.Event) -> None:
         self._in_frontend -= 1
@@ -636,9 +653,11 @@ class Simulation:
     # scheduled (`_fused_step`; its members' KV events done in place, `SimScheduler._in_place_step`),
     # the previous batch's outputs to the front end - is applied later with that step's own times, by
     # `_window_close` at the window's end, or by `_window_cut` when something reaches this engine before
-    # (a request to it or its front end, a wake-up): the actions before the current time are applied, and
-    # the engine wakes at the end of the step in progress, as the step-by-step run. A cluster's scrape of
-    # the KV usage first schedules the steps before its time (`catch_up`: their KV events).
+    # (a request, a wake-up): the actions before the current time are applied, and the engine wakes at
+    # the end of the step in progress, as the step-by-step run. A cluster's scrape of the KV usage first
+    # schedules the steps before its time (`catch_up`: their KV events). A request reaching the front end,
+    # or a wake-up of the front end (its CPU's next job done: an ingress in service), first hands it the
+    # outputs of the steps that ended before (`_outputs_before_now`); the window goes on.
     # Exact (tests/sim/test_sim_step_windows.py) because, inside a window:
     # - the steps are certain to be quiet (`SimScheduler.quiet_run`: before every member's terminal event,
     #   every allocation within the free blocks, no block shared by several requests dropped), so their
@@ -646,8 +665,11 @@ class Simulation:
     #   the commit runs the steps and raises if one was not quiet after all;
     # - nothing else reads or changes what the deferred actions change: the scheduler's waiting/running
     #   counts stay (no admission, no finish); its KV usage, which a scrape reads, is brought up to the
-    #   scrape's time (`catch_up`); the front end is quiet (`quiet_until`: no timer of its own due, its
-    #   outputs need no clock); no step-boundary hook, KV worker, client timeout or abort is pending;
+    #   scrape's time (`catch_up`); the front end reads the outputs only at its own events - an arrival, a
+    #   wake-up - each of which first has the outputs received before it handed over, at their own times
+    #   with the wake-ups between them at theirs (`ApiServerFrontend.outputs_at`, `outputs_deferrable`: no
+    #   output completing a request waits there, an ingress done reaches the engine after the event that
+    #   hands over its outputs); no step-boundary hook, KV worker, client timeout or abort is pending;
     # - the times are the step-by-step run's floats: ends[i] = ends[i - 1] + durations[i], as SimPy's
     #   `now + delay`, and each timeout lands on exactly its end (`_delay_to`);
     # - ties: a cut at exactly a step end (a request reaching the engine at the time a step ends) is
@@ -664,7 +686,7 @@ class Simulation:
         state = self._shortcuts
         frontend = self.frontend
         if (self._inbox or self._aborts or state.timeouts or self.on_step_boundary is not None
-                or (frontend is not None and not frontend.quiet_until(t0))):
+                or (frontend is not None and not frontend.outputs_deferrable(t0))):
             return None
         in_flight = state.batch is not None  # async: each step processes the previous one's batch
         engine = self.engine
@@ -724,8 +746,8 @@ class Simulation:
                 break
             end -= 1
         frontend = self.frontend
-        if delay is None or (frontend is not None and not frontend.quiet_until(ends[end])):
-            return False  # (the front end's own wake-up due inside the window: it reads the outputs by then)
+        if delay is None or (frontend is not None and not frontend.outputs_deferrable(ends[end])):
+            return False
         window.stop = end
         self.env.timeout(delay).callbacks.append(lambda _e, w=window, i=end: self._window_due(w, i))
         return True
@@ -789,7 +811,7 @@ class Simulation:
         state.batch = (step + n - 1, last_q, ImplicitDecodes(k, sum_offset + k * last_q, max_offset + last_q), shared,
                        window.durations[upto + 1], ends[upto + 1])
         if self.frontend is not None:
-            self.frontend.on_step_outputs_at(starts, starts, k)
+            self.frontend.outputs_at(starts, starts, k)
 
     def _window_close(self, window: _Window) -> None:
         """The engine woke at the end of the window's last step: the actions before it applied."""
@@ -1012,15 +1034,6 @@ class Settler:
             self._wakeup = env.event()
             yield self._wakeup
             self._wakeup = None
-
-
-def _delay_to(now: float, t: float) -> Optional[float]:
-    """A delay d > 0 with now + d == t in floats (SimPy's timeout lands on `now + delay`), or None."""
-    d = t - now
-    for cand in (d, math.nextafter(d, math.inf), math.nextafter(d, -math.inf)):
-        if cand > 0 and now + cand == t:
-            return cand
-    return None
 
 
 @contextlib.contextmanager

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -73,6 +74,7 @@ import simpy
 from servetwin.core.config_error import ConfigError
 from servetwin.core.testbed.trace import DeliveryMap
 from servetwin.sim.frontend_presets import FRONTEND_PRESETS
+from servetwin.sim.sim_time import delay_to
 from servetwin.sim.validate import check_keys, check_mapping, non_negative, one_of
 
 FRONTEND_TYPES = ("api_server", "offline")
@@ -326,7 +328,13 @@ class ApiServerFrontend:
         self.deliveries = DeliveryMap(split_first_chunk=self.chat)
         self._outputs: deque[_StepOutput] = deque()
         self._handler_busy = False
-        self._wake_at: Optional[float] = None
+        self._wake_at: Optional[float] = None  # the pending wake-up's target
+        self._wake_fire = 0.0  # where its SimPy timeout lands (`now + delay` from its scheduling)
+        self._wake_real = False  # whether that timeout exists (a replay's is made at the replay's end)
+        self._clock: Optional[float] = None  # in a replay (`outputs_at`): the time of the call replayed
+        # set by the engine: called first when a wake-up fires, so that the outputs of the engine's steps
+        # received before now (a step window's, given later) are handed over first (`outputs_at`)
+        self.before_wake: Optional[Callable[[], None]] = None
         self.ingress = one_of(ingress, INGRESS_MODES, "frontend.ingress")
         # in_order: per server, the ingress jobs waiting for the one in service (None: none in service)
         self._ingress_queues: list[Optional[deque[_Job]]] = [None] * api_server_count
@@ -361,9 +369,17 @@ class ApiServerFrontend:
         self._ingress_done(t, request, done)
 
     def _ingress_done(self, t: float, request: Any, done: simpy.Event) -> None:
-        delay = self.coeffs.latency_in_s + (t - self.env.now)  # t <= now: done while catching up
+        clock = self._clock
+        now = self.env.now if clock is None else clock
+        delay = self.coeffs.latency_in_s + (t - now)  # t <= now: done while catching up
         if delay > 0:
+            if clock is not None:  # a replay: at the time the replayed call's timeout lands on
+                self._at(now + delay, lambda _e: self.to_engine(request, done))
+                return
             self.env.timeout(delay).callbacks.append(lambda _e: self.to_engine(request, done))
+        elif clock is not None:
+            raise RuntimeError(f"ApiServerFrontend: an ingress replayed at t={clock} reached the engine before "
+                               f"now (t={self.env.now})")
         else:
             self.to_engine(request, done)
 
@@ -396,6 +412,75 @@ class ApiServerFrontend:
         else:
             outputs.append(out)
             self._start_next(now)
+
+    def outputs_deferrable(self, t: float) -> bool:
+        """Whether the outputs of quiet steps received from now up to `t` may be handed over later, at a
+        later event's time (`outputs_at`): no output waiting or in service completes a request (its client
+        hears of it at its time), and an ingress done meanwhile reaches the engine after that event (its
+        completion is computed at a wake-up, which hands the outputs received before it over first,
+        `before_wake`; `latency_in_s`, far above the CPU's tolerance `_EPS`, keeps its arrival at the engine
+        after the wake-up that completes it however the outputs' load rounds)."""
+        if self._completion_waiting():
+            return False
+        return self.coeffs.latency_in_s > 1e-9 * max(1.0, t) or self.quiet_until(t)
+
+    def _completion_waiting(self) -> bool:
+        """Whether an output message waiting or in service completes a request."""
+        return any(o.done for o in self._outputs) or (self._handler_busy and bool(self._in_service.done))
+
+    def outputs_at(self, nows: Sequence[float], t_engines: Sequence[float], num_outputs: int) -> None:
+        """The outputs of consecutive quiet steps (no request finished, `num_outputs` requests got a token
+        each; the i-th received at nows[i] from the step that ended at t_engines[i], all before now), given
+        now: every effect is that of `on_step_output` calls at those times with the front end's own
+        wake-ups between them at theirs (their SimPy timeouts, an ingress' hand-over to the engine, made
+        now to land at the same times), without a SimPy event per call. Only when `outputs_deferrable`
+        was true from the first output's time (a wake-up or an arrival since then handed the outputs
+        before it over first). Ties: a wake-up due at a step's end comes first (the step-by-step engine
+        settles before its next step); one due exactly now, after the event that called this (a wake-up
+        superseded then does nothing either way; a request reaching the engine does not touch the front
+        end; an arrival at the front end at exactly a wake-up's float time is ordered by SimPy's event ids
+        in the step-by-step run - a coincidence of two unrelated floats, not modelled)."""
+        if num_outputs <= 0 or not nows:
+            return
+        if self.quiet_until(nows[-1]):  # (speed: nothing to wake for: `on_step_outputs_at`'s bulk path)
+            self.on_step_outputs_at(nows, t_engines, num_outputs)
+            return
+        if self._completion_waiting():
+            raise RuntimeError("ApiServerFrontend.outputs_at: an output completing a request is waiting")
+        for now, t_engine in zip(nows, t_engines):
+            self._replay_wakes(now, True)  # (a wake-up due at a step's end: before it, the engine settles first)
+            self._clock = now
+            self._output_at(now, t_engine, num_outputs, 0, [])
+            self._schedule_wake()
+        self._replay_wakes(self.env.now, False)  # (one due now: its timeout, after the current event)
+        self._clock = None
+        if self._wake_at is not None and not self._wake_real:
+            self._wake_real = True
+            self._at(self._wake_fire, lambda _e, at=self._wake_at: self._wake(at))
+
+    def _replay_wakes(self, t: float, inclusive: bool) -> None:
+        """`_wake` of the pending wake-up, at its time, while it is due before `t` (or at `t`, `inclusive`)."""
+        while self._wake_at is not None and (self._wake_fire < t or (inclusive and self._wake_fire == t)):
+            fire = self._wake_fire
+            self._clock = fire
+            self._wake_at = None
+            self._advance(fire)
+            self._schedule_wake()
+
+    def _at(self, t: float, callback: Callable[[Any], None]) -> None:
+        """`callback` at SimPy time `t` exactly (not before now): a timeout made now that lands on it or, where no
+        delay from now does in floats (now's ulp finer than t's: their sums round past it), one that lands on the
+        float before `t` and makes the last hop from there."""
+        now = self.env.now
+        delay = 0.0 if t == now else delay_to(now, t)
+        if delay is not None:
+            self.env.timeout(delay).callbacks.append(callback)
+            return
+        before = math.nextafter(t, -math.inf)
+        hop = delay_to(now, before) if before > now else None
+        if hop is None or delay_to(before, t) is None:
+            raise RuntimeError(f"ApiServerFrontend: no timeout made at t={now!r} lands on {t!r}")
+        self.env.timeout(hop).callbacks.append(lambda _e: self._at(t, callback))
 
     def quiet_until(self, t: float) -> bool:
         """Whether the outputs of quiet steps received up to `t` may be given with their times
@@ -540,13 +625,20 @@ class ApiServerFrontend:
         t = self._next_finish(important_only)
         if t is None:
             return
-        t = max(t, self.env.now)
+        clock = self._clock
+        now = self.env.now if clock is None else clock
+        t = max(t, now)
         if self._wake_at is not None and self._wake_at <= t + _EPS:
             return  # an earlier wake-up is pending; it reschedules
         self._wake_at = t
-        self.env.timeout(t - self.env.now).callbacks.append(lambda _e, at=t: self._wake(at))
+        self._wake_fire = now + (t - now)  # (where SimPy's timeout lands)
+        self._wake_real = clock is None  # (a replay's: made at its end, `outputs_at`, if still pending)
+        if clock is None:
+            self.env.timeout(t - now).callbacks.append(lambda _e, at=t: self._wake(at))
 
     def _wake(self, at: float) -> None:
+        if self.before_wake is not None:  # the engine's outputs received before now first (`outputs_at`)
+            self.before_wake()
         if self._wake_at != at:
             return  # superseded by an earlier wake-up
         self._wake_at = None

@@ -1,6 +1,7 @@
-"""`ApiServerFrontend.on_step_outputs_at`: the outputs of consecutive quiet steps given with explicit times equal,
-in every effect, `on_step_output` called at those times - the CPUs' virtual-time state and jobs, the output
-messages and their merging, the deliveries (floats with ==), no SimPy event - and what follows goes on alike."""
+"""`ApiServerFrontend.on_step_outputs_at` and `outputs_at`: the outputs of consecutive quiet steps given with
+explicit times equal, in every effect, `on_step_output` called at those times - the CPUs' virtual-time state and
+jobs, the output messages and their merging, the deliveries (floats with ==), no SimPy event (`outputs_at`: the
+front end's wake-ups and hand-overs to the engine at their times too) - and what follows goes on alike."""
 from types import SimpleNamespace
 
 import pytest
@@ -8,6 +9,7 @@ import simpy
 from hypothesis import given, settings, strategies as st
 
 from servetwin.sim.frontend import ApiServerFrontend, load_frontend_spec
+from servetwin.sim.sim_time import delay_to
 
 
 class _CountingEnvironment(simpy.Environment):
@@ -120,3 +122,76 @@ def test_on_step_outputs_at_refuses_a_front_end_that_is_not_quiet():
     assert _state(fe) == before
     fe.on_step_outputs_at([0.0], [0.0], 0)  # (no output: nothing to send, as on_step_output)
     assert _state(fe) == before
+
+
+@settings(max_examples=150, deadline=None)
+@given(servers=st.sampled_from([1, 1, 2, 3]), endpoint=st.sampled_from(["chat", "completions"]),
+       ingress=st.sampled_from(["shared", "in_order"]), scale=st.sampled_from([0.0, 1.0, 10.0, 30.0]),
+       arrivals=st.lists(st.floats(0.0, 0.06), min_size=1, max_size=6), k=st.integers(1, 64),
+       steps=st.lists(st.floats(1e-5, 0.01), min_size=1, max_size=40), tail=st.floats(0.0, 0.02))
+def test_outputs_at_while_an_ingress_is_in_service_equals_sequential_calls(servers, endpoint, ingress, scale, arrivals,
+                                                                           k, steps, tail):
+    """Quiet steps' outputs while requests' ingress is on the CPU (bursts, one to three API servers, shared or in
+    order, output work from none to heavy), given later - at the front end's wake-ups (`before_wake`), at an
+    arrival and at the end - equal `on_step_output` called at each step's end: the CPUs' state, the messages,
+    the deliveries, when each request reaches the engine (floats with ==)."""
+    fronts = [_frontend(servers, endpoint, ingress, scale) for _ in range(2)]
+    (env_a, seq, reached_a), (env_b, bulk, reached_b) = fronts
+    events, t = sorted((t, 0, i) for i, t in enumerate(arrivals)), 0.0
+    for gap in steps:
+        t += gap
+        events.append((t, 1, -1))
+    events.sort()  # (an arrival at a step's end first: the engine settles before its next step)
+    deferred: list[float] = []
+
+    def give() -> None:  # the engine's part: the outputs received before now, at their times
+        n = sum(1 for now in deferred if now < env_b.now)
+        if n:
+            bulk.outputs_at(deferred[:n], deferred[:n], k)
+            del deferred[:n]
+    bulk.before_wake = give
+    for t, kind, i in events:
+        _run_to(env_a, t)
+        _run_to(env_b, t)
+        if kind == 0:
+            seq.submit(_request(i))
+            give()
+            bulk.submit(_request(i))
+        else:
+            while env_a.peek() <= env_a.now:  # (the step-by-step engine settles: wake-ups due now first)
+                env_a.step()
+            seq.on_step_output(env_a.now, k, 0, [])
+            assert bulk.outputs_deferrable(env_b.now)
+            deferred.append(env_b.now)
+    end = events[-1][0] + tail
+    for env in (env_a, env_b):
+        _run_to(env, end)
+    give()
+    assert not deferred or end <= env_b.now == deferred[-1]  # (an output received now: at its own time)
+    if deferred:
+        bulk.outputs_at(deferred, deferred, k)
+        deferred.clear()
+    assert _state(bulk) == _state(seq)
+    assert [(t, r) for t, r, _ in reached_a] == [(t, r) for t, r, _ in reached_b]
+    for env, fe, _ in fronts:  # what follows: a completing output, to the end
+        fe.on_step_output(env.now, 1, 0, [])
+        env.run()
+        fe.finish()
+    assert _state(bulk) == _state(seq)
+    assert [(t, r) for t, r, _ in reached_a] == [(t, r) for t, r, _ in reached_b]
+    assert seq.summary(1.0) == bulk.summary(1.0)
+
+
+def test_a_replayed_timeout_lands_on_its_time_where_no_delay_from_now_does():
+    """Now's ulp finer than the target's (their sums round past it: no delay lands there): two hops, the last from
+    the float before the target; SimPy's clock reads the target exactly when the callback runs."""
+    now, t = 0.007339966513270923, 0.015604015468203036
+    assert delay_to(now, t) is None
+    env, fe, _ = _frontend(1, "completions", "shared", 1.0)
+    env.run(until=now)
+    assert env.now == now
+    seen = []
+    fe._at(t, lambda _e: seen.append(env.now))
+    fe._at(now, lambda _e: seen.append(env.now))  # (now itself: no delay)
+    env.run()
+    assert seen == [now, t]
