@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 STEP_COLUMNS = [
@@ -40,13 +40,17 @@ class StepTable:
     """Step rows (STEP_COLUMNS) by column. Rows go in with `append` (values in STEP_COLUMNS order) or
     `append_row` (a mapping); `row(i)` / iteration give them back as dicts, `to_frame()` as a table."""
 
-    __slots__ = ("_columns", "_strings", "_appends", "_pending")
+    __slots__ = ("_columns", "_strings", "_appends", "_pending", "_buffered")
 
     def __init__(self) -> None:
         self._columns: dict[str, Column] = {name: _new_column(name) for name in STEP_COLUMNS}
         self._strings: dict[str, str] = {}  # one object per distinct text value
-        # rows from `append_interned` not yet in the columns (each reader flushes them first: one extend per
-        # column for many rows instead of 26 appends per row)
+        # rows from `append_interned` / `extend_interned` not yet in the columns (each reader flushes them
+        # first: one extend per column for many rows instead of 26 appends per row), in row order: first
+        # `_buffered`, by column (one list per STEP_COLUMNS name), then `_pending`, one tuple per row
+        # (speed: a step window's rows join the column lists as given - a list extend per column - and the
+        # single rows before them are moved there then, one transposition in C; see `extend_interned`)
+        self._buffered: list[list[Any]] = [[] for _ in STEP_COLUMNS]
         self._pending: list[Sequence[Any]] = []
         self._bind()
 
@@ -59,6 +63,7 @@ class StepTable:
 
     def __setstate__(self, state: tuple) -> None:
         self._columns, self._strings = state
+        self._buffered = [[] for _ in STEP_COLUMNS]
         self._pending = []
         self._bind()
 
@@ -70,7 +75,7 @@ class StepTable:
         return table
 
     def __len__(self) -> int:
-        return len(self._columns["step"]) + len(self._pending)
+        return len(self._columns["step"]) + len(self._buffered[0]) + len(self._pending)
 
     def append(self, values: Sequence[Any]) -> int:
         """Add one row (values in STEP_COLUMNS order); returns its index."""
@@ -99,31 +104,51 @@ class StepTable:
         The row is stored as `append` stores it (buffered: it reaches the columns when anything reads
         the table; the table keeps `values`, which must not change)."""
         pending = self._pending
-        n = len(self._columns["step"]) + len(pending)
+        m = len(self._buffered[0]) + len(pending)  # (the rows buffered before it)
+        n = len(self._columns["step"]) + m
         pending.append(values)
-        if len(pending) >= _MAX_PENDING:
+        if m + 1 >= _MAX_PENDING:
             self._flush()
         return n
 
     def _flush(self) -> None:
         """The buffered rows into the columns, as `_append_unchecked` of each would store them."""
-        rows = self._pending
-        if not rows:
+        buffered = self._buffered
+        if self._pending:
+            if not buffered[0]:  # (rows alone: their transposition goes to the columns as it is)
+                rows = self._pending
+                self._pending = []
+                self._extend(list(zip(*rows)))
+                return
+            self._buffer_pending()
+        if not buffered[0]:
             return
-        self._pending = []
-        self._extend(list(zip(*rows)))
+        self._buffered = [[] for _ in STEP_COLUMNS]
+        self._extend(buffered)
 
-    def extend_interned(self, columns: Sequence[Sequence[Any]]) -> int:
-        """Several rows at once, given by column (one sequence per STEP_COLUMNS name, all of one length),
+    def _buffer_pending(self) -> None:
+        """The buffered rows of `_pending` onto the end of the column lists `_buffered`."""
+        rows = self._pending
+        self._pending = []
+        for values, column in zip(self._buffered, zip(*rows)):
+            values.extend(column)
+
+    def extend_interned(self, columns: Sequence[Iterable[Any]]) -> int:
+        """Several rows at once, given by column (one iterable per STEP_COLUMNS name, all of one length),
         with `append_interned`'s conditions on every row; the rows are stored as `append_interned` of each
-        would store them (buffered with them). Returns the first new row's index."""
-        # (speed: a step window's rows join the buffer as rows - one transposition in C - instead of a flush
-        # and an extend per window, 2 x 26 column extends for ~20 rows; the buffer reaches the columns in
-        # batches of up to `_MAX_PENDING` rows, stored as `_extend` of each batch stores them)
-        pending = self._pending
-        n = len(self._columns["step"]) + len(pending)
-        pending.extend(zip(*columns))
-        if len(pending) >= _MAX_PENDING:
+        would store them (buffered with them; the table keeps no reference to `columns`). Returns the first
+        new row's index."""
+        # (speed: a step window's rows join the buffer by column - a list extend per column - instead of as
+        # rows, one tuple each, transposed back to columns at the flush: 2.0% of the 16-instance ladder's
+        # loop in the two transpositions; the buffer reaches the columns in batches of up to `_MAX_PENDING`
+        # rows, stored as `_extend` of each batch stores them)
+        buffered = self._buffered
+        if self._pending:
+            self._buffer_pending()
+        n = len(self._columns["step"]) + len(buffered[0])
+        for values, column in zip(buffered, columns):
+            values.extend(column)
+        if len(buffered[0]) >= _MAX_PENDING:
             self._flush()
         return n
 
@@ -176,13 +201,15 @@ class StepTable:
         # (speed: the trace reads each processed step's end; the buffered rows are flushed only when the row
         # read is one of them and not in a float column - `append_interned` rows hold floats there, which the
         # column stores as they are; a row already in the columns is what a flush leaves it)
-        pending = self._pending
-        if pending:
+        buffered, pending = self._buffered, self._pending
+        if pending or buffered[0]:
             n = len(self._columns["step"])
             if 0 <= i < n:
                 return self._columns[name][i]
             if i >= n and name in _FLOAT:
-                return pending[i - n][_INDEX[name]]
+                j = i - n
+                m = len(buffered[0])
+                return buffered[_INDEX[name]][j] if j < m else pending[j - m][_INDEX[name]]
             self._flush()
         return self._columns[name][i]
 
@@ -191,19 +218,27 @@ class StepTable:
         n = len(self._columns["step"])
         if not 0 <= i < n:  # (speed: a row in the columns changes in place, as after
             # a flush of the buffered rows behind it, which go to the column as it is then)
-            pending = self._pending
+            buffered, pending = self._buffered, self._pending
             j = i - n
+            m = len(buffered[0])
             col = self._columns[name]
-            if 0 <= j < len(pending) and type(col) is array and col.typecode == "q":
+            if 0 <= j < m + len(pending) and type(col) is array and col.typecode == "q":
                 # (speed: a buffered row - a finish's count on its step's row, most often one of a step
-                # window's - changes in the buffer, replaced by a copy, when its int value and the new one fit
-                # the column's array: what the flush and the change in the column would store; else as before)
-                row = pending[j]
+                # window's - changes in the buffer (a row of `_pending` replaced by a copy) when its int value
+                # and the new one fit the column's array: what the flush and the change in the column would
+                # store; else as before)
                 c = _INDEX[name]
-                old = row[c]
-                if type(old) is int and _fits(col, old + delta):
-                    pending[j] = (*row[:c], old + delta, *row[c + 1:])
-                    return
+                if j < m:
+                    old = buffered[c][j]
+                    if type(old) is int and _fits(col, old + delta):
+                        buffered[c][j] = old + delta
+                        return
+                else:
+                    row = pending[j - m]
+                    old = row[c]
+                    if type(old) is int and _fits(col, old + delta):
+                        pending[j - m] = (*row[:c], old + delta, *row[c + 1:])
+                        return
             self._flush()
         col = self._columns[name]
         value = col[i] + delta
