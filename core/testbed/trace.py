@@ -420,13 +420,12 @@ class TraceRecorder:
         if self._carried_preemptions:
             preempted = [self._carried_preemptions] + zeros[1:]
             self._carried_preemptions = 0
-        # (speed: ranges and the durations' map go into the table's column buffers as they are, no list each)
-        kvs = range(kv0, kv0 + n * k, k) if k else [kv0] * n
+        kvs = list(range(kv0, kv0 + n * k, k)) if k else [kv0] * n
         # (on_implicit_step's max(0, ...): none of them below 0 in most runs)
-        max_kvs = range(max0, max0 + n) if max0 >= 0 else [m if m > 0 else 0 for m in range(max0, max0 + n)]
+        max_kvs = list(range(max0, max0 + n)) if max0 >= 0 else [m if m > 0 else 0 for m in range(max0, max0 + n)]
         first_row = self.steps.extend_interned((
-            [run] * n, [backend] * n, range(first_step, first_step + n), t_starts, t_ends,
-            map(operator.sub, t_ends, t_starts), ks, zeros, zeros, ks, ks, ks, [annotation] * n,
+            [run] * n, [backend] * n, list(range(first_step, first_step + n)), t_starts, t_ends,
+            list(map(operator.sub, t_ends, t_starts)), ks, zeros, zeros, ks, ks, ks, [annotation] * n,
             ks, kvs, kvs, max_kvs, [num_running] * n, zeros, preempted, zeros, num_free_blocks, kv_usage, zeros, zeros,
             shared_kv_tokens))
         rows = self._step_rows

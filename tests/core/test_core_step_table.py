@@ -114,10 +114,10 @@ def test_buffered_window_rows_read_and_add_as_the_rows_appended_one_by_one(rows,
         batch = [[float(row[c]) if c in _FLOATS else row[c] for c in STEP_COLUMNS] for row in rows[i:i + size]]
         if not batch:
             break
-        if kind == "window":  # (its columns as lists, or as iterables: the trace passes ranges and a map)
-            columns = zip(*[[b.intern(v) if c in _TEXT else v for c, v in zip(STEP_COLUMNS, values)]
-                            for values in batch])
-            first = b.extend_interned([list(col) if c % 2 else iter(col) for c, col in enumerate(columns)])
+        if kind == "window":
+            first = b.extend_interned([list(col) for col in zip(*[[b.intern(v) if c in _TEXT else v
+                                                                    for c, v in zip(STEP_COLUMNS, values)]
+                                                                   for values in batch])])
         else:
             batch = batch[:1]
             first = (b.append_interned([b.intern(v) if c in _TEXT else v for c, v in zip(STEP_COLUMNS, batch[0])])
@@ -141,9 +141,9 @@ def _numbered_row(i: int) -> list:
 @given(plan=st.lists(st.tuples(st.sampled_from(["append", "interned", "window"]),
                                st.sampled_from([1, 2, 5, 300, 1000, 1023, 1024, 1025, 2100])), max_size=8))
 def test_buffered_rows_past_the_buffer_bound_keep_their_indices(plan):
-    """Many rows through the buffers (`append_interned` and `extend_interned` batches of up to 2,100 rows, past the
-    bound at which the buffer goes to the columns, 1,024): every call returns its first row's index, each row's
-    end reads back at it without a flush, and the table equals one given each row by `append`."""
+    """Many rows: `append_interned`'s buffer past its bound (at 1,024 rows it goes to the columns), between
+    `extend_interned` batches of up to 2,100 rows: every call returns its first row's index, each row's end reads
+    back at it, and the table equals one given each row by `append`."""
     a, b = StepTable(), StepTable()
     i = 0
     for kind, size in plan:
