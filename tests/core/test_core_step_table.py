@@ -133,6 +133,39 @@ def test_buffered_window_rows_read_and_add_as_the_rows_appended_one_by_one(rows,
     _assert_same_tables(a, b)
 
 
+def _numbered_row(i: int) -> list:
+    return [{"run": "a", "backend": "b", "annotation": "x"}.get(c, float(i) + 0.5 if c in _FLOATS else i * 26 + k)
+            for k, c in enumerate(STEP_COLUMNS)]
+
+
+@settings(max_examples=20, deadline=None)
+@given(plan=st.lists(st.tuples(st.sampled_from(["append", "interned", "window"]),
+                               st.sampled_from([1, 2, 5, 300, 1000, 1023, 1024, 1025, 2100])), max_size=8))
+def test_buffered_rows_past_the_buffer_bound_keep_their_indices(plan):
+    """Many rows: `append_interned`'s buffer past its bound (at 1,024 rows it goes to the columns), between
+    `extend_interned` batches of up to 2,100 rows: every call returns its first row's index, each row's end reads
+    back at it, and the table equals one given each row by `append`."""
+    a, b = StepTable(), StepTable()
+    i = 0
+    for kind, size in plan:
+        batch = [_numbered_row(i + k) for k in range(size if kind == "window" else 1)]
+        if kind == "window":
+            first = b.extend_interned([list(col) for col in zip(*[[b.intern(v) if c in _TEXT else v
+                                                                    for c, v in zip(STEP_COLUMNS, values)]
+                                                                   for values in batch])])
+        elif kind == "interned":
+            first = b.append_interned([b.intern(v) if c in _TEXT else v for c, v in zip(STEP_COLUMNS, batch[0])])
+        else:
+            first = b.append(batch[0])
+        assert first == i
+        for values in batch:
+            a.append(values)
+        i += len(batch)
+        assert len(b) == i
+        assert [b.get(j, "t_end_s") for j in (first, i - 1)] == [float(first) + 0.5, float(i - 1) + 0.5]
+    _assert_same_tables(a, b)
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=st.lists(_row, max_size=12), odd=st.lists(st.tuples(st.integers(0, 11), _odd), max_size=3))
 def test_rows_round_trip_and_frame_equals_pandas_from_dicts(rows, odd):

@@ -210,8 +210,33 @@ def test_delivery_map_add_many_equals_add(before, times, ordered):
     except ValueError as e:
         errors.append(str(e))
     assert len(errors) in (0, 2) and len(set(errors)) <= 1
-    assert [(m._ends, m._clients, list(m._by_end.items())) for m in maps][0] \
-        == [(m._ends, m._clients, list(m._by_end.items())) for m in maps][1]
+    probes = [t for t, _ in times] + [t + 1e-12 for t, _ in times] + before
+    assert [(m._ends, m._clients, [m.client_time(t) for t in probes]) for m in maps][0] \
+        == [(m._ends, m._clients, [m.client_time(t) for t in probes]) for m in maps][1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 2.0, 1e6, 1e6 + 1e-4]), st.floats(0.0, 1e7)),
+                      max_size=20),
+       probes=st.lists(st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0, 1e6, 1e6 + 1e-4, 0, 1, 3.0, None]),
+                                 st.floats(0.0, 1e7)), max_size=10))
+def test_delivery_map_client_time_is_the_latest_delivery_of_an_end(pairs, probes):
+    """`client_time` of an end added (several times: the latest one's client time, as a dict by end gave it - the
+    map keeps no such dict now) or of a time within 1e-9 (relative) of one (the first such end's); None otherwise."""
+    m = DeliveryMap()
+    pairs.sort(key=lambda p: p[0])
+    for t_engine, t_client in pairs:
+        m.add(t_engine, t_client)
+    by_end = dict(pairs)
+    for t in probes + [t for t, _ in pairs]:
+        if t is None:
+            expected = None
+        elif t in by_end:
+            expected = by_end[t]
+        else:
+            near = [c for e, c in pairs if abs(e - t) <= 1e-9 * max(1.0, abs(t))]
+            expected = near[0] if near else None
+        assert m.client_time(t) == expected
 
 
 @settings(max_examples=200, deadline=None)

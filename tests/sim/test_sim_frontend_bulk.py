@@ -45,7 +45,7 @@ def _state(fe: ApiServerFrontend) -> dict:
     d = fe.deliveries
     return {"cpus": cpus, "outputs": outputs, "busy": fe._handler_busy, "wake": fe._wake_at,
             "messages": fe.num_messages, "requests": fe.num_requests,
-            "deliveries": (d._ends, d._clients, d._by_end)}
+            "deliveries": (d._ends, d._clients, [d.client_time(t) for t in d._ends])}
 
 
 def _run_to(env: simpy.Environment, t: float) -> None:
