@@ -13,8 +13,33 @@ cluster / single ratio against issue 35's targets: <= 1.5x the wall time per req
 their counts, so N must be a stage boundary: 810 = the warm-up and the first stage, 1,010, 1,310, 2,070,
 ...), and print the functions with the most cumulative and own time.
 
-**Now** (quiet, 2026-12-06 18:12 UTC on main after the nineteenth session's merges, and 17:40 UTC before its last
-two, the KV work and the buffered rows: a window's and a
+**Now** (quiet, 2026-12-06 20:31 UTC, main after the twentieth session's merges; `python benchmarks/cluster_speed.py
+--repeats 2`): single 0.62 ms wall / 0.77 ms CPU per request (274 MB), cluster llm-d 1.13 ms wall / 1.28 ms CPU (973 MB;
+16.2 s in the loop, 19.5 s in all): **1.81x the wall time per request** (2.16x in the loop, 1.65x the CPU), from 2.12x
+at the session's start (quiet, 19:25 UTC, `--repeats 1`: single 0.67, cluster 1.42 ms; 20.0 s in the loop, 24.2 s in
+all). The target of 1.5x is not met; RSS is. What changed, every output file of the bench and the whole ladder
+byte-identical to eb10c77 (`benchmarks/outputs_identical.py --full`), `--check-windows 2070` equal:
+- step windows run on while a request's ingress is on the API server's CPU (sim/frontend.py `outputs_deferrable`,
+  `outputs_at`: the window's outputs handed to the front end at its wake-ups and arrivals, the wake-ups between them
+  replayed at their times without a SimPy event each); a request reaching the front end no longer cuts the window.
+  First 6,573 requests: window plans refused by the front end 9,379 -> 0, SimPy events -23%, fused steps -26%;
+- a request keeps no copy of its prompt (`Request.all_token_ids` built on its first read; the scheduler and the block
+  hashers read the prompt and output lists), the prefix-cache map keeps each key's first block;
+- a pure decode batch priced from its batch size's cached parts (`CostModel.predict`), `StepSummary` a plain slots
+  dataclass, the decode row's texts cached;
+- window commits: the members' first terminal event in a heap, one due member without a sort, a KV fit check
+  without the window frees first, a window's trace rows straight to the columns, `DeliveryMap` without its dict;
+- output phase: the steps tables built and written by a second forked child, both ITL arrays in one pass;
+- the router's prefix walk counts runs of equal holder sets.
+Sampled profile of the loop now (py-spy, 200 Hz): normal steps 28.7% (61,798: an admission, the step after it with
+the first token, the step that processes the second, the last token - each with one listed row's real work), window
+commits 28.1% (now including the outputs handed over at the front end's arrivals and wake-ups), routing and dispatch
+17.8%, fused steps 7.3%; self time led by the step table's column conversion (`StepTable._extend` 6.5%: memory-bound,
+a repeated-value column measured no faster), the output blocks' hashes (`request_block_hasher` + `sha256` 5.2%),
+young GC collections (~0.5 s CPU over the loop: 6 of them, each scanning the 50-110k objects that survive: trace
+and KV state, not garbage). What is left to 1.5x (-18% in all) is spread over functions of a few % each.
+
+Before that (quiet, 2026-12-06 18:12 UTC, the nineteenth session's final main: a window's and a
 fused step's member KV events done in place without `schedule()` (`SimScheduler._in_place_step`), a window priced
 in one loop, the step after a finish fused (its finished ids handed to the runner), prompts' block hashes and salts
 kept per prompt list for the run (core/prompt_memo.py), one SamplingParams per workload setting, cheaper KV
@@ -136,7 +161,8 @@ applied with each step's own times when the window ends, or up to now when a req
 first (a submit to it or to its front end, a wake-up: `_window_cut`; the window then ends with the step in
 progress, its engine woken by a second timeout, the first one left to fire for nothing). Only with no
 step-boundary hook (DP coordinator, KV events), KV worker, drafter, client timeout or abort pending, no
-`max_time_s`, a front end holding no important job and no wake-up due in the window (`quiet_until`); in
+`max_time_s`, a front end holding no important job and no wake-up due in the window (`quiet_until`; since the
+twentieth session an ingress in service no longer stops a window: `outputs_deferrable`); in
 async scheduling, or sync without a front end. The four conditions: (a) the front end gets each step's
 outputs with its time, and every access to it cuts first; (b) scrapes need nothing: inside a window
 waiting, running and KV usage do not change (no admission, finish or KV event), which the cluster test
