@@ -146,6 +146,9 @@ class _Window:
     next_event: Optional[int] = None  # the scheduler step of the next member event (None: none), as scheduled
     free: list[int] = field(default_factory=list)
     usage: list[float] = field(default_factory=list)
+    # the last step whose outputs the front end has (`Simulation._window_give`: at its arrivals and wake-ups, ahead
+    # of `applied`; never behind it)
+    given: int = 0
 
 
 @dataclass(slots=True)
@@ -334,9 +337,13 @@ class Simulation:
     def _outputs_before_now(self) -> None:
         """The front end's CPU is read now (a request reaches it, one of its wake-ups fires): the outputs of the
         window's steps that ended before now handed over first (`ApiServerFrontend.outputs_at`)."""
+        # (speed: the outputs alone, `_window_give`; the engine's part of those steps - scheduled, their trace rows -
+        # is left to the window's close or cut, in fewer and larger calls: nothing reads it before then - the front
+        # end reads neither, a scrape brings the scheduler up to its time itself, `catch_up`, and the trace rows are
+        # the same rows in the same order)
         window = self._shortcuts.window
         if window is not None:
-            self._window_apply_before(window, self.env.now)
+            self._window_give(window, bisect_left(window.ends, self.env.now, window.given + 1, window.stop) - 1)
 
     def _from_frontend(self, request: WorkloadRequest, done: simpy.Event) -> None:
         self._in_frontend -= 1
@@ -810,8 +817,18 @@ class Simulation:
         last_q = q + n - 1
         state.batch = (step + n - 1, last_q, ImplicitDecodes(k, sum_offset + k * last_q, max_offset + last_q), shared,
                        window.durations[upto + 1], ends[upto + 1])
-        if self.frontend is not None:
-            self.frontend.outputs_at(starts, starts, k)
+        self._window_give(window, upto)
+
+    def _window_give(self, window: _Window, upto: int) -> None:
+        """The front end's part of the actions at the ends of the window's steps given+1 .. upto (async scheduling):
+        step i's batch's outputs received at its end, ends[i] (`ApiServerFrontend.outputs_at`)."""
+        first = window.given + 1
+        if upto < first:
+            return
+        window.given = upto
+        if self.frontend is not None and self._shortcuts.batch is not None:  # (sync: no front end, `_plan_window`)
+            starts = window.ends[first:upto + 1]
+            self.frontend.outputs_at(starts, starts, window.num_reqs)
 
     def _window_close(self, window: _Window) -> None:
         """The engine woke at the end of the window's last step: the actions before it applied."""
