@@ -334,8 +334,7 @@ class ApiServerFrontend:
         self._wake_deferred = False  # whether a later timeout replays it instead (`_arm_wake`)
         self._clock: Optional[float] = None  # in a replay (`outputs_at`): the time of the call replayed
         # set by the engine: called first when a wake-up fires, so that the outputs of the engine's steps
-        # received before now (a step window's, given later) are handed over first (`outputs_at`); set, it lets a
-        # wake-up that only completes ingress be replayed later (`_arm_wake`)
+        # received before now (a step window's, given later) are handed over first (`outputs_at`)
         self.before_wake: Optional[Callable[[], None]] = None
         self.ingress = one_of(ingress, INGRESS_MODES, "frontend.ingress")
         # in_order: per server, the ingress jobs waiting for the one in service (None: none in service)
