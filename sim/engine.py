@@ -664,7 +664,8 @@ class Simulation:
     # the end of the step in progress, as the step-by-step run. A cluster's scrape of the KV usage first
     # schedules the steps before its time (`catch_up`: their KV events). A request reaching the front end,
     # or a wake-up of the front end (its CPU's next job done: an ingress in service), first hands it the
-    # outputs of the steps that ended before (`_outputs_before_now`); the window goes on.
+    # outputs of the steps that ended before (`_outputs_before_now`: the outputs alone, `_window_give`; the steps'
+    # scheduling and trace rows wait for the close or cut); the window goes on.
     # Exact (tests/sim/test_sim_step_windows.py) because, inside a window:
     # - the steps are certain to be quiet (`SimScheduler.quiet_run`: before every member's terminal event,
     #   every allocation within the free blocks, no block shared by several requests dropped), so their

@@ -331,7 +331,6 @@ class ApiServerFrontend:
         self._wake_at: Optional[float] = None  # the pending wake-up's target
         self._wake_fire = 0.0  # where its SimPy timeout lands (`now + delay` from its scheduling)
         self._wake_real = False  # whether that timeout exists (a replay's is made at the replay's end)
-        self._wake_deferred = False  # whether a later timeout replays it instead (`_arm_wake`)
         self._clock: Optional[float] = None  # in a replay (`outputs_at`): the time of the call replayed
         # set by the engine: called first when a wake-up fires, so that the outputs of the engine's steps
         # received before now (a step window's, given later) are handed over first (`outputs_at`)
@@ -345,7 +344,6 @@ class ApiServerFrontend:
     # -- clients -> engine --------------------------------------------------------------------------
     def submit(self, request: Any) -> simpy.Event:
         """A client sends `request` now; the returned event fires when its last chunk reached it."""
-        self.catch_up(False)  # (a deferred wake-up due before now first, at its time: `_arm_wake`)
         done = self.env.event()
         k = self.num_requests % len(self.cpus)  # connections spread round robin
         self.num_requests += 1
@@ -392,8 +390,6 @@ class ApiServerFrontend:
         `num_finished` finished; `done`: the events of workload requests it completes)."""
         if num_outputs <= 0 and not done:
             return
-        if self._wake_at is not None and not self._wake_real:  # (speed: `catch_up`'s first test, inline)
-            self.catch_up(True)  # (a deferred wake-up due by now first: the engine settled before its step)
         self._output_at(self.env.now, t_engine, num_outputs, num_finished, done)
         self._schedule_wake()
 
@@ -458,8 +454,9 @@ class ApiServerFrontend:
             self._schedule_wake()
         self._replay_wakes(self.env.now, False)  # (one due now: its timeout, after the current event)
         self._clock = None
-        if self._wake_at is not None and not self._wake_real and not self._wake_deferred:
-            self._arm_wake(self.env.now)
+        if self._wake_at is not None and not self._wake_real:
+            self._wake_real = True
+            self._at(self._wake_fire, lambda _e, at=self._wake_at: self._wake(at))
 
     def _replay_wakes(self, t: float, inclusive: bool) -> None:
         """`_wake` of the pending wake-up, at its time, while it is due before `t` (or at `t`, `inclusive`)."""
@@ -632,61 +629,12 @@ class ApiServerFrontend:
         now = self.env.now if clock is None else clock
         t = max(t, now)
         if self._wake_at is not None and self._wake_at <= t + _EPS:
-            # an earlier wake-up is pending; it reschedules (at its own time, if it was deferred and an output
-            # completing a request now waits or is in service: `_arm_wake`)
-            if clock is None and not self._wake_real and self._completion_waiting():
-                self._arm_wake(now)
-            return
+            return  # an earlier wake-up is pending; it reschedules
         self._wake_at = t
         self._wake_fire = now + (t - now)  # (where SimPy's timeout lands)
-        self._wake_real = self._wake_deferred = False  # (a replay's: made at its end, `outputs_at`, if still pending)
+        self._wake_real = clock is None  # (a replay's: made at its end, `outputs_at`, if still pending)
         if clock is None:
-            self._arm_wake(now)
-
-    def _arm_wake(self, now: float) -> None:
-        """A SimPy timeout for the pending wake-up, made at `now`: one landing on its time or - (speed) when it only
-        completes ingress (no output completing a request waits) and the engine hands the outputs over at the front
-        end's events (`before_wake`) - one later, half of `latency_in_s` after it, that replays it then (`catch_up`),
-        as the replays of `outputs_at` do: what it does reaches the engine no earlier than `latency_in_s` after its
-        time, and every call in between first replays it (`catch_up`). The wake-ups that find the ingress slowed by
-        outputs handed over meanwhile are replayed too, each without a SimPy event and a hand-over of its own."""
-        fire = self._wake_fire
-        latency = self.coeffs.latency_in_s
-        if (self.before_wake is not None and latency > 1e-9 * max(1.0, fire) and not self._completion_waiting()):
-            self._wake_deferred = True
-            self.env.timeout((fire - now) + 0.5 * latency).callbacks.append(self._on_deferred)
-            return
-        self._wake_real = True
-        if fire == now + (self._wake_at - now):  # (made now to land on it: SimPy's `now + delay`)
-            self.env.timeout(self._wake_at - now).callbacks.append(lambda _e, at=self._wake_at: self._wake(at))
-        else:
-            self._at(fire, lambda _e, at=self._wake_at: self._wake(at))
-
-    def _on_deferred(self, _event: Any) -> None:
-        """A deferred wake-up's timeout (`_arm_wake`): the outputs received before now handed over, the wake-ups due
-        before now replayed (nothing when none is due: it was superseded or replayed since)."""
-        if self._deferred_due(False):
-            if self.before_wake is not None:
-                self.before_wake()
-            self.catch_up(False)
-
-    def _deferred_due(self, inclusive: bool) -> bool:
-        """Whether the pending wake-up has no timeout landing on its time (`_arm_wake`) and is due before now (or at
-        now, `inclusive`), outside a replay."""
-        fire, now = self._wake_fire, self.env.now
-        return (self._wake_at is not None and not self._wake_real and self._clock is None
-                and (fire < now or (inclusive and fire == now)))
-
-    def catch_up(self, inclusive: bool) -> None:
-        """A deferred wake-up due before now (or at now, `inclusive`) replayed at its time (`_arm_wake`), and those
-        it schedules that are due too; a pending one left gets its timeout."""
-        if not self._deferred_due(inclusive):
-            return
-        now = self.env.now
-        self._replay_wakes(now, inclusive)
-        self._clock = None
-        if self._wake_at is not None and not self._wake_real and not self._wake_deferred:
-            self._arm_wake(now)
+            self.env.timeout(t - now).callbacks.append(lambda _e, at=t: self._wake(at))
 
     def _wake(self, at: float) -> None:
         if self.before_wake is not None:  # the engine's outputs received before now first (`outputs_at`)

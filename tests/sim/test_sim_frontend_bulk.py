@@ -171,7 +171,6 @@ def test_outputs_at_while_an_ingress_is_in_service_equals_sequential_calls(serve
     if deferred:
         bulk.outputs_at(deferred, deferred, k)
         deferred.clear()
-    bulk.catch_up(False)  # (a wake-up deferred past now - `before_wake` set: `_arm_wake` - replayed: the state now)
     assert _state(bulk) == _state(seq)
     assert [(t, r) for t, r, _ in reached_a] == [(t, r) for t, r, _ in reached_b]
     for env, fe, _ in fronts:  # what follows: a completing output, to the end
