@@ -270,20 +270,27 @@ def _write_streamed(path: str, head: list[dict[str, Any]], events: Iterator[Any]
         # a list's encoding is "[" + its items' encodings joined by "," + "]": one encoder call per
         # `EVENTS_PER_WRITE` dicts (or fewer, up to the next text)
         f.write('{"traceEvents":' + encode(head)[:-1])  # (`head` is never empty)
+
+        def put(text: str) -> None:
+            # (speed: the "," written on its own, not prefixed to the text: a copy of each text (a few MB,
+            # ~250 MB for the routing ladder) cost ~0.2 s of the trace.json child's ~2 s, measured)
+            f.write(",")
+            f.write(text)
+
         dicts: list[dict[str, Any]] = []
         for event in events:
             if type(event) is str:
                 if dicts:
-                    f.write("," + encode(dicts)[1:-1])
+                    put(encode(dicts)[1:-1])
                     dicts = []
-                f.write("," + event)
+                put(event)
             else:
                 dicts.append(event)
                 if len(dicts) == EVENTS_PER_WRITE:
-                    f.write("," + encode(dicts)[1:-1])
+                    put(encode(dicts)[1:-1])
                     dicts = []
         if dicts:
-            f.write("," + encode(dicts)[1:-1])
+            put(encode(dicts)[1:-1])
         f.write("]," + encode(tail)[1:])
 
 
