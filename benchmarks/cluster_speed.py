@@ -13,11 +13,13 @@ cluster / single ratio against issue 35's targets: <= 1.5x the wall time per req
 their counts, so N must be a stage boundary: 810 = the warm-up and the first stage, 1,010, 1,310, 2,070,
 ...), and print the functions with the most cumulative and own time.
 
-**Now** (quiet, 2026-12-06 20:31 UTC, main after the twentieth session's merges; `python benchmarks/cluster_speed.py
---repeats 2`): single 0.62 ms wall / 0.77 ms CPU per request (274 MB), cluster llm-d 1.13 ms wall / 1.28 ms CPU (973 MB;
-16.2 s in the loop, 19.5 s in all): **1.81x the wall time per request** (2.16x in the loop, 1.65x the CPU), from 2.12x
-at the session's start (quiet, 19:25 UTC, `--repeats 1`: single 0.67, cluster 1.42 ms; 20.0 s in the loop, 24.2 s in
-all). The target of 1.5x is not met; RSS is. What changed, every output file of the bench and the whole ladder
+**Now** (quiet, 2026-12-06, `python benchmarks/cluster_speed.py`; the host's speed drifted between runs: the single
+engine took 0.62-0.75 ms wall per request): after the twentieth session's second round, 21:07 (`--repeats 3`) and
+21:10 UTC (`--repeats 2`): single 0.75 / 0.73 ms, cluster llm-d 1.40 / 1.24 ms wall per request (18.3-20.1 s in the
+loop, 22.0-24.5 s in all; 961-977 MB): **1.88x / 1.69x the wall time per request** (2.29x / 2.03x in the loop, 1.71x /
+1.55x the CPU); after its first round, 20:31 UTC (`--repeats 2`): single 0.62, cluster 1.13 ms: 1.81x. The session's
+start, main eb10c77 (`--repeats 1`): 2.12x at 19:25 UTC (single 0.67, cluster 1.42 ms) and 2.42x at 21:09 UTC, between
+the two runs above (single 0.64, cluster 1.55 ms). The target of 1.5x is not met; RSS is. What changed, every output file of the bench and the whole ladder
 byte-identical to eb10c77 (`benchmarks/outputs_identical.py --full`), `--check-windows 2070` equal:
 - step windows run on while a request's ingress is on the API server's CPU (sim/frontend.py `outputs_deferrable`,
   `outputs_at`: the window's outputs handed to the front end at its wake-ups and arrivals, the wake-ups between them
@@ -30,8 +32,14 @@ byte-identical to eb10c77 (`benchmarks/outputs_identical.py --full`), `--check-w
 - window commits: the members' first terminal event in a heap, one due member without a sort, a KV fit check
   without the window frees first, a window's trace rows straight to the columns, `DeliveryMap` without its dict;
 - output phase: the steps tables built and written by a second forked child, both ITL arrays in one pass;
-- the router's prefix walk counts runs of equal holder sets.
-Sampled profile of the loop now (py-spy, 200 Hz): normal steps 28.7% (61,798: an admission, the step after it with
+- the router's prefix walk counts runs of equal holder sets;
+- (second round) a front-end arrival or wake-up gets the window's outputs alone (`Simulation._window_give`): the
+  window's scheduling and trace rows wait for its close or cut, in fewer, larger calls (first 6,573 requests:
+  window commits 34,240 -> 16,556, function calls -2.5%); trace.json's texts written without a copy each.
+Measured and left out (within noise): deferring a wake-up that only completes an ingress (SimPy events -5%, CPU
+the same), a fast path for the hybrid prefix-cache lookup (~0.3% of the loop), the requests' trace events as text
+(the trace.json child is no longer the output phase's longest process), a repeated-value step-table column.
+Sampled profile of the loop after the first round (py-spy, 200 Hz): normal steps 28.7% (61,798: an admission, the step after it with
 the first token, the step that processes the second, the last token - each with one listed row's real work), window
 commits 28.1% (now including the outputs handed over at the front end's arrivals and wake-ups), routing and dispatch
 17.8%, fused steps 7.3%; self time led by the step table's column conversion (`StepTable._extend` 6.5%: memory-bound,
