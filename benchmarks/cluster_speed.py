@@ -19,7 +19,7 @@ engine took 0.62-0.75 ms wall per request): after the twentieth session's second
 loop, 22.0-24.5 s in all; 961-977 MB): **1.88x / 1.69x the wall time per request** (2.29x / 2.03x in the loop, 1.71x /
 1.55x the CPU); after its first round, 20:31 UTC (`--repeats 2`): single 0.62, cluster 1.13 ms: 1.81x. The session's
 start, main eb10c77 (`--repeats 1`): 2.12x at 19:25 UTC (single 0.67, cluster 1.42 ms) and 2.42x at 21:09 UTC, between
-the two runs above (single 0.64, cluster 1.55 ms). Both arms (`--both-arms --repeats 1`, 21:30 UTC, the final main): single 0.81 ms, llm-d 1.21 ms (1.51x), round robin 1.78 ms (2.21x; its prompts spread over every engine: more prefill work and prompt-hash misses per request), the two together 1.85x. The target of 1.5x is not met; RSS is. What changed, every output file of the bench and the whole ladder
+the two runs above (single 0.64, cluster 1.55 ms). Both arms (`--both-arms --repeats 1`, 21:30 UTC, the final main): single 0.81 ms, llm-d 1.21 ms (1.51x), round robin 1.78 ms (2.21x; not profiled: its prompts spread over every engine, so more prefill and prompt-hash misses per request are the likely cause), the two together 1.85x. The target of 1.5x is not met; RSS is. What changed, every output file of the bench and the whole ladder
 byte-identical to eb10c77 (`benchmarks/outputs_identical.py --full`), `--check-windows 2070` equal:
 - step windows run on while a request's ingress is on the API server's CPU (sim/frontend.py `outputs_deferrable`,
   `outputs_at`: the window's outputs handed to the front end at its wake-ups and arrivals, the wake-ups between them
