@@ -38,6 +38,7 @@ import simpy
 from servetwin.core.engine.dp_lb import DPLoadBalancer, DPStatsCoordinator, RequestCountsPublisher
 from servetwin.core.engine.engine_core import EngineCore
 from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
+from servetwin.core.prompt_memo import PromptMemo
 from servetwin.sim.arrivals import ArrivalProcess
 from servetwin.sim.cluster_offload import enable_cpu_tier_events, take_cpu_tier_events
 from servetwin.sim.engine import Settler, Simulation, SimResult, rare_young_collections
@@ -232,7 +233,17 @@ class ClusterSimulation:
         # the router releases a load charge at each request's first token and end (llm-d's in-flight load)
         wants_first_token = self._router_wants_first_token = bool(getattr(router, "wants_first_token", False))
 
+        # (speed: the engines share the memos of what is a pure function of a prompt list - its full blocks'
+        # hashes, its token salt's CRC - so a prompt sent to several engines is hashed once; core/prompt_memo.py)
+        block_hash_memo, crc_memo = PromptMemo(), PromptMemo()
+
         def make_sim(engine: EngineCore, inst: _Instance, rank: int) -> Simulation:
+            share = getattr(engine.scheduler, "share_prompt_memo", None)
+            if share is not None:
+                share(block_hash_memo)
+            share = getattr(engine.executor, "share_prompt_memo", None)
+            if share is not None:
+                share(crc_memo)
             sim = Simulation(engine, [], arrival, rng=self.rng, run=run, record_step_requests=record_step_requests,
                              frontend=frontend, env=self.env, settler=settler, on_complete=self._completed,
                              on_reject=self._rejected, **sim_kwargs)

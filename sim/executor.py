@@ -108,7 +108,7 @@ class SimExecutor:
         self.num_tokens: dict[str, int] = {}  # prompt + sampled tokens, as the runner knows them
         self.num_prompt_tokens: dict[str, int] = {}
         self.salts: dict[str, int] = {}  # the "request" rule's salt per request
-        self.prompt_crcs = PromptMemo()  # (speed: `_prompt_crc`)
+        self.prompt_crcs = PromptMemo()  # (speed: `_prompt_crc`; a cluster's engines share one: `share_prompt_memo`)
         self.eos_token_id = eos_token_id
         self.output_lengths: dict[str, int] = {}
         for rid, n in (output_lengths or {}).items():
@@ -130,6 +130,11 @@ class SimExecutor:
             table.clear()
         if self.pipeline is not None:
             self.pipeline.reset()
+
+    def share_prompt_memo(self, memo: PromptMemo) -> None:
+        """Keep the prompts' token-salt CRCs in `memo`, shared with other engines of the same simulation (a pure
+        function of the prompt's tokens). Before any request."""
+        self.prompt_crcs = memo
 
     def set_output_length(self, request_id: str, n: int) -> None:
         """Force EOS as the `n`-th output token of `request_id`."""

@@ -84,6 +84,14 @@ class SimScheduler(Scheduler):
         # blocks once per engine: servetwin.core.prompt_memo; kept for this engine's run only)
         self.block_hasher = self.make_block_hasher(PromptMemo())
 
+    def share_prompt_memo(self, memo: PromptMemo) -> None:
+        """Keep the prompts' block hashes in `memo`, shared with other engines of the same simulation (a
+        cluster's): a prompt's full blocks' hashes are a pure function of its tokens, the block size and the
+        hash function (the memo's tag), so an engine finds those another engine computed. Before any request."""
+        # (speed: a prompt list sent to several engines - round robin sends each of the ladder's 750 prompts to
+        # all 16 - is hashed once per simulation, not once per engine)
+        self.block_hasher = self.make_block_hasher(memo)
+
     # -- implicit steady decodes: public entry points -------------------------------------------------
     def lazy_decode_supported(self) -> bool:
         """Whether implicit decodes handle this model's KV cache groups: full-attention and

@@ -191,3 +191,27 @@ def test_llm_d_in_flight_load_is_released_at_each_first_token_and_at_each_end(as
     assert len(sim.result.completion_s) == len(reqs) == 18
     assert not load.charged and all(v == 0 for v in load.tokens.values())
     assert all(v == 0 for v in load.requests.values())
+
+
+def test_the_engines_share_the_prompts_block_hashes_and_keep_the_chained_ones():
+    """A cluster's engines keep their prompts' full-block hashes in one memo (a prompt list sent to several engines is
+    hashed once), and the kept hashes are the chain of `hash_block_tokens` over the prompt's full blocks."""
+    from servetwin.core.kv_cache.hashing import hash_block_tokens, make_none_hash, sha256
+
+    shared = {"groups": 2, "per_group": 2, "prefix_tokens": 64, "suffix_tokens": 16, "order": "inference_perf"}
+    exp = _cfg({"instances": [{"name": "r", "count": 3}], "router": {"type": "round_robin"}}, requests=24,
+               shared_prefix=shared, arrival={"type": "stages", "stages": [{"rate": 20, "duration_s": 1.2}]})
+    sim, _, requests, _ = simulate_cluster(exp)
+    memos = {id(s.engine.scheduler.block_hasher.prompt_memo) for _, _, s in sim.simulations()}
+    assert len(memos) == 1
+    memo = next(s for _, _, s in sim.simulations()).engine.scheduler.block_hasher.prompt_memo
+    prompts = {id(r.prompt_token_ids): r.prompt_token_ids for r in requests}
+    assert len(prompts) < len(requests)  # (prompt lists sent again, to several engines: round robin over 3)
+    for prompt in prompts.values():
+        kept = memo.get(prompt, (16, sha256))
+        assert kept is not None
+        parent, chain = make_none_hash(sha256), []
+        for start in range(0, len(prompt) // 16 * 16, 16):
+            parent = hash_block_tokens(sha256, parent, prompt[start:start + 16], None)
+            chain.append(parent)
+        assert list(kept) == chain
