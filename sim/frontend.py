@@ -370,7 +370,7 @@ class ApiServerFrontend:
 
     def _ingress_done(self, t: float, request: Any, done: simpy.Event) -> None:
         clock = self._clock
-        now = self.env.now if clock is None else clock
+        now = self._now()
         delay = self.coeffs.latency_in_s + (t - now)  # t <= now: done while catching up
         if delay > 0:
             if clock is not None:  # a replay: at the time the replayed call's timeout lands on
@@ -457,6 +457,10 @@ class ApiServerFrontend:
         if self._wake_at is not None and not self._wake_real:
             self._wake_real = True
             self._at(self._wake_fire, lambda _e, at=self._wake_at: self._wake(at))
+
+    def _now(self) -> float:
+        """The time of the call being made: the replayed call's inside `outputs_at`, else SimPy's clock."""
+        return self.env.now if self._clock is None else self._clock
 
     def _replay_wakes(self, t: float, inclusive: bool) -> None:
         """`_wake` of the pending wake-up, at its time, while it is due before `t` (or at `t`, `inclusive`)."""
@@ -626,7 +630,7 @@ class ApiServerFrontend:
         if t is None:
             return
         clock = self._clock
-        now = self.env.now if clock is None else clock
+        now = self._now()
         t = max(t, now)
         if self._wake_at is not None and self._wake_at <= t + _EPS:
             return  # an earlier wake-up is pending; it reschedules

@@ -121,8 +121,9 @@ class DeliveryMap:
         i = bisect.bisect_right(ends, t_engine) - 1  # an exact end: the latest delivery added for it
         if i >= 0 and ends[i] == t_engine:
             return self._clients[i]
-        i = bisect.bisect_left(self._ends, t_engine - 1e-9 * max(1.0, abs(t_engine)))
-        if i < len(self._ends) and abs(self._ends[i] - t_engine) <= 1e-9 * max(1.0, abs(t_engine)):
+        tol = 1e-9 * max(1.0, abs(t_engine))
+        i = bisect.bisect_left(ends, t_engine - tol)
+        if i < len(ends) and abs(ends[i] - t_engine) <= tol:
             return self._clients[i]
         return None
 
