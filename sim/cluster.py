@@ -27,7 +27,7 @@ of SimPy's event queue (creation order), so a run is deterministic for a seed.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -41,6 +41,7 @@ from servetwin.core.kv_cache.hashing import make_block_hash_with_group_id
 from servetwin.core.prompt_memo import PromptMemo
 from servetwin.sim.arrivals import ArrivalProcess
 from servetwin.sim.cluster_offload import enable_cpu_tier_events, take_cpu_tier_events
+from servetwin.sim.cluster_parallel import ArrivalEnv, RemoteDone, end_together, run_partitioned, workers_for
 from servetwin.sim.engine import Settler, Simulation, SimResult, rare_young_collections
 from servetwin.sim.lockstep import LockstepGroup
 from servetwin.sim.pd_cluster import client_id, is_prefill_id
@@ -86,6 +87,29 @@ class ClusterResult:
     @property
     def num_steps(self) -> int:
         return sum(r.num_steps for results in self.instances.values() for r in results)
+
+
+@dataclass(slots=True)
+class EngineRun:
+    """One engine's results after a cluster's run: what the outputs read (another worker's, shipped as this)."""
+    result: SimResult
+    frontend_summary: Optional[dict[str, Any]]  # the API server's (None: offline)
+    window_stats: tuple[int, int]  # (step windows, steps inside them)
+
+    def __reduce__(self) -> tuple:
+        # (to another worker: the result as its fields - with the compiled build SimResult is a native class)
+        r = self.result
+        fields = (r.recorder, r.end_time_s, r.num_steps, r.completion_s, r.rejected, r.aborted_s, r.unfinished)
+        return _engine_run, (fields, self.frontend_summary, self.window_stats)
+
+    @classmethod
+    def of(cls, sim: Simulation, result: SimResult) -> "EngineRun":
+        fe = sim.frontend.summary(result.end_time_s) if sim.frontend is not None else None
+        return cls(result, fe, sim.window_stats)
+
+
+def _engine_run(fields: tuple, frontend_summary: Optional[dict[str, Any]], window_stats: tuple[int, int]) -> EngineRun:
+    return EngineRun(SimResult(*fields), frontend_summary, window_stats)
 
 
 class _Instance:
@@ -211,7 +235,8 @@ class ClusterSimulation:
                  record_step_requests: bool = True, frontend: Any = None,
                  on_complete: Optional[Callable[[str, float], None]] = None,
                  on_reject: Optional[Callable[[str, str], None]] = None,
-                 pd_flow: Optional[Callable[["ClusterSimulation"], Any]] = None, **sim_kwargs: Any) -> None:
+                 pd_flow: Optional[Callable[["ClusterSimulation"], Any]] = None, sim_workers: int | str = 1,
+                 **sim_kwargs: Any) -> None:
         if not instances:
             raise ValueError("cluster.instances: at least one instance")
         self.env = simpy.Environment()
@@ -224,6 +249,13 @@ class ClusterSimulation:
         self.on_complete = on_complete
         self.on_reject = on_reject
         self.result = ClusterResult(0.0, {})
+        # (speed: the engines split over this many forked worker processes, `sim/cluster_parallel.py`; "auto": two
+        # where two CPUs are free; 1 where the cluster cannot be split; the results are the one-process run's)
+        self.sim_workers = sim_workers
+        self._link: Any = None  # this worker's WorkerLink in a partitioned run (None: every engine is here)
+        self._shipped: dict[tuple[str, int], EngineRun] = {}  # the other workers' engines, after a partitioned run
+        self.workers_used = 1  # the worker processes the run took (`run`: `sim_workers` where the cluster can be split)
+        self.num_meetings = 0  # (a partitioned run: how often the workers met, routing decisions and stage ends)
         self._where: dict[str, tuple[_Instance, int]] = {}  # request -> its instance and prompt tokens, in flight
         self._arrivals_done = False
         settler = self.settler = Settler(self.env)
@@ -279,7 +311,21 @@ class ClusterSimulation:
     def _route(self, request: WorkloadRequest) -> simpy.Event:
         if self.pd is not None:  # prefill/decode instances: llm-d's P/D path (sim/pd_cluster.py)
             return self.pd.route(request)
-        decision: RouteDecision = self.router.route(request, self.endpoints)
+        forced = None
+        if self._link is not None:  # (a partitioned run: the other workers' router events first, unless the pick
+            # cannot depend on them; then its recorded scores are the owner's, `adopt`)
+            forced_pick = getattr(self.router, "forced_pick", None)
+            forced = forced_pick(request, self.endpoints) if forced_pick is not None else None
+            if forced is None:
+                self._meet()
+        route_forced = getattr(self.router, "route_forced", None) if forced is not None else None
+        if route_forced is not None and not self._link.owns(forced):  # (speed: no scores the owner computes)
+            decision: RouteDecision = route_forced(request, self.endpoints, forced)
+        else:
+            decision = self.router.route(request, self.endpoints)
+        if forced is not None and decision.pick != forced:
+            raise AssertionError(f"partitioned run: the router picked {decision.pick} for {request.request_id}, "
+                                 f"its forced_pick said {forced}")
         on_routed = getattr(self.router, "on_routed", None)
         if on_routed is not None:
             on_routed(request, self.endpoints[decision.pick])
@@ -297,6 +343,8 @@ class ClusterSimulation:
         endpoint.active += 1
         endpoint.active_tokens += len(request.prompt_token_ids)
         self._where[request.request_id] = (inst, len(request.prompt_token_ids))
+        if self._link is not None and not self._link.owns(index):  # another worker simulates it: booked here
+            return 0, RemoteDone(self.env)
         return inst.accept(request)
 
     def record_decision(self, request_id: str, index: int, rank: int, candidates: list[str],
@@ -323,8 +371,12 @@ class ClusterSimulation:
         prompt charge (llm-d's inflight-load-producer does at the first streamed token; the API server's output
         path, a few ms, is not added)."""
         self.router.on_first_token(request_id)
+        if self._link is not None:
+            self._link.outbox.append(("f", request_id, t))
 
     def _completed(self, request_id: str, t: float) -> None:
+        if self._link is not None:
+            self._link.outbox.append(("c", request_id, t))
         self._release(request_id)
         if self.pd is not None and is_prefill_id(request_id):
             return  # a P/D prefill copy: the client's request goes on at a decode instance
@@ -333,10 +385,14 @@ class ClusterSimulation:
             self.on_complete(request_id, t)
 
     def _aborted(self, request_id: str, t: float) -> None:
+        if self._link is not None:
+            self._link.outbox.append(("a", request_id, t))
         self._release(request_id)  # vLLM reports an aborted request finished: its in-flight slot is free
         self.result.aborted_s[client_id(request_id) if self.pd is not None else request_id] = t
 
     def _rejected(self, request_id: str, reason: str) -> None:
+        if self._link is not None:
+            self._link.outbox.append(("x", request_id, reason))
         self._release(request_id)
         if self.pd is not None:  # a P/D prefill copy's rejection is the client's request's
             request_id = client_id(request_id)
@@ -346,7 +402,8 @@ class ClusterSimulation:
 
     # -- processes -------------------------------------------------------------------------------
     def _arrivals(self):
-        yield from self.arrival.process(self.env, self.requests, self._route, self.rng)
+        env = self.env if self._link is None else ArrivalEnv(self.env, self._stage_end)
+        yield from self.arrival.process(env, self.requests, self._route, self.rng)
         self._arrivals_done = True
         if self.pd is not None:  # decode instances still get the requests whose prefill is running
             self.pd.on_arrivals_done()
@@ -361,8 +418,10 @@ class ClusterSimulation:
     def _scraper(self):
         """The router's metrics refresh: every endpoint's counts as they are at each tick."""
         env = self.env
+        pairs = [(e, inst) for e, inst in zip(self.endpoints, self.instances)
+                 if self._link is None or self._link.owns(inst.index)]  # (a worker scrapes its own instances)
         while not self._done():
-            for endpoint, inst in zip(self.endpoints, self.instances):
+            for endpoint, inst in pairs:
                 endpoint.waiting, endpoint.running, endpoint.kv_usage = inst.counts()
             yield env.timeout(self.scrape_interval_s)
 
@@ -381,7 +440,110 @@ class ClusterSimulation:
         return reads_scraped_metrics(self.router) or (prefill_router is not None
                                                       and reads_scraped_metrics(prefill_router))
 
+    # -- a partitioned run (sim/cluster_parallel.py) ------------------------------------------------
+    def _meet(self) -> None:
+        """Before a routing decision: the other workers' router events since the last meeting applied, and their
+        instances' last scraped metrics."""
+        link = self._link
+        scraped = [(e.index, e.waiting, e.running, e.kv_usage) for e in self.endpoints if link.owns(e.index)]
+        events, link.outbox = link.outbox, []
+        for their_events, their_scraped in link.exchange("route", (events, scraped)):
+            self._apply_remote(their_events)
+            for i, waiting, running, usage in their_scraped:
+                endpoint = self.endpoints[i]
+                endpoint.waiting, endpoint.running, endpoint.kv_usage = waiting, running, usage
+        self._met()
+
+    def _met(self) -> None:
+        self.num_meetings += 1
+        at_meeting = getattr(self.router, "at_meeting", None)
+        if at_meeting is not None:
+            at_meeting()
+
+    def _apply_remote(self, events: list[tuple[str, str, Any]]) -> None:
+        """Another worker's router events ((code, request id, t or reason), in their order): "f" a first token,
+        "c" an end, "x" a rejection, "a" a client's abort. (Their requests' results come with `adopt`.)"""
+        for code, request_id, extra in events:
+            if code == "f":
+                self.router.on_first_token(request_id)
+                continue
+            self._release(request_id)
+            if code == "c" and self.on_complete is not None:  # (worker 0's progress)
+                self.on_complete(request_id, extra)
+            elif code == "x" and self.on_reject is not None:
+                self.on_reject(request_id, extra)
+
+    def _stage_end(self, out: simpy.Event) -> None:
+        """This worker's requests of a stage are done (now): `out` fires when every worker's are."""
+        events, self._link.outbox = self._link.outbox, []
+        theirs = self._link.exchange("stage", (events, self.env.now))
+        for their_events, _ in theirs:
+            self._apply_remote(their_events)
+        self._met()
+        end_together(self.env, out, self.env.now, [t for _, t in theirs])
+
+    def shipment(self, interrupted: bool = False) -> Iterator[Any]:
+        """This worker's results for worker 0 (`adopt`), in parts: its requests' ends and its router news, then
+        ((instance, rank), EngineRun) per engine - each sent as it is made, so that worker 0 unpickles one while
+        the next is packed. `interrupted`: the engines as they are (no `finish`)."""
+        r = self.result
+        yield {"completion_s": r.completion_s, "rejected": r.rejected, "aborted_s": r.aborted_s,
+               "router_events": self._link.outbox,  # (since the last meeting: worker 0's router ends complete)
+               "decisions": [(i, d) for i, d in enumerate(r.decisions) if self._link.owns(self._by_name[d.pick].index)]}
+        for inst in self.instances:
+            if self._link.owns(inst.index):
+                results = [sim.result for sim in inst.ranks] if interrupted else self.result.instances[inst.name]
+                for rank, sim, e in zip(range(len(inst.ranks)), inst.ranks, results):
+                    # (speed: the recorder packed - its token times one array - pickles ~4x faster)
+                    packed = SimResult(e.recorder.packed(), e.end_time_s, e.num_steps, e.completion_s, e.rejected,
+                                       e.aborted_s, e.unfinished)
+                    yield (inst.name, rank), EngineRun.of(sim, packed)
+
+    def adopt(self, shipped: dict[int, dict[str, Any]], interrupted: bool = False) -> ClusterResult:
+        """Worker 0 after a partitioned run: the other workers' engines and requests into its result
+        (`interrupted`: theirs as they were, this one's result not finished either)."""
+        r = self.result
+        for part in shipped.values():
+            self._shipped.update(part["engines"])  # (`WorkerLink.result_of` gathered the parts)
+            r.completion_s.update(part["completion_s"])
+            r.rejected.update(part["rejected"])
+            r.aborted_s.update(part["aborted_s"])
+            self._apply_remote(part["router_events"])
+            for i, d in part["decisions"]:  # (the owner's scores: a pick made without meeting read stale ones here)
+                if i >= len(r.decisions) or (r.decisions[i].request_id, r.decisions[i].pick) != (d.request_id, d.pick):
+                    if interrupted:  # (the workers stopped at different places)
+                        break
+                    raise AssertionError(f"partitioned run: decision {i} differs between workers")
+                r.decisions[i] = d
+        self._link = None
+        if interrupted:
+            return r
+        for (name, rank), run in self._shipped.items():
+            r.instances[name][rank] = run.result
+        r.completion_s = dict(sorted(r.completion_s.items(), key=lambda kv: kv[1]))  # (by time, as they came)
+        r.end_time_s = max([r.end_time_s, *(run.result.end_time_s for run in self._shipped.values())])
+        return r
+
+    def engine_runs(self) -> list[tuple[str, int, "EngineRun"]]:
+        """(instance, rank, its EngineRun) of every engine after the run, in instance and rank order (another
+        worker's as it shipped them)."""
+        out = []
+        for inst in self.instances:
+            for rank, sim in enumerate(inst.ranks):
+                shipped = self._shipped.get((inst.name, rank))
+                out.append((inst.name, rank, shipped if shipped is not None else EngineRun.of(sim, sim.result)))
+        return out
+
     def run(self) -> ClusterResult:
+        workers = workers_for(self, self.sim_workers) if self.sim_workers != 1 else 1
+        self.workers_used = workers
+        if workers > 1:
+            return run_partitioned(self, workers)
+        return self.run_here(None)
+
+    def run_here(self, link: Any) -> ClusterResult:
+        """The run of this process's engines: all of them (`link` None), or a partitioned run's worker's."""
+        self._link = link
         env = self.env
         env.process(self._arrivals())
         engines = self._start_engines()
@@ -397,6 +559,9 @@ class ClusterSimulation:
             env.run(until=until)
         end = 0.0
         for inst in self.instances:
+            if link is not None and not link.owns(inst.index):
+                self.result.instances[inst.name] = [None] * len(inst.ranks)  # (`adopt` fills them in worker 0)
+                continue
             results = [sim.finish() for sim in inst.ranks]
             self.result.instances[inst.name] = results
             if inst.coordinator is not None:
@@ -409,6 +574,8 @@ class ClusterSimulation:
         """One process per independent engine, one per lockstep group (its ranks may span several endpoints)."""
         procs, groups = [], {}
         for inst in self.instances:
+            if self._link is not None and not self._link.owns(inst.index):
+                continue  # (another worker's)
             if inst.lockstep:
                 groups.setdefault(inst.dp_group, []).append(inst)
             else:

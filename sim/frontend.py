@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import copy
 import heapq
-import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -74,7 +73,7 @@ import simpy
 from servetwin.core.config_error import ConfigError
 from servetwin.core.testbed.trace import DeliveryMap
 from servetwin.sim.frontend_presets import FRONTEND_PRESETS
-from servetwin.sim.sim_time import delay_to
+from servetwin.sim.sim_time import call_at
 from servetwin.sim.validate import check_keys, check_mapping, non_negative, one_of
 
 FRONTEND_TYPES = ("api_server", "offline")
@@ -472,19 +471,8 @@ class ApiServerFrontend:
             self._schedule_wake()
 
     def _at(self, t: float, callback: Callable[[Any], None]) -> None:
-        """`callback` at SimPy time `t` exactly (not before now): a timeout made now that lands on it or, where no
-        delay from now does in floats (now's ulp finer than t's: their sums round past it), one that lands on the
-        float before `t` and makes the last hop from there."""
-        now = self.env.now
-        delay = 0.0 if t == now else delay_to(now, t)
-        if delay is not None:
-            self.env.timeout(delay).callbacks.append(callback)
-            return
-        before = math.nextafter(t, -math.inf)
-        hop = delay_to(now, before) if before > now else None
-        if hop is None or delay_to(before, t) is None:
-            raise RuntimeError(f"ApiServerFrontend: no timeout made at t={now!r} lands on {t!r}")
-        self.env.timeout(hop).callbacks.append(lambda _e: self._at(t, callback))
+        """`callback` at SimPy time `t` exactly (not before now; `sim_time.call_at`)."""
+        call_at(self.env, t, callback)
 
     def quiet_until(self, t: float) -> bool:
         """Whether the outputs of quiet steps received up to `t` may be given with their times

@@ -110,14 +110,27 @@ class RoundRobin:
         self.next += 1
         return RouteDecision(pick)
 
+    def forced_pick(self, request: Any, endpoints: Sequence[Endpoint]) -> Optional[int]:
+        """The pick `route` makes next whatever the engines did (`LlmdRouter.forced_pick`): always known."""
+        return self.next % len(endpoints)
+
 
 class RandomRouter:
     reads_metrics: ClassVar[bool] = False  # (`reads_scraped_metrics`)
     def __init__(self, rng: np.random.Generator) -> None:
         self.rng = rng
+        self._drawn: Optional[int] = None  # the next pick, drawn early by `forced_pick`
 
     def route(self, request: Any, endpoints: Sequence[Endpoint]) -> RouteDecision:
-        return RouteDecision(int(self.rng.integers(len(endpoints))))
+        pick, self._drawn = self._drawn, None
+        return RouteDecision(int(self.rng.integers(len(endpoints))) if pick is None else pick)
+
+    def forced_pick(self, request: Any, endpoints: Sequence[Endpoint]) -> Optional[int]:
+        """The pick `route` makes next whatever the engines did (`LlmdRouter.forced_pick`): its draw, made here once
+        and kept for `route` (the same draws in the same order as without this call)."""
+        if self._drawn is None:
+            self._drawn = int(self.rng.integers(len(endpoints)))
+        return self._drawn
 
 
 class LeastLoaded:
@@ -404,6 +417,10 @@ class InFlightLoad:
     tokens: dict[int, int] = field(default_factory=dict)  # endpoint -> tokens charged
     requests: dict[int, int] = field(default_factory=dict)  # endpoint -> requests in flight
     charged: dict[Any, tuple[int, int]] = field(default_factory=dict)  # request id -> (endpoint, its tokens)
+    # a partitioned cluster run (sim/cluster_parallel.py): each endpoint's tokens at the workers' last meeting plus
+    # every charge since - an upper bound of `tokens` that every worker's replica of the router shares (the
+    # releases since are another worker's news); None: no meeting yet
+    meeting_tokens: Optional[dict[int, int]] = None
 
     def __post_init__(self) -> None:
         if self.output_ratio < 0:
@@ -432,6 +449,12 @@ class InFlightLoad:
         self.tokens[endpoint] = self.tokens.get(endpoint, 0) + tokens
         self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
         self.charged[request.request_id] = (endpoint, tokens)
+        if self.meeting_tokens is not None:
+            self.meeting_tokens[endpoint] = self.meeting_tokens.get(endpoint, 0) + tokens
+
+    def mark_meeting(self) -> None:
+        """The workers of a partitioned run met: every release up to now is known (`meeting_tokens`)."""
+        self.meeting_tokens = dict(self.tokens)
 
     def _release_tokens(self, request_id: Any) -> None:
         entry = self.charged.get(request_id)
@@ -571,20 +594,44 @@ class PrefixAffinityFilter:
         tokens = endpoint.active_tokens if self.load is None else self.load.tokens_at(endpoint.index)
         return tokens / self.peak_prefill_throughput * 1000.0
 
-    def filter(self, request: Any, endpoints: Sequence[Endpoint]) -> list[int]:
-        everyone = list(range(len(endpoints)))
+    def _sticky(self, request: Any, endpoints: Sequence[Endpoint]) -> Optional[tuple[list[int], list[int]]]:
+        """(the sticky endpoints, the others), or None when every endpoint stays whatever the loads."""
         if len(endpoints) <= 1 or self.threshold <= 0:
-            return everyone
+            return None
         scores = self.scorer.score(request, endpoints)
         sticky = [i for i, s in enumerate(scores) if s >= self.threshold]
         if not sticky:
-            return everyone
-        others = [i for i, s in enumerate(scores) if s < self.threshold]
+            return None
+        return sticky, [i for i, s in enumerate(scores) if s < self.threshold]
+
+    def forced_filter(self, request: Any, endpoints: Sequence[Endpoint]) -> Optional[list[int]]:
+        """What `filter` keeps whatever in-flight tokens were released since the workers' last meeting (their
+        releases only lower the estimates, `InFlightLoad.meeting_tokens` bounds them from above); None: it may
+        depend on them (the TTFT gate might open)."""
+        split = self._sticky(request, endpoints)
+        if split is None:
+            return list(range(len(endpoints)))
+        sticky, others = split
+        if self.max_ttft_penalty_ms > 0 and others:
+            bound = None if self.load is None else self.load.meeting_tokens
+            if bound is None:
+                return None
+            # (the penalty is the sticky endpoints' least estimate minus the others' least, which is >= 0)
+            if min(bound.get(endpoints[i].index, 0) for i in sticky) / self.peak_prefill_throughput * 1000.0 \
+                    > self.max_ttft_penalty_ms:
+                return None
+        return sticky
+
+    def filter(self, request: Any, endpoints: Sequence[Endpoint]) -> list[int]:
+        split = self._sticky(request, endpoints)
+        if split is None:
+            return list(range(len(endpoints)))
+        sticky, others = split
         if self.max_ttft_penalty_ms > 0 and others:
             penalty = (min(self.estimated_ttft_ms(endpoints[i]) for i in sticky)
                        - min(self.estimated_ttft_ms(endpoints[i]) for i in others))
             if penalty > self.max_ttft_penalty_ms:
-                return everyone
+                return list(range(len(endpoints)))
         return sticky
 
 
@@ -626,6 +673,33 @@ class LlmdRouter:
         for i, s in zip(candidates, total):
             scores[i] = s
         return RouteDecision(candidates[pick], scores, candidates if self.filters else None)
+
+    def forced_pick(self, request: Any, endpoints: Sequence[Endpoint]) -> Optional[int]:
+        """The pick `route` will make whatever the engines did that this replica of the router has not heard of
+        (first tokens and ends release in-flight counts and charges; scrapes change the metrics), read only from
+        what every replica shares: the filters' single candidate where each filter proves it (`forced_filter`).
+        None: the pick may depend on that news (a partitioned cluster's workers meet first, sim/cluster_parallel.py)."""
+        if self._to_tune:
+            return None
+        candidates = list(range(len(endpoints)))
+        for f in self.filters:
+            forced = getattr(f, "forced_filter", None)
+            kept = forced(request, [endpoints[i] for i in candidates]) if forced is not None else None
+            if kept is None:
+                return None
+            candidates = [candidates[i] for i in kept]
+        return candidates[0] if len(candidates) == 1 else None
+
+    def route_forced(self, request: Any, endpoints: Sequence[Endpoint], pick: int) -> RouteDecision:
+        """`route`'s decision for a pick `forced_pick` proved, without its scores (a worker that does not own the
+        endpoint: the owner's scores go to the decision table). The same state changes as `route`: none, with one
+        candidate (no tie to draw for) and the producers tuned."""
+        return RouteDecision(pick, None, [pick] if self.filters else None)
+
+    def at_meeting(self) -> None:
+        """A partitioned cluster's workers met (`forced_pick`'s bounds start again from the exact counts)."""
+        if self.load is not None:
+            self.load.mark_meeting()
 
     @property
     def wants_kv_events(self) -> bool:

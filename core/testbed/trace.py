@@ -668,6 +668,8 @@ class TraceRecorder:
         state = self.__dict__.copy()
         if self._packed_token_times is not None:  # token times travel packed: the requests as columns
             state["_t_end_by_step"] = []  # (only for recording implicit rows' tokens)
+            state["_implicit_details"] = {}  # (a cache for recording; a compiled build's IterationDetails, frozen,
+            # would not unpickle)
             traces = list(state.pop("requests").values())
             state["_request_columns"] = {name: [getattr(t, name) for t in traces] for name in _TRACE_FIELDS}
         return state

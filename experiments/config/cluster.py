@@ -45,6 +45,7 @@ BUILTIN_ROUTERS = ("round_robin", "random", "least_loaded", "llm_d")
 # llm-d's P/D decider: prefill remotely only above this many non-cached prompt tokens
 # (llm-d-inference-scheduler deploy/config/pd-epp-config.yaml, prefix-based-pd-decider nonCachedTokens: 16)
 DEFAULT_PD_THRESHOLD_TOKENS = 16
+MAX_SIM_WORKERS = 8  # (sim/cluster_parallel.py MAX_WORKERS; not imported: the config stays free of simpy)
 
 
 @dataclass(slots=True)
@@ -84,6 +85,9 @@ class ClusterConfig:
     router: RouterConfig
     links: dict[str, Any]  # path -> servetwin.sim.links.Link
     prefill_router: Optional[RouterConfig] = None  # P/D: the prefill profile (None: no P/D)
+    # the simulation's worker processes (sim/cluster_parallel.py): "auto" (two where two CPUs are free and the
+    # cluster can be split), or a count; every count gives the same results
+    sim_workers: int | str = "auto"
 
     @property
     def disaggregated(self) -> bool:
@@ -222,7 +226,7 @@ def parse_cluster(raw: Any, engine_check: Any) -> Optional[ClusterConfig]:
     from servetwin.sim.links import parse_link  # noqa: PLC0415  (no torch: cheap)
 
     cfg = _mapping(raw, "cluster")
-    _keys(cfg, ("instances", "router", "links", "prefill_router"), "cluster")
+    _keys(cfg, ("instances", "router", "links", "prefill_router", "sim_workers"), "cluster")
     insts = cfg.get("instances")
     if not isinstance(insts, list) or not insts:
         raise ConfigError("cluster.instances", "must be a non-empty list of instances")
@@ -238,7 +242,15 @@ def parse_cluster(raw: Any, engine_check: Any) -> Optional[ClusterConfig]:
     from servetwin.experiments.config.pd import check_pd  # noqa: PLC0415
 
     prefill_router = check_pd(instances, cfg.get("prefill_router"), router, _router, links.get("kv_transfer"))
-    return ClusterConfig(instances, router, links, prefill_router)
+    return ClusterConfig(instances, router, links, prefill_router, _sim_workers(cfg.get("sim_workers", "auto")))
+
+
+def _sim_workers(v: Any) -> int | str:
+    if v == "auto":
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SIM_WORKERS:
+        raise ConfigError("cluster.sim_workers", f"must be 'auto' or an integer from 1 to {MAX_SIM_WORKERS}, got {v!r}")
+    return v
 
 
 def instance_engine_args(base: Any, inst: InstanceConfig, hardware_spec: Any, links: Optional[dict] = None) -> Any:

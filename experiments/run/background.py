@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+from servetwin.core.pipe_messages import recv_message, send_message
+
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
@@ -220,29 +222,10 @@ def _child(warm: Callable[[], Any], job_r: int, res_w: int) -> None:
         os._exit(code)
 
 
-# length-prefixed messages: a reader never waits for EOF (other forked children inherit the pipe's ends)
 def _send(fd: int, data: bytes) -> None:
-    view = memoryview(len(data).to_bytes(8, "little"))
-    while view:
-        view = view[os.write(fd, view):]
-    view = memoryview(data)  # (no copy of `data`: a 100,000-request run's job is ~200 MB)
-    while view:
-        view = view[os.write(fd, view):]
+    send_message(fd, data)
 
 
 def _recv(fd: int) -> bytes:
-    """One message, or b"" when the other end closed first (read into one buffer: no second copy)."""
-    def exactly(n: int) -> Optional[bytearray]:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        while view:
-            got = os.readv(fd, [view[:1 << 20]])
-            if not got:
-                return None
-            view = view[got:]
-        return buf
-
-    head = exactly(8)
-    if head is None:
-        return b""
-    return exactly(int.from_bytes(head, "little")) or b""
+    """One message, or b"" when the other end closed first."""
+    return recv_message(fd) or b""

@@ -89,7 +89,7 @@ def simulate_cluster(exp: ExperimentConfig, progress: bool = False):
                             scrape_interval_s=exp.cluster.router.scrape_interval_s,
                             record_step_requests=exp.output.step_requests, frontend=frontend,
                             on_complete=counter.on_complete, on_reject=counter.on_reject,
-                            pd_flow=pd_flow_factory(exp, instances))
+                            pd_flow=pd_flow_factory(exp, instances), sim_workers=exp.cluster.sim_workers)
     t0 = time.perf_counter()
     interrupted = False
     try:
@@ -104,13 +104,15 @@ def simulate_cluster(exp: ExperimentConfig, progress: bool = False):
     for d in sim.result.decisions:
         routed[(d.pick, d.rank)] = routed.get((d.pick, d.rank), 0) + 1
     runs: dict[str, BackendRun] = {}
+    engine_runs = sim.engine_runs()
     for inst in instances:
         dp = len(inst.engines)
-        for rank, (s, info) in enumerate(zip([r for n, _, r in sim.simulations() if n == inst.name], inst.infos)):
-            fe = s.frontend.summary(s.result.end_time_s) if s.frontend is not None else frontend.describe()
+        for rank, (e, info) in enumerate(zip([e for n, _, e in engine_runs if n == inst.name], inst.infos)):
+            r = e.result
             runs[engine_label(inst.name, rank, dp)] = BackendRun(
-                "sim", s.recorder, info, wall, s.result.end_time_s, routed.get((inst.name, rank), 0),
-                len(s.result.completion_s), dict(s.result.rejected), interrupted, frontend=fe,
+                "sim", r.recorder, info, wall, r.end_time_s, routed.get((inst.name, rank), 0),
+                len(r.completion_s), dict(r.rejected), interrupted,
+                frontend=e.frontend_summary if e.frontend_summary is not None else frontend.describe(),
                 kv_pool=kv_pool_dict(info))
     return sim, runs, requests, interrupted
 

@@ -199,9 +199,9 @@ def test_the_engines_share_the_prompts_block_hashes_and_keep_the_chained_ones():
     from servetwin.core.kv_cache.hashing import hash_block_tokens, make_none_hash, sha256
 
     shared = {"groups": 2, "per_group": 2, "prefix_tokens": 64, "suffix_tokens": 16, "order": "inference_perf"}
-    exp = _cfg({"instances": [{"name": "r", "count": 3}], "router": {"type": "round_robin"}}, requests=24,
-               shared_prefix=shared, arrival={"type": "stages", "stages": [{"rate": 20, "duration_s": 1.2}]})
-    sim, _, requests, _ = simulate_cluster(exp)
+    exp = _cfg({"instances": [{"name": "r", "count": 3}], "router": {"type": "round_robin"}, "sim_workers": 1},
+               requests=24, shared_prefix=shared, arrival={"type": "stages", "stages": [{"rate": 20, "duration_s": 1.2}]})
+    sim, _, requests, _ = simulate_cluster(exp)  # (one process: its engines' memos are read here)
     memos = {id(s.engine.scheduler.block_hasher.prompt_memo) for _, _, s in sim.simulations()}
     assert len(memos) == 1
     memo = next(s for _, _, s in sim.simulations()).engine.scheduler.block_hasher.prompt_memo
