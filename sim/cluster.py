@@ -557,6 +557,11 @@ class ClusterSimulation:
             until = env.any_of([until, env.timeout(self.max_time_s)])
         with rare_young_collections():
             env.run(until=until)
+        if link is not None:  # (the one-process run stops when the last engine anywhere is done: every engine's
+            # result ends then; this worker's clock runs on to that time)
+            t_end = max([env.now, *link.exchange("end", env.now)])
+            if t_end > env.now:
+                env.run(until=t_end)
         end = 0.0
         for inst in self.instances:
             if link is not None and not link.owns(inst.index):

@@ -59,6 +59,9 @@ def assert_same_run(raw, workers: int):
     assert list(one.result.completion_s) == list(split.result.completion_s)  # (in time order, as they came)
     assert _router_state(one) == _router_state(split)
     assert_same_engine_runs(one_runs, split_runs)
+    for label, run in one_runs.items():  # (each engine's end: the cluster's, when its last engine anywhere is done)
+        assert (run.simulated_s, run.completed, run.frontend) == \
+            (split_runs[label].simulated_s, split_runs[label].completed, split_runs[label].frontend)
     return one, split
 
 
