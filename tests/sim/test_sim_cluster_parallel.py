@@ -68,13 +68,17 @@ def assert_same_run(raw, workers: int):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(router=st.sampled_from(ROUTERS), instances=st.integers(2, 4), rate=st.sampled_from([20.0, 80.0, 400.0]),
        stages=st.booleans(), async_scheduling=st.booleans(), frontend=st.sampled_from(["offline", "api_server"]),
-       window=st.sampled_from([None, 24]), workers=st.integers(2, 3), seed=st.integers(0, 50))
+       window=st.sampled_from([None, 24]), timeout_s=st.sampled_from([None, None, 0.1]),
+       workers=st.integers(2, 3), seed=st.integers(0, 50))
 def test_a_split_cluster_equals_its_one_process_run(router, instances, rate, stages, async_scheduling, frontend,
-                                                    window, workers, seed):
+                                                    window, timeout_s, workers, seed):
+    """(with client timeouts: their aborts release the router's counts too)"""
     arrival = ({"type": "stages", "stages": [{"rate": rate, "duration_s": 10 / rate},
                                              {"rate": rate, "duration_s": 20 / rate}]}
                if stages else {"type": "poisson", "rate": rate})
     raw = _raw({**router, "scrape_interval_s": 0.005}, instances, arrival, frontend, async_scheduling, seed)
+    if timeout_s is not None:
+        raw["workload"]["timeout_s"] = timeout_s
     with window_model(window):
         _, split = assert_same_run(raw, workers)
     assert split.workers_used == min(workers, instances)
