@@ -13,8 +13,38 @@ cluster / single ratio against issue 35's targets: <= 1.5x the wall time per req
 their counts, so N must be a stage boundary: 810 = the warm-up and the first stage, 1,010, 1,310, 2,070,
 ...), and print the functions with the most cumulative and own time.
 
-**Now** (quiet, 2026-12-06, `python benchmarks/cluster_speed.py`; the host's speed drifted between runs: the single
-engine took 0.62-0.75 ms wall per request): after the twentieth session's second round, 21:07 (`--repeats 3`) and
+**Now** (quiet, the twenty-first session, 2026-12-06/07: a routing cluster's engines split over two forked worker
+processes, `cluster.sim_workers: auto`, sim/cluster_parallel.py, docs/cluster.md; every output file of both ladders
+byte-identical to the one-process run, `benchmarks/outputs_identical.py --full`; `--check-windows 2070` the same
+digest, e69dedcc2a441bc3), `python benchmarks/cluster_speed.py --both-arms --repeats 3` at 23:40 and 00:03 UTC
+(medians of 3; the host's speed drifted: the same single run took 0.73 / 0.80 ms):
+
+| run (UTC) | single wall ms / req | llm-d wall ms / req | round robin wall ms / req | llm-d / single | round robin / single | both arms / single |
+|---|---:|---:|---:|---:|---:|---:|
+| 23:40 | 0.73 | 0.94 | 1.18 | 1.30x | 1.63x | 1.45x |
+| 00:03 | 0.80 | 0.97 | 1.15 | 1.22x | 1.45x | 1.33x |
+
+In the loop 1.31-1.42x (llm-d) and 1.61-1.89x (round robin); the CPU of the process tree 1.76-1.82x and 2.07-2.27x
+(the workers replicate the arrivals and the router, and wait for each other at meetings). Peak RSS of the largest
+process 879-926 MB (llm-d); the two workers' proportional set size together peaked at 1,094 MB against 1,112 MB for
+the one-process run (`--set cluster.sim_workers=1`; their RSS summed, shared pages counted twice: 1,937 / 2,088 MB).
+Target <= 1.5x: met by the llm-d ladder in both runs and by the two arms together (the ~34k requests of the issue's
+"about 30k"); the round-robin arm alone is 1.45-1.63x.
+
+How (docs/cluster.md, "Simulating on several CPUs"): each worker simulates its own instances and a replica of the
+arrivals and the router; the workers meet before a routing decision, exchanging the router's news (first tokens,
+ends, scraped metrics), unless the router proves its pick from what every replica shares (`forced_pick`), and at
+each stage's end. First tried: a meeting at every decision (17,101 on the llm-d ladder): each worker then waited
+~5 s of its ~19 s loop on the other (the admission work after an arrival falls on one side: at each meeting one
+waits; both waiting at once summed to 0.23 s), and the loop took 19.2 s against ~20 s in one process - no gain.
+With the proven picks: llm-d 167 meetings (the warm-up's 750 new prompts and the stage ends), random 17 (the stage
+ends): loops of 11.2-14.3 s (llm-d) and 12.7-17.3 s (round robin) against ~20 s and ~26 s in one process; each
+worker's CPU in the loop 10-13 s, waits 0.4-2.2 s at stage ends (the random arm's stages load its two halves
+unevenly). After the loop, worker 1 ships its 8 engines to worker 0 (recorders packed, one message each: ~99 MB,
+~1.2 s from the loop's end to the last engine unpickled), then the output phase as before (~2.7 s).
+
+Before (the twentieth session's main, one process), `python benchmarks/cluster_speed.py`; the host's speed drifted between runs: the single
+engine took 0.62-0.75 ms wall per request: after the twentieth session's second round, 21:07 (`--repeats 3`) and
 21:10 UTC (`--repeats 2`): single 0.75 / 0.73 ms, cluster llm-d 1.40 / 1.24 ms wall per request (18.3-20.1 s in the
 loop, 22.0-24.5 s in all; 961-977 MB): **1.88x / 1.69x the wall time per request** (2.29x / 2.03x in the loop, 1.71x /
 1.55x the CPU); after its first round, 20:31 UTC (`--repeats 2`): single 0.62, cluster 1.13 ms: 1.81x. The session's
