@@ -84,15 +84,19 @@ def partition_blockers(cluster: Any) -> list[str]:
     return reasons
 
 
+AUTO_MIN_REQUESTS = 1000  # "auto" splits runs of at least this many requests (a fork and the shipment cost ~0.1-1 s)
+
+
 def workers_for(cluster: Any, requested: int | str) -> int:
     """How many workers run `cluster`: `requested` (an int, or "auto": 2 where the machine has two CPUs for
-    this process), 1 where `partition_blockers` finds a reason, at most one per instance."""
+    this process and the run has `AUTO_MIN_REQUESTS`), 1 where `partition_blockers` finds a reason, at most one
+    per instance."""
     if requested == "auto":
         try:
             cpus = len(os.sched_getaffinity(0))
         except AttributeError:  # (not Linux)
             cpus = os.cpu_count() or 1
-        requested = 2 if cpus >= 2 else 1
+        requested = 2 if cpus >= 2 and len(cluster.requests) >= AUTO_MIN_REQUESTS else 1
     n = min(int(requested), MAX_WORKERS, len(cluster.instances))
     return n if n > 1 and not partition_blockers(cluster) else 1
 
@@ -345,5 +349,5 @@ def _child(cluster: Any, link: WorkerLink) -> None:
         os._exit(code)
 
 
-__all__ = ["RemoteDone", "WorkerLink", "WorkerFailed", "ArrivalEnv", "partition_blockers", "workers_for",
+__all__ = ["AUTO_MIN_REQUESTS", "RemoteDone", "WorkerLink", "WorkerFailed", "ArrivalEnv", "partition_blockers", "workers_for",
            "run_partitioned", "end_together", "MAX_WORKERS"]

@@ -85,8 +85,8 @@ class ClusterConfig:
     router: RouterConfig
     links: dict[str, Any]  # path -> servetwin.sim.links.Link
     prefill_router: Optional[RouterConfig] = None  # P/D: the prefill profile (None: no P/D)
-    # the simulation's worker processes (sim/cluster_parallel.py): "auto" (two where two CPUs are free and the
-    # cluster can be split), or a count; every count gives the same results
+    # the simulation's worker processes (sim/cluster_parallel.py): "auto" (two where two CPUs are free, the run has
+    # 1,000 requests or more and the cluster can be split), or a count; every count gives the same results
     sim_workers: int | str = "auto"
 
     @property

@@ -236,3 +236,12 @@ def test_an_interrupted_split_run_keeps_every_engine(monkeypatch):
     assert interrupted
     assert len(runs) == 4 and all(run.num_requests > 0 for run in runs.values())  # (least loaded: every instance)
     assert all(len(run.recorder.requests) > 0 for run in runs.values())
+
+
+def test_auto_splits_runs_long_enough_where_two_cpus_are_free(monkeypatch):
+    raw = _raw({"type": "round_robin"}, 3, {"type": "poisson", "rate": 40}, workers="auto")
+    sim, _, _, _ = simulate_cluster(validate_config(raw))
+    assert sim.workers_used == 1  # (30 requests: below AUTO_MIN_REQUESTS)
+    monkeypatch.setattr(parallel, "AUTO_MIN_REQUESTS", 30)
+    sim, _, _, _ = simulate_cluster(validate_config(raw))
+    assert sim.workers_used == (2 if len(os.sched_getaffinity(0)) >= 2 else 1)
