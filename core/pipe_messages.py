@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-_ONE_WRITE = 32 << 10  # a message this small goes in one write (the pipe holds it whole: 64 KiB)
+ONE_WRITE = 32 << 10  # a message this small goes in one write (the pipe holds it whole: 64 KiB)
 
 
 def send_message(fd: int, data: bytes) -> None:
     """`data` with its 8-byte length first; a large one written from a view of it (no copy)."""
     head = len(data).to_bytes(8, "little")
-    if len(data) <= _ONE_WRITE:
+    if len(data) <= ONE_WRITE:
         view = memoryview(head + data)
     else:
         os.write(fd, head)
@@ -38,4 +38,4 @@ def recv_message(fd: int) -> Optional[bytearray]:
     return exactly(int.from_bytes(head, "little"))
 
 
-__all__ = ["send_message", "recv_message"]
+__all__ = ["send_message", "recv_message", "ONE_WRITE"]

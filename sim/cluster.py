@@ -535,7 +535,7 @@ class ClusterSimulation:
         return out
 
     def run(self) -> ClusterResult:
-        workers = workers_for(self, self.sim_workers) if self.sim_workers != 1 else 1
+        workers = workers_for(self, self.sim_workers)
         self.workers_used = workers
         if workers > 1:
             return run_partitioned(self, workers)

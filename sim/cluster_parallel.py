@@ -5,11 +5,13 @@ touch each other only through the router. A request's instance is picked at its 
 state - what it routed, its in-flight counts and charges, which each request's first token and end release -
 and from the endpoints' scraped metrics. So each worker (a forked process) simulates the engines of its own
 instances (`owner`: instance i to worker i % n) and a replica of everything above them: the arrival process,
-the router with its random draws, the scrapes of its own instances. The workers meet before every routing
-decision (`WorkerLink.exchange`): each sends what its engines did since the last meeting that the router reads
-(first tokens and ends, in their order) and its instances' last scraped metrics, and applies the others'. The
-router's updates from them are sums and removals by request, so their order between meetings does not matter,
-and every replica makes the same decision. A request routed to another worker's instance is booked here
+the router with its random draws, the scrapes of its own instances. The workers meet before a routing decision
+(`WorkerLink.exchange`): each sends what its engines did since the last meeting that the router reads (first
+tokens, ends, rejections, aborts, in their order) and its instances' last scraped metrics, and applies the
+others'. The router's updates from them are sums and removals by request, so their order between meetings does
+not matter, and every replica makes the same decision. A pick the router proves from what every replica shares
+(its `forced_pick`: round robin, random, llm-d's single sticky endpoint) needs no meeting; the decision table
+then takes its scores from the worker that owns the endpoint. A request routed to another worker's instance is booked here
 (in-flight counts, charges) but simulated there; its done event is a `RemoteDone`. A stage ladder's wait for
 its stage's requests (`all_of`) is a meeting too: each worker reports when its last one finished; the stage
 ends at the latest of those times, in every worker.
@@ -25,8 +27,9 @@ arrival and step times drawn from continuous distributions no such pair occurs: 
 (tests/sim/test_sim_cluster_parallel.py) and `benchmarks/outputs_identical.py` (both routing ladders,
 byte for byte) compare with the one-process run.
 
-After the run each worker ships its engines' results (recorders, counts, front-end summaries) to worker 0
-through its pipe; worker 0 writes the outputs. A worker that fails sends its traceback instead, and worker 0
+After the run every worker's clock runs on to the cluster's end, and each ships its engines' results (packed
+recorders, counts, front-end summaries; one message per engine) to worker 0 through its results pipe; worker 0
+writes the outputs. A worker that fails sends its traceback instead, and worker 0
 raises it; worker 0 failing closes the pipes, and the others exit.
 """
 from __future__ import annotations
@@ -43,13 +46,12 @@ from typing import Any, Optional
 
 import simpy
 
-from servetwin.core.pipe_messages import recv_message, send_message
+from servetwin.core.pipe_messages import ONE_WRITE, recv_message, send_message
 from servetwin.sim.arrivals import Gamma, Offline, Poisson, StageLadder, TraceArrivals
 from servetwin.sim.sim_time import call_at
 
 MAX_WORKERS = 8
 _OPEN_ARRIVALS = (Offline, Poisson, Gamma, TraceArrivals, StageLadder)  # (none waits for a single request)
-_INLINE_WRITE = 32 << 10  # a message this large or smaller is written at once: a pipe holds 64 KiB
 
 
 class RemoteDone(simpy.Event):
@@ -101,15 +103,6 @@ def workers_for(cluster: Any, requested: int | str) -> int:
     return n if n > 1 and not partition_blockers(cluster) else 1
 
 
-# -- the pipes ---------------------------------------------------------------------------------------
-def _send(fd: int, data: bytes) -> None:
-    send_message(fd, data)
-
-
-def _recv(fd: int) -> Optional[bytes]:
-    return recv_message(fd)
-
-
 class WorkerFailed(RuntimeError):
     """Another worker of a partitioned cluster run failed (its traceback in the message) or vanished."""
 
@@ -137,10 +130,10 @@ class WorkerLink:
         data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
         senders = []
         for j, fd in self.writes.items():
-            if len(data) <= _INLINE_WRITE:  # (the pipe holds it whole: written at once)
-                _send(fd, data)
+            if len(data) <= ONE_WRITE:  # (the pipe holds it whole: written at once)
+                send_message(fd, data)
             else:  # (a large message from a thread: every worker writes first, then reads)
-                t = threading.Thread(target=_send, args=(fd, data), daemon=True)
+                t = threading.Thread(target=send_message, args=(fd, data), daemon=True)
                 t.start()
                 senders.append(t)
         out = [self.receive(j, kind) for j in sorted(self.reads)]
@@ -149,7 +142,7 @@ class WorkerLink:
         return out
 
     def receive(self, j: int, kind: str) -> Any:
-        data = _recv(self.reads[j])
+        data = recv_message(self.reads[j])
         if data is None:
             if self.index == 0:  # (a worker that failed sent its traceback on its results pipe, then exited)
                 self.result_of(j)
@@ -162,15 +155,16 @@ class WorkerLink:
         return payload
 
     def send_result(self, kind: str, payload: Any) -> None:
-        """A worker's last word to worker 0: ("results", its shipment) or ("error", its traceback)."""
-        _send(self.results[0], pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        """A worker's words to worker 0 after its run: ("part", a part of its shipment) ..., ("end", None), or
+        ("error", its traceback)."""
+        send_message(self.results[0], pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
     def result_of(self, j: int) -> dict[str, Any]:
         """Worker 0: worker j's shipment (its first part, with "engines": {key: EngineRun} from the parts after it);
         raises WorkerFailed with its traceback when it failed."""
         shipped: Optional[dict[str, Any]] = None
         while True:
-            data = _recv(self.results[j])
+            data = recv_message(self.results[j])
             if data is None:
                 raise WorkerFailed(f"cluster worker {j} exited without its results")
             kind, payload = pickle.loads(data)

@@ -157,7 +157,7 @@ class Prewarmed:
 
         def send() -> None:
             try:
-                _send(self._job_w, data)
+                send_message(self._job_w, data)
             except OSError:  # the child died: result() redoes the job
                 pass
             finally:
@@ -173,7 +173,7 @@ class Prewarmed:
         if self.pid is None:
             return fn(*args)
         try:
-            data = _recv(self._res_r)
+            data = recv_message(self._res_r)
         finally:
             os.close(self._res_r)
             self._sender.join()
@@ -206,12 +206,12 @@ def _child(warm: Callable[[], Any], job_r: int, res_w: int) -> None:
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         warm()
-        data = _recv(job_r)
+        data = recv_message(job_r)
         if data:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             fn, args = pickle.loads(data)
             del data  # (~150 MB for 100,000 requests: not held while the job runs)
-            _send(res_w, pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL))
+            send_message(res_w, pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL))
         code = 0
     except BaseException:
         if os.environ.get("SERVETWIN_DEBUG_OUTPUT") == "1":  # the parent redoes the job; say why here
@@ -220,12 +220,3 @@ def _child(warm: Callable[[], Any], job_r: int, res_w: int) -> None:
             traceback.print_exc()
     finally:
         os._exit(code)
-
-
-def _send(fd: int, data: bytes) -> None:
-    send_message(fd, data)
-
-
-def _recv(fd: int) -> bytes:
-    """One message, or b"" when the other end closed first."""
-    return recv_message(fd) or b""
