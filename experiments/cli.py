@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except RuntimeError as e:
         from servetwin.core.engine.mp_client import EngineStartupError  # noqa: PLC0415
+        from servetwin.sim.cluster_parallel import WorkerFailed  # noqa: PLC0415
 
-        if not isinstance(e, EngineStartupError):
+        if not isinstance(e, (EngineStartupError, WorkerFailed)):  # (a process that failed: its own words)
             raise
         print(f"servetwin {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -131,9 +131,10 @@ class WorkerLink:
         senders = []
         for j, fd in self.writes.items():
             if len(data) <= ONE_WRITE:  # (the pipe holds it whole: written at once)
-                send_message(fd, data)
+                if not _sent(fd, data):
+                    self._gone(j, kind)
             else:  # (a large message from a thread: every worker writes first, then reads)
-                t = threading.Thread(target=send_message, args=(fd, data), daemon=True)
+                t = threading.Thread(target=_sent, args=(fd, data), daemon=True)
                 t.start()
                 senders.append(t)
         out = [self.receive(j, kind) for j in sorted(self.reads)]
@@ -144,15 +145,20 @@ class WorkerLink:
     def receive(self, j: int, kind: str) -> Any:
         data = recv_message(self.reads[j])
         if data is None:
-            if self.index == 0:  # (a worker that failed sent its traceback on its results pipe, then exited)
-                self.result_of(j)
-            raise WorkerFailed(f"cluster worker {j} exited without a word at a {kind!r} meeting")
+            self._gone(j, kind)
         got, payload = pickle.loads(data)
         if got == "error":
             raise WorkerFailed(f"cluster worker {j} failed:\n{payload}")
         if got != kind:
             raise WorkerFailed(f"cluster worker {j} is at a {got!r} meeting, worker {self.index} at {kind!r}")
         return payload
+
+    def _gone(self, j: int, kind: str) -> None:
+        """Worker j's end of a meeting's pipe closed: it failed (worker 0 raises the traceback it sent on its results
+        pipe) or was killed."""
+        if self.index == 0:
+            self.result_of(j)
+        raise WorkerFailed(f"cluster worker {j} exited without a word at a {kind!r} meeting (killed? out of memory?)")
 
     def send_result(self, kind: str, payload: Any) -> None:
         """A worker's words to worker 0 after its run: ("part", a part of its shipment) ..., ("end", None), or
@@ -166,7 +172,7 @@ class WorkerLink:
         while True:
             data = recv_message(self.results[j])
             if data is None:
-                raise WorkerFailed(f"cluster worker {j} exited without its results")
+                raise WorkerFailed(f"cluster worker {j} exited without its results (killed? out of memory?)")
             kind, payload = pickle.loads(data)
             if kind == "error":
                 raise WorkerFailed(f"cluster worker {j} failed:\n{payload}")
@@ -279,6 +285,15 @@ def _wide(fds: tuple[int, int]) -> tuple[int, int]:
     except (ImportError, OSError):
         pass
     return fds
+
+
+def _sent(fd: int, data: bytes) -> bool:
+    """`send_message`; False where the reader is gone (a broken pipe: its reads report why)."""
+    try:
+        send_message(fd, data)
+    except BrokenPipeError:
+        return False
+    return True
 
 
 def _signal(pid: int, sig: int) -> None:

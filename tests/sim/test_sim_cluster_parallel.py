@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -193,6 +194,20 @@ def test_a_worker_that_fails_is_raised_with_its_traceback(monkeypatch):
         return real(self, request)
     monkeypatch.setattr(cluster_module.ClusterSimulation, "_route", route)
     with pytest.raises(parallel.WorkerFailed, match="boom in a worker"):
+        simulate_cluster(validate_config(_stages_raw()))
+
+
+def test_a_worker_killed_mid_run_is_named(monkeypatch):
+    """A worker killed (SIGKILL: the OOM killer's) leaves no traceback: worker 0 says which one vanished."""
+    parent = os.getpid()
+    real = cluster_module.ClusterSimulation._route
+
+    def route(self, request):
+        if os.getpid() != parent and request.request_id.endswith("-20"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, request)
+    monkeypatch.setattr(cluster_module.ClusterSimulation, "_route", route)
+    with pytest.raises(parallel.WorkerFailed, match=r"cluster worker 1 exited without (a word|its results)"):
         simulate_cluster(validate_config(_stages_raw()))
 
 
