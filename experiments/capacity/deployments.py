@@ -118,8 +118,11 @@ def worst_text(checks: list[dict[str, Any]]) -> str:
     c = worst_check(checks)
     if c is None:
         return "nothing measured"
-    unit, scale = ("ms", 1000.0) if c["limit"] < 1.0 else ("s", 1.0)
     verdict = "met" if c["met"] else "missed"
+    if c.get("kind") == "attainment":  # (a share of requests, not seconds: `slo_line`'s words)
+        got = "-" if c["value"] is None else f"{100 * c['value']:.3g}%"
+        return f"deadlines met by {got} of requests, {100 * c['limit']:g}% required ({verdict})"
+    unit, scale = ("ms", 1000.0) if c["limit"] < 1.0 else ("s", 1.0)
     return f"{c['name']} {c['value'] * scale:.3g} {unit} of {c['limit'] * scale:.3g} {unit} ({verdict})"
 
 

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servetwin.experiments.capacity.deployments import search_deployments, slo_seconds
+from servetwin.experiments.capacity.deployments import search_deployments, slo_seconds, worst_text
 from servetwin.experiments.cli import main
 
 RAW = {"instances": [{"name": "r", "count": 2}], "router": {"type": "round_robin"}}
@@ -46,6 +46,22 @@ def test_the_fewest_replicas_and_the_cheapest_first(need, max_replicas):
 
 def test_slo_milliseconds_become_seconds():
     assert slo_seconds({"tpot_p99_ms": "50", "ttft_p99_s": "2"}) == {"tpot_p99_s": 0.05, "ttft_p99_s": "2"}
+
+
+def test_what_binds_names_an_attainment_as_a_share_of_requests():
+    import numpy as np
+    import pandas as pd
+
+    from servetwin.experiments.config.slo import evaluate_slo, parse_slo
+
+    spec = parse_slo({"ttft_s": 1.0, "min_attainment": 0.9})
+    requests = pd.DataFrame({"ttft_s": [0.5] * 17 + [1.5] * 3, "tpot_s": [0.01] * 20, "e2e_s": [2.0] * 20})
+    ev = evaluate_slo(spec, requests, np.array([0.01]), duration_s=10.0)
+    assert not ev["met"] and ev["binding"] == "attainment"
+    assert worst_text(ev["checks"]) == "deadlines met by 85% of requests, 90% required (missed)"
+    spec = parse_slo({"ttft_p99_s": 2.0, "tpot_p99_s": 0.05})
+    ev = evaluate_slo(spec, requests, np.array([0.01]), duration_s=10.0)
+    assert worst_text(ev["checks"]) == "ttft_p99_s 1.5 s of 2 s (met)"
 
 
 CLUSTER = """\
