@@ -214,7 +214,8 @@ def _router(raw: Any, path: str = "cluster.router") -> RouterConfig:
     if r.type == "llm_d" and not r.scorers:
         raise ConfigError(f"{path}.scorers", "llm_d needs at least one scorer (e.g. [{type: queue}])")
     if r.type != "llm_d" and (r.scorers or r.filters):
-        raise ConfigError(f"{path}.scorers", f"scorers and filters belong to the llm_d router, not {r.type!r}")
+        # (named at the type: most often a misspelt llm_d, e.g. 'llmd', whose scorers are right)
+        raise ConfigError(f"{path}.type", f"{r.type!r} takes no scorers or filters (the llm_d router's)")
     return r
 
 

@@ -44,7 +44,8 @@ def test_a_cluster_parses_into_typed_instances_router_and_links():
     ({"instances": [{"hardware": "h1000"}]}, "cluster.instances[0].hardware"),
     ({"instances": [{"name": "x"}, {"name": "x"}]}, "cluster.instances[1].name"),
     ({"instances": [{}], "router": {"type": "llm_d"}}, "cluster.router.scorers"),
-    ({"instances": [{}], "router": {"type": "round_robin", "scorers": ["queue"]}}, "cluster.router.scorers"),
+    ({"instances": [{}], "router": {"type": "round_robin", "scorers": ["queue"]}}, "cluster.router.type"),
+    ({"instances": [{}], "router": {"type": "llmd", "scorers": ["queue"]}}, "cluster.router.type"),  # a typo
     ({"instances": [{}], "router": {"scrape_interval_s": 0}}, "cluster.router.scrape_interval_s"),
     ({"instances": [{}], "router": {"type": "fastest"}}, "cluster.router.type"),
     ({"instances": [{}], "router": {"type": "llm_d", "scorers": ["queu"]}}, "cluster.router.scorers[0].type"),
