@@ -850,14 +850,28 @@ def validate_config(raw: Any, base_dir: str | Path = ".", default_name: str = "e
 
 
 # -- sweeps -------------------------------------------------------------------------------------
+# `a.b.c`, with list items by index: `cluster.instances[0].count`
+DOTTED_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[0-9]+\])*(\.[A-Za-z_][A-Za-z0-9_]*(\[[0-9]+\])*)*")
+
+
+def dotted_parts(key: str) -> list[str | int]:
+    """`cluster.instances[0].count` -> ["cluster", "instances", 0, "count"] (a `DOTTED_KEY`)."""
+    return [int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"[A-Za-z0-9_]+|\[[0-9]+\]", key)]
+
+
+def _key_text(parts: list[str | int]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(parts))
+
+
 def _validate_sweep_shape(sweep: Any) -> dict[str, list[Any]]:
     sweep = _mapping(sweep, "sweep")
     out: dict[str, list[Any]] = {}
     for key, values in sweep.items():
         path = f"sweep.{key}"
-        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
-            raise ConfigError(path, "must be a dotted key like engine.max_num_seqs")
-        head = key.split(".")[0]
+        if not isinstance(key, str) or not DOTTED_KEY.fullmatch(key):
+            raise ConfigError(path, "must be a dotted key like engine.max_num_seqs (list items by index: "
+                                    "cluster.instances[0].count)")
+        head = key.split(".")[0].split("[")[0]
         allowed = [s.key for s in SECTIONS if s.sweepable]
         if head not in allowed:
             close = difflib.get_close_matches(head, allowed, n=1)
@@ -881,17 +895,27 @@ def _validate_sweep_shape(sweep: Any) -> dict[str, list[Any]]:
 
 
 def set_dotted(cfg: dict[str, Any], key: str, value: Any) -> None:
-    """Set `a.b.c` in nested dicts, creating missing levels."""
-    parts = key.split(".")
-    node = cfg
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
+    """Set `a.b.c` (or `a.b[i].c`) in nested dicts, creating missing mapping levels; a list item must exist."""
+    parts = dotted_parts(key)
+    node: Any = cfg
+    for i, part in enumerate(parts):
+        where = _key_text(parts[:i + 1])
+        if isinstance(part, int):
+            if not isinstance(node, list):
+                raise ConfigError(_key_text(parts[:i]), f"is not a list, cannot set {key}")
+            if part >= len(node):
+                raise ConfigError(where, f"no such item: the list has {len(node)}, cannot set {key}")
+        elif not isinstance(node, dict):
+            raise ConfigError(_key_text(parts[:i]), f"is not a mapping, cannot set {key}")
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        child = node[part] if isinstance(part, int) else node.get(part)
         if child is None:
+            if isinstance(parts[i + 1], int):
+                raise ConfigError(where, f"is not a list, cannot set {key}")
             child = node[part] = {}
-        elif not isinstance(child, dict):
-            raise ConfigError(f"{'.'.join(parts[:i + 1])}", f"is not a mapping, cannot set {key}")
         node = child
-    node[parts[-1]] = value
 
 
 def _fmt_value(v: Any) -> str:
@@ -1090,8 +1114,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}", "expected dotted.key=value")
     key, value = text.split("=", 1)
     key = key.strip()
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
-        raise ConfigError(f"--set {text!r}", f"{key!r} is not a dotted key")
+    if not DOTTED_KEY.fullmatch(key):
+        raise ConfigError(f"--set {text!r}", f"{key!r} is not a dotted key (list items by index: "
+                                              "cluster.instances[0].count)")
     from servetwin.core.safe_yaml import load_yaml_text  # noqa: PLC0415
 
     return key, load_yaml_text(value, "the value", f"--set {key}")

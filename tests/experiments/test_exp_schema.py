@@ -218,3 +218,24 @@ def test_kv_transfer_config_is_vllms_mapping_checked_by_path():
         "engine.kv_transfer_config.role: unknown key")
     assert _err(tiny(engine__kv_transfer_config={"kv_role": "kv_both"})).startswith(
         "engine.kv_transfer_config.kv_connector: required")
+
+
+def test_set_reaches_list_items_by_index_and_names_a_missing_one():
+    from servetwin.experiments.config.schema import parse_override, set_dotted
+
+    raw = {"cluster": {"instances": [{"name": "p", "count": 2}, {"name": "d"}]}}
+    key, value = parse_override("cluster.instances[1].engine.tensor_parallel_size=4")
+    set_dotted(raw, key, value)
+    set_dotted(raw, *parse_override("cluster.instances[0].count=3"))
+    assert raw["cluster"]["instances"] == [{"name": "p", "count": 3},
+                                           {"name": "d", "engine": {"tensor_parallel_size": 4}}]
+    for key, path in [("cluster.instances[2].count", "cluster.instances[2]"),  # no third instance
+                      ("cluster.router[0].type", "cluster.router"),  # (missing: a list is never made up)
+                      ("cluster.instances.count", "cluster.instances"),  # a list, not a mapping
+                      ("cluster.instances[0].count.x", "cluster.instances[0].count")]:
+        with pytest.raises(ConfigError) as err:
+            set_dotted(raw, key, 1)
+        assert err.value.path == path
+    for text in ("cluster.instances[-1].count=1", "cluster.instances[x].count=1", "cluster..x=1", "[0]=1"):
+        with pytest.raises(ConfigError, match="is not a dotted key"):
+            parse_override(text)
