@@ -34,13 +34,15 @@ LABELS = {"gpu_compute": "engine compute (the model's steps on its GPU, or CPU)"
           "api_server_cpu": "the API-server CPU (modelled front end)", "arrival_rate": "the arrival rate"}
 
 
-def offered_rate(exp: Any, requests: Any) -> Optional[float]:
-    """Requests per second the clients send in an open-loop run (None: offline batch or closed loop)."""
+def offered_rate(exp: Any, requests: Any, routed: bool = False) -> Optional[float]:
+    """Requests per second the clients send in an open-loop run (None: offline batch or closed loop).
+    `routed`: `requests` are what a cluster's router sent one engine, whose own timing is its offered rate
+    (the workload's rate is the whole cluster's)."""
     arrival = exp.workload.arrival
     if getattr(arrival, "closed_loop", False) or len(requests) < 2:
         return None
     rate = getattr(arrival, "rate", None)
-    if rate:
+    if rate and not routed:
         return float(rate)
     span = float(requests.arrival_s.max() - requests.arrival_s.min())
     return (len(requests) - 1) / span if span > 0 else None  # a trace's own timing; 0: a burst
@@ -96,6 +98,36 @@ def binding_resource(s: dict[str, Any], offered: Optional[float], state: Optiona
                "no other limit is near saturation: the engine's steps set the pace")
     return {"resource": resource, "line": f"bound by {LABELS[resource]}: {why} ({'; '.join(facts)})",
             "facts": "; ".join(facts), "latency": ttft_parts(s, kv >= KV_FULL or bool(preempt))}
+
+
+# a cluster's engines bound by different resources: the one named first of those most engines have
+_SEVERITY = ("api_server_cpu", "kv_capacity", "gpu_compute", "arrival_rate")
+
+
+def cluster_binding(engines: dict[str, dict[str, Any]], completed: int, requests: int) -> Optional[dict[str, Any]]:
+    """What limits a cluster's result, from its engines' own `binding`s: the arrival rate when every engine keeps
+    up with what the router sent it and every request completed; else the resource binding most engines (the
+    more severe of equals, `_SEVERITY`), with the engines it binds and the first one's reasons."""
+    bound = {label: s["binding"] for label, s in engines.items() if s.get("binding")}
+    if not bound:
+        return None
+    by: dict[str, list[str]] = {}
+    for label, b in bound.items():
+        by.setdefault(b["resource"], []).append(label)
+    if set(by) == {"arrival_rate"} and completed == requests:
+        return {"resource": "arrival_rate", "engines": {"arrival_rate": by["arrival_rate"]},
+                "line": f"bound by {LABELS['arrival_rate']}: each of the {len(bound)} engines keeps up with the "
+                        "requests routed to it, so the cluster's throughput equals the offered rate and cannot "
+                        "differ between deployments that keep up"}
+    limits = {r: labels for r, labels in by.items() if r != "arrival_rate"} or by
+    resource = max(limits, key=lambda r: (len(limits[r]), -_SEVERITY.index(r)))
+    labels = limits[resource]
+    named = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
+    others = "; ".join(f"{LABELS[r]} at {len(ls)}" for r, ls in by.items() if r != resource)
+    first = bound[labels[0]]
+    return {"resource": resource, "engines": by,
+            "line": f"bound by {LABELS[resource]} at {len(labels)} of {len(bound)} engines ({named})"
+                    + (f"; {others}" if others else "") + f". {labels[0]}: {first['line']}"}
 
 
 def ttft_parts(s: dict[str, Any], kv_bound: bool) -> Optional[dict[str, Any]]:

@@ -35,8 +35,12 @@ def cluster_report(exp: Any, whole: dict[str, Any], engines: dict[str, dict[str,
              f"{whole['request_throughput_s'] or 0:.2f} | {_ms(whole['ttft_s']['mean'])} / {_ms(whole['ttft_s']['p99'])} | "
              f"{_ms(whole['tpot_s']['mean'])} / {_ms(whole['tpot_s']['p99'])} | {_ms(whole['itl_s']['mean'])} | "
              f"{_ms(whole['e2e_s']['mean'])} / {_ms(whole['e2e_s']['p99'])} | {_pct(whole['prefix_hit_rate'])} | "
-             f"{_pct(whole['kv_peak_usage'])} | {whole['preemptions']} |", "",
-             "## Engines", "",
+             f"{_pct(whole['kv_peak_usage'])} | {whole['preemptions']} |", ""]
+    if whole.get("binding"):
+        lines += ["## What limits this result", "", whole["binding"]["line"] + ".", "",
+                  "From each engine's own measurements (experiments/run/binding.py states the rules and thresholds; "
+                  "each engine's reason is in its `sim/instances/<engine>/summary.json`, `binding`).", ""]
+    lines += ["## Engines", "",
              "| engine | requests | output tok/s | TTFT mean / p99 (ms) | TPOT mean (ms) | E2E mean (ms) "
              "| prefix hit rate | KV peak | preemptions |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -122,6 +122,7 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
     """The whole cluster's figures: every engine's requests pooled, over the cluster's duration."""
     import pandas as pd  # noqa: PLC0415
 
+    from servetwin.experiments.run.binding import cluster_binding  # noqa: PLC0415
     from servetwin.sim.cluster_offload import cpu_tier_totals  # noqa: PLC0415
 
     reqs = pd.concat([f["requests"] for f in frames.values()], ignore_index=True) if frames else pd.DataFrame()
@@ -160,6 +161,9 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
         out["cpu_tier"] = tiers
     for key in CLUSTER_LATENCY_KEYS:
         out[key] = dist_stats(reqs[key]) if len(reqs) else dist_stats([])
+    binding = cluster_binding(summaries, completed, num_requests)
+    if binding is not None:
+        out["binding"] = binding
     return out
 
 

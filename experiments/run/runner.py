@@ -320,7 +320,8 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
     from servetwin.experiments.run.steady_state import steady_state  # noqa: PLC0415
 
     out["steady_state"] = steady_state(reqs, out["step_duration_s"].get("p50"))
-    out["binding"] = binding_resource(out, offered_rate(exp, reqs), out["steady_state"])
+    # (an engine of a cluster: offered what the router sent it)
+    out["binding"] = binding_resource(out, offered_rate(exp, reqs, routed=exp.cluster is not None), out["steady_state"])
     conversations = conversation_summary(reqs)
     if conversations is not None:  # multi-turn workloads: the history's share found in the prefix cache
         out["conversations"] = conversations

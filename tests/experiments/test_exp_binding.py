@@ -1,12 +1,13 @@
 """What limits a result: the binding-resource line of run / sweep / capacity, engine-side SLOs, and
 `--api-server-count`."""
 import json
+import re
 
 import pandas as pd
 import pytest
 from exptest_helpers import tiny, write_yaml
 
-from servetwin.experiments.run.binding import binding_resource
+from servetwin.experiments.run.binding import binding_resource, cluster_binding
 from servetwin.experiments.run.steady_state import steady_state
 from servetwin.experiments.cli import main
 from servetwin.experiments.config.slo import parse_slo
@@ -133,3 +134,60 @@ def test_a_sweep_of_arrival_bound_points_says_throughput_cannot_differ(tmp_path,
     assert list(df.bound_by) == ["arrival_rate", "arrival_rate"]
     assert "throughputs are that rate and cannot differ" in (out / "sweep.md").read_text()
     assert "Every point is bound by the arrival rate" in capsys.readouterr().out  # the console says it too
+
+
+def _engine(resource: str) -> dict:
+    return {"binding": {"resource": resource, "line": f"bound by {resource}: why (facts)"}}
+
+
+def test_a_cluster_keeping_up_everywhere_is_bound_by_the_arrival_rate():
+    engines = {f"r-{i}": _engine("arrival_rate") for i in range(4)}
+    b = cluster_binding(engines, completed=100, requests=100)
+    assert b["resource"] == "arrival_rate" and "each of the 4 engines keeps up" in b["line"]
+    short = cluster_binding(engines, completed=99, requests=100)  # (a request lost: no claim that all kept up)
+    assert short["resource"] == "arrival_rate" and "at 4 of 4 engines" in short["line"] and "keeps up" not in short["line"]
+    assert cluster_binding({}, 0, 0) is None
+
+
+def test_a_cluster_is_bound_by_what_binds_most_of_its_saturated_engines():
+    engines = {"r-0": _engine("arrival_rate"), "r-1": _engine("gpu_compute"), "r-2": _engine("arrival_rate"),
+               "r-3": _engine("kv_capacity"), "r-4": _engine("gpu_compute")}
+    b = cluster_binding(engines, completed=100, requests=100)
+    assert b["resource"] == "gpu_compute" and b["engines"]["gpu_compute"] == ["r-1", "r-4"]
+    assert b["line"].startswith("bound by engine compute") and "at 2 of 5 engines (r-1, r-4)" in b["line"]
+    assert "the arrival rate at 2" in b["line"] and "KV-cache capacity at 1" in b["line"]
+    assert b["line"].endswith("r-1: bound by gpu_compute: why (facts)")  # (the first such engine's reasons)
+    # equal counts: the more severe resource
+    even = {"r-0": _engine("gpu_compute"), "r-1": _engine("kv_capacity")}
+    assert cluster_binding(even, 10, 10)["resource"] == "kv_capacity"
+
+
+def test_a_cluster_run_says_what_limits_it_and_each_engine_is_offered_its_share(tmp_path, capsys):
+    cfg = tiny(workload__requests=40, workload__arrival={"type": "poisson", "rate": 20.0},
+               cluster={"instances": [{"name": "r", "count": 2}], "router": {"type": "round_robin"}})
+    out = tmp_path / "out"
+    assert main(["run", str(write_yaml(tmp_path / "c.yaml", cfg)), "-o", str(out), "--no-progress",
+                 "--no-plots"]) == 0
+    assert "sim: bound by " in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    whole = summary["backends"]["sim"]
+    assert whole["binding"]["resource"] in ("arrival_rate", "gpu_compute", "kv_capacity", "api_server_cpu")
+    assert "## What limits this result" in (out / "report.md").read_text()
+    for s in summary["cluster"]["engines"].values():  # each engine got every other request: ~10 req/s, not 20
+        offered = float(re.search(r"offered ([0-9.]+) req/s", s["binding"]["line"]).group(1))
+        assert 5.0 < offered < 15.0
+
+
+def test_a_sweep_of_cluster_points_sets_a_list_item_and_names_what_binds(tmp_path):
+    cfg = tiny(workload__requests=20, workload__arrival={"type": "poisson", "rate": 2.0},
+               cluster={"instances": [{"name": "r", "count": 1}], "router": {"type": "round_robin"}},
+               sweep={"cluster.instances[0].count": [1, 2]})
+    out = tmp_path / "sw"
+    assert main(["sweep", str(write_yaml(tmp_path / "c.yaml", cfg)), "-o", str(out), "--no-progress",
+                 "--no-plots"]) == 0
+    df = pd.read_csv(out / "sweep.csv")
+    assert list(df.status) == ["ok", "ok"] and df.bound_by.notna().all()
+    assert "No point finished" not in (out / "sweep.md").read_text()
+    engines = [json.loads((out / p / "summary.json").read_text())["backends"]["sim"]["num_engines"]
+               for p in ("count=1", "count=2")]
+    assert engines == [1, 2]
