@@ -100,34 +100,57 @@ def binding_resource(s: dict[str, Any], offered: Optional[float], state: Optiona
             "facts": "; ".join(facts), "latency": ttft_parts(s, kv >= KV_FULL or bool(preempt))}
 
 
-# a cluster's engines bound by different resources: the one named first of those most engines have
-_SEVERITY = ("api_server_cpu", "kv_capacity", "gpu_compute", "arrival_rate")
+_SATURATED = ("api_server_cpu", "kv_capacity")  # an engine's verdicts that name a full resource
+_SEVERITY = ("api_server_cpu", "kv_capacity", "gpu_compute")  # of as many engines: the one named
 
 
-def cluster_binding(engines: dict[str, dict[str, Any]], completed: int, requests: int) -> Optional[dict[str, Any]]:
-    """What limits a cluster's result, from its engines' own `binding`s: the arrival rate when every engine keeps
-    up with what the router sent it and every request completed; else the resource binding most engines (the
-    more severe of equals, `_SEVERITY`), with the engines it binds and the first one's reasons."""
+def cluster_binding(engines: dict[str, dict[str, Any]], unfinished: int,
+                    state: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """What limits a cluster's result. `engines`: each engine's summary with its own `binding` (the rule above, on
+    what the router sent it); `unfinished`: requests neither completed nor rejected; `state`: the `steady_state`
+    of the cluster's requests pooled.
+    - the arrival rate when the cluster keeps up - the pooled verdict (an engine's own, on its share of a short
+      run, is noisy; with too few requests for one: every engine keeps up) and every request ended - and no
+      engine's API-server CPU or KV pool is saturated;
+    - else the resource binding the most engines (the more severe of equals: `_SEVERITY`), with the engines and
+      the first one's reasons;
+    - else (every engine keeps up with its share, the whole does not) engine compute, with the pooled figures."""
     bound = {label: s["binding"] for label, s in engines.items() if s.get("binding")}
     if not bound:
         return None
     by: dict[str, list[str]] = {}
     for label, b in bound.items():
         by.setdefault(b["resource"], []).append(label)
-    if set(by) == {"arrival_rate"} and completed == requests:
-        return {"resource": "arrival_rate", "engines": {"arrival_rate": by["arrival_rate"]},
-                "line": f"bound by {LABELS['arrival_rate']}: each of the {len(bound)} engines keeps up with the "
-                        "requests routed to it, so the cluster's throughput equals the offered rate and cannot "
-                        "differ between deployments that keep up"}
-    limits = {r: labels for r, labels in by.items() if r != "arrival_rate"} or by
-    resource = max(limits, key=lambda r: (len(limits[r]), -_SEVERITY.index(r)))
-    labels = limits[resource]
-    named = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
-    others = "; ".join(f"{LABELS[r]} at {len(ls)}" for r, ls in by.items() if r != resource)
-    first = bound[labels[0]]
-    return {"resource": resource, "engines": by,
-            "line": f"bound by {LABELS[resource]} at {len(labels)} of {len(bound)} engines ({named})"
-                    + (f"; {others}" if others else "") + f". {labels[0]}: {first['line']}"}
+
+    def at(resource: str) -> str:
+        labels = by.get(resource, [])
+        return f"{len(labels)} of {len(bound)} engines ({', '.join(labels[:4])}" + \
+            (f" and {len(labels) - 4} more)" if len(labels) > 4 else ")")
+
+    out: dict[str, Any] = {"engines": by, "steady_state": state}
+    keeps_up = not unfinished and (state["steady"] if state is not None else set(by) == {"arrival_rate"})
+    limits = {r: labels for r, labels in by.items() if r != "arrival_rate"}
+    if keeps_up and not any(r in limits for r in _SATURATED):
+        resource = "arrival_rate"
+        line = (f"bound by {LABELS[resource]}: the cluster keeps up ("
+                + ("its requests in the system and their waits do not grow over the second half of the "
+                   "arrivals" if state is not None else f"each of its {len(bound)} engines does")
+                + "), so its throughput equals the offered rate and cannot differ between deployments that keep up")
+        if "gpu_compute" in by:
+            line += (f"; on its own share {at('gpu_compute')} looked still filling (a short share of the run "
+                     "is a noisy verdict)")
+    elif limits:
+        resource = max(limits, key=lambda r: (len(limits[r]), -_SEVERITY.index(r)))
+        first = limits[resource][0]
+        line = f"bound by {LABELS[resource]} at {at(resource)}"
+        others = "; ".join(f"{LABELS[r]} at {len(ls)}" for r, ls in by.items() if r != resource)
+        line += (f"; {others}" if others else "") + f". {first}: {bound[first]['line']}"
+    else:  # (every engine keeps up with its share, the whole does not, or requests did not end)
+        resource = "gpu_compute"
+        line = f"bound by {LABELS[resource]}: " + (f"the cluster does not keep up ({steady_line(state)})"
+                                                   if state is not None and not state["steady"] else
+                                                   f"{unfinished} requests did not end")
+    return {**out, "resource": resource, "line": line}
 
 
 def ttft_parts(s: dict[str, Any], kv_bound: bool) -> Optional[dict[str, Any]]:

@@ -123,6 +123,7 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
     import pandas as pd  # noqa: PLC0415
 
     from servetwin.experiments.run.binding import cluster_binding  # noqa: PLC0415
+    from servetwin.experiments.run.steady_state import steady_state  # noqa: PLC0415
     from servetwin.sim.cluster_offload import cpu_tier_totals  # noqa: PLC0415
 
     reqs = pd.concat([f["requests"] for f in frames.values()], ignore_index=True) if frames else pd.DataFrame()
@@ -161,7 +162,10 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
         out["cpu_tier"] = tiers
     for key in CLUSTER_LATENCY_KEYS:
         out[key] = dist_stats(reqs[key]) if len(reqs) else dist_stats([])
-    binding = cluster_binding(summaries, completed, num_requests)
+    # (the pooled requests' verdict, its wait floor from the engines' median step)
+    p50s = [x for s in summaries.values() if (x := (s.get("step_duration_s") or {}).get("p50")) is not None]
+    state = steady_state(reqs, float(np.median(p50s)) if p50s else None) if len(reqs) else None
+    binding = cluster_binding(summaries, num_requests - completed - out["rejected"], state)
     if binding is not None:
         out["binding"] = binding
     return out

@@ -140,26 +140,39 @@ def _engine(resource: str) -> dict:
     return {"binding": {"resource": resource, "line": f"bound by {resource}: why (facts)"}}
 
 
-def test_a_cluster_keeping_up_everywhere_is_bound_by_the_arrival_rate():
+def test_a_cluster_that_keeps_up_is_bound_by_the_arrival_rate_whatever_its_engines_guess():
     engines = {f"r-{i}": _engine("arrival_rate") for i in range(4)}
-    b = cluster_binding(engines, completed=100, requests=100)
-    assert b["resource"] == "arrival_rate" and "each of the 4 engines keeps up" in b["line"]
-    short = cluster_binding(engines, completed=99, requests=100)  # (a request lost: no claim that all kept up)
-    assert short["resource"] == "arrival_rate" and "at 4 of 4 engines" in short["line"] and "keeps up" not in short["line"]
-    assert cluster_binding({}, 0, 0) is None
+    b = cluster_binding(engines, unfinished=0, state=STEADY)
+    assert b["resource"] == "arrival_rate" and "the cluster keeps up" in b["line"]
+    assert cluster_binding(engines, 0, None)["line"].count("each of its 4 engines does") == 1  # (no pooled verdict)
+    # an engine's own verdict on its short share says it was still filling: the pooled one decides, and says so
+    engines["r-2"] = _engine("gpu_compute")
+    b = cluster_binding(engines, 0, STEADY)
+    assert b["resource"] == "arrival_rate" and "1 of 4 engines (r-2) looked still filling" in b["line"]
+    assert cluster_binding(engines, 0, None)["resource"] == "gpu_compute"  # (no pooled verdict: theirs)
+    assert cluster_binding({}, 0, STEADY) is None
 
 
-def test_a_cluster_is_bound_by_what_binds_most_of_its_saturated_engines():
+def test_a_cluster_that_does_not_keep_up_is_bound_by_what_binds_most_of_its_engines():
     engines = {"r-0": _engine("arrival_rate"), "r-1": _engine("gpu_compute"), "r-2": _engine("arrival_rate"),
                "r-3": _engine("kv_capacity"), "r-4": _engine("gpu_compute")}
-    b = cluster_binding(engines, completed=100, requests=100)
+    growing = _state((0.02, 0.03), (0.005, 0.3))
+    b = cluster_binding(engines, 0, growing)
     assert b["resource"] == "gpu_compute" and b["engines"]["gpu_compute"] == ["r-1", "r-4"]
-    assert b["line"].startswith("bound by engine compute") and "at 2 of 5 engines (r-1, r-4)" in b["line"]
+    assert b["line"].startswith("bound by engine compute (the model's steps on its GPU, or CPU) at 2 of 5 engines (r-1, r-4)")
     assert "the arrival rate at 2" in b["line"] and "KV-cache capacity at 1" in b["line"]
     assert b["line"].endswith("r-1: bound by gpu_compute: why (facts)")  # (the first such engine's reasons)
-    # equal counts: the more severe resource
-    even = {"r-0": _engine("gpu_compute"), "r-1": _engine("kv_capacity")}
-    assert cluster_binding(even, 10, 10)["resource"] == "kv_capacity"
+    # a saturated KV pool rules the arrival rate out even where the pooled requests keep up
+    assert cluster_binding(engines, 0, STEADY)["resource"] == "gpu_compute"
+    assert cluster_binding({"r-0": _engine("arrival_rate"), "r-1": _engine("kv_capacity")}, 0, STEADY)["resource"] \
+        == "kv_capacity"
+    even = {"r-0": _engine("gpu_compute"), "r-1": _engine("kv_capacity")}  # as many: the more severe
+    assert cluster_binding(even, 0, growing)["resource"] == "kv_capacity"
+    # every engine keeps up with its share and the whole does not (or requests did not end): compute
+    calm = {f"r-{i}": _engine("arrival_rate") for i in range(3)}
+    b = cluster_binding(calm, 0, growing)
+    assert b["resource"] == "gpu_compute" and "the cluster does not keep up (requests in the system" in b["line"]
+    assert "2 requests did not end" in cluster_binding(calm, 2, STEADY)["line"]
 
 
 def test_a_cluster_run_says_what_limits_it_and_each_engine_is_offered_its_share(tmp_path, capsys):
