@@ -23,6 +23,28 @@ def _check_deployment_flags(args: argparse.Namespace) -> None:
         raise ConfigError(given[0], "searches cluster deployments: only with a config that has a cluster: section")
 
 
+# the load search's own flags (argparse attribute, flag), each None or [] unless given
+LOAD_FLAGS = (("grid", "--grid"), ("seeds", "--seeds"), ("lo", "--lo"), ("hi", "--hi"), ("ray", "--ray"))
+
+
+def _cluster_search(args: argparse.Namespace) -> str:
+    """On a cluster config: "deployments" (the cheapest deployment at its load, the default) or "load" (`--over`:
+    the highest load this deployment serves, as for one engine); a flag of the other search is refused."""
+    given = [flag for attr, flag in DEPLOYMENT_FLAGS if getattr(args, attr)]
+    if args.over is not None:
+        if given:
+            raise ConfigError(given[0], "varies the deployment, which --over keeps: give one search (--over: the "
+                                        "highest load of the config's deployment; without it: the cheapest "
+                                        "deployment at the config's load)")
+        return "load"
+    loads = [flag for attr, flag in LOAD_FLAGS if getattr(args, attr, None)]
+    if loads:
+        raise ConfigError(loads[0], "belongs to the search of the highest load: on a cluster config add --over "
+                                    "workload.arrival.rate (without it, capacity searches the cheapest deployment "
+                                    "at the config's load, one run per deployment)")
+    return "deployments"
+
+
 def _cmd_capacity(args: argparse.Namespace) -> int:
     from servetwin.experiments.capacity.capacity_report import (answer_line, length_line,  # noqa: PLC0415
                                                                 limited_line, per_seed_line, winner_lines)
@@ -34,10 +56,11 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
 
     _check_deployment_flags(args)  # before _load: `hardware: auto` may calibrate for minutes first
     exp = _load(args)
-    if exp.cluster is not None:  # the cheapest deployment at the config's load (experiments/capacity/deployments.py)
+    if exp.cluster is not None and _cluster_search(args) == "deployments":
+        # the cheapest deployment at the config's load (experiments/capacity/deployments.py)
         from servetwin.experiments.capacity.deployments_cli import run_deployment_capacity  # noqa: PLC0415
 
-        return run_deployment_capacity(args, log=lambda msg: print(msg, file=sys.stderr))
+        return run_deployment_capacity(args, exp, log=lambda msg: print(msg, file=sys.stderr))
     slo = parse_slo_args(args.slo) if args.slo else None  # SloError: a ConfigError naming the flag
     grid = parse_grid(args.grid)
     seeds = seeds_for(exp, args.seeds, args.max_runs) or None
@@ -88,7 +111,8 @@ def register(subparsers) -> None:
                    help="an SLO, e.g. ttft_p99_s=0.5, tpot_p50_s=0.05, e2e_s=30 (per-request deadline), "
                         "min_attainment=0.9 (repeatable or comma-separated; replaces the config's `slo:`)")
     c.add_argument("--over", choices=["workload.arrival.rate", "workload.arrival.clients"],
-                   help="the load to raise (default: the arrival's rate, or clients for closed_loop)")
+                   help="the load to raise (default: the arrival's rate, or clients for closed_loop); on a cluster "
+                        "config it asks for the highest load of its deployment instead of the cheapest deployment")
     add_seed_args(c)
     c.add_argument("--confidence", type=float, default=0.9,
                    help="a probe passes when every SLO holds at this one-sided confidence across seeds (0.9)")

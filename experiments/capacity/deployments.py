@@ -39,13 +39,18 @@ class ProbeCache:
     def __call__(self, *counts: int) -> Probe:
         if counts not in self.probes:
             checks = self.evaluate(self.make(*counts))
-            passed = bool(checks) and all(c["met"] for c in checks if c.get("met") is not None)
+            passed = checks_pass(checks)
             self.probes[counts] = Probe(counts, passed, checks)
             self.log(f"{self.name(*counts)}: {'meets' if passed else 'misses'} the SLOs ({worst_text(checks)})")
         return self.probes[counts]
 
     def sorted(self) -> list[Probe]:
         return sorted(self.probes.values(), key=lambda p: p.at)
+
+
+def checks_pass(checks: list[dict[str, Any]]) -> bool:
+    """A deployment meets the SLOs: every gated check of `evaluate_slo` holds (and there is one)."""
+    return bool(checks) and all(c["met"] for c in checks if c.get("met") is not None)
 
 
 def fewest(passes: Callable[[int], bool], hi: int) -> int:

@@ -91,10 +91,16 @@ def check_configs(load: Callable[[dict[str, Any]], Any], raw_cluster: dict[str, 
         load(pd_values(pd_templates(raw_cluster), (1, 1), (space.prefill_tps[0], space.decode_tps[0]), router))
 
 
-def run_deployment_capacity(args: Any, log: Callable[[str], None]) -> int:
-    """Search, print the ranked table with the cheapest and the runner-up; 0 when a deployment meets the SLOs."""
+def run_deployment_capacity(args: Any, exp: Any, log: Callable[[str], None]) -> int:
+    """Search, print the ranked table with the cheapest and the runner-up, and write the run folder
+    (`-o`, default runs/<name>.capacity: deployments_report.py); 0 when a deployment meets the SLOs."""
+    import os  # noqa: PLC0415
+
+    from servetwin.experiments.capacity.deployments import evaluate_deployment  # noqa: PLC0415
+    from servetwin.experiments.capacity.deployments_report import probe_row, write_deployments  # noqa: PLC0415
     from servetwin.experiments.config.schema import load_config, load_raw_config  # noqa: PLC0415
-    from servetwin.experiments.config.slo import parse_slo_args  # noqa: PLC0415
+    from servetwin.experiments.config.slo import parse_slo, parse_slo_args  # noqa: PLC0415
+    from servetwin.experiments.run.run_folder import RunFolder  # noqa: PLC0415
 
     raw = load_raw_config(args.config, args.overrides)
     raw_cluster = dict(raw.get("cluster") or {})
@@ -111,7 +117,25 @@ def run_deployment_capacity(args: Any, log: Callable[[str], None]) -> int:
             raise ConfigError("--slo", "capacity needs SLOs: give --slo (e.g. --slo ttft_p99_s=2) or an slo: section")
         return exp
     check_configs(load, raw_cluster, space)
-    results = search_space(load, raw_cluster, space, log)
+    probes: list[dict[str, Any]] = []
+
+    def evaluate(probe_exp: Any) -> list[dict[str, Any]]:
+        checks = evaluate_deployment(probe_exp)
+        probes.append(probe_row(probe_exp, checks))
+        return checks
+
+    out = args.output or os.path.join("runs", f"{exp.name}.capacity")
+    slo_given = (parse_slo(slo, "--slo") if slo is not None else exp.slo).to_dict()  # (seconds, as numbers)
+    with RunFolder(out, overwrite=args.overwrite) as folder:  # (a folder it may not write: refused before the search)
+        try:
+            results = search_space(load, raw_cluster, space, log, evaluate=evaluate)
+        except KeyboardInterrupt:
+            write_deployments(folder, exp, slo_given, None, probes, interrupted=True)
+            print(f"interrupted: {out}/ has the {len(probes)} deployments simulated so far (probes.csv); "
+                  "capacity.json says \"interrupted\": true", flush=True)
+            raise
+        write_deployments(folder, exp, slo_given, results, probes, interrupted=False)
     for line in render(results):
         print(line)
+    print(f"wrote {out}/: {folder.describe()}")
     return 0 if any(r.gpus for r in results) else 1

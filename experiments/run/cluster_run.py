@@ -118,8 +118,11 @@ def simulate_cluster(exp: ExperimentConfig, progress: bool = False):
 
 
 def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict], frames: dict[str, dict],
-                    itls: list[np.ndarray], wall_s: float, num_requests: int) -> dict[str, Any]:
-    """The whole cluster's figures: every engine's requests pooled, over the cluster's duration."""
+                    itls: list[np.ndarray], wall_s: float, num_requests: int,
+                    engine_itls: Optional[list[np.ndarray]] = None) -> dict[str, Any]:
+    """The whole cluster's figures: every engine's requests pooled, over the cluster's duration (with the
+    config's SLOs: their evaluation on the pooled requests and gaps; `engine_itls`: the engine-boundary gaps,
+    for `engine_itl_*` targets)."""
     import pandas as pd  # noqa: PLC0415
 
     from servetwin.experiments.run.binding import cluster_binding  # noqa: PLC0415
@@ -165,6 +168,14 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
     # (the pooled requests' verdict, its wait floor from the engines' median step)
     p50s = [x for s in summaries.values() if (x := (s.get("step_duration_s") or {}).get("p50")) is not None]
     state = steady_state(reqs, float(np.median(p50s)) if p50s else None) if len(reqs) else None
+    if exp.slo is not None and not exp.slo.empty:
+        from servetwin.experiments.config.slo import evaluate_slo  # noqa: PLC0415
+
+        gaps = np.concatenate(itls) if itls else np.array([])
+        out["slo"] = evaluate_slo(exp.slo, reqs, gaps, duration,
+                                  np.concatenate(engine_itls) if engine_itls else gaps)
+        out["goodput_req_s"] = out["slo"]["goodput_req_s"]
+    out["steady_state"] = state  # (what `capacity` reads of a probe)
     binding = cluster_binding(summaries, num_requests - completed - out["rejected"], state)
     if binding is not None:
         out["binding"] = binding
@@ -267,12 +278,8 @@ def _write_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, sim: Any, r
     if steps_rels:
         jobs.submit("steps", write_steps_tables, (out_dir, runs), os.path.join(out_dir, list(steps_rels.values())[-1]))
     folder.write_text("config.yaml", yaml.safe_dump(portable_config(exp.to_dict(), out_dir), sort_keys=False))
-    summaries, frames, itls = {}, {}, []
+    summaries, frames, whole = summarize_cluster(exp, sim, runs, len(requests), wall)
     for label, run in runs.items():
-        frames[label] = run.recorder.frames(PARENT_STEP_COLUMNS)
-        run.itls, engine_itls = run.recorder.itl_arrays()  # (speed: one pass over the token times for both)
-        itls.append(np.asarray(run.itls, dtype=float))
-        summaries[label] = summarize(run, frames[label], exp, run.itls, engine_itls)
         edir = os.path.join(out_dir, "sim", "instances", label)
         os.makedirs(edir, exist_ok=True)
         tables = {name: frame for name, frame in frames[label].items() if name != "steps"}  # (the child's)
@@ -280,7 +287,6 @@ def _write_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, sim: Any, r
             folder.record(os.path.relpath(path, out_dir))
         write_json(os.path.join(edir, "summary.json"), summaries[label])
         folder.record(os.path.join("sim", "instances", label, "summary.json"))
-    whole = cluster_summary(exp, sim, summaries, frames, itls, wall, len(requests))
     write_json(os.path.join(out_dir, "sim", "summary.json"), whole)
     folder.record(os.path.join("sim", "summary.json"))
     decisions = decisions_frame(sim)
@@ -293,18 +299,46 @@ def _write_outputs(exp: ExperimentConfig, out_dir: str, folder: Any, sim: Any, r
         path = os.path.join(out_dir, "sim", "kv_transfers.parquet")
         transfers_frame(sim.pd.record).to_parquet(path, index=False)
         folder.record(os.path.relpath(path, out_dir))
-        whole["pd"] = sim.pd.summary()
-        write_json(os.path.join(out_dir, "sim", "summary.json"), whole)
     write_cluster_outputs(exp, out_dir, folder, summaries, frames, whole)
     jobs.wait()  # (a child that failed: its files redone here)
     folder.record(trace_rel)
     for rel in steps_rels.values():
         folder.record(rel)
-    wsum = workload_summary(requests)
-    combined = {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
-                "workload": wsum, "backends": {"sim": whole}, "cluster": {"engines": summaries}}
+    combined = _combined(exp, requests, interrupted, whole, summaries)
     folder.write_json("summary.json", combined)  # last: its presence and "interrupted" are the truth
     return combined
 
 
-__all__ = ["run_cluster_experiment", "simulate_cluster", "cluster_summary", "build_cluster", "decisions_frame"]
+def summarize_cluster(exp: ExperimentConfig, sim: Any, runs: dict[str, BackendRun], num_requests: int,
+                      wall: float) -> tuple[dict[str, dict], dict[str, dict], dict[str, Any]]:
+    """(each engine's summary, each engine's tables as the parent reads them, the whole cluster's summary)."""
+    summaries, frames, itls, engine_gaps = {}, {}, [], []
+    for label, run in runs.items():
+        frames[label] = run.recorder.frames(PARENT_STEP_COLUMNS)
+        run.itls, engine_itls = run.recorder.itl_arrays()  # (speed: one pass over the token times for both)
+        itls.append(np.asarray(run.itls, dtype=float))
+        engine_gaps.append(np.asarray(engine_itls, dtype=float))
+        summaries[label] = summarize(run, frames[label], exp, run.itls, engine_itls)
+    whole = cluster_summary(exp, sim, summaries, frames, itls, wall, num_requests, engine_gaps)
+    if sim.pd is not None:
+        whole["pd"] = sim.pd.summary()
+    return summaries, frames, whole
+
+
+def _combined(exp: ExperimentConfig, requests: list[Any], interrupted: bool, whole: dict[str, Any],
+              summaries: dict[str, dict]) -> dict[str, Any]:
+    return {"name": exp.name, "interrupted": interrupted, "backends_requested": exp.backends,
+            "workload": workload_summary(requests), "backends": {"sim": whole}, "cluster": {"engines": summaries}}
+
+
+def cluster_run_summary(exp: ExperimentConfig, progress: bool = False) -> dict[str, Any]:
+    """The combined summary `run_cluster_experiment` returns, with nothing written (a capacity probe's run);
+    `combined["interrupted"]` set on Ctrl-C."""
+    t0 = time.perf_counter()
+    sim, runs, requests, interrupted = simulate_cluster(exp, progress)
+    summaries, _, whole = summarize_cluster(exp, sim, runs, len(requests), time.perf_counter() - t0)
+    return _combined(exp, requests, interrupted, whole, summaries)
+
+
+__all__ = ["run_cluster_experiment", "simulate_cluster", "cluster_summary", "summarize_cluster", "cluster_run_summary",
+           "build_cluster", "decisions_frame"]

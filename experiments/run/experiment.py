@@ -23,4 +23,14 @@ def run_experiment(exp: ExperimentConfig, out_dir: str, progress: bool = True,
     return run_cluster_experiment(exp, out_dir, folder, progress, log)
 
 
-__all__ = ["run_experiment"]
+def run_summary(exp: ExperimentConfig, log: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """The combined summary of `run_experiment`, nothing written (a capacity probe): `combined["interrupted"]`
+    set where Ctrl-C stopped it."""
+    if exp.cluster is None:
+        return runner.run_backends(exp, progress=False, log=log)[0]
+    from servetwin.experiments.run.cluster_run import cluster_run_summary  # noqa: PLC0415
+
+    return cluster_run_summary(exp)
+
+
+__all__ = ["run_experiment", "run_summary"]

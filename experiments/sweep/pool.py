@@ -87,8 +87,7 @@ def execute_task(task: PointTask, out_dir: Optional[str], in_worker: bool = Fals
     """Run one task; never raises, except KeyboardInterrupt when run in the driver's own process
     (`in_worker=False`, after writing what ran). `signals`: install the Ctrl-C handler (a pool process)."""
     global _interrupted_once
-    from servetwin.experiments.run.experiment import run_experiment  # noqa: PLC0415
-    from servetwin.experiments.run.runner import run_backends  # noqa: PLC0415
+    from servetwin.experiments.run.experiment import run_experiment, run_summary  # noqa: PLC0415
     from servetwin.experiments.config.schema import validate_config  # noqa: PLC0415
 
     where = {"host": socket.gethostname(), "pid": os.getpid()}
@@ -118,7 +117,7 @@ def execute_task(task: PointTask, out_dir: Optional[str], in_worker: bool = Fals
             with RunFolder(out_dir, overwrite=True, keep=("run.log",)) as folder:
                 combined = run_experiment(exp, out_dir, progress=False, log=log, folder=folder)
         else:
-            combined = run_backends(exp, progress=False, log=log)[0]
+            combined = run_summary(exp, log)
             if combined["interrupted"]:
                 raise KeyboardInterrupt
         return PointResult("ok", combined, wall_s=time.perf_counter() - t0, **where)

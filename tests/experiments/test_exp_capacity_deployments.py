@@ -1,4 +1,8 @@
-"""`servetwin capacity` of a cluster config: the cheapest deployment meeting the SLOs at the config's load."""
+"""`servetwin capacity` of a cluster config: the cheapest deployment meeting the SLOs at the config's load, or
+(`--over`) the highest load of its deployment."""
+import json
+
+import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -80,11 +84,23 @@ cluster:
 def test_capacity_of_a_cluster_config_prints_the_cheapest_deployment(tmp_path, capsys):
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(CLUSTER)
+    folder = tmp_path / "cap"
     assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--slo", "tpot_p99_ms=500", "--tp", "1,2",
-                 "--max-replicas", "2"]) == 0
+                 "--max-replicas", "2", "-o", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "| rank | deployment | TP | router | instances | GPUs | what binds |" in out
     assert "cheapest: 1 x TP1 behind round_robin = 1 GPUs" in out and "runner-up: 1 x TP2" in out
+    # the run folder: what was printed, every deployment simulated, the answer written last
+    answer = json.loads((folder / "capacity.json").read_text())
+    assert answer["interrupted"] is False and answer["slo"] == {"ttft_p99_s": 5.0, "tpot_p99_s": 0.5}
+    assert answer["cheapest"]["deployment"] == "1 x TP1" and answer["runner_up"]["deployment"] == "1 x TP2"
+    assert [d["rank"] for d in answer["deployments"]] == [1, 2]
+    assert "cheapest: 1 x TP1 behind round_robin = 1 GPUs" in (folder / "capacity.md").read_text()
+    probes = pd.read_csv(folder / "probes.csv")
+    assert len(probes) == answer["probes"] and set(probes.deployment) >= {"1 x r (TP1)", "2 x r (TP2)"}
+    assert probes.passed.all() and (probes.tpot_p99_s < 0.5).all()
+    assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "-o", str(folder)]) == 2  # (not over it unasked)
+    assert "--overwrite" in capsys.readouterr().err
     assert main(["capacity", str(cfg), "--slo", "tpot_p99_ms=fast"]) == 2
     assert "--slo tpot_p99_ms" in capsys.readouterr().err
 
@@ -96,7 +112,8 @@ PD_CLUSTER = CLUSTER.replace("instances: [{name: r, count: 1}]",
 def test_capacity_of_a_pd_config_searches_pd_and_aggregated(tmp_path, capsys):
     cfg = tmp_path / "pd.yaml"
     cfg.write_text(PD_CLUSTER)
-    assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--slo", "tpot_p99_ms=500", "--max-replicas", "2"]) == 0
+    assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--slo", "tpot_p99_ms=500", "--max-replicas", "2",
+                 "-o", str(tmp_path / "cap")]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     # loose SLOs: one aggregated replica (1 GPU) first, the smallest P/D deployment (1P:1D, 2 GPUs) next
@@ -152,3 +169,55 @@ def test_a_config_that_is_not_a_mapping_is_a_clear_error_with_deployment_flags(t
     assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--pd"]) == 2
     err = capsys.readouterr().err
     assert "must hold a mapping at the top level" in err and "Traceback" not in err
+
+
+def test_an_interrupted_deployment_search_keeps_the_probes_that_ran(tmp_path, capsys, monkeypatch):
+    import servetwin.experiments.capacity.deployments as deployments
+
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(CLUSTER)
+    real, calls = deployments.evaluate_deployment, []
+
+    def stop_at_the_third(exp):
+        calls.append(exp)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(exp)
+    monkeypatch.setattr(deployments, "evaluate_deployment", stop_at_the_third)
+    folder = tmp_path / "cap"
+    assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--tp", "1,2", "--max-replicas", "2",
+                 "-o", str(folder)]) == 130
+    assert "2 deployments simulated so far" in capsys.readouterr().out
+    answer = json.loads((folder / "capacity.json").read_text())
+    assert answer["interrupted"] is True and answer["deployments"] is None and answer["probes"] == 2
+    assert len(pd.read_csv(folder / "probes.csv")) == 2 and "Interrupted" in (folder / "capacity.md").read_text()
+
+
+def test_over_searches_the_highest_load_of_the_configs_deployment(tmp_path, capsys):
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(CLUSTER.replace("count: 1", "count: 2"))
+    folder = tmp_path / "load"
+    code = main(["capacity", str(cfg), "--slo", "ttft_p99_s=0.5", "--over", "workload.arrival.rate", "--seeds", "1",
+                 "--lo", "20", "--hi", "4000", "--max-probes", "6", "--no-plots", "--no-progress", "-o", str(folder)])
+    assert code in (0, 1)  # (1: the probes ran out before the bracket closed; the answer is still its bracket)
+    answer = json.loads((folder / "capacity.json").read_text())
+    (search,) = answer["searches"]
+    assert search["interval"][0] >= 20 and search["binding"] == "ttft_p99_s"
+    probes = pd.read_csv(folder / "probes.csv")
+    assert probes.status.eq("ok").all() and probes.load.nunique() <= 6  # (a row per run: extended probes too)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--over", "workload.arrival.rate", "--tp", "1,2"], "--tp"),  # one search at a time
+    (["--over", "workload.arrival.rate", "--router", "llm_d"], "--router"),
+    (["--grid", "engine.max_num_seqs=[4,8]"], "--grid"),  # the load search's flags need --over
+    (["--seeds", "3"], "--seeds"),
+    (["--lo", "5"], "--lo"),
+])
+def test_flags_of_the_other_search_are_refused_on_a_cluster_config(tmp_path, capsys, argv, flag):
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(CLUSTER)
+    assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", *argv, "-o", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag}" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()

@@ -28,9 +28,9 @@ CONFIG = {"name": "c", "model": "tiny-llama", "hardware": "h100-sxm",
 HOST_TIMES = ("wall_s", "sim_speedup_x")
 
 
-def _run(tmp_path, name: str) -> str:
+def _run(tmp_path, name: str, config: dict = CONFIG) -> str:
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(CONFIG))
+    path.write_text(yaml.safe_dump(config))
     out = str(tmp_path / name)
     assert main(["run", str(path), "-o", out, "--no-progress"]) == 0
     return out
@@ -110,3 +110,22 @@ def test_summaries_from_the_parents_step_columns_equal_those_from_the_whole_tabl
         assert sorted(part["steps"].columns) == sorted(cluster_run.PARENT_STEP_COLUMNS)
         assert json.dumps(summarize(run, part, exp, itls, engine_itls)) == \
             json.dumps(summarize(run, whole, exp, itls, engine_itls))
+
+
+@pytest.mark.parametrize("pd_roles", [False, True])
+def test_a_probes_summary_is_the_written_runs(tmp_path, pd_roles):
+    """`run_summary` (a capacity probe: nothing written) gives the summary.json of `servetwin run`, SLOs and the
+    binding included, P/D's transfer summary too."""
+    from servetwin.experiments.run.experiment import run_summary
+
+    config = {**CONFIG, "slo": {"ttft_p99_s": 1.0, "engine_itl_p99_s": 0.5}}
+    if pd_roles:
+        config["cluster"] = {"instances": [{"name": "p", "role": "prefill", "count": 2}, {"name": "d", "role": "decode"}]}
+    out = _run(tmp_path, "run", config)
+    written = json.load(open(os.path.join(out, "summary.json")))
+    exp = load_config(str(tmp_path / "c.yaml"))
+    probe = json.loads(json.dumps(run_summary(exp), default=str))
+    assert _without_host_times(probe) == _without_host_times(written)
+    whole = written["backends"]["sim"]
+    assert {c["name"] for c in whole["slo"]["checks"]} == {"ttft_p99_s", "engine_itl_p99_s"}
+    assert whole["binding"]["resource"] and "steady_state" in whole and ("pd" in whole) == pd_roles
