@@ -108,8 +108,8 @@ def register(subparsers) -> None:
                     "k-section (docs/capacity.md). Writes capacity.md, capacity.json, probes.csv, capacity.png.")
     _common(c, default_output="runs/<name>.capacity")  # the folder _cmd_capacity writes
     c.add_argument("--slo", action="append", default=[], metavar="NAME=SECONDS",
-                   help="an SLO, e.g. ttft_p99_s=0.5, tpot_p50_s=0.05, e2e_s=30 (per-request deadline), "
-                        "min_attainment=0.9 (repeatable or comma-separated; replaces the config's `slo:`)")
+                   help="an SLO, e.g. ttft_p99_s=0.5, tpot_p50_s=0.05 (or tpot_p50_ms=50), e2e_s=30 (per-request "
+                        "deadline), min_attainment=0.9 (repeatable or comma-separated; replaces the config's `slo:`)")
     c.add_argument("--over", choices=["workload.arrival.rate", "workload.arrival.clients"],
                    help="the load to raise (default: the arrival's rate, or clients for closed_loop); on a cluster "
                         "config it asks for the highest load of its deployment instead of the cheapest deployment")

@@ -131,20 +131,6 @@ def worst_text(checks: list[dict[str, Any]]) -> str:
     return f"{c['name']} {c['value'] * scale:.3g} {unit} of {c['limit'] * scale:.3g} {unit} ({verdict})"
 
 
-def slo_seconds(items: dict[str, Any]) -> dict[str, Any]:
-    """`tpot_p99_ms=50` -> `tpot_p99_s=0.05` (the SLO names are in seconds)."""
-    out = {}
-    for key, value in items.items():
-        if key.endswith("_ms"):
-            try:
-                out[key[:-3] + "_s"] = float(value) / 1000.0
-            except ValueError:
-                raise ConfigError(f"--slo {key}", f"expected a number of milliseconds, got {value!r}") from None
-        else:
-            out[key] = value
-    return out
-
-
 def aggregated_template(raw_cluster: dict[str, Any]) -> dict[str, Any]:
     """The instance aggregated deployments copy: the config's one instance kind (role both), or, in a P/D
     config, its decode instance serving alone (role both, without the NixlConnector that made it a consumer)."""

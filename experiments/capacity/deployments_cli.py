@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from servetwin.core.config_error import ConfigError
 from servetwin.experiments.capacity.deployments import (aggregated_template, deployment_values, int_list, rank_key,
-                                                        render, router_choices, search_deployments, slo_seconds)
+                                                        render, router_choices, search_deployments)
 from servetwin.experiments.capacity.pd_deployments import pd_templates, pd_values, run_pd_search
 
 PD_FLAGS = (("prefill_tp", "--prefill-tp"), ("decode_tp", "--decode-tp"), ("max_prefill", "--max-prefill"),
@@ -104,7 +104,7 @@ def run_deployment_capacity(args: Any, exp: Any, log: Callable[[str], None]) -> 
 
     raw = load_raw_config(args.config, args.overrides)
     raw_cluster = dict(raw.get("cluster") or {})
-    slo = slo_seconds(parse_slo_args(args.slo)) if args.slo else None
+    slo = parse_slo_args(args.slo) if args.slo else None
     space = deployment_space(args, raw)
 
     def load(values: dict[str, Any]) -> Any:

@@ -150,13 +150,20 @@ def parse_slo(cfg: Any, path: str = "slo") -> SloSpec:
 
 
 def parse_slo_args(items: list[str], flag: str = "--slo") -> dict[str, Any]:
-    """`--slo ttft_p99_s=0.5 --slo e2e_s=30` (or comma-separated `ttft_p99_s=0.5,e2e_s=30`) -> a mapping."""
+    """`--slo ttft_p99_s=0.5 --slo e2e_s=30` (or comma-separated `ttft_p99_s=0.5,e2e_s=30`) -> a mapping; a name
+    in milliseconds becomes the one in seconds (`tpot_p99_ms=50` -> `tpot_p99_s: 0.05`)."""
     out: dict[str, Any] = {}
     for item in items:
         for part in filter(None, (p.strip() for p in item.split(","))):
             if "=" not in part:
                 raise SloError(f"{flag} {part!r}", f"expected NAME=SECONDS, e.g. {flag} ttft_p99_s=0.5")
             key, value = (s.strip() for s in part.split("=", 1))
+            if key.endswith("_ms"):
+                try:
+                    value = float(value) / 1000.0
+                except ValueError:
+                    raise SloError(f"{flag} {key}", f"expected a number of milliseconds, got {value!r}") from None
+                key = key[:-3] + "_s"
             out[key] = value
     return out
 

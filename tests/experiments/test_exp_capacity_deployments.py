@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servetwin.experiments.capacity.deployments import search_deployments, slo_seconds, worst_text
+from servetwin.experiments.capacity.deployments import search_deployments, worst_text
+from servetwin.experiments.config.slo import parse_slo_args
+from servetwin.core.config_error import ConfigError
 from servetwin.experiments.cli import main
 
 RAW = {"instances": [{"name": "r", "count": 2}], "router": {"type": "round_robin"}}
@@ -49,7 +51,9 @@ def test_the_fewest_replicas_and_the_cheapest_first(need, max_replicas):
 
 
 def test_slo_milliseconds_become_seconds():
-    assert slo_seconds({"tpot_p99_ms": "50", "ttft_p99_s": "2"}) == {"tpot_p99_s": 0.05, "ttft_p99_s": "2"}
+    assert parse_slo_args(["tpot_p99_ms=50", "ttft_p99_s=2"]) == {"tpot_p99_s": 0.05, "ttft_p99_s": "2"}
+    with pytest.raises(ConfigError, match="--slo tpot_p99_ms"):
+        parse_slo_args(["tpot_p99_ms=fast"])
 
 
 def test_what_binds_names_an_attainment_as_a_share_of_requests():
