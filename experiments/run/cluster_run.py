@@ -313,11 +313,13 @@ def summarize_cluster(exp: ExperimentConfig, sim: Any, runs: dict[str, BackendRu
                       wall: float) -> tuple[dict[str, dict], dict[str, dict], dict[str, Any]]:
     """(each engine's summary, each engine's tables as the parent reads them, the whole cluster's summary)."""
     summaries, frames, itls, engine_gaps = {}, {}, [], []
+    slo = exp.slo is not None and not exp.slo.empty  # (the engine-boundary gaps kept for its evaluation alone)
     for label, run in runs.items():
         frames[label] = run.recorder.frames(PARENT_STEP_COLUMNS)
         run.itls, engine_itls = run.recorder.itl_arrays()  # (speed: one pass over the token times for both)
         itls.append(np.asarray(run.itls, dtype=float))
-        engine_gaps.append(np.asarray(engine_itls, dtype=float))
+        if slo:
+            engine_gaps.append(np.asarray(engine_itls, dtype=float))
         summaries[label] = summarize(run, frames[label], exp, run.itls, engine_itls)
     whole = cluster_summary(exp, sim, summaries, frames, itls, wall, num_requests, engine_gaps)
     if sim.pd is not None:
