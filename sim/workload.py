@@ -23,6 +23,9 @@ A workload config (all fields optional except where noted):
         suffix_tokens: 200             # length distribution, 0 allowed
         order: grouped              # grouped | interleaved | shuffled | inference_perf (shuffled once,
                                     #   every `stages` arrival stage resends the list from its start)
+        repeat: 1                   # the pattern (groups x per_group in `order`) this many times over, one
+                                    #   after the other, each time with groups of its own: the same traffic,
+                                    #   longer (`servetwin capacity` extends a probe this way)
       lengths:                      # joint (prompt, output) pairs under vLLM's ShareGPT limits;
         type: sharegpt_like         #   replaces prompt_tokens / output_tokens (servetwin.sim.length_pairs)
         prompt: {type: lognormal, mean: 300, cv: 1.2}
@@ -153,6 +156,7 @@ class PrefixGroups:
     prefix_tokens: int
     suffix_tokens: LengthDist
     order: str = "grouped"  # grouped | interleaved | shuffled
+    repeat: int = 1  # the groups x per_group pattern, this many times in a row (each time new groups)
 
 
 @dataclass(slots=True)
@@ -252,10 +256,12 @@ class WorkloadSpec:
                 raise ConfigError(f"{path}.requests", f"{spec.requests} disagrees with "
                                  + ("the stages' requests (int(rate x duration_s) summed)"
                                     if isinstance(spec.arrival, StageLadder) and spec.shared_prefix.order == "inference_perf"
-                                    else "shared_prefix.groups * shared_prefix.per_group") + f" = {total}")
+                                    else "shared_prefix.groups * shared_prefix.per_group"
+                                    + (" * shared_prefix.repeat" if spec.shared_prefix.repeat > 1 else ""))
+                                 + f" = {total}")
             spec.requests = total
             if total > MAX_REQUESTS:
-                raise ConfigError(f"{path}.shared_prefix", f"groups * per_group = {total:,} requests, at most "
+                raise ConfigError(f"{path}.shared_prefix", f"groups * per_group * repeat = {total:,} requests, at most "
                                   f"{MAX_REQUESTS:,} per run")
             if spec.max_prompt_tokens is not None and spec.shared_prefix.prefix_tokens >= spec.max_prompt_tokens:
                 raise ConfigError(f"{path}.shared_prefix.prefix_tokens", f"{spec.shared_prefix.prefix_tokens} leaves "
@@ -287,24 +293,27 @@ def _prefix_request_count(spec: WorkloadSpec) -> int:
     pg = spec.shared_prefix
     if pg.order == "inference_perf" and isinstance(spec.arrival, StageLadder):
         return sum(spec.arrival.stage_counts())
-    return pg.groups * pg.per_group
+    return pg.groups * pg.per_group * pg.repeat
 
 
 def _parse_prefix(cfg: Any, path: str, vocab_size: Optional[int]) -> PrefixGroups:
     cfg = check_mapping(cfg, path)
-    check_keys(cfg, {"groups", "per_group", "prefix_tokens", "suffix_tokens", "order"}, path,
+    check_keys(cfg, {"groups", "per_group", "prefix_tokens", "suffix_tokens", "order", "repeat"}, path,
                required=["groups", "per_group", "prefix_tokens"])
     groups = int_at_least(cfg["groups"], 1, f"{path}.groups")
-    if vocab_size is not None and groups > vocab_size:
-        raise ConfigError(f"{path}.groups", f"{groups} groups cannot all start with a different token "
-                         f"in a vocabulary of {vocab_size}")
+    order = one_of(cfg.get("order", "grouped"), ("grouped", "interleaved", "shuffled", "inference_perf"), f"{path}.order")
+    repeat = int_at_least(cfg.get("repeat", 1), 1, f"{path}.repeat")
+    if repeat > 1 and order == "inference_perf":
+        raise ConfigError(f"{path}.repeat", "not with order inference_perf (its stages resend the one list)")
+    if vocab_size is not None and groups * repeat > vocab_size:
+        raise ConfigError(f"{path}.groups", f"{groups * repeat} groups cannot all start with a different token "
+                         f"in a vocabulary of {vocab_size}" + (f" (groups x repeat {repeat})" if repeat > 1 else ""))
     return PrefixGroups(
         groups=groups,
         per_group=int_at_least(cfg["per_group"], 1, f"{path}.per_group"),
         prefix_tokens=int_at_least(cfg["prefix_tokens"], 1, f"{path}.prefix_tokens"),
         suffix_tokens=parse_length_dist(cfg.get("suffix_tokens", 0), f"{path}.suffix_tokens", min_value=0),
-        order=one_of(cfg.get("order", "grouped"), ("grouped", "interleaved", "shuffled", "inference_perf"),
-                     f"{path}.order"),
+        order=order, repeat=repeat,
     )
 
 
@@ -329,9 +338,10 @@ def _with_vocab(spec: WorkloadSpec, vocab_size: Optional[int]) -> WorkloadSpec:
                               f"{spec.vocab_size} exceeds the model's vocabulary ({vocab_size})")
         return spec
     spec = dataclasses.replace(spec, vocab_size=vocab_size or DEFAULT_VOCAB_SIZE)
-    if spec.shared_prefix is not None and spec.shared_prefix.groups > spec.vocab_size:
+    pg = spec.shared_prefix
+    if pg is not None and pg.groups * pg.repeat > spec.vocab_size:
         raise ConfigError(f"{spec.path}.shared_prefix.groups",
-                          f"{spec.shared_prefix.groups} groups cannot all start with a different token "
+                          f"{pg.groups * pg.repeat} groups cannot all start with a different token "
                           f"in a vocabulary of {spec.vocab_size}")
     return spec
 
@@ -436,22 +446,27 @@ def _group_prompts(spec: WorkloadSpec, tok: np.random.Generator, lens: np.random
                    order_rng: np.random.Generator) -> tuple[list[list[int]], list[Optional[int]]]:
     pg = spec.shared_prefix
     assert pg is not None
-    first = tok.permutation(spec.vocab_size)[:pg.groups]
+    all_groups = pg.groups * pg.repeat  # (repeat 1: the draws of the plain pattern, in the same order)
+    first = tok.permutation(spec.vocab_size)[:all_groups]
     prefixes = []
-    for g in range(pg.groups):
+    for g in range(all_groups):
         rest = tok.integers(0, spec.vocab_size, size=pg.prefix_tokens - 1)
         prefixes.append([int(first[g])] + rest.tolist())
     suffix_cap = (spec.max_prompt_tokens - pg.prefix_tokens
                   if spec.max_prompt_tokens is not None else None)
-    suffixes = _cap(pg.suffix_tokens.sample(lens, pg.groups * pg.per_group), suffix_cap)
-    if pg.order == "grouped":
-        pairs = [(g, m) for g in range(pg.groups) for m in range(pg.per_group)]
-    elif pg.order == "inference_perf":
+    suffixes = _cap(pg.suffix_tokens.sample(lens, all_groups * pg.per_group), suffix_cap)
+    if pg.order == "inference_perf":
         return _inference_perf_prompts(spec, prefixes, suffixes, tok, order_rng)
-    else:
-        pairs = [(g, m) for m in range(pg.per_group) for g in range(pg.groups)]
-        if pg.order == "shuffled":
-            pairs = [pairs[i] for i in order_rng.permutation(len(pairs))]
+    pairs = []
+    for r in range(pg.repeat):  # each time the pattern, with its own groups
+        g0 = r * pg.groups
+        if pg.order == "grouped":
+            block = [(g0 + g, m) for g in range(pg.groups) for m in range(pg.per_group)]
+        else:
+            block = [(g0 + g, m) for m in range(pg.per_group) for g in range(pg.groups)]
+            if pg.order == "shuffled":
+                block = [block[i] for i in order_rng.permutation(len(block))]
+        pairs += block
     prompts, groups = [], []
     for i, (g, _m) in enumerate(pairs):
         suffix = draw_tokens(tok, spec.vocab_size, int(suffixes[i]))

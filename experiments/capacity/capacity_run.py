@@ -26,7 +26,7 @@ from servetwin.experiments.capacity.capacity import MAX_EXTEND, STEADY_CHECK, Ca
 from servetwin.experiments.sweep.pool import PointResult, PointTask, host_summary, map_with_retries
 from servetwin.experiments.sweep.pool_factory import make_pool
 from servetwin.experiments.run.run_folder import RunFolder
-from servetwin.experiments.config.schema import (ConfigError, ExperimentConfig, apply_requests_override,
+from servetwin.experiments.config.schema import (ConfigError, ExperimentConfig, extend_requests,
                                                  check_run_count, expand_sweep, parse_override,
                                                  set_dotted, sweep_run_count, validate_config, with_seed)
 from servetwin.experiments.config.slo import SloSpec, parse_slo
@@ -135,7 +135,7 @@ def _probe_raw(s: Search, knob: str, load: float, seed: int) -> dict[str, Any]:
     set_dotted(raw, knob, int(load) if knob.endswith("clients") else float(load))
     n = s.search.length(load)
     if n is not None and n != s.search.requests:  # an extended probe: twice the requests per extension
-        apply_requests_override(raw, n)
+        extend_requests(raw, n)  # (a shared-prefix workload: its pattern repeated, not redrawn wider)
     return raw
 
 

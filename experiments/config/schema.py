@@ -1144,6 +1144,26 @@ def apply_requests_override(raw: dict[str, Any], n: int) -> Optional[str]:
     return None
 
 
+def extend_requests(raw: dict[str, Any], n: int) -> Optional[str]:
+    """`servetwin capacity`'s longer probe of `n` requests: the same traffic, longer. A shared-prefix workload
+    whose `n` is a whole number of its patterns repeats the pattern (`shared_prefix.repeat`: its groups'
+    density in time kept; `--requests`' rule would draw more groups, spread over the longer run, further apart);
+    any other workload as `--requests N`."""
+    w = raw.get("workload")
+    sp = w.get("shared_prefix") if isinstance(w, dict) else None
+    if isinstance(sp, dict) and sp.get("order", "grouped") != "inference_perf":
+        try:
+            pattern = int(sp["groups"]) * int(sp["per_group"])
+            repeat = int(sp.get("repeat", 1))
+        except (KeyError, TypeError, ValueError):
+            pattern = repeat = 0
+        if pattern > 0 and n % pattern == 0 and n // pattern >= repeat:
+            sp["repeat"] = n // pattern
+            w.pop("requests", None)
+            return None
+    return apply_requests_override(raw, n)
+
+
 def load_yaml(path: str | Path) -> Any:
     """An experiment YAML with the bounds of `servetwin.core.safe_yaml` (aliases, nesting, size, duplicate
     keys, encoding): a `ConfigError` naming `config` and the file for anything else."""

@@ -65,6 +65,50 @@ def test_prefix_orders():
     assert sorted(r.group for r in shuffled) == [0, 0, 1, 1, 2, 2]
 
 
+@pytest.mark.parametrize("order", ["grouped", "interleaved", "shuffled"])
+def test_a_repeated_prefix_pattern_keeps_its_groups_density_with_new_groups_each_time(order):
+    cfg = {"seed": 3, "shared_prefix": {"groups": 4, "per_group": 3, "prefix_tokens": 16, "order": order,
+                                        "suffix_tokens": {"type": "uniform", "low": 0, "high": 9}},
+           "output_tokens": 4, "arrival": {"type": "poisson", "rate": 10}}
+    _, once = build_workload(cfg, vocab_size=200)
+    _, same = build_workload({**cfg, "shared_prefix": {**cfg["shared_prefix"], "repeat": 1}}, vocab_size=200)
+    assert [(r.prompt_token_ids, r.max_tokens, r.arrival_s) for r in once] == \
+        [(r.prompt_token_ids, r.max_tokens, r.arrival_s) for r in same]  # (repeat 1: the plain workload)
+    spec, reqs = build_workload({**cfg, "shared_prefix": {**cfg["shared_prefix"], "repeat": 3}}, vocab_size=200)
+    assert spec.requests == len(reqs) == 36
+    for k in range(3):  # each time the pattern: its own 4 groups, each member once, in the order's shape
+        block = reqs[12 * k:12 * (k + 1)]
+        assert sorted(r.group for r in block) == [g for g in range(4 * k, 4 * k + 4) for _ in range(3)]
+        if order != "shuffled":
+            assert [r.group - 4 * k for r in block] == [r.group for r in once]
+    firsts = {r.group: r.prompt_token_ids[0] for r in reqs}
+    assert len(set(firsts.values())) == 12  # every group its own first token: no prefix shared across times
+    for bad, path in [({"repeat": 0}, "workload.shared_prefix.repeat"),
+                      ({"repeat": 2, "order": "inference_perf"}, "workload.shared_prefix.repeat"),
+                      ({"repeat": 60}, "workload.shared_prefix.groups")]:  # 240 groups > a vocabulary of 200
+        with pytest.raises(ConfigError) as err:
+            build_workload({**cfg, "shared_prefix": {**cfg["shared_prefix"], **bad}}, vocab_size=200)
+        assert err.value.path == path
+    with pytest.raises(ConfigError, match=r"shared_prefix.per_group \* shared_prefix.repeat = 36"):
+        build_workload({**cfg, "requests": 12, "shared_prefix": {**cfg["shared_prefix"], "repeat": 3}}, vocab_size=200)
+
+
+def test_capacity_extends_a_shared_prefix_workload_by_repeating_it():
+    from servetwin.experiments.config.schema import extend_requests
+
+    raw = {"workload": {"requests": 600, "shared_prefix": {"groups": 60, "per_group": 10, "prefix_tokens": 8,
+                                                           "order": "shuffled"}}}
+    extend_requests(raw, 2400)
+    assert raw["workload"] == {"shared_prefix": {"groups": 60, "per_group": 10, "prefix_tokens": 8,
+                                                 "order": "shuffled", "repeat": 4}}
+    odd = {"workload": {"shared_prefix": {"groups": 60, "per_group": 10, "prefix_tokens": 8}}}
+    extend_requests(odd, 900)  # (not a whole number of patterns: --requests' rule, more groups)
+    assert odd["workload"]["shared_prefix"]["groups"] == 90 and "repeat" not in odd["workload"]["shared_prefix"]
+    plain = {"workload": {"requests": 100, "prompt_tokens": 8}}
+    extend_requests(plain, 200)
+    assert plain["workload"]["requests"] == 200
+
+
 def test_caps_n_priority_and_eos_finish():
     cfg = {"requests": 200, "prompt_tokens": {"type": "normal", "mean": 100, "std": 200},
            "output_tokens": {"type": "lognormal", "mean": 100, "sigma": 1.5},
