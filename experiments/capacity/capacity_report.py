@@ -139,8 +139,9 @@ def capacity_markdown(answer: dict[str, Any]) -> str:
         table = []
         for p in r["curve"]:
             table.append([p["load"], "yes" if p["passed"] else "NO", p.get("requests") or "-"]
-                         + [_pm(p["checks"][n]) for n in names]
-                         + [_ratio(p["checks"][n]["ratio"]) for n in names] + [_growth(p), _pm(p["goodput_req_s"])])
+                         + [_pm(p["checks"].get(n)) for n in names]  # (a probe whose runs all failed: none)
+                         + [_ratio((p["checks"].get(n) or {}).get("ratio")) for n in names]
+                         + [_growth(p), _pm(p["goodput_req_s"])])
         title = r["point"] if r["point"] != "base" else answer["name"]
         lines += [f"## Latency vs load: {title} [{r['backend']}]", "", md_table(head, table), ""]
         errs = [e for p in r["curve"] for e in p["errors"]]

@@ -288,7 +288,7 @@ WORKLOAD_HINTS = {"num_requests": "requests", "prompt_len": "prompt_tokens", "ou
                   "prefix": "shared_prefix", "trace": "file", "prefix_len": "shared_prefix",
                   "sharegpt": "lengths", "multi_turn": "conversations", "multiturn": "conversations",
                   "chat": "conversations"}
-SHARED_PREFIX_KEYS = ("groups", "per_group", "prefix_tokens", "suffix_tokens", "order")
+SHARED_PREFIX_KEYS = ("groups", "per_group", "prefix_tokens", "suffix_tokens", "order", "repeat")
 # EngineArgs fields an experiment YAML sets at the top level, not under `engine:`
 TOP_LEVEL_ENGINE_ARGS = ("model", "seed", "hardware", "backend")
 

@@ -182,3 +182,42 @@ def test_the_capacity_is_confirmed_at_the_longest_probe():
     res = search.result()
     assert res["capacity"] <= 9.0 < res["interval"][1] and res["probe_requests"][0] == 200
     assert search.confirmed_from  # the short passes it re-ran
+
+
+def test_a_probe_whose_runs_all_fail_is_reported_not_a_crash(tmp_path, capsys, monkeypatch):
+    """capacity.md listed every probe's SLO values by name: a probe whose every run raised has none (a KeyError
+    lost the whole search's report before)."""
+    import servetwin.experiments.run.experiment as experiment
+
+    real = experiment.run_summary
+
+    def fails_above_20(exp, log=None):
+        if exp.workload.arrival.rate > 20:
+            raise RuntimeError("a run that failed")
+        return real(exp, log)
+    monkeypatch.setattr(experiment, "run_summary", fails_above_20)
+    path = write_yaml(tmp_path / "p.yaml", tiny(workload__requests=20, workload__arrival={"type": "poisson", "rate": 5.0}))
+    out = tmp_path / "o"
+    main(["capacity", str(path), "--slo", "ttft_p99_s=10", "--seeds", "1", "--retries", "0", "--max-extend", "0",
+          "--no-plots", "--no-progress", "-o", str(out)])
+    md = (out / "capacity.md").read_text()
+    assert "Probe runs that failed" in md and "RuntimeError: a run that failed" in md
+    assert json.loads((out / "capacity.json").read_text())["searches"][0]["interval"][0] <= 20
+
+
+def test_capacity_extends_a_shared_prefix_workload_by_repeating_it():
+    from servetwin.experiments.config.schema import extend_requests, validate_config
+
+    raw = {"workload": {"requests": 600, "shared_prefix": {"groups": 60, "per_group": 10, "prefix_tokens": 8,
+                                                           "order": "shuffled"}}}
+    extend_requests(raw, 2400)
+    assert raw["workload"] == {"shared_prefix": {"groups": 60, "per_group": 10, "prefix_tokens": 8,
+                                                 "order": "shuffled", "repeat": 4}}
+    odd = {"workload": {"shared_prefix": {"groups": 60, "per_group": 10, "prefix_tokens": 8}}}
+    extend_requests(odd, 900)  # (not a whole number of patterns: --requests' rule, more groups)
+    assert odd["workload"]["shared_prefix"]["groups"] == 90 and "repeat" not in odd["workload"]["shared_prefix"]
+    plain = {"workload": {"requests": 100, "prompt_tokens": 8}}
+    extend_requests(plain, 200)
+    assert plain["workload"]["requests"] == 200
+    exp = validate_config({"name": "x", "model": "tiny-llama", "hardware": "h100-sxm", **raw})  # (a key the file takes)
+    assert exp.workload.spec.shared_prefix.repeat == 4 and exp.workload.spec.requests == 2400

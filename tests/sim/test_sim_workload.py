@@ -93,22 +93,6 @@ def test_a_repeated_prefix_pattern_keeps_its_groups_density_with_new_groups_each
         build_workload({**cfg, "requests": 12, "shared_prefix": {**cfg["shared_prefix"], "repeat": 3}}, vocab_size=200)
 
 
-def test_capacity_extends_a_shared_prefix_workload_by_repeating_it():
-    from servetwin.experiments.config.schema import extend_requests
-
-    raw = {"workload": {"requests": 600, "shared_prefix": {"groups": 60, "per_group": 10, "prefix_tokens": 8,
-                                                           "order": "shuffled"}}}
-    extend_requests(raw, 2400)
-    assert raw["workload"] == {"shared_prefix": {"groups": 60, "per_group": 10, "prefix_tokens": 8,
-                                                 "order": "shuffled", "repeat": 4}}
-    odd = {"workload": {"shared_prefix": {"groups": 60, "per_group": 10, "prefix_tokens": 8}}}
-    extend_requests(odd, 900)  # (not a whole number of patterns: --requests' rule, more groups)
-    assert odd["workload"]["shared_prefix"]["groups"] == 90 and "repeat" not in odd["workload"]["shared_prefix"]
-    plain = {"workload": {"requests": 100, "prompt_tokens": 8}}
-    extend_requests(plain, 200)
-    assert plain["workload"]["requests"] == 200
-
-
 def test_caps_n_priority_and_eos_finish():
     cfg = {"requests": 200, "prompt_tokens": {"type": "normal", "mean": 100, "std": 200},
            "output_tokens": {"type": "lognormal", "mean": 100, "sigma": 1.5},
