@@ -13,7 +13,20 @@ cluster / single ratio against issue 35's targets: <= 1.5x the wall time per req
 their counts, so N must be a stage boundary: 810 = the warm-up and the first stage, 1,010, 1,310, 2,070,
 ...), and print the functions with the most cumulative and own time.
 
-**Now** (quiet, the twenty-first session, 2026-12-06/07: a routing cluster's engines split over two forked worker
+**Now** (quiet, the twenty-second session, 2026-12-07, `--both-arms --repeats 3`; no simulation change since the
+twenty-first, whose table follows; the host ran faster):
+
+| run (UTC) | single wall ms / req | llm-d wall ms / req | round robin wall ms / req | llm-d / single | round robin / single | both arms / single |
+|---|---:|---:|---:|---:|---:|---:|
+| 01:24 (main 1761cfc) | 0.63 | 0.85 | 0.88 | 1.34x | 1.39x | 1.37x |
+| 02:29 (main 1dc528f: the cluster summary's binding, SLOs and steady state added to the output phase) | 0.69 | 0.88 | 0.89 | 1.27x | 1.29x | 1.28x |
+
+Peak RSS 875 / 807 MB. Round robin's run, timed by hand: start-up 0.8 s, loop 11.4 s (each worker waits 0.4-1.1 s at
+stage ends, both about equally; the busier half's routed requests, summed over the stages, are 8,713 against an
+even split's 8,542, so balancing the instances by their counts would save <= ~0.25 s), worker 1's shipment 0.75 s, output phase 2.8 s (~6 s CPU over three
+processes on two cores).
+
+The twenty-first session (quiet, 2026-12-06/07: a routing cluster's engines split over two forked worker
 processes, `cluster.sim_workers: auto`, sim/cluster_parallel.py, docs/cluster.md; every output file of both ladders
 byte-identical to the one-process run, `benchmarks/outputs_identical.py --full`; `--check-windows 2070` the same
 digest, e69dedcc2a441bc3), `python benchmarks/cluster_speed.py --both-arms --repeats 3` at 23:40 and 00:03 UTC
