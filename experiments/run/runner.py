@@ -320,8 +320,10 @@ def summarize(run: BackendRun, frames: dict, exp: ExperimentConfig,
     from servetwin.experiments.run.steady_state import steady_state  # noqa: PLC0415
 
     out["steady_state"] = steady_state(reqs, out["step_duration_s"].get("p50"))
-    # (an engine of a cluster: offered what the router sent it)
-    out["binding"] = binding_resource(out, offered_rate(exp, reqs, routed=exp.cluster is not None), out["steady_state"])
+    # (an engine among several of a cluster: offered what the router sent it; a cluster's only engine is offered
+    # the workload's rate, as the single-engine run of the same config)
+    routed = exp.cluster is not None and sum(i.count * i.data_parallel_size for i in exp.cluster.instances) > 1
+    out["binding"] = binding_resource(out, offered_rate(exp, reqs, routed=routed), out["steady_state"])
     conversations = conversation_summary(reqs)
     if conversations is not None:  # multi-turn workloads: the history's share found in the prefix cache
         out["conversations"] = conversations
