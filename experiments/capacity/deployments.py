@@ -159,22 +159,15 @@ def deployment_values(template: dict[str, Any], replicas: int, tp: int, router: 
 
 
 def evaluate_deployment(exp: Any) -> list[dict[str, Any]]:
-    """Simulate the cluster once and evaluate `exp.slo` on the client's requests, every engine's pooled (with
-    P/D: the decode side's records, whose TTFT runs from the arrival; the prefill copies are left out)."""
-    import pandas as pd  # noqa: PLC0415
+    """Simulate the cluster once and evaluate `exp.slo` as its run's summary does: on the client's requests,
+    every engine's pooled (with P/D: the decode side's records, whose TTFT runs from the arrival).
+    Ctrl-C during the run stops the search (KeyboardInterrupt), not just this probe."""
+    from servetwin.experiments.run.cluster_run import cluster_run_summary  # noqa: PLC0415
 
-    from servetwin.experiments.config.slo import evaluate_slo  # noqa: PLC0415
-    from servetwin.experiments.run.cluster_run import simulate_cluster  # noqa: PLC0415
-    from servetwin.sim.pd_cluster import PREFILL_SUFFIX  # noqa: PLC0415
-
-    _, runs, _, _ = simulate_cluster(exp)
-    frames = [run.recorder.frames()["requests"] for run in runs.values()]
-    itls = np.concatenate([np.asarray(run.recorder.itl_array(), dtype=float) for run in runs.values()])
-    reqs = pd.concat(frames, ignore_index=True)
-    if len(reqs):
-        reqs = reqs[~reqs.request_id.astype(str).str.endswith(PREFILL_SUFFIX)]
-    duration = max((run.simulated_s or 0.0 for run in runs.values()), default=0.0)
-    return evaluate_slo(exp.slo, reqs, itls, duration)["checks"]
+    combined = cluster_run_summary(exp)
+    if combined["interrupted"]:  # (a cut run's checks would judge the deployment on part of its load)
+        raise KeyboardInterrupt
+    return combined["backends"]["sim"]["slo"]["checks"]
 
 
 def search_deployments(load: Callable[[dict[str, Any]], Any], raw_cluster: dict[str, Any], tps: list[int],

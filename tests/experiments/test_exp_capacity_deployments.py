@@ -176,18 +176,19 @@ def test_a_config_that_is_not_a_mapping_is_a_clear_error_with_deployment_flags(t
 
 
 def test_an_interrupted_deployment_search_keeps_the_probes_that_ran(tmp_path, capsys, monkeypatch):
-    import servetwin.experiments.capacity.deployments as deployments
+    """Ctrl-C inside the third probe's simulation (which returns its run cut short, `interrupted`) stops the
+    search there: that probe is not judged on part of its load."""
+    import servetwin.experiments.run.cluster_run as cluster_run
 
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(CLUSTER)
-    real, calls = deployments.evaluate_deployment, []
+    real, calls = cluster_run.simulate_cluster, []
 
-    def stop_at_the_third(exp):
+    def stop_in_the_third(exp, progress=False):
         calls.append(exp)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(exp)
-    monkeypatch.setattr(deployments, "evaluate_deployment", stop_at_the_third)
+        sim, runs, requests, interrupted = real(exp, progress)
+        return sim, runs, requests, interrupted or len(calls) == 3
+    monkeypatch.setattr(cluster_run, "simulate_cluster", stop_in_the_third)
     folder = tmp_path / "cap"
     assert main(["capacity", str(cfg), "--slo", "ttft_p99_s=5", "--tp", "1,2", "--max-replicas", "2",
                  "-o", str(folder)]) == 130
