@@ -305,16 +305,23 @@ def _parse_prefix(cfg: Any, path: str, vocab_size: Optional[int]) -> PrefixGroup
     repeat = int_at_least(cfg.get("repeat", 1), 1, f"{path}.repeat")
     if repeat > 1 and order == "inference_perf":
         raise ConfigError(f"{path}.repeat", "not with order inference_perf (its stages resend the one list)")
-    if vocab_size is not None and groups * repeat > vocab_size:
-        raise ConfigError(f"{path}.groups", f"{groups * repeat} groups cannot all start with a different token "
-                         f"in a vocabulary of {vocab_size}" + (f" (groups x repeat {repeat})" if repeat > 1 else ""))
-    return PrefixGroups(
+    pg = PrefixGroups(
         groups=groups,
         per_group=int_at_least(cfg["per_group"], 1, f"{path}.per_group"),
         prefix_tokens=int_at_least(cfg["prefix_tokens"], 1, f"{path}.prefix_tokens"),
         suffix_tokens=parse_length_dist(cfg.get("suffix_tokens", 0), f"{path}.suffix_tokens", min_value=0),
         order=order, repeat=repeat,
     )
+    if vocab_size is not None:
+        _check_first_tokens(pg, vocab_size, path)
+    return pg
+
+
+def _check_first_tokens(pg: PrefixGroups, vocab_size: int, path: str) -> None:
+    """Every group of the run (groups x repeat) starts with a token of its own: there must be that many."""
+    if pg.groups * pg.repeat > vocab_size:
+        raise ConfigError(f"{path}.groups", f"{pg.groups * pg.repeat} groups cannot all start with a different token "
+                          f"in a vocabulary of {vocab_size}" + (f" (groups x repeat {pg.repeat})" if pg.repeat > 1 else ""))
 
 
 def rng_streams(seed: int) -> dict[str, np.random.Generator]:
@@ -338,11 +345,8 @@ def _with_vocab(spec: WorkloadSpec, vocab_size: Optional[int]) -> WorkloadSpec:
                               f"{spec.vocab_size} exceeds the model's vocabulary ({vocab_size})")
         return spec
     spec = dataclasses.replace(spec, vocab_size=vocab_size or DEFAULT_VOCAB_SIZE)
-    pg = spec.shared_prefix
-    if pg is not None and pg.groups * pg.repeat > spec.vocab_size:
-        raise ConfigError(f"{spec.path}.shared_prefix.groups",
-                          f"{pg.groups * pg.repeat} groups cannot all start with a different token "
-                          f"in a vocabulary of {spec.vocab_size}")
+    if spec.shared_prefix is not None:
+        _check_first_tokens(spec.shared_prefix, spec.vocab_size, f"{spec.path}.shared_prefix")
     return spec
 
 

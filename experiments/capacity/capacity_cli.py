@@ -13,12 +13,17 @@ DEPLOYMENT_FLAGS = (("tp", "--tp"), ("router", "--router"), ("pd", "--pd"), ("pd
                     ("max_decode", "--max-decode"))
 
 
+def _given(args: argparse.Namespace, flags: tuple[tuple[str, str], ...]) -> list[str]:
+    """The flags of `flags` ((argparse attribute, flag) pairs) the command line gave."""
+    return [flag for attr, flag in flags if getattr(args, attr, None)]
+
+
 def _check_deployment_flags(args: argparse.Namespace) -> None:
     """The deployment flags vary a cluster's deployment: on a config without a `cluster:` section they would
     do nothing, so they are refused, from the YAML as written (with its --set overrides)."""
     from servetwin.experiments.config.schema import load_raw_config  # noqa: PLC0415
 
-    given = [flag for attr, flag in DEPLOYMENT_FLAGS if getattr(args, attr)]
+    given = _given(args, DEPLOYMENT_FLAGS)
     if given and not load_raw_config(args.config, args.overrides).get("cluster"):
         raise ConfigError(given[0], "searches cluster deployments: only with a config that has a cluster: section")
 
@@ -30,14 +35,14 @@ LOAD_FLAGS = (("grid", "--grid"), ("seeds", "--seeds"), ("lo", "--lo"), ("hi", "
 def _cluster_search(args: argparse.Namespace) -> str:
     """On a cluster config: "deployments" (the cheapest deployment at its load, the default) or "load" (`--over`:
     the highest load this deployment serves, as for one engine); a flag of the other search is refused."""
-    given = [flag for attr, flag in DEPLOYMENT_FLAGS if getattr(args, attr)]
+    given = _given(args, DEPLOYMENT_FLAGS)
     if args.over is not None:
         if given:
             raise ConfigError(given[0], "varies the deployment, which --over keeps: give one search (--over: the "
                                         "highest load of the config's deployment; without it: the cheapest "
                                         "deployment at the config's load)")
         return "load"
-    loads = [flag for attr, flag in LOAD_FLAGS if getattr(args, attr, None)]
+    loads = _given(args, LOAD_FLAGS)
     if loads:
         raise ConfigError(loads[0], "belongs to the search of the highest load: on a cluster config add --over "
                                     "workload.arrival.rate (without it, capacity searches the cheapest deployment "

@@ -127,7 +127,6 @@ def cluster_binding(engines: dict[str, dict[str, Any]], unfinished: int,
         return f"{len(labels)} of {len(bound)} engines ({', '.join(labels[:4])}" + \
             (f" and {len(labels) - 4} more)" if len(labels) > 4 else ")")
 
-    out: dict[str, Any] = {"engines": by, "steady_state": state}
     keeps_up = not unfinished and (state["steady"] if state is not None else set(by) == {"arrival_rate"})
     limits = {r: labels for r, labels in by.items() if r != "arrival_rate"}
     if keeps_up and not any(r in limits for r in _SATURATED):
@@ -150,7 +149,7 @@ def cluster_binding(engines: dict[str, dict[str, Any]], unfinished: int,
         line = f"bound by {LABELS[resource]}: " + (f"the cluster does not keep up ({steady_line(state)})"
                                                    if state is not None and not state["steady"] else
                                                    f"{unfinished} requests did not end")
-    return {**out, "resource": resource, "line": line}
+    return {"resource": resource, "line": line, "engines": by}  # (the pooled `state`: the summary's steady_state)
 
 
 def ttft_parts(s: dict[str, Any], kv_bound: bool) -> Optional[dict[str, Any]]:

@@ -140,6 +140,8 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
     prompt_done = int(finished.prompt_tokens.sum()) if len(finished) else 0
     completed = len(sim.result.completion_s)
 
+    gaps = np.concatenate(itls) if itls else np.array([])  # (every engine's client gaps, pooled: one fresh array)
+
     def per_s(x: float) -> Optional[float]:
         return x / duration if duration > 0 else None
 
@@ -153,7 +155,7 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
         "router": exp.cluster.router.type,
         "throughput_tok_s": per_s(prompt_done + output_done), "output_tok_s": per_s(output_done),
         "request_throughput_s": per_s(completed),
-        "itl_s": dist_stats(np.concatenate(itls) if itls else np.array([]), scratch=True),  # (a fresh array)
+        "itl_s": dist_stats(gaps, scratch=True),  # (reordered in place: the SLO's counts below do not mind)
         "prefix_queries": queries, "prefix_hits": hits, "prefix_hit_rate": hits / queries if queries else None,
         "preemptions": sum(s["preemptions"] for s in summaries.values()),
         "kv_peak_usage": max((s["kv_peak_usage"] or 0.0 for s in summaries.values()), default=None),
@@ -167,11 +169,10 @@ def cluster_summary(exp: ExperimentConfig, sim: Any, summaries: dict[str, dict],
         out[key] = dist_stats(reqs[key]) if len(reqs) else dist_stats([])
     # (the pooled requests' verdict, its wait floor from the engines' median step)
     p50s = [x for s in summaries.values() if (x := (s.get("step_duration_s") or {}).get("p50")) is not None]
-    state = steady_state(reqs, float(np.median(p50s)) if p50s else None) if len(reqs) else None
+    state = steady_state(reqs, float(np.median(p50s)) if p50s else None)  # (None for too few requests)
     if exp.slo is not None and not exp.slo.empty:
         from servetwin.experiments.config.slo import evaluate_slo  # noqa: PLC0415
 
-        gaps = np.concatenate(itls) if itls else np.array([])
         out["slo"] = evaluate_slo(exp.slo, reqs, gaps, duration,
                                   np.concatenate(engine_itls) if engine_itls else gaps)
         out["goodput_req_s"] = out["slo"]["goodput_req_s"]
